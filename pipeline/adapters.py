@@ -1,0 +1,271 @@
+"""What the engine needs from each architecture, and nothing else.
+
+One small adapter per architecture. An adapter knows:
+  * where the decoder lives (embeddings, layers, final norm, rotary embedding, lm_head),
+  * how a piece of media becomes encoder inputs and how many placeholder tokens it takes,
+  * how the vision encoder + projector turn those inputs into one embedding per placeholder,
+  * the (persistent) position of every prompt token, 1-D or Qwen2-VL's 3-D M-RoPE.
+
+Everything here calls the model's own modules and functions (``get_image_features``,
+``get_rope_index``, ...), so any checkpoint of a supported architecture works unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image
+
+import vision
+
+TEXT, IMAGE, VIDEO = 0, 1, 2
+MODALITY_NAMES = {TEXT: "text", IMAGE: "image", VIDEO: "video"}
+
+
+@dataclass
+class MediaInput:
+    """One image or video, preprocessed for the encoder.
+
+    ``num_tokens`` placeholder tokens stand for it in the prompt; ``tensors`` are the encoder's
+    inputs; ``frames`` are what the user sees in the keep-map (the image, or the sampled frames).
+    """
+
+    kind: int  # IMAGE or VIDEO
+    num_tokens: int
+    tensors: dict[str, torch.Tensor]
+    frames: list[Image.Image] = field(default_factory=list)
+    grid: tuple[int, int, int] | None = None  # (t, h, w) of the visual tokens, for the keep-map
+
+
+class Adapter:
+    """Base class: the decoder parts are the same for every transformers VLM we support."""
+
+    name = "base"
+    supports_video = False
+
+    def __init__(self, model, tokenizer, image_processor):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.config = model.config
+        self.text_model = model.model.language_model
+        self.layers = self.text_model.layers
+        self.norm = self.text_model.norm
+        self.rotary_emb = self.text_model.rotary_emb
+        self.embed_tokens = self.text_model.embed_tokens
+        self.lm_head = model.lm_head
+        self.text_config = self.config.text_config
+
+    # -- tokens -------------------------------------------------------------------------------
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_id
+
+    @property
+    def video_token_id(self) -> int | None:
+        return getattr(self.config, "video_token_id", None)
+
+    def placeholder(self, kind: int) -> str:
+        """The text a chat template writes for one image/video item, when it writes nothing itself."""
+        return self.tokenizer.convert_ids_to_tokens(self.image_token_id if kind == IMAGE else self.video_token_id)
+
+    # -- media --------------------------------------------------------------------------------
+    def prepare_image(self, image: Image.Image) -> MediaInput:
+        raise NotImplementedError
+
+    def prepare_video(self, path) -> MediaInput:
+        raise vision.MediaError(f"{path}: this model ({self.name}) does not take video")
+
+    def encode(self, media: list[MediaInput], kind: int) -> torch.Tensor:
+        """Vision encoder + projector: one row per placeholder token of ``kind``, in prompt order."""
+        raise NotImplementedError
+
+    # -- positions ----------------------------------------------------------------------------
+    def positions(self, input_ids: torch.Tensor, modality: torch.Tensor, media: list[MediaInput]) -> torch.Tensor:
+        """Persistent positions of the prompt tokens: (P, T) with P=1 (1-D RoPE) or 3 (M-RoPE)."""
+        return torch.arange(input_ids.shape[-1], device=input_ids.device)[None]
+
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for (P, T) positions, shaped (1, T, head_dim) for every architecture."""
+        return self.rotary_emb(hidden, positions)
+
+
+class Qwen2VLAdapter(Adapter):
+    name = "qwen2-vl"
+    supports_video = True
+
+    def placeholder(self, kind: int) -> str:
+        pad = "<|image_pad|>" if kind == IMAGE else "<|video_pad|>"
+        return f"<|vision_start|>{pad}<|vision_end|>"
+
+    @property
+    def merge_size(self) -> int:
+        return self.config.vision_config.spatial_merge_size
+
+    def prepare_image(self, image):
+        out = self.image_processor(images=[image], return_tensors="pt")
+        grid = out["image_grid_thw"]
+        t, h, w = (int(x) for x in grid[0])
+        m = self.merge_size
+        return MediaInput(IMAGE, t * h * w // m**2, {"pixel_values": out["pixel_values"], "image_grid_thw": grid},
+                          frames=[image], grid=(t, h // m, w // m))
+
+    def prepare_video(self, path):
+        ip = self.image_processor
+        sampled = vision.sample_video_qwen(path)
+        tensors = vision.qwen2vl_video_inputs(
+            sampled.frames, patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
+            merge_size=ip.merge_size, image_mean=ip.image_mean, image_std=ip.image_std, resize=False,
+        )
+        t, h, w = (int(x) for x in tensors["video_grid_thw"][0])
+        m = self.merge_size
+        frames = [Image.fromarray(f) for f in sampled.frames[:: ip.temporal_patch_size]]
+        return MediaInput(VIDEO, t * h * w // m**2, tensors, frames=frames, grid=(t, h // m, w // m))
+
+    def encode(self, media, kind):
+        vm = self.model.model
+        items = [m for m in media if m.kind == kind]
+        if kind == IMAGE:
+            pixels = torch.cat([m.tensors["pixel_values"] for m in items])
+            grid = torch.cat([m.tensors["image_grid_thw"] for m in items])
+            out = vm.get_image_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
+        else:
+            pixels = torch.cat([m.tensors["pixel_values_videos"] for m in items])
+            grid = torch.cat([m.tensors["video_grid_thw"] for m in items])
+            out = vm.get_video_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
+        return torch.cat(out.pooler_output, dim=0)
+
+    def positions(self, input_ids, modality, media):
+        if not media:
+            return super().positions(input_ids, modality, media).expand(3, -1)
+        grids = {k: [m.tensors["image_grid_thw" if k == IMAGE else "video_grid_thw"] for m in media if m.kind == k]
+                 for k in (IMAGE, VIDEO)}
+        position_ids, _ = self.model.model.get_rope_index(
+            input_ids[None],
+            mm_token_type_ids=modality[None].to(input_ids.device),
+            image_grid_thw=torch.cat(grids[IMAGE]).to(input_ids.device) if grids[IMAGE] else None,
+            video_grid_thw=torch.cat(grids[VIDEO]).to(input_ids.device) if grids[VIDEO] else None,
+        )
+        return position_ids[:, 0]  # (3, T)
+
+    def rotary(self, hidden, positions):
+        return self.rotary_emb(hidden, positions[:, None, :])  # (3, 1, T) -> M-RoPE cos/sin
+
+
+class LlavaAdapter(Adapter):
+    """LLaVA-1.5 layout (also the embedded SmolLM2 + DINOv2 model)."""
+
+    name = "llava"
+
+    def _feature_kwargs(self):
+        return dict(vision_feature_layer=self.config.vision_feature_layer,
+                    vision_feature_select_strategy=self.config.vision_feature_select_strategy)
+
+    def _tokens_per_image(self, pixel_values: torch.Tensor) -> tuple[int, int]:
+        patch = self.config.vision_config.patch_size
+        return pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch
+
+    def prepare_image(self, image):
+        pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+        gh, gw = self._tokens_per_image(pixels)
+        extra = 1 if self.config.vision_feature_select_strategy == "full" else 0
+        return MediaInput(IMAGE, gh * gw + extra, {"pixel_values": pixels}, frames=[image], grid=(1, gh, gw))
+
+    def encode(self, media, kind):
+        vm = self.model.model
+        pixels = torch.cat([m.tensors["pixel_values"] for m in media if m.kind == kind])
+        pixels = pixels.to(vm.vision_tower.device, vm.vision_tower.dtype)
+        out = vm.get_image_features(pixel_values=pixels, return_dict=True, **self._feature_kwargs())
+        return torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output], dim=0)
+
+
+class LlavaNextAdapter(LlavaAdapter):
+    """LLaVA-NeXT (anyres images). LongVA is a LLaVA-NeXT-Video checkpoint: see LlavaNextVideoAdapter."""
+
+    name = "llava-next"
+
+    def _count_tokens(self, orig_hw: tuple[int, int], pixel_values: torch.Tensor) -> int:
+        from transformers import LlavaNextProcessor
+
+        helper = LlavaNextProcessor(
+            image_processor=self.image_processor, tokenizer=self.tokenizer,
+            patch_size=self.config.vision_config.patch_size,
+            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+            num_additional_image_tokens=1,  # CLIP-style towers carry a CLS token
+        )
+        n = helper._get_number_of_features(orig_hw[0], orig_hw[1], pixel_values.shape[-2], pixel_values.shape[-1])
+        return n - 1 if self.config.vision_feature_select_strategy == "default" else n
+
+    def prepare_image(self, image):
+        out = self.image_processor(images=[image], return_tensors="pt")
+        pixels, sizes = out["pixel_values"], out["image_sizes"]
+        n = self._count_tokens((int(sizes[0][0]), int(sizes[0][1])), pixels)
+        patch = self.config.vision_config.patch_size
+        side = self.config.vision_config.image_size // patch
+        return MediaInput(IMAGE, n, {"pixel_values": pixels, "image_sizes": sizes}, frames=[image], grid=(1, side, side))
+
+    def encode(self, media, kind):
+        vm = self.model.model
+        items = [m for m in media if m.kind == IMAGE]
+        pixels = torch.cat([m.tensors["pixel_values"] for m in items]).to(vm.vision_tower.device, vm.vision_tower.dtype)
+        sizes = torch.cat([m.tensors["image_sizes"] for m in items]).to(vm.vision_tower.device)
+        out = vm.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True, **self._feature_kwargs())
+        return torch.cat(out.pooler_output, dim=0)
+
+
+class LlavaNextVideoAdapter(LlavaNextAdapter):
+    """LLaVA-NeXT-Video layout: LLaVA-NeXT images plus pooled video frames. LongVA loads as this.
+
+    Video frames are sampled uniformly, each is resized (shortest edge) and centre-cropped to the
+    tower's input size, encoded, 2x2 average-pooled (``spatial_pool_stride``) and projected —
+    transformers' LLaVA-NeXT-Video path, the same UniRes pooling LongVA applies per frame.
+    """
+
+    name = "llava-next-video"
+    supports_video = True
+    num_frames = 16
+
+    def placeholder(self, kind):
+        return "<image>" if kind == IMAGE else "<video>"
+
+    def prepare_video(self, path):
+        sampled = vision.sample_video_uniform(path, num_frames=self.num_frames)
+        size = self.config.vision_config.image_size
+        frames = [Image.fromarray(f) for f in sampled.frames]
+        pixels = torch.stack([_clip_preprocess(f, size, self.image_processor) for f in frames])[None]
+        side = size // self.config.vision_config.patch_size // self.config.spatial_pool_stride
+        return MediaInput(VIDEO, len(frames) * side * side, {"pixel_values_videos": pixels},
+                          frames=frames, grid=(len(frames), side, side))
+
+    def encode(self, media, kind):
+        if kind == IMAGE:
+            return super().encode(media, kind)
+        vm = self.model.model
+        pixels = torch.cat([m.tensors["pixel_values_videos"] for m in media if m.kind == VIDEO])
+        pixels = pixels.to(vm.vision_tower.device, vm.vision_tower.dtype)
+        out = vm.get_video_features(pixel_values_videos=pixels, return_dict=True, **self._feature_kwargs())
+        return out.pooler_output.reshape(-1, out.pooler_output.shape[-1])
+
+
+def _clip_preprocess(frame: Image.Image, size: int, image_processor) -> torch.Tensor:
+    """Resize the shortest edge to ``size`` (bicubic), centre-crop ``size`` x ``size``, normalise."""
+    w, h = frame.size
+    scale = size / min(w, h)
+    frame = frame.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
+    w, h = frame.size
+    left, top = (w - size) // 2, (h - size) // 2
+    frame = frame.crop((left, top, left + size, top + size))
+    array = np.asarray(frame, dtype=np.float32) / 255.0
+    array = (array - np.array(image_processor.image_mean, dtype=np.float32)) / np.array(
+        image_processor.image_std, dtype=np.float32)
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()
+
+
+ADAPTERS = {
+    "qwen2_vl": Qwen2VLAdapter,
+    "llava": LlavaAdapter,
+    "llava_next": LlavaNextAdapter,
+    "llava_next_video": LlavaNextVideoAdapter,
+}

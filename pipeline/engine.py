@@ -1,0 +1,318 @@
+"""The layer-by-layer prefill/decode engine.
+
+One explicit loop over the model's own modules (embeddings, vision encoder + projector, decoder
+layers, final norm, lm_head, rotary embedding) instead of ``model.generate``: pruning policies need
+to change which tokens each layer computes, which hooks on ``generate`` cannot express cleanly.
+
+Prefill keeps an *active set* per layer: sorted indices into the full prompt. A layer runs only on
+its active tokens — gathered hidden states, gathered cos/sin of their original (persistent)
+positions, causal order by original index — so pruning never shifts positions, and a token that
+leaves the active set keeps its last hidden state. Each layer's KV cache holds exactly the tokens
+that were active in it. With every token active the loop is exactly transformers' forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
+from pipeline.cache import KVCache
+from pipeline.metrics import MemoryMeter, prefill_flops, synchronize
+from pipeline.prompt import Prompt, build_prompt
+from pruning import Policy, make_policy
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    metrics: dict
+    policy: str
+    params: dict
+    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens or context end)
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new text since the previous chunk (may be empty)
+    token_id: int | None = None
+    result: GenerationResult | None = None  # set on the last chunk only
+
+
+@dataclass
+class PrefillContext:
+    """What policies may look at during prefill (and decode)."""
+
+    prompt: Prompt
+    adapter: Adapter
+    modality: torch.Tensor  # (T,) on the model device
+    positions: torch.Tensor  # (P, T)
+    hidden: torch.Tensor  # (1, T, d): the residual stream; inactive tokens keep their last state
+    cache: KVCache
+    num_layers: int
+    active_per_layer: list[torch.Tensor] = field(default_factory=list)
+    layer_inputs: dict = field(default_factory=dict)  # per-layer scratch for policies (normed inputs, ...)
+    generated: int = 0  # decode steps done
+
+
+class Engine:
+    def __init__(self, adapter: Adapter, *, model_id: str, chat_template: str | None = None,
+                 grounded: bool = True):
+        self.adapter = adapter
+        self.model = adapter.model
+        self.tokenizer = adapter.tokenizer
+        self.model_id = model_id
+        self.chat_template = chat_template
+        self.grounded = grounded  # False for the embedded model until its projector is trained
+        self.device = self.adapter.embed_tokens.weight.device
+        self.dtype = self.adapter.embed_tokens.weight.dtype
+        self.attn_implementation = self.adapter.text_config._attn_implementation
+        self.max_length = getattr(self.adapter.text_config, "max_position_embeddings", None)
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self._lock = threading.Lock()  # one request at a time: the model and its caches are shared
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, messages, **kwargs) -> GenerationResult:
+        for chunk in self.stream(messages, **kwargs):
+            if chunk.result is not None:
+                return chunk.result
+        raise RuntimeError("generation ended without a result")
+
+    def stream(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
+               do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+               seed: int | None = None) -> Iterator[StreamChunk]:
+        with self._lock:
+            yield from self._stream(messages, policy, speed, max_new_tokens, do_sample, temperature, top_p, seed)
+
+    def prepare(self, messages) -> Prompt:
+        return build_prompt(self.adapter, messages, self.chat_template, self.max_length)
+
+    # ------------------------------------------------------------------ the loop
+    @torch.inference_mode()
+    def _stream(self, messages, policy, speed, max_new_tokens, do_sample, temperature, top_p, seed):
+        memory = MemoryMeter(self.device)
+        t_request = time.perf_counter()
+        policy = policy if isinstance(policy, Policy) else make_policy(policy, speed)
+        prompt = self.prepare(messages)
+        generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
+
+        t_prefill = time.perf_counter()
+        logits, ctx = self.prefill(prompt, policy)
+        token = sample_next(logits, do_sample, temperature, top_p, generator)
+        synchronize(self.device)
+        t_first = time.perf_counter()
+
+        budget = max_new_tokens
+        if self.max_length is not None:  # never run past the positions the model knows
+            budget = min(budget, self.max_length - int(ctx.positions.max()) - 1)
+        tokens, finish = [], "length"
+        detok = _IncrementalDecoder(self.tokenizer)
+        next_position = ctx.positions.max(dim=1, keepdim=True).values + 1  # (P, 1)
+        while budget > 0:
+            if token in self.eos_token_ids:
+                finish = "stop"
+                break
+            tokens.append(token)
+            yield StreamChunk(detok.push(token), token)
+            if len(tokens) >= budget:
+                break
+            policy.decode_step(len(tokens), ctx)
+            logits = self.decode_step(token, next_position, ctx)
+            ctx.generated += 1
+            next_position = next_position + 1
+            token = sample_next(logits, do_sample, temperature, top_p, generator)
+        synchronize(self.device)
+        t_end = time.perf_counter()
+
+        metrics = self._metrics(prompt, ctx, len(tokens), t_request, t_prefill, t_first, t_end, memory)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        result = GenerationResult(text, tokens, metrics, policy.name, policy.params(), finish)
+        yield StreamChunk(detok.flush(), None, result)
+
+    def embed_prompt(self, prompt: Prompt) -> torch.Tensor:
+        """Token embeddings with the vision encoder's output written over the placeholder tokens."""
+        ids = prompt.input_ids.to(self.device)
+        embeds = self.adapter.embed_tokens(ids)[None]  # (1, T, d)
+        for kind in (IMAGE, VIDEO):
+            if any(m.kind == kind for m in prompt.media):
+                features = self.adapter.encode(prompt.media, kind).to(self.device, embeds.dtype)
+                rows = (prompt.modality == kind).nonzero().squeeze(1).to(self.device)
+                if features.shape[0] != rows.shape[0]:
+                    raise RuntimeError(f"encoder gave {features.shape[0]} features for {rows.shape[0]} placeholders")
+                embeds[0, rows] = features
+        return embeds
+
+    def prefill(self, prompt: Prompt, policy: Policy) -> tuple[torch.Tensor, PrefillContext]:
+        hidden = self.embed_prompt(prompt)
+        positions = self.adapter.positions(prompt.input_ids.to(self.device), prompt.modality, prompt.media)
+        cos, sin = self.adapter.rotary(hidden, positions)
+        num_layers = len(self.adapter.layers)
+        ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
+                             KVCache(num_layers), num_layers)
+        policy.plan(ctx)
+
+        T = hidden.shape[1]
+        active = torch.arange(T, device=self.device)
+        for layer_idx, layer in enumerate(self.adapter.layers):
+            active = _checked(policy.select(layer_idx, active, ctx), active, T)
+            ctx.active_per_layer.append(active)
+            full = active.shape[0] == T  # nothing pruned: skip the gather/scatter copies
+            h = hidden if full else hidden[:, active]
+            pe = (cos, sin) if full else (cos[:, active], sin[:, active])
+            mask = self._causal_mask(active.shape[0], h.dtype)
+            out = self.run_layer(layer_idx, layer, h, pe, mask, ctx.cache, policy, ctx)
+            ctx.cache.record(layer_idx, active, ctx.modality[active])
+            if full:
+                hidden = out
+            else:
+                hidden = hidden.index_copy(1, active, out)
+            ctx.hidden = hidden
+        # Only the last prompt position needs the final norm and the lm_head.
+        logits = self.adapter.lm_head(self.adapter.norm(hidden[:, -1:]))
+        return logits[0, -1].float(), ctx
+
+    def run_layer(self, layer_idx, layer, hidden, position_embeddings, mask, cache, policy=None, ctx=None):
+        """One decoder layer through its own sub-modules, as its forward does, exposing the
+        attention output (after o_proj, before the residual add) to the policy."""
+        residual = hidden
+        normed = layer.input_layernorm(hidden)
+        if ctx is not None:
+            ctx.layer_inputs[layer_idx] = normed
+        attn_output, _ = layer.self_attn(hidden_states=normed, attention_mask=mask,
+                                         position_embeddings=position_embeddings, past_key_values=cache)
+        if policy is not None:
+            policy.score(layer_idx, attn_output, ctx)
+        if ctx is not None:
+            ctx.layer_inputs.pop(layer_idx, None)
+        hidden = residual + attn_output
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def decode_step(self, token: int, position: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
+        """One new token attends to each layer's cache (whatever length each layer kept)."""
+        hidden = self.adapter.embed_tokens(torch.tensor([[token]], device=self.device))
+        cos, sin = self.adapter.rotary(hidden, position)
+        index = torch.tensor([len(ctx.prompt) + ctx.generated])
+        text = torch.tensor([TEXT])
+        for layer_idx, layer in enumerate(self.adapter.layers):
+            hidden = self.run_layer(layer_idx, layer, hidden, (cos, sin), None, ctx.cache)
+            ctx.cache.record(layer_idx, index, text)
+        return self.adapter.lm_head(self.adapter.norm(hidden))[0, -1].float()
+
+    def _causal_mask(self, n: int, dtype: torch.dtype) -> torch.Tensor | None:
+        # Active tokens are sorted by original index, so plain causal order over the gathered
+        # sequence is causal order by original position. sdpa and flash-attention apply it
+        # themselves (is_causal) when no mask is given; eager needs it spelled out.
+        if self.attn_implementation != "eager":
+            return None
+        mask = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=self.device).triu(1)
+        return mask[None, None]
+
+    def _metrics(self, prompt, ctx, n_tokens, t_request, t_prefill, t_first, t_end, memory) -> dict:
+        cfg = self.adapter.text_config
+        counts = [int(a.shape[0]) for a in ctx.active_per_layer]
+        d, m, T = cfg.hidden_size, cfg.intermediate_size, len(prompt)
+        decode_s = t_end - t_first
+        return {
+            "ttft_s": t_first - t_request,
+            "prefill_s": t_first - t_prefill,
+            "decode_tokens_per_s": (n_tokens - 1) / decode_s if n_tokens > 1 and decode_s > 0 else None,
+            "new_tokens": n_tokens,
+            "prompt_tokens": prompt.token_counts(),
+            "active_tokens_per_layer": counts,
+            "prefill_flops": prefill_flops(counts, d, m),
+            "prefill_flops_baseline": prefill_flops([T] * len(counts), d, m),
+            "kv_bytes": ctx.cache.nbytes(),
+            "peak_memory_bytes": memory.peak(),
+            "keep_map": keep_map(prompt, ctx.active_per_layer),
+        }
+
+
+def keep_map(prompt: Prompt, active_per_layer: list[torch.Tensor]) -> dict:
+    """How deep every visual token went: the number of leading layers it was active in.
+
+    ``media`` lists each image/video with its token span and (t, h, w) grid so the UI can draw a
+    heatmap of ``depth`` over the picture or the frame strip.
+    """
+    visual = (prompt.modality != TEXT).nonzero().squeeze(1)
+    depth = torch.zeros(prompt.modality.shape[0], dtype=torch.long)
+    alive = torch.ones_like(depth, dtype=torch.bool)
+    for active in active_per_layer:
+        present = torch.zeros_like(alive)
+        present[active.cpu()] = True
+        alive &= present  # a token that left stays out
+        depth += alive
+    spans, offset = [], 0
+    for item in prompt.media:
+        spans.append({"kind": "image" if item.kind == IMAGE else "video", "start": offset,
+                      "count": item.num_tokens, "grid": list(item.grid) if item.grid else None})
+        offset += item.num_tokens
+    return {"num_layers": len(active_per_layer), "depth": depth[visual].tolist(), "media": spans}
+
+
+def _checked(active: torch.Tensor, previous: torch.Tensor, T: int) -> torch.Tensor:
+    """Hold policies to the engine's contract: sorted, a subset of before, last token kept."""
+    if active is previous:
+        return active
+    if active.numel() == 0 or int(active[-1]) != T - 1:
+        raise RuntimeError("a policy dropped the last prompt token; it is never pruned")
+    if active.numel() > 1 and not bool((active[1:] > active[:-1]).all()):
+        raise RuntimeError("a policy returned an unsorted or repeated active set")
+    if active.numel() > previous.numel() or not bool(torch.isin(active, previous).all()):
+        raise RuntimeError("a policy re-activated a token that had already left")
+    return active
+
+
+def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> int:
+    """Greedy argmax, or temperature + nucleus sampling (transformers' warper order)."""
+    if not do_sample:
+        return int(logits.argmax())
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 when sampling")
+    scores = logits / temperature
+    if top_p < 1.0:
+        sorted_scores, order = scores.sort(descending=False)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        remove = cumulative <= (1 - top_p)
+        remove[-1] = False  # always keep the most likely token
+        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    probs = scores.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids
+
+
+class _IncrementalDecoder:
+    """Turns a token stream into text deltas without splitting multi-byte characters."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta

@@ -1,0 +1,112 @@
+"""load_engine: a hub id or a local checkpoint folder (or 'embedded') -> a ready Engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from pipeline.adapters import ADAPTERS
+from pipeline.engine import Engine
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found, is not a supported architecture, or failed to load."""
+
+
+MODEL_CLASSES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    # LongVA: the LLaVA-NeXT layout with a Qwen2 language model, loaded as LLaVA-NeXT-Video so
+    # that its video path (pooled frames) works; see docs/models.md for the conversion.
+    "llava_next_video": "LlavaNextVideoForConditionalGeneration",
+}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_attn(attn: str, device: torch.device) -> str:
+    """'auto': flash_attention_2 when installed on CUDA, else sdpa."""
+    if attn == "auto":
+        if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        return "sdpa"
+    if attn not in ("sdpa", "eager", "flash_attention_2"):
+        raise ModelLoadError(f"unknown attention backend {attn!r}: use auto, sdpa, eager or flash_attention_2")
+    return attn
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto",
+                dtype: str | torch.dtype = "auto") -> Engine:
+    """Load a Qwen2-VL, LLaVA-1.5, LLaVA-NeXT or LongVA checkpoint (hub id or folder) as an Engine."""
+    import transformers
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    grounded = True
+    source = str(model)
+    if source == "embedded":
+        from pipeline import embedded
+
+        source = str(embedded.embedded_checkpoint())
+        grounded = embedded.EMBEDDED_GROUNDED
+    torch_device = resolve_device(device)
+    attn_implementation = resolve_attn(attn, torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        hint = "" if Path(source).exists() else " (not a local folder, and the model hub could not provide it)"
+        raise ModelLoadError(f"cannot load model {model!r}{hint}: {_first_line(error)}") from None
+    if config.model_type not in ADAPTERS:
+        raise ModelLoadError(f"model {model!r} is a {config.model_type!r} checkpoint; Glimpse supports "
+                             f"{', '.join(sorted(ADAPTERS))} (Qwen2-VL, LLaVA-1.5, LLaVA-NeXT, LongVA)")
+    try:
+        model_class = getattr(transformers, MODEL_CLASSES[config.model_type])
+        vlm = model_class.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
+        vlm = vlm.to(torch_device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        # PIL image processors everywhere: the reference behaviour, and torchvision-free.
+        image_processor = AutoImageProcessor.from_pretrained(source, backend="pil")
+    except (OSError, ValueError, ImportError) as error:
+        raise ModelLoadError(f"cannot load model {model!r}: {_first_line(error)}") from None
+
+    adapter = ADAPTERS[config.model_type](vlm, tokenizer, image_processor)
+    return Engine(adapter, model_id=str(model), chat_template=_chat_template(source), grounded=grounded)
+
+
+def _chat_template(source: str) -> str | None:
+    """The processor-level chat template if the checkpoint has one, else None (the tokenizer's)."""
+    from transformers.utils import cached_file
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        try:
+            path = cached_file(source, name, _raise_exceptions_for_missing_entries=False,
+                               _raise_exceptions_for_connection_errors=False)
+        except OSError:
+            path = None
+        if path and os.path.exists(path):
+            text = Path(path).read_text()
+            return json.loads(text)["chat_template"] if name.endswith(".json") else text
+    return None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

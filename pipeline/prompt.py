@@ -1,0 +1,116 @@
+"""From chat messages to prompt tokens: chat template, media, placeholder expansion.
+
+Messages follow the transformers chat format::
+
+    [{"role": "user", "content": [{"type": "image", "image": "cat.jpg"},
+                                  {"type": "text", "text": "What is this?"}]},
+     {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}, ...]
+
+The chat template writes one placeholder token per image/video; we then expand each into as many
+placeholder tokens as the encoder will produce for it, in the order the media appear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import vision
+from pipeline.adapters import IMAGE, MODALITY_NAMES, TEXT, VIDEO, Adapter, MediaInput
+
+
+class PromptError(ValueError):
+    """The request cannot become a prompt (bad message format, too long for the model, ...)."""
+
+
+@dataclass
+class Prompt:
+    input_ids: torch.Tensor  # (T,)
+    modality: torch.Tensor  # (T,) TEXT / IMAGE / VIDEO per token
+    media: list[MediaInput]
+    text: str  # the rendered chat template, placeholders not yet expanded
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def token_counts(self) -> dict[str, int]:
+        return {name: int((self.modality == k).sum()) for k, name in MODALITY_NAMES.items()}
+
+
+def normalise_messages(messages) -> list[dict]:
+    """Accept a plain string or string contents; always return list-of-items contents."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("messages must be a non-empty list of {'role', 'content'} dicts")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise PromptError(f"each message needs 'role' and 'content', got {m!r}")
+        content = m["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        for item in content:
+            if item.get("type") not in ("text", "image", "video"):
+                raise PromptError(f"unsupported content item type {item.get('type')!r} (text, image or video)")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def load_media(adapter: Adapter, messages: list[dict]) -> list[MediaInput]:
+    media = []
+    for m in messages:
+        for item in m["content"]:
+            if item["type"] == "image":
+                image = vision.load_image(item.get("image") or item.get("url") or item.get("path"))
+                media.append(adapter.prepare_image(image))
+            elif item["type"] == "video":
+                if not adapter.supports_video:
+                    raise vision.MediaError(f"this model ({adapter.name}) does not take video; send frames as images")
+                media.append(adapter.prepare_video(item.get("video") or item.get("path")))
+    return media
+
+
+def render(tokenizer, chat_template: str | None, messages: list[dict]) -> str:
+    # Media objects (PIL images, paths) stay out of the template: it only needs the item types.
+    slim = [{"role": m["role"], "content": [{k: v for k, v in it.items() if k in ("type", "text")}
+                                            for it in m["content"]]} for m in messages]
+    if chat_template is None and tokenizer.chat_template is None:
+        raise PromptError("this checkpoint has no chat template; add chat_template.jinja to its folder")
+    return tokenizer.apply_chat_template(slim, chat_template=chat_template, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
+                 max_length: int | None = None) -> Prompt:
+    messages = normalise_messages(messages)
+    media = load_media(adapter, messages)
+    text = render(adapter.tokenizer, chat_template, messages)
+    tok = adapter.tokenizer
+    # A template that writes BOS itself must not get a second one from the tokenizer.
+    add_special = not (tok.bos_token and text.startswith(tok.bos_token))
+    ids = tok(text, add_special_tokens=add_special)["input_ids"]
+
+    placeholder = {IMAGE: adapter.image_token_id, VIDEO: adapter.video_token_id}
+    queues = {k: [m for m in media if m.kind == k] for k in (IMAGE, VIDEO)}
+    expanded, modality = [], []
+    for token in ids:
+        kind = next((k for k, p in placeholder.items() if p is not None and token == p), TEXT)
+        if kind == TEXT:
+            expanded.append(token)
+            modality.append(TEXT)
+            continue
+        if not queues[kind]:
+            raise PromptError(f"the prompt has more {MODALITY_NAMES[kind]} placeholders than {MODALITY_NAMES[kind]}s")
+        item = queues[kind].pop(0)
+        expanded += [token] * item.num_tokens
+        modality += [kind] * item.num_tokens
+    leftover = sum(len(q) for q in queues.values())
+    if leftover:
+        raise PromptError(f"the chat template wrote no placeholder for {leftover} image/video item(s)")
+
+    if max_length is not None and len(expanded) >= max_length:
+        raise PromptError(f"the prompt is {len(expanded)} tokens, over this model's context length of "
+                          f"{max_length}; use a shorter text, fewer or smaller images, or fewer video frames")
+    return Prompt(torch.tensor(expanded, dtype=torch.long), torch.tensor(modality, dtype=torch.long), media, text)

@@ -1,0 +1,186 @@
+"""Tiny checkpoints of every supported architecture, built from configs (no downloads).
+
+Each builder writes a complete checkpoint folder — weights, config, tokenizer, PIL image processor,
+chat template — that ``load_engine(folder)`` loads exactly like a real one. The tokenizer is a
+small BPE trained on the fly; the templates follow the real checkpoints' formats.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+from transformers import PreTrainedTokenizerFast
+
+CORPUS = [
+    "What is in this picture? Describe the image in detail. A red circle and a blue square.",
+    "The video shows a ball that moves from left to right, then changes colour.",
+    "user assistant system You are a helpful assistant. Hello! How are you today?",
+    "one two three four five six seven eight nine ten colour shape size count position",
+]
+
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+LLAVA_TEMPLATE = (  # llava-hf's LLaVA-1.5 / NeXT format
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n"
+    "{% elif item['type'] == 'video' %}<video>\n{% endif %}{% endfor %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}"
+    "{% if message['role'] == 'user' %} {% else %}</s> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def make_tokenizer(special: list[str], eos: str, bos: str | None = None, vocab_size: int = 300):
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=eos)
+
+
+def _text_config(vocab: int, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2, **extra):
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden + 32, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                initializer_range=0.2, **extra)
+
+
+def _save(folder: Path, model, tokenizer, image_processor, template: str, eos_id: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = eos_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+def build_qwen2_vl(folder: Path, seed: int = 0) -> Path:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+               "<|image_pad|>", "<|video_pad|>"]
+    tok = make_tokenizer(special, eos="<|im_end|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    config = Qwen2VLConfig(
+        text_config=_text_config(len(tok), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=0.2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    # Small images keep the tests fast: at most 112x112 pixels -> at most 16 visual tokens.
+    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+    return _save(folder, model, tok, processor, QWEN_TEMPLATE, ids["<|im_end|>"])
+
+
+def _clip_vision(image_size: int) -> dict:
+    return dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, image_size=image_size, patch_size=14, projection_dim=32,
+                initializer_range=0.2)
+
+
+def _llava_tokenizer():
+    return make_tokenizer(["<unk>", "<s>", "</s>", "<image>", "<video>"], eos="</s>", bos="<s>")
+
+
+def build_llava(folder: Path, seed: int = 0) -> Path:
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration
+
+    tok = _llava_tokenizer()
+    config = LlavaConfig(vision_config=_clip_vision(56), text_config=dict(model_type="llama", **_text_config(len(tok))),
+                         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                         vision_feature_select_strategy="default", tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    processor = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    return _save(folder, model, tok, processor, LLAVA_TEMPLATE, tok.eos_token_id)
+
+
+PINPOINTS = [[56, 112], [112, 56], [112, 112]]
+
+
+def build_llava_next(folder: Path, seed: int = 0) -> Path:
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = _llava_tokenizer()
+    config = LlavaNextConfig(vision_config=_clip_vision(56), text_config=dict(model_type="llama", **_text_config(len(tok))),
+                             image_token_id=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=PINPOINTS,
+                             vision_feature_layer=-2, vision_feature_select_strategy="default",
+                             tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    processor = LlavaNextImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
+                                           image_grid_pinpoints=PINPOINTS)
+    return _save(folder, model, tok, processor, LLAVA_TEMPLATE, tok.eos_token_id)
+
+
+def build_longva(folder: Path, seed: int = 0) -> Path:
+    """LongVA's layout: LLaVA-NeXT(-Video) with a Qwen2 language model."""
+    from transformers import LlavaNextVideoConfig, LlavaNextVideoForConditionalGeneration
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
+    tok = make_tokenizer(special, eos="<|im_end|>")
+    config = LlavaNextVideoConfig(
+        vision_config=_clip_vision(56), text_config=dict(model_type="qwen2", **_text_config(len(tok))),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), video_token_id=tok.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=PINPOINTS, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        spatial_pool_mode="average", spatial_pool_stride=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaNextVideoForConditionalGeneration(config).eval()
+    processor = LlavaNextImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
+                                           image_grid_pinpoints=PINPOINTS)
+    template = QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>\n").replace(
+        "<|vision_start|><|video_pad|><|vision_end|>", "<video>\n")
+    return _save(folder, model, tok, processor, template, tok.convert_tokens_to_ids("<|im_end|>"))
+
+
+BUILDERS = {"qwen2_vl": build_qwen2_vl, "llava": build_llava, "llava_next": build_llava_next,
+            "longva": build_longva}
+
+
+def reference_inputs(engine, prompt) -> dict:
+    """The same prompt as keyword arguments for transformers' own forward / generate."""
+    from pipeline.adapters import IMAGE, VIDEO
+
+    kind = engine.model.config.model_type
+    ids = prompt.input_ids[None]
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    images = [m.tensors for m in prompt.media if m.kind == IMAGE]
+    videos = [m.tensors for m in prompt.media if m.kind == VIDEO]
+    if kind == "qwen2_vl":
+        inputs["mm_token_type_ids"] = prompt.modality[None].int()
+        if images:
+            inputs["pixel_values"] = torch.cat([t["pixel_values"] for t in images])
+            inputs["image_grid_thw"] = torch.cat([t["image_grid_thw"] for t in images])
+        if videos:
+            inputs["pixel_values_videos"] = torch.cat([t["pixel_values_videos"] for t in videos])
+            inputs["video_grid_thw"] = torch.cat([t["video_grid_thw"] for t in videos])
+    else:
+        if images:
+            inputs["pixel_values"] = torch.cat([t["pixel_values"] for t in images])
+            if "image_sizes" in images[0]:
+                inputs["image_sizes"] = torch.cat([t["image_sizes"] for t in images])
+        if videos:
+            inputs["pixel_values_videos"] = torch.cat([t["pixel_values_videos"] for t in videos])
+    return inputs
