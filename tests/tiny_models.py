@@ -76,7 +76,8 @@ def build_qwen2_vl(folder: Path, seed: int = 0) -> Path:
     tok = make_tokenizer(special, eos="<|im_end|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in special}
     config = Qwen2VLConfig(
-        text_config=_text_config(len(tok), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+        text_config=_text_config(len(tok), bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+                                 pad_token_id=ids["<|endoftext|>"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                             "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=0.2),

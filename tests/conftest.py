@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny checkpoints of each architecture, a sample image and a sample video."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import BUILDERS  # noqa: E402
+
+ARCHS = list(BUILDERS)
+VIDEO_ARCHS = ["qwen2_vl", "longva"]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: build(root / name) for name, build in BUILDERS.items()}
+
+
+@pytest.fixture(scope="session")
+def media(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("media")
+    rng = np.random.RandomState(0)
+    image = Image.fromarray((rng.rand(90, 120, 3) * 255).astype("uint8"))
+    image.save(root / "image.png")
+    write_video(root / "clip.mp4", frames=20, fps=10, size=(64, 48))
+    return {"image": root / "image.png", "video": root / "clip.mp4"}
+
+
+def write_video(path: Path, frames: int, fps: int, size: tuple[int, int]) -> Path:
+    """A small H.264/MPEG-4 clip whose frame i is a solid colour that encodes i."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(frames):
+            array = np.zeros((size[1], size[0], 3), dtype=np.uint8)
+            array[..., 0] = (i * 12) % 256
+            array[: size[1] // 2, :, 1] = 200
+            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path

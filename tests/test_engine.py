@@ -1,0 +1,182 @@
+"""The engine reproduces transformers exactly, and physically dropping tokens equals masking them.
+
+These are the contracts every pruning policy relies on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import ARCHS, VIDEO_ARCHS
+from pipeline import PromptError, load_engine
+from pipeline.adapters import TEXT
+from pruning import NoPruning, Policy
+from tiny_models import reference_inputs
+
+MAX_NEW = 10
+
+
+def _messages(kind: str, media: dict) -> list[dict]:
+    if kind == "image":
+        return [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+    if kind == "video":
+        return [{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                             {"type": "text", "text": "Describe the video."}]}]
+    return [  # two turns, the image in the first
+        {"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                     {"type": "text", "text": "What is in this picture?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A red circle and a blue square."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What colour is the circle?"}]},
+    ]
+
+
+CASES = [(arch, kind) for arch in ARCHS for kind in ("image", "video", "chat") if kind != "video" or arch in VIDEO_ARCHS]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch,kind", CASES)
+def test_no_pruning_reproduces_transformers_generate(checkpoints, media, arch, kind, attn):
+    engine = load_engine(str(checkpoints[arch]), device="cpu", attn=attn)
+    messages = _messages(kind, media)
+    result = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
+
+    prompt = engine.prepare(messages)
+    assert prompt.token_counts()[kind if kind != "chat" else "image"] > 0
+    inputs = reference_inputs(engine, prompt)
+    with torch.no_grad():
+        expected = engine.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+        reference_logits = engine.model(**inputs).logits[0, -1]
+        logits, _ = engine.prefill(prompt, NoPruning())
+    expected = expected[0, prompt.input_ids.shape[0]:].tolist()
+    if expected and expected[-1] in engine.eos_token_ids:
+        expected = expected[:-1]  # the engine reports the answer, without the EOS token
+    assert result.token_ids == expected
+    torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
+
+
+@dataclass
+class FixedActiveSet(Policy):
+    """Test-only policy: from layer ``start`` on, only ``keep`` (original indices) are computed."""
+
+    start: int = 1
+    keep: tuple = ()
+    name = "fixed"
+
+    def select(self, layer_idx, active, ctx):
+        if layer_idx < self.start:
+            return active
+        return torch.tensor(self.keep, device=active.device)
+
+
+def _masked_reference(engine, prompt, start: int, keep: torch.Tensor) -> torch.Tensor:
+    """Every token through every layer (the layers' own forward, eager attention), but from layer
+    ``start`` on the dropped tokens are hidden as keys; their own rows are ignored."""
+    adapter = engine.adapter
+    hidden = engine.embed_prompt(prompt)
+    positions = adapter.positions(prompt.input_ids, prompt.modality, prompt.media)
+    cos, sin = adapter.rotary(hidden, positions)
+    T = hidden.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    visible = torch.zeros(T, dtype=torch.bool)
+    visible[keep] = True
+    minimum = torch.finfo(hidden.dtype).min
+    for layer_idx, layer in enumerate(adapter.layers):
+        allowed = causal if layer_idx < start else causal & visible[None, :]
+        allowed = allowed | torch.eye(T, dtype=torch.bool)  # dropped rows still need one key
+        mask = torch.zeros(T, T).masked_fill(~allowed, minimum)[None, None]
+        hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin))
+    return adapter.lm_head(adapter.norm(hidden[:, -1:]))[0, -1]
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])  # 1-D RoPE and M-RoPE
+def test_physical_dropping_equals_masking(checkpoints, media, arch):
+    engine = load_engine(str(checkpoints[arch]), device="cpu", attn="eager")
+    prompt = engine.prepare(_messages("image", media))
+    T = len(prompt)
+    generator = torch.Generator().manual_seed(1)
+    # Drop a hand-picked mix: half of the visual tokens and a few text tokens, never the last.
+    visual = (prompt.modality != TEXT).nonzero().squeeze(1)
+    dropped = torch.cat([visual[torch.randperm(len(visual), generator=generator)[: len(visual) // 2]],
+                         torch.tensor([1, 3, T - 3])])
+    keep = torch.tensor(sorted(set(range(T)) - set(dropped.tolist())))
+    start = 2
+
+    with torch.no_grad():
+        logits, ctx = engine.prefill(prompt, FixedActiveSet(start=start, keep=tuple(keep.tolist())))
+        reference = _masked_reference(engine, prompt, start, keep)
+        unpruned, _ = engine.prefill(prompt, NoPruning())
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
+    assert (logits - unpruned).abs().max() > 1e-3  # the dropped tokens did matter
+
+
+def test_smaller_active_set_really_computes_fewer_tokens(checkpoints, media):
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu", attn="sdpa")
+    prompt = engine.prepare(_messages("image", media))
+    T = len(prompt)
+    keep = tuple(range(0, T, 2)) + ((T - 1,) if (T - 1) % 2 else ())
+    seen = []
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+             for layer in engine.adapter.layers]
+    hooks += [layer.self_attn.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
+        for layer in engine.adapter.layers]
+    try:
+        with torch.no_grad():
+            _, ctx = engine.prefill(prompt, FixedActiveSet(start=2, keep=keep))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    L = len(engine.adapter.layers)
+    expected = [T] * 2 + [len(keep)] * (L - 2)
+    assert sorted(seen) == sorted(expected * 2)  # attention and FFN both see only the active tokens
+    assert ctx.cache.lengths() == expected
+    for layer_idx in range(2, L):
+        assert ctx.cache.layers[layer_idx].index.tolist() == list(keep)
+        assert ctx.cache.layers[layer_idx].modality.tolist() == prompt.modality[list(keep)].tolist()
+    assert [len(a) for a in ctx.active_per_layer] == expected
+
+
+def test_decode_appends_generated_tokens_to_every_layer(checkpoints, media):
+    engine = load_engine(str(checkpoints["llava"]), device="cpu", attn="sdpa")
+    messages = _messages("image", media)
+    result = engine.generate(messages, policy="none", max_new_tokens=5)
+    T = sum(result.metrics["prompt_tokens"].values())
+    # The last generated token is never fed back, so the cache holds the prompt + n-1 new tokens.
+    assert result.metrics["kv_bytes"] > 0
+    assert result.metrics["active_tokens_per_layer"] == [T] * len(engine.adapter.layers)
+    assert result.metrics["prefill_flops"] == result.metrics["prefill_flops_baseline"]
+    assert len(result.metrics["keep_map"]["depth"]) == result.metrics["prompt_tokens"]["image"]
+
+
+def test_policies_cannot_drop_the_last_token_or_revive(checkpoints, media):
+    engine = load_engine(str(checkpoints["llava"]), device="cpu", attn="sdpa")
+    prompt = engine.prepare(_messages("image", media))
+    T = len(prompt)
+    with pytest.raises(RuntimeError, match="last prompt token"):
+        engine.prefill(prompt, FixedActiveSet(start=1, keep=tuple(range(T - 1))))
+
+
+def test_stream_concatenates_to_the_result_and_sampling_is_seeded(checkpoints, media):
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    messages = _messages("image", media)
+    chunks = list(engine.stream(messages, max_new_tokens=8))
+    result = chunks[-1].result
+    assert "".join(c.text for c in chunks) == result.text
+    assert [c.token_id for c in chunks[:-1]] == result.token_ids
+
+    a = engine.generate(messages, do_sample=True, temperature=1.5, top_p=0.9, seed=7, max_new_tokens=8)
+    b = engine.generate(messages, do_sample=True, temperature=1.5, top_p=0.9, seed=7, max_new_tokens=8)
+    c = engine.generate(messages, do_sample=True, temperature=1.5, top_p=0.9, seed=8, max_new_tokens=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids or a.token_ids != result.token_ids
+
+
+def test_prompt_over_context_length_is_a_clear_error(checkpoints, media):
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    engine.max_length = 40
+    with pytest.raises(PromptError, match="context length"):
+        engine.generate(_messages("image", media), max_new_tokens=2)
