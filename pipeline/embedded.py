@@ -139,9 +139,12 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
         for stale in root.glob(f".{target.name}.*"):
             shutil.rmtree(stale, ignore_errors=True)
 
-        progress(f"Converting the embedded model (SmolLM2-135M + DINOv2-S) once into {target}; later loads take seconds")
+        progress(
+            f"Converting the embedded model (SmolLM2-135M + DINOv2-S) once into {target}; later loads take seconds"
+        )
         start = time.perf_counter()
         build_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+        build_dir.chmod(0o755)  # mkdtemp makes it private; a cache baked into a Docker image is read by other users
         try:
             _build(build_dir, gguf_path, onnx_path, progress)
             os.replace(build_dir, target)
@@ -241,6 +244,7 @@ def _smollm2_from_gguf(gguf_path: Path) -> tuple[AutoConfig, dict[str, torch.Ten
     # transformers' own GGUF reader (de-quantization, Llama q/k head permutation, names); the
     # from_pretrained(gguf_file=...) route to the same code insists on accelerate, which Glimpse does not need.
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config._name_or_path = ""  # the site-packages path of this machine; keep config.json machine-independent
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config)
     tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
@@ -265,11 +269,11 @@ def _dinov2_from_onnx(onnx_path: Path) -> tuple[Dinov2Config, dict[str, torch.Te
     state, position_parts = {}, {}
     for initializer in graph.initializer:
         array = numpy_helper.to_array(initializer)
-        node = consumer[initializer.name]
+        node = consumer.get(initializer.name)
         if initializer.name.startswith("backbone."):
             key = initializer.name.removeprefix("backbone.")
-        elif not node.name.startswith("/backbone/"):
-            continue  # the saliency decoder
+        elif node is None or not node.name.startswith("/backbone/"):
+            continue  # the saliency decoder's weights
         elif node.op_type == "MatMul":
             key = node.name.removeprefix("/backbone/").removesuffix("/MatMul").replace("/", ".") + ".weight"
             array = array.T
