@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -63,7 +64,8 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     if source == "embedded":
         from pipeline import embedded
 
-        source = str(embedded.embedded_checkpoint())
+        # Progress goes to stderr: stdout may carry `glimpse ask --json`'s one JSON object.
+        source = str(embedded.embedded_checkpoint(progress=lambda line: print(line, file=sys.stderr, flush=True)))
         grounded = embedded.EMBEDDED_GROUNDED
     torch_device = resolve_device(device)
     attn_implementation = resolve_attn(attn, torch_device)

@@ -33,6 +33,16 @@ def media(tmp_path_factory) -> dict[str, Path]:
     return {"image": root / "image.png", "video": root / "clip.mp4"}
 
 
+@pytest.fixture(scope="session")
+def embedded_cache(tmp_path_factory) -> Path:
+    """A cache folder holding the embedded model, converted once per test session."""
+    from pipeline.embedded import embedded_checkpoint
+
+    root = tmp_path_factory.mktemp("glimpse-cache")
+    embedded_checkpoint(root, progress=lambda line: None)
+    return root
+
+
 def write_video(path: Path, frames: int, fps: int, size: tuple[int, int]) -> Path:
     """A small H.264/MPEG-4 clip whose frame i is a solid colour that encodes i."""
     import av

@@ -24,8 +24,8 @@ FRANCE = [{"role": "user", "content": [{"type": "text", "text": "What is the cap
 
 
 @pytest.fixture(scope="session")
-def checkpoint(tmp_path_factory):
-    return embedded_checkpoint(tmp_path_factory.mktemp("glimpse-cache"), progress=lambda line: None)
+def checkpoint(embedded_cache):
+    return embedded_checkpoint(embedded_cache, progress=lambda line: None)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,95 @@
+"""`glimpse ask` as a user runs it: one JSON object with --json, one clear line on bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+METRIC_KEYS = {"ttft_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "active_tokens_per_layer",
+               "prefill_flops", "prefill_flops_baseline", "kv_bytes", "peak_memory_bytes", "keep_map"}
+
+
+def glimpse(*args, cache: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("glimpse")
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "app.cli"]
+    env = dict(os.environ)
+    if cache is not None:
+        env["GLIMPSE_CACHE"] = str(cache)
+    return subprocess.run(command + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _assert_clean_error(proc, *fragments):
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("glimpse: error:")]
+    assert len(lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_ask_json_reports_the_spec_metrics(checkpoints, media):
+    proc = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--image", str(media["image"]),
+                   "--max-new-tokens", "4", "--json", "What is in this picture?")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # stdout is exactly one JSON object
+    assert {"text", "policy", "params", "metrics"} <= set(out)
+    assert METRIC_KEYS <= set(out["metrics"])
+    prompt = out["metrics"]["prompt_tokens"]
+    assert prompt["image"] > 0 and prompt["video"] == 0
+    assert len(out["metrics"]["keep_map"]["depth"]) == prompt["image"]
+
+
+def test_ask_embedded_answers_a_text_question(embedded_cache):
+    proc = glimpse("ask", "--max-new-tokens", "20", "What is the capital of France?", cache=embedded_cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_ask_embedded_with_an_image_says_it_is_not_grounded(embedded_cache):
+    sample = Path(__file__).resolve().parents[1] / "assets" / "sample.png"
+    proc = glimpse("ask", "--image", str(sample), "--max-new-tokens", "3", "--json", "What colour is the circle?",
+                   cache=embedded_cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "not grounded" in proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["grounded"] is False and out["metrics"]["prompt_tokens"]["image"] == 256
+
+
+@pytest.mark.parametrize("name,content", [("broken.png", b"\x89PNG\r\n\x1a\n" + b"\x00" * 40),
+                                          ("empty.jpg", b""), ("notes.xyz", b"hello")])
+def test_ask_bad_image_is_one_clear_line(checkpoints, tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
+    _assert_clean_error(proc, name)
+
+
+def test_ask_oversized_image_is_refused(checkpoints, tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "huge.png"
+    Image.new("1", (9000, 9000)).save(path)  # 81 MP: over the 64 MP cap, a few KB on disk
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
+    _assert_clean_error(proc, "huge.png")
+
+
+def test_ask_corrupt_video_is_one_clear_line(checkpoints, media, tmp_path):
+    path = tmp_path / "cut.mp4"
+    path.write_bytes(media["video"].read_bytes()[:300])
+    proc = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(path), "hi")
+    _assert_clean_error(proc, "cut.mp4")
+
+
+def test_ask_video_on_an_image_only_model(checkpoints, media):
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--video", str(media["video"]), "hi")
+    _assert_clean_error(proc, "video")
+
+
+def test_ask_unknown_model(tmp_path):
+    proc = glimpse("ask", "--model", str(tmp_path / "no-such-model"), "hi")
+    _assert_clean_error(proc, "no-such-model")

@@ -1,0 +1,522 @@
+"""vision/: media loading and its errors, qwen-vl-utils sampling rules, Qwen2-VL video patches.
+
+All media are generated in temporary folders. Test videos encode each frame's index in its colour
+(`_frame_colour` / `_frame_index`), so a test can check which source frames were picked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import math
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+from PIL import Image
+
+import vision
+from vision import media as media_module
+from vision import sampling
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+CLIP_FRAMES, CLIP_FPS, CLIP_SIZE = 30, 10, (64, 48)  # 3 s at 10 fps, width x height
+
+
+def _frame_colour(index: int) -> tuple[int, int, int]:
+    """Index -> colour with 16 grey levels between neighbours, far more than lossy coding changes."""
+    return (index % 16) * 16, (index // 16) * 16, 128
+
+
+def _frame_index(frame: np.ndarray) -> int:
+    red, green = frame[..., 0].mean(), frame[..., 1].mean()
+    return round(red / 16) + 16 * round(green / 16)
+
+
+def _write_video(path: Path, frames: int = CLIP_FRAMES, fps: int = CLIP_FPS, gop: int | None = None,
+                 container_options: dict | None = None) -> Path:
+    width, height = CLIP_SIZE
+    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    with av.open(str(path), "w", options=container_options or {}) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if gop:
+            stream.codec_context.gop_size = gop
+        for index in range(frames):
+            array = np.empty((height, width, 3), dtype=np.uint8)
+            array[...] = _frame_colour(index)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def _decodable_frame_count(path: Path) -> int:
+    """Ground truth for damaged files: how many frames a plain PyAV loop gets before the first error."""
+    count = 0
+    with av.open(str(path)) as container:
+        try:
+            for _ in container.decode(video=0):
+                count += 1
+        except av.FFmpegError:
+            pass
+    return count
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG that claims width x height 1-bit pixels but holds no pixel data: opening it reads the
+    header; decoding it must fail. So "too large" proves the size was checked before decoding."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # bit depth 1, greyscale
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory) -> Path:
+    return _write_video(tmp_path_factory.mktemp("video") / "clip.mp4")
+
+
+# -------------------------------------------------------------------------------------------- images
+
+
+def test_load_image_applies_exif_orientation():
+    # Stored 40x20 with red left, blue right; orientation 6 = "rotate 90 degrees clockwise to display",
+    # so the upright image is 20x40 with red on top.
+    stored = Image.new("RGB", (40, 20), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 20, 20))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    stored.save(buffer, "JPEG", exif=exif, quality=95)
+
+    image = vision.load_image(buffer.getvalue())
+
+    assert image.size == (20, 40)
+    top, bottom = np.asarray(image)[5, 10], np.asarray(image)[35, 10]
+    assert top[0] > 200 and top[2] < 50
+    assert bottom[2] > 200 and bottom[0] < 50
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (Image.new("RGBA", (2, 2), (255, 0, 0, 0)), (255, 255, 255)),  # fully transparent -> white
+        (Image.new("RGBA", (2, 2), (255, 0, 0, 128)), (255, 127, 127)),  # half over white: 255*127/255
+        (Image.new("LA", (2, 2), (0, 0)), (255, 255, 255)),
+        (Image.new("CMYK", (2, 2), (0, 255, 255, 0)), (255, 0, 0)),  # no cyan, full magenta+yellow = red
+        (Image.new("L", (2, 2), 77), (77, 77, 77)),
+        (Image.fromarray(np.full((2, 2), 65535, dtype=np.uint16)), (255, 255, 255)),  # 16-bit: 65535/257
+        (Image.fromarray(np.full((2, 2), 32896, dtype=np.uint16)), (128, 128, 128)),  # 32896/257 = 128
+    ],
+    ids=["rgba-clear", "rgba-half", "la", "cmyk", "l", "16bit-max", "16bit-mid"],
+)
+def test_load_image_converts_modes_to_rgb(source, expected):
+    image = vision.load_image(source)
+    assert image.mode == "RGB"
+    assert np.abs(np.asarray(image)[0, 0].astype(int) - expected).max() <= 1
+
+
+def test_load_image_palette_transparency_becomes_white():
+    image = Image.new("P", (2, 1))
+    image.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    image.putpixel((1, 0), 1)
+    image.info["transparency"] = 0  # palette entry 0 (black) is transparent
+    assert np.asarray(vision.load_image(image)).tolist() == [[[255, 255, 255], [255, 0, 0]]]
+
+
+def test_pixel_cap_is_checked_before_decoding():
+    # 3000x3000 = 9 MP over a 1 MP cap: rejected from the header, never decoded (there are no pixels).
+    with pytest.raises(vision.MediaError, match=r"image too large \(3000x3000 = 9 MP, limit 1 MP\)"):
+        vision.load_image(_png_header_only(3000, 3000), max_pixels=1_000_000)
+    # Under the cap, the same kind of file gets to decoding, which fails: so the check above came first.
+    with pytest.raises(vision.MediaError, match="corrupt or truncated"):
+        vision.load_image(_png_header_only(300, 300), max_pixels=1_000_000)
+
+
+def test_pil_decompression_bomb_guard_becomes_media_error(tmp_path):
+    # 20000x20000 = 400 MP exceeds PIL's own hard limit (2 x Image.MAX_IMAGE_PIXELS), raised in open().
+    path = tmp_path / "big.png"
+    path.write_bytes(_png_header_only(20000, 20000))
+    with pytest.raises(vision.MediaError, match=r"big\.png: image too large \(400 MP"):
+        vision.load_image(path)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_truncated_image_raises_media_error(tmp_path, fmt):
+    pixels = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, fmt)
+    path = tmp_path / f"photo.{fmt.lower()}"
+    path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    with pytest.raises(vision.MediaError, match=rf"photo\.{fmt.lower()}: the image is corrupt or truncated"):
+        vision.load_image(path)
+
+
+def test_empty_missing_and_unreadable_images(tmp_path):
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "noise.png").write_bytes(np.random.default_rng(0).bytes(256))
+    with pytest.raises(vision.MediaError, match=r"^empty\.png: the file is empty$"):
+        vision.load_image(tmp_path / "empty.png")
+    with pytest.raises(vision.MediaError, match="the file is empty"):
+        vision.load_image(b"")
+    with pytest.raises(vision.MediaError, match=r"^missing\.jpg: file not found$"):
+        vision.load_image(tmp_path / "missing.jpg")
+    with pytest.raises(vision.MediaError, match=r"noise\.png: not an image Glimpse can read"):
+        vision.load_image(tmp_path / "noise.png")
+
+
+def test_media_error_is_a_value_error():
+    assert issubclass(vision.MediaError, ValueError)
+
+
+# ------------------------------------------------------------------------------------------ kinds
+
+
+def test_detect_kind_by_content_then_extension(tmp_path, clip):
+    Image.new("RGB", (4, 4)).save(tmp_path / "photo.png")
+    (tmp_path / "misnamed.dat").write_bytes((tmp_path / "photo.png").read_bytes())  # content wins
+    (tmp_path / "clip.bin").write_bytes(clip.read_bytes())
+    (tmp_path / "stream.ts").write_bytes(b"\x47" + bytes(187))  # no signature we sniff: by extension
+    assert vision.detect_kind(tmp_path / "photo.png") == "image"
+    assert vision.detect_kind(tmp_path / "misnamed.dat") == "image"
+    assert vision.detect_kind(clip) == "video"
+    assert vision.detect_kind(tmp_path / "clip.bin") == "video"
+    assert vision.detect_kind(tmp_path / "stream.ts") == "video"
+
+
+def test_detect_kind_rejects_unknown_empty_and_missing(tmp_path):
+    (tmp_path / "photo.xyz").write_bytes(np.random.default_rng(1).bytes(64))
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    with pytest.raises(vision.MediaError, match=r"photo\.xyz: not an image or video .*unsupported type \.xyz"):
+        vision.detect_kind(tmp_path / "photo.xyz")
+    with pytest.raises(vision.MediaError, match="the file is empty"):
+        vision.detect_kind(tmp_path / "empty.mp4")
+    with pytest.raises(vision.MediaError, match="file not found"):
+        vision.detect_kind(tmp_path / "nothing.png")
+
+
+# ------------------------------------------------------------------------------------------ videos
+
+
+def test_probe_video(clip):
+    info = vision.probe_video(clip)
+    assert info == vision.VideoInfo(CLIP_FRAMES, float(CLIP_FPS), CLIP_FRAMES / CLIP_FPS, *CLIP_SIZE, "pyav")
+
+
+def test_probe_counts_frames_when_container_does_not_store_them(tmp_path):
+    path = _write_video(tmp_path / "clip.mkv")
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].frames == 0  # Matroska keeps no frame count
+    assert vision.probe_video(path).num_frames == CLIP_FRAMES
+
+
+def test_read_frames_returns_requested_frames_in_order(clip):
+    indices = [29, 0, 7, 7, 15]
+    frames = vision.read_frames(clip, indices)
+    assert frames.shape == (len(indices), CLIP_SIZE[1], CLIP_SIZE[0], 3) and frames.dtype == np.uint8
+    assert [_frame_index(frame) for frame in frames] == indices
+
+
+def test_seeking_picks_the_same_frames_as_sequential_decoding(tmp_path, monkeypatch):
+    path = _write_video(tmp_path / "long_gop.mp4", frames=60, gop=5)  # keyframe every 5 frames
+    indices = [2, 40, 41, 59]
+    decoded = []
+    original = media_module._decoded_frames
+
+    def counting(container, stream):
+        for frame in original(container, stream):
+            decoded.append(frame)
+            yield frame
+
+    monkeypatch.setattr(media_module, "_decoded_frames", counting)
+    with_seeks = media_module._decode_pyav(path, indices, seek_min_gap=8)
+    frames_decoded_with_seeks = len(decoded)
+    sequential = media_module._decode_pyav(path, indices, seek_min_gap=math.inf)
+
+    assert [_frame_index(frame) for frame in with_seeks] == indices
+    np.testing.assert_array_equal(with_seeks, sequential)
+    assert frames_decoded_with_seeks < len(decoded) - frames_decoded_with_seeks  # the seeks skipped frames
+
+
+def test_damaged_videos_raise_media_error(tmp_path, clip):
+    data = clip.read_bytes()
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    (tmp_path / "cut.mp4").write_bytes(data[: len(data) // 2])  # moov index is at the end: gone
+    (tmp_path / "noise.mp4").write_bytes(np.random.default_rng(2).bytes(4096))
+    with pytest.raises(vision.MediaError, match=r"^empty\.mp4: the file is empty$"):
+        vision.probe_video(tmp_path / "empty.mp4")
+    for name in ("cut.mp4", "noise.mp4"):
+        with pytest.raises(vision.MediaError, match=rf"^{name}: the video is corrupt or truncated"):
+            vision.probe_video(tmp_path / name)
+        with pytest.raises(vision.MediaError, match="corrupt or truncated"):
+            vision.read_frames(tmp_path / name, [0])
+    with pytest.raises(vision.MediaError, match="file not found"):
+        vision.sample_video_uniform(tmp_path / "nothing.mp4")
+
+
+def test_truncated_video_with_index_but_no_frames(tmp_path):
+    # faststart puts the index first: the container opens and declares 30 frames, but the data is cut.
+    full = _write_video(tmp_path / "full.mp4", container_options={"movflags": "faststart"}).read_bytes()
+    path = tmp_path / "cut.mp4"
+    path.write_bytes(full[: len(full) // 2])
+    assert vision.probe_video(path).num_frames == CLIP_FRAMES and _decodable_frame_count(path) == 0
+    with pytest.raises(vision.MediaError, match=r"^cut\.mp4: the video is corrupt or truncated: no frame could be"):
+        vision.sample_video_qwen(path)
+
+
+def test_truncated_video_samples_the_frames_that_decode(tmp_path):
+    full = _write_video(tmp_path / "full.mp4", container_options={"movflags": "faststart"}).read_bytes()
+    path = tmp_path / "cut.mp4"
+    path.write_bytes(full[: int(len(full) * 0.9)])
+    decodable = _decodable_frame_count(path)
+    assert 8 <= decodable < CLIP_FRAMES  # the cut really loses frames (and leaves enough to sample)
+
+    with pytest.raises(vision.MediaError, match=f"only {decodable} frames could be decoded"):
+        vision.read_frames(path, [CLIP_FRAMES - 1])
+    sampled = vision.sample_video_uniform(path, num_frames=8)
+    expected = np.linspace(0, decodable - 1, 8, dtype=int).tolist()  # planned again over what decodes
+    assert sampled.indices == expected
+    assert [_frame_index(frame) for frame in sampled.frames] == expected
+
+
+def test_decord_worker_timeout_kills_a_hanging_call():
+    start = time.monotonic()
+    with pytest.raises(vision.MediaError, match=r"x\.mp4: reading the video took longer than 1 s"):
+        media_module._run_in_worker(time.sleep, (60,), timeout_s=1, name="x.mp4")
+    assert time.monotonic() - start < 15
+
+
+def test_worker_returns_results_and_media_errors(tmp_path, clip):
+    (tmp_path / "noise.mp4").write_bytes(np.random.default_rng(3).bytes(512))
+    info = media_module._run_in_worker(media_module._probe_pyav, (clip,), timeout_s=60, name="clip.mp4")
+    assert info.num_frames == CLIP_FRAMES
+    with pytest.raises(vision.MediaError, match=r"^noise\.mp4: the video is corrupt"):
+        media_module._run_in_worker(media_module._probe_pyav, (tmp_path / "noise.mp4",), timeout_s=60, name="n")
+
+
+def test_backend_choice(monkeypatch):
+    monkeypatch.setenv(media_module.VIDEO_BACKEND_ENV, "decord")
+    decord_installed = importlib.util.find_spec("decord") is not None
+    assert media_module._choose_backend(None) == ("decord" if decord_installed else "pyav")
+    assert media_module._choose_backend("pyav") == "pyav"  # the argument wins over the environment
+    monkeypatch.delenv(media_module.VIDEO_BACKEND_ENV)
+    assert media_module._choose_backend(None) == "pyav"
+    with pytest.raises(ValueError, match="unknown video backend"):
+        media_module._choose_backend("ffmpeg")
+
+
+def test_decord_backend_matches_pyav(clip):
+    pytest.importorskip("decord")
+    indices = [0, 13, 29]
+    assert vision.probe_video(clip, backend="decord").num_frames == CLIP_FRAMES
+    frames = vision.read_frames(clip, indices, backend="decord")
+    assert [_frame_index(frame) for frame in frames] == indices
+
+
+# ---------------------------------------------------------------------------------------- sampling
+
+
+def test_factor_rounding():
+    assert (vision.round_by_factor(41, 28), vision.ceil_by_factor(29, 28), vision.floor_by_factor(55, 28)) == (
+        28, 56, 28,
+    )
+
+
+@pytest.mark.parametrize(
+    "height, width, min_pixels, max_pixels, expected",
+    [
+        # Within budget: round each side. 1080/28 = 38.57 -> 39*28 = 1092; 1920/28 = 68.57 -> 69*28 = 1932.
+        (1080, 1920, sampling.MIN_PIXELS, sampling.MAX_PIXELS, (1092, 1932)),
+        # Over the video budget 602112: scale = sqrt(1080*1920/602112) = 1.8558;
+        # 1080/1.8558 = 581.97 -> floor to 560; 1920/1.8558 = 1034.6 -> floor to 1008.
+        (1080, 1920, sampling.MIN_PIXELS, sampling.VIDEO_MAX_PIXELS, (560, 1008)),
+        # Under the budget 3136: scale = sqrt(3136/100) = 5.6; 10*5.6 = 56 -> ceil to 56.
+        (10, 10, sampling.MIN_PIXELS, sampling.MAX_PIXELS, (56, 56)),
+        # A sliver (ratio 196) keeps at least one factor per side: 10 -> 28, 1960/28 = 70 exactly.
+        (10, 1960, 28 * 28, sampling.MAX_PIXELS, (28, 1960)),
+    ],
+)
+def test_smart_resize_hand_computed(height, width, min_pixels, max_pixels, expected):
+    assert vision.smart_resize(height, width, 28, min_pixels, max_pixels) == expected
+
+
+@pytest.mark.parametrize("height, width", [(480, 640), (720, 1280), (3000, 4000), (33, 517), (4096, 128), (60, 60)])
+@pytest.mark.parametrize("min_pixels, max_pixels", [(sampling.MIN_PIXELS, sampling.MAX_PIXELS),
+                                                    (sampling.VIDEO_MIN_PIXELS, sampling.VIDEO_MAX_PIXELS)])
+def test_smart_resize_invariants(height, width, min_pixels, max_pixels):
+    resized_height, resized_width = vision.smart_resize(height, width, 28, min_pixels, max_pixels)
+    assert resized_height % 28 == 0 and resized_width % 28 == 0
+    assert min_pixels <= resized_height * resized_width <= max_pixels
+    # Aspect ratio kept up to rounding: one scale s puts both sides within a factor of s * side, i.e. the
+    # ranges of s allowed by each side overlap.
+    lowest = max((resized_height - 28) / height, (resized_width - 28) / width)
+    highest = min((resized_height + 28) / height, (resized_width + 28) / width)
+    assert lowest < highest
+
+
+def test_smart_resize_rejects_extreme_aspect_ratio():
+    vision.smart_resize(28, 28 * 200)  # exactly 200 is allowed
+    with pytest.raises(ValueError, match="aspect ratio must be smaller than 200"):
+        vision.smart_resize(10, 2010)
+
+
+@pytest.mark.parametrize(
+    "total_frames, video_fps, kwargs, expected",
+    [
+        (300, 30, {}, 20),  # 10 s at 2 fps
+        (30, 10, {}, 6),  # 3 s at 2 fps
+        (300, 30, {"fps": 0.1}, 4),  # 1 frame wanted, min_frames 4
+        (108_000, 30, {}, 768),  # 1 hour: 7200 wanted, max_frames 768
+        (7, 1, {}, 6),  # 14 wanted, capped by 7 frames, rounded down to even
+        (5, 1, {"min_frames": 4}, 4),  # min_frames cannot exceed the frames there are
+        (300, 30, {"fps": 1.5}, 14),  # 15 wanted -> even 14
+        (300, 30, {"nframes": 6}, 6),  # explicit count, already even
+        (300, 30, {"nframes": 10, "max_frames": 4}, 10),  # explicit count ignores the fps bounds
+    ],
+)
+def test_smart_nframes(total_frames, video_fps, kwargs, expected):
+    count = vision.smart_nframes(total_frames, video_fps, **kwargs)
+    assert count == expected and count % vision.FRAME_FACTOR == 0
+
+
+def test_smart_nframes_rejects_clips_too_short():
+    with pytest.raises(ValueError):
+        vision.smart_nframes(1, 30)
+    with pytest.raises(ValueError):
+        vision.smart_nframes(10, 30, nframes=12)
+
+
+def test_video_frame_max_pixels_shares_the_total_budget():
+    total = sampling.VIDEO_TOTAL_PIXELS
+    assert vision.video_frame_max_pixels(20) == sampling.VIDEO_MAX_PIXELS  # budget/10 pairs is far above
+    assert vision.video_frame_max_pixels(768) == total / 768 * 2  # between the per-frame bounds
+    floor = int(sampling.VIDEO_MIN_PIXELS * 1.05)
+    assert vision.video_frame_max_pixels(768, total_pixels=1_000_000) == floor
+    assert vision.video_frame_max_pixels(20, max_pixels=200_000) == 200_000  # a caller may only lower it
+
+
+def test_sample_video_qwen_picks_qwen_frames(clip):
+    sampled = vision.sample_video_qwen(clip)
+
+    nframes = vision.smart_nframes(CLIP_FRAMES, CLIP_FPS)  # 6: 3 s at 2 fps
+    expected = np.round(np.linspace(0, CLIP_FRAMES - 1, nframes)).astype(int).tolist()
+    assert sampled.indices == expected == [0, 6, 12, 17, 23, 29]
+    assert [_frame_index(frame) for frame in sampled.frames] == expected
+    height, width = vision.smart_resize(
+        CLIP_SIZE[1], CLIP_SIZE[0], 28, vision.VIDEO_MIN_PIXELS, vision.video_frame_max_pixels(nframes)
+    )
+    assert sampled.frames.shape == (nframes, height, width, 3) and sampled.frames.dtype == np.uint8
+    assert sampled.sample_fps == pytest.approx(nframes / CLIP_FRAMES * CLIP_FPS)  # = 2.0
+    assert sampled.timestamps_s == pytest.approx([index / CLIP_FPS for index in expected])
+    assert sampled.source_fps == CLIP_FPS
+
+
+def test_sample_video_qwen_rejects_a_single_frame_video(tmp_path):
+    path = _write_video(tmp_path / "still.mp4", frames=1)  # Qwen2-VL needs a pair of frames
+    with pytest.raises(vision.MediaError, match=r"^still\.mp4: the video is too short to sample \(1 frames"):
+        vision.sample_video_qwen(path)
+
+
+def test_sample_video_qwen_without_resize_keeps_size(clip):
+    sampled = vision.sample_video_qwen(clip, fps=1.0, resize=False)
+    assert sampled.frames.shape == (4, CLIP_SIZE[1], CLIP_SIZE[0], 3)  # 3 frames wanted, min 4
+
+
+def test_sample_video_uniform_spreads_frames_over_the_clip(clip):
+    sampled = vision.sample_video_uniform(clip, num_frames=8)
+    expected = np.linspace(0, CLIP_FRAMES - 1, 8, dtype=int).tolist()
+    assert sampled.indices == expected and expected[0] == 0 and expected[-1] == CLIP_FRAMES - 1
+    assert [_frame_index(frame) for frame in sampled.frames] == expected
+    assert sampled.frames.shape == (8, CLIP_SIZE[1], CLIP_SIZE[0], 3)  # original size
+    assert sampled.sample_fps == pytest.approx(8 / CLIP_FRAMES * CLIP_FPS)
+
+
+def test_resize_image_qwen():
+    image = Image.new("RGB", (1920, 1080), (10, 20, 30))
+    resized = vision.resize_image_qwen(image)
+    assert resized.size[::-1] == vision.smart_resize(1080, 1920)
+    assert resized.getpixel((5, 5)) == (10, 20, 30)
+
+
+def test_resize_frames_matches_pil_bicubic():
+    frames = np.random.default_rng(4).integers(0, 256, (2, 30, 50, 3), dtype=np.uint8)
+    resized = vision.resize_frames_bicubic(frames, 56, 84)
+    reference = np.asarray(Image.fromarray(frames[1]).resize((84, 56), Image.Resampling.BICUBIC))
+    assert resized.shape == (2, 56, 84, 3)
+    assert np.abs(resized[1].astype(int) - reference).max() <= 2  # both are antialiased bicubic
+
+
+# ----------------------------------------------------------------------------------- video patches
+
+
+def _pil_processor(**size):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(**({"size": size} if size else {}))
+
+
+def test_video_patches_equal_image_processor_on_a_repeated_frame():
+    # 56x84 is a multiple of 28 inside the image processor's budget, so it does not resize either.
+    frame = np.random.default_rng(5).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    ours = vision.qwen2vl_video_inputs(np.stack([frame, frame]), resize=False)
+    reference = _pil_processor()(images=Image.fromarray(frame), return_tensors="np")
+
+    assert ours["video_grid_thw"].tolist() == reference["image_grid_thw"].tolist() == [[1, 4, 6]]
+    assert ours["pixel_values_videos"].dtype == vision.qwen_video.torch.float32
+    assert ours["video_grid_thw"].dtype == vision.qwen_video.torch.long
+    np.testing.assert_allclose(ours["pixel_values_videos"].numpy(), reference["pixel_values"], atol=1e-5, rtol=0)
+
+
+def test_video_patches_with_resize_match_image_processor_sizes():
+    frame = np.random.default_rng(6).integers(0, 256, (90, 130, 3), dtype=np.uint8)  # not a multiple of 28
+    ours = vision.qwen2vl_video_inputs(np.stack([frame, frame]))
+    reference = _pil_processor(shortest_edge=vision.VIDEO_MIN_PIXELS, longest_edge=vision.VIDEO_MAX_PIXELS)(
+        images=Image.fromarray(frame), return_tensors="np"
+    )
+    assert ours["video_grid_thw"].tolist() == reference["image_grid_thw"].tolist()
+    # Same size; pixels from torch's vs PIL's uint8 bicubic differ by at most 2 grey levels.
+    tolerance = 2 / 255 / min(vision.OPENAI_CLIP_STD) + 1e-5
+    np.testing.assert_allclose(ours["pixel_values_videos"].numpy(), reference["pixel_values"], atol=tolerance, rtol=0)
+
+
+def test_video_patch_layout_and_odd_frame_count():
+    rng = np.random.default_rng(7)
+    frames = rng.integers(0, 256, (3, 56, 56, 3), dtype=np.uint8)
+    three = vision.qwen2vl_video_inputs(frames, resize=False)
+    first_pair = vision.qwen2vl_video_inputs(frames[:2], resize=False)
+    last_repeated = vision.qwen2vl_video_inputs(frames[[2, 2]], resize=False)
+
+    # 3 frames -> padded to 4 -> 2 temporal patches of (56/14)^2 = 16 patches each.
+    assert three["video_grid_thw"].tolist() == [[2, 4, 4]]
+    assert three["pixel_values_videos"].shape == (2 * 16, 3 * 2 * 14 * 14)
+    np.testing.assert_array_equal(three["pixel_values_videos"][:16], first_pair["pixel_values_videos"])
+    np.testing.assert_array_equal(three["pixel_values_videos"][16:], last_repeated["pixel_values_videos"])
+
+    # Token order within a 2x2 merge block: (0, 0), (0, 1), (1, 0) in patches; each token is its 14x14
+    # patch in both frames, flattened (channel, frame in pair, row, col) and normalized.
+    mean = np.array(vision.OPENAI_CLIP_MEAN, dtype=np.float32) * 255
+    std = np.array(vision.OPENAI_CLIP_STD, dtype=np.float32) * 255
+
+    def token(row: int, col: int) -> np.ndarray:
+        patch = frames[:2, 14 * row : 14 * (row + 1), 14 * col : 14 * (col + 1)].astype(np.float32)
+        return ((patch - mean) / std).transpose(3, 0, 1, 2).reshape(-1)  # (T, 14, 14, C) -> (C, T, 14, 14)
+
+    for position, (row, col) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1), (0, 2)]):
+        np.testing.assert_allclose(first_pair["pixel_values_videos"][position].numpy(), token(row, col), atol=1e-5)
+
+
+def test_video_patches_reject_bad_input():
+    with pytest.raises(ValueError, match="multiple of 28"):
+        vision.qwen2vl_video_inputs(np.zeros((2, 50, 56, 3), dtype=np.uint8), resize=False)
+    with pytest.raises(ValueError, match="uint8"):
+        vision.qwen2vl_video_inputs(np.zeros((2, 56, 56, 3), dtype=np.float32))

@@ -1,0 +1,516 @@
+"""Reading user media: images with PIL, videos with PyAV (or decord, opt-in).
+
+Everything a user can hand Glimpse goes through this module, so it is where bad files are caught. Every
+failure caused by the file itself is a `MediaError` whose message names the file and says what is wrong
+in words a user understands; callers (CLI, web chat, batch captioning) show the message as is.
+
+Safety rules, and why:
+
+- Image pixel counts are checked from the header before any pixel is decoded: a tiny PNG can claim
+  20000x20000 pixels and cost gigabytes to decode (a "decompression bomb").
+- Images are fully decoded here (`Image.load()`), so a truncated file fails now with a `MediaError`
+  rather than later inside a model processor with an obscure traceback.
+- Videos are decoded sequentially, keeping only the requested frames, so memory is bounded by the frames
+  asked for, not by the length of the video. Long jumps between requested frames use a keyframe seek.
+- decord is faster than PyAV but can hang on some files, so when it is selected it runs in a separate
+  'spawn' process that is killed after a timeout. PyAV, the default, runs in-process (no process start,
+  no copy of the frames between processes); it returns errors on damaged files rather than hanging.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import itertools
+import logging
+import math
+import multiprocessing
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import av
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+
+logger = logging.getLogger(__name__)
+
+ImageSource = Union[str, os.PathLike, bytes, Image.Image]
+
+# 64 MP covers every phone and DSLR photo; anything larger is almost certainly a mistake or an attack.
+MAX_IMAGE_PIXELS = 64_000_000
+DEFAULT_VIDEO_TIMEOUT_S = 60.0
+# Environment variable that opts into decord ("decord") instead of PyAV ("pyav", the default).
+VIDEO_BACKEND_ENV = "GLIMPSE_VIDEO_BACKEND"
+# Seeking only pays off when it skips more than a keyframe interval (x264's default is 250 frames):
+# a seek lands on the keyframe before the target and decodes forward from there anyway.
+SEEK_MIN_GAP_FRAMES = 300
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif"})
+VIDEO_EXTENSIONS = frozenset(
+    {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".wmv", ".flv", ".3gp", ".ts"}
+)
+
+
+class MediaError(ValueError):
+    """A file Glimpse cannot use as an image or video; the message names the file and the problem."""
+
+
+class _TooFewFramesError(MediaError):
+    """Fewer frames could be decoded than the container declares (a truncated or damaged file).
+
+    Carries the number of frames that did decode, so samplers can plan again over what is really there.
+    """
+
+    def __init__(self, message: str, decodable_frames: int):
+        super().__init__(message)
+        self.decodable_frames = decodable_frames
+
+    def __reduce__(self):  # keep `decodable_frames` when the error crosses from a decord worker process
+        return (type(self), (str(self), self.decodable_frames))
+
+
+def _display_name(src: Any) -> str:
+    """The name used in error messages: the file name for paths, a generic word for in-memory data."""
+    if isinstance(src, (str, os.PathLike)):
+        return Path(src).name or str(src)
+    return "image data" if isinstance(src, (bytes, bytearray)) else "image"
+
+
+def _check_file(path: str | os.PathLike) -> Path:
+    """Missing and empty files get their own clear messages instead of a decoder's complaint."""
+    if isinstance(path, str) and path.startswith("file://"):  # the chat format allows file:// URLs
+        path = path[len("file://") :]
+    path = Path(path)
+    if not path.is_file():
+        raise MediaError(f"{_display_name(path)}: file not found")
+    if path.stat().st_size == 0:
+        raise MediaError(f"{_display_name(path)}: the file is empty")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- kinds
+
+
+def _sniff_kind(head: bytes) -> Literal["image", "video"] | None:
+    """Recognise the common image and video formats from their first bytes (magic numbers)."""
+    if head.startswith((b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")):
+        return "image"
+    if head[:4] == b"RIFF":
+        return {b"WEBP": "image", b"AVI ": "video"}.get(head[8:12])
+    if head[4:8] == b"ftyp":  # ISO base media: mp4/mov, but also the AVIF/HEIF still-image formats
+        brand = head[8:12]
+        if brand in (b"avif", b"avis"):
+            return "image"
+        return None if brand in (b"heic", b"heix", b"heim", b"heis", b"mif1", b"msf1") else "video"
+    if head.startswith((b"\x1aE\xdf\xa3", b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3", b"FLV", b"0&\xb2u")):
+        return "video"  # Matroska/WebM, MPEG-PS, MPEG video, FLV, ASF/WMV
+    return None
+
+
+def detect_kind(path: str | os.PathLike) -> Literal["image", "video"]:
+    """Say whether a file is an image or a video: by content first, then by extension.
+
+    Content wins because files are often misnamed (a PNG saved as .jpg); the extension is the fallback
+    for containers without a reliable signature (e.g. MPEG-TS).
+    """
+    path = _check_file(path)
+    with open(path, "rb") as file:
+        kind = _sniff_kind(file.read(32))
+    suffix = path.suffix.lower()
+    if kind is None and suffix in IMAGE_EXTENSIONS:
+        kind = "image"
+    elif kind is None and suffix in VIDEO_EXTENSIONS:
+        kind = "video"
+    if kind is None:
+        reason = f"unsupported type {suffix}" if suffix else "unrecognised content, no file extension"
+        raise MediaError(f"{path.name}: not an image or video Glimpse can read ({reason})")
+    return kind
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+
+def _check_pixel_count(size: tuple[int, int], max_pixels: int, name: str) -> None:
+    width, height = size
+    if width * height > max_pixels:
+        raise MediaError(
+            f"{name}: image too large ({width}x{height} = {width * height / 1e6:.0f} MP, "
+            f"limit {max_pixels / 1e6:.0f} MP)"
+        )
+
+
+def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> Image.Image:
+    """Open an image lazily: PIL reads only the header here, no pixels are decoded yet."""
+    if isinstance(src, (bytes, bytearray)):
+        if not src:
+            raise MediaError(f"{name}: the file is empty")
+        fp: Any = io.BytesIO(src)
+    else:
+        fp = _check_file(src)
+    try:
+        return Image.open(fp)
+    except Image.DecompressionBombError as error:
+        # PIL's own guard fires in `open` for claims above 2 x Image.MAX_IMAGE_PIXELS (~179 MP); say so in
+        # the same words as our own, smaller, limit.
+        claimed = re.search(r"\((\d+) pixels\)", str(error))
+        size = f"{int(claimed.group(1)) / 1e6:.0f} MP" if claimed else "over PIL's decompression-bomb limit"
+        raise MediaError(f"{name}: image too large ({size}, limit {max_pixels / 1e6:.0f} MP)") from error
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        suffix = Path(src).suffix.lower() if not isinstance(src, (bytes, bytearray)) else ""
+        detail = f" (unsupported type {suffix})" if suffix and suffix not in IMAGE_EXTENSIONS else ""
+        raise MediaError(f"{name}: not an image Glimpse can read{detail}") from error
+
+
+def _to_8bit(image: Image.Image) -> Image.Image:
+    """16-bit and 32-bit greyscale to 8-bit "L", scaling the range instead of clipping it.
+
+    PIL's own convert("L") clips these modes at 255, which turns most 16-bit images white. Integer
+    images whose values fit in 0..255 are kept as they are.
+    """
+    values = np.asarray(image).astype(np.float64)
+    if image.mode.startswith("I;16") or (image.mode == "I" and values.max(initial=0) > 255):
+        values = values / 257.0  # 65535 -> 255
+    return Image.fromarray(np.clip(np.round(values), 0, 255).astype(np.uint8), mode="L")
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL mode to RGB. Transparent pixels become white, as qwen-vl-utils does, not black."""
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        image = _to_8bit(image)
+    has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
+        image.mode == "P" and "transparency" in image.info
+    )
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")  # also L, 1, P, CMYK, YCbCr; always a new image
+
+
+def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """Load an image as a fully decoded, upright RGB `PIL.Image`.
+
+    `src` is a path, the file's bytes, or a PIL image. The pixel count is checked against `max_pixels`
+    from the header, before decoding; EXIF orientation is applied so phone photos are upright; palette,
+    alpha, CMYK and 16-bit images become 8-bit RGB. Animated images give their first frame.
+    Any problem with the file raises `MediaError`.
+    """
+    name = _display_name(src)
+    opened = src if isinstance(src, Image.Image) else _open_image(src, name, max_pixels)
+    try:
+        _check_pixel_count(opened.size, max_pixels, name)
+        try:
+            opened.load()
+        except Image.DecompressionBombError as error:
+            raise MediaError(f"{name}: image too large ({error})") from error
+        except (OSError, SyntaxError, ValueError, EOFError) as error:
+            raise MediaError(f"{name}: the image is corrupt or truncated ({error})") from error
+        try:
+            upright = ImageOps.exif_transpose(opened)
+        except Exception as error:  # a malformed EXIF block must not make a readable image unusable
+            logger.warning("%s: ignoring unreadable EXIF orientation (%s)", name, error)
+            upright = opened
+        try:
+            return _to_rgb(upright)
+        except (ValueError, OSError) as error:  # exotic modes such as LAB or HSV
+            raise MediaError(f"{name}: unsupported colour mode {upright.mode}") from error
+    finally:
+        if opened is not src:
+            opened.close()
+
+
+# ---------------------------------------------------------------------------------------------- videos
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a video container says about its (first) video stream."""
+
+    num_frames: int
+    fps: float
+    duration_s: float  # num_frames / fps, the convention qwen-vl-utils uses for sampling
+    width: int
+    height: int
+    backend: str  # "pyav" or "decord": the reader that produced this info and will decode the frames
+
+
+def _choose_backend(backend: str | None) -> str:
+    """`backend` argument, else $GLIMPSE_VIDEO_BACKEND, else PyAV; decord only if it is installed."""
+    requested = (backend or os.environ.get(VIDEO_BACKEND_ENV) or "pyav").lower()
+    if requested not in ("pyav", "decord"):
+        raise ValueError(f"unknown video backend {requested!r}: use 'pyav' or 'decord'")
+    if requested == "decord" and importlib.util.find_spec("decord") is None:
+        logger.warning("decord was requested but is not installed; reading videos with PyAV")
+        return "pyav"
+    return requested
+
+
+def _open_container(path: Path) -> av.container.InputContainer:
+    try:
+        return av.open(str(path), mode="r")
+    except (av.FFmpegError, OSError, ValueError) as error:
+        raise MediaError(f"{path.name}: the video is corrupt or truncated: the file cannot be opened") from error
+
+
+def _video_stream(container: av.container.InputContainer, name: str) -> av.VideoStream:
+    if not container.streams.video:
+        raise MediaError(f"{name}: the file has no video stream")
+    return container.streams.video[0]
+
+
+def _stream_fps(stream: av.VideoStream, name: str) -> float:
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+    if not rate or float(rate) <= 0:
+        raise MediaError(f"{name}: the video does not say its frame rate")
+    return float(rate)
+
+
+def _count_packets(container: av.container.InputContainer, stream: av.VideoStream) -> int:
+    """Frame count for containers that do not store it (Matroska/WebM): demux, without decoding.
+
+    One packet holds one frame for the codecs Glimpse meets; the final flush packet is empty.
+    """
+    try:
+        return sum(1 for packet in container.demux(stream) if packet.size > 0)
+    except av.FFmpegError:
+        return 0
+
+
+def _probe_pyav(path: Path) -> VideoInfo:
+    with _open_container(path) as container:
+        stream = _video_stream(container, path.name)
+        fps = _stream_fps(stream, path.name)
+        num_frames = stream.frames or _count_packets(container, stream)
+        width, height = stream.codec_context.width, stream.codec_context.height
+    if num_frames <= 0:
+        raise MediaError(f"{path.name}: the video is corrupt or truncated: it contains no frames")
+    return VideoInfo(num_frames, fps, num_frames / fps, width, height, "pyav")
+
+
+def _decoded_frames(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:
+    """Decode the stream from the current position. At a damaged packet (typically where a truncated file
+    ends) stop reading, but still drain the frames the decoder already holds: with frame threading those
+    are several frames that decoded fine."""
+    codec = stream.codec_context
+    try:
+        for packet in container.demux(stream):
+            yield from codec.decode(packet)  # the final, empty packet flushes the decoder
+        return
+    except av.FFmpegError as error:
+        logger.warning("%s: decoding stopped early (%s)", container.name, error)
+    try:
+        yield from codec.decode(None)
+    except av.FFmpegError:
+        pass
+
+
+class _SeekFailed(Exception):
+    """A seek failed, landed after its target, or met a frame without timestamp: decode sequentially."""
+
+
+def _iter_wanted_frames(
+    container: av.container.InputContainer, stream: av.VideoStream, wanted: Sequence[int], seek_min_gap: float
+) -> Iterator[tuple[int, av.VideoFrame | None]]:
+    """Yield `(index, frame)` for each index of `wanted` (ascending, unique); if the stream ends before
+    the last one, yield `(number of frames in the stream, None)` last.
+
+    Frames are numbered in presentation order from 0 by counting decoded frames. To skip a long gap the
+    decoder seeks to the keyframe before the target; from then on frames are numbered from their
+    timestamps, which agrees with counting for constant-frame-rate video (nearly all recorded video).
+    """
+    frames = _decoded_frames(container, stream)
+    first = next(frames, None)
+    if first is None:
+        yield 0, None
+        return
+    frames = itertools.chain([first], frames)
+    fps = float(stream.average_rate) if stream.average_rate else 0.0
+    can_seek = fps > 0 and first.pts is not None and stream.time_base is not None
+    after_seek = False
+    position = 0  # index of the next frame while counting (before any seek)
+    for target in wanted:
+        if can_seek and target - position > seek_min_gap:
+            target_pts = first.pts + int(target / fps / stream.time_base)
+            try:
+                container.seek(target_pts, stream=stream, backward=True, any_frame=False)
+            except av.FFmpegError as error:
+                raise _SeekFailed from error
+            frames, after_seek = _decoded_frames(container, stream), True
+        for frame in frames:
+            if after_seek:
+                if frame.pts is None:
+                    raise _SeekFailed
+                index = round(float((frame.pts - first.pts) * stream.time_base) * fps)
+                if index > target and position <= target:  # landed past the target: timestamps unreliable
+                    raise _SeekFailed
+            else:
+                index = position
+            position = index + 1
+            if index == target:
+                yield index, frame
+                break
+        else:  # end of stream
+            yield position, None
+            return
+
+
+def _decode_pyav(path: Path, indices: Sequence[int], seek_min_gap: float = SEEK_MIN_GAP_FRAMES) -> np.ndarray:
+    wanted = sorted(set(indices))
+    kept: dict[int, np.ndarray] = {}
+    frame_count = None  # known only if the stream ends before the last wanted frame
+    with _open_container(path) as container:
+        stream = _video_stream(container, path.name)
+        stream.thread_type = "AUTO"  # frame-threaded decoding: several times faster on multi-core CPUs
+        try:
+            for index, frame in _iter_wanted_frames(container, stream, wanted, seek_min_gap):
+                if frame is None:
+                    frame_count = index
+                else:
+                    kept[index] = frame.to_ndarray(format="rgb24")
+        except _SeekFailed:
+            logger.info("%s: seeking is unreliable here, decoding sequentially", path.name)
+            return _decode_pyav(path, indices, seek_min_gap=math.inf)
+    return _assemble(kept, indices, path.name, frame_count)
+
+
+def _assemble(kept: dict[int, np.ndarray], indices: Sequence[int], name: str, frame_count: int | None) -> np.ndarray:
+    """Stack the decoded frames in the order asked for, or say how many frames the file really holds."""
+    if frame_count == 0:
+        raise _TooFewFramesError(f"{name}: the video is corrupt or truncated: no frame could be decoded", 0)
+    missing = [index for index in indices if index not in kept]
+    if missing:
+        decodable = frame_count if frame_count is not None else max(kept, default=-1) + 1
+        raise _TooFewFramesError(
+            f"{name}: the video is corrupt or truncated: frame {missing[0]} was requested "
+            f"but only {decodable} frames could be decoded",
+            decodable,
+        )
+    return np.stack([kept[index] for index in indices])
+
+
+def _decord_failure(path: Path, error: Exception) -> MediaError:
+    """decord's errors are C++ log lines: log them, tell the user something readable."""
+    logger.warning("%s: decord failed: %s", path.name, error)
+    return MediaError(f"{path.name}: the video is corrupt or truncated (decord cannot read it)")
+
+
+def _probe_decord(path: Path) -> VideoInfo:
+    import decord
+
+    try:
+        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+        num_frames, fps = len(reader), float(reader.get_avg_fps())
+        height, width = reader[0].shape[:2] if num_frames else (0, 0)
+    except Exception as error:  # decord raises its own DECORDError for any bad input
+        raise _decord_failure(path, error) from error
+    if num_frames <= 0 or fps <= 0:
+        raise MediaError(f"{path.name}: the video is corrupt or truncated: it contains no frames")
+    return VideoInfo(num_frames, fps, num_frames / fps, width, height, "decord")
+
+
+def _decode_decord(path: Path, indices: Sequence[int]) -> np.ndarray:
+    import decord
+
+    try:
+        reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
+        num_frames = len(reader)
+    except Exception as error:
+        raise _decord_failure(path, error) from error
+    wanted = sorted(set(indices))
+    if num_frames == 0 or wanted[-1] >= num_frames:
+        raise _TooFewFramesError(
+            f"{path.name}: the video is corrupt or truncated: frame {wanted[-1]} was requested "
+            f"but the video has {num_frames} frames",
+            num_frames,
+        )
+    try:
+        batch = reader.get_batch(wanted).asnumpy()
+    except Exception as error:
+        raise _decord_failure(path, error) from error
+    return _assemble(dict(zip(wanted, batch)), indices, path.name, num_frames)
+
+
+def _worker_main(connection: Any, function: Callable[..., Any], args: tuple) -> None:
+    """Entry point of the decord worker process: send back (True, result) or (False, MediaError)."""
+    try:
+        reply: tuple[bool, Any] = (True, function(*args))
+    except MediaError as error:
+        reply = (False, error)
+    except Exception as error:
+        reply = (False, MediaError(f"{Path(args[0]).name}: the video cannot be read ({error})"))
+    connection.send(reply)
+    connection.close()
+
+
+def _run_in_worker(function: Callable[..., Any], args: tuple, *, timeout_s: float, name: str) -> Any:
+    """Run `function(*args)` in a fresh 'spawn' process and kill it if it takes more than `timeout_s`.
+
+    A process, not a thread, because a thread stuck inside native decoder code cannot be stopped; 'spawn',
+    not 'fork', because forking a process that holds torch/CUDA or decoder threads is unsafe. Startup
+    costs about a second (the child imports this package), small next to decoding a video.
+    """
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_worker_main, args=(sender, function, args), daemon=True)
+    process.start()
+    sender.close()  # the child holds the only sending end: EOF now means the child died
+    try:
+        if not receiver.poll(timeout_s):
+            raise MediaError(
+                f"{name}: reading the video took longer than {timeout_s:g} s and was stopped; "
+                "the file may be damaged"
+            )
+        succeeded, payload = receiver.recv()
+    except EOFError:
+        process.join(5)
+        raise MediaError(f"{name}: the video decoder crashed (exit code {process.exitcode})") from None
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join()
+        receiver.close()
+    if succeeded:
+        return payload
+    raise payload
+
+
+def probe_video(
+    path: str | os.PathLike, *, backend: str | None = None, timeout_s: float = DEFAULT_VIDEO_TIMEOUT_S
+) -> VideoInfo:
+    """Frame count, frame rate, duration and size of a video, without decoding its frames.
+
+    Containers that do not store a frame count (Matroska/WebM) are counted by demuxing.
+    """
+    path = _check_file(path)
+    if _choose_backend(backend) == "decord":
+        return _run_in_worker(_probe_decord, (path,), timeout_s=timeout_s, name=path.name)
+    return _probe_pyav(path)
+
+
+def read_frames(
+    path: str | os.PathLike,
+    indices: Sequence[int],
+    *,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_VIDEO_TIMEOUT_S,
+) -> np.ndarray:
+    """Decode the frames at `indices` (0-based, any order, repeats allowed) as uint8 RGB, (T, H, W, 3).
+
+    The backend is PyAV unless `backend="decord"` or $GLIMPSE_VIDEO_BACKEND=decord and decord is
+    installed; decord then runs in a worker process killed after `timeout_s` seconds (PyAV runs
+    in-process; `timeout_s` does not apply to it). Frames are numbered as decoded, in presentation order;
+    rotation metadata of phone videos is not applied (neither qwen-vl-utils nor decord applies it).
+    A file that cannot be decoded, or that holds fewer frames than asked for, raises `MediaError`.
+    """
+    path = _check_file(path)
+    indices = [int(index) for index in indices]
+    if not indices or min(indices) < 0:
+        raise ValueError(f"frame indices must be a non-empty list of non-negative integers, got {indices[:8]}")
+    if _choose_backend(backend) == "decord":
+        return _run_in_worker(_decode_decord, (path, indices), timeout_s=timeout_s, name=path.name)
+    return _decode_pyav(path, indices)

@@ -1,0 +1,96 @@
+"""Qwen2-VL video inputs without torchvision: `pixel_values_videos` and `video_grid_thw`.
+
+transformers' `Qwen2VLVideoProcessor` imports torchvision, which cannot be installed next to the CPU torch,
+so Glimpse reproduces its output here with torch alone: optional resize (smart_resize size, antialiased
+bicubic on uint8 as torchvision does on CPU), rescale by 1/255 and normalize (fused as transformers does), pad
+the frame count to a multiple of `temporal_patch_size` by repeating the last frame, then cut
+`temporal_patch_size x patch_size x patch_size` patches ordered so that each `merge_size x merge_size`
+block of patches is contiguous (the vision tower merges those blocks into one LLM token).
+
+What "equal to Qwen2VLVideoProcessor" means, and how it is checked: for frames that already have the
+target size (sides multiples of patch_size * merge_size within the pixel budget, or `resize=False`), the
+output layout and values are those of the processor's rescale/normalize/patchify. That processor cannot
+run here, so the tests compare against transformers' torchvision-free `Qwen2VLImageProcessorPil`, which
+shares the patch layout: one image equals a video of that frame shown twice (T=2), since the image
+processor fills the temporal patch by repeating the image. Values agree to float32 rounding (~1e-6; the
+image processor rescales and normalizes in two steps, the video processor in one). With resizing, sizes
+agree exactly; pixels follow torchvision's CPU uint8 resize, which differs from the PIL processor's resize
+by at most a couple of grey levels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .sampling import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, resize_frames_bicubic, smart_resize
+
+
+# CLIP's normalization, used by Qwen2-VL (same values as transformers.image_utils.OPENAI_CLIP_MEAN/STD).
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+RESCALE_FACTOR = 1 / 255
+
+
+def qwen2vl_video_inputs(
+    frames: np.ndarray,
+    *,
+    patch_size: int = 14,
+    temporal_patch_size: int = 2,
+    merge_size: int = 2,
+    image_mean: Sequence[float] = OPENAI_CLIP_MEAN,
+    image_std: Sequence[float] = OPENAI_CLIP_STD,
+    resize: bool = True,
+    min_pixels: float = VIDEO_MIN_PIXELS,
+    max_pixels: float = VIDEO_MAX_PIXELS,
+) -> dict[str, torch.Tensor]:
+    """Turn uint8 RGB frames (T, H, W, 3) into Qwen2-VL's video inputs.
+
+    Returns `pixel_values_videos`, float32 (grid_t * grid_h * grid_w, 3 * temporal_patch_size *
+    patch_size**2), and `video_grid_thw`, int64 (1, 3). `min_pixels`/`max_pixels` default to
+    Qwen2VLVideoProcessor's size (128 and 768 tokens' worth of pixels per frame); frames from
+    `sample_video_qwen` already have their final size, so resizing them again changes nothing.
+    """
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
+        raise ValueError(f"frames must be a non-empty uint8 array (T, H, W, 3), got {frames.dtype} {frames.shape}")
+    factor = patch_size * merge_size
+    if resize:
+        height, width = smart_resize(frames.shape[1], frames.shape[2], factor, min_pixels, max_pixels)
+        frames = resize_frames_bicubic(frames, height, width)
+    num_frames, height, width, channels = frames.shape
+    if height % factor or width % factor:
+        raise ValueError(f"frame size {height}x{width} must be a multiple of {factor} when resize=False")
+
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(torch.float32)  # (T, C, H, W)
+    # Rescale and normalize in one step: (x - mean / s) / (std / s) with s = 1/255, as transformers fuses them.
+    mean = torch.tensor(image_mean) * (1.0 / RESCALE_FACTOR)
+    std = torch.tensor(image_std) * (1.0 / RESCALE_FACTOR)
+    video = (video - mean[:, None, None]) / std[:, None, None]
+
+    # Two frames make one temporal patch: an odd count repeats the last frame.
+    if pad := -num_frames % temporal_patch_size:
+        video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+        num_frames += pad
+
+    grid_t, grid_h, grid_w = num_frames // temporal_patch_size, height // patch_size, width // patch_size
+    patches = video.reshape(
+        grid_t,
+        temporal_patch_size,
+        channels,
+        grid_h // merge_size,
+        merge_size,
+        patch_size,
+        grid_w // merge_size,
+        merge_size,
+        patch_size,
+    )
+    # -> (t, block row, block col, row in block, col in block, channel, frame in pair, pixel row, pixel col):
+    # tokens in raster order of merge blocks, each patch flattened channel-major like a Conv3d kernel.
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    pixel_values_videos = patches.reshape(
+        grid_t * grid_h * grid_w, channels * temporal_patch_size * patch_size * patch_size
+    )
+    video_grid_thw = torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.long)
+    return {"pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw}
