@@ -72,12 +72,22 @@ def load_media(adapter: Adapter, messages: list[dict]) -> list[MediaInput]:
     return media
 
 
-def render(tokenizer, chat_template: str | None, messages: list[dict]) -> str:
+def plain_render(placeholders: dict[str, str], messages: list[dict]) -> str:
+    """For checkpoints without a chat template: 'USER: <image>\n... ASSISTANT:' turns (LLaVA-1.5's format)."""
+    turns = []
+    for m in messages:
+        body = "".join(placeholders[it["type"]] + "\n" if it["type"] in placeholders else it["text"]
+                       for it in m["content"])
+        turns.append(f"{m['role'].upper()}: {body}")
+    return " ".join(turns) + " ASSISTANT:"
+
+
+def render(tokenizer, chat_template: str | None, messages: list[dict], placeholders: dict[str, str]) -> str:
     # Media objects (PIL images, paths) stay out of the template: it only needs the item types.
     slim = [{"role": m["role"], "content": [{k: v for k, v in it.items() if k in ("type", "text")}
                                             for it in m["content"]]} for m in messages]
     if chat_template is None and tokenizer.chat_template is None:
-        raise PromptError("this checkpoint has no chat template; add chat_template.jinja to its folder")
+        return plain_render(placeholders, slim)
     return tokenizer.apply_chat_template(slim, chat_template=chat_template, tokenize=False,
                                          add_generation_prompt=True)
 
@@ -86,7 +96,10 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
                  max_length: int | None = None) -> Prompt:
     messages = normalise_messages(messages)
     media = load_media(adapter, messages)
-    text = render(adapter.tokenizer, chat_template, messages)
+    placeholders = {"image": adapter.placeholder(IMAGE)}
+    if adapter.supports_video:
+        placeholders["video"] = adapter.placeholder(VIDEO)
+    text = render(adapter.tokenizer, chat_template, messages, placeholders)
     tok = adapter.tokenizer
     # A template that writes BOS itself must not get a second one from the tokenizer.
     add_special = not (tok.bos_token and text.startswith(tok.bos_token))

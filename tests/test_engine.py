@@ -180,3 +180,20 @@ def test_prompt_over_context_length_is_a_clear_error(checkpoints, media):
     engine.max_length = 40
     with pytest.raises(PromptError, match="context length"):
         engine.generate(_messages("image", media), max_new_tokens=2)
+
+
+def test_checkpoint_without_chat_template_still_matches_transformers(checkpoints, media, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(checkpoints["llava"], tmp_path / "llava-no-template")
+    (folder / "chat_template.jinja").unlink()
+    engine = load_engine(str(folder), device="cpu")
+    assert engine.chat_template is None and engine.tokenizer.chat_template is None
+    messages = _messages("image", media)
+    prompt = engine.prepare(messages)
+    assert prompt.text.startswith("USER: <image>\n") and prompt.text.endswith("ASSISTANT:")
+    result = engine.generate(messages, max_new_tokens=MAX_NEW)
+    with torch.no_grad():
+        expected = engine.model.generate(**reference_inputs(engine, prompt), max_new_tokens=MAX_NEW, do_sample=False)
+    expected = [t for t in expected[0, len(prompt):].tolist() if t not in engine.eos_token_ids]
+    assert result.token_ids == expected
