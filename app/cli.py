@@ -103,15 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries()
     from pipeline import ModelLoadError, PromptError
+    from pipeline.embedded import EmbeddedModelError
     from vision import MediaError
 
-    expected = (UserError, MediaError, PromptError, ModelLoadError, ValueError)
-    try:
-        from pipeline.embedded import EmbeddedModelError
-
-        expected += (EmbeddedModelError,)
-    except ImportError:
-        pass
+    expected = (UserError, MediaError, PromptError, ModelLoadError, EmbeddedModelError, ValueError)
     try:
         return args.run(args)
     except expected as error:

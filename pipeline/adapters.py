@@ -186,16 +186,20 @@ class LlavaNextAdapter(LlavaAdapter):
 
     name = "llava-next"
 
-    def _count_tokens(self, orig_hw: tuple[int, int], pixel_values: torch.Tensor) -> int:
+    def __init__(self, model, tokenizer, image_processor):
+        super().__init__(model, tokenizer, image_processor)
         from transformers import LlavaNextProcessor
 
-        helper = LlavaNextProcessor(
-            image_processor=self.image_processor, tokenizer=self.tokenizer,
+        # Built once: its anyres arithmetic gives the placeholder count of every image.
+        self._token_counter = LlavaNextProcessor(
+            image_processor=image_processor, tokenizer=tokenizer,
             patch_size=self.config.vision_config.patch_size,
             vision_feature_select_strategy=self.config.vision_feature_select_strategy,
             num_additional_image_tokens=1,  # CLIP-style towers carry a CLS token
         )
-        n = helper._get_number_of_features(orig_hw[0], orig_hw[1], pixel_values.shape[-2], pixel_values.shape[-1])
+
+    def _count_tokens(self, orig_hw: tuple[int, int], pixel_values: torch.Tensor) -> int:
+        n = self._token_counter._get_number_of_features(orig_hw[0], orig_hw[1], pixel_values.shape[-2], pixel_values.shape[-1])
         return n - 1 if self.config.vision_feature_select_strategy == "default" else n
 
     def prepare_image(self, image):

@@ -56,7 +56,6 @@ class PrefillContext:
     cache: KVCache
     num_layers: int
     active_per_layer: list[torch.Tensor] = field(default_factory=list)
-    layer_inputs: dict = field(default_factory=dict)  # per-layer scratch for policies (normed inputs, ...)
     generated: int = 0  # decode steps done
 
 
@@ -181,14 +180,10 @@ class Engine:
         attention output (after o_proj, before the residual add) to the policy."""
         residual = hidden
         normed = layer.input_layernorm(hidden)
-        if ctx is not None:
-            ctx.layer_inputs[layer_idx] = normed
         attn_output, _ = layer.self_attn(hidden_states=normed, attention_mask=mask,
                                          position_embeddings=position_embeddings, past_key_values=cache)
         if policy is not None:
             policy.score(layer_idx, attn_output, ctx)
-        if ctx is not None:
-            ctx.layer_inputs.pop(layer_idx, None)
         hidden = residual + attn_output
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
