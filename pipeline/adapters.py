@@ -12,6 +12,7 @@ Everything here calls the model's own modules and functions (``get_image_feature
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,11 @@ class Adapter:
         self.embed_tokens = self.text_model.embed_tokens
         self.lm_head = model.lm_head
         self.text_config = self.config.text_config
+        # The decoder's own RoPE and eager-attention functions, from its modeling module (llama,
+        # qwen2, mistral, qwen2_vl, ...): the engine spells the attention out with them.
+        modeling = sys.modules[type(self.layers[0].self_attn).__module__]
+        self.apply_rotary = modeling.apply_rotary_pos_emb
+        self.eager_attention = modeling.eager_attention_forward
 
     # -- tokens -------------------------------------------------------------------------------
     @property

@@ -66,3 +66,30 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+
+class AuxCache:
+    """LazyLLM's Aux Cache: the hidden states of tokens pruned at a layer.
+
+    A token pruned at layer ``l`` has no key/value in layers ``l`` and deeper. Its hidden state as
+    it entered layer ``l`` (the output of layer ``l - 1``) is kept here, so a decode step that needs
+    the token again can compute its key/value at ``l`` from that state instead of running it through
+    every earlier layer; a token lives in either the KV cache or the Aux Cache of a layer, not both.
+    """
+
+    def __init__(self):
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (index (n,), hidden (n, d))
+
+    def add(self, layer_idx: int, index: torch.Tensor, hidden: torch.Tensor) -> None:
+        if index.numel() == 0:
+            return
+        if layer_idx in self.layers:
+            old_index, old_hidden = self.layers[layer_idx]
+            index, hidden = torch.cat([old_index, index.cpu()]), torch.cat([old_hidden, hidden])
+        self.layers[layer_idx] = (index.cpu(), hidden)
+
+    def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.layers.get(layer_idx)
+
+    def nbytes(self) -> int:
+        return sum(h.numel() * h.element_size() for _, h in self.layers.values())

@@ -19,9 +19,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
-from pipeline.cache import KVCache
+from pipeline.cache import AuxCache, KVCache
 from pipeline.metrics import MemoryMeter, prefill_flops, synchronize
 from pipeline.prompt import Prompt, build_prompt
 from pruning import Policy, make_policy
@@ -56,7 +57,19 @@ class PrefillContext:
     cache: KVCache
     num_layers: int
     active_per_layer: list[torch.Tensor] = field(default_factory=list)
+    # Per layer, the original indices that took part in attention when a policy restricted it
+    # (ZipVL's important tokens); None where every active token did.
+    attention_per_layer: list[torch.Tensor | None] = field(default_factory=list)
+    aux_cache: AuxCache = field(default_factory=AuxCache)  # hidden states of pruned tokens (LazyLLM)
     generated: int = 0  # decode steps done
+    vision_encoder_s: float = 0.0
+    # Valid while a layer runs, for the policy callbacks of that layer: its index, its active set,
+    # and its queries (1, heads, n, head_dim) and keys (1, kv_heads, n, head_dim), after RoPE.
+    layer_idx: int = -1
+    active: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    scaling: float = 1.0
 
 
 class Engine:
@@ -147,12 +160,15 @@ class Engine:
         return embeds
 
     def prefill(self, prompt: Prompt, policy: Policy) -> tuple[torch.Tensor, PrefillContext]:
+        t_vision = time.perf_counter()
         hidden = self.embed_prompt(prompt)
+        synchronize(self.device)
+        vision_encoder_s = time.perf_counter() - t_vision
         positions = self.adapter.positions(prompt.input_ids.to(self.device), prompt.modality, prompt.media)
         cos, sin = self.adapter.rotary(hidden, positions)
         num_layers = len(self.adapter.layers)
         ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
-                             KVCache(num_layers), num_layers)
+                             KVCache(num_layers), num_layers, vision_encoder_s=vision_encoder_s)
         policy.plan(ctx)
 
         T = hidden.shape[1]
@@ -160,6 +176,7 @@ class Engine:
         for layer_idx, layer in enumerate(self.adapter.layers):
             active = _checked(policy.select(layer_idx, active, ctx), active, T)
             ctx.active_per_layer.append(active)
+            ctx.layer_idx, ctx.active = layer_idx, active
             full = active.shape[0] == T  # nothing pruned: skip the gather/scatter copies
             h = hidden if full else hidden[:, active]
             pe = (cos, sin) if full else (cos[:, active], sin[:, active])
@@ -171,6 +188,7 @@ class Engine:
             else:
                 hidden = hidden.index_copy(1, active, out)
             ctx.hidden = hidden
+        ctx.queries = ctx.keys = None  # let the last layer's tensors go
         # Only the last prompt position needs the final norm and the lm_head.
         logits = self.adapter.lm_head(self.adapter.norm(hidden[:, -1:]))
         return logits[0, -1].float(), ctx
@@ -180,12 +198,45 @@ class Engine:
         attention output (after o_proj, before the residual add) to the policy."""
         residual = hidden
         normed = layer.input_layernorm(hidden)
-        attn_output, _ = layer.self_attn(hidden_states=normed, attention_mask=mask,
-                                         position_embeddings=position_embeddings, past_key_values=cache)
+        attn_output = self.attention(layer_idx, layer.self_attn, normed, position_embeddings, mask, cache,
+                                     policy, ctx)
         if policy is not None:
             policy.score(layer_idx, attn_output, ctx)
         hidden = residual + attn_output
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def attention(self, layer_idx, attn, normed, position_embeddings, mask, cache, policy=None, ctx=None):
+        """The layer's self-attention as its own forward computes it — q/k/v projections, the
+        model's RoPE, the cache update, the configured kernel (sdpa, flash, eager), o_proj — spelled
+        out so that policies can read this layer's queries and keys (probe attention, without a
+        T x T matrix) and restrict attention to a subset of tokens (ZipVL's sparse prefill)."""
+        shape = (*normed.shape[:-1], -1, attn.head_dim)
+        query = attn.q_proj(normed).view(shape).transpose(1, 2)
+        key = attn.k_proj(normed).view(shape).transpose(1, 2)
+        value = attn.v_proj(normed).view(shape).transpose(1, 2)
+        query, key = self.adapter.apply_rotary(query, key, *position_embeddings)
+        key, value = cache.update(key, value, layer_idx)
+
+        rows = None
+        if policy is not None:
+            ctx.queries, ctx.keys, ctx.scaling = query, key, attn.scaling
+            rows = policy.attention_rows(layer_idx, ctx)
+            ctx.attention_per_layer.append(None if rows is None else ctx.active[rows])
+        if rows is None:
+            return attn.o_proj(self._attend(attn, query, key, value, mask))
+        # Only ``rows`` attend, and only to each other; the other tokens get no attention update
+        # (their FFN still runs). Their keys and values are in the cache all the same.
+        sub_mask = self._causal_mask(rows.shape[0], normed.dtype)
+        out = self._attend(attn, query[:, :, rows], key[:, :, rows], value[:, :, rows], sub_mask)
+        output = normed.new_zeros(normed.shape)
+        output[:, rows] = attn.o_proj(out)
+        return output
+
+    def _attend(self, attn, query, key, value, mask) -> torch.Tensor:
+        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(self.attn_implementation, self.adapter.eager_attention)
+        out, _ = kernel(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling,
+                        sliding_window=getattr(attn, "sliding_window", None))
+        return out.reshape(*out.shape[:2], -1)  # (1, n, heads * head_dim)
 
     def decode_step(self, token: int, position: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
         """One new token attends to each layer's cache (whatever length each layer kept)."""
@@ -210,43 +261,56 @@ class Engine:
     def _metrics(self, prompt, ctx, n_tokens, t_request, t_prefill, t_first, t_end, memory) -> dict:
         cfg = self.adapter.text_config
         counts = [int(a.shape[0]) for a in ctx.active_per_layer]
+        attending = [n if rows is None else int(rows.shape[0])
+                     for n, rows in zip(counts, ctx.attention_per_layer or [None] * len(counts))]
         d, m, T = cfg.hidden_size, cfg.intermediate_size, len(prompt)
         decode_s = t_end - t_first
         return {
             "ttft_s": t_first - t_request,
             "prefill_s": t_first - t_prefill,
+            "vision_encoder_s": ctx.vision_encoder_s,
             "decode_tokens_per_s": (n_tokens - 1) / decode_s if n_tokens > 1 and decode_s > 0 else None,
             "new_tokens": n_tokens,
             "prompt_tokens": prompt.token_counts(),
             "active_tokens_per_layer": counts,
-            "prefill_flops": prefill_flops(counts, d, m),
+            "attention_tokens_per_layer": attending,
+            "prefill_flops": prefill_flops(counts, d, m, attending),
             "prefill_flops_baseline": prefill_flops([T] * len(counts), d, m),
             "kv_bytes": ctx.cache.nbytes(),
+            "aux_cache_bytes": ctx.aux_cache.nbytes(),
             "peak_memory_bytes": memory.peak(),
-            "keep_map": keep_map(prompt, ctx.active_per_layer),
+            "keep_map": keep_map(prompt, ctx.active_per_layer, ctx.attention_per_layer),
         }
 
 
-def keep_map(prompt: Prompt, active_per_layer: list[torch.Tensor]) -> dict:
+def keep_map(prompt: Prompt, active_per_layer: list[torch.Tensor],
+             attention_per_layer: list[torch.Tensor | None] | None = None) -> dict:
     """How deep every visual token went: the number of leading layers it was active in.
 
+    ``attended`` counts, per visual token, the layers in which it took part in attention (equal to
+    ``depth`` unless a policy such as ZipVL made attention sparse while the FFN stayed dense).
     ``media`` lists each image/video with its token span and (t, h, w) grid so the UI can draw a
     heatmap of ``depth`` over the picture or the frame strip.
     """
     visual = (prompt.modality != TEXT).nonzero().squeeze(1)
     depth = torch.zeros(prompt.modality.shape[0], dtype=torch.long)
+    attended = torch.zeros_like(depth)
     alive = torch.ones_like(depth, dtype=torch.bool)
-    for active in active_per_layer:
+    attention_per_layer = attention_per_layer or [None] * len(active_per_layer)
+    for active, rows in zip(active_per_layer, attention_per_layer):
         present = torch.zeros_like(alive)
         present[active.cpu()] = True
         alive &= present  # a token that left stays out
         depth += alive
+        attending = present.clone() if rows is None else torch.zeros_like(alive).index_fill_(0, rows.cpu(), True)
+        attended += attending
     spans, offset = [], 0
     for item in prompt.media:
         spans.append({"kind": "image" if item.kind == IMAGE else "video", "start": offset,
                       "count": item.num_tokens, "grid": list(item.grid) if item.grid else None})
         offset += item.num_tokens
-    return {"num_layers": len(active_per_layer), "depth": depth[visual].tolist(), "media": spans}
+    return {"num_layers": len(active_per_layer), "depth": depth[visual].tolist(),
+            "attended": attended[visual].tolist(), "media": spans}
 
 
 def _checked(active: torch.Tensor, previous: torch.Tensor, T: int) -> torch.Tensor:

@@ -8,19 +8,25 @@ import sys
 import torch
 
 
-def layer_flops(n: int, d: int, m: int, cache: int | None = None) -> int:
+def layer_flops(n: int, d: int, m: int, cache: int | None = None, attending: int | None = None) -> int:
     """FLOPs proxy of one decoder layer computing ``n`` tokens (hidden ``d``, FFN ``m``).
 
     ``4nd^2`` (q, k, v, o projections) + ``2ncd`` (scores and weighted sum over ``c`` keys; ``c = n``
     in prefill) + ``3ndm`` (SwiGLU: gate, up, down). FastV/DASH write ``2ndm`` for a two-matrix FFN;
     every model Glimpse supports uses SwiGLU, so we count three matrices.
+
+    ``attending``: when only ``p`` of the ``n`` tokens take part in attention, and only with each
+    other (ZipVL's sparse prefill), the attention term is ``2p^2d``; projections and FFN stay dense.
     """
+    if attending is not None:
+        return 4 * n * d * d + 2 * attending * attending * d + 3 * n * d * m
     c = n if cache is None else cache
     return 4 * n * d * d + 2 * n * c * d + 3 * n * d * m
 
 
-def prefill_flops(active_per_layer: list[int], d: int, m: int) -> int:
-    return sum(layer_flops(n, d, m) for n in active_per_layer)
+def prefill_flops(active_per_layer: list[int], d: int, m: int, attending_per_layer: list[int] | None = None) -> int:
+    attending = attending_per_layer or [None] * len(active_per_layer)
+    return sum(layer_flops(n, d, m, attending=p) for n, p in zip(active_per_layer, attending))
 
 
 def synchronize(device: torch.device) -> None:

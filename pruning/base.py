@@ -39,6 +39,11 @@ class Policy:
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         return active
 
+    def attention_rows(self, layer_idx: int, ctx) -> torch.Tensor | None:
+        """Positions (into this layer's active set, sorted) of the tokens that take part in this
+        layer's attention, or None for all of them. The others get no attention update."""
+        return None
+
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
         pass
 

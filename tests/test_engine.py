@@ -121,9 +121,8 @@ def test_smaller_active_set_really_computes_fewer_tokens(checkpoints, media):
     seen = []
     hooks = [layer.mlp.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
              for layer in engine.adapter.layers]
-    hooks += [layer.self_attn.register_forward_pre_hook(
-        lambda m, args, kwargs: seen.append(kwargs["hidden_states"].shape[1]), with_kwargs=True)
-        for layer in engine.adapter.layers]
+    hooks += [layer.self_attn.q_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+              for layer in engine.adapter.layers]
     try:
         with torch.no_grad():
             _, ctx = engine.prefill(prompt, FixedActiveSet(start=2, keep=keep))

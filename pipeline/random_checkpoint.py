@@ -1,0 +1,180 @@
+"""Random-weights checkpoints with real model shapes, for benchmarks and tests (no downloads).
+
+``build_random_qwen2_vl(folder)`` writes a complete Qwen2-VL checkpoint folder — weights, config,
+tokenizer, PIL image processor, chat template — that ``pipeline.load_engine(folder)`` loads exactly
+like a real one. The decoder has the text shapes of a real Qwen2-VL size (``PRESETS``), so the time
+and memory of prefill are those of the real model at that depth; the vision tower keeps the real
+width but only ``vision_depth`` layers, since it is not what the benchmarks measure. The weights are
+random: answers are noise, speed and memory are not.
+
+The tokenizer is a small byte-level BPE trained on the fly (``make_tokenizer``), with the special
+tokens of the real checkpoint; ``QWEN_TEMPLATE`` is a Qwen2-VL style chat template. Both are also
+used by the tests' tiny checkpoints (tests/tiny_models.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "What is in this picture? Describe the image in detail. A red circle and a blue square.",
+    "The video shows a ball that moves from left to right, then changes colour.",
+    "user assistant system You are a helpful assistant. Hello! How are you today?",
+    "one two three four five six seven eight nine ten colour shape size count position",
+]
+
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                       "<|image_pad|>", "<|video_pad|>"]
+
+PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14-pixel patches merged 2x2 -> one LLM token per 28x28 pixels
+
+# Text shapes of the real checkpoints (config.json of Qwen/Qwen2-VL-2B-Instruct and -7B-Instruct); the
+# vision tower has the real width in both (embed_dim 1280, 16 heads, mlp_ratio 4) and projects to the
+# text hidden size. "tiny" is for tests: the same structure at a width that builds in a second.
+PRESETS: dict[str, dict] = {
+    "qwen2-vl-2b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                        num_attention_heads=12, num_key_value_heads=2, rope_theta=1e6,
+                        mrope_section=[16, 24, 24], tie_word_embeddings=True, max_position_embeddings=32768,
+                        rms_norm_eps=1e-6, vision_embed_dim=1280, vision_num_heads=16, vision_mlp_ratio=4),
+    "qwen2-vl-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                        num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6,
+                        mrope_section=[16, 24, 24], tie_word_embeddings=False, max_position_embeddings=32768,
+                        rms_norm_eps=1e-6, vision_embed_dim=1280, vision_num_heads=16, vision_mlp_ratio=4),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, mrope_section=[2, 3, 3],
+                 tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                 vision_embed_dim=32, vision_num_heads=4, vision_mlp_ratio=2),
+}
+REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b"]
+
+# The real Qwen2-VL image processor's budget: max_pixels 12845056 = 16384 tokens, min_pixels 3136.
+DEFAULT_MAX_VISUAL_TOKENS = 16384
+MIN_PIXELS = 56 * 56
+
+
+def make_tokenizer(special: list[str], eos: str, bos: str | None = None, vocab_size: int = 300):
+    """A small byte-level BPE trained on ``CORPUS``, with ``special`` tokens first (ids 0..)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=eos)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}: use {', '.join(names)}")
+    return names[dtype]
+
+
+def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", layers: int | None = None,
+                          vision_depth: int = 1, max_visual_tokens: int = DEFAULT_MAX_VISUAL_TOKENS,
+                          dtype: str | torch.dtype = torch.float32, seed: int = 0,
+                          init_device: str | torch.device | None = None, **overrides) -> Path:
+    """Write a random-weights Qwen2-VL checkpoint with the text shapes of ``preset`` into ``folder``.
+
+    ``layers`` overrides the decoder depth; ``vision_depth`` is the vision tower's depth (real width).
+    The image processor admits images of up to ``max_visual_tokens`` visual tokens (28x28 pixels each)
+    without shrinking them. Weights are created and saved in ``dtype`` (bfloat16 for GPU runs keeps a
+    7B-width model at half the memory of float32). ``init_device`` ("cuda") makes the random
+    initialisation of a large model fast; the files are the same. ``overrides`` replace preset keys
+    (``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``vision_embed_dim``, ...).
+    Returns ``folder``.
+    """
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; available: {', '.join(PRESETS)}")
+    unknown = set(overrides) - set(PRESETS[preset])
+    if unknown:
+        raise TypeError(f"unknown override(s) {sorted(unknown)}; known: {sorted(PRESETS[preset])}")
+    shape = {**PRESETS[preset], **overrides}
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    if shape["num_hidden_layers"] < 1 or vision_depth < 1:
+        raise ValueError("layers and vision_depth must be at least 1")
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    if sum(shape["mrope_section"]) * 2 != head_dim:
+        raise ValueError(f"mrope_section {shape['mrope_section']} must sum to head_dim / 2 = {head_dim // 2}")
+    torch_dtype = _dtype(dtype)
+
+    tok = make_tokenizer(QWEN_SPECIAL_TOKENS, eos="<|im_end|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    eos = ids["<|im_end|>"]
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                         intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
+                         num_attention_heads=shape["num_attention_heads"],
+                         num_key_value_heads=shape["num_key_value_heads"],
+                         max_position_embeddings=shape["max_position_embeddings"], rms_norm_eps=shape["rms_norm_eps"],
+                         bos_token_id=None, eos_token_id=eos, pad_token_id=ids["<|endoftext|>"],
+                         rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"],
+                                          "mrope_section": list(shape["mrope_section"])}),
+        vision_config=dict(depth=vision_depth, embed_dim=shape["vision_embed_dim"], hidden_size=shape["hidden_size"],
+                           num_heads=shape["vision_num_heads"], mlp_ratio=shape["vision_mlp_ratio"], patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=eos, pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=shape["tie_word_embeddings"],
+    )
+    torch.manual_seed(seed)
+    with torch.device(init_device or "cpu"):
+        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch_dtype).eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    max_pixels = max(int(max_visual_tokens), 4) * PIXELS_PER_TOKEN
+    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels})
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    del model
+    tok.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(QWEN_TEMPLATE)
+    return folder
+
+
+def grid_for_tokens(tokens: int, aspect: float = 1.0) -> tuple[int, int]:
+    """(rows, cols) of 28x28-pixel cells with rows * cols close to ``tokens`` and cols/rows ~ ``aspect``."""
+    tokens = max(int(tokens), 1)
+    rows = max(1, round(math.sqrt(tokens / aspect)))
+    cols = max(1, round(tokens / rows))
+    return rows, cols
+
+
+def random_image(tokens: int, seed: int = 0, aspect: float = 1.0):
+    """A random-noise RGB PIL image whose Qwen2-VL token count is about ``tokens``: its sides are
+    multiples of 28 pixels, one visual token per 28x28 cell (14-pixel patches merged 2x2)."""
+    import numpy as np
+    from PIL import Image
+
+    rows, cols = grid_for_tokens(tokens, aspect)
+    array = (np.random.RandomState(seed).rand(rows * 28, cols * 28, 3) * 255).astype("uint8")
+    return Image.fromarray(array)
+
+
+__all__ = ["CORPUS", "PRESETS", "QWEN_TEMPLATE", "REAL_PRESETS", "build_random_qwen2_vl", "grid_for_tokens",
+           "make_tokenizer", "random_image"]
