@@ -1,37 +1,60 @@
 """The policy interface: a small object with typed parameters and a few callbacks.
 
 The engine calls, in this order:
-  plan(ctx)                          before prefill, once the prompt and its modalities are known
+  plan(ctx)                          before prefill, once the prompt, its modalities and the depth
+                                     are known: resolve layer numbers, reset per-request state
   select(layer_idx, active, ctx)     before each decoder layer: return the token indices it computes
+  attention_rows(layer_idx, ctx)     once the layer's queries and keys exist: which of the active
+                                     tokens take part in attention (None: all of them)
   score(layer_idx, attn_output, ctx) after that layer's attention output (after o_proj, before the
                                      residual add) is known, for importance signals such as DASH's
   decode_step(step, ctx)             before each decode step (evict / quantize / revive KV entries)
 
 ``active`` is always a sorted 1-D LongTensor of original prompt indices. A policy may only shrink
 it (never re-add a token whose hidden state went stale) and must keep the last prompt token; the
-engine checks both. Policies know nothing of files, Gradio or HTTP.
+engine checks both. During a layer's callbacks ``ctx.active``, ``ctx.queries`` and ``ctx.keys``
+describe that layer (see ``pipeline.engine.PrefillContext``).
+
+A policy object carries its parameters (dataclass fields) and, between ``plan`` and the end of the
+request, its per-request state; ``make_policy`` builds a fresh one per request. Policies know
+nothing of files, Gradio or HTTP.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
+
+
+def check_speed(speed: float) -> float:
+    if not 0.0 <= speed <= 1.0:
+        raise ValueError(f"speed must be in [0, 1], got {speed}")
+    return float(speed)
+
+
+def scaled_layer(paper_layer: float, paper_depth: int, num_layers: int) -> int:
+    """A layer number from a paper's model, scaled to this model's depth (rounded, at least 1)."""
+    return max(1, round(paper_layer * num_layers / paper_depth))
 
 
 @dataclass
 class Policy:
     name = "none"
+    # Layer numbers and other values only known once the model's depth and the prompt are (set by plan).
+    resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_speed(cls, speed: float) -> "Policy":
         """Parameters for a speed in [0, 1]; speed 0 must be exact (no pruning)."""
-        if not 0.0 <= speed <= 1.0:
-            raise ValueError(f"speed must be in [0, 1], got {speed}")
+        check_speed(speed)
         return cls()
 
     def params(self) -> dict:
-        return asdict(self)
+        """The parameters this request ran with: the fields, then the resolved values."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        out.update(self.resolved)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
     def plan(self, ctx) -> None:
         pass
@@ -56,3 +79,51 @@ class NoPruning(Policy):
     """Every token through every layer: the engine reproduces transformers exactly."""
 
     name = "none"
+
+
+# ---------------------------------------------------------------------------- shared signals
+def probe_attention(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention probabilities of a few query rows over all of a layer's keys, causal.
+
+    ``queries`` (1, heads, n, head_dim) and ``keys`` (1, kv_heads, n, head_dim) are the layer's,
+    after RoPE; ``rows`` are positions in the layer's active set (which is in original order, so
+    causal order is position order). Returns (heads, len(rows), n) in float32; a key after its
+    query's position gets probability 0. Costs O(rows * n * d): no T x T matrix is formed.
+    """
+    heads, kv_heads = queries.shape[1], keys.shape[1]
+    groups = heads // kv_heads
+    q = queries[0, :, rows].float()  # (heads, r, hd)
+    k = keys[0].float()  # (kv_heads, n, hd)
+    r, n = q.shape[1], k.shape[1]
+    # Grouped-query attention: query head h reads kv head h // groups (transformers' repeat_kv).
+    q = q.reshape(kv_heads, groups * r, q.shape[-1])
+    scores = (q @ k.transpose(1, 2)).reshape(heads, r, n) * scaling
+    future = torch.arange(n, device=k.device)[None, :] > rows.to(k.device)[:, None]  # (r, n)
+    scores = scores.masked_fill(future[None], float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def last_token_attention(ctx) -> torch.Tensor:
+    """The last prompt token's attention over the layer's active tokens, mean over heads: (n,).
+
+    The signal of FastV, ST3 and LazyLLM (Eq. 1 of LazyLLM), from one probe query.
+    """
+    last = torch.tensor([ctx.queries.shape[2] - 1], device=ctx.queries.device)
+    return probe_attention(ctx.queries, ctx.keys, last, ctx.scaling).mean(dim=0)[0]
+
+
+def lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions of the ``count`` smallest scores (ties broken towards earlier positions)."""
+    if count <= 0:
+        return torch.empty(0, dtype=torch.long, device=scores.device)
+    order = torch.sort(scores, stable=True).indices
+    return order[:count]
+
+
+def without(active: torch.Tensor, dropped_positions: torch.Tensor) -> torch.Tensor:
+    """``active`` minus the entries at ``dropped_positions`` (positions into ``active``)."""
+    if dropped_positions.numel() == 0:
+        return active
+    keep = torch.ones(active.shape[0], dtype=torch.bool, device=active.device)
+    keep[dropped_positions] = False
+    return active[keep]

@@ -1,0 +1,53 @@
+"""Composition: several policies acting as one, in order (kvpress's wrapper idea).
+
+Every callback goes to every member in order; ``select`` chains, so each member only ever shrinks
+what the previous ones left; ``attention_rows`` intersects the members' choices. This is how the
+design card's default pipeline (HiDivDrop late injection, then DASH or ZipVL, then ST3's decode-time
+annealing) is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pruning.base import Policy
+
+
+@dataclass
+class Pipeline(Policy):
+    policies: tuple[Policy, ...] = ()
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or "+".join(p.name for p in self.policies) or "none"
+
+    def params(self) -> dict:
+        return {p.name: p.params() for p in self.policies}
+
+    def plan(self, ctx) -> None:
+        for p in self.policies:
+            p.plan(ctx)
+
+    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        for p in self.policies:
+            active = p.select(layer_idx, active, ctx)
+        return active
+
+    def attention_rows(self, layer_idx: int, ctx) -> torch.Tensor | None:
+        rows = None
+        for p in self.policies:
+            chosen = p.attention_rows(layer_idx, ctx)
+            if chosen is not None:
+                rows = chosen if rows is None else rows[torch.isin(rows, chosen)]
+        return rows
+
+    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
+        for p in self.policies:
+            p.score(layer_idx, attn_output, ctx)
+
+    def decode_step(self, step: int, ctx) -> None:
+        for p in self.policies:
+            p.decode_step(step, ctx)

@@ -1,0 +1,72 @@
+"""DASH: Delta Attention Selective Halting (seeds/DASH.txt).
+
+Tokens whose attention branch barely changes them have reached a "semantic fixing point". At the
+start layer ``l_s`` DASH scores every token by ``||U_t||_2``, U the attention output after o_proj
+and before the residual add, keeps the highest-scoring tokens and halts the rest: halted tokens
+skip attention and FFN in every deeper layer and keep their hidden state. Single shot, every
+modality, no attention matrix needed.
+
+Layer numbering follows the paper's Algorithm 1 and Appendix A.1: layers ``0 .. l_s-1`` (0-based)
+run on all T tokens; the score is the attention output of the last of them (the paper's 1-based
+layer ``l_s``); layers ``l_s .. L-1`` run on the kept set, so
+``C_ours = l_s A(T) + (L - l_s) A(T_hat)``. ``l_s = floor(0.4 L)`` (the paper's setting).
+
+How many tokens are halted follows the paper's implementation (Appendix A.1, Table 5): the first
+``keep_first`` and last ``keep_last`` tokens are always kept and ``round(rho * (T - n_fix))`` of the
+remaining eligible tokens are halted, ``n_fix = keep_first + keep_last``; the kept length is
+``T_hat = T - round(rho (T - n_fix))`` (8192 -> 2792 at rho=0.667, as in Table 5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pruning.base import Policy, check_speed, lowest, without
+
+RHO_AT_FULL_SPEED = 0.8  # rho = 0.8 * speed: 0.4 at speed 0.5, the paper's 0.667 at speed ~0.83
+
+
+@dataclass
+class DASH(Policy):
+    rho: float = 0.0  # pruning ratio: share of the eligible tokens halted at l_s
+    start_layer: int | None = None  # l_s; None: floor(0.4 L), at least 1
+    keep_first: int = 64
+    keep_last: int = 32
+    name = "dash"
+
+    @classmethod
+    def from_speed(cls, speed: float) -> "DASH":
+        return cls(rho=RHO_AT_FULL_SPEED * check_speed(speed))
+
+    def plan(self, ctx) -> None:
+        if not 0.0 <= self.rho < 1.0:
+            raise ValueError(f"DASH rho must be in [0, 1), got {self.rho}")
+        l_s = self.start_layer if self.start_layer is not None else max(1, math.floor(0.4 * ctx.num_layers))
+        self.resolved = {"start_layer": l_s, "num_halted": 0}
+        self.kept: torch.Tensor | None = None  # original indices kept from l_s on
+
+    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
+        l_s = self.resolved["start_layer"]
+        if layer_idx != l_s - 1 or self.rho == 0.0:
+            return
+        active = ctx.active
+        n = active.shape[0]
+        first, last = min(self.keep_first, n), max(1, min(self.keep_last, n))  # the last token never halts
+        eligible = n - first - last
+        if eligible <= 0:
+            return
+        delta = attn_output[0].float().norm(dim=-1)  # ||U_t||_2, one per active token
+        halt_count = int(round(self.rho * eligible))
+        halted = first + lowest(delta[first:n - last], halt_count)
+        self.kept = without(active, halted)
+        self.resolved["num_halted"] = halt_count
+        self.halted = active[halted].sort().values  # for tests and the UI
+
+    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        if layer_idx != self.resolved["start_layer"] or self.kept is None:
+            return active
+        # Single shot: from l_s on the kept set never changes, so later layers just pass it on.
+        return active[torch.isin(active, self.kept)]

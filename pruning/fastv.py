@@ -1,0 +1,48 @@
+"""FastV, the baseline every paper here compares against (Chen et al., 2024, "An image is worth 1/2
+tokens after layer 2").
+
+Layers ``0 .. K-1`` see every token. From layer K on, the share ``R`` of the image (visual) tokens
+that received the least attention in layer K-1 is dropped for good. FastV's released code ranks
+by the last token's attention row, averaged over heads, which is what we use: one probe query, no
+T x T matrix. Paper defaults: K = 2, R = 50% on LLaVA-1.5 (32 layers); K scales with depth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pruning.base import Policy, check_speed, last_token_attention, lowest, scaled_layer, without
+
+
+@dataclass
+class FastV(Policy):
+    ratio: float = 0.0  # R: share of the visual tokens dropped at layer K
+    layer: int | None = None  # K; None: round(2 L / 32), at least 1
+    name = "fastv"
+
+    @classmethod
+    def from_speed(cls, speed: float) -> "FastV":
+        return cls(ratio=check_speed(speed))  # the paper's R = 50% at speed 0.5
+
+    def plan(self, ctx) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"FastV ratio must be in [0, 1], got {self.ratio}")
+        K = self.layer if self.layer is not None else scaled_layer(2, 32, ctx.num_layers)
+        self.resolved = {"layer": K, "num_dropped": 0}
+        self.scores: torch.Tensor | None = None
+
+    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
+        if layer_idx == self.resolved["layer"] - 1 and self.ratio > 0:
+            self.scores = torch.full_like(ctx.modality, float("-inf"), dtype=torch.float32)
+            self.scores[ctx.active] = last_token_attention(ctx)
+
+    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        if layer_idx != self.resolved["layer"] or self.scores is None:
+            return active
+        visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
+        count = math.floor(self.ratio * visual.shape[0] + 1e-9)
+        self.resolved["num_dropped"] = count
+        return without(active, visual[lowest(self.scores[active[visual]], count)])

@@ -1,0 +1,73 @@
+"""LazyLLM's progressive token pruning, its prefill part (seeds/LazyLLM.txt).
+
+A token's importance in layer l is the last prompt token's attention to it, mean over heads
+(Eq. 1). At each pruning layer, the tokens whose importance in the previous layer falls below the
+``k``-th percentile of the active tokens are pruned and skip every later layer (Algorithm 1): the
+active sets are nested, and later layers keep fewer tokens. LazyLLM is a language-model method, so
+every modality can be pruned; the last prompt token never is.
+
+Exactly ``floor(k n)`` of the ``n`` active tokens are pruned at a pruning layer (the lowest scores),
+so ``ceil((1 - k) n)`` stay. The hidden states of the pruned tokens, as they entered the pruning
+layer, go to the Aux Cache (``ctx.aux_cache``): decode-time revival recomputes their keys and
+values there instead of re-running the earlier layers.
+
+The paper sweeps where and how much to prune and fixes no default. Ours: prune at 1/4, 1/2 and 3/4
+of the depth, with percentiles ``(0.4, 0.5, 0.6) x speed``: at speed 1 the three stages keep 60%,
+30% and 12% of the prompt (pruning later layers harder, as the paper's Section 5.5 finds safer).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pruning.base import Policy, check_speed, last_token_attention, lowest, without
+
+DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
+PERCENTILES_AT_FULL_SPEED = (0.4, 0.5, 0.6)
+
+
+@dataclass
+class LazyLLM(Policy):
+    percentiles: tuple[float, ...] = (0.0, 0.0, 0.0)  # k at each pruning layer, in [0, 1)
+    depth_fractions: tuple[float, ...] = DEPTH_FRACTIONS  # where the pruning layers sit
+    prune_layers: tuple[int, ...] | None = None  # explicit layers instead of depth_fractions
+    name = "lazyllm"
+
+    @classmethod
+    def from_speed(cls, speed: float) -> "LazyLLM":
+        speed = check_speed(speed)
+        return cls(percentiles=tuple(k * speed for k in PERCENTILES_AT_FULL_SPEED))
+
+    def plan(self, ctx) -> None:
+        L = ctx.num_layers
+        layers = self.prune_layers or tuple(max(1, round(f * L)) for f in self.depth_fractions)
+        if len(layers) != len(self.percentiles):
+            raise ValueError(f"LazyLLM: {len(layers)} pruning layers but {len(self.percentiles)} percentiles")
+        if any(not 0.0 <= k < 1.0 for k in self.percentiles):
+            raise ValueError(f"LazyLLM percentiles must be in [0, 1), got {self.percentiles}")
+        # On shallow models two fractions can round to one layer: the first keeps it.
+        self.schedule: dict[int, float] = {}
+        for layer, k in zip(layers, self.percentiles):
+            if 1 <= layer < L and layer not in self.schedule:
+                self.schedule[layer] = k
+        self.resolved = {"prune_layers": sorted(self.schedule),
+                         "layer_percentiles": [self.schedule[l] for l in sorted(self.schedule)]}
+        self.scores: torch.Tensor | None = None
+
+    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
+        if layer_idx + 1 in self.schedule:  # the pruning decision uses the previous layer's scores
+            self.scores = last_token_attention(ctx)
+
+    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        k = self.schedule.get(layer_idx, 0.0)
+        if k == 0.0 or self.scores is None:
+            return active
+        previous = ctx.active  # the previous layer's active set, which the scores cover
+        scores = self.scores[torch.isin(previous, active)].clone()
+        scores[-1] = float("inf")  # the last prompt token is never pruned
+        pruned = lowest(scores, math.floor(k * active.shape[0]))
+        ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
+        return without(active, pruned)

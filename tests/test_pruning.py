@@ -1,0 +1,377 @@
+"""Prefill pruning: each policy does what its paper defines, speed 0 is exact, and physically
+dropping tokens equals masking them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import ARCHS
+from pipeline import load_engine
+from pipeline.adapters import TEXT
+from pruning import DASH, POLICIES, FastV, LazyLLM, NoPruning, Pipeline, ST3Pruning, ZipVL, make_policy
+from pruning.zipvl import important_count
+from tiny_models import build_llava, build_qwen2_vl, reference_inputs
+
+DEEP_LAYERS = 12
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory) -> dict:
+    """12-layer tiny models, deep enough for multi-stage schedules (ST3, LazyLLM)."""
+    root = tmp_path_factory.mktemp("deep")
+    return {"qwen2_vl": build_qwen2_vl(root / "qwen2_vl", layers=DEEP_LAYERS),
+            "llava": build_llava(root / "llava", layers=DEEP_LAYERS)}
+
+
+def _image_messages(media, question="What is in this picture? Describe the image in detail."):
+    return [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                         {"type": "text", "text": question}]}]
+
+
+def _reference_attention(engine, prompt) -> tuple:
+    """Every layer's full attention probabilities from transformers' own eager forward."""
+    assert engine.attn_implementation == "eager"  # only eager attention returns probabilities
+    inputs = reference_inputs(engine, prompt)
+    with torch.no_grad():
+        out = engine.model(**inputs, output_attentions=True)
+    return out.attentions  # per layer (1, heads, T, T)
+
+
+def _visual(prompt) -> torch.Tensor:
+    return (prompt.modality != TEXT).nonzero().squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------- DASH
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_dash_halts_exactly_the_lowest_attention_deltas_and_they_skip_every_deeper_layer(deep, media, arch):
+    engine = load_engine(str(deep[arch]), device="cpu", attn="sdpa")
+    prompt = engine.prepare(_image_messages(media))
+    T, L = len(prompt), DEEP_LAYERS
+    policy = DASH(rho=0.6, keep_first=3, keep_last=2)
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+    l_s = policy.params()["start_layer"]
+    assert l_s == math.floor(0.4 * L)
+
+    # Hand-computed score: ||U_t||_2 with U the attention output (after o_proj, before the
+    # residual add) of layer l_s - 1 in transformers' own forward.
+    captured = {}
+    attn = engine.model.model.language_model.layers[l_s - 1].self_attn
+    hook = attn.register_forward_hook(lambda m, args, out: captured.update(U=out[0][0]))
+    try:
+        with torch.no_grad():
+            engine.model(**reference_inputs(engine, prompt))
+    finally:
+        hook.remove()
+    delta = captured["U"].float().norm(dim=-1)
+    eligible = torch.arange(3, T - 2)
+    count = round(0.6 * (T - 5))
+    expected_halted = eligible[delta[eligible].argsort()[:count]].sort().values
+
+    assert policy.halted.tolist() == expected_halted.tolist()
+    counts = [len(a) for a in ctx.active_per_layer]
+    assert counts == [T] * l_s + [T - count] * (L - l_s)
+    for layer_idx in range(l_s, L):  # no deeper layer receives a halted token, not even as a key
+        assert not torch.isin(ctx.cache.layers[layer_idx].index, expected_halted).any()
+    assert torch.isin(expected_halted, ctx.cache.layers[l_s - 1].index).all()
+
+
+def test_dash_keeps_its_guards_and_halts_nothing_on_short_prompts(checkpoints, media):
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    prompt = engine.prepare(_image_messages(media))
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, DASH(rho=0.6))  # default guards 64 + 32 cover the whole prompt
+    assert [len(a) for a in ctx.active_per_layer] == [len(prompt)] * len(engine.adapter.layers)
+    policy = DASH(rho=0.9, keep_first=10, keep_last=5)
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+    last = ctx.active_per_layer[-1].tolist()
+    T = len(prompt)
+    assert set(range(10)) | set(range(T - 5, T)) <= set(last)
+
+
+# ---------------------------------------------------------------------------------------- ZipVL
+def test_zipvl_p_is_the_fewest_tokens_reaching_tau():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=generator) * 3
+    probs = logits.softmax(dim=-1)  # 6 probe rows over 40 tokens, each row sums to 1
+    mass = probs.sum(dim=0).sort(descending=True).values
+    for tau in (0.5, 0.8, 0.9, 0.96, 0.99):
+        p = important_count(probs, tau)
+        assert mass[:p].sum() >= tau * 6 - 1e-5
+        assert p == 1 or mass[: p - 1].sum() < tau * 6
+    assert important_count(probs, 1.0) == 40
+
+    # A constructed pattern: every row puts 0.5 on token 0, 0.3 on token 1, the rest spread thin.
+    pattern = torch.full((4, 10), 0.2 / 8)
+    pattern[:, 0], pattern[:, 1] = 0.5, 0.3
+    assert important_count(pattern, 0.5) == 1
+    assert important_count(pattern, 0.8) == 2
+    assert important_count(pattern, 0.81) == 3
+
+
+def test_zipvl_skips_attention_of_unimportant_tokens_while_their_ffn_runs(checkpoints, media):
+    engine = load_engine(str(checkpoints["llava_next"]), device="cpu", attn="sdpa")
+    prompt = engine.prepare(_image_messages(media))
+    T = len(prompt)
+    seen = {"q": [], "o": [], "mlp": []}
+    layers = engine.adapter.layers
+    hooks = [layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen["q"].append(a[0].shape[1]))
+             for layer in layers]
+    hooks += [layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen["o"].append(a[0].shape[1]))
+              for layer in layers]
+    hooks += [layer.mlp.register_forward_pre_hook(lambda m, a: seen["mlp"].append(a[0].shape[1])) for layer in layers]
+    policy = ZipVL(tau_image=0.9)
+    try:
+        with torch.no_grad():
+            _, ctx = engine.prefill(prompt, policy)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    important = policy.params()["important_per_layer"]
+    assert len(important) == len(layers) and min(important) < T
+    assert seen["q"] == [T] * len(layers)  # queries/keys/values for every token (the cache holds them all)
+    assert seen["mlp"] == [T] * len(layers)  # the FFN stays dense
+    assert seen["o"] == important  # attention output only for the important tokens
+    assert ctx.cache.lengths() == [T] * len(layers)
+    for rows, p in zip(ctx.attention_per_layer, important):
+        assert rows is None if p == T else (len(rows) == p and int(rows[-1]) == T - 1)
+
+
+def test_zipvl_with_tau_one_drops_nothing(checkpoints, media):
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    messages = _image_messages(media)
+    exact = engine.generate(messages, policy="none", max_new_tokens=6)
+    result = engine.generate(messages, policy=ZipVL(tau_image=1.0), max_new_tokens=6)
+    assert result.token_ids == exact.token_ids
+    assert result.metrics["attention_tokens_per_layer"] == result.metrics["active_tokens_per_layer"]
+
+
+# ---------------------------------------------------------------------------------------- ST3
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_st3_keeps_the_eq9_share_of_visual_tokens_never_prunes_text_or_before_layer_3(deep, media, arch):
+    engine = load_engine(str(deep[arch]), device="cpu", attn="eager")
+    prompt = engine.prepare(_image_messages(media))
+    visual = _visual(prompt)
+    V, L = len(visual), DEEP_LAYERS
+    policy = ST3Pruning(first_drop=0.5, end_keep=0.1)
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+    params = policy.params()
+    P, R, S = params["first_drop"], params["drop_step"], params["stride"]
+    C = 1 - math.floor((L - 3) / S) * R - P  # Eq. 9
+    assert C == pytest.approx(0.1)
+
+    def visual_count(active):
+        return int(torch.isin(active, visual).sum())
+
+    counts = [visual_count(a) for a in ctx.active_per_layer]
+    assert counts[:4] == [V, V, V, V - math.floor(P * V)]  # nothing before layer 3, P at layer 3
+    assert counts[-1] == V - math.floor((1 - C) * V + 1e-9)
+    assert all(b <= a for a, b in zip(counts, counts[1:]))
+    changes = [layer for layer in range(1, L) if counts[layer] != counts[layer - 1]]
+    assert changes == [layer for layer in range(3, L) if (layer - 3) % S == 0]
+    text = (prompt.modality == TEXT).nonzero().squeeze(1)
+    for active in ctx.active_per_layer:
+        assert torch.isin(text, active).all()  # text is never pruned
+
+    # The first drop keeps the visual tokens the last token attended to most in layer 2.
+    attention = _reference_attention(engine, prompt)[2][0, :, -1].mean(dim=0)
+    dropped = visual[attention[visual].argsort()[: math.floor(P * V)]]
+    assert set(ctx.active_per_layer[3].tolist()) == set(range(len(prompt))) - set(dropped.tolist())
+
+
+def test_st3_paper_setting_ends_at_one_percent_on_32_layers():
+    from pruning.st3 import default_stride
+
+    assert default_stride(32, 3) == 7
+    policy = ST3Pruning.from_speed(1.0)
+    assert (policy.first_drop, policy.end_keep) == (0.5, pytest.approx(0.01))
+    # R = (1 - P - C) / floor((32 - 3) / 7) = 12.25%, the paper's value.
+    assert (1 - policy.first_drop - policy.end_keep) / math.floor(29 / 7) == pytest.approx(0.1225)
+    for depth in range(4, 81):
+        stride = default_stride(depth, 3)
+        assert len(range(3 + stride, depth, stride)) == math.floor((depth - 3) / stride)  # Eq. 9 is exact
+
+
+# ---------------------------------------------------------------------------------------- LazyLLM
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_lazyllm_keeps_the_right_percentile_per_pruning_layer_nested(deep, media, arch):
+    engine = load_engine(str(deep[arch]), device="cpu", attn="eager")
+    prompt = engine.prepare(_image_messages(media))
+    T = len(prompt)
+    policy = LazyLLM(percentiles=(0.3, 0.4, 0.5))
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+    layers = policy.params()["prune_layers"]
+    assert layers == [3, 6, 9]  # 1/4, 1/2, 3/4 of 12 layers
+    active = ctx.active_per_layer
+    for before, after in zip(active, active[1:]):
+        assert torch.isin(after, before).all()  # nested
+    for layer, k in zip(layers, (0.3, 0.4, 0.5)):
+        n = len(active[layer - 1])
+        assert len(active[layer]) == math.ceil((1 - k) * n) == n - math.floor(k * n)
+        pruned = active[layer - 1][~torch.isin(active[layer - 1], active[layer])]
+        index, hidden = ctx.aux_cache.get(layer)
+        assert sorted(index.tolist()) == sorted(pruned.tolist())  # their states wait in the Aux Cache
+        assert hidden.shape == (len(pruned), engine.adapter.text_config.hidden_size)
+    for layer in range(1, L := DEEP_LAYERS):
+        if layer not in layers:
+            assert len(active[layer]) == len(active[layer - 1])
+
+    # The first pruning layer drops the lowest last-token attention (mean over heads) of layer 2.
+    attention = _reference_attention(engine, prompt)[layers[0] - 1][0, :, -1].mean(dim=0)
+    scores = attention.clone()
+    scores[-1] = float("inf")
+    dropped = scores.argsort()[: math.floor(0.3 * T)]
+    assert set(active[layers[0]].tolist()) == set(range(T)) - set(dropped.tolist())
+    assert L == len(active)
+
+
+def test_lazyllm_stored_hidden_states_are_what_entered_the_pruning_layer(deep, media):
+    engine = load_engine(str(deep["llava"]), device="cpu", attn="eager")
+    prompt = engine.prepare(_image_messages(media))
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, LazyLLM(percentiles=(0.5, 0.0, 0.0)))
+        out = engine.model(**reference_inputs(engine, prompt), output_hidden_states=True)
+    index, hidden = ctx.aux_cache.get(3)
+    # hidden_states[3] is the input of layer 3, with every token computed through layers 0-2.
+    torch.testing.assert_close(hidden, out.hidden_states[3][0, index], atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------- FastV
+def test_fastv_drops_r_of_the_image_tokens_with_least_attention_at_layer_k(deep, media):
+    engine = load_engine(str(deep["llava"]), device="cpu", attn="eager")
+    prompt = engine.prepare(_image_messages(media))
+    visual = _visual(prompt)
+    policy = FastV.from_speed(0.5)
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+    K = policy.params()["layer"]
+    assert K == max(1, round(2 * DEEP_LAYERS / 32)) and policy.ratio == 0.5
+    attention = _reference_attention(engine, prompt)[K - 1][0, :, -1].mean(dim=0)
+    dropped = visual[attention[visual].argsort()[: len(visual) // 2]]
+    T = len(prompt)
+    expected = [T] * K + [T - len(dropped)] * (DEEP_LAYERS - K)
+    assert [len(a) for a in ctx.active_per_layer] == expected
+    assert set(ctx.active_per_layer[K].tolist()) == set(range(T)) - set(dropped.tolist())
+
+
+# ---------------------------------------------------------------------------------------- slider
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_policy_at_speed_zero_equals_no_pruning_token_for_token(checkpoints, media, arch):
+    engine = load_engine(str(checkpoints[arch]), device="cpu")
+    messages = _image_messages(media)
+    exact = engine.generate(messages, policy="none", max_new_tokens=8)
+    for name in ["auto", *POLICIES]:
+        result = engine.generate(messages, policy=name, speed=0.0, max_new_tokens=8)
+        assert result.token_ids == exact.token_ids, name
+        assert result.metrics["prefill_flops"] == result.metrics["prefill_flops_baseline"], name
+
+
+@pytest.mark.parametrize("name", ["auto", *POLICIES])
+def test_flops_proxy_never_rises_with_speed(deep, media, name):
+    engine = load_engine(str(deep["qwen2_vl"]), device="cpu")
+    messages = _image_messages(media)
+    flops = []
+    for speed in (0.0, 0.25, 0.5, 0.75, 1.0):
+        policy = make_policy(name, speed, {"dash.keep_first": 4, "dash.keep_last": 4} if name == "auto"
+                             else {"keep_first": 4, "keep_last": 4} if name == "dash" else {})
+        result = engine.generate(messages, policy=policy, max_new_tokens=1)
+        flops.append(result.metrics["prefill_flops"])
+    assert all(b <= a for a, b in zip(flops, flops[1:])), flops
+    if name != "none":
+        assert flops[-1] < flops[0]
+
+
+def test_speed_outside_zero_one_and_unknown_parameters_are_clear_errors():
+    with pytest.raises(ValueError, match="speed"):
+        make_policy("dash", 1.5)
+    with pytest.raises(ValueError, match="no parameter"):
+        make_policy("dash", 0.5, {"rhoo": 0.3})
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("magic", 0.5)
+    assert make_policy("dash", 0.5, {"rho": 0.3}).rho == 0.3
+    assert make_policy("auto", 0.5, {"dash.start_layer": 5}).policies[0].start_layer == 5
+
+
+# ---------------------------------------------------------------------------------------- composition
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])  # M-RoPE and 1-D RoPE
+def test_composed_auto_and_a_hand_built_pipeline_run_end_to_end(deep, media, arch):
+    engine = load_engine(str(deep[arch]), device="cpu")
+    messages = _image_messages(media)
+    result = engine.generate(messages, policy=make_policy("auto", 0.8, {"dash.keep_first": 4, "dash.keep_last": 4}),
+                             max_new_tokens=6)
+    counts = result.metrics["active_tokens_per_layer"]
+    assert result.policy == "auto" and "dash" in result.params
+    assert counts[-1] < counts[0] and result.token_ids
+
+    fastv, dash = FastV(ratio=0.5), DASH(rho=0.5, keep_first=2, keep_last=2)
+    prompt = engine.prepare(messages)
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, Pipeline(policies=(fastv, dash)))
+    K, l_s = fastv.params()["layer"], dash.params()["start_layer"]
+    active = ctx.active_per_layer
+    for before, after in zip(active, active[1:]):
+        assert torch.isin(after, before).all()
+    visual = len(_visual(prompt))
+    assert len(active[K]) == len(prompt) - visual // 2  # FastV's drop first ...
+    assert len(active[l_s]) == len(active[l_s - 1]) - dash.params()["num_halted"]  # ... then DASH on the rest
+
+
+# ---------------------------------------------------------------------------------------- masking
+def _masked_reference(engine, prompt, active_per_layer, attention_per_layer) -> torch.Tensor:
+    """Every token through every layer with the layers' own forward (eager), but in each layer only
+    the active tokens are keys, inactive tokens keep their hidden state, and where attention was
+    restricted (ZipVL) the other tokens' attention output is zeroed while their FFN runs."""
+    adapter = engine.adapter
+    hidden = engine.embed_prompt(prompt)
+    positions = adapter.positions(prompt.input_ids, prompt.modality, prompt.media)
+    cos, sin = adapter.rotary(hidden, positions)
+    T = hidden.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    minimum = torch.finfo(hidden.dtype).min
+    for layer, active, rows in zip(adapter.layers, active_per_layer, attention_per_layer):
+        keys = torch.zeros(T, dtype=torch.bool)
+        keys[active if rows is None else rows] = True
+        allowed = (causal & keys[None, :]) | torch.eye(T, dtype=torch.bool)
+        mask = torch.zeros(T, T).masked_fill(~allowed, minimum)[None, None]
+        hook = layer.self_attn.register_forward_hook(
+            lambda m, args, out, keys=keys: (out[0] * keys[None, :, None], out[1]))
+        try:
+            new = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin))
+        finally:
+            hook.remove()
+        is_active = torch.zeros(T, dtype=torch.bool)
+        is_active[active] = True
+        hidden = torch.where(is_active[None, :, None], new, hidden)
+    return adapter.lm_head(adapter.norm(hidden[:, -1:]))[0, -1]
+
+
+MASKING_CASES = {
+    "dash": lambda: DASH(rho=0.5, keep_first=2, keep_last=2),
+    "zipvl": lambda: ZipVL(tau_image=0.85),
+    "st3": lambda: ST3Pruning(first_drop=0.5, end_keep=0.1),
+    "lazyllm": lambda: LazyLLM(percentiles=(0.3, 0.4, 0.5)),
+    "fastv": lambda: FastV(ratio=0.6),
+    "auto": lambda: make_policy("auto", 0.8, {"dash.keep_first": 2, "dash.keep_last": 2}),
+}
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("name", list(MASKING_CASES))
+def test_physical_dropping_equals_masking_for_each_policy(deep, media, arch, name):
+    engine = load_engine(str(deep[arch]), device="cpu", attn="eager")
+    prompt = engine.prepare(_image_messages(media))
+    with torch.no_grad():
+        logits, ctx = engine.prefill(prompt, MASKING_CASES[name]())
+        reference = _masked_reference(engine, prompt, ctx.active_per_layer, ctx.attention_per_layer)
+        unpruned, _ = engine.prefill(prompt, NoPruning())
+    pruned_something = any(len(a) < len(prompt) for a in ctx.active_per_layer) or any(
+        r is not None for r in ctx.attention_per_layer)
+    assert pruned_something
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
+    assert (logits - unpruned).abs().max() > 1e-4  # what was dropped did matter
