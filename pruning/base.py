@@ -73,6 +73,10 @@ class Policy:
     def decode_step(self, step: int, ctx) -> None:
         pass
 
+    def summary(self) -> str:
+        """One line for the UI, after plan: what this request runs with."""
+        return "no pruning"
+
 
 @dataclass
 class NoPruning(Policy):

@@ -51,3 +51,6 @@ class Pipeline(Policy):
     def decode_step(self, step: int, ctx) -> None:
         for p in self.policies:
             p.decode_step(step, ctx)
+
+    def summary(self) -> str:
+        return ", ".join(p.summary() for p in self.policies) or "no pruning"

@@ -70,3 +70,8 @@ class DASH(Policy):
             return active
         # Single shot: from l_s on the kept set never changes, so later layers just pass it on.
         return active[torch.isin(active, self.kept)]
+
+    def summary(self) -> str:
+        if self.rho == 0.0:
+            return "DASH off"
+        return f"DASH rho={self.rho:.2f} at layer {self.resolved['start_layer']}"

@@ -46,3 +46,8 @@ class FastV(Policy):
         count = math.floor(self.ratio * visual.shape[0] + 1e-9)
         self.resolved["num_dropped"] = count
         return without(active, visual[lowest(self.scores[active[visual]], count)])
+
+    def summary(self) -> str:
+        if self.ratio == 0.0:
+            return "FastV off"
+        return f"FastV R={self.ratio:.0%} at layer {self.resolved['layer']}"

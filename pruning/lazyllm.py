@@ -71,3 +71,9 @@ class LazyLLM(Policy):
         pruned = lowest(scores, math.floor(k * active.shape[0]))
         ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
         return without(active, pruned)
+
+    def summary(self) -> str:
+        if not any(self.schedule.values()):
+            return "LazyLLM off"
+        stages = ", ".join(f"{k:.0%} at layer {layer}" for layer, k in sorted(self.schedule.items()))
+        return f"LazyLLM prunes {stages}"

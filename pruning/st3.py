@@ -78,6 +78,13 @@ class ST3Pruning(Policy):
             return active
         return without(active, visual[lowest(self.scores[active[visual]], excess)])
 
+    def summary(self) -> str:
+        if not self.schedule or max(self.schedule.values()) == 0.0:
+            return "ST3 off"
+        r = self.resolved
+        return (f"ST3 P={self.first_drop:.1%} at layer {r['start_layer']}, R={r['drop_step']:.2%} every "
+                f"{r['stride']} layers, last layer keeps {r['last_layer_keep']:.1%}")
+
 
 def default_stride(num_layers: int, start: int) -> int:
     stride = max(1, round(PAPER_STRIDE * num_layers / PAPER_DEPTH))

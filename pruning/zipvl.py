@@ -73,6 +73,11 @@ class ZipVL(Policy):
         importance[n - 1] = float("inf")  # the last prompt token is always important
         return importance.topk(p).indices.sort().values
 
+    def summary(self) -> str:
+        if self.resolved["tau"] >= 1.0:
+            return "ZipVL off"
+        return f"ZipVL tau={self.resolved['tau']:.3f}"
+
 
 def important_count(probs: torch.Tensor, tau: float) -> int:
     """Eq. 6: the fewest tokens whose column sums (largest first) reach ``tau`` x the number of rows."""

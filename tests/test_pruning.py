@@ -375,3 +375,12 @@ def test_physical_dropping_equals_masking_for_each_policy(deep, media, arch, nam
     assert pruned_something
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
     assert (logits - unpruned).abs().max() > 1e-4  # what was dropped did matter
+
+
+def test_docs_slider_tables_are_what_the_code_maps():
+    from pathlib import Path
+
+    from pruning.slider import table
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "slider.md").read_text()
+    assert table(28) in doc and table(32) in doc  # regenerate with `python -m pruning.slider --layers N`
