@@ -1,6 +1,8 @@
 """The `glimpse` command.
 
     glimpse ask [--model M] [--image P | --video P] [--policy P] [--speed S] [--max-new-tokens N] [--json] QUESTION
+    glimpse bench [--model M | --random-model PRESET] [--layers N] [--image P] [--video P] [--image-tokens N]
+                  [--video-tokens N] [--policies P,Q] [--speeds S,T] [--runs N] [--warmup N] [--json] [--out FILE]
 
 Errors a user can cause (bad media, unknown model, prompt too long) print one line and exit 1.
 """
@@ -11,8 +13,12 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 POLICY_CHOICES = ["auto", "none", "dash", "zipvl", "hidivdrop", "st3", "lazyllm", "fastv"]
+DEFAULT_BENCH_POLICIES = ["dash", "zipvl", "st3", "lazyllm", "fastv"]
+REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b"]  # pipeline.random_checkpoint.REAL_PRESETS (kept import-free here)
 NOT_GROUNDED = ("note: the embedded model's vision projector is not trained yet, so its answers about "
                 "images and videos are not grounded in them; text answers come from SmolLM2-135M-Instruct. "
                 "Use --model with a Qwen2-VL or LLaVA checkpoint for real answers.")
@@ -33,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     media.add_argument("--video", metavar="PATH", help="a video file")
     ask.add_argument("--policy", default="auto", choices=POLICY_CHOICES, help="pruning policy (default: auto)")
     ask.add_argument("--speed", type=float, default=0.0, help="speed/quality slider in [0, 1]; 0 is exact")
+    ask.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                     help="override one policy parameter (repeatable), e.g. rho=0.6; for auto: dash.rho=0.6")
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     ask.add_argument("--temperature", type=float, default=0.7)
@@ -42,14 +50,50 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     ask.add_argument("--json", action="store_true", help='print one JSON object {"text", "policy", "params", "metrics"}')
     ask.set_defaults(run=run_ask)
+
+    bench = commands.add_parser(
+        "bench", help="speed and memory of pruning policies vs the unpruned baseline, measured side by side",
+        description="Run the baseline (policy none) and every policy at every speed on the same prompts, "
+                    "alternating baseline and candidate, and report median TTFT, decoder-prefill time, FLOPs-proxy "
+                    "speedup, realised fraction, KV bytes and peak memory. By default a random-weights Qwen2-VL "
+                    "with the 2B model's text shapes is built in a temporary folder, with a synthesized image and "
+                    "video. Progress goes to stderr.")
+    source = bench.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="hub id or local checkpoint folder to benchmark")
+    source.add_argument("--random-model", choices=REAL_PRESETS, default=None,
+                        help="build a random-weights Qwen2-VL with this model's text shapes (default: qwen2-vl-2b)")
+    bench.add_argument("--layers", type=int, default=None,
+                       help="decoder layers of the random model (default 8; the real models have 28)")
+    bench.add_argument("--image", action="append", default=[], metavar="PATH",
+                       help="benchmark on this image (repeatable) instead of a synthesized one")
+    bench.add_argument("--video", metavar="PATH", help="benchmark on this video instead of a synthesized one")
+    bench.add_argument("--image-tokens", type=int, default=2000,
+                       help="visual tokens of the synthesized image (0: no image prompt; default 2000)")
+    bench.add_argument("--video-tokens", type=int, default=4000,
+                       help="visual tokens of the synthesized video (0: no video prompt; default 4000)")
+    bench.add_argument("--policies", default=",".join(DEFAULT_BENCH_POLICIES),
+                       help=f"comma-separated policies (default: {','.join(DEFAULT_BENCH_POLICIES)})")
+    bench.add_argument("--speeds", default="0.5,0.8", help="comma-separated speeds in [0, 1] (default: 0.5,0.8)")
+    bench.add_argument("--runs", type=int, default=3, help="timed runs per configuration (default 3)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per prompt (default 1)")
+    bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="auto: bfloat16 on CUDA, float32 on CPU")
+    bench.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    bench.add_argument("--question", default=None, help="the text of every prompt (default: 'Describe the ...')")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bench.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
+    bench.set_defaults(run=run_bench)
     return parser
 
 
 def run_ask(args) -> int:
     from pipeline import load_engine
+    from pruning import make_policy
 
     if not 0.0 <= args.speed <= 1.0:
         raise UserError(f"--speed must be between 0 and 1, got {args.speed}")
+    policy = make_policy(args.policy, args.speed, parse_params(args.param))  # bad names fail before loading
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
     content = [{"type": "image", "image": path} for path in args.image]
@@ -62,12 +106,13 @@ def run_ask(args) -> int:
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     if not engine.grounded and (args.image or args.video):
         _log(NOT_GROUNDED)
-    options = dict(policy=args.policy, speed=args.speed, max_new_tokens=args.max_new_tokens,
+    options = dict(policy=policy, max_new_tokens=args.max_new_tokens,
                    do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.json:
         result = engine.generate(messages, **options)
-        out = {"text": result.text, "policy": result.policy, "params": result.params, "metrics": result.metrics,
-               "model": args.model, "grounded": engine.grounded, "finish_reason": result.finish_reason}
+        out = {"text": result.text, "policy": result.policy, "speed": args.speed, "params": result.params,
+               "summary": result.summary, "metrics": result.metrics, "model": args.model,
+               "grounded": engine.grounded, "finish_reason": result.finish_reason}
         print(json.dumps(out))
         return 0
     result = None
@@ -77,10 +122,89 @@ def run_ask(args) -> int:
         result = chunk.result or result
     sys.stdout.write("\n")
     m = result.metrics
-    _log(f"[{result.policy} speed={args.speed}] TTFT {m['ttft_s']:.2f}s, prefill {m['prefill_s']:.2f}s, "
+    flops_cut = m["prefill_flops_baseline"] / m["prefill_flops"]
+    _log(f"[{result.policy} speed={args.speed}: {result.summary}] TTFT {m['ttft_s']:.2f}s, "
+         f"prefill {m['prefill_s']:.2f}s ({flops_cut:.2f}x fewer prefill FLOPs), "
          f"{m['new_tokens']} tokens" + (f" at {m['decode_tokens_per_s']:.1f}/s" if m["decode_tokens_per_s"] else "")
          + f", prompt {m['prompt_tokens']}")
     return 0
+
+
+def run_bench(args) -> int:
+    from app import bench
+    from pipeline import load_engine
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    try:
+        speeds = [float(s) for s in args.speeds.split(",") if s.strip()]
+    except ValueError:
+        raise UserError(f"--speeds must be comma-separated numbers in [0, 1], got {args.speeds!r}") from None
+    if args.runs < 1:
+        raise UserError("--runs must be at least 1")
+    if args.warmup < 0:
+        raise UserError("--warmup must be at least 0")
+    if args.image_tokens < 0 or args.video_tokens < 0:
+        raise UserError("--image-tokens and --video-tokens must be at least 0")
+    if args.model and args.layers is not None:
+        raise UserError("--layers only applies to --random-model")
+    if args.layers is not None and args.layers < 1:
+        raise UserError("--layers must be at least 1")
+    if not (args.image or args.video) and args.image_tokens == 0 and args.video_tokens == 0:
+        raise UserError("nothing to benchmark: --image-tokens and --video-tokens are both 0 and no --image/--video")
+    bench.check_policies(policies, speeds)  # before minutes of model building
+    questions = {"image": args.question, "video": args.question} if args.question else None
+
+    with tempfile.TemporaryDirectory(prefix="glimpse-bench-") as tmp:
+        if args.model:
+            _log(f"loading {args.model} ...")
+            engine = load_engine(args.model, device=args.device, attn=args.attn, dtype=args.dtype)
+            label = args.model
+        else:
+            from pipeline.loading import resolve_device, resolve_dtype
+            from pipeline.random_checkpoint import DEFAULT_MAX_VISUAL_TOKENS, build_random_qwen2_vl
+
+            preset, layers = args.random_model or "qwen2-vl-2b", args.layers or 8
+            device = resolve_device(args.device)
+            dtype = resolve_dtype(args.dtype, device)
+            _log(f"building a random-weights {preset} ({layers} decoder layers, 1-layer vision tower, "
+                 f"{str(dtype).replace('torch.', '')}) in {tmp} ...")
+            folder = build_random_qwen2_vl(Path(tmp) / "model", preset=preset, layers=layers, dtype=dtype,
+                                           max_visual_tokens=max(DEFAULT_MAX_VISUAL_TOKENS, args.image_tokens),
+                                           init_device=device if device.type == "cuda" else None)
+            _log("loading it ...")
+            engine = load_engine(str(folder), device=args.device, attn=args.attn, dtype=dtype)
+            label = f"random-weights {preset}"
+        if args.image or args.video:
+            prompts = bench.media_prompts(args.image, args.video, questions)
+        else:
+            _log("synthesizing media ...")
+            prompts = bench.synthesize_prompts(engine, Path(tmp) / "media", args.image_tokens, args.video_tokens,
+                                               questions, progress=_log)
+        if not prompts:
+            raise UserError("nothing to benchmark on this model (it takes no video, and --image-tokens is 0)")
+        report = bench.run_bench(engine, prompts, policies, speeds, runs=args.runs, warmup=args.warmup,
+                                 progress=_log, model=label)
+
+    text = json.dumps(report)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        _log(f"wrote {args.out}")
+    print(text if args.json else bench.format_markdown(report))
+    return 0
+
+
+def parse_params(items: list[str]) -> dict:
+    """``["rho=0.6", "percentiles=[0.3,0.4,0.5]"]`` -> ``{"rho": 0.6, "percentiles": [0.3, 0.4, 0.5]}``."""
+    params = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise UserError(f"--param takes NAME=VALUE, got {item!r}")
+        try:
+            params[name] = json.loads(text)
+        except json.JSONDecodeError:
+            params[name] = text
+    return params
 
 
 class UserError(Exception):

@@ -22,39 +22,11 @@ import numpy as np
 import torch
 from PIL import Image
 
+from pipeline.random_checkpoint import build_random_qwen2_vl
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from tiny_models import QWEN_TEMPLATE, make_tokenizer, reference_inputs  # noqa: E402
-
-
-def build(folder: Path, layers: int, vision_depth: int, image_tokens: int) -> Path:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-               "<|image_pad|>", "<|video_pad|>"]
-    tok = make_tokenizer(special, eos="<|im_end|>")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
-    config = Qwen2VLConfig(
-        text_config=dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=layers,
-                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                         bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]}),
-        vision_config=dict(depth=vision_depth, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=ids["<|im_end|>"], tie_word_embeddings=True,
-    )
-    model = Qwen2VLForConditionalGeneration(config)
-    pixels = image_tokens * 28 * 28
-    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": pixels, "longest_edge": pixels})
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    processor.save_pretrained(folder)
-    (folder / "chat_template.jinja").write_text(QWEN_TEMPLATE)
-    return folder
+from tiny_models import reference_inputs  # noqa: E402
 
 
 def main() -> None:
@@ -73,9 +45,15 @@ def main() -> None:
     from pipeline.metrics import synchronize
     from pruning import NoPruning
 
+    from pipeline.loading import resolve_device, resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build(Path(tmp) / "model", args.layers, args.vision_depth, args.image_tokens)
-        engine = load_engine(str(folder), device=args.device, attn=args.attn, dtype=args.dtype)
+        # The 2B model's text width, args.layers decoder layers, a shallow vision tower of the real width.
+        folder = build_random_qwen2_vl(Path(tmp) / "model", preset="qwen2-vl-2b", layers=args.layers,
+                                       vision_depth=args.vision_depth, max_visual_tokens=args.image_tokens,
+                                       dtype=dtype)
+        engine = load_engine(str(folder), device=args.device, attn=args.attn, dtype=dtype)
     side = int(round((args.image_tokens * 4) ** 0.5)) * 14
     image = Image.fromarray((np.random.RandomState(0).rand(side, side, 3) * 255).astype("uint8"))
     messages = [{"role": "user", "content": [{"type": "image", "image": image},

@@ -36,6 +36,7 @@ class GenerationResult:
     policy: str
     params: dict
     finish_reason: str  # "stop" (EOS), "length" (max_new_tokens or context end)
+    summary: str = ""  # the policy's one-line description, e.g. "DASH rho=0.40 at layer 11"
 
 
 @dataclass
@@ -143,7 +144,7 @@ class Engine:
 
         metrics = self._metrics(prompt, ctx, len(tokens), t_request, t_prefill, t_first, t_end, memory)
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        result = GenerationResult(text, tokens, metrics, policy.name, policy.params(), finish)
+        result = GenerationResult(text, tokens, metrics, policy.name, policy.params(), finish, policy.summary())
         yield StreamChunk(detok.flush(), None, result)
 
     def embed_prompt(self, prompt: Prompt) -> torch.Tensor:

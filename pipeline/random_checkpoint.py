@@ -151,6 +151,8 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     del model
+    if torch.device(init_device or "cpu").type == "cuda":
+        torch.cuda.empty_cache()  # give the builder's copy back before the engine loads its own
     tok.save_pretrained(folder)
     processor.save_pretrained(folder)
     (folder / "chat_template.jinja").write_text(QWEN_TEMPLATE)

@@ -93,3 +93,33 @@ def test_ask_video_on_an_image_only_model(checkpoints, media):
 def test_ask_unknown_model(tmp_path):
     proc = glimpse("ask", "--model", str(tmp_path / "no-such-model"), "hi")
     _assert_clean_error(proc, "no-such-model")
+
+
+def test_ask_json_reports_policy_parameters_active_tokens_flops_and_keep_map(checkpoints, media):
+    from pipeline.metrics import prefill_flops
+
+    proc = glimpse("ask", "--model", str(checkpoints["llava_next"]), "--image", str(media["image"]),
+                   "--policy", "dash", "--speed", "0.5", "--param", "keep_first=4", "--param", "keep_last=2",
+                   "--max-new-tokens", "2", "--json", "What is in this picture?")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    params, metrics = out["params"], out["metrics"]
+    assert out["policy"] == "dash" and params["rho"] == 0.4 and params["keep_first"] == 4
+    assert out["summary"] == f"DASH rho=0.40 at layer {params['start_layer']}"
+    counts, T = metrics["active_tokens_per_layer"], sum(metrics["prompt_tokens"].values())
+    l_s = params["start_layer"]
+    # The paper's rule, recomputed by hand from what was reported.
+    kept = T - round(params["rho"] * (T - params["keep_first"] - params["keep_last"]))
+    assert counts == [T] * l_s + [kept] * (len(counts) - l_s)
+    cfg = json.loads((checkpoints["llava_next"] / "config.json").read_text())["text_config"]
+    d, m = cfg["hidden_size"], cfg["intermediate_size"]
+    assert metrics["prefill_flops"] == prefill_flops(counts, d, m)
+    assert metrics["prefill_flops_baseline"] == prefill_flops([T] * len(counts), d, m)
+    depth = metrics["keep_map"]["depth"]
+    assert len(depth) == metrics["prompt_tokens"]["image"] and set(depth) <= {l_s, len(counts)}
+
+
+def test_ask_rejects_an_unknown_policy_parameter_before_loading(checkpoints, media):
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--policy", "dash", "--param", "rhoo=1", "hi")
+    assert proc.returncode == 1
+    assert "dash has no parameter rhoo" in proc.stderr and "loading" not in proc.stderr

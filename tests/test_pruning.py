@@ -384,3 +384,17 @@ def test_docs_slider_tables_are_what_the_code_maps():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "slider.md").read_text()
     assert table(28) in doc and table(32) in doc  # regenerate with `python -m pruning.slider --layers N`
+
+
+@pytest.mark.parametrize("name", list(MASKING_CASES))
+def test_each_policy_gives_the_same_logits_with_sdpa_and_eager(deep, media, name):
+    prompt_logits, active = [], []
+    for attn in ("sdpa", "eager"):
+        engine = load_engine(str(deep["qwen2_vl"]), device="cpu", attn=attn)
+        prompt = engine.prepare(_image_messages(media))
+        with torch.no_grad():
+            logits, ctx = engine.prefill(prompt, MASKING_CASES[name]())
+        prompt_logits.append(logits)
+        active.append([a.tolist() for a in ctx.active_per_layer])
+    assert active[0] == active[1]
+    torch.testing.assert_close(prompt_logits[0], prompt_logits[1], atol=1e-4, rtol=0)

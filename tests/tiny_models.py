@@ -10,25 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-from transformers import PreTrainedTokenizerFast
 
-CORPUS = [
-    "What is in this picture? Describe the image in detail. A red circle and a blue square.",
-    "The video shows a ball that moves from left to right, then changes colour.",
-    "user assistant system You are a helpful assistant. Hello! How are you today?",
-    "one two three four five six seven eight nine ten colour shape size count position",
-]
-
-QWEN_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif item['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% else %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# The small-BPE tokenizer and the Qwen2-VL chat template live in the package, shared with the
+# random-weights benchmark checkpoints; re-exported here under their old names.
+from pipeline.random_checkpoint import CORPUS, QWEN_TEMPLATE, make_tokenizer  # noqa: F401
 
 LLAVA_TEMPLATE = (  # llava-hf's LLaVA-1.5 / NeXT format
     "{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
@@ -38,16 +23,6 @@ LLAVA_TEMPLATE = (  # llava-hf's LLaVA-1.5 / NeXT format
     "{% if message['role'] == 'user' %} {% else %}</s> {% endif %}{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
-
-
-def make_tokenizer(special: list[str], eos: str, bos: str | None = None, vocab_size: int = 300):
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token=eos)
 
 
 def _text_config(vocab: int, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2, **extra):
@@ -67,7 +42,7 @@ def _save(folder: Path, model, tokenizer, image_processor, template: str, eos_id
     return folder
 
 
-def build_qwen2_vl(folder: Path, seed: int = 0) -> Path:
+def build_qwen2_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -76,7 +51,7 @@ def build_qwen2_vl(folder: Path, seed: int = 0) -> Path:
     tok = make_tokenizer(special, eos="<|im_end|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in special}
     config = Qwen2VLConfig(
-        text_config=_text_config(len(tok), bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+        text_config=_text_config(len(tok), layers=layers, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
                                  pad_token_id=ids["<|endoftext|>"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                             "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
@@ -102,11 +77,11 @@ def _llava_tokenizer():
     return make_tokenizer(["<unk>", "<s>", "</s>", "<image>", "<video>"], eos="</s>", bos="<s>")
 
 
-def build_llava(folder: Path, seed: int = 0) -> Path:
+def build_llava(folder: Path, seed: int = 0, layers: int = 4) -> Path:
     from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration
 
     tok = _llava_tokenizer()
-    config = LlavaConfig(vision_config=_clip_vision(56), text_config=dict(model_type="llama", **_text_config(len(tok))),
+    config = LlavaConfig(vision_config=_clip_vision(56), text_config=dict(model_type="llama", **_text_config(len(tok), layers=layers)),
                          image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
                          vision_feature_select_strategy="default", tie_word_embeddings=False)
     torch.manual_seed(seed)

@@ -1,0 +1,411 @@
+"""`glimpse bench`: speed and memory of each pruning policy against the unpruned baseline, in one run.
+
+How it measures (SPEC, "How results are measured"): one process, one loaded model, the same prompt
+for every configuration. Per prompt, ``warmup`` untimed rounds run the baseline and every candidate
+once each; then ``runs`` timed rounds run, for each candidate (policy, speed) in turn, the baseline
+(``policy="none"``) immediately followed by that candidate::
+
+    round r:  none, dash@0.5, none, dash@0.8, none, zipvl@0.5, ...
+
+so every candidate run has its own baseline run right before it, and slow drift of the machine
+(thermal state, other load) hits both sides of a pair alike. A candidate's ratios use the median of
+its own ``runs`` candidate runs against the median of the ``runs`` baseline runs paired with them.
+
+Each run is ``engine.generate(messages, policy=name, speed=s, max_new_tokens=1, do_sample=False)``,
+i.e. one request up to its first token, read through ``result.metrics``:
+
+- TTFT speedup: median baseline ``ttft_s`` / median candidate ``ttft_s`` (request to first token:
+  media loading and preprocessing, vision encoder, decoder prefill).
+- decoder-prefill speedup: the same for ``prefill_s - vision_encoder_s``, the part pruning acts on
+  (``vision_encoder_s`` counts as 0 when the engine does not report it).
+- FLOPs speedup: ``prefill_flops_baseline / prefill_flops`` (the SPEC's proxy, decoder layers only).
+- realised fraction: decoder-prefill speedup / FLOPs speedup (1.0 = the whole proxy saving realised).
+- KV ratio: candidate ``kv_bytes`` / baseline ``kv_bytes``.
+- peak memory: on CUDA the peak allocated during the request (weights included), as a ratio, plus the
+  ratio of the request's own working memory (peak minus what was allocated before the request); on
+  CPU the process's lifetime peak RSS, reported but never turned into a ratio.
+
+Absolute times are only a claim on a GPU, with the device named (the report names it).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import platform
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+BASELINE = "none"
+DEFAULT_POLICIES = ["dash", "zipvl", "st3", "lazyllm", "fastv"]
+DEFAULT_SPEEDS = [0.5, 0.8]
+ORDER = ("per prompt: warm-up rounds (baseline then each candidate, untimed), then timed rounds in which "
+         "every candidate run directly follows its own baseline run: none, c1, none, c2, ...; ratios use "
+         "the median of a candidate's runs over the median of the baseline runs paired with them")
+DEFAULT_QUESTIONS = {"image": "Describe the image in detail.", "video": "Describe the video in detail."}
+
+
+class BenchError(ValueError):
+    """A benchmark request that cannot run (unknown policy, bad speed, nothing to measure)."""
+
+
+# ---------------------------------------------------------------------------------------- policies
+def available_policies() -> list[str]:
+    import pruning
+
+    names = list(getattr(pruning, "POLICIES", {}))
+    return (["auto"] if "auto" not in names else []) + names
+
+
+def check_policies(policies: list[str], speeds: list[float]) -> None:
+    """Fail early, before any model is loaded, on a policy the registry does not know or a bad speed."""
+    from pruning import make_policy
+
+    if not policies:
+        raise BenchError("no policies to benchmark")
+    if not speeds:
+        raise BenchError("no speeds to benchmark")
+    for speed in speeds:
+        if not (isinstance(speed, (int, float)) and 0.0 <= speed <= 1.0):
+            raise BenchError(f"speed must be between 0 and 1, got {speed}")
+    for name in policies:
+        for speed in speeds:
+            try:
+                make_policy(name, speed)
+            except (ValueError, KeyError) as error:
+                if name not in available_policies():
+                    raise BenchError(f"unknown policy {name!r}; available: {', '.join(available_policies())}") from None
+                raise BenchError(f"policy {name!r} at speed {speed}: {error}") from None
+
+
+# ------------------------------------------------------------------------------------------ device
+def device_name(engine) -> str:
+    if engine.device.type == "cuda":
+        return torch.cuda.get_device_name(engine.device)
+    return f"CPU ({torch.get_num_threads()} threads, {_cpu_model()})"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown processor"
+
+
+# --------------------------------------------------------------------------------------- the runs
+def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: list[float], runs: int = 3,
+              warmup: int = 1, progress: Callable[[str], None] | None = None, model: str | None = None) -> dict:
+    """Measure every (policy, speed) against the baseline on every prompt; return the report.
+
+    ``prompts`` maps a name ("image", "video", ...) to chat ``messages``. The report is a JSON-ready
+    dict: ``device``, ``dtype``, ``attn``, ``runs``, ``warmup``, ``order``, ``prompts`` (token counts
+    and baseline medians per prompt), ``rows`` (one per prompt x policy x speed, in that order) and
+    ``log`` (every run in the order it ran: prompt, policy, speed, role baseline|candidate, phase
+    warmup|timed, round, and its measurements).
+    """
+    if runs < 1:
+        raise BenchError("runs must be at least 1")
+    if warmup < 0:
+        raise BenchError("warmup must be at least 0")
+    if not prompts:
+        raise BenchError("no prompts to benchmark")
+    check_policies(policies, speeds)
+    progress = progress or (lambda line: None)
+    candidates = [(name, float(speed)) for name in policies for speed in speeds]
+    per_prompt = warmup * (1 + len(candidates)) + runs * 2 * len(candidates)
+    total, done = per_prompt * len(prompts), 0
+    cuda = engine.device.type == "cuda"
+
+    log, rows, prompt_info = [], [], {}
+    vision_timed = True
+    for prompt_name, messages in prompts.items():
+        counts = engine.prepare(messages).token_counts()
+        prompt_info[prompt_name] = {"prompt_tokens": counts, "total_tokens": sum(counts.values())}
+        progress(f"{prompt_name}: {sum(counts.values())} prompt tokens ("
+                 + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
+
+        def one(policy: str, speed: float, role: str, phase: str, round_index: int) -> dict:
+            nonlocal done, vision_timed
+            done += 1
+            label = "none (baseline)" if role == "baseline" else f"{policy}@{speed:g}"
+            stage = "warm-up" if phase == "warmup" else f"round {round_index + 1}/{runs}"
+            progress(f"[{done}/{total}] {prompt_name} {label} {stage} ...")
+            record = _measure(engine, messages, policy, speed, cuda)
+            vision_timed = vision_timed and record.pop("vision_timed")
+            record.update(prompt=prompt_name, policy=policy, speed=speed, role=role, phase=phase, round=round_index)
+            log.append(record)
+            return record
+
+        for w in range(warmup):
+            one(BASELINE, 0.0, "baseline", "warmup", w)
+            for name, speed in candidates:
+                one(name, speed, "candidate", "warmup", w)
+        pairs: dict[tuple[str, float], list[tuple[dict, dict]]] = {c: [] for c in candidates}
+        for r in range(runs):
+            for name, speed in candidates:
+                base = one(BASELINE, 0.0, "baseline", "timed", r)
+                cand = one(name, speed, "candidate", "timed", r)
+                pairs[(name, speed)].append((base, cand))
+
+        baseline_runs = [b for c in candidates for b, _ in pairs[c]]
+        prompt_info[prompt_name]["baseline"] = _summary(baseline_runs, cuda)
+        for name, speed in candidates:
+            rows.append(_row(prompt_name, name, speed, counts, pairs[(name, speed)], cuda))
+
+    return {
+        "device": device_name(engine),
+        "device_type": engine.device.type,
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "attn": engine.attn_implementation,
+        "model": model or engine.model_id,
+        "num_layers": len(engine.adapter.layers),
+        "policies": list(policies),
+        "speeds": [float(s) for s in speeds],
+        "runs": runs,
+        "warmup": warmup,
+        "order": ORDER,
+        "vision_encoder_timed": vision_timed,
+        "prompts": prompt_info,
+        "rows": rows,
+        "log": log,
+    }
+
+
+def _measure(engine, messages, policy: str, speed: float, cuda: bool) -> dict:
+    gc.collect()  # outside the engine's clocks: keeps a collection from landing inside a timed run
+    before = torch.cuda.memory_allocated(engine.device) if cuda else None
+    result = engine.generate(messages, policy=policy, speed=speed, max_new_tokens=1, do_sample=False)
+    m = result.metrics
+    vision = m.get("vision_encoder_s")
+    vision_s = float(vision) if vision is not None else 0.0
+    record = {
+        "ttft_s": float(m["ttft_s"]),
+        "prefill_s": float(m["prefill_s"]),
+        "vision_encoder_s": vision_s,
+        "decoder_prefill_s": float(m["prefill_s"]) - vision_s,
+        "prefill_flops": int(m["prefill_flops"]),
+        "prefill_flops_baseline": int(m["prefill_flops_baseline"]),
+        "kv_bytes": int(m["kv_bytes"]),
+        "peak_memory_bytes": int(m["peak_memory_bytes"]),
+        "active_tokens_per_layer": list(m["active_tokens_per_layer"]),
+        "params": result.params,
+        "vision_timed": vision is not None,
+    }
+    if cuda:
+        record["request_memory_bytes"] = int(m["peak_memory_bytes"]) - int(before)
+    return record
+
+
+def _median(records: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in records)
+
+
+def _summary(records: list[dict], cuda: bool) -> dict:
+    out = {key: _median(records, key) for key in ("ttft_s", "prefill_s", "vision_encoder_s", "decoder_prefill_s",
+                                                  "prefill_flops", "kv_bytes")}
+    out["peak_memory_bytes"] = _median(records, "peak_memory_bytes") if cuda else max(
+        r["peak_memory_bytes"] for r in records)
+    if cuda:
+        out["request_memory_bytes"] = _median(records, "request_memory_bytes")
+    out["runs"] = len(records)
+    return out
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def _row(prompt: str, policy: str, speed: float, counts: dict, pairs: list[tuple[dict, dict]], cuda: bool) -> dict:
+    base = _summary([b for b, _ in pairs], cuda)
+    cand = _summary([c for _, c in pairs], cuda)
+    cands = [c for _, c in pairs]
+    flops_baseline = _median(cands, "prefill_flops_baseline")
+    flops = cand["prefill_flops"]
+    ttft_speedup = _ratio(base["ttft_s"], cand["ttft_s"])
+    prefill_speedup = _ratio(base["decoder_prefill_s"], cand["decoder_prefill_s"])
+    flops_speedup = _ratio(flops_baseline, flops)
+    row = {
+        "prompt": prompt,
+        "policy": policy,
+        "speed": speed,
+        "params": cands[-1]["params"],
+        "prompt_tokens": counts,
+        "runs": len(pairs),
+        "ttft_s": cand["ttft_s"],
+        "baseline_ttft_s": base["ttft_s"],
+        "ttft_speedup": ttft_speedup,
+        "prefill_s": cand["prefill_s"],
+        "baseline_prefill_s": base["prefill_s"],
+        "vision_encoder_s": cand["vision_encoder_s"],
+        "decoder_prefill_s": cand["decoder_prefill_s"],
+        "baseline_decoder_prefill_s": base["decoder_prefill_s"],
+        "decoder_prefill_speedup": prefill_speedup,
+        "prefill_flops": flops,
+        "prefill_flops_baseline": flops_baseline,
+        "flops_speedup": flops_speedup,
+        "realised_fraction": (prefill_speedup / flops_speedup) if prefill_speedup and flops_speedup else None,
+        "kv_bytes": cand["kv_bytes"],
+        "baseline_kv_bytes": base["kv_bytes"],
+        "kv_ratio": _ratio(cand["kv_bytes"], base["kv_bytes"]),
+        "peak_memory_bytes": cand["peak_memory_bytes"],
+        "baseline_peak_memory_bytes": base["peak_memory_bytes"],
+        "peak_memory_ratio": _ratio(cand["peak_memory_bytes"], base["peak_memory_bytes"]) if cuda else None,
+        "active_tokens_per_layer": cands[-1]["active_tokens_per_layer"],
+    }
+    if cuda:
+        row["request_memory_bytes"] = cand["request_memory_bytes"]
+        row["baseline_request_memory_bytes"] = base["request_memory_bytes"]
+        row["request_memory_ratio"] = _ratio(cand["request_memory_bytes"], base["request_memory_bytes"])
+    return row
+
+
+# ----------------------------------------------------------------------------------------- output
+def format_markdown(report: dict) -> str:
+    """The report as a short header and one markdown table row per prompt x policy x speed."""
+    cuda = report.get("device_type") == "cuda"
+    lines = [
+        f"Device: {report['device']}; {report['dtype']}; attention {report['attn']}; model {report['model']} "
+        f"({report['num_layers']} decoder layers)",
+        f"Medians of {report['runs']} timed run(s) per configuration after {report['warmup']} warm-up round(s); "
+        "each candidate run directly follows its own baseline run (policy none).",
+    ]
+    if not cuda:
+        lines.append("CPU: absolute times are not a claim (shared machine); read the ratios. Peak memory is the "
+                     "process's lifetime peak RSS, so no ratio is formed.")
+    if not report.get("vision_encoder_timed", True):
+        lines.append("The engine did not report vision_encoder_s: decoder prefill = the whole prefill.")
+    for name, info in report["prompts"].items():
+        counts = info["prompt_tokens"]
+        lines.append(f"Prompt {name}: {info['total_tokens']} tokens ("
+                     + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
+    lines.append("")
+    mem_header = "peak mem ratio | work mem ratio" if cuda else "peak RSS (GiB)"
+    lines.append("| prompt | policy | speed | TTFT base -> policy (s) | TTFT speedup | decoder prefill base -> "
+                 f"policy (s) | prefill speedup | FLOPs speedup | realised | KV ratio | {mem_header} |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else "---|"))
+    for row in report["rows"]:
+        mem = (f"{_fmt(row['peak_memory_ratio'])} | {_fmt(row['request_memory_ratio'])}" if cuda
+               else f"{row['peak_memory_bytes'] / 2**30:.2f}")
+        lines.append(
+            f"| {row['prompt']} | {row['policy']} | {row['speed']:g} "
+            f"| {row['baseline_ttft_s']:.3f} -> {row['ttft_s']:.3f} | {_fmt(row['ttft_speedup'])}x "
+            f"| {row['baseline_decoder_prefill_s']:.3f} -> {row['decoder_prefill_s']:.3f} "
+            f"| {_fmt(row['decoder_prefill_speedup'])}x | {_fmt(row['flops_speedup'])}x "
+            f"| {_fmt(row['realised_fraction'])} | {_fmt(row['kv_ratio'])} | {mem} |")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
+# ---------------------------------------------------------------------------------- media synthesis
+def write_video(path: str | Path, frames: int, fps: int, size: tuple[int, int], seed: int = 0) -> Path:
+    """A random video (H.264, or MPEG-4 where libx264 is missing): blocky noise of 28x28-pixel cells,
+    different in every frame, ``size`` = (width, height)."""
+    import av
+    import numpy as np
+
+    width, height = size
+    rng = np.random.RandomState(seed)
+    with av.open(str(path), "w") as container:
+        codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuv420p"
+        for _ in range(frames):
+            cells = (rng.rand(-(-height // 28), -(-width // 28), 3) * 255).astype(np.uint8)
+            array = np.ascontiguousarray(cells.repeat(28, 0).repeat(28, 1)[:height, :width])
+            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return Path(path)
+
+
+def _video_plan(tokens: float) -> tuple[int, int, int]:
+    """(frames, rows, cols) at 2 fps whose Qwen2-VL token count is about ``tokens``: frames/2 temporal
+    patches of rows x cols tokens, each frame within qwen-vl-utils' per-frame budget (128..768 tokens)."""
+    from vision import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
+
+    lo, hi = VIDEO_MIN_PIXELS // 784 + 12, VIDEO_MAX_PIXELS // 784 - 68  # 140..700: margin for rounding
+    pairs = 8  # 16 frames at 2 fps
+    if tokens / pairs > hi:
+        pairs = math.ceil(tokens / hi)
+    elif tokens / pairs < lo:
+        pairs = max(2, math.floor(tokens / lo))  # 4 frames is the fewest Qwen2-VL samples
+    from pipeline.random_checkpoint import grid_for_tokens
+
+    rows, cols = grid_for_tokens(tokens / pairs, aspect=4 / 3)
+    return 2 * pairs, rows, cols
+
+
+def synthesize_prompts(engine, folder: str | Path, image_tokens: int, video_tokens: int,
+                       questions: dict[str, str] | None = None,
+                       progress: Callable[[str], None] | None = None) -> dict[str, list]:
+    """Benchmark prompts with made-up media of about the requested visual token counts (0 skips one).
+
+    The image is random noise whose sides are multiples of 28 pixels (one Qwen2-VL token per 28x28
+    cell); it goes in as a PIL image, so no file decoding is timed. The video is written to
+    ``folder`` (2 fps, 16 frames unless the count needs more or fewer) and sized so that
+    frames/2 * rows * cols is the request; the realised count is checked with ``engine.prepare`` and
+    the size adjusted until it is within 10% (Qwen2-VL; other models' counts do not follow the size).
+    """
+    from pipeline.random_checkpoint import random_image
+
+    progress = progress or (lambda line: None)
+    questions = {**DEFAULT_QUESTIONS, **(questions or {})}
+    qwen = engine.model.config.model_type == "qwen2_vl"
+    prompts = {}
+    if image_tokens > 0:
+        image = random_image(image_tokens)
+        messages = _messages("image", image, questions["image"])
+        got = engine.prepare(messages).token_counts()["image"]
+        if abs(got - image_tokens) > 0.1 * image_tokens:
+            progress(f"note: the synthesized image gives {got} visual tokens (asked for {image_tokens}): "
+                     "this model's image processor decides the count")
+        prompts["image"] = messages
+    if video_tokens > 0:
+        if not engine.adapter.supports_video:
+            progress(f"note: {engine.adapter.name} takes no video; skipping the video prompt")
+        else:
+            folder = Path(folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            target = float(video_tokens)
+            for attempt in range(4):
+                frames, rows, cols = _video_plan(target)
+                path = write_video(folder / f"bench-video-{attempt}.mp4", frames, 2, (cols * 28, rows * 28))
+                messages = _messages("video", str(path), questions["video"])
+                got = engine.prepare(messages).token_counts()["video"]
+                if not qwen or abs(got - video_tokens) <= 0.1 * video_tokens:
+                    break
+                target *= video_tokens / max(got, 1)  # the sampler shrank or grew it: aim off by as much
+            if abs(got - video_tokens) > 0.1 * video_tokens:
+                progress(f"note: the synthesized video gives {got} visual tokens (asked for {video_tokens})")
+            prompts["video"] = messages
+    return prompts
+
+
+def media_prompts(images: list[str], video: str | None, questions: dict[str, str] | None = None) -> dict[str, list]:
+    """Benchmark prompts from the user's own files: one per image, one for the video."""
+    questions = {**DEFAULT_QUESTIONS, **(questions or {})}
+    prompts = {}
+    for i, path in enumerate(images):
+        prompts["image" if len(images) == 1 else f"image{i + 1}"] = _messages("image", path, questions["image"])
+    if video:
+        prompts["video"] = _messages("video", video, questions["video"])
+    return prompts
+
+
+def _messages(kind: str, media, question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": kind, kind: media}, {"type": "text", "text": question}]}]
+
+
+__all__ = ["BASELINE", "BenchError", "DEFAULT_POLICIES", "DEFAULT_SPEEDS", "available_policies", "check_policies",
+           "device_name", "format_markdown", "media_prompts", "run_bench", "synthesize_prompts", "write_video"]

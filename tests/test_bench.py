@@ -1,0 +1,183 @@
+"""`glimpse bench` and the random-weights checkpoint builder, on tiny checkpoints (seconds each)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import pruning
+from app import bench
+from app.cli import main
+from pipeline import load_engine
+from pipeline.random_checkpoint import PRESETS, REAL_PRESETS, build_random_qwen2_vl, random_image
+
+SPEEDS = [0.5, 0.8]
+# "none" as a candidate always works; DASH too once it is registered.
+CANDIDATES = ["none"] + (["dash"] if "dash" in pruning.POLICIES else [])
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    return load_engine(str(checkpoints["qwen2_vl"]))
+
+
+@pytest.fixture(scope="module")
+def prompts(media):
+    return bench.media_prompts([str(media["image"])], str(media["video"]))
+
+
+@pytest.fixture(scope="module")
+def report(engine, prompts):
+    lines = []
+    out = bench.run_bench(engine, prompts, CANDIDATES, SPEEDS, runs=2, warmup=1, progress=lines.append)
+    out["_progress"] = lines
+    return out
+
+
+def test_one_row_per_prompt_policy_speed(report, prompts):
+    keys = [(r["prompt"], r["policy"], r["speed"]) for r in report["rows"]]
+    assert keys == [(p, c, s) for p in prompts for c in CANDIDATES for s in SPEEDS]
+    assert report["runs"] == 2 and report["warmup"] == 1
+    assert report["device"].startswith("CPU (") and report["dtype"] == "float32" and report["attn"] == "sdpa"
+    for name, info in report["prompts"].items():
+        assert info["prompt_tokens"][name] > 0  # the image prompt has image tokens, the video prompt video tokens
+        assert info["baseline"]["runs"] == 2 * len(CANDIDATES) * len(SPEEDS)
+    json.dumps(report)  # JSON-ready as it is
+
+
+def test_ratios_follow_from_the_rows_own_numbers(report):
+    for row in report["rows"]:
+        assert row["runs"] == 2
+        assert row["flops_speedup"] == pytest.approx(row["prefill_flops_baseline"] / row["prefill_flops"])
+        assert row["ttft_speedup"] == pytest.approx(row["baseline_ttft_s"] / row["ttft_s"])
+        assert row["decoder_prefill_speedup"] == pytest.approx(
+            row["baseline_decoder_prefill_s"] / row["decoder_prefill_s"])
+        assert row["realised_fraction"] == pytest.approx(row["decoder_prefill_speedup"] / row["flops_speedup"])
+        assert row["kv_ratio"] == pytest.approx(row["kv_bytes"] / row["baseline_kv_bytes"])
+        assert row["peak_memory_ratio"] is None  # CPU: lifetime peak RSS, no ratio
+        assert row["peak_memory_bytes"] > 0
+        assert len(row["active_tokens_per_layer"]) == 4
+        if row["policy"] == "none":
+            assert row["flops_speedup"] == 1.0 and row["kv_ratio"] == 1.0
+            assert row["prefill_flops"] == row["prefill_flops_baseline"]
+
+
+def test_decoder_prefill_excludes_the_vision_encoder(report):
+    for record in report["log"]:
+        assert record["decoder_prefill_s"] == pytest.approx(record["prefill_s"] - record["vision_encoder_s"])
+        assert 0 < record["decoder_prefill_s"] <= record["prefill_s"]
+
+
+def test_runs_alternate_with_the_baseline(report, prompts):
+    log = report["log"]
+    n = len(CANDIDATES) * len(SPEEDS)
+    assert len(log) == len(prompts) * (1 * (1 + n) + 2 * 2 * n)
+    for name in prompts:
+        runs = [r for r in log if r["prompt"] == name]
+        warm, timed = runs[: 1 + n], runs[1 + n:]
+        assert all(r["phase"] == "warmup" for r in warm) and all(r["phase"] == "timed" for r in timed)
+        assert warm[0]["role"] == "baseline"
+        # timed: baseline, candidate, baseline, candidate, ... each candidate right after its own baseline
+        assert [r["role"] for r in timed] == ["baseline", "candidate"] * (2 * n)
+        for base, cand in zip(timed[::2], timed[1::2]):
+            assert base["policy"] == "none" and base["round"] == cand["round"]
+        order = [(r["policy"], r["speed"]) for r in timed[1::2]]
+        assert order == [(c, s) for c in CANDIDATES for s in SPEEDS] * 2
+    assert any("[1/" in line and "none (baseline)" in line and "warm-up" in line for line in report["_progress"])
+
+
+def test_unknown_policy_is_a_clear_error(engine, prompts):
+    with pytest.raises(bench.BenchError) as error:
+        bench.run_bench(engine, prompts, ["none", "no-such-policy"], [0.5], runs=1, warmup=0)
+    message = str(error.value)
+    assert "no-such-policy" in message and "available" in message and "none" in message
+    with pytest.raises(bench.BenchError, match="speed"):
+        bench.run_bench(engine, prompts, ["none"], [1.5], runs=1, warmup=0)
+
+
+def test_cli_unknown_policy_is_one_line(checkpoints, capsys):
+    code = main(["bench", "--model", str(checkpoints["qwen2_vl"]), "--policies", "none,no-such-policy"])
+    assert code == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("glimpse: error:")]
+    assert len(lines) == 1 and "no-such-policy" in lines[0] and "available: " in lines[0]
+    assert "loading" not in err  # refused before loading anything
+
+
+def test_cli_bench_json(checkpoints, media, tmp_path, capsys):
+    out_file = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(checkpoints["qwen2_vl"]), "--image", str(media["image"]),
+                 "--policies", ",".join(CANDIDATES), "--speeds", "0.5", "--runs", "1", "--warmup", "0",
+                 "--json", "--out", str(out_file)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)  # stdout is exactly one JSON object
+    assert [(r["prompt"], r["policy"]) for r in report["rows"]] == [("image", c) for c in CANDIDATES]
+    assert report["runs"] == 1 and report["warmup"] == 0
+    assert json.loads(out_file.read_text()) == report
+    assert "[1/" in captured.err  # progress on stderr
+
+
+def test_cli_bench_synthesizes_media_and_prints_a_table(checkpoints, capsys):
+    # The tiny checkpoint's image processor caps images at 16 tokens; videos follow qwen-vl-utils' budget.
+    code = main(["bench", "--model", str(checkpoints["qwen2_vl"]), "--image-tokens", "12", "--video-tokens", "400",
+                 "--policies", "none", "--speeds", "0.5", "--runs", "1", "--warmup", "0"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    table = [line for line in captured.out.splitlines() if line.startswith("| image") or line.startswith("| video")]
+    assert len(table) == 2
+    assert "Prompt image: " in captured.out and "image 12" in captured.out
+    video = int(captured.out.split("Prompt video: ")[1].split("video ")[1].split(")")[0])
+    assert abs(video - 400) <= 40
+
+
+def test_cli_bench_option_errors(checkpoints, capsys):
+    assert main(["bench", "--model", str(checkpoints["qwen2_vl"]), "--layers", "2"]) == 1
+    assert main(["bench", "--speeds", "fast", "--policies", "none"]) == 1
+    assert main(["bench", "--image-tokens", "0", "--video-tokens", "0", "--policies", "none"]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("glimpse: error:")]
+    assert len(lines) == 3
+
+
+def test_random_checkpoint_loads_and_gives_the_requested_tokens(tmp_path):
+    folder = build_random_qwen2_vl(tmp_path / "model", preset="tiny", layers=2, max_visual_tokens=200,
+                                   dtype="bfloat16")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["text_config"]["num_hidden_layers"] == 2 and config["vision_config"]["depth"] == 1
+    assert config["text_config"]["dtype"] == "bfloat16"
+    engine = load_engine(str(folder), dtype="bfloat16")
+    assert engine.dtype.is_floating_point and str(engine.dtype) == "torch.bfloat16"
+    for tokens in (30, 150):
+        messages = bench._messages("image", random_image(tokens), "What is in this picture?")
+        got = engine.prepare(messages).token_counts()["image"]
+        assert abs(got - tokens) <= 0.1 * tokens
+    prompts = bench.synthesize_prompts(engine, tmp_path / "media", 100, 600)
+    assert abs(engine.prepare(prompts["video"]).token_counts()["video"] - 600) <= 60
+    result = engine.generate(prompts["image"], policy="none", max_new_tokens=2)
+    assert result.metrics["prompt_tokens"]["image"] == pytest.approx(100, rel=0.1)
+
+
+def test_presets_have_the_real_text_shapes():
+    from app import cli
+
+    assert cli.REAL_PRESETS == REAL_PRESETS
+    two, seven = PRESETS["qwen2-vl-2b"], PRESETS["qwen2-vl-7b"]
+    assert (two["hidden_size"], two["intermediate_size"], two["num_hidden_layers"], two["num_attention_heads"],
+            two["num_key_value_heads"], two["vocab_size"], two["tie_word_embeddings"]) == (
+        1536, 8960, 28, 12, 2, 151936, True)
+    assert (seven["hidden_size"], seven["intermediate_size"], seven["num_hidden_layers"],
+            seven["num_attention_heads"], seven["num_key_value_heads"], seven["vocab_size"],
+            seven["tie_word_embeddings"]) == (3584, 18944, 28, 28, 4, 152064, False)
+    for preset in PRESETS.values():
+        head_dim = preset["hidden_size"] // preset["num_attention_heads"]
+        assert sum(preset["mrope_section"]) * 2 == head_dim
+    assert two["rope_theta"] == seven["rope_theta"] == 1e6 and not math.isnan(two["rms_norm_eps"])
+
+
+def test_tiny_models_keeps_its_public_names():
+    import tiny_models
+
+    assert {"QWEN_TEMPLATE", "make_tokenizer", "BUILDERS", "reference_inputs"} <= set(dir(tiny_models))
+    assert tiny_models.QWEN_TEMPLATE.startswith("{% for message in messages %}")
