@@ -45,7 +45,8 @@ class DASH(Policy):
         if not 0.0 <= self.rho < 1.0:
             raise ValueError(f"DASH rho must be in [0, 1), got {self.rho}")
         l_s = self.start_layer if self.start_layer is not None else max(1, math.floor(0.4 * ctx.num_layers))
-        self.resolved = {"start_layer": l_s, "num_halted": 0}
+        self.resolved = {"start_layer": l_s, "num_halted": 0,
+                         "paper": {"rho": self.rho, "l_s": l_s, "n_first": self.keep_first, "n_last": self.keep_last}}
         self.kept: torch.Tensor | None = None  # original indices kept from l_s on
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:

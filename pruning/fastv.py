@@ -31,7 +31,7 @@ class FastV(Policy):
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"FastV ratio must be in [0, 1], got {self.ratio}")
         K = self.layer if self.layer is not None else scaled_layer(2, 32, ctx.num_layers)
-        self.resolved = {"layer": K, "num_dropped": 0}
+        self.resolved = {"layer": K, "num_dropped": 0, "paper": {"K": K, "R": self.ratio}}
         self.scores: torch.Tensor | None = None
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:

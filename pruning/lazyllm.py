@@ -55,6 +55,8 @@ class LazyLLM(Policy):
                 self.schedule[layer] = k
         self.resolved = {"prune_layers": sorted(self.schedule),
                          "layer_percentiles": [self.schedule[l] for l in sorted(self.schedule)]}
+        self.resolved["paper"] = {"pruning_layers": self.resolved["prune_layers"],
+                                  "k": self.resolved["layer_percentiles"]}
         self.scores: torch.Tensor | None = None
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:

@@ -61,6 +61,7 @@ class ST3Pruning(Policy):
         self.resolved = {"start_layer": start, "stride": stride, "drop_step": step,
                          "prune_layers": sorted(self.schedule),
                          "last_layer_keep": 1.0 - (max(self.schedule.values()) if self.schedule else 0.0)}
+        self.resolved["paper"] = {"P": self.first_drop, "R": step, "S": stride, "C": self.resolved["last_layer_keep"]}
         self.scores: torch.Tensor | None = None
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:

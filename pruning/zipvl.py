@@ -48,6 +48,7 @@ class ZipVL(Policy):
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"ZipVL tau must be in (0, 1], got {tau}")
         self.resolved = {"tau": tau, "important_per_layer": []}
+        self.resolved["paper"] = {"tau": tau, "p": self.resolved["important_per_layer"]}  # p filled per layer
 
     def probe_rows(self, layer_idx: int, n: int, device) -> torch.Tensor:
         recent = torch.arange(max(0, n - self.recent_probes), n)

@@ -14,7 +14,7 @@ from conftest import ARCHS, VIDEO_ARCHS
 from pipeline import PromptError, load_engine
 from pipeline.adapters import TEXT
 from pruning import NoPruning, Policy
-from tiny_models import reference_inputs
+from tiny_models import masked_reference, reference_inputs
 
 MAX_NEW = 10
 
@@ -72,26 +72,6 @@ class FixedActiveSet(Policy):
         return torch.tensor(self.keep, device=active.device)
 
 
-def _masked_reference(engine, prompt, start: int, keep: torch.Tensor) -> torch.Tensor:
-    """Every token through every layer (the layers' own forward, eager attention), but from layer
-    ``start`` on the dropped tokens are hidden as keys; their own rows are ignored."""
-    adapter = engine.adapter
-    hidden = engine.embed_prompt(prompt)
-    positions = adapter.positions(prompt.input_ids, prompt.modality, prompt.media)
-    cos, sin = adapter.rotary(hidden, positions)
-    T = hidden.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    visible = torch.zeros(T, dtype=torch.bool)
-    visible[keep] = True
-    minimum = torch.finfo(hidden.dtype).min
-    for layer_idx, layer in enumerate(adapter.layers):
-        allowed = causal if layer_idx < start else causal & visible[None, :]
-        allowed = allowed | torch.eye(T, dtype=torch.bool)  # dropped rows still need one key
-        mask = torch.zeros(T, T).masked_fill(~allowed, minimum)[None, None]
-        hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin))
-    return adapter.lm_head(adapter.norm(hidden[:, -1:]))[0, -1]
-
-
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])  # 1-D RoPE and M-RoPE
 def test_physical_dropping_equals_masking(checkpoints, media, arch):
     engine = load_engine(str(checkpoints[arch]), device="cpu", attn="eager")
@@ -107,7 +87,9 @@ def test_physical_dropping_equals_masking(checkpoints, media, arch):
 
     with torch.no_grad():
         logits, ctx = engine.prefill(prompt, FixedActiveSet(start=start, keep=tuple(keep.tolist())))
-        reference = _masked_reference(engine, prompt, start, keep)
+        L = len(engine.adapter.layers)
+        everything = torch.arange(T)
+        reference = masked_reference(engine, prompt, [everything] * start + [keep] * (L - start), [None] * L)
         unpruned, _ = engine.prefill(prompt, NoPruning())
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
     assert (logits - unpruned).abs().max() > 1e-3  # the dropped tokens did matter

@@ -13,7 +13,7 @@ from pipeline import load_engine
 from pipeline.adapters import TEXT
 from pruning import DASH, POLICIES, FastV, LazyLLM, NoPruning, Pipeline, ST3Pruning, ZipVL, make_policy
 from pruning.zipvl import important_count
-from tiny_models import build_llava, build_qwen2_vl, reference_inputs
+from tiny_models import build_llava, build_qwen2_vl, masked_reference, reference_inputs
 
 DEEP_LAYERS = 12
 
@@ -323,34 +323,6 @@ def test_composed_auto_and_a_hand_built_pipeline_run_end_to_end(deep, media, arc
 
 
 # ---------------------------------------------------------------------------------------- masking
-def _masked_reference(engine, prompt, active_per_layer, attention_per_layer) -> torch.Tensor:
-    """Every token through every layer with the layers' own forward (eager), but in each layer only
-    the active tokens are keys, inactive tokens keep their hidden state, and where attention was
-    restricted (ZipVL) the other tokens' attention output is zeroed while their FFN runs."""
-    adapter = engine.adapter
-    hidden = engine.embed_prompt(prompt)
-    positions = adapter.positions(prompt.input_ids, prompt.modality, prompt.media)
-    cos, sin = adapter.rotary(hidden, positions)
-    T = hidden.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    minimum = torch.finfo(hidden.dtype).min
-    for layer, active, rows in zip(adapter.layers, active_per_layer, attention_per_layer):
-        keys = torch.zeros(T, dtype=torch.bool)
-        keys[active if rows is None else rows] = True
-        allowed = (causal & keys[None, :]) | torch.eye(T, dtype=torch.bool)
-        mask = torch.zeros(T, T).masked_fill(~allowed, minimum)[None, None]
-        hook = layer.self_attn.register_forward_hook(
-            lambda m, args, out, keys=keys: (out[0] * keys[None, :, None], out[1]))
-        try:
-            new = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin))
-        finally:
-            hook.remove()
-        is_active = torch.zeros(T, dtype=torch.bool)
-        is_active[active] = True
-        hidden = torch.where(is_active[None, :, None], new, hidden)
-    return adapter.lm_head(adapter.norm(hidden[:, -1:]))[0, -1]
-
-
 MASKING_CASES = {
     "dash": lambda: DASH(rho=0.5, keep_first=2, keep_last=2),
     "zipvl": lambda: ZipVL(tau_image=0.85),
@@ -368,7 +340,7 @@ def test_physical_dropping_equals_masking_for_each_policy(deep, media, arch, nam
     prompt = engine.prepare(_image_messages(media))
     with torch.no_grad():
         logits, ctx = engine.prefill(prompt, MASKING_CASES[name]())
-        reference = _masked_reference(engine, prompt, ctx.active_per_layer, ctx.attention_per_layer)
+        reference = masked_reference(engine, prompt, ctx.active_per_layer, ctx.attention_per_layer)
         unpruned, _ = engine.prefill(prompt, NoPruning())
     pruned_something = any(len(a) < len(prompt) for a in ctx.active_per_layer) or any(
         r is not None for r in ctx.attention_per_layer)

@@ -160,3 +160,31 @@ def reference_inputs(engine, prompt) -> dict:
         if videos:
             inputs["pixel_values_videos"] = torch.cat([t["pixel_values_videos"] for t in videos])
     return inputs
+
+
+def masked_reference(engine, prompt, active_per_layer, attention_per_layer) -> torch.Tensor:
+    """Every token through every layer with the layers' own forward (eager), but in each layer only
+    the active tokens are keys, inactive tokens keep their hidden state, and where attention was
+    restricted (ZipVL) the other tokens' attention output is zeroed while their FFN runs."""
+    adapter = engine.adapter
+    hidden = engine.embed_prompt(prompt)
+    positions = adapter.positions(prompt.input_ids, prompt.modality, prompt.media)
+    cos, sin = adapter.rotary(hidden, positions)
+    T = hidden.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    minimum = torch.finfo(hidden.dtype).min
+    for layer, active, rows in zip(adapter.layers, active_per_layer, attention_per_layer):
+        keys = torch.zeros(T, dtype=torch.bool)
+        keys[active if rows is None else rows] = True
+        allowed = (causal & keys[None, :]) | torch.eye(T, dtype=torch.bool)
+        mask = torch.zeros(T, T).masked_fill(~allowed, minimum)[None, None]
+        hook = layer.self_attn.register_forward_hook(
+            lambda m, args, out, keys=keys: (out[0] * keys[None, :, None], out[1]))
+        try:
+            new = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin))
+        finally:
+            hook.remove()
+        is_active = torch.zeros(T, dtype=torch.bool)
+        is_active[active] = True
+        hidden = torch.where(is_active[None, :, None], new, hidden)
+    return adapter.lm_head(adapter.norm(hidden[:, -1:]))[0, -1]
