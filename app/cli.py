@@ -3,6 +3,7 @@
     glimpse ask [--model M] [--image P | --video P] [--policy P] [--speed S] [--max-new-tokens N] [--json] QUESTION
     glimpse bench [--model M | --random-model PRESET] [--layers N] [--image P] [--video P] [--image-tokens N]
                   [--video-tokens N] [--policies P,Q] [--speeds S,T] [--runs N] [--warmup N] [--json] [--out FILE]
+    glimpse calibrate hidivdrop --model M --images DIR [--window N] [--top-k K] [--max-images N] [--out FILE]
 
 Errors a user can cause (bad media, unknown model, prompt too long) print one line and exit 1.
 """
@@ -84,6 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bench.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
     bench.set_defaults(run=run_bench)
+
+    calibrate = commands.add_parser("calibrate", help="calibrate a policy for one model (HiDivDrop's ILVAS layers)")
+    calibrate.add_argument("policy", choices=["hidivdrop"])
+    calibrate.add_argument("--model", required=True, help="hub id or local checkpoint folder")
+    calibrate.add_argument("--images", required=True, metavar="DIR", help="a folder of calibration images")
+    calibrate.add_argument("--max-images", type=int, default=32, help="use at most this many (default 32)")
+    calibrate.add_argument("--window", type=int, default=4, help="ILVAS layer distance n (default 4, the paper's)")
+    calibrate.add_argument("--top-k", type=int, default=20, help="ILVAS top-K vision tokens (default 20)")
+    calibrate.add_argument("--question", default="Describe the image in detail.")
+    calibrate.add_argument("--out", metavar="FILE", help="write the profile here instead of the Glimpse cache")
+    calibrate.add_argument("--device", default="auto")
+    calibrate.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    calibrate.set_defaults(run=run_calibrate)
     return parser
 
 
@@ -93,7 +107,8 @@ def run_ask(args) -> int:
 
     if not 0.0 <= args.speed <= 1.0:
         raise UserError(f"--speed must be between 0 and 1, got {args.speed}")
-    policy = make_policy(args.policy, args.speed, parse_params(args.param))  # bad names fail before loading
+    overrides = parse_params(args.param)
+    make_policy(args.policy, args.speed, overrides)  # a bad name or value fails before loading
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
     content = [{"type": "image", "image": path} for path in args.image]
@@ -106,6 +121,7 @@ def run_ask(args) -> int:
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     if not engine.grounded and (args.image or args.video):
         _log(NOT_GROUNDED)
+    policy = engine.make_policy(args.policy, args.speed, overrides)  # with the model's calibration profile
     options = dict(policy=policy, max_new_tokens=args.max_new_tokens,
                    do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.json:
@@ -190,6 +206,34 @@ def run_bench(args) -> int:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         _log(f"wrote {args.out}")
     print(text if args.json else bench.format_markdown(report))
+    return 0
+
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+
+
+def run_calibrate(args) -> int:
+    from pathlib import Path
+
+    from pipeline import load_engine
+    from pipeline.calibrate import calibrate_hidivdrop
+    from pipeline.profiles import save_profile
+
+    folder = Path(args.images)
+    if not folder.is_dir():
+        raise UserError(f"--images must be a folder of images, got {args.images}")
+    images = sorted(str(p) for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)[: args.max_images]
+    if not images:
+        raise UserError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {folder}")
+    _log(f"loading {args.model} ...")
+    engine = load_engine(args.model, device=args.device, attn=args.attn)
+    profile = calibrate_hidivdrop(engine, images, question=args.question, window=args.window, top_k=args.top_k,
+                                  progress=_log)
+    path = save_profile(args.model, profile, path=args.out)
+    curve = ", ".join(f"{layer}: {value:.3f}" for layer, value in profile["ilvas"].items())
+    _log(f"ILVAS (n={args.window}, K={args.top_k}) over layers {curve}")
+    _log(f"filtering layers {profile['filter_layers']} -> {path}")
+    print(json.dumps(profile))
     return 0
 
 

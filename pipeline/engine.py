@@ -13,6 +13,7 @@ that were active in it. With every token active the loop is exactly transformers
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -63,7 +64,8 @@ class PrefillContext:
     attention_per_layer: list[torch.Tensor | None] = field(default_factory=list)
     aux_cache: AuxCache = field(default_factory=AuxCache)  # hidden states of pruned tokens (LazyLLM)
     generated: int = 0  # decode steps done
-    vision_encoder_s: float = 0.0
+    vision_encoder_s: float = 0.0  # the vision encoder + projector's own time
+    vision_wait_s: float = 0.0  # how long the layer loop waited for it (all of it, unless it overlapped)
     # Valid while a layer runs, for the policy callbacks of that layer: its index, its active set,
     # and its queries (1, heads, n, head_dim) and keys (1, kv_heads, n, head_dim), after RoPE.
     layer_idx: int = -1
@@ -88,6 +90,12 @@ class Engine:
         self.max_length = getattr(self.adapter.text_config, "max_position_embeddings", None)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self._lock = threading.Lock()  # one request at a time: the model and its caches are shared
+        # Run the vision encoder beside the layers that need no visual token (late injection);
+        # False runs it first, always (for measuring what the overlap gains).
+        self.parallel_vision = True
+        # Calibrated parameters per policy name (HiDivDrop's filtering layers from an ILVAS profile),
+        # applied to every policy this engine builds by name; explicit overrides win.
+        self.profiles: dict[str, dict] = {}
 
     # ------------------------------------------------------------------ public API
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -102,6 +110,16 @@ class Engine:
         with self._lock:
             yield from self._stream(messages, policy, speed, max_new_tokens, do_sample, temperature, top_p, seed)
 
+    def make_policy(self, name: str, speed: float = 0.0, overrides: dict | None = None) -> Policy:
+        """A registry policy for this model: its calibration profile, then ``overrides``."""
+        calibrated = {}
+        for member, params in self.profiles.items():
+            if name == member:
+                calibrated.update(params)
+            elif name == "auto":
+                calibrated.update({f"{member}.{k}": v for k, v in params.items()})
+        return make_policy(name, speed, {**calibrated, **(overrides or {})})
+
     def prepare(self, messages) -> Prompt:
         return build_prompt(self.adapter, messages, self.chat_template, self.max_length)
 
@@ -110,7 +128,7 @@ class Engine:
     def _stream(self, messages, policy, speed, max_new_tokens, do_sample, temperature, top_p, seed):
         memory = MemoryMeter(self.device)
         t_request = time.perf_counter()
-        policy = policy if isinstance(policy, Policy) else make_policy(policy, speed)
+        policy = policy if isinstance(policy, Policy) else self.make_policy(policy, speed)
         prompt = self.prepare(messages)
         generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
 
@@ -149,33 +167,52 @@ class Engine:
 
     def embed_prompt(self, prompt: Prompt) -> torch.Tensor:
         """Token embeddings with the vision encoder's output written over the placeholder tokens."""
-        ids = prompt.input_ids.to(self.device)
-        embeds = self.adapter.embed_tokens(ids)[None]  # (1, T, d)
+        embeds = self.adapter.embed_tokens(prompt.input_ids.to(self.device))[None]  # (1, T, d)
+        for rows, features in self.encode_media(prompt):
+            embeds[0, rows] = features
+        return embeds
+
+    def encode_media(self, prompt: Prompt) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The vision encoder + projector: (placeholder rows, one feature row each) per modality."""
+        out = []
         for kind in (IMAGE, VIDEO):
             if any(m.kind == kind for m in prompt.media):
-                features = self.adapter.encode(prompt.media, kind).to(self.device, embeds.dtype)
+                features = self.adapter.encode(prompt.media, kind).to(self.device, self.dtype)
                 rows = (prompt.modality == kind).nonzero().squeeze(1).to(self.device)
                 if features.shape[0] != rows.shape[0]:
                     raise RuntimeError(f"encoder gave {features.shape[0]} features for {rows.shape[0]} placeholders")
-                embeds[0, rows] = features
-        return embeds
+                out.append((rows, features))
+        return out
 
     def prefill(self, prompt: Prompt, policy: Policy) -> tuple[torch.Tensor, PrefillContext]:
-        t_vision = time.perf_counter()
-        hidden = self.embed_prompt(prompt)
-        synchronize(self.device)
-        vision_encoder_s = time.perf_counter() - t_vision
+        # The vision encoder starts now, beside the layer loop; the loop joins it before the first
+        # layer that computes a visual token (layer 0 unless a policy injects vision late).
+        vision = VisionJob(self, prompt, parallel=self.parallel_vision) if prompt.media else None
+        hidden = self.adapter.embed_tokens(prompt.input_ids.to(self.device))[None]  # (1, T, d)
         positions = self.adapter.positions(prompt.input_ids.to(self.device), prompt.modality, prompt.media)
         cos, sin = self.adapter.rotary(hidden, positions)
         num_layers = len(self.adapter.layers)
         ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
-                             KVCache(num_layers), num_layers, vision_encoder_s=vision_encoder_s)
+                             KVCache(num_layers), num_layers)
         policy.plan(ctx)
 
+        try:
+            logits = self._layers(hidden, cos, sin, policy, ctx, vision)
+        finally:
+            if vision is not None and vision.thread is not None:
+                vision.thread.join()  # never leave the encoder running on a failed request
+        return logits, ctx
+
+    def _layers(self, hidden, cos, sin, policy, ctx, vision) -> torch.Tensor:
         T = hidden.shape[1]
         active = torch.arange(T, device=self.device)
+        fresh = torch.ones(T, dtype=torch.bool, device=self.device)  # not computed by any layer yet
         for layer_idx, layer in enumerate(self.adapter.layers):
-            active = _checked(policy.select(layer_idx, active, ctx), active, T)
+            active = _checked(policy.select(layer_idx, active, ctx), active, fresh)
+            if vision is not None and bool((ctx.modality[active] != TEXT).any()):
+                hidden = ctx.hidden = vision.join(hidden, ctx)
+                vision = None  # joined
+            fresh[active] = False
             ctx.active_per_layer.append(active)
             ctx.layer_idx, ctx.active = layer_idx, active
             full = active.shape[0] == T  # nothing pruned: skip the gather/scatter copies
@@ -190,9 +227,11 @@ class Engine:
                 hidden = hidden.index_copy(1, active, out)
             ctx.hidden = hidden
         ctx.queries = ctx.keys = None  # let the last layer's tensors go
+        if vision is not None:  # no layer used the visual tokens (a policy dropped them all)
+            vision.join(hidden, ctx)
         # Only the last prompt position needs the final norm and the lm_head.
         logits = self.adapter.lm_head(self.adapter.norm(hidden[:, -1:]))
-        return logits[0, -1].float(), ctx
+        return logits[0, -1].float()
 
     def run_layer(self, layer_idx, layer, hidden, position_embeddings, mask, cache, policy=None, ctx=None):
         """One decoder layer through its own sub-modules, as its forward does, exposing the
@@ -270,6 +309,7 @@ class Engine:
             "ttft_s": t_first - t_request,
             "prefill_s": t_first - t_prefill,
             "vision_encoder_s": ctx.vision_encoder_s,
+            "vision_wait_s": ctx.vision_wait_s,
             "decode_tokens_per_s": (n_tokens - 1) / decode_s if n_tokens > 1 and decode_s > 0 else None,
             "new_tokens": n_tokens,
             "prompt_tokens": prompt.token_counts(),
@@ -286,7 +326,8 @@ class Engine:
 
 def keep_map(prompt: Prompt, active_per_layer: list[torch.Tensor],
              attention_per_layer: list[torch.Tensor | None] | None = None) -> dict:
-    """How deep every visual token went: the number of leading layers it was active in.
+    """How deep every visual token went: ``depth`` counts the layers it was active in — a window
+    of consecutive layers starting at ``entered`` (0, or the injection layer under late injection).
 
     ``attended`` counts, per visual token, the layers in which it took part in attention (equal to
     ``depth`` unless a policy such as ZipVL made attention sparse while the FFN stayed dense).
@@ -296,35 +337,92 @@ def keep_map(prompt: Prompt, active_per_layer: list[torch.Tensor],
     visual = (prompt.modality != TEXT).nonzero().squeeze(1)
     depth = torch.zeros(prompt.modality.shape[0], dtype=torch.long)
     attended = torch.zeros_like(depth)
-    alive = torch.ones_like(depth, dtype=torch.bool)
+    entered = torch.full_like(depth, -1)
     attention_per_layer = attention_per_layer or [None] * len(active_per_layer)
-    for active, rows in zip(active_per_layer, attention_per_layer):
-        present = torch.zeros_like(alive)
+    for layer_idx, (active, rows) in enumerate(zip(active_per_layer, attention_per_layer)):
+        present = torch.zeros_like(depth, dtype=torch.bool)
         present[active.cpu()] = True
-        alive &= present  # a token that left stays out
-        depth += alive
-        attending = present.clone() if rows is None else torch.zeros_like(alive).index_fill_(0, rows.cpu(), True)
-        attended += attending
+        entered[present & (entered < 0)] = layer_idx
+        depth += present  # a token that left never comes back, so its layers are consecutive
+        attended += present if rows is None else torch.zeros_like(present).index_fill_(0, rows.cpu(), True)
     spans, offset = [], 0
     for item in prompt.media:
         spans.append({"kind": "image" if item.kind == IMAGE else "video", "start": offset,
                       "count": item.num_tokens, "grid": list(item.grid) if item.grid else None})
         offset += item.num_tokens
     return {"num_layers": len(active_per_layer), "depth": depth[visual].tolist(),
-            "attended": attended[visual].tolist(), "media": spans}
+            "entered": entered[visual].clamp(min=0).tolist(), "attended": attended[visual].tolist(), "media": spans}
 
 
-def _checked(active: torch.Tensor, previous: torch.Tensor, T: int) -> torch.Tensor:
-    """Hold policies to the engine's contract: sorted, a subset of before, last token kept."""
+def _checked(active: torch.Tensor, previous: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """Hold policies to the engine's contract: sorted, last token kept, and nothing new but tokens
+    no layer has computed yet (late injection: they join with their original embeddings). A token
+    that left never comes back: its hidden state went stale."""
     if active is previous:
         return active
-    if active.numel() == 0 or int(active[-1]) != T - 1:
+    if active.numel() == 0 or int(active[-1]) != fresh.shape[0] - 1:
         raise RuntimeError("a policy dropped the last prompt token; it is never pruned")
     if active.numel() > 1 and not bool((active[1:] > active[:-1]).all()):
         raise RuntimeError("a policy returned an unsorted or repeated active set")
-    if active.numel() > previous.numel() or not bool(torch.isin(active, previous).all()):
+    joining = active[~torch.isin(active, previous)]
+    if joining.numel() and not bool(fresh[joining].all()):
         raise RuntimeError("a policy re-activated a token that had already left")
     return active
+
+
+class VisionJob:
+    """The vision encoder + projector of one prompt, run in a worker thread — on its own CUDA
+    stream on GPU — while the decoder layers that need no visual token run (HiDivDrop's parallel
+    decoupling). ``join`` waits for it and writes the features over the placeholder rows.
+
+    Sequential (``parallel=False``) runs it at once in the caller's thread: the same kernels on the
+    same inputs, so the features are bit-identical either way.
+    """
+
+    def __init__(self, engine: "Engine", prompt: Prompt, parallel: bool):
+        self.engine, self.prompt = engine, prompt
+        self.features: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.thread = None
+        # Autograd modes are per thread: the worker runs under the caller's.
+        self.modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        if parallel:
+            side = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+            self.thread = threading.Thread(target=self._run, args=(side,), name="glimpse-vision", daemon=True)
+            self.thread.start()
+        else:
+            self._run(None)
+
+    def _run(self, side_stream) -> None:
+        start = time.perf_counter()
+        try:
+            # The side stream keeps the encoder off the main one.
+            stream = torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext()
+            inference, grad = self.modes
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), stream:
+                self.features = self.engine.encode_media(self.prompt)
+                if side_stream is not None:
+                    side_stream.synchronize()
+                else:
+                    synchronize(self.engine.device)
+        except BaseException as error:  # handed to the request's thread in join
+            self.error = error
+        self.seconds = time.perf_counter() - start
+
+    def join(self, hidden: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
+        start = time.perf_counter()
+        if self.thread is not None:
+            self.thread.join()
+        ctx.vision_encoder_s = self.seconds
+        ctx.vision_wait_s = self.seconds if self.thread is None else time.perf_counter() - start
+        if self.error is not None:
+            raise self.error
+        for rows, features in self.features:
+            if features.is_cuda:  # made on the side stream, used from now on on the main one
+                features.record_stream(torch.cuda.current_stream(features.device))
+            hidden = hidden.index_copy(1, rows, features[None])
+        return hidden
 
 
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float,

@@ -12,6 +12,7 @@ import torch
 
 from pipeline.adapters import ADAPTERS
 from pipeline.engine import Engine
+from pipeline.profiles import load_profile
 
 
 class ModelLoadError(RuntimeError):
@@ -90,7 +91,11 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
         raise ModelLoadError(f"cannot load model {model!r}: {_first_line(error)}") from None
 
     adapter = ADAPTERS[config.model_type](vlm, tokenizer, image_processor)
-    return Engine(adapter, model_id=str(model), chat_template=_chat_template(source), grounded=grounded)
+    engine = Engine(adapter, model_id=str(model), chat_template=_chat_template(source), grounded=grounded)
+    profile = load_profile(str(model))
+    if profile and profile.get("num_layers") == len(adapter.layers):
+        engine.profiles["hidivdrop"] = {"filter_layers": tuple(profile["filter_layers"])}
+    return engine
 
 
 def _chat_template(source: str) -> str | None:

@@ -11,6 +11,7 @@ from pruning.base import NoPruning, Policy
 from pruning.compose import Pipeline
 from pruning.dash import DASH
 from pruning.fastv import FastV
+from pruning.hidivdrop import HiDivDrop
 from pruning.lazyllm import LazyLLM
 from pruning.st3 import ST3Pruning
 from pruning.zipvl import ZipVL
@@ -22,17 +23,16 @@ POLICIES: dict[str, type[Policy]] = {
     "st3": ST3Pruning,
     "lazyllm": LazyLLM,
     "fastv": FastV,
+    "hidivdrop": HiDivDrop,
 }
 NAMES = ["auto", *POLICIES]
 
 
 def default_pipeline(speed: float) -> Pipeline:
-    """``auto``: the design card's default pipeline at one speed.
-
-    Today: DASH prefill halting. HiDivDrop's late injection and ST3's decode-time annealing join it
-    as they land (they run before and after DASH respectively).
+    """``auto``: the design card's default pipeline at one speed: HiDivDrop's late injection, early
+    exit and pyramid, then DASH's halting. ST3's decode-time annealing joins it when it lands.
     """
-    return Pipeline(policies=(DASH.from_speed(speed),), label="auto")
+    return Pipeline(policies=(HiDivDrop.from_speed(speed), DASH.from_speed(speed)), label="auto")
 
 
 def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None = None) -> Policy:
@@ -66,5 +66,5 @@ def _override(policy: Policy, overrides: dict) -> Policy:
     return replace(policy, **values)
 
 
-__all__ = ["DASH", "NAMES", "POLICIES", "FastV", "LazyLLM", "NoPruning", "Pipeline", "Policy", "ST3Pruning",
+__all__ = ["DASH", "NAMES", "POLICIES", "FastV", "HiDivDrop", "LazyLLM", "NoPruning", "Pipeline", "Policy", "ST3Pruning",
            "ZipVL", "default_pipeline", "make_policy"]

@@ -39,7 +39,7 @@ class DASH(Policy):
 
     @classmethod
     def from_speed(cls, speed: float) -> "DASH":
-        return cls(rho=RHO_AT_FULL_SPEED * check_speed(speed))
+        return cls(rho=round(RHO_AT_FULL_SPEED * check_speed(speed), 6))
 
     def plan(self, ctx) -> None:
         if not 0.0 <= self.rho < 1.0:

@@ -39,7 +39,7 @@ class LazyLLM(Policy):
     @classmethod
     def from_speed(cls, speed: float) -> "LazyLLM":
         speed = check_speed(speed)
-        return cls(percentiles=tuple(k * speed for k in PERCENTILES_AT_FULL_SPEED))
+        return cls(percentiles=tuple(round(k * speed, 6) for k in PERCENTILES_AT_FULL_SPEED))
 
     def plan(self, ctx) -> None:
         L = ctx.num_layers

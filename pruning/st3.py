@@ -40,7 +40,7 @@ class ST3Pruning(Policy):
     def from_speed(cls, speed: float) -> "ST3Pruning":
         speed = check_speed(speed)
         # Speed 1 is the paper's setting (P 50%, C 1%); speed 0 prunes nothing.
-        return cls(first_drop=0.5 * speed, end_keep=1.0 - 0.99 * speed)
+        return cls(first_drop=round(0.5 * speed, 6), end_keep=round(1.0 - 0.99 * speed, 6))
 
     def plan(self, ctx) -> None:
         L = ctx.num_layers

@@ -39,8 +39,8 @@ class ZipVL(Policy):
     @classmethod
     def from_speed(cls, speed: float) -> "ZipVL":
         speed = check_speed(speed)
-        return cls(tau_image=1.0 - TAU_DROP_AT_FULL_SPEED["image"] * speed,
-                   tau_video=1.0 - TAU_DROP_AT_FULL_SPEED["video"] * speed)
+        return cls(tau_image=round(1.0 - TAU_DROP_AT_FULL_SPEED["image"] * speed, 6),
+                   tau_video=round(1.0 - TAU_DROP_AT_FULL_SPEED["video"] * speed, 6))
 
     def plan(self, ctx) -> None:
         has_video = bool((ctx.modality == 2).any())

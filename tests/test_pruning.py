@@ -295,7 +295,7 @@ def test_speed_outside_zero_one_and_unknown_parameters_are_clear_errors():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("magic", 0.5)
     assert make_policy("dash", 0.5, {"rho": 0.3}).rho == 0.3
-    assert make_policy("auto", 0.5, {"dash.start_layer": 5}).policies[0].start_layer == 5
+    assert make_policy("auto", 0.5, {"dash.start_layer": 5}).policies[-1].start_layer == 5
 
 
 # ---------------------------------------------------------------------------------------- composition

@@ -1,0 +1,118 @@
+"""HiDivDrop, training-free: late vision injection, concave pyramid pruning, early vision exit
+(seeds/HiDivDrop.txt, sections 2-3).
+
+* **Late injection**: layers below ``L_inj`` run on the text tokens only (the vision encoder runs
+  meanwhile, beside them: the engine's parallel decoupling). The vision tokens join at ``L_inj``
+  with their original embeddings and their persistent positions; layers below hold no vision KV.
+* **Concave pyramid pruning**: at each filtering layer f in ``F`` the last prompt token's attention
+  to the vision tokens (mean over heads; one probe query) ranks them, and from layer f + 1 on only
+  the top ``keep[i]`` share of the original vision tokens stays — steep at the first filtering
+  layer, gentle after.
+* **Early exit**: from ``L_exit`` on no vision token is active; deeper layers and their KV hold text.
+
+The paper's setting on LLaVA-1.5-7B (32 layers): ``L_inj`` 9, ``L_exit`` 25, ``F`` {10, 14, 16, 18},
+576 -> 87 -> 10 -> 5 -> 1 tokens — reached by *training* with a differentiable top-k. Glimpse runs
+it training-free, so its schedule is softer (docs/pruning.md says how it was chosen and measured):
+at speed 1 it keeps 40%, 25%, 18% and 12% after the four filtering layers, with the paper's
+injection and exit layers; lower speeds inject earlier, exit later and keep more. ``F`` comes from
+an ILVAS calibration profile of the model when one exists (``glimpse calibrate hidivdrop``),
+otherwise from the paper's layers scaled to the depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pruning.base import Policy, check_speed, last_token_attention, lowest
+
+PAPER_DEPTH = 32
+PAPER_INJECT, PAPER_EXIT = 9, 25
+PAPER_FILTERS = (10, 14, 16, 18)
+KEEP_AT_FULL_SPEED = (0.40, 0.25, 0.18, 0.12)  # training-free: softer than the trained 15%, 1.7%, 0.9%, 0.2%
+
+
+@dataclass
+class HiDivDrop(Policy):
+    inject_layer: int | None = None  # L_inj; None: round(inject_fraction * L)
+    exit_layer: int | None = None  # L_exit; None: L - round(exit_fraction * L)
+    inject_fraction: float = 0.0  # share of the depth the vision tokens skip at the bottom
+    exit_fraction: float = 0.0  # share of the depth the vision tokens skip at the top
+    filter_layers: tuple[int, ...] | None = None  # F; None: the paper's, scaled to the depth
+    keep: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)  # share of the vision tokens kept after each f in F
+    name = "hidivdrop"
+
+    @classmethod
+    def from_speed(cls, speed: float) -> "HiDivDrop":
+        speed = check_speed(speed)
+        return cls(inject_fraction=round(speed * PAPER_INJECT / PAPER_DEPTH, 6),
+                   exit_fraction=round(speed * (PAPER_DEPTH - PAPER_EXIT) / PAPER_DEPTH, 6),
+                   keep=tuple(round(1.0 - speed * (1.0 - k), 6) for k in KEEP_AT_FULL_SPEED))
+
+    def plan(self, ctx) -> None:
+        L = ctx.num_layers
+        inject = self.inject_layer if self.inject_layer is not None else round(self.inject_fraction * L)
+        exit_ = self.exit_layer if self.exit_layer is not None else L - round(self.exit_fraction * L)
+        if not 0 <= inject < exit_ <= L:
+            raise ValueError(f"HiDivDrop needs 0 <= L_inj < L_exit <= L, got {inject}, {exit_} on {L} layers")
+        filters = self.filter_layers or tuple(max(1, round(f * L / PAPER_DEPTH)) for f in PAPER_FILTERS)
+        if any(b > a for a, b in zip(self.keep, self.keep[1:])) or not all(0.0 <= k <= 1.0 for k in self.keep):
+            raise ValueError(f"HiDivDrop keep shares must be in [0, 1] and never grow, got {self.keep}")
+        keep = resample(self.keep, len(filters))  # a calibration profile may find more or fewer layers
+        visual = (ctx.modality != 0).nonzero().squeeze(1)
+        V = visual.shape[0]
+        # A filtering layer counts only inside the vision window, and prunes from the layer after it.
+        self.cuts: dict[int, int] = {}  # layer from which the count applies -> vision tokens kept
+        self.shares: dict[int, float] = {}
+        for f, share in zip(sorted(filters), keep):
+            if inject <= f and f + 1 < exit_ and f + 1 not in self.cuts:
+                self.cuts[f + 1], self.shares[f + 1] = round(share * V), share
+        self.visual, self.inject, self.exit, self.num_layers = visual, inject, exit_, L
+        self.resolved = {"inject_layer": inject, "exit_layer": exit_, "filter_layers": sorted(f - 1 for f in self.cuts),
+                         "keep_counts": [self.cuts[c] for c in sorted(self.cuts)], "visual_tokens": V}
+        self.resolved["paper"] = {"L_inj": inject, "L_exit": exit_, "F": self.resolved["filter_layers"],
+                                  "keep": [V, *self.resolved["keep_counts"]]}
+        self.scores: torch.Tensor | None = None
+
+    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        if layer_idx < self.inject or layer_idx >= self.exit:
+            return active[ctx.modality[active] == 0]  # text only: before injection, after the exit
+        if layer_idx == self.inject:  # the vision tokens join, with their original embeddings
+            return torch.cat([active, self.visual]).unique(sorted=True) if self.inject > 0 else active
+        if layer_idx in self.cuts and self.scores is not None:
+            visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
+            excess = visual.shape[0] - self.cuts[layer_idx]
+            if excess > 0:
+                keep = torch.ones(active.shape[0], dtype=torch.bool, device=active.device)
+                keep[visual[lowest(self.scores[active[visual]], excess)]] = False
+                return active[keep]
+        return active
+
+    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
+        if layer_idx + 1 in self.cuts:  # a filtering layer: rank by its own last-token attention
+            self.scores = torch.full_like(ctx.modality, float("-inf"), dtype=torch.float32)
+            self.scores[ctx.active] = last_token_attention(ctx)
+
+    def summary(self) -> str:
+        r = self.resolved
+        shares = [self.shares[c] for c in sorted(self.cuts)]
+        if r["inject_layer"] == 0 and r["exit_layer"] == self.num_layers and all(k >= 1.0 for k in shares):
+            return "HiDivDrop off"
+        keep = ", ".join(f"{k:.0%}" for k in shares)
+        return (f"HiDivDrop vision in layers {r['inject_layer']}-{r['exit_layer'] - 1}, "
+                f"keeps {keep} after layers {', '.join(map(str, r['filter_layers']))}")
+
+
+def resample(shares: tuple[float, ...], n: int) -> tuple[float, ...]:
+    """The keep curve at ``n`` evenly spaced points (linear in between): same start, same end."""
+    if n == len(shares) or n == 0:
+        return tuple(shares[:n])
+    if len(shares) == 1 or n == 1:
+        return (shares[0],) * n
+    out = []
+    for i in range(n):
+        x = i * (len(shares) - 1) / (n - 1)
+        j = min(int(x), len(shares) - 2)
+        out.append(round(shares[j] + (x - j) * (shares[j + 1] - shares[j]), 6))
+    return tuple(out)

@@ -1,0 +1,198 @@
+"""HiDivDrop: late injection beside a parallel vision encoder, concave pyramid, early exit, ILVAS."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.cli import main as glimpse
+from pipeline import load_engine
+from pipeline.adapters import TEXT
+from pipeline.calibrate import ilvas, local_maxima
+from pruning import HiDivDrop, NoPruning, Pipeline, Policy
+from tiny_models import build_llava, build_qwen2_vl, masked_reference
+
+LAYERS = 12
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hidivdrop")
+    return {"qwen2_vl": build_qwen2_vl(root / "qwen2_vl", layers=LAYERS),
+            "llava": build_llava(root / "llava", layers=LAYERS)}
+
+
+def _messages(media):
+    return [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                         {"type": "text", "text": "What is in this picture? Describe it."}]}]
+
+
+class TextOnly(Policy):
+    name = "text-only"
+
+    def select(self, layer_idx, active, ctx):
+        return active[ctx.modality[active] == TEXT]
+
+
+def _layer_inputs(engine, prompt, policy, layer_idx):
+    """The hidden states (original index -> row) that enter ``layer_idx``'s attention."""
+    seen = {}
+    norm = engine.adapter.layers[layer_idx].input_layernorm
+    hook = norm.register_forward_pre_hook(lambda m, args: seen.update(h=args[0][0].clone()))
+    try:
+        with torch.no_grad():
+            _, ctx = engine.prefill(prompt, policy)
+    finally:
+        hook.remove()
+    return seen["h"], ctx
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])  # 1-D positions and M-RoPE
+def test_text_before_injection_never_sees_vision_and_vision_enters_with_its_embeddings(deep, media, arch):
+    engine = load_engine(str(deep[arch]), device="cpu", attn="eager")
+    prompt = engine.prepare(_messages(media))
+    policy = HiDivDrop(inject_layer=4, exit_layer=10, filter_layers=(5, 7), keep=(0.5, 0.25))
+    entering, ctx = _layer_inputs(engine, prompt, policy, 4)
+    text_only, _ = _layer_inputs(engine, prompt, TextOnly(), 4)
+
+    text = (prompt.modality == TEXT).nonzero().squeeze(1)
+    visual = (prompt.modality != TEXT).nonzero().squeeze(1)
+    active = ctx.active_per_layer[4]
+    rows_text = torch.isin(active, text).nonzero().squeeze(1)
+    rows_visual = torch.isin(active, visual).nonzero().squeeze(1)
+    # Text states after layers 0-3 equal a run in which no vision token exists at all.
+    torch.testing.assert_close(entering[rows_text], text_only, atol=0, rtol=0)
+    # Vision tokens join at layer 4 with the projector's output, untouched by layers 0-3.
+    with torch.no_grad():
+        embeddings = engine.embed_prompt(prompt)[0]
+    torch.testing.assert_close(entering[rows_visual], embeddings[visual], atol=0, rtol=0)
+    for layer in range(4):  # layers below the injection hold no vision KV
+        assert not (ctx.cache.layers[layer].modality != TEXT).any()
+        assert ctx.active_per_layer[layer].tolist() == text.tolist()
+    # Their positions are the persistent ones: the pruned run equals the masked full-length model.
+    with torch.no_grad():
+        logits, ctx = engine.prefill(prompt, policy)
+        reference = masked_reference(engine, prompt, ctx.active_per_layer, ctx.attention_per_layer)
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
+
+
+def test_keep_counts_follow_the_schedule_and_nothing_visual_survives_the_exit(deep, media):
+    engine = load_engine(str(deep["qwen2_vl"]), device="cpu")
+    prompt = engine.prepare(_messages(media))
+    visual = (prompt.modality != TEXT).nonzero().squeeze(1)
+    V = len(visual)
+    policy = HiDivDrop(inject_layer=3, exit_layer=10, filter_layers=(4, 6, 8), keep=(0.5, 0.25, 0.125))
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+    counts = [int(torch.isin(a, visual).sum()) for a in ctx.active_per_layer]
+    half, quarter, eighth = round(0.5 * V), round(0.25 * V), round(0.125 * V)
+    assert counts == [0] * 3 + [V] * 2 + [half] * 2 + [quarter] * 2 + [eighth] + [0] * 2
+    assert policy.params()["keep_counts"] == [half, quarter, eighth]
+    for layer in range(10, LAYERS):
+        assert not (ctx.cache.layers[layer].modality != TEXT).any()
+    # Each filtering layer keeps the vision tokens its last token attended to most (nested sets).
+    for a, b in zip(ctx.active_per_layer[3:10], ctx.active_per_layer[4:10]):
+        assert torch.isin(b, a).all()
+
+
+def test_vision_encoder_in_parallel_is_bit_identical_to_running_it_first(deep, media):
+    engine = load_engine(str(deep["llava"]), device="cpu")
+    prompt = engine.prepare(_messages(media))
+    outputs = {}
+    for parallel in (False, True):
+        engine.parallel_vision = parallel
+        with torch.no_grad():
+            logits, ctx = engine.prefill(prompt, HiDivDrop.from_speed(0.8))
+        outputs[parallel] = (logits, ctx.hidden, ctx.vision_encoder_s, ctx.vision_wait_s)
+    assert torch.equal(outputs[True][0], outputs[False][0])
+    assert torch.equal(outputs[True][1], outputs[False][1])
+    assert outputs[False][3] == outputs[False][2]  # sequential: the loop waited for all of it
+
+
+def test_an_encoder_failure_in_the_worker_reaches_the_request(deep, media, monkeypatch):
+    engine = load_engine(str(deep["llava"]), device="cpu")
+    prompt = engine.prepare(_messages(media))
+
+    def broken(media, kind):
+        raise RuntimeError("encoder exploded")
+
+    monkeypatch.setattr(engine.adapter, "encode", broken)
+    with pytest.raises(RuntimeError, match="encoder exploded"):
+        engine.prefill(prompt, HiDivDrop.from_speed(0.8))
+
+
+def test_speed_moves_injection_later_exit_earlier_and_the_schedule_steeper():
+    from types import SimpleNamespace
+
+    resolved = []
+    for speed in (0.0, 0.25, 0.5, 0.75, 1.0):
+        policy = HiDivDrop.from_speed(speed)
+        policy.plan(SimpleNamespace(num_layers=32, modality=torch.tensor([1] * 576 + [0] * 40)))
+        resolved.append((policy.resolved["inject_layer"], policy.resolved["exit_layer"], policy.keep))
+    assert resolved[0] == (0, 32, (1.0, 1.0, 1.0, 1.0))  # speed 0: exact
+    assert resolved[-1][:2] == (9, 25)  # the paper's window on 32 layers
+    for (i0, e0, k0), (i1, e1, k1) in zip(resolved, resolved[1:]):
+        assert i1 >= i0 and e1 <= e0 and all(b <= a for a, b in zip(k0, k1))
+    keep = resolved[-1][2]
+    drops = [1.0 - keep[0]] + [a - b for a, b in zip(keep, keep[1:])]
+    assert all(b <= a for a, b in zip(drops, drops[1:]))  # concave: steep first, then gentle
+
+
+def test_auto_composes_hidivdrop_and_dash(deep, media):
+    engine = load_engine(str(deep["qwen2_vl"]), device="cpu")
+    result = engine.generate(_messages(media), policy=engine.make_policy(
+        "auto", 0.8, {"dash.keep_first": 4, "dash.keep_last": 4}), max_new_tokens=4)
+    assert set(result.params) == {"hidivdrop", "dash"}
+    inject = result.params["hidivdrop"]["inject_layer"]
+    assert inject > 0 and result.metrics["keep_map"]["entered"] == [inject] * result.metrics["prompt_tokens"]["image"]
+    assert result.metrics["prefill_flops"] < result.metrics["prefill_flops_baseline"]
+
+
+# ---------------------------------------------------------------------------------------- ILVAS
+def test_ilvas_is_the_mean_cosine_of_head_vectors_over_the_top_k_tokens():
+    first = torch.tensor([[0.5, 0.1, 0.3, 0.05], [0.4, 0.1, 0.0, 0.2]])  # (heads 2, vision tokens 4)
+    assert ilvas(first, first.clone(), top_k=2) == pytest.approx(1.0)
+    later = first.clone()
+    later[:, 2] = torch.tensor([0.0, 0.3])  # token 2 (in the top 2 at layer l) turns orthogonal
+    expected = (1.0 + 0.0) / 2
+    assert ilvas(first, later, top_k=2) == pytest.approx(expected)
+    assert ilvas(first, later, top_k=1) == pytest.approx(1.0)  # only token 0, unchanged
+
+
+def test_local_maxima_pick_the_peaks_of_the_curve():
+    curve = {3: 0.5, 4: 0.7, 5: 0.6, 6: 0.65, 7: 0.9, 8: 0.8, 9: 0.85}
+    assert local_maxima(curve, 4) == [4, 7, 9]
+    assert local_maxima(curve, 2) == [7, 9]
+
+
+def test_calibrate_writes_a_profile_the_engine_then_uses(deep, media, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path / "cache"))
+    images = tmp_path / "calibration"
+    images.mkdir()
+    from PIL import Image
+
+    for i, angle in enumerate((0, 90, 180)):
+        Image.open(media["image"]).rotate(angle).save(images / f"{i}.png")
+    (images / "broken.png").write_bytes(b"not an image")
+    model = str(deep["llava"])
+    assert glimpse(["calibrate", "hidivdrop", "--model", model, "--images", str(images), "--window", "1"]) == 0
+    profile = json.loads(capsys.readouterr().out)
+    curve = {int(k): v for k, v in profile["ilvas"].items()}
+    assert profile["images"] == 3 and profile["num_layers"] == LAYERS
+    assert sorted(curve) == list(range(profile["inject_layer"], profile["exit_layer"] - 1))
+    assert profile["filter_layers"] == local_maxima(curve, 4) and profile["filter_layers"]
+
+    engine = load_engine(model, device="cpu")
+    policy = engine.make_policy("hidivdrop", 1.0)
+    assert policy.filter_layers == tuple(profile["filter_layers"])
+    assert engine.make_policy("hidivdrop", 1.0, {"filter_layers": [5]}).filter_layers == (5,)  # overrides win
+
+
+def test_speed_zero_is_exact_and_no_pruning_is_unchanged(deep, media):
+    engine = load_engine(str(deep["llava"]), device="cpu")
+    messages = _messages(media)
+    exact = engine.generate(messages, policy=NoPruning(), max_new_tokens=8)
+    same = engine.generate(messages, policy=Pipeline(policies=(HiDivDrop.from_speed(0.0),)), max_new_tokens=8)
+    assert same.token_ids == exact.token_ids
