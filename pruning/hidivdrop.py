@@ -14,7 +14,8 @@ The paper's setting on LLaVA-1.5-7B (32 layers): ``L_inj`` 9, ``L_exit`` 25, ``F
 576 -> 87 -> 10 -> 5 -> 1 tokens — reached by *training* with a differentiable top-k. Glimpse runs
 it training-free, so its schedule is softer (docs/pruning.md says how it was chosen and measured):
 at speed 1 it keeps 40%, 25%, 18% and 12% after the four filtering layers, with the paper's
-injection and exit layers; lower speeds inject earlier, exit later and keep more. ``F`` comes from
+injection and exit layers; lower speeds exit later and keep more, and below speed 0.5 the vision
+tokens are not injected late at all (skipping just the first few layers hurt most, measured). ``F`` comes from
 an ILVAS calibration profile of the model when one exists (``glimpse calibrate hidivdrop``),
 otherwise from the paper's layers scaled to the depth.
 """
@@ -31,6 +32,10 @@ PAPER_DEPTH = 32
 PAPER_INJECT, PAPER_EXIT = 9, 25
 PAPER_FILTERS = (10, 14, 16, 18)
 KEEP_AT_FULL_SPEED = (0.40, 0.25, 0.18, 0.12)  # training-free: softer than the trained 15%, 1.7%, 0.9%, 0.2%
+# Injection is all or nothing: skipping only the first one to three layers changed answers far more
+# than skipping the paper's nine (docs/pruning.md), so below this speed the vision tokens start at
+# layer 0 and from it on they join at the paper's layer.
+INJECT_FROM_SPEED = 0.5
 
 
 @dataclass
@@ -46,7 +51,7 @@ class HiDivDrop(Policy):
     @classmethod
     def from_speed(cls, speed: float) -> "HiDivDrop":
         speed = check_speed(speed)
-        return cls(inject_fraction=round(speed * PAPER_INJECT / PAPER_DEPTH, 6),
+        return cls(inject_fraction=round(PAPER_INJECT / PAPER_DEPTH, 6) if speed >= INJECT_FROM_SPEED else 0.0,
                    exit_fraction=round(speed * (PAPER_DEPTH - PAPER_EXIT) / PAPER_DEPTH, 6),
                    keep=tuple(round(1.0 - speed * (1.0 - k), 6) for k in KEEP_AT_FULL_SPEED))
 
