@@ -61,6 +61,10 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return len(self.layers[layer_idx])
 
+    def visual_entries(self) -> int:
+        """Image and video entries over all layers (what ST3's annealing shrinks)."""
+        return sum(int((layer.modality != 0).sum()) for layer in self.layers)
+
     def lengths(self) -> list[int]:
         return [len(layer) for layer in self.layers]
 

@@ -66,6 +66,10 @@ class PrefillContext:
     generated: int = 0  # decode steps done
     vision_encoder_s: float = 0.0  # the vision encoder + projector's own time
     vision_wait_s: float = 0.0  # how long the layer loop waited for it (all of it, unless it overlapped)
+    # Per decode step: the KV bytes and visual KV entries it attended to, and its wall time.
+    kv_bytes_per_step: list[int] = field(default_factory=list)
+    visual_kv_per_step: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
     # Valid while a layer runs, for the policy callbacks of that layer: its index, its active set,
     # and its queries (1, heads, n, head_dim) and keys (1, kv_heads, n, head_dim), after RoPE.
     layer_idx: int = -1
@@ -152,11 +156,15 @@ class Engine:
             yield StreamChunk(detok.push(token), token)
             if len(tokens) >= budget:
                 break
+            t_step = time.perf_counter()
             policy.decode_step(len(tokens), ctx)
+            ctx.kv_bytes_per_step.append(ctx.cache.nbytes())  # what this step attends to
+            ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
             logits = self.decode_step(token, next_position, ctx)
             ctx.generated += 1
             next_position = next_position + 1
-            token = sample_next(logits, do_sample, temperature, top_p, generator)
+            token = sample_next(logits, do_sample, temperature, top_p, generator)  # reads the device: synced
+            ctx.step_s.append(time.perf_counter() - t_step)
         synchronize(self.device)
         t_end = time.perf_counter()
 
@@ -318,6 +326,9 @@ class Engine:
             "prefill_flops": prefill_flops(counts, d, m, attending),
             "prefill_flops_baseline": prefill_flops([T] * len(counts), d, m),
             "kv_bytes": ctx.cache.nbytes(),
+            "kv_bytes_per_step": ctx.kv_bytes_per_step,
+            "visual_kv_per_step": ctx.visual_kv_per_step,
+            "decode_step_s": ctx.step_s,
             "aux_cache_bytes": ctx.aux_cache.nbytes(),
             "peak_memory_bytes": memory.peak(),
             "keep_map": keep_map(prompt, ctx.active_per_layer, ctx.attention_per_layer),

@@ -13,14 +13,14 @@ from pruning.dash import DASH
 from pruning.fastv import FastV
 from pruning.hidivdrop import HiDivDrop
 from pruning.lazyllm import LazyLLM
-from pruning.st3 import ST3Pruning
+from pruning.st3 import ST3
 from pruning.zipvl import ZipVL
 
 POLICIES: dict[str, type[Policy]] = {
     "none": NoPruning,
     "dash": DASH,
     "zipvl": ZipVL,
-    "st3": ST3Pruning,
+    "st3": ST3,
     "lazyllm": LazyLLM,
     "fastv": FastV,
     "hidivdrop": HiDivDrop,
@@ -30,9 +30,10 @@ NAMES = ["auto", *POLICIES]
 
 def default_pipeline(speed: float) -> Pipeline:
     """``auto``: the design card's default pipeline at one speed: HiDivDrop's late injection, early
-    exit and pyramid, then DASH's halting. ST3's decode-time annealing joins it when it lands.
+    exit and pyramid, then DASH's halting in prefill, then ST3's visual-KV annealing in decode.
     """
-    return Pipeline(policies=(HiDivDrop.from_speed(speed), DASH.from_speed(speed)), label="auto")
+    return Pipeline(policies=(HiDivDrop.from_speed(speed), DASH.from_speed(speed), ST3.annealing_only(speed)),
+                    label="auto")
 
 
 def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None = None) -> Policy:
@@ -66,5 +67,5 @@ def _override(policy: Policy, overrides: dict) -> Policy:
     return replace(policy, **values)
 
 
-__all__ = ["DASH", "NAMES", "POLICIES", "FastV", "HiDivDrop", "LazyLLM", "NoPruning", "Pipeline", "Policy", "ST3Pruning",
+__all__ = ["DASH", "NAMES", "POLICIES", "FastV", "HiDivDrop", "LazyLLM", "NoPruning", "Pipeline", "Policy", "ST3",
            "ZipVL", "default_pipeline", "make_policy"]

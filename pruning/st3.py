@@ -1,4 +1,4 @@
-"""ST3's Progressive Visual Token Pruning, the prefill half of ST^3 (seeds/ST3.txt).
+"""ST^3 (seeds/ST3.txt): Progressive Visual Token Pruning in prefill, Visual Token Annealing in decode.
 
 No pruning in layers 0-2 (the paper keeps the first three layers whole, on 32- and 40-layer
 models alike, so this layer is not scaled with depth). At layer 3 drop ``P`` of the visual tokens,
@@ -12,7 +12,15 @@ L - 3 the formula counts one drop too many. The default stride ``S = round(7 L /
 paper's 7 on 32 layers) is therefore nudged up by the fewest layers that make S not divide L - 3,
 and the drops happen at layers ``3 + jS < L``: then Eq. 9 is exact. ``R`` defaults to the share
 that ends at ``end_keep`` (the paper: P 50%, S 7, R 12.25% on LLaVA-1.5-7B, ending at C = 1%).
-QK heredity (optional in the paper) is not implemented. Visual Token Annealing (decode) is separate.
+QK heredity (optional in the paper) is not implemented.
+
+Visual Token Annealing (decode): at generated length g every layer keeps the ``ceil(beta(g) V_l)``
+most important of its ``V_l`` prefill visual KV entries, ``beta(g) = cos(g pi / (2 tau))`` for
+g < tau, else 0 (Eq. 5-6; the paper's linear ``1 - g/tau`` and exponential ``exp(-g/sigma)``
+schedules too, sigma = tau / 3). Importance is what prefill knew: the last prompt token's attention
+to each visual token in that layer (mean over heads), the ranking PVTP also uses. Evicted entries
+are really freed (``LayerKV.keep``); text entries and generated tokens are never touched. We round
+up (ceil) so a layer keeps at least one visual entry until g reaches tau, where beta is 0.
 """
 
 from __future__ import annotations
@@ -25,22 +33,43 @@ import torch
 from pruning.base import Policy, check_speed, last_token_attention, lowest, without
 
 PAPER_START, PAPER_STRIDE, PAPER_DEPTH = 3, 7, 32
+PAPER_TAU = 50
+SCHEDULES = ("cosine", "linear", "exponential")
+
+
+def anneal_share(schedule: str, generated: int, tau: float) -> float:
+    """beta(g): the share of a layer's prefill visual KV kept at generated length g."""
+    if schedule == "exponential":
+        return math.exp(-generated / (tau / 3))
+    if generated >= tau:
+        return 0.0
+    if schedule == "linear":
+        return 1.0 - generated / tau
+    return math.cos(generated * math.pi / (2 * tau))
 
 
 @dataclass
-class ST3Pruning(Policy):
+class ST3(Policy):
     first_drop: float = 0.0  # P: share of the visual tokens dropped at the start layer
     end_keep: float = 1.0  # C: share of the visual tokens the last layer keeps (sets R)
     drop_step: float | None = None  # R: share dropped every S layers; None: from end_keep
     stride: int | None = None  # S; None: round(7 L / 32), not dividing L - 3
     start_layer: int = PAPER_START
+    anneal_tau: float | None = None  # VTA's tau in generated tokens; None: no annealing
+    anneal: str = "cosine"  # or "linear", "exponential"
     name = "st3"
 
     @classmethod
-    def from_speed(cls, speed: float) -> "ST3Pruning":
+    def from_speed(cls, speed: float) -> "ST3":
         speed = check_speed(speed)
-        # Speed 1 is the paper's setting (P 50%, C 1%); speed 0 prunes nothing.
-        return cls(first_drop=round(0.5 * speed, 6), end_keep=round(1.0 - 0.99 * speed, 6))
+        # Speed 1 is the paper's setting (P 50%, C 1%, tau 50); speed 0 prunes and anneals nothing.
+        return cls(first_drop=round(0.5 * speed, 6), end_keep=round(1.0 - 0.99 * speed, 6),
+                   anneal_tau=annealing_tau(speed))
+
+    @classmethod
+    def annealing_only(cls, speed: float) -> "ST3":
+        """The decode half alone: the default pipeline ends with it."""
+        return cls(anneal_tau=annealing_tau(check_speed(speed)))
 
     def plan(self, ctx) -> None:
         L = ctx.num_layers
@@ -62,12 +91,42 @@ class ST3Pruning(Policy):
                          "prune_layers": sorted(self.schedule),
                          "last_layer_keep": 1.0 - (max(self.schedule.values()) if self.schedule else 0.0)}
         self.resolved["paper"] = {"P": self.first_drop, "R": step, "S": stride, "C": self.resolved["last_layer_keep"]}
+        if self.anneal not in SCHEDULES:
+            raise ValueError(f"ST3 anneal must be one of {', '.join(SCHEDULES)}, got {self.anneal!r}")
+        if self.anneal_tau is not None:
+            if self.anneal_tau <= 0:
+                raise ValueError(f"ST3 anneal_tau must be > 0, got {self.anneal_tau}")
+            self.resolved["paper"]["tau"] = self.anneal_tau
         self.scores: torch.Tensor | None = None
+        self.ranking: dict[int, torch.Tensor] = {}  # layer -> its visual tokens, most important first
+        self.kept: dict[int, int] = {}  # layer -> visual KV entries it holds now
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
-        if layer_idx + 1 in self.schedule:  # ranked by the previous layer's last-token attention
+        pruning_next = layer_idx + 1 in self.schedule  # ranked by the previous layer's last-token attention
+        if not pruning_next and self.anneal_tau is None:
+            return
+        attention = last_token_attention(ctx)
+        if pruning_next:
             self.scores = torch.full_like(ctx.modality, float("-inf"), dtype=torch.float32)
-            self.scores[ctx.active] = last_token_attention(ctx)
+            self.scores[ctx.active] = attention
+        if self.anneal_tau is not None:  # VTA ranks each layer's visual KV by this layer's attention
+            visual = (ctx.modality[ctx.active] != 0).nonzero().squeeze(1)
+            order = attention[visual].argsort(descending=True, stable=True)
+            self.ranking[layer_idx] = ctx.active[visual][order].cpu()
+            self.kept[layer_idx] = visual.shape[0]
+
+    def decode_step(self, step: int, ctx) -> None:
+        if self.anneal_tau is None:
+            return
+        share = anneal_share(self.anneal, step, self.anneal_tau)
+        for layer_idx, ranking in self.ranking.items():
+            keep = math.ceil(share * ranking.shape[0] - 1e-9)
+            if keep >= self.kept[layer_idx]:
+                continue
+            layer = ctx.cache.layers[layer_idx]
+            drop = ranking[keep:self.kept[layer_idx]]
+            layer.keep((~torch.isin(layer.index, drop)).nonzero().squeeze(1))
+            self.kept[layer_idx] = keep
 
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         if layer_idx not in self.schedule or self.scores is None:
@@ -80,11 +139,14 @@ class ST3Pruning(Policy):
         return without(active, visual[lowest(self.scores[active[visual]], excess)])
 
     def summary(self) -> str:
-        if not self.schedule or max(self.schedule.values()) == 0.0:
-            return "ST3 off"
-        r = self.resolved
-        return (f"ST3 P={self.first_drop:.1%} at layer {r['start_layer']}, R={r['drop_step']:.2%} every "
-                f"{r['stride']} layers, last layer keeps {r['last_layer_keep']:.1%}")
+        parts = []
+        if self.schedule and max(self.schedule.values()) > 0.0:
+            r = self.resolved
+            parts.append(f"P={self.first_drop:.1%} at layer {r['start_layer']}, R={r['drop_step']:.2%} every "
+                         f"{r['stride']} layers, last layer keeps {r['last_layer_keep']:.1%}")
+        if self.anneal_tau is not None:
+            parts.append(f"visual KV annealed ({self.anneal}) to 0 by token {self.anneal_tau:g}")
+        return "ST3 " + ("; ".join(parts) if parts else "off")
 
 
 def default_stride(num_layers: int, start: int) -> int:
@@ -92,3 +154,8 @@ def default_stride(num_layers: int, start: int) -> int:
     while (num_layers - start) % stride == 0 and stride <= num_layers - start:
         stride += 1
     return stride
+
+
+def annealing_tau(speed: float) -> float | None:
+    """tau = 50 / speed generated tokens: the paper's 50 at speed 1, slower annealing below, none at 0."""
+    return round(PAPER_TAU / speed, 3) if speed > 0 else None

@@ -144,7 +144,7 @@ def test_auto_composes_hidivdrop_and_dash(deep, media):
     engine = load_engine(str(deep["qwen2_vl"]), device="cpu")
     result = engine.generate(_messages(media), policy=engine.make_policy(
         "auto", 0.8, {"dash.keep_first": 4, "dash.keep_last": 4}), max_new_tokens=4)
-    assert set(result.params) == {"hidivdrop", "dash"}
+    assert set(result.params) == {"hidivdrop", "dash", "st3"}
     inject = result.params["hidivdrop"]["inject_layer"]
     assert inject > 0 and result.metrics["keep_map"]["entered"] == [inject] * result.metrics["prompt_tokens"]["image"]
     assert result.metrics["prefill_flops"] < result.metrics["prefill_flops_baseline"]

@@ -11,7 +11,7 @@ import torch
 from conftest import ARCHS
 from pipeline import load_engine
 from pipeline.adapters import TEXT
-from pruning import DASH, POLICIES, FastV, LazyLLM, NoPruning, Pipeline, ST3Pruning, ZipVL, make_policy
+from pruning import DASH, POLICIES, FastV, LazyLLM, NoPruning, Pipeline, ST3, ZipVL, make_policy
 from pruning.zipvl import important_count
 from tiny_models import build_llava, build_qwen2_vl, masked_reference, reference_inputs
 
@@ -157,7 +157,7 @@ def test_st3_keeps_the_eq9_share_of_visual_tokens_never_prunes_text_or_before_la
     prompt = engine.prepare(_image_messages(media))
     visual = _visual(prompt)
     V, L = len(visual), DEEP_LAYERS
-    policy = ST3Pruning(first_drop=0.5, end_keep=0.1)
+    policy = ST3(first_drop=0.5, end_keep=0.1)
     with torch.no_grad():
         _, ctx = engine.prefill(prompt, policy)
     params = policy.params()
@@ -188,7 +188,7 @@ def test_st3_paper_setting_ends_at_one_percent_on_32_layers():
     from pruning.st3 import default_stride
 
     assert default_stride(32, 3) == 7
-    policy = ST3Pruning.from_speed(1.0)
+    policy = ST3.from_speed(1.0)
     assert (policy.first_drop, policy.end_keep) == (0.5, pytest.approx(0.01))
     # R = (1 - P - C) / floor((32 - 3) / 7) = 12.25%, the paper's value.
     assert (1 - policy.first_drop - policy.end_keep) / math.floor(29 / 7) == pytest.approx(0.1225)
@@ -295,7 +295,8 @@ def test_speed_outside_zero_one_and_unknown_parameters_are_clear_errors():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("magic", 0.5)
     assert make_policy("dash", 0.5, {"rho": 0.3}).rho == 0.3
-    assert make_policy("auto", 0.5, {"dash.start_layer": 5}).policies[-1].start_layer == 5
+    members = {p.name: p for p in make_policy("auto", 0.5, {"dash.start_layer": 5}).policies}
+    assert members["dash"].start_layer == 5
 
 
 # ---------------------------------------------------------------------------------------- composition
@@ -326,7 +327,7 @@ def test_composed_auto_and_a_hand_built_pipeline_run_end_to_end(deep, media, arc
 MASKING_CASES = {
     "dash": lambda: DASH(rho=0.5, keep_first=2, keep_last=2),
     "zipvl": lambda: ZipVL(tau_image=0.85),
-    "st3": lambda: ST3Pruning(first_drop=0.5, end_keep=0.1),
+    "st3": lambda: ST3(first_drop=0.5, end_keep=0.1),
     "lazyllm": lambda: LazyLLM(percentiles=(0.3, 0.4, 0.5)),
     "fastv": lambda: FastV(ratio=0.6),
     "auto": lambda: make_policy("auto", 0.8, {"dash.keep_first": 2, "dash.keep_last": 2}),
