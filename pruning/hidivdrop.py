@@ -104,9 +104,11 @@ class HiDivDrop(Policy):
         shares = [self.shares[c] for c in sorted(self.cuts)]
         if r["inject_layer"] == 0 and r["exit_layer"] == self.num_layers and all(k >= 1.0 for k in shares):
             return "HiDivDrop off"
-        keep = ", ".join(f"{k:.0%}" for k in shares)
-        return (f"HiDivDrop vision in layers {r['inject_layer']}-{r['exit_layer'] - 1}, "
-                f"keeps {keep} after layers {', '.join(map(str, r['filter_layers']))}")
+        text = f"HiDivDrop vision in layers {r['inject_layer']}-{r['exit_layer'] - 1}"
+        if shares:
+            keep = ", ".join(f"{k:.0%}" for k in shares)
+            text += f", keeps {keep} after layers {', '.join(map(str, r['filter_layers']))}"
+        return text
 
 
 def resample(shares: tuple[float, ...], n: int) -> tuple[float, ...]:
