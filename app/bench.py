@@ -54,10 +54,9 @@ class BenchError(ValueError):
 
 # ---------------------------------------------------------------------------------------- policies
 def available_policies() -> list[str]:
-    import pruning
+    from pruning import NAMES
 
-    names = list(getattr(pruning, "POLICIES", {}))
-    return (["auto"] if "auto" not in names else []) + names
+    return list(NAMES)
 
 
 def check_policies(policies: list[str], speeds: list[float]) -> None:

@@ -116,6 +116,21 @@ def last_token_attention(ctx) -> torch.Tensor:
     return probe_attention(ctx.queries, ctx.keys, last, ctx.scaling).mean(dim=0)[0]
 
 
+def scores_by_token(ctx, attention: torch.Tensor) -> torch.Tensor:
+    """A layer's per-token scores laid over the whole prompt (-inf for tokens not in the layer),
+    so a later layer can look them up by original index."""
+    scores = torch.full_like(ctx.modality, float("-inf"), dtype=torch.float32)
+    scores[ctx.active] = attention
+    return scores
+
+
+def drop_lowest_visual(active: torch.Tensor, ctx, scores: torch.Tensor, count: int) -> torch.Tensor:
+    """``active`` without its ``count`` visual tokens of lowest ``scores`` (indexed by original
+    index); text tokens are never touched."""
+    visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
+    return without(active, visual[lowest(scores[active[visual]], count)])
+
+
 def lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
     """Positions of the ``count`` smallest scores (ties broken towards earlier positions)."""
     if count <= 0:

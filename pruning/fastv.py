@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy, check_speed, last_token_attention, lowest, scaled_layer, without
+from pruning.base import Policy, check_speed, drop_lowest_visual, last_token_attention, scaled_layer, scores_by_token
 
 
 @dataclass
@@ -36,16 +36,14 @@ class FastV(Policy):
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
         if layer_idx == self.resolved["layer"] - 1 and self.ratio > 0:
-            self.scores = torch.full_like(ctx.modality, float("-inf"), dtype=torch.float32)
-            self.scores[ctx.active] = last_token_attention(ctx)
+            self.scores = scores_by_token(ctx, last_token_attention(ctx))
 
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         if layer_idx != self.resolved["layer"] or self.scores is None:
             return active
-        visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
-        count = math.floor(self.ratio * visual.shape[0] + 1e-9)
+        count = math.floor(self.ratio * int((ctx.modality[active] != 0).sum()) + 1e-9)
         self.resolved["num_dropped"] = count
-        return without(active, visual[lowest(self.scores[active[visual]], count)])
+        return drop_lowest_visual(active, ctx, self.scores, count)
 
     def summary(self) -> str:
         if self.ratio == 0.0:

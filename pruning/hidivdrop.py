@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy, check_speed, last_token_attention, lowest
+from pruning.base import Policy, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
 
 PAPER_DEPTH = 32
 PAPER_INJECT, PAPER_EXIT = 9, 25
@@ -86,18 +86,14 @@ class HiDivDrop(Policy):
         if layer_idx == self.inject:  # the vision tokens join, with their original embeddings
             return torch.cat([active, self.visual]).unique(sorted=True) if self.inject > 0 else active
         if layer_idx in self.cuts and self.scores is not None:
-            visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
-            excess = visual.shape[0] - self.cuts[layer_idx]
+            excess = int((ctx.modality[active] != 0).sum()) - self.cuts[layer_idx]
             if excess > 0:
-                keep = torch.ones(active.shape[0], dtype=torch.bool, device=active.device)
-                keep[visual[lowest(self.scores[active[visual]], excess)]] = False
-                return active[keep]
+                return drop_lowest_visual(active, ctx, self.scores, excess)
         return active
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
         if layer_idx + 1 in self.cuts:  # a filtering layer: rank by its own last-token attention
-            self.scores = torch.full_like(ctx.modality, float("-inf"), dtype=torch.float32)
-            self.scores[ctx.active] = last_token_attention(ctx)
+            self.scores = scores_by_token(ctx, last_token_attention(ctx))
 
     def summary(self) -> str:
         r = self.resolved

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy, check_speed, last_token_attention, lowest, without
+from pruning.base import Policy, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
 
 PAPER_START, PAPER_STRIDE, PAPER_DEPTH = 3, 7, 32
 PAPER_TAU = 50
@@ -107,8 +107,7 @@ class ST3(Policy):
             return
         attention = last_token_attention(ctx)
         if pruning_next:
-            self.scores = torch.full_like(ctx.modality, float("-inf"), dtype=torch.float32)
-            self.scores[ctx.active] = attention
+            self.scores = scores_by_token(ctx, attention)
         if self.anneal_tau is not None:  # VTA ranks each layer's visual KV by this layer's attention
             visual = (ctx.modality[ctx.active] != 0).nonzero().squeeze(1)
             order = attention[visual].argsort(descending=True, stable=True)
@@ -132,11 +131,8 @@ class ST3(Policy):
         if layer_idx not in self.schedule or self.scores is None:
             return active
         target = self.visual_total - math.floor(self.schedule[layer_idx] * self.visual_total + 1e-9)
-        visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
-        excess = visual.shape[0] - target
-        if excess <= 0:
-            return active
-        return without(active, visual[lowest(self.scores[active[visual]], excess)])
+        excess = int((ctx.modality[active] != 0).sum()) - target
+        return drop_lowest_visual(active, ctx, self.scores, excess) if excess > 0 else active
 
     def summary(self) -> str:
         parts = []

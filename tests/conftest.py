@@ -15,12 +15,23 @@ from tiny_models import BUILDERS  # noqa: E402
 
 ARCHS = list(BUILDERS)
 VIDEO_ARCHS = ["qwen2_vl", "longva"]
+DEEP_LAYERS = 12
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     return {name: build(root / name) for name, build in BUILDERS.items()}
+
+
+@pytest.fixture(scope="session")
+def deep_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """12-layer tiny Qwen2-VL and LLaVA: deep enough for multi-stage schedules (ST3, LazyLLM, HiDivDrop)."""
+    from tiny_models import build_llava, build_qwen2_vl
+
+    root = tmp_path_factory.mktemp("deep")
+    return {"qwen2_vl": build_qwen2_vl(root / "qwen2_vl", layers=DEEP_LAYERS),
+            "llava": build_llava(root / "llava", layers=DEEP_LAYERS)}
 
 
 @pytest.fixture(scope="session")

@@ -12,16 +12,15 @@ from pipeline import load_engine
 from pipeline.adapters import TEXT
 from pipeline.calibrate import ilvas, local_maxima
 from pruning import HiDivDrop, NoPruning, Pipeline, Policy
-from tiny_models import build_llava, build_qwen2_vl, masked_reference
+from conftest import DEEP_LAYERS
+from tiny_models import masked_reference
 
-LAYERS = 12
+LAYERS = DEEP_LAYERS
 
 
 @pytest.fixture(scope="module")
-def deep(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("hidivdrop")
-    return {"qwen2_vl": build_qwen2_vl(root / "qwen2_vl", layers=LAYERS),
-            "llava": build_llava(root / "llava", layers=LAYERS)}
+def deep(deep_checkpoints) -> dict:
+    return deep_checkpoints
 
 
 def _messages(media):

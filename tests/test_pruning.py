@@ -8,22 +8,16 @@ import math
 import pytest
 import torch
 
-from conftest import ARCHS
+from conftest import ARCHS, DEEP_LAYERS
 from pipeline import load_engine
 from pipeline.adapters import TEXT
 from pruning import DASH, POLICIES, FastV, LazyLLM, NoPruning, Pipeline, ST3, ZipVL, make_policy
 from pruning.zipvl import important_count
-from tiny_models import build_llava, build_qwen2_vl, masked_reference, reference_inputs
-
-DEEP_LAYERS = 12
-
+from tiny_models import masked_reference, reference_inputs
 
 @pytest.fixture(scope="module")
-def deep(tmp_path_factory) -> dict:
-    """12-layer tiny models, deep enough for multi-stage schedules (ST3, LazyLLM)."""
-    root = tmp_path_factory.mktemp("deep")
-    return {"qwen2_vl": build_qwen2_vl(root / "qwen2_vl", layers=DEEP_LAYERS),
-            "llava": build_llava(root / "llava", layers=DEEP_LAYERS)}
+def deep(deep_checkpoints) -> dict:
+    return deep_checkpoints
 
 
 def _image_messages(media, question="What is in this picture? Describe the image in detail."):
