@@ -2,9 +2,12 @@
 
 A random Qwen2-VL with the 2B model's text width (default 8 layers), a ~2,000-token image, 256
 generated tokens (EOS ignored, so every run decodes the same number), runs alternating baseline and
-policies, medians after a warm-up. Writes the KV-bytes-per-step series as an SVG plot.
+policies, medians after a warm-up. Writes the KV-bytes-per-step series as an SVG plot. With
+``--batch N``, also N copies of the request decoded together (``Engine.generate_batch``), baseline
+and policies alternating: decode tokens/s of the whole batch.
 
-    python benchmarks/decode_kv.py --policies st3,auto --speed 1.0 --new-tokens 256 --runs 2 --svg docs/kv_over_time.svg
+    python benchmarks/decode_kv.py --policies st3,zipvl,lazyllm,auto --speed 1.0 --new-tokens 256 --runs 2 \
+        --batch 8 --svg docs/kv_over_time.svg
 """
 
 from __future__ import annotations
@@ -53,9 +56,27 @@ def svg_plot(series: dict[str, list[float]], title: str, path: Path) -> None:
     path.write_text("\n".join(parts))
 
 
+def batch_rows(engine, messages, names, args) -> list[dict]:
+    """Decode tokens/s of ``args.batch`` copies of the request decoded together, per policy."""
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    kv: dict[str, int] = {}
+    for round_index in range(1 + args.batch_runs):  # the first round warms up
+        for name in names:
+            results = engine.generate_batch([messages] * args.batch, policy=name,
+                                            speed=0.0 if name == "none" else args.speed,
+                                            max_new_tokens=args.new_tokens)
+            if round_index:
+                rates[name].append(sum(r.metrics["decode_tokens_per_s"] for r in results))
+                kv[name] = sum(statistics.mean(r.metrics["kv_bytes_per_step"]) for r in results)
+    base = statistics.median(rates["none"])
+    return [{"policy": n, "decode_tokens_per_s": statistics.median(rates[n]),
+             "decode_speedup": statistics.median(rates[n]) / base, "kv_bytes_mean": kv[n],
+             "kv_mean_ratio": kv[n] / kv["none"]} for n in names]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policies", default="st3,auto")
+    parser.add_argument("--policies", default="st3,zipvl,lazyllm,auto")
     parser.add_argument("--speed", type=float, default=1.0)
     parser.add_argument("--preset", default="qwen2-vl-2b")
     parser.add_argument("--layers", type=int, default=8)
@@ -65,6 +86,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--svg", default=None, help="write the KV-bytes-per-step plot here")
+    parser.add_argument("--batch", type=int, default=0, help="also decode this many requests together (0: skip)")
+    parser.add_argument("--batch-runs", type=int, default=1)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,6 +123,8 @@ def main() -> None:
             / statistics.median(r["decode_tokens_per_s"] for r in base),
             "ttft_speedup": statistics.median(r["ttft_s"] for r in base) / statistics.median(r["ttft_s"] for r in m),
         })
+    if args.batch:
+        report["batch"] = {"size": args.batch, "runs": args.batch_runs, "rows": batch_rows(engine, messages, names, args)}
     if args.svg:
         svg_plot({f"{n} at speed {args.speed:g}" if n != "none" else "baseline (none)":
                   [b / 2**20 for b in runs[n][-1]["kv_bytes_per_step"]] for n in names},

@@ -5,37 +5,108 @@ Next to the key/value tensors every layer stores, per entry, the token's origina
 sequence (prompt tokens 0..T-1, generated tokens T, T+1, ...) and its modality (0 text, 1 image,
 2 video): decode-time policies find visual entries through them.
 
-The attention modules of transformers call ``cache.update(key, value, layer_idx)`` and attend to
-what it returns; that is the only method they need.
+Entries can be packed to a few bits per value (ZipVL's mixed-precision KV, ``LayerKV.pack``) and
+evicted (ST3's annealing, ``LayerKV.keep``); readers get float keys and values from
+``LayerKV.keys_values``, dequantized on the fly, so the cache only ever holds the packed bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pipeline.quant import QuantizedTensor, dequantize, quantize
+
 
 class LayerKV:
+    """One layer's KV entries in storage order: zero or more packed (quantized) segments, then a
+    float tail where new entries are appended. ``index`` and ``modality`` follow the same order.
+
+    Order along the token axis does not matter to attention once RoPE is applied (decode queries
+    see every entry they are given; prefill ran before anything was packed), so packing a subset of
+    the tail into a new segment just moves those entries ahead of the tail.
+    """
+
     def __init__(self):
-        self.key: torch.Tensor | None = None  # (B, kv_heads, n, head_dim), after RoPE
+        self.key: torch.Tensor | None = None  # float tail (B, kv_heads, n, head_dim), after RoPE
         self.value: torch.Tensor | None = None
+        self.packed: list[tuple[QuantizedTensor, QuantizedTensor]] = []  # (key, value) segments
         self.index = torch.empty(0, dtype=torch.long)  # (n,) original token index
         self.modality = torch.empty(0, dtype=torch.long)  # (n,)
 
     def __len__(self) -> int:
+        return self.packed_entries() + self.tail_entries()
+
+    def tail_entries(self) -> int:
         return 0 if self.key is None else self.key.shape[-2]
 
+    def packed_entries(self) -> int:
+        return sum(k.tokens for k, _ in self.packed)
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.key is None:
+            self.key, self.value = key, value
+        else:
+            self.key = torch.cat([self.key, key], dim=-2)
+            self.value = torch.cat([self.value, value], dim=-2)
+
+    def keys_values(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values in float — packed segments dequantized on the fly — for all entries, or
+        for the entries at ``rows`` (positions in storage order)."""
+        if not self.packed:
+            if rows is None:
+                return self.key, self.value
+            rows = rows.to(self.key.device)
+            return self.key.index_select(-2, rows), self.value.index_select(-2, rows)
+        keys = [dequantize(k) for k, _ in self.packed]
+        values = [dequantize(v) for _, v in self.packed]
+        if self.key is not None:
+            keys.append(self.key)
+            values.append(self.value)
+        key, value = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
+        if rows is not None:
+            rows = rows.to(key.device)
+            key, value = key.index_select(-2, rows), value.index_select(-2, rows)
+        return key, value
+
     def keep(self, rows: torch.Tensor) -> None:
-        """Keep only entries ``rows`` (positions in this layer's cache); the tensors really shrink."""
-        rows = rows.to(self.key.device)
-        self.key = self.key.index_select(-2, rows).contiguous()
-        self.value = self.value.index_select(-2, rows).contiguous()
-        self.index = self.index[rows.to(self.index.device)]
-        self.modality = self.modality[rows.to(self.modality.device)]
+        """Keep only entries ``rows`` (sorted positions in storage order); the tensors — packed
+        bytes included — really shrink."""
+        rows = rows.cpu()
+        start, packed = 0, []
+        for key, value in self.packed:
+            local = rows[(rows >= start) & (rows < start + key.tokens)] - start
+            if local.numel():
+                packed.append((key.select(local), value.select(local)))
+            start += key.tokens
+        self.packed = packed
+        if self.key is not None:
+            local = (rows[rows >= start] - start).to(self.key.device)
+            self.key = self.key.index_select(-2, local).contiguous()
+            self.value = self.value.index_select(-2, local).contiguous()
+        self.index, self.modality = self.index[rows], self.modality[rows]
+
+    def pack(self, tail_rows: torch.Tensor, bits: int, group: int) -> None:
+        """Quantize the tail entries at ``tail_rows`` (positions in the tail) to ``bits`` into a new
+        packed segment; the float copies are freed."""
+        if tail_rows.numel() == 0:
+            return
+        tail_rows = tail_rows.to(self.key.device)
+        chosen = torch.zeros(self.key.shape[-2], dtype=torch.bool, device=self.key.device)
+        chosen[tail_rows] = True
+        rest = (~chosen).nonzero().squeeze(1)
+        self.packed.append((quantize(self.key.index_select(-2, tail_rows), bits, group),
+                            quantize(self.value.index_select(-2, tail_rows), bits, group)))
+        self.key = self.key.index_select(-2, rest).contiguous()
+        self.value = self.value.index_select(-2, rest).contiguous()
+        start = self.packed_entries() - tail_rows.numel()  # where the tail began before packing
+        order = torch.cat([torch.arange(start), start + tail_rows.cpu(), start + rest.cpu()])
+        self.index, self.modality = self.index[order], self.modality[order]
 
     def nbytes(self) -> int:
+        packed = sum(k.nbytes() + v.nbytes() for k, v in self.packed)
         if self.key is None:
-            return 0
-        return self.key.numel() * self.key.element_size() + self.value.numel() * self.value.element_size()
+            return packed
+        return packed + self.key.numel() * self.key.element_size() + self.value.numel() * self.value.element_size()
 
 
 class KVCache:
@@ -44,12 +115,8 @@ class KVCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
-        if layer.key is None:
-            layer.key, layer.value = key, value
-        else:
-            layer.key = torch.cat([layer.key, key], dim=-2)
-            layer.value = torch.cat([layer.value, value], dim=-2)
-        return layer.key, layer.value
+        layer.append(key, value)
+        return layer.keys_values()
 
     def record(self, layer_idx: int, index: torch.Tensor, modality: torch.Tensor) -> None:
         """Remember which tokens the entries just added to ``layer_idx`` belong to."""
@@ -94,6 +161,20 @@ class AuxCache:
 
     def get(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.layers.get(layer_idx)
+
+    def take(self, layer_idx: int, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Remove and return (index, hidden) of the ``wanted`` tokens held for ``layer_idx``: a
+        revived token's key/value is about to be computed there, so it leaves the Aux Cache."""
+        entry = self.layers.get(layer_idx)
+        if entry is None:
+            return torch.empty(0, dtype=torch.long), None
+        index, hidden = entry
+        hit = torch.isin(index, wanted.cpu())
+        if not bool(hit.any()):
+            return torch.empty(0, dtype=torch.long), None
+        on = hit.to(hidden.device)
+        self.layers[layer_idx] = (index[~hit], hidden[~on])
+        return index[hit], hidden[on]
 
     def nbytes(self) -> int:
         return sum(h.numel() * h.element_size() for _, h in self.layers.values())

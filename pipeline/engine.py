@@ -14,6 +14,7 @@ that were active in it. With every token active the loop is exactly transformers
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 from collections.abc import Iterator
@@ -70,13 +71,91 @@ class PrefillContext:
     kv_bytes_per_step: list[int] = field(default_factory=list)
     visual_kv_per_step: list[int] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    revived: int = 0  # prompt-token computations added by revival in decode (LazyLLM)
     # Valid while a layer runs, for the policy callbacks of that layer: its index, its active set,
     # and its queries (1, heads, n, head_dim) and keys (1, kv_heads, n, head_dim), after RoPE.
+    # In decode, ``queries`` is the new token's alone and ``keys`` what it attended to, whose
+    # original indices are ``key_index``.
     layer_idx: int = -1
     active: torch.Tensor | None = None
     queries: torch.Tensor | None = None
     keys: torch.Tensor | None = None
+    key_index: torch.Tensor | None = None
     scaling: float = 1.0
+
+    @property
+    def next_position(self) -> torch.Tensor:
+        """(P, 1): the position of the first generated token; token g sits at this + g."""
+        return self.positions.max(dim=1, keepdim=True).values + 1
+
+
+@dataclass
+class Sampling:
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def next(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        return sample_next(logits, self.do_sample, self.temperature, self.top_p, generator)
+
+
+@dataclass
+class Request:
+    """One conversation being answered: its prompt, its own policy object and caches, and clocks."""
+
+    prompt: Prompt
+    policy: Policy
+    ctx: PrefillContext
+    sampling: Sampling
+    generator: torch.Generator | None
+    budget: int  # new tokens allowed (max_new_tokens, capped by the context length)
+    next_token: int  # chosen, not yet emitted
+    memory: MemoryMeter
+    t_request: float
+    t_prefill: float
+    t_first: float
+    detok: "_IncrementalDecoder"
+    tokens: list[int] = field(default_factory=list)
+    finish: str = "length"
+    t_decode: float = 0.0  # decode starts (for a batch: once every request is prefilled)
+    t_end: float = 0.0
+
+
+@dataclass
+class DecodeRows:
+    """The tokens one request computes in a decode step, sorted by original index: prompt tokens
+    a policy revives on the way (LazyLLM), then the new token, always last."""
+
+    index: torch.Tensor  # (r,) original token indices, on CPU
+    modality: torch.Tensor  # (r,) on CPU
+    positions: torch.Tensor  # (P, r) persistent positions
+    hidden: torch.Tensor  # (1, r, d) the rows' hidden states entering the current layer
+
+    @property
+    def count(self) -> int:
+        return int(self.index.shape[0])
+
+    @classmethod
+    def new_token(cls, embedding: torch.Tensor, ctx: PrefillContext) -> "DecodeRows":
+        index = torch.tensor([len(ctx.prompt) + ctx.generated])
+        return cls(index, torch.tensor([TEXT]), ctx.next_position + ctx.generated, embedding)
+
+    def join(self, index: torch.Tensor, hidden: torch.Tensor, ctx: PrefillContext) -> "DecodeRows":
+        """These rows plus prompt tokens ``index`` entering with ``hidden`` (n, d)."""
+        index = torch.cat([self.index, index.cpu()])
+        order = index.argsort()
+        device = self.hidden.device
+        positions = torch.cat([self.positions, ctx.positions[:, index[self.count:].to(device)]], dim=1)
+        hidden = torch.cat([self.hidden, hidden.to(self.hidden.dtype)[None]], dim=1)
+        return DecodeRows(index[order], torch.cat([self.modality, ctx.modality[index[self.count:]].cpu()])[order],
+                          positions[:, order.to(device)], hidden[:, order.to(device)])
+
+    def keep(self, rows: torch.Tensor) -> "DecodeRows":
+        """Only the rows at positions ``rows`` (sorted; must include the new token, the last)."""
+        on = rows.to(self.hidden.device)
+        return DecodeRows(self.index[rows.cpu()], self.modality[rows.cpu()], self.positions[:, on],
+                          self.hidden[:, on])
 
 
 class Engine:
@@ -112,7 +191,26 @@ class Engine:
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                seed: int | None = None) -> Iterator[StreamChunk]:
         with self._lock:
-            yield from self._stream(messages, policy, speed, max_new_tokens, do_sample, temperature, top_p, seed)
+            yield from self._stream(messages, policy, speed, max_new_tokens, Sampling(do_sample, temperature, top_p, seed))
+
+    def generate_batch(self, conversations: list, *, policy: str | Policy = "auto", speed: float = 0.0,
+                       max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
+                       top_p: float = 1.0, seed: int | None = None) -> list[GenerationResult]:
+        """Answer several conversations at once (batch captioning): each is prefilled on its own,
+        with its own policy object, then all decode together — every decode step computes the new
+        tokens of all unfinished requests in one pass through the weights. Results equal answering
+        them one by one."""
+        sampling = Sampling(do_sample, temperature, top_p, seed)
+        with self._lock, torch.inference_mode():
+            memory = MemoryMeter(self.device)
+            requests = []
+            for messages in conversations:
+                # A Policy object given here is a template: each request gets its own copy.
+                own = copy.deepcopy(policy) if isinstance(policy, Policy) else policy
+                requests.append(self._start(messages, own, speed, max_new_tokens, sampling, memory))
+            for _ in self._decode_loop(requests):
+                pass
+            return [self._result(request, batch_size=len(requests)) for request in requests]
 
     def make_policy(self, name: str, speed: float = 0.0, overrides: dict | None = None) -> Policy:
         """A registry policy for this model: its calibration profile, then ``overrides``."""
@@ -128,50 +226,74 @@ class Engine:
         return build_prompt(self.adapter, messages, self.chat_template, self.max_length)
 
     # ------------------------------------------------------------------ the loop
-    @torch.inference_mode()
-    def _stream(self, messages, policy, speed, max_new_tokens, do_sample, temperature, top_p, seed):
-        memory = MemoryMeter(self.device)
+    @torch.inference_mode()  # on a generator: entered around every resume, not across the caller's code
+    def _stream(self, messages, policy, speed, max_new_tokens, sampling) -> Iterator[StreamChunk]:
+        request = self._start(messages, policy, speed, max_new_tokens, sampling, MemoryMeter(self.device))
+        for _, token in self._decode_loop([request]):
+            yield StreamChunk(request.detok.push(token), token)
+        yield StreamChunk(request.detok.flush(), None, self._result(request))
+
+    def _start(self, messages, policy, speed, max_new_tokens, sampling, memory) -> "Request":
+        """Prefill one request and pick its first token."""
         t_request = time.perf_counter()
         policy = policy if isinstance(policy, Policy) else self.make_policy(policy, speed)
         prompt = self.prepare(messages)
-        generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
-
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         t_prefill = time.perf_counter()
         logits, ctx = self.prefill(prompt, policy)
-        token = sample_next(logits, do_sample, temperature, top_p, generator)
+        token = sampling.next(logits, generator)
         synchronize(self.device)
         t_first = time.perf_counter()
-
         budget = max_new_tokens
         if self.max_length is not None:  # never run past the positions the model knows
             budget = min(budget, self.max_length - int(ctx.positions.max()) - 1)
-        tokens, finish = [], "length"
-        detok = _IncrementalDecoder(self.tokenizer)
-        next_position = ctx.positions.max(dim=1, keepdim=True).values + 1  # (P, 1)
-        while budget > 0:
-            if token in self.eos_token_ids:
-                finish = "stop"
-                break
-            tokens.append(token)
-            yield StreamChunk(detok.push(token), token)
-            if len(tokens) >= budget:
+        return Request(prompt, policy, ctx, sampling, generator, budget, token, memory, t_request, t_prefill,
+                       t_first, _IncrementalDecoder(self.tokenizer))
+
+    def _decode_loop(self, requests: list["Request"]) -> Iterator[tuple["Request", int]]:
+        """Yield each request's tokens as they are chosen; decode all unfinished requests together."""
+        running = list(requests)
+        for request in requests:
+            request.t_decode = time.perf_counter()  # after every request's prefill
+        while running:
+            stepping = []
+            for request in running:
+                if request.next_token in self.eos_token_ids:
+                    request.finish = "stop"
+                elif len(request.tokens) < request.budget:
+                    request.tokens.append(request.next_token)
+                    yield request, request.next_token
+                    if len(request.tokens) < request.budget:
+                        stepping.append(request)
+                        continue
+                synchronize(self.device)
+                request.t_end = time.perf_counter()
+            running = stepping
+            if not running:
                 break
             t_step = time.perf_counter()
-            policy.decode_step(len(tokens), ctx)
-            ctx.kv_bytes_per_step.append(ctx.cache.nbytes())  # what this step attends to
-            ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
-            logits = self.decode_step(token, next_position, ctx)
-            ctx.generated += 1
-            next_position = next_position + 1
-            token = sample_next(logits, do_sample, temperature, top_p, generator)  # reads the device: synced
-            ctx.step_s.append(time.perf_counter() - t_step)
-        synchronize(self.device)
-        t_end = time.perf_counter()
+            for request in running:
+                ctx = request.ctx
+                request.policy.decode_step(len(request.tokens), ctx)  # evict / pack KV before the step
+                ctx.kv_bytes_per_step.append(ctx.cache.nbytes())  # what this step attends to
+                ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
+            logits = self.decode(running)
+            for request, row in zip(running, logits):
+                request.ctx.generated += 1
+                request.next_token = request.sampling.next(row, request.generator)  # reads the device: synced
+            seconds = time.perf_counter() - t_step
+            for request in running:
+                request.ctx.step_s.append(seconds)
 
-        metrics = self._metrics(prompt, ctx, len(tokens), t_request, t_prefill, t_first, t_end, memory)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        result = GenerationResult(text, tokens, metrics, policy.name, policy.params(), finish, policy.summary())
-        yield StreamChunk(detok.flush(), None, result)
+    def _result(self, request: "Request", batch_size: int = 1) -> GenerationResult:
+        synchronize(self.device)
+        metrics = self._metrics(request, batch_size)
+        text = self.tokenizer.decode(request.tokens, skip_special_tokens=True)
+        policy = request.policy
+        return GenerationResult(text, request.tokens, metrics, policy.name, policy.params(), request.finish,
+                                policy.summary())
 
     def embed_prompt(self, prompt: Prompt) -> torch.Tensor:
         """Token embeddings with the vision encoder's output written over the placeholder tokens."""
@@ -258,11 +380,7 @@ class Engine:
         model's RoPE, the cache update, the configured kernel (sdpa, flash, eager), o_proj — spelled
         out so that policies can read this layer's queries and keys (probe attention, without a
         T x T matrix) and restrict attention to a subset of tokens (ZipVL's sparse prefill)."""
-        shape = (*normed.shape[:-1], -1, attn.head_dim)
-        query = attn.q_proj(normed).view(shape).transpose(1, 2)
-        key = attn.k_proj(normed).view(shape).transpose(1, 2)
-        value = attn.v_proj(normed).view(shape).transpose(1, 2)
-        query, key = self.adapter.apply_rotary(query, key, *position_embeddings)
+        query, key, value = self.project(attn, normed, position_embeddings)
         key, value = cache.update(key, value, layer_idx)
 
         rows = None
@@ -280,22 +398,90 @@ class Engine:
         output[:, rows] = attn.o_proj(out)
         return output
 
+    def project(self, attn, normed, position_embeddings):
+        """The layer's query, key and value, (1, heads, n, head_dim) each, with the model's RoPE."""
+        shape = (*normed.shape[:-1], -1, attn.head_dim)
+        query = attn.q_proj(normed).view(shape).transpose(1, 2)
+        key = attn.k_proj(normed).view(shape).transpose(1, 2)
+        value = attn.v_proj(normed).view(shape).transpose(1, 2)
+        query, key = self.adapter.apply_rotary(query, key, *position_embeddings)
+        return query, key, value
+
     def _attend(self, attn, query, key, value, mask) -> torch.Tensor:
-        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(self.attn_implementation, self.adapter.eager_attention)
+        implementation = self.attn_implementation
+        if mask is not None and implementation != "eager":
+            implementation = "sdpa"  # an explicit mask (revived rows in decode): flash kernels take none
+        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.adapter.eager_attention)
         out, _ = kernel(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling,
                         sliding_window=getattr(attn, "sliding_window", None))
         return out.reshape(*out.shape[:2], -1)  # (1, n, heads * head_dim)
 
-    def decode_step(self, token: int, position: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
-        """One new token attends to each layer's cache (whatever length each layer kept)."""
-        hidden = self.adapter.embed_tokens(torch.tensor([[token]], device=self.device))
-        cos, sin = self.adapter.rotary(hidden, position)
-        index = torch.tensor([len(ctx.prompt) + ctx.generated])
-        text = torch.tensor([TEXT])
+    def decode(self, requests: list["Request"]) -> torch.Tensor:
+        """One decode step of one or more requests: (B, vocab) logits.
+
+        Every request's rows (its new token, plus prompt tokens a policy revives on the way) are
+        packed side by side into one sequence for the token-wise work — norms, projections, RoPE
+        at each row's own position, the FFN — so the weights are read once per step for the whole
+        batch. Attention runs per request, over that request's own cache (whatever each layer
+        kept, packed or evicted): no padding, and each request's policy acts on its own cache.
+        """
+        tokens = torch.tensor([[r.next_token for r in requests]], device=self.device)
+        embeds = self.adapter.embed_tokens(tokens)  # (1, B, d)
+        batch = [DecodeRows.new_token(embeds[:, b:b + 1], r.ctx) for b, r in enumerate(requests)]
         for layer_idx, layer in enumerate(self.adapter.layers):
-            hidden = self.run_layer(layer_idx, layer, hidden, (cos, sin), None, ctx.cache)
-            ctx.cache.record(layer_idx, index, text)
-        return self.adapter.lm_head(self.adapter.norm(hidden))[0, -1].float()
+            batch = [r.policy.decode_rows(layer_idx, rows, r.ctx) for r, rows in zip(requests, batch)]
+            for request, rows in zip(requests, batch):
+                request.ctx.revived += rows.count - 1  # prompt tokens computed here in decode
+            hidden = torch.cat([rows.hidden for rows in batch], dim=1)
+            cos, sin = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
+            attn = layer.self_attn
+            normed = layer.input_layernorm(hidden)
+            query, key, value = self.project(attn, normed, (cos, sin))
+            outputs, start = [], 0
+            for request, rows in zip(requests, batch):
+                part = slice(start, start + rows.count)
+                outputs.append(self.decode_attention(layer_idx, attn, query[:, :, part], key[:, :, part],
+                                                     value[:, :, part], rows, request))
+                start += rows.count
+            hidden = hidden + attn.o_proj(torch.cat(outputs, dim=1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            start = 0
+            for rows in batch:
+                rows.hidden = hidden[:, start:start + rows.count]
+                start += rows.count
+        last = torch.cat([rows.hidden[:, -1:] for rows in batch], dim=1)  # each request's new token
+        for request in requests:
+            request.ctx.queries = request.ctx.keys = None
+        return self.adapter.lm_head(self.adapter.norm(last))[0].float()
+
+    def decode_attention(self, layer_idx, attn, query, key, value, rows: "DecodeRows", request) -> torch.Tensor:
+        """A request's decode rows attend to the entries of this layer's cache the policy picks
+        (all, by default) and to each other, causally; their own keys/values join the cache."""
+        ctx, policy = request.ctx, request.policy
+        layer_kv = ctx.cache.layers[layer_idx]
+        attend = policy.decode_attend(layer_idx, ctx)  # positions in the layer's cache, or None
+        past = len(layer_kv)
+        layer_kv.append(key, value)
+        ctx.cache.record(layer_idx, rows.index, rows.modality)
+        if attend is None:
+            keys, values = layer_kv.keys_values()
+            key_index = layer_kv.index
+        else:
+            picked = torch.cat([attend.cpu(), torch.arange(past, past + rows.count)])
+            keys, values = layer_kv.keys_values(picked)
+            key_index = layer_kv.index[picked]
+        mask = None
+        if rows.count > 1:  # revived prompt tokens then the new token: causal among themselves
+            n, seen = rows.count, keys.shape[-2] - rows.count
+            allowed = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            allowed = torch.cat([allowed.new_ones(n, seen), allowed], dim=1)
+            mask = torch.zeros(n, seen + n, dtype=query.dtype, device=self.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
+        out = self._attend(attn, query, keys, values, mask)
+        ctx.layer_idx, ctx.queries, ctx.keys, ctx.key_index, ctx.scaling = layer_idx, query[:, :, -1:], keys, \
+            key_index, attn.scaling
+        policy.decode_score(layer_idx, ctx)
+        return out
 
     def _causal_mask(self, n: int, dtype: torch.dtype) -> torch.Tensor | None:
         # Active tokens are sorted by original index, so plain causal order over the gathered
@@ -306,13 +492,16 @@ class Engine:
         mask = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=self.device).triu(1)
         return mask[None, None]
 
-    def _metrics(self, prompt, ctx, n_tokens, t_request, t_prefill, t_first, t_end, memory) -> dict:
+    def _metrics(self, request: "Request", batch_size: int) -> dict:
+        prompt, ctx, n_tokens = request.prompt, request.ctx, len(request.tokens)
         cfg = self.adapter.text_config
         counts = [int(a.shape[0]) for a in ctx.active_per_layer]
         attending = [n if rows is None else int(rows.shape[0])
                      for n, rows in zip(counts, ctx.attention_per_layer or [None] * len(counts))]
         d, m, T = cfg.hidden_size, cfg.intermediate_size, len(prompt)
-        decode_s = t_end - t_first
+        t_request, t_prefill, t_first, t_end = request.t_request, request.t_prefill, request.t_first, request.t_end
+        decode_s = t_end - request.t_decode
+        memory = request.memory
         return {
             "ttft_s": t_first - t_request,
             "prefill_s": t_first - t_prefill,
@@ -329,6 +518,9 @@ class Engine:
             "kv_bytes_per_step": ctx.kv_bytes_per_step,
             "visual_kv_per_step": ctx.visual_kv_per_step,
             "decode_step_s": ctx.step_s,
+            "decode_tokens_per_s_per_step": [batch_size / s if s > 0 else None for s in ctx.step_s],
+            "batch_size": batch_size,
+            "revived_tokens": ctx.revived,
             "aux_cache_bytes": ctx.aux_cache.nbytes(),
             "peak_memory_bytes": memory.peak(),
             "keep_map": keep_map(prompt, ctx.active_per_layer, ctx.attention_per_layer),

@@ -8,7 +8,12 @@ The engine calls, in this order:
                                      tokens take part in attention (None: all of them)
   score(layer_idx, attn_output, ctx) after that layer's attention output (after o_proj, before the
                                      residual add) is known, for importance signals such as DASH's
-  decode_step(step, ctx)             before each decode step (evict / quantize / revive KV entries)
+  decode_step(step, ctx)             before each decode step: evict or pack KV entries
+  decode_rows(layer_idx, rows, ctx)  before each layer of a decode step: the rows it computes — the
+                                     new token, plus prompt tokens revived into it (LazyLLM)
+  decode_attend(layer_idx, ctx)      which entries of the layer's cache the rows attend to (None: all)
+  decode_score(layer_idx, ctx)       after the layer's decode attention: ``ctx.queries`` is the new
+                                     token's query, ``ctx.keys`` / ``ctx.key_index`` what it attended to
 
 ``active`` is always a sorted 1-D LongTensor of original prompt indices. A policy may only shrink
 it (never re-add a token whose hidden state went stale) and must keep the last prompt token; the
@@ -73,6 +78,16 @@ class Policy:
     def decode_step(self, step: int, ctx) -> None:
         pass
 
+    def decode_rows(self, layer_idx: int, rows, ctx):
+        return rows
+
+    def decode_attend(self, layer_idx: int, ctx) -> torch.Tensor | None:
+        """Sorted positions in ``ctx.cache.layers[layer_idx]`` the decode rows attend to (None: all)."""
+        return None
+
+    def decode_score(self, layer_idx: int, ctx) -> None:
+        pass
+
     def summary(self) -> str:
         """One line for the UI, after plan: what this request runs with."""
         return "no pruning"
@@ -114,6 +129,15 @@ def last_token_attention(ctx) -> torch.Tensor:
     """
     last = torch.tensor([ctx.queries.shape[2] - 1], device=ctx.queries.device)
     return probe_attention(ctx.queries, ctx.keys, last, ctx.scaling).mean(dim=0)[0]
+
+
+def new_token_attention(ctx) -> torch.Tensor:
+    """In decode: the new token's attention over the keys it attended to (original indices in
+    ``ctx.key_index``), mean over heads, float32: (n,)."""
+    kv_heads, n, head_dim = ctx.keys.shape[1:]
+    q = ctx.queries[0, :, -1].float().reshape(kv_heads, -1, head_dim)  # query head h reads kv head h // groups
+    scores = (q @ ctx.keys[0].float().transpose(1, 2)) * ctx.scaling  # (kv_heads, groups, n)
+    return scores.softmax(dim=-1).reshape(-1, n).mean(dim=0)
 
 
 def scores_by_token(ctx, attention: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Composition: several policies acting as one, in order (kvpress's wrapper idea).
 
 Every callback goes to every member in order; ``select`` chains, so each member only ever shrinks
-what the previous ones left; ``attention_rows`` intersects the members' choices. This is how the
-design card's default pipeline (HiDivDrop late injection, then DASH or ZipVL, then ST3's decode-time
-annealing) is built.
+what the previous ones left; ``attention_rows`` and ``decode_attend`` intersect the members'
+choices; ``decode_rows`` chains. This is how the design card's default pipeline (HiDivDrop late
+injection, then DASH or ZipVL, then ST3's decode-time annealing) is built.
 """
 
 from __future__ import annotations
@@ -51,6 +51,23 @@ class Pipeline(Policy):
     def decode_step(self, step: int, ctx) -> None:
         for p in self.policies:
             p.decode_step(step, ctx)
+
+    def decode_rows(self, layer_idx: int, rows, ctx):
+        for p in self.policies:
+            rows = p.decode_rows(layer_idx, rows, ctx)
+        return rows
+
+    def decode_attend(self, layer_idx: int, ctx) -> torch.Tensor | None:
+        attend = None
+        for p in self.policies:
+            chosen = p.decode_attend(layer_idx, ctx)
+            if chosen is not None:
+                attend = chosen if attend is None else attend[torch.isin(attend, chosen)]
+        return attend
+
+    def decode_score(self, layer_idx: int, ctx) -> None:
+        for p in self.policies:
+            p.decode_score(layer_idx, ctx)
 
     def summary(self) -> str:
         return ", ".join(p.summary() for p in self.policies) or "no pruning"

@@ -11,6 +11,16 @@ so ``ceil((1 - k) n)`` stay. The hidden states of the pruned tokens, as they ent
 layer, go to the Aux Cache (``ctx.aux_cache``): decode-time revival recomputes their keys and
 values there instead of re-running the earlier layers.
 
+Decode (Reviving Tokens, Aux Cache, Algorithm 1): every decode step prunes again, at the same
+layers and percentiles, by the new token's attention in the previous layer over the tokens it saw
+there (prompt and generated tokens alike), so each step may pick a different subset. At and after a
+pruning layer the new token attends only to the selected tokens. A selected token with no key/value
+in that layer is revived: its hidden state comes out of that layer's Aux Cache, it joins the step's
+computed rows at its original position (after the cached tokens, as the paper appends revived
+tokens) and runs on through the following layers, which store its keys/values. A computed row
+pruned at a later pruning layer goes into that layer's Aux Cache. So every token is computed at
+most once per layer, and in each layer it has either a key/value or an Aux Cache entry, never both.
+
 The paper sweeps where and how much to prune and fixes no default. Ours: prune at 1/4, 1/2 and 3/4
 of the depth, with percentiles ``(0.4, 0.5, 0.6) x speed``: at speed 1 the three stages keep 60%,
 30% and 12% of the prompt (pruning later layers harder, as the paper's Section 5.5 finds safer).
@@ -23,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy, check_speed, last_token_attention, lowest, without
+from pruning.base import Policy, check_speed, last_token_attention, lowest, new_token_attention, without
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
 PERCENTILES_AT_FULL_SPEED = (0.4, 0.5, 0.6)
@@ -58,6 +68,8 @@ class LazyLLM(Policy):
         self.resolved["paper"] = {"pruning_layers": self.resolved["prune_layers"],
                                   "k": self.resolved["layer_percentiles"]}
         self.scores: torch.Tensor | None = None
+        self.decode_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # (key_index, attention)
+        self.selected: torch.Tensor | None = None  # this decode step's A_l (original indices), sorted
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
         if layer_idx + 1 in self.schedule:  # the pruning decision uses the previous layer's scores
@@ -74,8 +86,44 @@ class LazyLLM(Policy):
         ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
         return without(active, pruned)
 
+    def decode_rows(self, layer_idx: int, rows, ctx):
+        if layer_idx == 0:
+            self.selected = None  # a new step starts from every token
+        k = self.schedule.get(layer_idx, 0.0)
+        if k == 0.0 or self.decode_scores is None:
+            return rows
+        seen, attention = self.decode_scores  # A_{l-1} and the new token's attention over it
+        attention = attention.cpu().clone()
+        attention[seen == rows.index[-1]] = float("inf")  # the new token is never pruned
+        selected = without(seen, lowest(attention, math.floor(k * seen.shape[0]))).sort().values
+        # Rows computed in this step that were not selected leave it; they have no key/value here,
+        # so their hidden state goes to this layer's Aux Cache.
+        keep = torch.isin(rows.index, selected)
+        gone = (~keep).nonzero().squeeze(1)
+        if gone.numel():
+            ctx.aux_cache.add(layer_idx, rows.index[gone], rows.hidden[0, gone.to(rows.hidden.device)])
+            rows = rows.keep(keep.nonzero().squeeze(1))
+        # Selected tokens with no key/value here are revived from the Aux Cache (a token found in
+        # neither, e.g. evicted by another policy, is simply not attended to).
+        cached = ctx.cache.layers[layer_idx].index
+        missing = selected[~torch.isin(selected, cached) & ~torch.isin(selected, rows.index)]
+        index, hidden = ctx.aux_cache.take(layer_idx, missing)
+        if index.numel():
+            rows = rows.join(index, hidden, ctx)
+        self.selected = selected
+        return rows
+
+    def decode_attend(self, layer_idx: int, ctx) -> torch.Tensor | None:
+        if self.selected is None:
+            return None
+        return torch.isin(ctx.cache.layers[layer_idx].index, self.selected).nonzero().squeeze(1)
+
+    def decode_score(self, layer_idx: int, ctx) -> None:
+        if layer_idx + 1 in self.schedule:
+            self.decode_scores = (ctx.key_index.clone(), new_token_attention(ctx))
+
     def summary(self) -> str:
         if not any(self.schedule.values()):
             return "LazyLLM off"
         stages = ", ".join(f"{k:.0%} at layer {layer}" for layer, k in sorted(self.schedule.items()))
-        return f"LazyLLM prunes {stages}"
+        return f"LazyLLM prunes {stages}, again at every decode step"

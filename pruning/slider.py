@@ -36,7 +36,7 @@ def table(num_layers: int, speeds=SPEEDS) -> str:
         cells = [describe(n, speed, num_layers) for n in names]
         video = describe("zipvl", speed, num_layers, video=True)
         if video != "ZipVL off":
-            cells[names.index("zipvl")] += f" (video: {video.split('=')[1]})"
+            cells[names.index("zipvl")] += f" (video: tau {video.split('=')[1].split(',')[0]})"
         lines.append(f"| {speed:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

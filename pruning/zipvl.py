@@ -13,18 +13,29 @@ In every layer, a few probe queries — the 64 most recent tokens and 64 random 
 
 Attention is then computed only among the important tokens (FlashAttention on Q[T], K[T], V[T] in
 Algorithm 1); the others get no attention update, but their keys/values are cached and the FFN runs
-on every token. tau = 1 keeps every token (exact). The KV-cache quantisation of decode is separate.
+on every token. tau = 1 keeps every token (exact).
+
+Decode (Section 4.2, Algorithm 1): the KV cache is stored with mixed precision — the prefill's
+important tokens of each layer at ``important_bits`` (4), the others at ``other_bits`` (2), packed
+group-wise (``pipeline.quant``) so the bytes really shrink, dequantized on the fly for attention.
+New tokens stay in float until ``requantize_every`` (100) of them have accumulated in a layer; then
+the new token's attention over them (mean over heads, renormalised to the window's mass) picks the
+important ones by Eq. 6-8 with the same tau, and the window is packed the same way. A layer with no
+restricted attention in prefill (p = n) has every token important. No bits (speed 0): float KV.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy, check_speed, probe_attention
+from pruning.base import Policy, check_speed, new_token_attention, probe_attention
 
 TAU_DROP_AT_FULL_SPEED = {"image": 0.08, "video": 0.05}  # tau = 1 - drop * speed: paper values at 0.5
+# KV bits (important, other) for speed 0, speed in (0, 0.5), speed >= 0.5 (the paper's 4 and 2 bits).
+KV_BITS = ((None, None), (8, 4), (4, 2))
 
 
 @dataclass
@@ -34,13 +45,19 @@ class ZipVL(Policy):
     recent_probes: int = 64
     random_probes: int = 64
     seed: int = 0  # the random probes are drawn from a generator seeded per layer: reproducible
+    important_bits: int | None = None  # KV bits of important tokens in decode; None: float KV
+    other_bits: int | None = None  # KV bits of the other tokens
+    requantize_every: int = 100  # new tokens stay float until this many have accumulated
+    group: int = 32  # channels per quantization group (reduced to divide head_dim)
     name = "zipvl"
 
     @classmethod
     def from_speed(cls, speed: float) -> "ZipVL":
         speed = check_speed(speed)
+        bits = KV_BITS[0] if speed == 0 else KV_BITS[1] if speed < 0.5 else KV_BITS[2]
         return cls(tau_image=round(1.0 - TAU_DROP_AT_FULL_SPEED["image"] * speed, 6),
-                   tau_video=round(1.0 - TAU_DROP_AT_FULL_SPEED["video"] * speed, 6))
+                   tau_video=round(1.0 - TAU_DROP_AT_FULL_SPEED["video"] * speed, 6),
+                   important_bits=bits[0], other_bits=bits[1])
 
     def plan(self, ctx) -> None:
         has_video = bool((ctx.modality == 2).any())
@@ -49,6 +66,12 @@ class ZipVL(Policy):
             raise ValueError(f"ZipVL tau must be in (0, 1], got {tau}")
         self.resolved = {"tau": tau, "important_per_layer": []}
         self.resolved["paper"] = {"tau": tau, "p": self.resolved["important_per_layer"]}  # p filled per layer
+        if (self.important_bits is None) != (self.other_bits is None):
+            raise ValueError("ZipVL: set both important_bits and other_bits, or neither")
+        if self.important_bits is not None:
+            if self.requantize_every < 1:
+                raise ValueError(f"ZipVL requantize_every must be >= 1, got {self.requantize_every}")
+            self.resolved["paper"].update(b_h=self.important_bits, b_l=self.other_bits)
 
     def probe_rows(self, layer_idx: int, n: int, device) -> torch.Tensor:
         recent = torch.arange(max(0, n - self.recent_probes), n)
@@ -74,10 +97,47 @@ class ZipVL(Policy):
         importance[n - 1] = float("inf")  # the last prompt token is always important
         return importance.topk(p).indices.sort().values
 
+    def decode_step(self, step: int, ctx) -> None:
+        if self.important_bits is None or step != 1:
+            return
+        # Before the first decode step: pack each layer's prefill KV by the prefill split.
+        for layer_kv, important in zip(ctx.cache.layers, ctx.attention_per_layer):
+            if important is None:  # every token of this layer took part in attention: all important
+                self._pack(layer_kv, torch.arange(layer_kv.tail_entries()))
+            else:
+                self._pack(layer_kv, torch.isin(layer_kv.index, important.cpu()).nonzero().squeeze(1))
+
+    def decode_score(self, layer_idx: int, ctx) -> None:
+        if self.important_bits is None:
+            return
+        layer_kv = ctx.cache.layers[layer_idx]
+        window = layer_kv.tail_entries()
+        if window < self.requantize_every:
+            return
+        # The new token's attention to the window (the float tail), as a distribution over it.
+        attention = new_token_attention(ctx)
+        lookup = torch.full((int(ctx.key_index.max()) + 1,), -1, dtype=torch.long)
+        lookup[ctx.key_index] = torch.arange(ctx.key_index.shape[0])
+        where = lookup[layer_kv.index[-window:]]  # -1: not attended (another policy hid it)
+        scores = torch.where(where >= 0, attention[where.clamp(min=0).to(attention.device)].cpu(), torch.tensor(0.0))
+        probs = (scores / scores.sum().clamp(min=1e-12))[None]
+        p = important_count(probs, self.resolved["tau"])
+        self._pack(layer_kv, scores.topk(p).indices.sort().values)
+
+    def _pack(self, layer_kv, important: torch.Tensor) -> None:
+        """Pack the float tail: entries ``important`` (tail positions) at high bits, the rest at low."""
+        if layer_kv.tail_entries() == 0:
+            return
+        group = math.gcd(self.group, layer_kv.key.shape[-1])
+        self.resolved["kv_group"] = group
+        layer_kv.pack(important, self.important_bits, group)
+        layer_kv.pack(torch.arange(layer_kv.tail_entries()), self.other_bits, group)
+
     def summary(self) -> str:
-        if self.resolved["tau"] >= 1.0:
-            return "ZipVL off"
-        return f"ZipVL tau={self.resolved['tau']:.3f}"
+        parts = ["ZipVL off" if self.resolved["tau"] >= 1.0 else f"ZipVL tau={self.resolved['tau']:.3f}"]
+        if self.important_bits is not None:
+            parts.append(f"KV {self.important_bits}/{self.other_bits}-bit")
+        return ", ".join(parts)
 
 
 def important_count(probs: torch.Tensor, tau: float) -> int:

@@ -1,4 +1,5 @@
-"""Decode-time policies: ST3's Visual Token Annealing."""
+"""Decode-time policies: ST3's Visual Token Annealing, ZipVL's mixed-precision KV, LazyLLM's
+revival from the Aux Cache; batched decode."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import torch
 
 from pipeline import load_engine
 from pipeline.adapters import TEXT
-from pruning import ST3, NoPruning
+from pipeline.cache import LayerKV
+from pipeline.engine import Sampling
+from pipeline.metrics import MemoryMeter
+from pipeline.quant import dequantize, quantize
+from pruning import ST3, LazyLLM, NoPruning, ZipVL, make_policy
 from pruning.st3 import anneal_share
 from tiny_models import build_llava, reference_inputs
 
@@ -106,3 +111,234 @@ def test_decoding_after_the_visual_kv_is_gone_equals_a_model_that_hides_vision_f
     assert logits[T - 1:].argmax(dim=-1).tolist() == result.token_ids
     unpruned = engine.generate(messages, policy=NoPruning(), max_new_tokens=new)
     assert unpruned.metrics["visual_kv_per_step"] == [LAYERS * len(visual)] * (new - 1)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _answer(engine, messages, policy, new):
+    """Prefill and decode ``new`` tokens; return the request with its caches (engine internals)."""
+    with torch.inference_mode():
+        request = engine._start(messages, policy, 0.0, new, Sampling(), MemoryMeter(engine.device))
+        for _ in engine._decode_loop([request]):
+            pass
+    return request
+
+
+def _packed_bytes(entries, kv_heads, head_dim, bits, group):
+    """Bytes of ``entries`` keys + values at ``bits``: packed codes plus float16 scale and min per group."""
+    values = entries * kv_heads * head_dim
+    return 2 * (values * bits // 8 + 2 * 2 * values // group)
+
+
+# ---------------------------------------------------------------------------- ZipVL mixed-precision KV
+def test_zipvl_packs_each_layers_prefill_kv_by_its_important_split(llava, media):
+    engine = load_engine(str(llava), device="cpu")
+    prompt = engine.prepare(_messages(media))
+    policy = ZipVL(tau_image=0.9, important_bits=4, other_bits=2)
+    with torch.inference_mode():
+        _, ctx = engine.prefill(prompt, policy)
+        floats = [layer.keys_values() for layer in ctx.cache.layers]
+        policy.decode_step(1, ctx)  # before the first decode step
+    cfg = engine.adapter.text_config
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    group = policy.resolved["kv_group"]
+    assert head_dim % group == 0
+    restricted = 0
+    for layer, important, (key, value) in zip(ctx.cache.layers, ctx.attention_per_layer, floats):
+        assert layer.tail_entries() == 0 and [k.bits for k, _ in layer.packed] == [4, 2]
+        high, low = layer.packed[0][0].tokens, layer.packed[1][0].tokens
+        expected = set(range(len(prompt))) if important is None else set(important.tolist())
+        restricted += important is not None
+        assert set(layer.index[:high].tolist()) == expected and high + low == len(prompt)
+        # The bytes held are exactly the packed codes plus scales: nothing float is left behind.
+        assert layer.nbytes() == (_packed_bytes(high, kv_heads, head_dim, 4, group)
+                                  + _packed_bytes(low, kv_heads, head_dim, 2, group))
+        # Dequantized entries match the float ones within half a quantization step of their group.
+        got_key, _ = layer.keys_values()
+        want = key[:, :, layer.index]
+        for rows, bits in ((slice(0, high), 4), (slice(high, None), 2)):
+            groups = want[:, :, rows].reshape(*want[:, :, rows].shape[:-1], -1, group)
+            step = (groups.amax(-1) - groups.amin(-1)) / (2**bits - 1)
+            error = (got_key[:, :, rows] - want[:, :, rows]).reshape(groups.shape).abs()
+            assert (error <= (step * 0.502 + 1e-3).unsqueeze(-1)).all()
+    assert restricted > 0  # tau 0.9 made some layer's split a real one
+
+
+def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention():
+    """Algorithm 1, decode: once ``requantize_every`` new entries sit in float, the new token's
+    attention over them picks the high-bit ones (Eq. 6-8 with tau); all of them get packed."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(0)
+    head_dim, window = 16, 10
+    keys = torch.randn(1, 1, window, head_dim, generator=g) * 0.1
+    keys[0, 0, [2, 7]] = 3.0  # the query below attends almost only to these two
+    layer = LayerKV()
+    layer.append(keys, torch.randn(1, 1, window, head_dim, generator=g))
+    layer.index, layer.modality = torch.arange(100, 100 + window), torch.zeros(window, dtype=torch.long)
+    policy = ZipVL(tau_image=0.9, important_bits=4, other_bits=2, requantize_every=window)
+    policy.resolved = {"tau": 0.9}
+    query = torch.full((1, 1, 1, head_dim), 3.0)
+    ctx = SimpleNamespace(cache=SimpleNamespace(layers=[layer]), queries=query, keys=keys,
+                          key_index=layer.index.clone(), scaling=head_dim ** -0.5)
+    policy.decode_score(0, ctx)
+    assert layer.tail_entries() == 0
+    assert [k.bits for k, _ in layer.packed] == [4, 2]
+    assert layer.index[:2].tolist() == [102, 107]  # the important ones, packed at 4 bits
+    assert sorted(layer.index.tolist()) == list(range(100, 100 + window))
+
+    layer.append(keys[:, :, :3], keys[:, :, :3])  # fewer than a window: they stay float
+    layer.index = torch.cat([layer.index, torch.arange(200, 203)])
+    ctx.keys, ctx.key_index = layer.keys_values()[0], layer.index.clone()
+    policy.decode_score(0, ctx)
+    assert layer.tail_entries() == 3
+
+
+def test_zipvl_generation_packs_new_tokens_in_windows_and_holds_fewer_bytes(llava, media):
+    engine = _endless(load_engine(str(llava), device="cpu"))
+    messages = _messages(media)
+    new, every = 14, 5
+    request = _answer(engine, messages, ZipVL(tau_image=0.9, important_bits=4, other_bits=2,
+                                              requantize_every=every), new)
+    fed = new - 1  # the last token is never fed back
+    for layer in request.ctx.cache.layers:
+        assert layer.tail_entries() == fed % every  # windows of 5 packed, the rest still float
+        assert len(layer) == len(request.prompt) + fed
+    baseline = engine.generate(messages, policy=NoPruning(), max_new_tokens=new)
+    steps = request.ctx.kv_bytes_per_step
+    assert max(steps) < baseline.metrics["kv_bytes_per_step"][0] / 3  # 2-4 bits + scales vs float32
+
+
+def test_zipvl_at_speed_0_keeps_full_precision_and_the_papers_bits_from_speed_half(llava, media):
+    assert ZipVL.from_speed(0.0).important_bits is None
+    assert (ZipVL.from_speed(0.5).important_bits, ZipVL.from_speed(0.5).other_bits) == (4, 2)
+    engine = _endless(load_engine(str(llava), device="cpu"))
+    messages = _messages(media)
+    request = _answer(engine, messages, ZipVL.from_speed(0.0), 6)
+    assert all(not layer.packed for layer in request.ctx.cache.layers)
+    baseline = engine.generate(messages, policy=NoPruning(), max_new_tokens=6)
+    assert request.tokens == baseline.token_ids
+
+
+def test_evicting_entries_works_across_packed_segments_and_the_float_tail():
+    g = torch.Generator().manual_seed(2)
+    key, value = torch.randn(1, 2, 12, 32, generator=g), torch.randn(1, 2, 12, 32, generator=g)
+    layer = LayerKV()
+    layer.append(key, value)
+    layer.index, layer.modality = torch.arange(12), torch.zeros(12, dtype=torch.long)
+    layer.pack(torch.tensor([1, 5, 9]), 4, 32)
+    layer.pack(torch.tensor([0, 2]), 2, 32)  # tail positions after the first pack: tokens 0 and 3
+    assert layer.index.tolist() == [1, 5, 9, 0, 3, 2, 4, 6, 7, 8, 10, 11]
+    before, _ = layer.keys_values()
+    rows = torch.tensor([0, 2, 4, 7, 11])  # tokens 1, 9, 3, 6, 11
+    layer.keep(rows)
+    assert layer.index.tolist() == [1, 9, 3, 6, 11]
+    assert torch.equal(layer.keys_values()[0], before[:, :, rows])
+    assert layer.nbytes() == (quantize(key[:, :, :2], 4).nbytes() * 2 + quantize(key[:, :, :1], 2).nbytes() * 2
+                              + 2 * 2 * 2 * 32 * 4)
+    assert torch.equal(dequantize(layer.packed[0][0]), dequantize(quantize(key[:, :, [1, 9]], 4)))
+
+
+# ---------------------------------------------------------------------------- LazyLLM revival
+class _Watching(LazyLLM):
+    """LazyLLM that records, per decode step and layer, the tokens the new token attended to."""
+
+    def plan(self, ctx):
+        super().plan(ctx)
+        self.seen: list[dict[int, list[int]]] = []
+
+    def decode_score(self, layer_idx, ctx):
+        if layer_idx == 0:
+            self.seen.append({})
+        self.seen[-1][layer_idx] = sorted(ctx.key_index.tolist())
+        super().decode_score(layer_idx, ctx)
+
+
+@pytest.fixture(scope="module")
+def deep_llava(deep_checkpoints):
+    return _endless(load_engine(str(deep_checkpoints["llava"]), device="cpu"))
+
+
+def test_lazyllm_revives_pruned_tokens_once_per_layer_from_the_aux_cache_at_their_original_position(
+        deep_llava, media):
+    engine, messages, new = deep_llava, _messages(media), 8
+    policy = _Watching.from_speed(1.0)
+    with torch.inference_mode():
+        _, prefilled = engine.prefill(engine.prepare(messages), LazyLLM.from_speed(1.0))
+    parked = {layer: entry[0].tolist() for layer, entry in prefilled.aux_cache.layers.items()}
+    request = _answer(engine, messages, policy, new)
+    ctx, T, L = request.ctx, len(request.prompt), len(engine.adapter.layers)
+    assert ctx.revived > 0, "no pruned token was ever selected again"
+
+    adapter = engine.adapter
+    for layer_idx, layer in enumerate(ctx.cache.layers):
+        index = layer.index.tolist()
+        assert len(index) == len(set(index)), f"a token was computed twice in layer {layer_idx}"
+        aux = ctx.aux_cache.get(layer_idx)
+        if aux is not None:  # a token has a key/value or an Aux Cache entry here, never both
+            assert not set(aux[0].tolist()) & set(index)
+    # Revived tokens: their keys in a pruning layer are that layer's k_proj of the hidden state
+    # the Aux Cache held, rotated at the token's original position.
+    checked = 0
+    with torch.no_grad():
+        for layer_idx, tokens in parked.items():
+            layer = ctx.cache.layers[layer_idx]
+            revived = [t for t in tokens if t in set(layer.index.tolist())]
+            if not revived:
+                continue
+            held = prefilled.aux_cache.get(layer_idx)
+            rows = torch.tensor([held[0].tolist().index(t) for t in revived])
+            hidden = held[1][rows][None]
+            attn = adapter.layers[layer_idx].self_attn
+            normed = adapter.layers[layer_idx].input_layernorm(hidden)
+            cos, sin = adapter.rotary(hidden, ctx.positions[:, torch.tensor(revived)])
+            _, key, _ = engine.project(attn, normed, (cos, sin))
+            where = torch.tensor([layer.index.tolist().index(t) for t in revived])
+            assert torch.allclose(layer.keys_values()[0][:, :, where], key, atol=1e-5)
+            checked += len(revived)
+    assert checked > 0
+    # Never more token computations than the unpruned model's.
+    assert sum(int(a.shape[0]) for a in ctx.active_per_layer) + ctx.revived <= L * T
+
+    # Every step re-selects at each pruning layer: the new token sees ceil((1 - k) n) of the n
+    # tokens it saw in the previous layer, nested, and all of them before the first pruning layer.
+    schedule = policy.schedule
+    for step in policy.seen:
+        assert step[0] == list(range(T)) + [i for i in step[0] if i >= T]
+        for layer_idx in range(1, L):
+            if layer_idx in schedule:
+                n, k = len(step[layer_idx - 1]), schedule[layer_idx]
+                assert len(step[layer_idx]) == n - math.floor(k * n)
+                assert set(step[layer_idx]) <= set(step[layer_idx - 1])
+            else:
+                assert step[layer_idx] == step[layer_idx - 1] or layer_idx < min(schedule)
+
+
+def test_lazyllm_at_speed_0_decodes_exactly_like_no_pruning(deep_llava, media):
+    messages = _messages(media)
+    pruned = deep_llava.generate(messages, policy=LazyLLM.from_speed(0.0), max_new_tokens=8)
+    assert pruned.metrics["revived_tokens"] == 0
+    assert pruned.token_ids == deep_llava.generate(messages, policy=NoPruning(), max_new_tokens=8).token_ids
+
+
+# ---------------------------------------------------------------------------- batched decode
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("policy", ["none", "auto", "lazyllm", "zipvl", "st3"])
+def test_batched_decode_equals_one_by_one(deep_checkpoints, media, arch, policy):
+    engine = load_engine(str(deep_checkpoints[arch]), device="cpu")
+    conversations = [
+        _messages(media),
+        [{"role": "user", "content": "Write one line about the sea."}],
+        [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                      {"type": "text", "text": "What colours? Answer in a long sentence please."}]}],
+    ]
+    if arch == "qwen2_vl":
+        conversations.append([{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                                           {"type": "text", "text": "What happens?"}]}])
+    speed = 0.0 if policy == "none" else 1.0
+    batched = engine.generate_batch(conversations, policy=policy, speed=speed, max_new_tokens=12)
+    assert [r.metrics["batch_size"] for r in batched] == [len(conversations)] * len(conversations)
+    for conversation, together in zip(conversations, batched):
+        alone = engine.generate(conversation, policy=policy, speed=speed, max_new_tokens=12)
+        assert together.token_ids == alone.token_ids
+        assert together.finish_reason == alone.finish_reason
+        assert together.metrics["kv_bytes"] == alone.metrics["kv_bytes"]
