@@ -60,14 +60,13 @@ def batch_rows(engine, messages, names, args) -> list[dict]:
     """Decode tokens/s of ``args.batch`` copies of the request decoded together, per policy."""
     rates: dict[str, list[float]] = {n: [] for n in names}
     kv: dict[str, int] = {}
-    for round_index in range(1 + args.batch_runs):  # the first round warms up
+    for _ in range(args.batch_runs):  # the batch-1 runs before warmed the engine up
         for name in names:
             results = engine.generate_batch([messages] * args.batch, policy=name,
                                             speed=0.0 if name == "none" else args.speed,
                                             max_new_tokens=args.new_tokens)
-            if round_index:
-                rates[name].append(sum(r.metrics["decode_tokens_per_s"] for r in results))
-                kv[name] = sum(statistics.mean(r.metrics["kv_bytes_per_step"]) for r in results)
+            rates[name].append(sum(r.metrics["decode_tokens_per_s"] for r in results))
+            kv[name] = sum(statistics.mean(r.metrics["kv_bytes_per_step"]) for r in results)
     base = statistics.median(rates["none"])
     return [{"policy": n, "decode_tokens_per_s": statistics.median(rates[n]),
              "decode_speedup": statistics.median(rates[n]) / base, "kv_bytes_mean": kv[n],
