@@ -4,6 +4,8 @@
     glimpse bench [--model M | --random-model PRESET] [--layers N] [--image P] [--video P] [--image-tokens N]
                   [--video-tokens N] [--policies P,Q] [--speeds S,T] [--runs N] [--warmup N] [--json] [--out FILE]
     glimpse calibrate hidivdrop --model M --images DIR [--window N] [--top-k K] [--max-images N] [--out FILE]
+    glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
+                    [--batch-size N] [--max-new-tokens N]
 
 Errors a user can cause (bad media, unknown model, prompt too long) print one line and exit 1.
 """
@@ -98,6 +100,29 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--device", default="auto")
     calibrate.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     calibrate.set_defaults(run=run_calibrate)
+
+    caption = commands.add_parser(
+        "caption", help="caption images and videos in batch (files, folders, list files), resumable",
+        description="Caption every image and video given (files; folders, recursively; .txt/.lst list files "
+                    "of paths). Results go to a JSONL file (one object per input, flushed per line) or to "
+                    ".txt sidecars. Inputs already captioned are skipped unless --overwrite, so a killed run "
+                    "resumes where it stopped; unreadable inputs are logged, skipped and summarised.")
+    caption.add_argument("inputs", nargs="+", metavar="INPUT", help="image/video files, folders or list files")
+    target = caption.add_mutually_exclusive_group()
+    target.add_argument("--out", default=None, metavar="FILE.jsonl", help="JSONL output (default: captions.jsonl)")
+    target.add_argument("--format", choices=["jsonl", "txt"], default="jsonl",
+                        help="txt: a <name>.txt sidecar next to each input instead of JSONL")
+    caption.add_argument("--overwrite", action="store_true", help="caption again what is already captioned")
+    caption.add_argument("--model", default="embedded", help="as for ask")
+    caption.add_argument("--policy", default="auto", choices=POLICY_CHOICES)
+    caption.add_argument("--speed", type=float, default=0.0)
+    caption.add_argument("--prompt", default=None,
+                         help="the instruction (default: 'Describe this image/video in one or two sentences.')")
+    caption.add_argument("--max-new-tokens", type=int, default=64)
+    caption.add_argument("--batch-size", type=int, default=8, help="inputs decoded together (default 8)")
+    caption.add_argument("--device", default="auto")
+    caption.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    caption.set_defaults(run=run_caption)
     return parser
 
 
@@ -144,6 +169,38 @@ def run_ask(args) -> int:
          f"{m['new_tokens']} tokens" + (f" at {m['decode_tokens_per_s']:.1f}/s" if m["decode_tokens_per_s"] else "")
          + f", prompt {m['prompt_tokens']}")
     return 0
+
+
+def run_caption(args) -> int:
+    from app.caption import ProgressBar, caption_inputs, collect_inputs
+    from pipeline import load_engine
+    from pruning import make_policy
+
+    if not 0.0 <= args.speed <= 1.0:
+        raise UserError(f"--speed must be between 0 and 1, got {args.speed}")
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise UserError("--batch-size and --max-new-tokens must be at least 1")
+    make_policy(args.policy, args.speed)
+    try:
+        inputs = collect_inputs(args.inputs)
+    except FileNotFoundError as error:
+        raise UserError(str(error)) from None
+    if not inputs:
+        raise UserError("no image or video files found in the inputs")
+    out = Path(args.out or "captions.jsonl")
+    _log(f"{len(inputs)} inputs; loading {args.model} ...")
+    engine = load_engine(args.model, device=args.device, attn=args.attn)
+    if not engine.grounded:
+        _log(NOT_GROUNDED)
+    report = caption_inputs(engine, inputs, out=out if args.format == "jsonl" else None, fmt=args.format,
+                            overwrite=args.overwrite, policy=args.policy, speed=args.speed, prompt=args.prompt,
+                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                            progress=ProgressBar(), log=_log)
+    where = out if args.format == "jsonl" else ".txt sidecars"
+    _log(f"captioned {report.captioned}, already done {report.skipped}, failed {len(report.failed)} -> {where}")
+    for path, reason in report.failed:
+        _log(f"  failed: {path}: {reason}")
+    return 1 if report.failed else 0
 
 
 def run_bench(args) -> int:

@@ -1,0 +1,128 @@
+"""`glimpse caption`: folders and list files, JSONL or sidecars, corrupt inputs skipped, resuming
+after a kill without losing or duplicating a caption, batched equal to one by one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from app.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _images(folder: Path, count: int, start: int = 0) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(start, start + count):
+        pixels = (np.random.RandomState(i).rand(40 + i % 7, 50, 3) * 255).astype("uint8")
+        path = folder / f"img{i:03d}.png"
+        Image.fromarray(pixels).save(path)
+        paths.append(path)
+    return paths
+
+
+def _lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return str(checkpoints["llava"])
+
+
+def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with_a_summary(
+        model, tmp_path, capsys):
+    good = _images(tmp_path / "in", 3) + _images(tmp_path / "in" / "nested", 2, start=3)
+    (tmp_path / "in" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    (tmp_path / "in" / "empty.jpg").write_bytes(b"")
+    (tmp_path / "in" / "notes.md").write_text("not media: ignored")
+    out = tmp_path / "captions.jsonl"
+    code = main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "6",
+                 "--batch-size", "3", "--speed", "0.5"])
+    assert code == 1  # some inputs failed
+    records = _lines(out)
+    assert sorted(r["path"] for r in records) == sorted(str(p) for p in good)
+    for r in records:
+        assert set(r) == {"path", "caption", "policy", "speed", "params", "metrics"}
+        assert r["policy"] == "auto" and r["speed"] == 0.5 and r["metrics"]["new_tokens"] >= 1
+    assert max(r["metrics"]["batch_size"] for r in records) > 1  # inputs were decoded together
+    err = capsys.readouterr().err
+    assert "failed 2" in err and "broken.png" in err and "empty.jpg" in err and "ETA" in err
+
+
+def test_batched_captions_equal_captions_made_one_at_a_time(model, tmp_path):
+    images = _images(tmp_path / "in", 4)
+    listing = tmp_path / "list.txt"
+    listing.write_text("# a list file\n" + "\n".join(os.path.relpath(p, tmp_path) for p in images) + "\n")
+    together, alone = tmp_path / "together.jsonl", tmp_path / "alone.jsonl"
+    common = ["--model", model, "--max-new-tokens", "10", "--policy", "lazyllm", "--speed", "1"]
+    assert main(["caption", str(listing), "--out", str(together), "--batch-size", "4", *common]) == 0
+    assert main(["caption", str(listing), "--out", str(alone), "--batch-size", "1", *common]) == 0
+    assert [r["caption"] for r in _lines(together)] == [r["caption"] for r in _lines(alone)]
+    assert [r["path"] for r in _lines(together)] == [str(p) for p in images]
+
+
+def test_a_line_cut_short_by_a_kill_is_dropped_and_its_input_captioned_again(model, tmp_path):
+    images = _images(tmp_path / "in", 3)
+    out = tmp_path / "captions.jsonl"
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "4"]) == 0
+    full = out.read_text().splitlines()
+    out.write_text(full[0] + "\n" + full[1][: len(full[1]) // 2])  # killed while writing the second line
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "4"]) == 0
+    assert sorted(r["path"] for r in _lines(out)) == sorted(str(p) for p in images)
+
+
+def test_a_run_killed_midway_then_rerun_captions_every_input_exactly_once(model, tmp_path):
+    images = _images(tmp_path / "in", 24)
+    out = tmp_path / "captions.jsonl"
+    command = [sys.executable, "-m", "app.cli", "caption", str(tmp_path / "in"), "--model", model, "--out", str(out),
+               "--max-new-tokens", "48", "--batch-size", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and run.poll() is None:
+        if out.exists() and out.read_text().count("\n") >= 2:
+            run.send_signal(signal.SIGKILL)  # no chance to clean up
+            break
+        time.sleep(0.005)
+    run.wait()
+    assert run.returncode == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
+    before = out.read_text().count("\n")
+    assert 0 < before < len(images)  # the kill really came midway
+
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "48",
+                 "--batch-size", "2"]) == 0
+    paths = [r["path"] for r in _lines(out)]
+    assert sorted(paths) == sorted(str(p) for p in images)  # every input, none twice
+
+
+def test_txt_sidecars_are_written_next_to_inputs_skipped_when_present_and_rewritten_with_overwrite(model, tmp_path):
+    images = _images(tmp_path / "in", 2)
+    args = ["caption", str(tmp_path / "in"), "--model", model, "--format", "txt", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    sidecars = [p.with_suffix(".txt") for p in images]
+    assert all(s.read_text().endswith("\n") for s in sidecars)
+    sidecars[0].write_text("kept by hand\n")
+    assert main(args) == 0
+    assert sidecars[0].read_text() == "kept by hand\n"  # already captioned: skipped
+    assert main([*args, "--overwrite"]) == 0
+    assert sidecars[0].read_text() != "kept by hand\n" and sidecars[0].read_text().endswith("\n")
+    assert not list((tmp_path / "in").glob(".*partial"))
+
+
+def test_missing_inputs_and_folders_without_media_are_clear_errors(model, tmp_path, capsys):
+    assert main(["caption", str(tmp_path / "nope"), "--model", model]) == 1
+    assert "no such file or folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["caption", str(tmp_path / "empty"), "--model", model]) == 1
+    assert "no image or video files" in capsys.readouterr().err
