@@ -1,7 +1,8 @@
 # Glimpse on a CUDA GPU box.
 #   docker build -t glimpse .                 (add --build-arg FLASH_ATTN=1 to build flash-attention 2)
-#   docker run --gpus all -v glimpse-cache:/home/glimpse/.cache glimpse \
-#       glimpse ask --model Qwen/Qwen2-VL-7B-Instruct --image /data/photo.jpg "What is in this picture?"
+#   docker run --gpus all -p 7860:7860 -v glimpse-cache:/home/glimpse/.cache glimpse \
+#       glimpse serve --host 0.0.0.0 --model Qwen/Qwen2-VL-7B-Instruct
+#   (docs/docker.md; compose.yaml does the same)
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
 
 ARG FLASH_ATTN=0
@@ -30,4 +31,8 @@ RUN if [ "$FLASH_ATTN" = "1" ]; then pip install flash-attn --no-build-isolation
 
 USER glimpse
 VOLUME ["/home/glimpse/.cache"]
-CMD ["glimpse", "ask", "--help"]
+EXPOSE 7860
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
+    CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/health', timeout=4)"
+# The model loads at start (first run: downloads into the cache volume), then the chat and API serve.
+CMD ["glimpse", "serve", "--host", "0.0.0.0", "--port", "7860"]

@@ -4,6 +4,7 @@
     glimpse bench [--model M | --random-model PRESET] [--layers N] [--image P] [--video P] [--image-tokens N]
                   [--video-tokens N] [--policies P,Q] [--speeds S,T] [--runs N] [--warmup N] [--json] [--out FILE]
     glimpse calibrate hidivdrop --model M --images DIR [--window N] [--top-k K] [--max-images N] [--out FILE]
+    glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
     glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
                     [--batch-size N] [--max-new-tokens N]
 
@@ -101,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     calibrate.set_defaults(run=run_calibrate)
 
+    serve = commands.add_parser("serve", help="the web chat and the OpenAI-compatible HTTP API",
+                                description="Gradio chat at /, POST /v1/chat/completions, GET /health, GET /metrics.")
+    serve.add_argument("--model", default="embedded", help="as for ask")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--allowed-root", default=None, metavar="DIR",
+                       help="API requests may name local files under DIR (default: none)")
+    serve.add_argument("--max-upload-mb", type=int, default=200, help="largest upload accepted by the chat")
+    serve.add_argument("--queue-size", type=int, default=32, help="requests waiting beyond this are refused")
+    serve.add_argument("--max-new-tokens", type=int, default=256)
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    serve.set_defaults(run=run_serve)
+
     caption = commands.add_parser(
         "caption", help="caption images and videos in batch (files, folders, list files), resumable",
         description="Caption every image and video given (files; folders, recursively; .txt/.lst list files "
@@ -168,6 +183,36 @@ def run_ask(args) -> int:
          f"prefill {m['prefill_s']:.2f}s ({flops_cut:.2f}x fewer prefill FLOPs), "
          f"{m['new_tokens']} tokens" + (f" at {m['decode_tokens_per_s']:.1f}/s" if m["decode_tokens_per_s"] else "")
          + f", prompt {m['prompt_tokens']}")
+    return 0
+
+
+def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=200, queue_size=32,
+                 max_new_tokens=256):
+    """The FastAPI app `glimpse serve` runs: the API routes, with the Gradio chat mounted at /."""
+    import gradio as gr
+
+    from app.api import create_api
+    from app.ui import build_ui
+
+    app = create_api(engine, model_name=model_name, allowed_root=allowed_root)
+    # One answer at a time (the engine's lock serialises anyway); others wait in the queue.
+    demo = build_ui(engine, model_name, max_new_tokens).queue(default_concurrency_limit=1, max_size=queue_size)
+    return gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb")
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from pipeline import load_engine
+
+    _log(f"loading {args.model} ...")
+    engine = load_engine(args.model, device=args.device, attn=args.attn)
+    if not engine.grounded:
+        _log(NOT_GROUNDED)
+    app = build_server(engine, args.model, allowed_root=args.allowed_root, max_upload_mb=args.max_upload_mb,
+                       queue_size=args.queue_size, max_new_tokens=args.max_new_tokens)
+    _log(f"serving on http://{args.host}:{args.port} (chat at /, API at /v1/chat/completions)")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 

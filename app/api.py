@@ -1,0 +1,281 @@
+"""The HTTP API `glimpse serve` exposes beside the web chat.
+
+* ``POST /v1/chat/completions`` — OpenAI-compatible. Messages hold text and ``image_url`` parts
+  (``data:`` URLs, ``http(s)`` URLs, or local paths / ``file://`` URLs under ``--allowed-root`` only),
+  plus Glimpse's ``video_url`` parts (same sources). ``stream: true`` answers with server-sent events
+  (``chat.completion.chunk`` objects, then ``data: [DONE]``). Extra request fields: ``policy`` and
+  ``speed`` (the slider), ``params`` (overrides). The response's ``usage`` counts tokens, and its
+  ``glimpse`` field carries the policy, its parameters and the timing/memory metrics.
+* ``GET /health`` — ``{"status": "ok", "model": ...}``.
+* ``GET /metrics`` — Prometheus text: requests by outcome, tokens, a TTFT histogram, KV bytes.
+
+A bad request gets a 400 with an OpenAI-style ``{"error": {...}}`` body and changes nothing; the
+engine answers one request at a time (its lock), so concurrent requests queue.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from pipeline import PromptError
+from vision.media import MediaError
+
+MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class BadRequest(Exception):
+    pass
+
+
+class Counters:
+    """What ``/metrics`` reports; updated after every request."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = {"ok": 0, "bad_request": 0, "error": 0}
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.kv_bytes_last = 0
+        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
+        self.ttft_sum = 0.0
+
+    def record(self, outcome: str, result=None) -> None:
+        with self.lock:
+            self.requests[outcome] += 1
+            if result is None:
+                return
+            m = result.metrics
+            self.prompt_tokens += sum(m["prompt_tokens"].values())
+            self.completion_tokens += m["new_tokens"]
+            self.kv_bytes_last = m["kv_bytes"]
+            ttft = m["ttft_s"]
+            self.ttft_sum += ttft
+            bucket = next((i for i, edge in enumerate(TTFT_BUCKETS) if ttft <= edge), len(TTFT_BUCKETS))
+            self.ttft_counts[bucket] += 1
+
+    def prometheus(self) -> str:
+        with self.lock:
+            lines = ["# HELP glimpse_requests_total Chat completion requests by outcome.",
+                     "# TYPE glimpse_requests_total counter"]
+            lines += [f'glimpse_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
+            lines += ["# HELP glimpse_tokens_total Tokens processed.", "# TYPE glimpse_tokens_total counter",
+                      f'glimpse_tokens_total{{kind="prompt"}} {self.prompt_tokens}',
+                      f'glimpse_tokens_total{{kind="completion"}} {self.completion_tokens}',
+                      "# HELP glimpse_kv_bytes KV cache bytes of the last request at its end.",
+                      "# TYPE glimpse_kv_bytes gauge", f"glimpse_kv_bytes {self.kv_bytes_last}",
+                      "# HELP glimpse_ttft_seconds Time to first token.", "# TYPE glimpse_ttft_seconds histogram"]
+            cumulative = 0
+            for edge, count in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts):
+                cumulative += count
+                lines.append(f'glimpse_ttft_seconds_bucket{{le="{edge}"}} {cumulative}')
+            lines += [f"glimpse_ttft_seconds_sum {self.ttft_sum}", f"glimpse_ttft_seconds_count {cumulative}"]
+        return "\n".join(lines) + "\n"
+
+
+def create_api(engine, *, model_name: str, allowed_root: str | None = None, app: FastAPI | None = None) -> FastAPI:
+    app = app or FastAPI(title="Glimpse")
+    counters = Counters()
+    root = Path(allowed_root).resolve() if allowed_root else None
+    app.state.counters = counters
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "model": model_name, "device": str(engine.device)}
+
+    @app.get("/metrics")
+    def metrics():
+        return PlainTextResponse(counters.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            counters.record("bad_request")
+            return _error(400, "the request body is not JSON")
+        scratch = tempfile.TemporaryDirectory(prefix="glimpse-api-")
+        try:
+            messages, options = _parse(body, engine, root, Path(scratch.name))
+            if body.get("stream"):
+                return StreamingResponse(_stream(engine, messages, options, model_name, counters, scratch),
+                                         media_type="text/event-stream")
+            result = await run_in_threadpool(engine.generate, messages, **_engine_options(options))
+        except (BadRequest, MediaError, PromptError, ValueError) as error:
+            scratch.cleanup()
+            counters.record("bad_request")
+            return _error(400, str(error))
+        except Exception as error:  # the server keeps serving; the client learns what happened
+            scratch.cleanup()
+            counters.record("error")
+            return _error(500, f"{type(error).__name__}: {error}", "server_error")
+        scratch.cleanup()
+        counters.record("ok", result)
+        return _completion(result, model_name, options)
+
+    return app
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[dict], dict]:
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise BadRequest("'messages' must be a non-empty list")
+    messages = []
+    for message in body["messages"]:
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+            raise BadRequest("every message needs a role: system, user or assistant")
+        content = message.get("content")
+        if isinstance(content, str):
+            messages.append({"role": message["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise BadRequest("message content must be a string or a list of parts")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind in ("image_url", "video_url"):
+                spec = part.get(kind)
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                if not isinstance(url, str) or not url:
+                    raise BadRequest(f"a {kind} part needs a url")
+                media = "image" if kind == "image_url" else "video"
+                parts.append({"type": media, media: _media_source(url, media, root, scratch)})
+            else:
+                raise BadRequest(f"unsupported content part type {kind!r} (text, image_url, video_url)")
+        messages.append({"role": message["role"], "content": parts})
+
+    speed = body.get("speed", 0.0)
+    if not isinstance(speed, (int, float)) or not 0.0 <= speed <= 1.0:
+        raise BadRequest(f"speed must be a number in [0, 1], got {speed!r}")
+    policy_name = body.get("policy", "auto")
+    params = body.get("params") or {}
+    if not isinstance(params, dict):
+        raise BadRequest("params must be an object of parameter overrides")
+    try:
+        policy = engine.make_policy(str(policy_name), float(speed), params)
+    except (KeyError, TypeError, ValueError) as error:
+        raise BadRequest(f"policy: {error}") from None
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BadRequest("max_tokens must be a positive integer")
+    temperature = body.get("temperature", 0.0)
+    options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": bool(temperature and temperature > 0),
+               "temperature": float(temperature or 1.0), "top_p": float(body.get("top_p", 1.0)),
+               "seed": body.get("seed"), "speed_requested": float(speed)}
+    return messages, options
+
+
+def _media_source(url: str, kind: str, root: Path | None, scratch: Path):
+    """Bytes (images) or a file path (videos) for a data: / http(s) / local URL."""
+    if url.startswith("data:"):
+        header, _, payload = url.partition(",")
+        if ";base64" not in header:
+            raise BadRequest("data URLs must be base64-encoded")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise BadRequest("the data URL is not valid base64") from None
+    elif url.startswith(("http://", "https://")):
+        data = _fetch(url)
+    else:
+        path = Path(url.removeprefix("file://"))
+        if root is None:
+            raise BadRequest("local files are not allowed (start the server with --allowed-root DIR)")
+        resolved = path.resolve()
+        if not resolved.is_relative_to(root):
+            raise BadRequest(f"{url}: outside the allowed root")
+        if not resolved.is_file():
+            raise BadRequest(f"{url}: no such file")
+        return str(resolved)
+    if kind == "image":
+        return data
+    target = scratch / f"video-{uuid.uuid4().hex}"
+    target.write_bytes(data)
+    return str(target)
+
+
+def _fetch(url: str) -> bytes:
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=20.0, follow_redirects=True) as response:
+            response.raise_for_status()
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > MAX_FETCH_BYTES:
+                    raise BadRequest(f"{url}: larger than {MAX_FETCH_BYTES // 2**20} MiB")
+                chunks.append(chunk)
+    except httpx.HTTPError as error:
+        raise BadRequest(f"{url}: could not fetch ({error})") from None
+    return b"".join(chunks)
+
+
+def _usage(result) -> dict:
+    prompt = sum(result.metrics["prompt_tokens"].values())
+    return {"prompt_tokens": prompt, "completion_tokens": result.metrics["new_tokens"],
+            "total_tokens": prompt + result.metrics["new_tokens"]}
+
+
+def _glimpse(result, options) -> dict:
+    keys = ("ttft_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
+            "prefill_flops", "prefill_flops_baseline")
+    return {"policy": result.policy, "speed": options["speed_requested"], "params": result.params,
+            "summary": result.summary, "metrics": {k: result.metrics[k] for k in keys}}
+
+
+def _engine_options(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k != "speed_requested"}
+
+
+def _completion(result, model_name: str, options: dict) -> dict:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                         "finish_reason": result.finish_reason}],
+            "usage": _usage(result), "glimpse": _glimpse(result, options)}
+
+
+def _stream(engine, messages, options, model_name, counters, scratch):
+    """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with usage."""
+    ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def event(delta: dict, finish=None, **extra) -> str:
+        chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    try:
+        yield event({"role": "assistant", "content": ""})
+        for chunk in engine.stream(messages, **_engine_options(options)):
+            if chunk.text:
+                yield event({"content": chunk.text})
+            if chunk.result is not None:
+                counters.record("ok", chunk.result)
+                yield event({}, chunk.result.finish_reason, usage=_usage(chunk.result),
+                            glimpse=_glimpse(chunk.result, options))
+    except (MediaError, PromptError, ValueError) as error:
+        counters.record("bad_request")
+        yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'invalid_request_error'}})}\n\n"
+    except Exception as error:
+        counters.record("error")
+        yield f"data: {json.dumps({'error': {'message': f'{type(error).__name__}: {error}', 'type': 'server_error'}})}\n\n"
+    finally:
+        scratch.cleanup()
+    yield "data: [DONE]\n\n"

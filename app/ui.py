@@ -1,0 +1,207 @@
+"""The web chat `glimpse serve` shows: Gradio Blocks around one engine.
+
+Chat in the messages format with a multimodal input (several images/videos per turn, multi-turn
+history), streamed answers, Stop / Regenerate / Clear; the speed slider and the policy selector,
+with an advanced panel showing the parameters the slider chose and taking overrides; a metrics panel
+per answer (optionally beside an unpruned run of the same question); the keep map over the image
+(or a strip of sampled frames) showing how deep each patch went. Errors appear in the chat; the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from PIL import Image
+
+from pruning import NAMES
+from vision.media import MediaError, detect_kind, load_image
+
+POLICIES = ["auto", *[n for n in NAMES if n != "none"], "none"]
+
+
+def history_to_messages(history: list[dict]) -> list[dict]:
+    """Gradio chat history (messages format, files as parts) -> the engine's messages."""
+    messages = []
+    for message in history:
+        parts = message["content"] if isinstance(message["content"], list) else [message["content"]]
+        content = []
+        for part in parts:
+            if isinstance(part, str):
+                content.append({"type": "text", "text": part})
+            elif part.get("type") == "text":
+                content.append({"type": "text", "text": part["text"]})
+            elif part.get("type") == "file" or "path" in part:
+                path = (part.get("file") or part)["path"]
+                kind = detect_kind(path)
+                content.append({"type": kind, kind: path})
+        if messages and messages[-1]["role"] == message["role"]:
+            messages[-1]["content"] += content  # Gradio splits one turn into a message per part
+        else:
+            messages.append({"role": message["role"], "content": content})
+    return messages
+
+
+def parse_overrides(text: str) -> dict:
+    """``name=value`` lines -> overrides (values parsed as JSON when they are, else strings)."""
+    out = {}
+    for line in (text or "").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"override {line!r}: write name=value")
+        try:
+            out[name.strip()] = json.loads(value.strip())
+        except ValueError:
+            out[name.strip()] = value.strip()
+    return out
+
+
+def metrics_markdown(result, baseline=None) -> str:
+    def row(label, fn, fmt):
+        cells = [fmt(fn(r.metrics)) for r in (result, baseline) if r is not None]
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    head = "| | this answer |" + (" unpruned |" if baseline else "")
+    lines = [f"**{result.policy}**: {result.summary}", "", head, "|---|---|" + ("---|" if baseline else ""),
+             row("time to first token", lambda m: m["ttft_s"], lambda v: f"{v:.2f} s"),
+             row("prefill", lambda m: m["prefill_s"], lambda v: f"{v:.2f} s"),
+             row("decode", lambda m: m["decode_tokens_per_s"], lambda v: f"{v:.1f} tok/s" if v else "—"),
+             row("prompt tokens", lambda m: m["prompt_tokens"],
+                 lambda v: ", ".join(f"{k} {n}" for k, n in v.items() if n)),
+             row("KV cache", lambda m: m["kv_bytes"], mib),
+             row("peak memory", lambda m: m["peak_memory_bytes"], mib),
+             row("prefill FLOPs", lambda m: m["prefill_flops_baseline"] / m["prefill_flops"],
+                 lambda v: f"{v:.2f}x fewer")]
+    if baseline is not None:
+        lines += ["", f"TTFT speedup **{baseline.metrics['ttft_s'] / result.metrics['ttft_s']:.2f}x**"]
+    return "\n".join(lines)
+
+
+def keep_map_image(messages: list[dict], keep_map: dict, cell: int = 24) -> Image.Image | None:
+    """The depth each visual token reached, as a heatmap laid over the first image of the prompt
+    (for a video: one tile per frame group of the grid). None when the prompt has no media grid."""
+    media = keep_map.get("media") or []
+    if not media or media[0].get("grid") is None:
+        return None
+    span = media[0]
+    t, h, w = span["grid"]
+    depth = np.array(keep_map["depth"][span["start"]:span["start"] + span["count"]], dtype=np.float32)
+    if depth.size != t * h * w:
+        return None
+    share = (depth / max(keep_map["num_layers"], 1)).reshape(t, h, w)
+    strip = np.concatenate(list(share), axis=1)  # frames side by side
+    heat = np.stack([1 - strip, strip, np.zeros_like(strip)], axis=-1)  # red: dropped early, green: kept
+    overlay = Image.fromarray((heat * 255).astype("uint8")).resize((strip.shape[1] * cell, strip.shape[0] * cell),
+                                                                   Image.NEAREST)
+    picture = _first_image(messages)
+    if picture is None or t > 1:
+        return overlay
+    return Image.blend(picture.convert("RGB").resize(overlay.size), overlay, 0.45)
+
+
+def _first_image(messages):
+    for message in messages:
+        for part in message["content"] if isinstance(message["content"], list) else []:
+            if part.get("type") == "image":
+                try:
+                    return load_image(part["image"])
+                except MediaError:
+                    return None
+    return None
+
+
+def build_ui(engine, model_name: str, max_new_tokens: int = 256):
+    import gradio as gr
+
+    def chosen_params(policy, speed, overrides):
+        try:
+            return engine.make_policy(policy, speed, parse_overrides(overrides)).params()
+        except (ValueError, TypeError, KeyError) as error:
+            return {"error": str(error)}
+
+    def add_turn(message, history):
+        history = list(history or [])
+        for path in message.get("files", []):
+            history.append({"role": "user", "content": [{"type": "file", "file": {"path": path}}]})
+        if message.get("text"):
+            history.append({"role": "user", "content": message["text"]})
+        return gr.MultimodalTextbox(value=None, interactive=False), history
+
+    def answer(history, policy, speed, overrides, compare):
+        history = list(history or [])
+        if not history or history[-1]["role"] != "user":
+            yield history, gr.skip(), gr.skip()
+            return
+        history.append({"role": "assistant", "content": ""})
+        try:
+            messages = history_to_messages(history[:-1])
+            options = dict(policy=engine.make_policy(policy, speed, parse_overrides(overrides)),
+                           max_new_tokens=max_new_tokens)
+            result = None
+            for chunk in engine.stream(messages, **options):
+                history[-1]["content"] += chunk.text
+                result = chunk.result or result
+                yield history, gr.skip(), gr.skip()
+            baseline = engine.generate(messages, policy="none", max_new_tokens=max_new_tokens) if compare else None
+            yield history, metrics_markdown(result, baseline), keep_map_image(messages, result.metrics["keep_map"])
+        except Exception as error:  # shown in the chat; the server keeps serving
+            history[-1]["content"] = f"⚠️ {error}"
+            history = _drop_bad_files(history)
+            yield history, gr.skip(), gr.skip()
+
+    def regenerate(history):
+        history = list(history or [])
+        while history and history[-1]["role"] == "assistant":
+            history.pop()
+        return history
+
+    with gr.Blocks(title="Glimpse") as demo:
+        gr.Markdown(f"## Glimpse — {model_name}\nAsk about images and videos; move the slider for speed.")
+        with gr.Row():
+            with gr.Column(scale=3):
+                chat = gr.Chatbot(label="chat", height=480, elem_id="chat")
+                box = gr.MultimodalTextbox(file_types=["image", "video"], file_count="multiple",
+                                           placeholder="Ask about an image or a video…", elem_id="input")
+                with gr.Row():
+                    stop = gr.Button("Stop", elem_id="stop")
+                    again = gr.Button("Regenerate", elem_id="regenerate")
+                    clear = gr.ClearButton([chat], value="Clear", elem_id="clear")
+            with gr.Column(scale=2):
+                speed = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="speed (0 = exact)", elem_id="speed")
+                policy = gr.Dropdown(POLICIES, value="auto", label="policy", elem_id="policy")
+                compare = gr.Checkbox(False, label="also run unpruned, to compare", elem_id="compare")
+                with gr.Accordion("advanced: parameters", open=False):
+                    params = gr.JSON(chosen_params("auto", 0.0, ""), label="chosen by the slider", elem_id="params")
+                    overrides = gr.Textbox(label="overrides, name=value per line (auto: dash.rho=0.6)", lines=2,
+                                           elem_id="overrides")
+                metrics = gr.Markdown("metrics appear after an answer", elem_id="metrics")
+                keep = gr.Image(label="keep map (green: reached the last layer)", type="pil", elem_id="keepmap")
+
+        for control in (speed, policy, overrides):
+            control.change(chosen_params, [policy, speed, overrides], params, api_name=False)
+        submitted = box.submit(add_turn, [box, chat], [box, chat], api_name=False).then(
+            answer, [chat, policy, speed, overrides, compare], [chat, metrics, keep], api_name="chat")
+        submitted.then(lambda: gr.MultimodalTextbox(interactive=True), None, box)
+        regenerated = again.click(regenerate, chat, chat, api_name=False).then(
+            answer, [chat, policy, speed, overrides, compare], [chat, metrics, keep], api_name=False)
+        stop.click(None, None, None, cancels=[submitted, regenerated])
+        clear.click(lambda: ("metrics appear after an answer", None), None, [metrics, keep])
+    return demo
+
+
+def _drop_bad_files(history: list[dict]) -> list[dict]:
+    """After an error, the files of the turn that caused it leave the prompt of later turns (earlier
+    turns were answered, so their files are fine); the chat shows a note in their place."""
+    last_answer = max((i for i, m in enumerate(history[:-1]) if m["role"] == "assistant"), default=-1)
+    cleaned = history[:last_answer + 1]
+    for message in history[last_answer + 1:-1]:
+        parts = message["content"] if isinstance(message["content"], list) else [message["content"]]
+        kept = [p if isinstance(p, str) or p.get("type") == "text" else
+                {"type": "text", "text": "[file not used]"} for p in parts]
+        cleaned.append({**message, "content": kept})
+    return cleaned + history[-1:]

@@ -1,0 +1,164 @@
+"""`glimpse serve`: the OpenAI-compatible API (through the openai client), /health, /metrics, the
+Gradio app through gradio_client, and bad requests that change nothing."""
+
+from __future__ import annotations
+
+import base64
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from app.cli import build_server
+from pipeline import load_engine
+from pruning import NoPruning
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, media, tmp_path_factory):
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    root = tmp_path_factory.mktemp("allowed")
+    (root / "image.png").write_bytes(media["image"].read_bytes())
+    app = build_server(engine, "tiny-llava", allowed_root=str(root), max_new_tokens=12)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    running = uvicorn.Server(config)
+    thread = threading.Thread(target=running.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not running.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running.started
+    yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "root": root}
+    running.should_exit = True
+    thread.join(timeout=10)
+
+
+def _data_url(path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server["url"] + "/v1", api_key="unused")
+
+
+def _question(image_url: str, text: str = "What is in the picture?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def test_health(server):
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+
+
+def test_an_openai_client_gets_the_engines_answer_with_usage_and_glimpse_metrics(server, media):
+    messages = _question(_data_url(media["image"]))
+    reply = _client(server).chat.completions.create(model="tiny-llava", messages=messages, max_tokens=8,
+                                                    extra_body={"policy": "none"})
+    engine_messages = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                    {"type": "text", "text": "What is in the picture?"}]}]
+    direct = server["engine"].generate(engine_messages, policy=NoPruning(), max_new_tokens=8)
+    assert reply.choices[0].message.content == direct.text
+    assert reply.usage.completion_tokens == len(direct.token_ids)
+    assert reply.usage.prompt_tokens == sum(direct.metrics["prompt_tokens"].values())
+    extra = reply.model_extra["glimpse"]
+    assert extra["policy"] == "none" and extra["metrics"]["ttft_s"] > 0
+
+
+def test_streaming_sends_the_same_text_in_server_sent_events(server, media):
+    client = _client(server)
+    messages = _question(_data_url(media["image"]))
+    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=10,
+                                           extra_body={"speed": 0.5})
+    pieces = client.chat.completions.create(model="m", messages=messages, max_tokens=10, stream=True,
+                                            extra_body={"speed": 0.5})
+    chunks = list(pieces)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_local_files_only_under_the_allowed_root(server, media):
+    client = _client(server)
+    inside = client.chat.completions.create(model="m", messages=_question(str(server["root"] / "image.png")),
+                                            max_tokens=4)
+    assert inside.choices[0].message.content is not None
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError, match="outside the allowed root"):
+        client.chat.completions.create(model="m", messages=_question(str(media["image"])), max_tokens=4)
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, media):
+    url = server["url"] + "/v1/chat/completions"
+    corrupt = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n broken").decode()
+    cases = [
+        ({"messages": _question(corrupt)}, "image"),
+        ({"messages": _question("data:image/png;base64,@@@")}, "base64"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "speed": 3}, "speed"),
+        ({"messages": [{"role": "user", "content": "hi"}], "policy": "fastest"}, "policy"),
+        ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "unsupported"),
+    ]
+    for body, word in cases:
+        response = httpx.post(url, json=body, timeout=60)
+        assert response.status_code == 400 and word in response.json()["error"]["message"], (body, response.text)
+    assert httpx.post(url, content=b"{not json", timeout=60).status_code == 400
+    ok = httpx.post(url, json={"messages": _question(_data_url(media["image"])), "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_concurrent_requests_are_all_answered(server):
+    url = server["url"] + "/v1/chat/completions"
+    results = [None] * 4
+
+    def ask(i):
+        results[i] = httpx.post(url, json={"messages": [{"role": "user", "content": f"Count to {i}"}],
+                                           "max_tokens": 4, "policy": "none"}, timeout=120)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [200] * 4
+
+
+def test_prometheus_metrics_count_requests_and_ttft(server):
+    text = httpx.get(server["url"] + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    ok = values['glimpse_requests_total{outcome="ok"}']
+    assert ok >= 1 and values["glimpse_ttft_seconds_count"] == ok
+    assert values['glimpse_ttft_seconds_bucket{le="+Inf"}'] == ok
+    assert values['glimpse_tokens_total{kind="completion"}'] >= ok
+
+
+def test_the_chat_answers_through_gradio_client_and_shows_errors_in_the_chat(server, media, tmp_path):
+    from gradio_client import Client, handle_file
+
+    client = Client(server["url"] + "/", verbose=False)
+    history = [{"role": "user", "content": [{"type": "file", "file": handle_file(str(media["image"]))}]},
+               {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}]}]
+    chat, metrics, _ = client.predict(history, "auto", 0.5, "", False, api_name="/chat")
+    assert chat[-1]["role"] == "assistant" and chat[-1]["content"]
+    assert "time to first token" in metrics
+
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    history = [{"role": "user", "content": [{"type": "file", "file": handle_file(str(broken))}]},
+               {"role": "user", "content": [{"type": "text", "text": "And this one?"}]}]
+    chat, _, _ = client.predict(history, "auto", 0.0, "", False, api_name="/chat")
+    assert "⚠️" in str(chat[-1]["content"])
+    chat, metrics, _ = client.predict([{"role": "user", "content": [{"type": "text", "text": "Still there?"}]}],
+                                      "none", 0.0, "", False, api_name="/chat")
+    assert chat[-1]["role"] == "assistant" and "⚠️" not in str(chat[-1]["content"])
