@@ -161,7 +161,10 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256):
         return history
 
     with gr.Blocks(title="Glimpse") as demo:
-        gr.Markdown(f"## Glimpse — {model_name}\nAsk about images and videos; move the slider for speed.")
+        note = ("" if engine.grounded else "\n\n*The embedded model's vision projector is not trained yet: its answers "
+                "about images and videos are not grounded in them. Start with `--model` and a Qwen2-VL or LLaVA "
+                "checkpoint for real answers.*")
+        gr.Markdown(f"## Glimpse — {model_name}\nAsk about images and videos; move the slider for speed.{note}")
         with gr.Row():
             with gr.Column(scale=3):
                 chat = gr.Chatbot(label="chat", height=480, elem_id="chat")
