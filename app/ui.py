@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from pruning import NAMES
-from vision.media import MediaError, detect_kind, load_image
+from vision.media import MediaError, detect_kind, load_image, probe_video, read_frames
 
 POLICIES = ["auto", *[n for n in NAMES if n != "none"], "none"]
 
@@ -98,21 +98,45 @@ def keep_map_image(messages: list[dict], keep_map: dict, cell: int = 24) -> Imag
     heat = np.stack([1 - strip, strip, np.zeros_like(strip)], axis=-1)  # red: dropped early, green: kept
     overlay = Image.fromarray((heat * 255).astype("uint8")).resize((strip.shape[1] * cell, strip.shape[0] * cell),
                                                                    Image.NEAREST)
-    picture = _first_image(messages)
-    if picture is None or t > 1:
+    picture = _frame_strip(_first_media(messages, "video"), t, h * cell, w * cell) if span["kind"] == "video" \
+        else _first_image(messages)
+    if picture is None:
         return overlay
     return Image.blend(picture.convert("RGB").resize(overlay.size), overlay, 0.45)
 
 
-def _first_image(messages):
+def _first_media(messages, kind):
     for message in messages:
         for part in message["content"] if isinstance(message["content"], list) else []:
-            if part.get("type") == "image":
-                try:
-                    return load_image(part["image"])
-                except MediaError:
-                    return None
+            if part.get("type") == kind:
+                return part[kind]
     return None
+
+
+def _first_image(messages):
+    source = _first_media(messages, "image")
+    try:
+        return load_image(source) if source is not None else None
+    except MediaError:
+        return None
+
+
+def _frame_strip(path, groups: int, height: int, width: int) -> Image.Image | None:
+    """One frame per temporal group of the video's token grid, evenly spaced over the clip, side by
+    side: the background the per-group heatmap tiles are laid over."""
+    if path is None:
+        return None
+    try:
+        total = probe_video(path).num_frames
+        indices = [min(total - 1, int((g + 0.5) * total / groups)) for g in range(groups)]
+        frames = read_frames(path, indices)
+    except (MediaError, OSError, ValueError):
+        return None
+    tiles = [Image.fromarray(frame).resize((width, height)) for frame in frames]
+    strip = Image.new("RGB", (width * groups, height))
+    for g, tile in enumerate(tiles):
+        strip.paste(tile, (g * width, 0))
+    return strip
 
 
 def build_ui(engine, model_name: str, max_new_tokens: int = 256):

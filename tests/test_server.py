@@ -162,3 +162,30 @@ def test_the_chat_answers_through_gradio_client_and_shows_errors_in_the_chat(ser
     chat, metrics, _ = client.predict([{"role": "user", "content": [{"type": "text", "text": "Still there?"}]}],
                                       "none", 0.0, "", False, api_name="/chat")
     assert chat[-1]["role"] == "assistant" and "⚠️" not in str(chat[-1]["content"])
+
+
+def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(checkpoints, media):
+    import numpy as np
+
+    from app.ui import keep_map_image
+
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    for kind in ("image", "video"):
+        messages = [{"role": "user", "content": [{"type": kind, kind: str(media[kind])},
+                                                 {"type": "text", "text": "What is it?"}]}]
+        result = engine.generate(messages, policy="st3", speed=1.0, max_new_tokens=2)
+        keep_map = result.metrics["keep_map"]
+        t, h, w = keep_map["media"][0]["grid"]
+        drawn = keep_map_image(messages, keep_map, cell=8)
+        assert drawn.size == (t * w * 8, h * 8)
+        # Pruned tokens are drawn redder than tokens that reached the last layer.
+        depth = np.array(keep_map["depth"]).reshape(t, h, w)
+        pixels = np.asarray(drawn, dtype=float)
+        deepest, shallowest = np.unravel_index(depth.argmax(), depth.shape), np.unravel_index(depth.argmin(), depth.shape)
+        def tile(g, y, x):
+            return pixels[y * 8:(y + 1) * 8, (g * w + x) * 8:(g * w + x + 1) * 8].mean(axis=(0, 1))
+        assert depth.max() > depth.min()
+        assert tile(*deepest)[1] - tile(*deepest)[0] > tile(*shallowest)[1] - tile(*shallowest)[0]
+        # The picture (image, or one frame per temporal group) shows through the heatmap.
+        bare = keep_map_image([{"role": "user", "content": [{"type": "text", "text": "x"}]}], keep_map, cell=8)
+        assert not np.array_equal(np.asarray(bare), np.asarray(drawn))
