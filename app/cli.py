@@ -28,6 +28,11 @@ NOT_GROUNDED = ("note: the embedded model's vision projector is not trained yet,
                 "Use --model with a Qwen2-VL or LLaVA checkpoint for real answers.")
 
 
+def _add_device_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    command.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glimpse", description="Chat with vision-language models about "
                                      "images and videos, faster, with training-free token pruning.")
@@ -50,8 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--temperature", type=float, default=0.7)
     ask.add_argument("--top-p", type=float, default=0.9)
     ask.add_argument("--seed", type=int, default=None)
-    ask.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    ask.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    _add_device_options(ask)
     ask.add_argument("--json", action="store_true", help='print one JSON object {"text", "policy", "params", "metrics"}')
     ask.set_defaults(run=run_ask)
 
@@ -98,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--top-k", type=int, default=20, help="ILVAS top-K vision tokens (default 20)")
     calibrate.add_argument("--question", default="Describe the image in detail.")
     calibrate.add_argument("--out", metavar="FILE", help="write the profile here instead of the Glimpse cache")
-    calibrate.add_argument("--device", default="auto")
-    calibrate.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    _add_device_options(calibrate)
     calibrate.set_defaults(run=run_calibrate)
 
     serve = commands.add_parser("serve", help="the web chat and the OpenAI-compatible HTTP API",
@@ -112,8 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-upload-mb", type=int, default=200, help="largest upload accepted by the chat")
     serve.add_argument("--queue-size", type=int, default=32, help="requests waiting beyond this are refused")
     serve.add_argument("--max-new-tokens", type=int, default=256)
-    serve.add_argument("--device", default="auto")
-    serve.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    _add_device_options(serve)
     serve.set_defaults(run=run_serve)
 
     caption = commands.add_parser(
@@ -135,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the instruction (default: 'Describe this image/video in one or two sentences.')")
     caption.add_argument("--max-new-tokens", type=int, default=64)
     caption.add_argument("--batch-size", type=int, default=8, help="inputs decoded together (default 8)")
-    caption.add_argument("--device", default="auto")
-    caption.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    _add_device_options(caption)
     caption.set_defaults(run=run_caption)
     return parser
 
