@@ -4,6 +4,7 @@
     glimpse bench [--model M | --random-model PRESET] [--layers N] [--image P] [--video P] [--image-tokens N]
                   [--video-tokens N] [--policies P,Q] [--speeds S,T] [--runs N] [--warmup N] [--json] [--out FILE]
     glimpse calibrate hidivdrop --model M --images DIR [--window N] [--top-k K] [--max-images N] [--out FILE]
+    glimpse eval agreement|passkey [--model M] [--policies P,Q] [--speeds S,T] [--json] [--plot FILE.png]
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
     glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
                     [--batch-size N] [--max-new-tokens N]
@@ -105,6 +106,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_options(calibrate)
     calibrate.set_defaults(run=run_calibrate)
 
+    evaluate = commands.add_parser(
+        "eval", help="answer quality of pruning policies against the unpruned model, on the same inputs",
+        description="agreement: greedy-token match rate and first-token KL against the unpruned model on "
+                    "synthesized image/video prompts and text questions (any model). passkey: long-context "
+                    "pass-key retrieval accuracy with the embedded model's SmolLM2-135M (text).")
+    evaluate.add_argument("task", choices=["agreement", "passkey"])
+    evaluate.add_argument("--model", default="embedded", help="as for ask")
+    evaluate.add_argument("--policies", default=None,
+                          help="comma-separated (default: every policy for agreement; dash,zipvl,lazyllm,fastv for "
+                               "passkey, FastV in its text adaptation)")
+    evaluate.add_argument("--speeds", default="0.25,0.5,0.75,1")
+    evaluate.add_argument("--new-tokens", type=int, default=32, help="agreement: answer length compared")
+    evaluate.add_argument("--image-tokens", type=int, default=256, help="agreement: synthesized image size")
+    evaluate.add_argument("--video-tokens", type=int, default=512, help="agreement: synthesized video size")
+    evaluate.add_argument("--lengths", default="512,1024,2048", help="passkey: prompt lengths in tokens")
+    evaluate.add_argument("--samples", type=int, default=10, help="passkey: keys per length")
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
+    evaluate.add_argument("--plot", default=None, metavar="FILE.png", help="quality vs TTFT speedup plot")
+    _add_device_options(evaluate)
+    evaluate.set_defaults(run=run_eval)
+
     serve = commands.add_parser("serve", help="the web chat and the OpenAI-compatible HTTP API",
                                 description="Gradio chat at /, POST /v1/chat/completions, GET /health, GET /metrics.")
     serve.add_argument("--model", default="embedded", help="as for ask")
@@ -184,6 +207,38 @@ def run_ask(args) -> int:
          f"prefill {m['prefill_s']:.2f}s ({flops_cut:.2f}x fewer prefill FLOPs), "
          f"{m['new_tokens']} tokens" + (f" at {m['decode_tokens_per_s']:.1f}/s" if m["decode_tokens_per_s"] else "")
          + f", prompt {m['prompt_tokens']}")
+    return 0
+
+
+def run_eval(args) -> int:
+    from app import eval as evaluation
+    from pipeline import load_engine
+    from pruning import NAMES, make_policy
+
+    try:
+        speeds = [float(x) for x in args.speeds.split(",") if x.strip()]
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        raise UserError("--speeds and --lengths must be comma-separated numbers") from None
+    default = [n for n in NAMES if n != "none"] if args.task == "agreement" else evaluation.PASSKEY_POLICIES
+    policies = [p.strip() for p in args.policies.split(",")] if args.policies else default
+    for name in policies:
+        for speed in speeds:
+            make_policy(name, speed)  # bad names and speeds fail before loading
+    if args.samples < 1 or args.new_tokens < 1 or not lengths:
+        raise UserError("--samples and --new-tokens must be at least 1, --lengths non-empty")
+    _log(f"loading {args.model} ...")
+    engine = load_engine(args.model, device=args.device, attn=args.attn)
+    if args.task == "agreement":
+        report = evaluation.agreement_with_synthesized_media(engine, policies, speeds, args.new_tokens,
+                                                             args.image_tokens, args.video_tokens, _log)
+    else:
+        report = evaluation.run_passkey(engine, lengths, args.samples, policies, speeds, args.seed, progress=_log)
+    report["model"] = args.model
+    if args.plot:
+        evaluation.plot(report, args.plot)
+        _log(f"plot written to {args.plot}")
+    print(json.dumps(report) if args.json else evaluation.format_table(report))
     return 0
 
 

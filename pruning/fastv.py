@@ -5,6 +5,9 @@ Layers ``0 .. K-1`` see every token. From layer K on, the share ``R`` of the ima
 that received the least attention in layer K-1 is dropped for good. FastV's released code ranks
 by the last token's attention row, averaged over heads, which is what we use: one probe query, no
 T x T matrix. Paper defaults: K = 2, R = 50% on LLaVA-1.5 (32 layers); K scales with depth.
+
+``text=True`` is the text adaptation DASH's appendix compares against: the share R of *all* tokens
+but the last is dropped the same way (for text-only prompts such as the pass-key task).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy, check_speed, drop_lowest_visual, last_token_attention, scaled_layer, scores_by_token
+from pruning.base import (Policy, check_speed, drop_lowest_visual, last_token_attention, lowest, scaled_layer,
+                          scores_by_token, without)
 
 
 @dataclass
 class FastV(Policy):
     ratio: float = 0.0  # R: share of the visual tokens dropped at layer K
     layer: int | None = None  # K; None: round(2 L / 32), at least 1
+    text: bool = False  # also drop text tokens (every token but the last)
     name = "fastv"
 
     @classmethod
@@ -41,6 +46,12 @@ class FastV(Policy):
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         if layer_idx != self.resolved["layer"] or self.scores is None:
             return active
+        if self.text:
+            count = math.floor(self.ratio * (active.shape[0] - 1) + 1e-9)
+            self.resolved["num_dropped"] = count
+            candidates = self.scores[active].clone()
+            candidates[-1] = float("inf")  # the last token predicts the next one: never dropped
+            return without(active, lowest(candidates, count))
         count = math.floor(self.ratio * int((ctx.modality[active] != 0).sum()) + 1e-9)
         self.resolved["num_dropped"] = count
         return drop_lowest_visual(active, ctx, self.scores, count)
@@ -48,4 +59,5 @@ class FastV(Policy):
     def summary(self) -> str:
         if self.ratio == 0.0:
             return "FastV off"
-        return f"FastV R={self.ratio:.0%} at layer {self.resolved['layer']}"
+        scope = " of all tokens" if self.text else ""
+        return f"FastV R={self.ratio:.0%}{scope} at layer {self.resolved['layer']}"

@@ -1,0 +1,205 @@
+"""`glimpse eval`: answer quality of each pruning policy against the unpruned model, same inputs.
+
+Two tasks:
+
+* ``agreement`` (any model): on a fixed set of prompts — a synthesized image, a synthesized video
+  when the model takes video, and text questions — each policy at each speed is compared with the
+  unpruned model (policy ``none``):
+  - greedy-token match rate: the share of the unpruned answer's positions where the pruned answer
+    (greedy, ``new_tokens`` long, EOS ignored) has the same token;
+  - first-token KL: ``KL(p_none || p_policy)`` of the next-token distributions after prefill.
+  Speed 0 is exact for every policy, so its match rate is 1 and its KL 0 (the smoke test checks).
+* ``passkey`` (text, real weights): long-context pass-key retrieval with the embedded model's
+  SmolLM2-135M-Instruct. A five-digit key sits at a random depth of filler text of about 512, 1024
+  or 2048 tokens; the answer counts as correct when the key's digits appear in it. Policies that
+  prune text: DASH, ZipVL, LazyLLM and FastV's text adaptation (``text=True``).
+
+Both report, per policy and speed, the TTFT speedup of the same runs (summed baseline TTFT over
+summed policy TTFT: single runs, for the plot's x axis; ``glimpse bench`` is the timing tool).
+Output: a table, ``--json``, and ``--plot FILE.png`` (TTFT speedup on x, quality on y, one curve per
+policy over the speeds).
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+
+from app.bench import device_name, synthesize_prompts
+
+TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
+                  "Write a short story about a lighthouse keeper and a storm."]
+PASSKEY_POLICIES = ["dash", "zipvl", "lazyllm", "fastv"]
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2"]
+
+
+def policy_for(engine, name: str, speed: float, text_task: bool):
+    # FastV prunes only visual tokens; on text it is its text adaptation (DASH's appendix).
+    return engine.make_policy(name, speed, {"text": True} if text_task and name == "fastv" else None)
+
+
+# ------------------------------------------------------------------------------------ agreement
+def agreement_prompts(engine, folder: Path, image_tokens: int = 256, video_tokens: int = 512) -> dict[str, list]:
+    prompts = synthesize_prompts(engine, folder, image_tokens, video_tokens if engine.adapter.supports_video else 0)
+    for i, question in enumerate(TEXT_QUESTIONS):
+        prompts[f"text{i + 1}"] = [{"role": "user", "content": question}]
+    return prompts
+
+
+def first_token_distribution(engine, messages, policy) -> torch.Tensor:
+    with torch.inference_mode():
+        logits, _ = engine.prefill(engine.prepare(messages), policy)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def run_agreement(engine, prompts: dict[str, list], policies: list[str], speeds: list[float],
+                  new_tokens: int = 32, progress=lambda line: None) -> dict:
+    eos = engine.eos_token_ids
+    engine.eos_token_ids = set()  # every answer is new_tokens long: positions are comparable
+    try:
+        baseline = {}
+        for kind, messages in prompts.items():
+            result = engine.generate(messages, policy="none", max_new_tokens=new_tokens)
+            baseline[kind] = (result, first_token_distribution(engine, messages, engine.make_policy("none")))
+        rows = []
+        for name in policies:
+            for speed in speeds:
+                matches, kls, base_ttft, ttft = [], [], 0.0, 0.0
+                for kind, messages in prompts.items():
+                    reference, log_p = baseline[kind]
+                    result = engine.generate(messages, policy=policy_for(engine, name, speed, kind.startswith("text")),
+                                             max_new_tokens=new_tokens)
+                    same = sum(a == b for a, b in zip(reference.token_ids, result.token_ids))
+                    matches.append(same / len(reference.token_ids))
+                    log_q = first_token_distribution(engine, messages, policy_for(engine, name, speed,
+                                                                                  kind.startswith("text")))
+                    kls.append(float((log_p.exp() * (log_p - log_q)).sum().clamp(min=0.0)))
+                    base_ttft += reference.metrics["ttft_s"]
+                    ttft += result.metrics["ttft_s"]
+                rows.append({"policy": name, "speed": speed, "match_rate": sum(matches) / len(matches),
+                             "first_token_kl": sum(kls) / len(kls), "ttft_speedup": base_ttft / ttft,
+                             "per_prompt": dict(zip(prompts, matches))})
+                progress(f"{name} @ {speed:g}: match {rows[-1]['match_rate']:.3f}, KL {rows[-1]['first_token_kl']:.4f}")
+    finally:
+        engine.eos_token_ids = eos
+    return {"task": "agreement", "device": device_name(engine), "prompts": list(prompts), "new_tokens": new_tokens,
+            "rows": rows}
+
+
+# ------------------------------------------------------------------------------------ pass-key
+def passkey_prompt(tokenizer, target_tokens: int, key: int, depth: float) -> list[dict]:
+    """A pass-key retrieval question about ``target_tokens`` tokens long, the key at ``depth`` in [0, 1]."""
+    intro = "There is an important pass key hidden inside a lot of irrelevant text. Find it and remember it.\n"
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    question = "\nWhat is the pass key? Answer with the number only."
+    per_filler = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
+    fixed = len(tokenizer(intro + needle + question, add_special_tokens=False).input_ids)
+    repeats = max(1, (target_tokens - fixed) // per_filler)
+    before = round(repeats * depth)
+    text = intro + FILLER * before + needle + FILLER * (repeats - before) + question
+    return [{"role": "user", "content": text}]
+
+
+def passkey_cases(tokenizer, lengths: list[int], samples: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    cases = []
+    for length in lengths:
+        for i in range(samples):
+            key, depth = rng.randint(10000, 99999), (i + 0.5) / samples  # depths spread evenly
+            cases.append({"length": length, "key": key, "depth": depth,
+                          "messages": passkey_prompt(tokenizer, length, key, depth)})
+    return cases
+
+
+def run_passkey(engine, lengths: list[int], samples: int, policies: list[str], speeds: list[float], seed: int = 0,
+                new_tokens: int = 12, progress=lambda line: None) -> dict:
+    cases = passkey_cases(engine.tokenizer, lengths, samples, seed)
+    configs = [("none", 0.0)] + [(name, speed) for name in policies for speed in speeds]
+    rows, base_ttft = [], {}
+    for name, speed in configs:
+        for length in lengths:
+            correct, ttft = 0, 0.0
+            for case in (c for c in cases if c["length"] == length):
+                result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, True),
+                                         max_new_tokens=new_tokens)
+                correct += str(case["key"]) in result.text
+                ttft += result.metrics["ttft_s"]
+            if name == "none":
+                base_ttft[length] = ttft
+            rows.append({"policy": name, "speed": speed, "length": length, "accuracy": correct / samples,
+                         "ttft_speedup": base_ttft[length] / ttft})
+            progress(f"{name} @ {speed:g}, {length} tokens: accuracy {correct}/{samples}")
+    return {"task": "passkey", "device": device_name(engine), "lengths": lengths, "samples": samples, "seed": seed,
+            "rows": rows}
+
+
+# ------------------------------------------------------------------------------------ output
+def format_table(report: dict) -> str:
+    if report["task"] == "agreement":
+        lines = ["| policy | speed | greedy match | first-token KL | TTFT speedup |", "|---|---|---|---|---|"]
+        lines += [f"| {r['policy']} | {r['speed']:g} | {r['match_rate']:.3f} | {r['first_token_kl']:.4f} | "
+                  f"{r['ttft_speedup']:.2f}x |" for r in report["rows"]]
+    else:
+        lines = ["| policy | speed | " + " | ".join(f"{n} tokens" for n in report["lengths"]) + " |",
+                 "|---|---|" + "---|" * len(report["lengths"])]
+        keys = []
+        for r in report["rows"]:
+            if (r["policy"], r["speed"]) not in keys:
+                keys.append((r["policy"], r["speed"]))
+        for name, speed in keys:
+            cells = [f"{r['accuracy']:.0%} ({r['ttft_speedup']:.2f}x)" for r in report["rows"]
+                     if (r["policy"], r["speed"]) == (name, speed)]
+            lines.append(f"| {name} | {speed:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str | Path) -> None:
+    """A PNG (drawn with PIL): TTFT speedup on x, match rate or accuracy on y, a curve per policy."""
+    from PIL import Image, ImageDraw
+
+    quality = "match_rate" if report["task"] == "agreement" else "accuracy"
+    rows = report["rows"]
+    if report["task"] == "passkey":  # one point per (policy, speed): mean over lengths
+        merged = {}
+        for r in rows:
+            merged.setdefault((r["policy"], r["speed"]), []).append(r)
+        rows = [{"policy": p, "speed": s, quality: sum(x[quality] for x in rs) / len(rs),
+                 "ttft_speedup": sum(x["ttft_speedup"] for x in rs) / len(rs)} for (p, s), rs in merged.items()]
+    width, height, pad = 720, 440, 60
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    xmax = max(1.5, max(r["ttft_speedup"] for r in rows) * 1.1)
+
+    def xy(speedup, value):
+        return pad + (speedup / xmax) * (width - 2 * pad), height - pad - value * (height - 2 * pad)
+
+    draw.line([(pad, pad), (pad, height - pad), (width - pad, height - pad)], fill="black")
+    for tick in (0.0, 0.5, 1.0):
+        x, y = xy(0, tick)
+        draw.text((pad - 30, y - 6), f"{tick:.1f}", fill="black")
+    for tick in range(0, int(xmax) + 1):
+        x, y = xy(tick, 0)
+        draw.text((x - 6, height - pad + 6), f"{tick}x", fill="black")
+    draw.text((width / 2 - 60, height - 24), "TTFT speedup", fill="black")
+    draw.text((8, 10), f"{report['task']}: {quality.replace('_', ' ')} vs TTFT speedup", fill="black")
+    policies = [p for p in dict.fromkeys(r["policy"] for r in rows) if p != "none"]
+    for k, name in enumerate(policies):
+        colour = COLOURS[k % len(COLOURS)]
+        points = [xy(r["ttft_speedup"], r[quality]) for r in sorted((r for r in rows if r["policy"] == name),
+                                                                      key=lambda r: r["speed"])]
+        if len(points) > 1:
+            draw.line(points, fill=colour, width=2)
+        for x, y in points:
+            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
+        draw.text((width - pad - 90, pad + 14 * k), name, fill=colour)
+    image.save(path)
+
+
+def agreement_with_synthesized_media(engine, policies, speeds, new_tokens, image_tokens, video_tokens, progress):
+    with tempfile.TemporaryDirectory(prefix="glimpse-eval-") as tmp:
+        prompts = agreement_prompts(engine, Path(tmp), image_tokens, video_tokens)
+        return run_agreement(engine, prompts, policies, speeds, new_tokens, progress)

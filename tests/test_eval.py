@@ -1,0 +1,82 @@
+"""`glimpse eval`: a CI-sized smoke run of both tasks on tiny models, checking the report's structure
+and internal consistency (never a wall-clock threshold)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from app.cli import main
+from app.eval import passkey_prompt, run_agreement, run_passkey
+from pipeline import load_engine
+
+
+@pytest.fixture(scope="module")
+def qwen(checkpoints):
+    return load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+
+
+def test_agreement_is_exact_at_speed_0_and_reports_every_policy_and_speed(qwen, media):
+    prompts = {"image": [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                      {"type": "text", "text": "Describe it."}]}],
+               "text1": [{"role": "user", "content": "Tell me about the sea."}]}
+    report = run_agreement(qwen, prompts, ["dash", "st3", "fastv"], [0.0, 1.0], new_tokens=6)
+    assert [(r["policy"], r["speed"]) for r in report["rows"]] == [
+        ("dash", 0.0), ("dash", 1.0), ("st3", 0.0), ("st3", 1.0), ("fastv", 0.0), ("fastv", 1.0)]
+    for row in report["rows"]:
+        assert 0.0 <= row["match_rate"] <= 1.0 and row["first_token_kl"] >= 0.0 and row["ttft_speedup"] > 0
+        assert set(row["per_prompt"]) == {"image", "text1"}
+        if row["speed"] == 0.0:  # speed 0 is exact: the same tokens, the same distribution
+            assert row["match_rate"] == 1.0 and row["first_token_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert qwen.eos_token_ids  # restored after the run
+
+
+def test_passkey_prompts_hold_the_key_at_the_requested_length(qwen):
+    messages = passkey_prompt(qwen.tokenizer, 300, 12345, 0.5)
+    text = messages[0]["content"]
+    assert text.count("12345") == 2 and "What is the pass key?" in text
+    tokens = len(qwen.tokenizer(text).input_ids)
+    assert 0.75 * 300 <= tokens <= 300  # whole filler sentences: within one of the target
+
+
+def test_passkey_report_is_consistent(qwen):
+    report = run_passkey(qwen, [128, 256], samples=2, policies=["dash", "fastv"], speeds=[0.0, 1.0], new_tokens=4)
+    configs = {(r["policy"], r["speed"]) for r in report["rows"]}
+    assert configs == {("none", 0.0), ("dash", 0.0), ("dash", 1.0), ("fastv", 0.0), ("fastv", 1.0)}
+    by = {(r["policy"], r["speed"], r["length"]): r for r in report["rows"]}
+    for length in (128, 256):
+        assert by[("none", 0.0, length)]["ttft_speedup"] == 1.0
+        for name in ("dash", "fastv"):  # speed 0 is exact: the same answers, so the same accuracy
+            assert by[(name, 0.0, length)]["accuracy"] == by[("none", 0.0, length)]["accuracy"]
+        assert all(r["accuracy"] in (0.0, 0.5, 1.0) for r in report["rows"])
+
+
+def test_fastvs_text_adaptation_drops_text_tokens_too(qwen):
+    messages = [{"role": "user", "content": "A long enough question about many things, one after another."}]
+    prompt = qwen.prepare(messages)
+    visual_only = qwen.make_policy("fastv", 1.0)
+    text_too = qwen.make_policy("fastv", 1.0, {"text": True})
+    import torch
+
+    with torch.inference_mode():
+        _, ctx_visual = qwen.prefill(prompt, visual_only)
+        _, ctx_text = qwen.prefill(prompt, text_too)
+    T = len(prompt)
+    assert [int(a.shape[0]) for a in ctx_visual.active_per_layer] == [T] * len(ctx_visual.active_per_layer)
+    K = text_too.resolved["layer"]
+    assert int(ctx_text.active_per_layer[K].shape[0]) == 1  # R = 1: every token but the last is dropped
+    assert int(ctx_text.active_per_layer[K][-1]) == T - 1
+
+
+def test_the_cli_prints_json_and_writes_a_plot(checkpoints, tmp_path, capsys):
+    plot = tmp_path / "agreement.png"
+    code = main(["eval", "agreement", "--model", str(checkpoints["llava"]), "--policies", "dash,lazyllm",
+                 "--speeds", "0,1", "--new-tokens", "4", "--image-tokens", "64", "--json", "--plot", str(plot)])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["task"] == "agreement" and len(report["rows"]) == 4
+    assert set(report["prompts"]) == {"image", "text1", "text2"}  # LLaVA takes no video
+    assert Image.open(plot).size == (720, 440)
+    assert main(["eval", "passkey", "--model", str(checkpoints["llava"]), "--policies", "nope"]) == 1
