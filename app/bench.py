@@ -99,7 +99,8 @@ def _cpu_model() -> str:
 
 # --------------------------------------------------------------------------------------- the runs
 def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: list[float], runs: int = 3,
-              warmup: int = 1, progress: Callable[[str], None] | None = None, model: str | None = None) -> dict:
+              warmup: int = 1, progress: Callable[[str], None] | None = None, model: str | None = None,
+              new_tokens: int = 1) -> dict:
     """Measure every (policy, speed) against the baseline on every prompt; return the report.
 
     ``prompts`` maps a name ("image", "video", ...) to chat ``messages``. The report is a JSON-ready
@@ -114,7 +115,18 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
         raise BenchError("warmup must be at least 0")
     if not prompts:
         raise BenchError("no prompts to benchmark")
+    if new_tokens < 1:
+        raise BenchError("new_tokens must be at least 1")
     check_policies(policies, speeds)
+    eos = engine.eos_token_ids
+    engine.eos_token_ids = set()  # every run decodes exactly new_tokens: decode speeds are comparable
+    try:
+        return _run(engine, prompts, policies, speeds, runs, warmup, progress, model, new_tokens)
+    finally:
+        engine.eos_token_ids = eos
+
+
+def _run(engine, prompts, policies, speeds, runs, warmup, progress, model, new_tokens) -> dict:
     progress = progress or (lambda line: None)
     candidates = [(name, float(speed)) for name in policies for speed in speeds]
     per_prompt = warmup * (1 + len(candidates)) + runs * 2 * len(candidates)
@@ -135,7 +147,7 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
             label = "none (baseline)" if role == "baseline" else f"{policy}@{speed:g}"
             stage = "warm-up" if phase == "warmup" else f"round {round_index + 1}/{runs}"
             progress(f"[{done}/{total}] {prompt_name} {label} {stage} ...")
-            record = _measure(engine, messages, policy, speed, cuda)
+            record = _measure(engine, messages, policy, speed, cuda, new_tokens)
             vision_timed = vision_timed and record.pop("vision_timed")
             record.update(prompt=prompt_name, policy=policy, speed=speed, role=role, phase=phase, round=round_index)
             log.append(record)
@@ -168,6 +180,7 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
         "speeds": [float(s) for s in speeds],
         "runs": runs,
         "warmup": warmup,
+        "new_tokens": new_tokens,
         "order": ORDER,
         "vision_encoder_timed": vision_timed,
         "prompts": prompt_info,
@@ -176,10 +189,10 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
     }
 
 
-def _measure(engine, messages, policy: str, speed: float, cuda: bool) -> dict:
+def _measure(engine, messages, policy: str, speed: float, cuda: bool, new_tokens: int = 1) -> dict:
     gc.collect()  # outside the engine's clocks: keeps a collection from landing inside a timed run
     before = torch.cuda.memory_allocated(engine.device) if cuda else None
-    result = engine.generate(messages, policy=policy, speed=speed, max_new_tokens=1, do_sample=False)
+    result = engine.generate(messages, policy=policy, speed=speed, max_new_tokens=new_tokens, do_sample=False)
     m = result.metrics
     vision = m.get("vision_encoder_s")
     vision_s = float(vision) if vision is not None else 0.0
@@ -192,6 +205,7 @@ def _measure(engine, messages, policy: str, speed: float, cuda: bool) -> dict:
         "prefill_flops_baseline": int(m["prefill_flops_baseline"]),
         "kv_bytes": int(m["kv_bytes"]),
         "peak_memory_bytes": int(m["peak_memory_bytes"]),
+        "decode_tokens_per_s": m["decode_tokens_per_s"],
         "active_tokens_per_layer": list(m["active_tokens_per_layer"]),
         "params": result.params,
         "vision_timed": vision is not None,
@@ -212,6 +226,11 @@ def _summary(records: list[dict], cuda: bool) -> dict:
         r["peak_memory_bytes"] for r in records)
     if cuda:
         out["request_memory_bytes"] = _median(records, "request_memory_bytes")
+    for key in ("ttft_s", "decoder_prefill_s"):  # the spread behind each median
+        out[f"{key}_min"] = min(r[key] for r in records)
+        out[f"{key}_max"] = max(r[key] for r in records)
+    rates = [r["decode_tokens_per_s"] for r in records if r.get("decode_tokens_per_s")]
+    out["decode_tokens_per_s"] = statistics.median(rates) if rates else None
     out["runs"] = len(records)
     return out
 
@@ -239,6 +258,13 @@ def _row(prompt: str, policy: str, speed: float, counts: dict, pairs: list[tuple
         "ttft_s": cand["ttft_s"],
         "baseline_ttft_s": base["ttft_s"],
         "ttft_speedup": ttft_speedup,
+        "ttft_range_s": [cand["ttft_s_min"], cand["ttft_s_max"]],
+        "baseline_ttft_range_s": [base["ttft_s_min"], base["ttft_s_max"]],
+        "decoder_prefill_range_s": [cand["decoder_prefill_s_min"], cand["decoder_prefill_s_max"]],
+        "decode_tokens_per_s": cand["decode_tokens_per_s"],
+        "baseline_decode_tokens_per_s": base["decode_tokens_per_s"],
+        "decode_speedup": (_ratio(cand["decode_tokens_per_s"], base["decode_tokens_per_s"])
+                           if cand["decode_tokens_per_s"] and base["decode_tokens_per_s"] else None),
         "prefill_s": cand["prefill_s"],
         "baseline_prefill_s": base["prefill_s"],
         "vision_encoder_s": cand["vision_encoder_s"],
@@ -285,19 +311,46 @@ def format_markdown(report: dict) -> str:
                      + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
     lines.append("")
     mem_header = "peak mem ratio | work mem ratio" if cuda else "peak RSS (GiB)"
-    lines.append("| prompt | policy | speed | TTFT base -> policy (s) | TTFT speedup | decoder prefill base -> "
-                 f"policy (s) | prefill speedup | FLOPs speedup | realised | KV ratio | {mem_header} |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else "---|"))
+    decode = report.get("new_tokens", 1) > 1
+    lines.append("| prompt | policy | speed | TTFT base -> policy (s) [policy min-max] | TTFT speedup | decoder prefill "
+                 "base -> policy (s) | prefill speedup | FLOPs speedup | realised | KV ratio | "
+                 + ("decode tok/s base -> policy | decode speedup | " if decode else "") + f"{mem_header} |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if decode else "")
+                 + ("---|---|" if cuda else "---|"))
     for row in report["rows"]:
         mem = (f"{_fmt(row['peak_memory_ratio'])} | {_fmt(row['request_memory_ratio'])}" if cuda
                else f"{row['peak_memory_bytes'] / 2**30:.2f}")
         lines.append(
             f"| {row['prompt']} | {row['policy']} | {row['speed']:g} "
-            f"| {row['baseline_ttft_s']:.3f} -> {row['ttft_s']:.3f} | {_fmt(row['ttft_speedup'])}x "
+            f"| {row['baseline_ttft_s']:.3f} -> {row['ttft_s']:.3f} [{row['ttft_range_s'][0]:.3f}-"
+            f"{row['ttft_range_s'][1]:.3f}] | {_fmt(row['ttft_speedup'])}x "
             f"| {row['baseline_decoder_prefill_s']:.3f} -> {row['decoder_prefill_s']:.3f} "
             f"| {_fmt(row['decoder_prefill_speedup'])}x | {_fmt(row['flops_speedup'])}x "
-            f"| {_fmt(row['realised_fraction'])} | {_fmt(row['kv_ratio'])} | {mem} |")
+            f"| {_fmt(row['realised_fraction'])} | {_fmt(row['kv_ratio'])} | "
+            + (f"{_fmt(row['baseline_decode_tokens_per_s'])} -> {_fmt(row['decode_tokens_per_s'])} | "
+               f"{_fmt(row['decode_speedup'])}x | " if decode else "") + f"{mem} |")
     return "\n".join(lines)
+
+
+def plot(report: dict, path: str | Path) -> None:
+    """TTFT speedup (y) over speed (x), one curve per policy and prompt."""
+    from app.plot import line_plot
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    several = len(report["prompts"]) > 1
+    for row in report["rows"]:
+        if row["ttft_speedup"] is not None:
+            name = f"{row['policy']} ({row['prompt']})" if several else row["policy"]
+            series.setdefault(name, []).append((row["speed"], row["ttft_speedup"]))
+    line_plot(series, path, title=f"glimpse bench: {report['model']}, {report['device']}", xlabel="speed",
+              ylabel="TTFT speedup")
+
+
+def text_prompt(tokenizer, tokens: int) -> list[dict]:
+    """A long text-only prompt of about ``tokens`` tokens: filler sentences, then a question."""
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    per = len(tokenizer(filler, add_special_tokens=False).input_ids)
+    return [{"role": "user", "content": filler * max(1, tokens // per) + "\nSummarise the text above."}]
 
 
 def _fmt(value: float | None) -> str:
@@ -407,4 +460,5 @@ def _messages(kind: str, media, question: str) -> list[dict]:
 
 
 __all__ = ["BASELINE", "BenchError", "DEFAULT_POLICIES", "DEFAULT_SPEEDS", "available_policies", "check_policies",
-           "device_name", "format_markdown", "media_prompts", "run_bench", "synthesize_prompts", "write_video"]
+           "device_name", "format_markdown", "media_prompts", "plot", "run_bench", "synthesize_prompts",
+           "text_prompt", "write_video"]

@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: bfloat16 on CUDA, float32 on CPU")
     bench.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
     bench.add_argument("--question", default=None, help="the text of every prompt (default: 'Describe the ...')")
+    bench.add_argument("--text-tokens", type=int, default=0,
+                       help="also a long text-only prompt of about this many tokens (default 0: none)")
+    bench.add_argument("--new-tokens", type=int, default=1,
+                       help="tokens generated per run (EOS ignored); above 1 the table adds decode tokens/s")
+    bench.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT speedup over speed, per policy")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bench.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
     bench.set_defaults(run=run_bench)
@@ -323,8 +328,11 @@ def run_bench(args) -> int:
         raise UserError("--layers only applies to --random-model")
     if args.layers is not None and args.layers < 1:
         raise UserError("--layers must be at least 1")
-    if not (args.image or args.video) and args.image_tokens == 0 and args.video_tokens == 0:
-        raise UserError("nothing to benchmark: --image-tokens and --video-tokens are both 0 and no --image/--video")
+    if args.text_tokens < 0 or args.new_tokens < 1:
+        raise UserError("--text-tokens must be at least 0 and --new-tokens at least 1")
+    if not (args.image or args.video) and args.image_tokens == 0 and args.video_tokens == 0 and not args.text_tokens:
+        raise UserError("nothing to benchmark: --image-tokens, --video-tokens and --text-tokens are all 0 "
+                        "and no --image/--video")
     bench.check_policies(policies, speeds)  # before minutes of model building
     questions = {"image": args.question, "video": args.question} if args.question else None
 
@@ -354,10 +362,15 @@ def run_bench(args) -> int:
             _log("synthesizing media ...")
             prompts = bench.synthesize_prompts(engine, Path(tmp) / "media", args.image_tokens, args.video_tokens,
                                                questions, progress=_log)
+        if args.text_tokens:
+            prompts["text"] = bench.text_prompt(engine.tokenizer, args.text_tokens)
         if not prompts:
             raise UserError("nothing to benchmark on this model (it takes no video, and --image-tokens is 0)")
         report = bench.run_bench(engine, prompts, policies, speeds, runs=args.runs, warmup=args.warmup,
-                                 progress=_log, model=label)
+                                 progress=_log, model=label, new_tokens=args.new_tokens)
+    if args.plot:
+        bench.plot(report, args.plot)
+        _log(f"wrote {args.plot}")
 
     text = json.dumps(report)
     if args.out:

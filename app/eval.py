@@ -34,7 +34,6 @@ TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
                   "Write a short story about a lighthouse keeper and a storm."]
 PASSKEY_POLICIES = ["dash", "zipvl", "lazyllm", "fastv"]
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2"]
 
 
 def policy_for(engine, name: str, speed: float, text_task: bool):
@@ -158,45 +157,20 @@ def format_table(report: dict) -> str:
 
 
 def plot(report: dict, path: str | Path) -> None:
-    """A PNG (drawn with PIL): TTFT speedup on x, match rate or accuracy on y, a curve per policy."""
-    from PIL import Image, ImageDraw
+    """TTFT speedup on x, match rate (agreement) or accuracy (pass-key, mean over lengths) on y."""
+    from app.plot import line_plot
 
     quality = "match_rate" if report["task"] == "agreement" else "accuracy"
-    rows = report["rows"]
-    if report["task"] == "passkey":  # one point per (policy, speed): mean over lengths
-        merged = {}
-        for r in rows:
-            merged.setdefault((r["policy"], r["speed"]), []).append(r)
-        rows = [{"policy": p, "speed": s, quality: sum(x[quality] for x in rs) / len(rs),
-                 "ttft_speedup": sum(x["ttft_speedup"] for x in rs) / len(rs)} for (p, s), rs in merged.items()]
-    width, height, pad = 720, 440, 60
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    xmax = max(1.5, max(r["ttft_speedup"] for r in rows) * 1.1)
-
-    def xy(speedup, value):
-        return pad + (speedup / xmax) * (width - 2 * pad), height - pad - value * (height - 2 * pad)
-
-    draw.line([(pad, pad), (pad, height - pad), (width - pad, height - pad)], fill="black")
-    for tick in (0.0, 0.5, 1.0):
-        x, y = xy(0, tick)
-        draw.text((pad - 30, y - 6), f"{tick:.1f}", fill="black")
-    for tick in range(0, int(xmax) + 1):
-        x, y = xy(tick, 0)
-        draw.text((x - 6, height - pad + 6), f"{tick}x", fill="black")
-    draw.text((width / 2 - 60, height - 24), "TTFT speedup", fill="black")
-    draw.text((8, 10), f"{report['task']}: {quality.replace('_', ' ')} vs TTFT speedup", fill="black")
-    policies = [p for p in dict.fromkeys(r["policy"] for r in rows) if p != "none"]
-    for k, name in enumerate(policies):
-        colour = COLOURS[k % len(COLOURS)]
-        points = [xy(r["ttft_speedup"], r[quality]) for r in sorted((r for r in rows if r["policy"] == name),
-                                                                      key=lambda r: r["speed"])]
-        if len(points) > 1:
-            draw.line(points, fill=colour, width=2)
-        for x, y in points:
-            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=colour)
-        draw.text((width - pad - 90, pad + 14 * k), name, fill=colour)
-    image.save(path)
+    points: dict[tuple[str, float], list[dict]] = {}
+    for r in report["rows"]:
+        points.setdefault((r["policy"], r["speed"]), []).append(r)
+    series: dict[str, list[tuple[float, float]]] = {}
+    for (name, _), rs in points.items():
+        if name != "none":
+            series.setdefault(name, []).append((sum(r["ttft_speedup"] for r in rs) / len(rs),
+                                                sum(r[quality] for r in rs) / len(rs)))
+    line_plot(series, path, title=f"glimpse eval {report['task']}", xlabel="TTFT speedup",
+              ylabel=quality.replace("_", " "))
 
 
 def agreement_with_synthesized_media(engine, policies, speeds, new_tokens, image_tokens, video_tokens, progress):

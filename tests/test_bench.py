@@ -181,3 +181,31 @@ def test_tiny_models_keeps_its_public_names():
 
     assert {"QWEN_TEMPLATE", "make_tokenizer", "BUILDERS", "reference_inputs"} <= set(dir(tiny_models))
     assert tiny_models.QWEN_TEMPLATE.startswith("{% for message in messages %}")
+
+
+def test_cli_bench_decode_text_prompt_spread_and_plot(checkpoints, tmp_path, capsys):
+    """A CI-sized smoke run: decode tokens/s with --new-tokens, a long text prompt, min/max around
+    every median, the plot; and the FLOPs proxy never rises with the speed for any policy."""
+    from PIL import Image
+
+    plot = tmp_path / "bench.png"
+    code = main(["bench", "--model", str(checkpoints["qwen2_vl"]), "--image-tokens", "12", "--video-tokens", "0",
+                 "--text-tokens", "200", "--policies", "dash,lazyllm,fastv", "--speeds", "0,0.5,1", "--runs", "2",
+                 "--warmup", "0", "--new-tokens", "4", "--json", "--plot", str(plot)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    assert set(report["prompts"]) == {"image", "text"} and report["new_tokens"] == 4
+    assert report["prompts"]["text"]["prompt_tokens"]["text"] >= 150
+    for row in report["rows"]:
+        low, high = row["ttft_range_s"]
+        assert low <= row["ttft_s"] <= high
+        assert row["decode_tokens_per_s"] > 0 and row["baseline_decode_tokens_per_s"] > 0
+        assert row["decode_speedup"] == pytest.approx(row["decode_tokens_per_s"] / row["baseline_decode_tokens_per_s"])
+        if row["speed"] == 0:
+            assert row["flops_speedup"] == 1.0  # exact at speed 0
+    for prompt in report["prompts"]:
+        for policy in ("dash", "lazyllm", "fastv"):
+            flops = [r["prefill_flops"] for r in report["rows"] if (r["prompt"], r["policy"]) == (prompt, policy)]
+            assert flops == sorted(flops, reverse=True)  # speeds 0, 0.5, 1: never more FLOPs
+    assert Image.open(plot).size == (720, 440)
