@@ -4,8 +4,10 @@
   (``data:`` URLs, ``http(s)`` URLs, or local paths / ``file://`` URLs under ``--allowed-root`` only),
   plus Glimpse's ``video_url`` parts (same sources). ``stream: true`` answers with server-sent events
   (``chat.completion.chunk`` objects, then ``data: [DONE]``). Extra request fields: ``policy`` and
-  ``speed`` (the slider), ``params`` (overrides). The response's ``usage`` counts tokens, and its
-  ``glimpse`` field carries the policy, its parameters and the timing/memory metrics.
+  ``speed`` (the slider), ``params`` (overrides). Decoding is greedy unless ``temperature`` > 0
+  (then ``top_p`` and ``seed`` apply); ``max_tokens`` / ``max_completion_tokens`` default to 256.
+  The response's ``usage`` counts tokens, and its ``glimpse`` field carries the policy, its
+  parameters and the timing/memory metrics.
 * ``GET /health`` — ``{"status": "ok", "model": ...}``.
 * ``GET /metrics`` — Prometheus text: requests by outcome, tokens, a TTFT histogram, KV bytes.
 
