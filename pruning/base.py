@@ -163,6 +163,13 @@ def lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
     return order[:count]
 
 
+def lowest_except(scores: torch.Tensor, count: int, keep: int = -1) -> torch.Tensor:
+    """``lowest`` that never picks position ``keep``: the token that predicts the next one."""
+    scores = scores.clone()
+    scores[keep] = float("inf")
+    return lowest(scores, count)
+
+
 def without(active: torch.Tensor, dropped_positions: torch.Tensor) -> torch.Tensor:
     """``active`` minus the entries at ``dropped_positions`` (positions into ``active``)."""
     if dropped_positions.numel() == 0:

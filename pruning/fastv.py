@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import (Policy, check_speed, drop_lowest_visual, last_token_attention, lowest, scaled_layer,
+from pruning.base import (Policy, check_speed, drop_lowest_visual, last_token_attention, lowest_except, scaled_layer,
                           scores_by_token, without)
 
 
@@ -49,9 +49,7 @@ class FastV(Policy):
         if self.text:
             count = math.floor(self.ratio * (active.shape[0] - 1) + 1e-9)
             self.resolved["num_dropped"] = count
-            candidates = self.scores[active].clone()
-            candidates[-1] = float("inf")  # the last token predicts the next one: never dropped
-            return without(active, lowest(candidates, count))
+            return without(active, lowest_except(self.scores[active], count))
         count = math.floor(self.ratio * int((ctx.modality[active] != 0).sum()) + 1e-9)
         self.resolved["num_dropped"] = count
         return drop_lowest_visual(active, ctx, self.scores, count)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy, check_speed, last_token_attention, lowest, new_token_attention, without
+from pruning.base import Policy, check_speed, last_token_attention, lowest_except, new_token_attention, without
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
 PERCENTILES_AT_FULL_SPEED = (0.4, 0.5, 0.6)
@@ -80,9 +80,7 @@ class LazyLLM(Policy):
         if k == 0.0 or self.scores is None:
             return active
         previous = ctx.active  # the previous layer's active set, which the scores cover
-        scores = self.scores[torch.isin(previous, active)].clone()
-        scores[-1] = float("inf")  # the last prompt token is never pruned
-        pruned = lowest(scores, math.floor(k * active.shape[0]))
+        pruned = lowest_except(self.scores[torch.isin(previous, active)], math.floor(k * active.shape[0]))
         ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
         return without(active, pruned)
 
@@ -93,9 +91,8 @@ class LazyLLM(Policy):
         if k == 0.0 or self.decode_scores is None:
             return rows
         seen, attention = self.decode_scores  # A_{l-1} and the new token's attention over it
-        attention = attention.cpu().clone()
-        attention[seen == rows.index[-1]] = float("inf")  # the new token is never pruned
-        selected = without(seen, lowest(attention, math.floor(k * seen.shape[0]))).sort().values
+        new_token = int((seen == rows.index[-1]).nonzero())  # never pruned
+        selected = without(seen, lowest_except(attention.cpu(), math.floor(k * seen.shape[0]), new_token)).sort().values
         # Rows computed in this step that were not selected leave it; they have no key/value here,
         # so their hidden state goes to this layer's Aux Cache.
         keep = torch.isin(rows.index, selected)
