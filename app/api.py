@@ -109,11 +109,11 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
             return _error(400, "the request body is not JSON")
         scratch = tempfile.TemporaryDirectory(prefix="glimpse-api-")
         try:
-            messages, options = _parse(body, engine, root, Path(scratch.name))
+            messages, options, speed = _parse(body, engine, root, Path(scratch.name))
             if body.get("stream"):
-                return StreamingResponse(_stream(engine, messages, options, model_name, counters, scratch),
+                return StreamingResponse(_stream(engine, messages, options, speed, model_name, counters, scratch),
                                          media_type="text/event-stream")
-            result = await run_in_threadpool(engine.generate, messages, **_engine_options(options))
+            result = await run_in_threadpool(engine.generate, messages, **options)
         except (BadRequest, MediaError, PromptError, ValueError) as error:
             scratch.cleanup()
             counters.record("bad_request")
@@ -124,7 +124,7 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
             return _error(500, f"{type(error).__name__}: {error}", "server_error")
         scratch.cleanup()
         counters.record("ok", result)
-        return _completion(result, model_name, options)
+        return _completion(result, model_name, speed)
 
     return app
 
@@ -133,7 +133,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[dict], dict]:
+def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[dict], dict, float]:
+    """The engine's messages, the generate options, and the requested speed (reported back)."""
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty list")
     messages = []
@@ -179,8 +180,8 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[d
     temperature = body.get("temperature", 0.0)
     options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": bool(temperature and temperature > 0),
                "temperature": float(temperature or 1.0), "top_p": float(body.get("top_p", 1.0)),
-               "seed": body.get("seed"), "speed_requested": float(speed)}
-    return messages, options
+               "seed": body.get("seed")}
+    return messages, options, float(speed)
 
 
 def _media_source(url: str, kind: str, root: Path | None, scratch: Path):
@@ -235,26 +236,22 @@ def _usage(result) -> dict:
             "total_tokens": prompt + result.metrics["new_tokens"]}
 
 
-def _glimpse(result, options) -> dict:
+def _glimpse(result, speed: float) -> dict:
     keys = ("ttft_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
             "prefill_flops", "prefill_flops_baseline")
-    return {"policy": result.policy, "speed": options["speed_requested"], "params": result.params,
+    return {"policy": result.policy, "speed": speed, "params": result.params,
             "summary": result.summary, "metrics": {k: result.metrics[k] for k in keys}}
 
 
-def _engine_options(options: dict) -> dict:
-    return {k: v for k, v in options.items() if k != "speed_requested"}
-
-
-def _completion(result, model_name: str, options: dict) -> dict:
+def _completion(result, model_name: str, speed: float) -> dict:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
                          "finish_reason": result.finish_reason}],
-            "usage": _usage(result), "glimpse": _glimpse(result, options)}
+            "usage": _usage(result), "glimpse": _glimpse(result, speed)}
 
 
-def _stream(engine, messages, options, model_name, counters, scratch):
+def _stream(engine, messages, options, speed, model_name, counters, scratch):
     """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with usage."""
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -265,19 +262,20 @@ def _stream(engine, messages, options, model_name, counters, scratch):
 
     try:
         yield event({"role": "assistant", "content": ""})
-        for chunk in engine.stream(messages, **_engine_options(options)):
+        for chunk in engine.stream(messages, **options):
             if chunk.text:
                 yield event({"content": chunk.text})
             if chunk.result is not None:
                 counters.record("ok", chunk.result)
                 yield event({}, chunk.result.finish_reason, usage=_usage(chunk.result),
-                            glimpse=_glimpse(chunk.result, options))
+                            glimpse=_glimpse(chunk.result, speed))
     except (MediaError, PromptError, ValueError) as error:
         counters.record("bad_request")
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'invalid_request_error'}})}\n\n"
     except Exception as error:
         counters.record("error")
-        yield f"data: {json.dumps({'error': {'message': f'{type(error).__name__}: {error}', 'type': 'server_error'}})}\n\n"
+        message = f"{type(error).__name__}: {error}"
+        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
     finally:
         scratch.cleanup()
     yield "data: [DONE]\n\n"

@@ -45,6 +45,8 @@ DEFAULT_SPEEDS = [0.5, 0.8]
 ORDER = ("per prompt: warm-up rounds (baseline then each candidate, untimed), then timed rounds in which "
          "every candidate run directly follows its own baseline run: none, c1, none, c2, ...; ratios use "
          "the median of a candidate's runs over the median of the baseline runs paired with them")
+# Filler sentences for long text prompts (the pass-key task hides its key in them too).
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 DEFAULT_QUESTIONS = {"image": "Describe the image in detail.", "video": "Describe the video in detail."}
 
 
@@ -118,15 +120,6 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
     if new_tokens < 1:
         raise BenchError("new_tokens must be at least 1")
     check_policies(policies, speeds)
-    eos = engine.eos_token_ids
-    engine.eos_token_ids = set()  # every run decodes exactly new_tokens: decode speeds are comparable
-    try:
-        return _run(engine, prompts, policies, speeds, runs, warmup, progress, model, new_tokens)
-    finally:
-        engine.eos_token_ids = eos
-
-
-def _run(engine, prompts, policies, speeds, runs, warmup, progress, model, new_tokens) -> dict:
     progress = progress or (lambda line: None)
     candidates = [(name, float(speed)) for name in policies for speed in speeds]
     per_prompt = warmup * (1 + len(candidates)) + runs * 2 * len(candidates)
@@ -192,7 +185,9 @@ def _run(engine, prompts, policies, speeds, runs, warmup, progress, model, new_t
 def _measure(engine, messages, policy: str, speed: float, cuda: bool, new_tokens: int = 1) -> dict:
     gc.collect()  # outside the engine's clocks: keeps a collection from landing inside a timed run
     before = torch.cuda.memory_allocated(engine.device) if cuda else None
-    result = engine.generate(messages, policy=policy, speed=speed, max_new_tokens=new_tokens, do_sample=False)
+    # EOS ignored: every run decodes exactly new_tokens, so decode speeds are comparable.
+    result = engine.generate(messages, policy=policy, speed=speed, max_new_tokens=new_tokens, do_sample=False,
+                             ignore_eos=True)
     m = result.metrics
     vision = m.get("vision_encoder_s")
     vision_s = float(vision) if vision is not None else 0.0
@@ -312,8 +307,8 @@ def format_markdown(report: dict) -> str:
     lines.append("")
     mem_header = "peak mem ratio | work mem ratio" if cuda else "peak RSS (GiB)"
     decode = report.get("new_tokens", 1) > 1
-    lines.append("| prompt | policy | speed | TTFT base -> policy (s) [policy min-max] | TTFT speedup | decoder prefill "
-                 "base -> policy (s) | prefill speedup | FLOPs speedup | realised | KV ratio | "
+    lines.append("| prompt | policy | speed | TTFT base -> policy (s) [policy min-max] | TTFT speedup | "
+                 "decoder prefill base -> policy (s) | prefill speedup | FLOPs speedup | realised | KV ratio | "
                  + ("decode tok/s base -> policy | decode speedup | " if decode else "") + f"{mem_header} |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if decode else "")
                  + ("---|---|" if cuda else "---|"))
@@ -348,9 +343,8 @@ def plot(report: dict, path: str | Path) -> None:
 
 def text_prompt(tokenizer, tokens: int) -> list[dict]:
     """A long text-only prompt of about ``tokens`` tokens: filler sentences, then a question."""
-    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-    per = len(tokenizer(filler, add_special_tokens=False).input_ids)
-    return [{"role": "user", "content": filler * max(1, tokens // per) + "\nSummarise the text above."}]
+    per = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
+    return [{"role": "user", "content": FILLER * max(1, tokens // per) + "\nSummarise the text above."}]
 
 
 def _fmt(value: float | None) -> str:

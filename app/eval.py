@@ -28,12 +28,11 @@ from pathlib import Path
 
 import torch
 
-from app.bench import device_name, synthesize_prompts
+from app.bench import FILLER, device_name, synthesize_prompts
 
 TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
                   "Write a short story about a lighthouse keeper and a storm."]
 PASSKEY_POLICIES = ["dash", "zipvl", "lazyllm", "fastv"]
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
 def policy_for(engine, name: str, speed: float, text_task: bool):
@@ -57,34 +56,30 @@ def first_token_distribution(engine, messages, policy) -> torch.Tensor:
 
 def run_agreement(engine, prompts: dict[str, list], policies: list[str], speeds: list[float],
                   new_tokens: int = 32, progress=lambda line: None) -> dict:
-    eos = engine.eos_token_ids
-    engine.eos_token_ids = set()  # every answer is new_tokens long: positions are comparable
-    try:
-        baseline = {}
-        for kind, messages in prompts.items():
-            result = engine.generate(messages, policy="none", max_new_tokens=new_tokens)
-            baseline[kind] = (result, first_token_distribution(engine, messages, engine.make_policy("none")))
-        rows = []
-        for name in policies:
-            for speed in speeds:
-                matches, kls, base_ttft, ttft = [], [], 0.0, 0.0
-                for kind, messages in prompts.items():
-                    reference, log_p = baseline[kind]
-                    result = engine.generate(messages, policy=policy_for(engine, name, speed, kind.startswith("text")),
-                                             max_new_tokens=new_tokens)
-                    same = sum(a == b for a, b in zip(reference.token_ids, result.token_ids))
-                    matches.append(same / len(reference.token_ids))
-                    log_q = first_token_distribution(engine, messages, policy_for(engine, name, speed,
-                                                                                  kind.startswith("text")))
-                    kls.append(float((log_p.exp() * (log_p - log_q)).sum().clamp(min=0.0)))
-                    base_ttft += reference.metrics["ttft_s"]
-                    ttft += result.metrics["ttft_s"]
-                rows.append({"policy": name, "speed": speed, "match_rate": sum(matches) / len(matches),
-                             "first_token_kl": sum(kls) / len(kls), "ttft_speedup": base_ttft / ttft,
-                             "per_prompt": dict(zip(prompts, matches))})
-                progress(f"{name} @ {speed:g}: match {rows[-1]['match_rate']:.3f}, KL {rows[-1]['first_token_kl']:.4f}")
-    finally:
-        engine.eos_token_ids = eos
+    # EOS ignored: every answer is new_tokens long, so positions are comparable.
+    baseline = {}
+    for kind, messages in prompts.items():
+        result = engine.generate(messages, policy="none", max_new_tokens=new_tokens, ignore_eos=True)
+        baseline[kind] = (result, first_token_distribution(engine, messages, engine.make_policy("none")))
+    rows = []
+    for name in policies:
+        for speed in speeds:
+            matches, kls, base_ttft, ttft = [], [], 0.0, 0.0
+            for kind, messages in prompts.items():
+                reference, log_p = baseline[kind]
+                text_task = kind.startswith("text")
+                result = engine.generate(messages, policy=policy_for(engine, name, speed, text_task),
+                                         max_new_tokens=new_tokens, ignore_eos=True)
+                same = sum(a == b for a, b in zip(reference.token_ids, result.token_ids))
+                matches.append(same / len(reference.token_ids))
+                log_q = first_token_distribution(engine, messages, policy_for(engine, name, speed, text_task))
+                kls.append(float((log_p.exp() * (log_p - log_q)).sum().clamp(min=0.0)))
+                base_ttft += reference.metrics["ttft_s"]
+                ttft += result.metrics["ttft_s"]
+            rows.append({"policy": name, "speed": speed, "match_rate": sum(matches) / len(matches),
+                         "first_token_kl": sum(kls) / len(kls), "ttft_speedup": base_ttft / ttft,
+                         "per_prompt": dict(zip(prompts, matches))})
+            progress(f"{name} @ {speed:g}: match {rows[-1]['match_rate']:.3f}, KL {rows[-1]['first_token_kl']:.4f}")
     return {"task": "agreement", "device": device_name(engine), "prompts": list(prompts), "new_tokens": new_tokens,
             "rows": rows}
 

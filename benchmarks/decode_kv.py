@@ -64,7 +64,7 @@ def batch_rows(engine, messages, names, args) -> list[dict]:
         for name in names:
             results = engine.generate_batch([messages] * args.batch, policy=name,
                                             speed=0.0 if name == "none" else args.speed,
-                                            max_new_tokens=args.new_tokens)
+                                            max_new_tokens=args.new_tokens, ignore_eos=True)
             rates[name].append(sum(r.metrics["decode_tokens_per_s"] for r in results))
             kv[name] = sum(statistics.mean(r.metrics["kv_bytes_per_step"]) for r in results)
     base = statistics.median(rates["none"])
@@ -94,7 +94,6 @@ def main() -> None:
         folder = build_random_qwen2_vl(Path(tmp) / "model", preset=args.preset, layers=args.layers,
                                        max_visual_tokens=args.image_tokens, dtype=dtype)
         engine = load_engine(str(folder), device=args.device, dtype=str(dtype).replace("torch.", ""))
-    engine.eos_token_ids = set()  # every run decodes exactly --new-tokens
     messages = [{"role": "user", "content": [{"type": "image", "image": random_image(args.image_tokens)},
                                              {"type": "text", "text": "Describe the image in detail."}]}]
     names = ["none", *args.policies.split(",")]
@@ -102,7 +101,7 @@ def main() -> None:
     for round_index in range(args.warmup + args.runs):
         for name in names:
             result = engine.generate(messages, policy=name, speed=0.0 if name == "none" else args.speed,
-                                     max_new_tokens=args.new_tokens)
+                                     max_new_tokens=args.new_tokens, ignore_eos=True)
             if round_index >= args.warmup:
                 runs[name].append(result.metrics | {"summary": result.summary})
     base = runs["none"]

@@ -82,11 +82,7 @@ class PrefillContext:
     keys: torch.Tensor | None = None
     key_index: torch.Tensor | None = None
     scaling: float = 1.0
-
-    @property
-    def next_position(self) -> torch.Tensor:
-        """(P, 1): the position of the first generated token; token g sits at this + g."""
-        return self.positions.max(dim=1, keepdim=True).values + 1
+    next_position: torch.Tensor | None = None  # (P, 1): the first generated token's position; token g: + g
 
 
 @dataclass
@@ -116,6 +112,7 @@ class Request:
     t_prefill: float
     t_first: float
     detok: "_IncrementalDecoder"
+    stop_ids: set[int]  # the EOS ids that end this answer (none when asked to ignore EOS)
     tokens: list[int] = field(default_factory=list)
     finish: str = "length"
     t_decode: float = 0.0  # decode starts (for a batch: once every request is prefilled)
@@ -189,13 +186,15 @@ class Engine:
 
     def stream(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-               seed: int | None = None) -> Iterator[StreamChunk]:
+               seed: int | None = None, ignore_eos: bool = False) -> Iterator[StreamChunk]:
+        """``ignore_eos``: decode exactly ``max_new_tokens`` (benchmarks and evaluations)."""
         with self._lock:
-            yield from self._stream(messages, policy, speed, max_new_tokens, Sampling(do_sample, temperature, top_p, seed))
+            sampling = Sampling(do_sample, temperature, top_p, seed)
+            yield from self._stream(messages, policy, speed, max_new_tokens, sampling, ignore_eos)
 
     def generate_batch(self, conversations: list, *, policy: str | Policy = "auto", speed: float = 0.0,
                        max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
-                       top_p: float = 1.0, seed: int | None = None) -> list[GenerationResult]:
+                       top_p: float = 1.0, seed: int | None = None, ignore_eos: bool = False) -> list[GenerationResult]:
         """Answer several conversations at once (batch captioning): each is prefilled on its own,
         with its own policy object, then all decode together — every decode step computes the new
         tokens of all unfinished requests in one pass through the weights. Results equal answering
@@ -207,7 +206,7 @@ class Engine:
             for messages in conversations:
                 # A Policy object given here is a template: each request gets its own copy.
                 own = copy.deepcopy(policy) if isinstance(policy, Policy) else policy
-                requests.append(self._start(messages, own, speed, max_new_tokens, sampling, memory))
+                requests.append(self._start(messages, own, speed, max_new_tokens, sampling, memory, ignore_eos))
             for _ in self._decode_loop(requests):
                 pass
             return [self._result(request, batch_size=len(requests)) for request in requests]
@@ -227,13 +226,13 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()  # on a generator: entered around every resume, not across the caller's code
-    def _stream(self, messages, policy, speed, max_new_tokens, sampling) -> Iterator[StreamChunk]:
-        request = self._start(messages, policy, speed, max_new_tokens, sampling, MemoryMeter(self.device))
+    def _stream(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos) -> Iterator[StreamChunk]:
+        request = self._start(messages, policy, speed, max_new_tokens, sampling, MemoryMeter(self.device), ignore_eos)
         for _, token in self._decode_loop([request]):
             yield StreamChunk(request.detok.push(token), token)
         yield StreamChunk(request.detok.flush(), None, self._result(request))
 
-    def _start(self, messages, policy, speed, max_new_tokens, sampling, memory) -> "Request":
+    def _start(self, messages, policy, speed, max_new_tokens, sampling, memory, ignore_eos=False) -> "Request":
         """Prefill one request and pick its first token."""
         t_request = time.perf_counter()
         policy = policy if isinstance(policy, Policy) else self.make_policy(policy, speed)
@@ -250,7 +249,7 @@ class Engine:
         if self.max_length is not None:  # never run past the positions the model knows
             budget = min(budget, self.max_length - int(ctx.positions.max()) - 1)
         return Request(prompt, policy, ctx, sampling, generator, budget, token, memory, t_request, t_prefill,
-                       t_first, _IncrementalDecoder(self.tokenizer))
+                       t_first, _IncrementalDecoder(self.tokenizer), set() if ignore_eos else self.eos_token_ids)
 
     def _decode_loop(self, requests: list["Request"]) -> Iterator[tuple["Request", int]]:
         """Yield each request's tokens as they are chosen; decode all unfinished requests together."""
@@ -260,7 +259,7 @@ class Engine:
         while running:
             stepping = []
             for request in running:
-                if request.next_token in self.eos_token_ids:
+                if request.next_token in request.stop_ids:
                     request.finish = "stop"
                 elif len(request.tokens) < request.budget:
                     request.tokens.append(request.next_token)
@@ -323,7 +322,8 @@ class Engine:
         cos, sin = self.adapter.rotary(hidden, positions)
         num_layers = len(self.adapter.layers)
         ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
-                             KVCache(num_layers), num_layers)
+                             KVCache(num_layers), num_layers,
+                             next_position=positions.max(dim=1, keepdim=True).values + 1)
         policy.plan(ctx)
 
         try:
