@@ -25,8 +25,11 @@ COPY app app
 COPY pipeline pipeline
 COPY vision vision
 COPY pruning pruning
+COPY training training
 COPY assets assets
-RUN pip install . qwen-vl-utils decord
+# Editable, so that the embedded model finds its trained projector in /app/assets (a regular install
+# would put the code in site-packages, away from assets/).
+RUN pip install -e . qwen-vl-utils decord
 RUN if [ "$FLASH_ATTN" = "1" ]; then pip install flash-attn --no-build-isolation; fi
 
 USER glimpse

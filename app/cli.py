@@ -4,7 +4,7 @@
     glimpse bench [--model M | --random-model PRESET] [--layers N] [--image P] [--video P] [--image-tokens N]
                   [--video-tokens N] [--policies P,Q] [--speeds S,T] [--runs N] [--warmup N] [--json] [--out FILE]
     glimpse calibrate hidivdrop --model M --images DIR [--window N] [--top-k K] [--max-images N] [--out FILE]
-    glimpse eval agreement|passkey [--model M] [--policies P,Q] [--speeds S,T] [--json] [--plot FILE.png]
+    glimpse eval agreement|passkey|visual [--model M] [--policies P,Q] [--speeds S,T] [--json] [--plot FILE.png]
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
     glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
                     [--batch-size N] [--max-new-tokens N]
@@ -23,7 +23,9 @@ from pathlib import Path
 
 POLICY_CHOICES = ["auto", "none", "dash", "zipvl", "hidivdrop", "st3", "lazyllm", "fastv"]
 DEFAULT_BENCH_POLICIES = ["dash", "zipvl", "st3", "lazyllm", "fastv"]
-REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b"]  # pipeline.random_checkpoint.REAL_PRESETS (kept import-free here)
+DEFAULT_BENCH_IMAGE_TOKENS = 2000
+# pipeline.random_checkpoint.REAL_PRESETS (kept import-free here)
+REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b", "llava-1.5-7b"]
 NOT_GROUNDED = ("note: the embedded model's vision projector is not trained yet, so its answers about "
                 "images and videos are not grounded in them; text answers come from SmolLM2-135M-Instruct. "
                 "Use --model with a Qwen2-VL or LLaVA checkpoint for real answers.")
@@ -66,18 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "alternating baseline and candidate, and report median TTFT, decoder-prefill time, FLOPs-proxy "
                     "speedup, realised fraction, KV bytes and peak memory. By default a random-weights Qwen2-VL "
                     "with the 2B model's text shapes is built in a temporary folder, with a synthesized image and "
-                    "video. Progress goes to stderr.")
+                    "video (--random-model picks another size, or LLaVA-1.5-7B). Progress goes to stderr.")
     source = bench.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="hub id or local checkpoint folder to benchmark")
     source.add_argument("--random-model", choices=REAL_PRESETS, default=None,
-                        help="build a random-weights Qwen2-VL with this model's text shapes (default: qwen2-vl-2b)")
+                        help="build a random-weights model with this model's shapes (default: qwen2-vl-2b; "
+                             "llava-1.5-7b takes no video and 576 tokens per image)")
     bench.add_argument("--layers", type=int, default=None,
-                       help="decoder layers of the random model (default 8; the real models have 28)")
+                       help="decoder layers of the random model (default 8; the real Qwen2-VL models have 28, "
+                            "LLaVA-1.5-7B 32)")
     bench.add_argument("--image", action="append", default=[], metavar="PATH",
                        help="benchmark on this image (repeatable) instead of a synthesized one")
     bench.add_argument("--video", metavar="PATH", help="benchmark on this video instead of a synthesized one")
-    bench.add_argument("--image-tokens", type=int, default=2000,
-                       help="visual tokens of the synthesized image (0: no image prompt; default 2000)")
+    bench.add_argument("--image-tokens", type=int, default=None,
+                       help="visual tokens of the synthesized image (0: no image prompt; default 2000; "
+                            "fixed at 576 for llava-1.5-7b)")
     bench.add_argument("--video-tokens", type=int, default=4000,
                        help="visual tokens of the synthesized video (0: no video prompt; default 4000)")
     bench.add_argument("--policies", default=",".join(DEFAULT_BENCH_POLICIES),
@@ -115,19 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
         "eval", help="answer quality of pruning policies against the unpruned model, on the same inputs",
         description="agreement: greedy-token match rate and first-token KL against the unpruned model on "
                     "synthesized image/video prompts and text questions (any model). passkey: long-context "
-                    "pass-key retrieval accuracy with the embedded model's SmolLM2-135M (text).")
-    evaluate.add_argument("task", choices=["agreement", "passkey"])
+                    "pass-key retrieval accuracy with the embedded model's SmolLM2-135M (text). visual: accuracy on the "
+                    "held-out split of the generated shapes-and-clips task set the embedded model was trained on.")
+    evaluate.add_argument("task", choices=["agreement", "passkey", "visual"])
     evaluate.add_argument("--model", default="embedded", help="as for ask")
     evaluate.add_argument("--policies", default=None,
-                          help="comma-separated (default: every policy for agreement; dash,zipvl,lazyllm,fastv for "
+                          help="comma-separated (default: every policy for agreement and visual; dash,zipvl,lazyllm,fastv for "
                                "passkey, FastV in its text adaptation)")
     evaluate.add_argument("--speeds", default="0.25,0.5,0.75,1")
     evaluate.add_argument("--new-tokens", type=int, default=32, help="agreement: answer length compared")
     evaluate.add_argument("--image-tokens", type=int, default=256, help="agreement: synthesized image size")
     evaluate.add_argument("--video-tokens", type=int, default=512, help="agreement: synthesized video size")
     evaluate.add_argument("--lengths", default="512,1024,2048", help="passkey: prompt lengths in tokens")
-    evaluate.add_argument("--samples", type=int, default=10, help="passkey: keys per length")
-    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--samples", type=int, default=10,
+                          help="passkey: keys per length; visual: questions per category")
+    evaluate.add_argument("--seed", type=int, default=None,
+                          help="passkey: key draw (default 0); visual: held-out split (default 1; 0 is the "
+                               "training seed and is refused)")
     evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
     evaluate.add_argument("--plot", default=None, metavar="FILE.png", help="quality vs TTFT speedup plot")
     _add_device_options(evaluate)
@@ -225,20 +234,26 @@ def run_eval(args) -> int:
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
         raise UserError("--speeds and --lengths must be comma-separated numbers") from None
-    default = [n for n in NAMES if n != "none"] if args.task == "agreement" else evaluation.PASSKEY_POLICIES
+    default = evaluation.PASSKEY_POLICIES if args.task == "passkey" else [n for n in NAMES if n != "none"]
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else default
     for name in policies:
         for speed in speeds:
             make_policy(name, speed)  # bad names and speeds fail before loading
     if args.samples < 1 or args.new_tokens < 1 or not lengths:
         raise UserError("--samples and --new-tokens must be at least 1, --lengths non-empty")
+    if args.task == "visual" and args.seed == evaluation.tasks.TRAIN_SEED:
+        raise UserError(f"--seed {args.seed} is the seed the projector was trained on; pick another for a held-out set")
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     if args.task == "agreement":
         report = evaluation.agreement_with_synthesized_media(engine, policies, speeds, args.new_tokens,
                                                              args.image_tokens, args.video_tokens, _log)
+    elif args.task == "visual":
+        seed = evaluation.tasks.HELDOUT_SEED if args.seed is None else args.seed
+        report = evaluation.run_visual(engine, args.samples, policies, speeds, seed, progress=_log)
     else:
-        report = evaluation.run_passkey(engine, lengths, args.samples, policies, speeds, args.seed, progress=_log)
+        report = evaluation.run_passkey(engine, lengths, args.samples, policies, speeds, args.seed or 0,
+                                        progress=_log)
     report["model"] = args.model
     if args.plot:
         evaluation.plot(report, args.plot)
@@ -322,7 +337,8 @@ def run_bench(args) -> int:
         raise UserError("--runs must be at least 1")
     if args.warmup < 0:
         raise UserError("--warmup must be at least 0")
-    if args.image_tokens < 0 or args.video_tokens < 0:
+    image_tokens = DEFAULT_BENCH_IMAGE_TOKENS if args.image_tokens is None else args.image_tokens
+    if image_tokens < 0 or args.video_tokens < 0:
         raise UserError("--image-tokens and --video-tokens must be at least 0")
     if args.model and args.layers is not None:
         raise UserError("--layers only applies to --random-model")
@@ -330,7 +346,7 @@ def run_bench(args) -> int:
         raise UserError("--layers must be at least 1")
     if args.text_tokens < 0 or args.new_tokens < 1:
         raise UserError("--text-tokens must be at least 0 and --new-tokens at least 1")
-    if not (args.image or args.video) and args.image_tokens == 0 and args.video_tokens == 0 and not args.text_tokens:
+    if not (args.image or args.video) and image_tokens == 0 and args.video_tokens == 0 and not args.text_tokens:
         raise UserError("nothing to benchmark: --image-tokens, --video-tokens and --text-tokens are all 0 "
                         "and no --image/--video")
     bench.check_policies(policies, speeds)  # before minutes of model building
@@ -343,16 +359,27 @@ def run_bench(args) -> int:
             label = args.model
         else:
             from pipeline.loading import resolve_device, resolve_dtype
-            from pipeline.random_checkpoint import DEFAULT_MAX_VISUAL_TOKENS, build_random_qwen2_vl
+            from pipeline.random_checkpoint import (DEFAULT_MAX_VISUAL_TOKENS, LLAVA_PRESETS, build_random,
+                                                    preset_family)
 
             preset, layers = args.random_model or "qwen2-vl-2b", args.layers or 8
             device = resolve_device(args.device)
             dtype = resolve_dtype(args.dtype, device)
+            options = {}
+            if preset_family(preset) == "llava":
+                shape = LLAVA_PRESETS[preset]
+                fixed = (shape["vision_image_size"] // shape["vision_patch_size"]) ** 2
+                if args.image_tokens not in (None, 0, fixed) and not args.image:
+                    _log(f"note: {preset} gives every image {fixed} visual tokens ({shape['vision_image_size']}"
+                         f"x{shape['vision_image_size']} pixels); --image-tokens {args.image_tokens} does not apply")
+                if image_tokens:
+                    image_tokens = fixed
+            else:
+                options["max_visual_tokens"] = max(DEFAULT_MAX_VISUAL_TOKENS, image_tokens)
             _log(f"building a random-weights {preset} ({layers} decoder layers, 1-layer vision tower, "
                  f"{str(dtype).replace('torch.', '')}) in {tmp} ...")
-            folder = build_random_qwen2_vl(Path(tmp) / "model", preset=preset, layers=layers, dtype=dtype,
-                                           max_visual_tokens=max(DEFAULT_MAX_VISUAL_TOKENS, args.image_tokens),
-                                           init_device=device if device.type == "cuda" else None)
+            folder = build_random(Path(tmp) / "model", preset=preset, layers=layers, dtype=dtype,
+                                  init_device=device if device.type == "cuda" else None, **options)
             _log("loading it ...")
             engine = load_engine(str(folder), device=args.device, attn=args.attn, dtype=dtype)
             label = f"random-weights {preset}"
@@ -360,7 +387,7 @@ def run_bench(args) -> int:
             prompts = bench.media_prompts(args.image, args.video, questions)
         else:
             _log("synthesizing media ...")
-            prompts = bench.synthesize_prompts(engine, Path(tmp) / "media", args.image_tokens, args.video_tokens,
+            prompts = bench.synthesize_prompts(engine, Path(tmp) / "media", image_tokens, args.video_tokens,
                                                questions, progress=_log)
         if args.text_tokens:
             prompts["text"] = bench.text_prompt(engine.tokenizer, args.text_tokens)

@@ -1,6 +1,6 @@
 """`glimpse eval`: answer quality of each pruning policy against the unpruned model, same inputs.
 
-Two tasks:
+Three tasks:
 
 * ``agreement`` (any model): on a fixed set of prompts — a synthesized image, a synthesized video
   when the model takes video, and text questions — each policy at each speed is compared with the
@@ -14,7 +14,14 @@ Two tasks:
   or 2048 tokens; the answer counts as correct when the key's digits appear in it. Policies that
   prune text: DASH, ZipVL, LazyLLM and FastV's text adaptation (``text=True``).
 
-Both report, per policy and speed, the TTFT speedup of the same runs (summed baseline TTFT over
+* ``visual`` (the embedded model, or any model that reads the shapes): the held-out split of the generated
+  visual task set (``training/tasks.py``; seed 1 unless ``--seed`` says otherwise, never the training
+  seed 0): ``--samples`` questions per category — colour, shape, count, position, size, exists, word on
+  images; motion, appear, change on clips — each image written as a PNG and each clip as an .mp4 and asked
+  through the ordinary chat path. Accuracy per category, plus the measured visual-token reduction (the
+  share of visual token-layers the policy removed from prefill) and the prefill FLOPs-proxy speedup.
+
+All report, per policy and speed, the TTFT speedup of the same runs (summed baseline TTFT over
 summed policy TTFT: single runs, for the plot's x axis; ``glimpse bench`` is the timing tool).
 Output: a table, ``--json``, and ``--plot FILE.png`` (TTFT speedup on x, quality on y, one curve per
 policy over the speeds).
@@ -29,6 +36,7 @@ from pathlib import Path
 import torch
 
 from app.bench import FILLER, device_name, synthesize_prompts
+from training import tasks
 
 TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
                   "Write a short story about a lighthouse keeper and a storm."]
@@ -131,9 +139,77 @@ def run_passkey(engine, lengths: list[int], samples: int, policies: list[str], s
             "rows": rows}
 
 
+# ------------------------------------------------------------------------------------ visual task
+def visual_cases(folder: Path, samples: int, seed: int, video: bool) -> list[dict]:
+    categories = tasks.IMAGE_CATEGORIES + (tasks.VIDEO_CATEGORIES if video else ())
+    cases = []
+    for i, (item, qa) in enumerate(tasks.heldout_set(seed, samples, categories)):
+        if item.is_video:
+            media = {"type": "video", "video": str(tasks.write_clip(item.frames, folder / f"{i:04d}.mp4"))}
+        else:
+            item.frames[0].save(folder / f"{i:04d}.png")
+            media = {"type": "image", "image": str(folder / f"{i:04d}.png")}
+        content = [media, {"type": "text", "text": qa.question}]
+        cases.append({"qa": qa, "messages": [{"role": "user", "content": content}]})
+    return cases
+
+
+def visual_reduction(metrics: dict) -> float:
+    """The share of visual token-layers that prefill did not compute (0 unpruned, 1 nothing computed)."""
+    depth, layers = metrics["keep_map"]["depth"], metrics["keep_map"]["num_layers"]
+    return 1.0 - sum(depth) / (len(depth) * layers) if depth else 0.0
+
+
+def run_visual(engine, samples: int, policies: list[str], speeds: list[float], seed: int = tasks.HELDOUT_SEED,
+               new_tokens: int = 8, progress=lambda line: None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="glimpse-visual-") as tmp:
+        cases = visual_cases(Path(tmp), samples, seed, engine.adapter.supports_video)
+        categories = list(dict.fromkeys(c["qa"].category for c in cases))
+        configs = [("none", 0.0)] + [(name, speed) for name in policies for speed in speeds]
+        rows, base_ttft = [], 0.0
+        for name, speed in configs:
+            right = dict.fromkeys(categories, 0)
+            ttft = flops = flops_base = 0.0
+            reductions = []
+            answers = []
+            for case in cases:
+                result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, False),
+                                         max_new_tokens=new_tokens)
+                qa = case["qa"]
+                right[qa.category] += tasks.is_correct(result.text, qa)
+                answers.append(result.text)
+                metrics = result.metrics
+                ttft += metrics["ttft_s"]
+                flops += metrics["prefill_flops"]
+                flops_base += metrics["prefill_flops_baseline"]
+                reductions.append(visual_reduction(metrics))
+            if name == "none":
+                base_ttft = ttft
+            accuracy = {c: right[c] / samples for c in categories}
+            image = [accuracy[c] for c in categories if c in tasks.IMAGE_CATEGORIES]
+            video = [accuracy[c] for c in categories if c in tasks.VIDEO_CATEGORIES]
+            rows.append({"policy": name, "speed": speed, "accuracy": sum(right.values()) / len(cases),
+                         "image_accuracy": sum(image) / len(image), "video_accuracy": sum(video) / len(video) if video else None,
+                         "per_category": accuracy, "visual_reduction": sum(reductions) / len(reductions),
+                         "flops_speedup": flops_base / flops, "ttft_speedup": base_ttft / ttft, "answers": answers})
+            progress(f"{name} @ {speed:g}: accuracy {rows[-1]['accuracy']:.0%}, "
+                     f"visual tokens removed {rows[-1]['visual_reduction']:.0%}")
+        questions = [{"category": c["qa"].category, "question": c["qa"].question, "answer": c["qa"].answer}
+                     for c in cases]
+    return {"task": "visual", "device": device_name(engine), "seed": seed, "samples": samples,
+            "categories": categories, "questions": questions, "rows": rows}
+
+
 # ------------------------------------------------------------------------------------ output
 def format_table(report: dict) -> str:
-    if report["task"] == "agreement":
+    if report["task"] == "visual":
+        cats = report["categories"]
+        lines = ["| policy | speed | visual tokens removed | FLOPs speedup | TTFT speedup | all | "
+                 + " | ".join(cats) + " |", "|---|---|---|---|---|---|" + "---|" * len(cats)]
+        lines += [f"| {r['policy']} | {r['speed']:g} | {r['visual_reduction']:.0%} | {r['flops_speedup']:.2f}x | "
+                  f"{r['ttft_speedup']:.2f}x | {r['accuracy']:.0%} | "
+                  + " | ".join(f"{r['per_category'][c]:.0%}" for c in cats) + " |" for r in report["rows"]]
+    elif report["task"] == "agreement":
         lines = ["| policy | speed | greedy match | first-token KL | TTFT speedup |", "|---|---|---|---|---|"]
         lines += [f"| {r['policy']} | {r['speed']:g} | {r['match_rate']:.3f} | {r['first_token_kl']:.4f} | "
                   f"{r['ttft_speedup']:.2f}x |" for r in report["rows"]]
@@ -152,7 +228,8 @@ def format_table(report: dict) -> str:
 
 
 def plot(report: dict, path: str | Path) -> None:
-    """TTFT speedup on x, match rate (agreement) or accuracy (pass-key, mean over lengths) on y."""
+    """TTFT speedup on x, match rate (agreement) or accuracy (pass-key: mean over lengths; visual: all
+    categories) on y."""
     from app.plot import line_plot
 
     quality = "match_rate" if report["task"] == "agreement" else "accuracy"

@@ -161,9 +161,18 @@ class Qwen2VLAdapter(Adapter):
 
 
 class LlavaAdapter(Adapter):
-    """LLaVA-1.5 layout (also the embedded SmolLM2 + DINOv2 model)."""
+    """LLaVA-1.5 layout (also the embedded SmolLM2 + DINOv2 model).
+
+    A checkpoint whose config names a ``video_token_id`` (the embedded model does) also takes video:
+    ``video_frames`` frames sampled uniformly, each encoded like an image, its feature grid average-pooled by
+    ``spatial_pool_stride`` before the projector (LLaVA-NeXT-Video's pooling).
+    """
 
     name = "llava"
+
+    @property
+    def supports_video(self) -> bool:
+        return self.video_token_id is not None
 
     def _feature_kwargs(self):
         return dict(vision_feature_layer=self.config.vision_feature_layer,
@@ -179,8 +188,37 @@ class LlavaAdapter(Adapter):
         extra = 1 if self.config.vision_feature_select_strategy == "full" else 0
         return MediaInput(IMAGE, gh * gw + extra, {"pixel_values": pixels}, frames=[image], grid=(1, gh, gw))
 
+    def prepare_video(self, path):
+        if not self.supports_video:
+            return super().prepare_video(path)
+        sampled = vision.sample_video_uniform(path, num_frames=self.config.video_frames)
+        frames = [Image.fromarray(f) for f in sampled.frames]
+        pixels = self.image_processor(images=frames, return_tensors="pt")["pixel_values"]
+        stride = self.config.spatial_pool_stride
+        gh, gw = (n // stride for n in self._tokens_per_image(pixels))
+        return MediaInput(VIDEO, len(frames) * gh * gw, {"pixel_values_videos": pixels},
+                          frames=frames, grid=(len(frames), gh, gw))
+
+    def vision_features(self, pixel_values: torch.Tensor, pool: int = 1) -> torch.Tensor:
+        """The projector's input: the selected vision-tower layer without CLS, (N, tokens, C); ``pool`` > 1
+        average-pools each image's feature grid. The projector's training uses exactly this function."""
+        vm = self.model.model
+        pixels = pixel_values.to(vm.vision_tower.device, vm.vision_tower.dtype)
+        hidden = vm.vision_tower(pixels, output_hidden_states=True).hidden_states[self.config.vision_feature_layer]
+        if self.config.vision_feature_select_strategy == "default":
+            hidden = hidden[:, 1:]
+        if pool > 1:
+            gh, gw = self._tokens_per_image(pixels)
+            grid = hidden.reshape(len(hidden), gh, gw, -1).permute(0, 3, 1, 2)
+            hidden = torch.nn.functional.avg_pool2d(grid, pool).flatten(2).transpose(1, 2)
+        return hidden
+
     def encode(self, media, kind):
         vm = self.model.model
+        if kind == VIDEO:
+            pixels = torch.cat([m.tensors["pixel_values_videos"] for m in media if m.kind == VIDEO])
+            features = self.vision_features(pixels, pool=self.config.spatial_pool_stride)
+            return vm.multi_modal_projector(features).reshape(-1, self.text_config.hidden_size)
         pixels = torch.cat([m.tensors["pixel_values"] for m in media if m.kind == kind])
         pixels = pixels.to(vm.vision_tower.device, vm.vision_tower.dtype)
         out = vm.get_image_features(pixel_values=pixels, return_dict=True, **self._feature_kwargs())

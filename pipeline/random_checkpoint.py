@@ -7,9 +7,15 @@ and memory of prefill are those of the real model at that depth; the vision towe
 width but only ``vision_depth`` layers, since it is not what the benchmarks measure. The weights are
 random: answers are noise, speed and memory are not.
 
+``build_random_llava(folder)`` does the same for LLaVA-1.5 (``LLAVA_PRESETS``: llava-hf/llava-1.5-7b-hf's
+Llama-2-7B decoder and CLIP ViT-L/14-336 tower width; 576 image tokens per image, fixed by the
+336x336 input). ``build_random(folder, preset=...)`` picks the builder of the preset's family.
+``REAL_PRESETS`` lists the presets with real model shapes (the others are for tests).
+
 The tokenizer is a small byte-level BPE trained on the fly (``make_tokenizer``), with the special
-tokens of the real checkpoint; ``QWEN_TEMPLATE`` is a Qwen2-VL style chat template. Both are also
-used by the tests' tiny checkpoints (tests/tiny_models.py).
+tokens of the real checkpoint; ``QWEN_TEMPLATE`` is a Qwen2-VL style chat template and
+``LLAVA_TEMPLATE`` llava-hf's LLaVA-1.5 one ("USER: <image>\\n... ASSISTANT:"). Both tokenizer and
+Qwen template are also used by the tests' tiny checkpoints (tests/tiny_models.py).
 """
 
 from __future__ import annotations
@@ -39,6 +45,17 @@ QWEN_TEMPLATE = (
 QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                        "<|image_pad|>", "<|video_pad|>"]
 
+LLAVA_TEMPLATE = (  # llava-hf's LLaVA-1.5 format: "USER: <image>\n{question} ASSISTANT:"
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>\n{% endif %}{% endfor %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{% if message['role'] == 'user' %} {% else %}</s> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+LLAVA_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
+
 PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14-pixel patches merged 2x2 -> one LLM token per 28x28 pixels
 
 # Text shapes of the real checkpoints (config.json of Qwen/Qwen2-VL-2B-Instruct and -7B-Instruct); the
@@ -58,7 +75,23 @@ PRESETS: dict[str, dict] = {
                  tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
                  vision_embed_dim=32, vision_num_heads=4, vision_mlp_ratio=2),
 }
-REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b"]
+
+# LLaVA-1.5 (config.json of llava-hf/llava-1.5-7b-hf): a Llama-2-7B decoder (32 heads, no GQA) and a CLIP
+# ViT-L/14-336 tower (width 1024, 16 heads, MLP 4096; 336 / 14 = 24x24 = 576 image tokens). "llava-tiny"
+# is for tests: the same structure at a width that builds in a second (56 / 14 = 4x4 = 16 image tokens).
+LLAVA_PRESETS: dict[str, dict] = {
+    "llava-1.5-7b": dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=32, rope_theta=10000.0,
+                         tie_word_embeddings=False, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                         vision_hidden_size=1024, vision_intermediate_size=4096, vision_num_heads=16,
+                         vision_patch_size=14, vision_image_size=336, vision_projection_dim=768),
+    "llava-tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0,
+                       tie_word_embeddings=False, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                       vision_hidden_size=32, vision_intermediate_size=64, vision_num_heads=4,
+                       vision_patch_size=14, vision_image_size=56, vision_projection_dim=32),
+}
+REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b", "llava-1.5-7b"]
 
 # The real Qwen2-VL image processor's budget: max_pixels 12845056 = 16384 tokens, min_pixels 3136.
 DEFAULT_MAX_VISUAL_TOKENS = 16384
@@ -106,7 +139,8 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; available: {', '.join(PRESETS)}")
+        hint = " (a LLaVA preset: use build_random_llava or build_random)" if preset in LLAVA_PRESETS else ""
+        raise ValueError(f"unknown preset {preset!r}{hint}; available: {', '.join(PRESETS)}")
     unknown = set(overrides) - set(PRESETS[preset])
     if unknown:
         raise TypeError(f"unknown override(s) {sorted(unknown)}; known: {sorted(PRESETS[preset])}")
@@ -159,6 +193,110 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
     return folder
 
 
+def llava_config(preset: str = "llava-1.5-7b", *, layers: int | None = None, vision_depth: int = 1, **overrides):
+    """The ``LlavaConfig`` that ``build_random_llava`` writes (arguments as there), without building weights:
+    e.g. ``LlavaForConditionalGeneration._from_config(config)`` under ``torch.device("meta")`` checks shapes
+    for free. Token ids are those of ``LLAVA_SPECIAL_TOKENS`` (ids 0.. in the builder's tokenizer)."""
+    from transformers import LlavaConfig
+
+    if preset not in LLAVA_PRESETS:
+        hint = " (a Qwen2-VL preset: use build_random_qwen2_vl or build_random)" if preset in PRESETS else ""
+        raise ValueError(f"unknown LLaVA preset {preset!r}{hint}; available: {', '.join(LLAVA_PRESETS)}")
+    unknown = set(overrides) - set(LLAVA_PRESETS[preset])
+    if unknown:
+        raise TypeError(f"unknown override(s) {sorted(unknown)}; known: {sorted(LLAVA_PRESETS[preset])}")
+    shape = {**LLAVA_PRESETS[preset], **overrides}
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    if shape["num_hidden_layers"] < 1 or vision_depth < 1:
+        raise ValueError("layers and vision_depth must be at least 1")
+    if shape["hidden_size"] % shape["num_attention_heads"] or shape["vision_hidden_size"] % shape["vision_num_heads"]:
+        raise ValueError("hidden_size and vision_hidden_size must be multiples of their head counts")
+    size, patch = shape["vision_image_size"], shape["vision_patch_size"]
+    if size % patch:
+        raise ValueError(f"vision_image_size {size} must be a multiple of the patch size {patch}")
+    ids = {t: i for i, t in enumerate(LLAVA_SPECIAL_TOKENS)}
+    return LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
+                         intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
+                         num_attention_heads=shape["num_attention_heads"],
+                         num_key_value_heads=shape["num_key_value_heads"],
+                         max_position_embeddings=shape["max_position_embeddings"], rms_norm_eps=shape["rms_norm_eps"],
+                         bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
+                         rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]},
+                         tie_word_embeddings=shape["tie_word_embeddings"]),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=shape["vision_hidden_size"],
+                           intermediate_size=shape["vision_intermediate_size"], num_hidden_layers=vision_depth,
+                           num_attention_heads=shape["vision_num_heads"], image_size=size, patch_size=patch,
+                           projection_dim=shape["vision_projection_dim"], hidden_act="quick_gelu", layer_norm_eps=1e-5),
+        image_token_id=ids["<image>"], image_seq_length=(size // patch) ** 2,
+        projector_hidden_act="gelu", vision_feature_layer=-2, vision_feature_select_strategy="default",
+        pad_token_id=ids["<pad>"], tie_word_embeddings=shape["tie_word_embeddings"],
+    )
+
+
+def build_random_llava(folder: str | Path, *, preset: str = "llava-1.5-7b", layers: int | None = None,
+                       vision_depth: int = 1, dtype: str | torch.dtype = torch.float32, seed: int = 0,
+                       init_device: str | torch.device | None = None, **overrides) -> Path:
+    """Write a random-weights LLaVA-1.5 checkpoint with the shapes of ``preset`` into ``folder``.
+
+    A ``LlavaForConditionalGeneration`` (Llama decoder, CLIP vision tower, 2-layer GELU projector)
+    with llava-hf's settings: ``vision_feature_layer`` -2 and ``vision_feature_select_strategy``
+    "default" (CLS dropped), an ``<image>`` token, a PIL ``CLIPImageProcessorPil`` (shortest edge and
+    centre crop = the tower's image size, CLIP mean/std) and the "USER: <image>\\n... ASSISTANT:" chat
+    template. Every image is ``(image_size / patch) ** 2`` tokens (576 for llava-1.5-7b), whatever its size.
+
+    ``layers`` overrides the decoder depth. ``vision_depth`` is the vision tower's depth (real width);
+    the features are its second-to-last hidden state, as in the real model, so with the default
+    single layer they are the tower's embeddings (that layer's input) and the layer runs unused — as
+    the real tower's 24th does. ``dtype``, ``init_device`` and ``seed`` are as in
+    ``build_random_qwen2_vl``; ``overrides`` replace preset keys (``hidden_size``, ``intermediate_size``,
+    ``num_attention_heads``, ``vision_hidden_size``, ``vision_image_size``, ...). Returns ``folder``.
+    """
+    from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration
+
+    config = llava_config(preset, layers=layers, vision_depth=vision_depth, **overrides)
+    torch_dtype = _dtype(dtype)
+    tok = make_tokenizer(LLAVA_SPECIAL_TOKENS, eos="</s>", bos="<s>")
+    tok.pad_token = "<pad>"
+    if [tok.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL_TOKENS] != list(range(len(LLAVA_SPECIAL_TOKENS))):
+        raise RuntimeError("the tokenizer's special-token ids differ from llava_config's")
+    eos, size = tok.eos_token_id, config.vision_config.image_size
+    torch.manual_seed(seed)
+    with torch.device(init_device or "cpu"):
+        model = LlavaForConditionalGeneration._from_config(config, dtype=torch_dtype).eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    processor = CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    del model
+    if torch.device(init_device or "cpu").type == "cuda":
+        torch.cuda.empty_cache()
+    tok.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text(LLAVA_TEMPLATE)
+    return folder
+
+
+def preset_family(preset: str) -> str:
+    """"qwen2_vl" or "llava": which builder makes ``preset``."""
+    if preset in PRESETS:
+        return "qwen2_vl"
+    if preset in LLAVA_PRESETS:
+        return "llava"
+    raise ValueError(f"unknown preset {preset!r}; available: {', '.join([*PRESETS, *LLAVA_PRESETS])}")
+
+
+def build_random(folder: str | Path, *, preset: str = "qwen2-vl-2b", **kwargs) -> Path:
+    """``build_random_qwen2_vl`` or ``build_random_llava``, whichever makes ``preset``; ``kwargs`` go to it
+    (``max_visual_tokens`` is Qwen2-VL's only: a LLaVA-1.5 image is always the same number of tokens)."""
+    builder = build_random_llava if preset_family(preset) == "llava" else build_random_qwen2_vl
+    return builder(folder, preset=preset, **kwargs)
+
+
 def grid_for_tokens(tokens: int, aspect: float = 1.0) -> tuple[int, int]:
     """(rows, cols) of 28x28-pixel cells with rows * cols close to ``tokens`` and cols/rows ~ ``aspect``."""
     tokens = max(int(tokens), 1)
@@ -178,5 +316,6 @@ def random_image(tokens: int, seed: int = 0, aspect: float = 1.0):
     return Image.fromarray(array)
 
 
-__all__ = ["CORPUS", "PRESETS", "QWEN_TEMPLATE", "REAL_PRESETS", "build_random_qwen2_vl", "grid_for_tokens",
-           "make_tokenizer", "random_image"]
+__all__ = ["CORPUS", "LLAVA_PRESETS", "LLAVA_TEMPLATE", "PRESETS", "QWEN_TEMPLATE", "REAL_PRESETS", "build_random",
+           "build_random_llava", "build_random_qwen2_vl", "grid_for_tokens", "llava_config", "make_tokenizer",
+           "preset_family", "random_image"]

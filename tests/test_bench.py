@@ -11,7 +11,8 @@ import pruning
 from app import bench
 from app.cli import main
 from pipeline import load_engine
-from pipeline.random_checkpoint import PRESETS, REAL_PRESETS, build_random_qwen2_vl, random_image
+from pipeline.random_checkpoint import (LLAVA_PRESETS, PRESETS, REAL_PRESETS, build_random, build_random_qwen2_vl,
+                                       random_image)
 
 SPEEDS = [0.5, 0.8]
 # "none" as a candidate always works; DASH too once it is registered.
@@ -174,6 +175,71 @@ def test_presets_have_the_real_text_shapes():
         head_dim = preset["hidden_size"] // preset["num_attention_heads"]
         assert sum(preset["mrope_section"]) * 2 == head_dim
     assert two["rope_theta"] == seven["rope_theta"] == 1e6 and not math.isnan(two["rms_norm_eps"])
+
+
+def test_random_llava_checkpoint_loads_and_gives_a_fixed_image_token_count(tmp_path):
+    folder = build_random(tmp_path / "model", preset="llava-tiny", layers=2)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlavaForConditionalGeneration"]
+    assert config["text_config"]["num_hidden_layers"] == 2 and config["vision_config"]["num_hidden_layers"] == 1
+    assert (config["vision_feature_layer"], config["vision_feature_select_strategy"]) == (-2, "default")
+    processor = json.loads((folder / "preprocessor_config.json").read_text())
+    assert processor["size"] == {"shortest_edge": 56} and processor["crop_size"] == {"height": 56, "width": 56}
+    assert processor["image_mean"] == pytest.approx([0.48145466, 0.4578275, 0.40821073])
+    engine = load_engine(str(folder))
+    assert engine.adapter.name == "llava" and not engine.adapter.supports_video
+    expected = (56 // 14) ** 2  # (image_size / patch) ** 2, whatever the image's size
+    for tokens, aspect in ((30, 1.0), (300, 2.0)):
+        messages = bench._messages("image", random_image(tokens, aspect=aspect), "What is in this picture?")
+        prompt = engine.prepare(messages)
+        assert prompt.token_counts()["image"] == expected
+    text = engine.tokenizer.decode(prompt.input_ids)
+    assert text.startswith("USER: <image>") and text.endswith("What is in this picture? ASSISTANT:")
+    result = engine.generate(messages, policy="none", max_new_tokens=2)
+    assert result.metrics["prompt_tokens"]["image"] == expected
+    with pytest.raises(ValueError, match="LLaVA preset"):
+        build_random_qwen2_vl(tmp_path / "wrong", preset="llava-tiny")
+
+
+def test_llava_preset_has_the_real_shapes():
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from pipeline.random_checkpoint import llava_config
+
+    assert "llava-1.5-7b" in REAL_PRESETS and not set(LLAVA_PRESETS) & set(PRESETS)
+    seven = LLAVA_PRESETS["llava-1.5-7b"]
+    assert (seven["vocab_size"], seven["hidden_size"], seven["intermediate_size"], seven["num_hidden_layers"],
+            seven["num_attention_heads"], seven["num_key_value_heads"], seven["tie_word_embeddings"]) == (
+        32064, 4096, 11008, 32, 32, 32, False)
+    assert (seven["vision_hidden_size"], seven["vision_intermediate_size"], seven["vision_num_heads"],
+            seven["vision_image_size"] // seven["vision_patch_size"]) == (1024, 4096, 16, 24)
+    config = llava_config("llava-1.5-7b", vision_depth=24)  # the real depths: shapes on the meta device, no weights
+    assert config.image_seq_length == 576 and config.projector_hidden_act == "gelu"
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration._from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 7_063_427_072  # llava-hf/llava-1.5-7b-hf's count
+
+
+def test_cli_bench_random_llava(monkeypatch, capsys):
+    """--random-model llava-1.5-7b, built at the tiny preset's width: 576 -> 16 fixed image tokens, no video."""
+    import argparse
+
+    from app.cli import build_parser
+    from pipeline import random_checkpoint
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bench_parser = commands.choices["bench"]
+    assert "llava-1.5-7b" in next(a for a in bench_parser._actions if a.dest == "random_model").choices
+    monkeypatch.setitem(random_checkpoint.LLAVA_PRESETS, "llava-1.5-7b", LLAVA_PRESETS["llava-tiny"])
+    code = main(["bench", "--random-model", "llava-1.5-7b", "--layers", "1", "--image-tokens", "100",
+                 "--policies", "none", "--speeds", "0.5", "--runs", "1", "--warmup", "0", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    assert set(report["prompts"]) == {"image"} and report["prompts"]["image"]["prompt_tokens"]["image"] == 16
+    assert "random-weights llava-1.5-7b" in report["model"]
+    assert "gives every image 16 visual tokens" in captured.err and "takes no video" in captured.err
 
 
 def test_tiny_models_keeps_its_public_names():

@@ -89,7 +89,7 @@ def test_text_logits_equal_smollm2(model, processor, smollm2):
         ours = model(input_ids=input_ids).logits
         expected = reference(input_ids=input_ids).logits
     vocab = expected.shape[-1]
-    assert ours.shape[-1] == vocab + 1  # the added <image> token
+    assert ours.shape[-1] == vocab + 2  # the added <image> and <video> tokens
     torch.testing.assert_close(ours[..., :vocab], expected, atol=1e-4, rtol=0)
 
 
@@ -134,7 +134,8 @@ def test_second_call_reuses_the_cache(checkpoint, monkeypatch):
     assert embedded_checkpoint(progress=lines.append) == checkpoint
     assert time.perf_counter() - start < 1.0
     assert lines == [] and weights.stat().st_mtime_ns == mtime
-    assert checkpoint.name == embedded.RECIPE and not embedded.EMBEDDED_GROUNDED
+    assert checkpoint.name == embedded._checkpoint_name()
+    assert checkpoint.name.startswith(embedded.RECIPE) and (checkpoint.name != embedded.RECIPE) is embedded.EMBEDDED_GROUNDED
 
 
 def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):

