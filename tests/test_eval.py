@@ -80,3 +80,27 @@ def test_the_cli_prints_json_and_writes_a_plot(checkpoints, tmp_path, capsys):
     assert set(report["prompts"]) == {"image", "text1", "text2"}  # LLaVA takes no video
     assert Image.open(plot).size == (720, 440)
     assert main(["eval", "passkey", "--model", str(checkpoints["llava"]), "--policies", "nope"]) == 1
+
+
+def test_visual_task_report_is_consistent(checkpoints, tmp_path, capsys):
+    """The held-out visual task on a tiny LLaVA (images only): speed 0 answers exactly as the unpruned model,
+    FastV at speed 1 removes visual token-layers, and the CLI refuses the training seed."""
+    plot = tmp_path / "visual.png"
+    code = main(["eval", "visual", "--model", str(checkpoints["llava"]), "--policies", "fastv", "--speeds", "0,1",
+                 "--samples", "1", "--json", "--plot", str(plot)])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    from training import tasks
+
+    assert report["task"] == "visual" and report["seed"] == tasks.HELDOUT_SEED
+    assert report["categories"] == list(tasks.IMAGE_CATEGORIES)  # the tiny LLaVA takes no video
+    assert [q["category"] for q in report["questions"]] == list(tasks.IMAGE_CATEGORIES)
+    rows = {(r["policy"], r["speed"]): r for r in report["rows"]}
+    assert set(rows) == {("none", 0.0), ("fastv", 0.0), ("fastv", 1.0)}
+    assert rows[("fastv", 0.0)]["answers"] == rows[("none", 0.0)]["answers"]
+    assert rows[("fastv", 0.0)]["visual_reduction"] == rows[("none", 0.0)]["visual_reduction"] == 0.0
+    assert rows[("fastv", 1.0)]["visual_reduction"] > 0.0 and rows[("fastv", 1.0)]["flops_speedup"] > 1.0
+    for r in report["rows"]:
+        assert r["accuracy"] == sum(r["per_category"].values()) / len(report["categories"])
+    assert Image.open(plot).size == (720, 440)
+    assert main(["eval", "visual", "--model", str(checkpoints["llava"]), "--seed", str(tasks.TRAIN_SEED)]) == 1

@@ -152,3 +152,27 @@ def test_clip_is_a_video_glimpse_reads(tmp_path):
     s = clip.subject
     got = sampled.frames[-1][round(s.y), round(s.x)].astype(int)
     assert np.abs(got - np.array(tasks.COLOURS[clip.new_colour])).max() < 40
+
+
+def test_alignment_labels_each_cell_with_what_covers_it():
+    import random
+
+    from training.train_projector import patch_words
+
+    rng = random.Random(11)
+    for _ in range(20):
+        scene = tasks.sample_scene(rng, word=True)
+        item = tasks.Item([tasks.render(scene)], [], "", scene)
+        words = patch_words(item, 16)
+        cell = tasks.CANVAS / 16
+        for thing in scene.things:
+            # the cell under the object's centre is the object's, and no cell of it lies outside the object
+            centre = int(thing.y // cell) * 16 + int(thing.x // cell)
+            assert words[centre] == f"{thing.colour} {thing.shape}"
+            for k, w in enumerate(words):
+                if w == f"{thing.colour} {thing.shape}":
+                    cx, cy = (k % 16 + 0.5) * cell, (k // 16 + 0.5) * cell
+                    assert max(abs(cx - thing.x), abs(cy - thing.y)) <= thing.radius + cell / 2
+        if scene.word:
+            assert scene.word in words
+        assert words.count(None) > len(words) // 2  # mostly background

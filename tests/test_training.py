@@ -66,36 +66,63 @@ def test_video_prompt_is_four_pooled_frames(engine):
 
 def test_labels_cover_the_answers_and_nothing_else(engine):
     from training import tasks
-    from training.train_projector import conversation, tokenize
+    from training.train_projector import chats, tokenize
 
     item = tasks.training_items(3, 1, 0)[0]
-    messages = conversation(item, random.Random(0), caption_share=1.0)
     tokenizer = engine.adapter.tokenizer
-    ids, labels = tokenize(messages, tokenizer, engine.adapter.image_token_id, 256)
-    assert ids.count(engine.adapter.image_token_id) == 256 and len(ids) == len(labels)
-    answers = [m["content"][0]["text"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
-    assert tokenizer.decode([t for t in labels if t != -100]) == "".join(answers)
-    # the rendered first turn is exactly the prompt `glimpse ask` builds for the same image and question
-    asked = engine.prepare([{"role": "user", "content": [{"type": "image", "image": item.frames[0]},
-                                                         {"type": "text", "text": item.qas[0].question}]}])
-    first_answer = labels.index(next(t for t in labels if t != -100))
-    assert ids[:first_answer] == asked.input_ids.tolist()
+    for chat in chats(item, random.Random(0), caption_share=1.0):
+        ids, labels = tokenize(chat, tokenizer, engine.adapter.image_token_id, 256)
+        assert ids.count(engine.adapter.image_token_id) == 256 and len(ids) == len(labels)
+        assert tokenizer.decode([t for t in labels if t != -100]) == chat[1]["content"][0]["text"] + "<|im_end|>"
+        # the prompt part is exactly what `glimpse ask` builds for the same image and question
+        asked = engine.prepare([{"role": "user", "content": [{"type": "image", "image": item.frames[0]},
+                                                             chat[0]["content"][1]]}])
+        assert ids[: labels.index(next(t for t in labels if t != -100))] == asked.input_ids.tolist()
 
 
-def test_training_moves_the_projector_only(engine):
+def test_packed_questions_are_trained_exactly_as_single_chats(engine):
+    """One image, all its questions in one sequence: each answer's loss is the one it has in its own chat."""
     from training import tasks
-    from training.train_projector import batch_loss, conversation, precompute, tokenize
+    from training.train_projector import batch_loss, chats, pack, precompute, tokenize
+
+    adapter = engine.adapter
+    projector = adapter.model.model.multi_modal_projector
+    item = tasks.training_items(5, 1, 0)[0]
+    (features,) = precompute([item], adapter)
+    tokenized = [tokenize(chat, adapter.tokenizer, adapter.image_token_id, 256)
+                 for chat in chats(item, random.Random(0), caption_share=1.0)]
+    packed = pack(tokenized)
+    assert len(packed["ids"]) < sum(len(ids) for ids, _ in tokenized)  # the image is in it once
+    with torch.no_grad():
+        together, count = batch_loss(adapter.model, projector, [packed], [features],
+                                     adapter.image_token_id, adapter.video_token_id)
+        alone = [batch_loss(adapter.model, projector, [pack([t])], [features],
+                            adapter.image_token_id, adapter.video_token_id) for t in tokenized]
+    assert count == sum(n for _, n in alone)
+    mean = sum(loss.item() * n for loss, n in alone) / count
+    assert together.item() == pytest.approx(mean, rel=1e-4)
+
+
+def test_training_moves_the_projector_and_adapters_only(engine):
+    from training import tasks
+    from training.train_projector import add_adapters, batch_loss, chats, pack, precompute, tokenize
 
     model, adapter = engine.adapter.model, engine.adapter
     items = tasks.training_items(4, 2, 0)
     features = precompute(items, adapter)
     rng = random.Random(0)
-    batch = [tokenize(conversation(item, rng, 0.0), adapter.tokenizer, adapter.image_token_id, 256) for item in items]
+    batch = [pack([tokenize(chat, adapter.tokenizer, adapter.image_token_id, 256) for chat in chats(item, rng, 0.0)])
+             for item in items]
     projector = model.model.multi_modal_projector
+    language_model = model.model.language_model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    for p in projector.parameters():
+    originals = [{n: getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+                 for layer in language_model.layers]
+    adapters = add_adapters(language_model, rank=4, alpha=8.0, seed=0)
+    trainable = list(projector.parameters()) + [p for m in adapters.values() for p in (m.lora_A, m.lora_B)]
+    for p in trainable:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(projector.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     losses = []
     try:
         for _ in range(3):
@@ -104,14 +131,44 @@ def test_training_moves_the_projector_only(engine):
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.item())
-        after = model.state_dict()
-        changed = {k for k in before if not torch.equal(before[k], after[k])}
-        assert changed and all(k.startswith("model.multi_modal_projector.") for k in changed)
         assert losses[-1] < losses[0]
+        assert all(m.lora_B.abs().sum() > 0 for m in adapters.values())  # every adapter learnt something
     finally:
-        model.load_state_dict(before)
-        for p in projector.parameters():
-            p.requires_grad_(False)
+        for layer, projections in zip(language_model.layers, originals):
+            for name, module in projections.items():
+                setattr(layer.self_attn, name, module)
+    after = model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("model.multi_modal_projector.") for k in changed)  # packaged weights intact
+    model.load_state_dict(before)
+    for p in projector.parameters():
+        p.requires_grad_(False)
+
+
+def test_shipped_adapters_merge_to_what_training_computed():
+    """W + B A in the converted checkpoint gives the same outputs as the LoRA-wrapped model it was trained as."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from training.train_projector import adapter_state, add_adapters
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    wrapped = LlamaForCausalLM(config).eval()
+    plain_state = {k: v.clone() for k, v in wrapped.state_dict().items()}
+    adapters = add_adapters(wrapped.model, rank=4, alpha=8.0, seed=0)
+    for module in adapters.values():
+        torch.nn.init.normal_(module.lora_B, std=0.1)
+    merged_state = dict(plain_state)
+    embedded.merge_adapters(merged_state, adapter_state(adapters))
+    merged = LlamaForCausalLM(config).eval()
+    merged.load_state_dict(merged_state)
+    plain = LlamaForCausalLM(config).eval()
+    plain.load_state_dict(plain_state)
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, wrapped(ids).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(merged(ids).logits, plain(ids).logits, atol=1e-3)
 
 
 @pytest.mark.skipif(not embedded.EMBEDDED_GROUNDED, reason="no trained projector in assets/")

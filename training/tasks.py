@@ -313,6 +313,7 @@ class Item:
     frames: list[Image.Image]  # one image, or the clip's frames
     qas: list[QA]
     caption: str
+    scene: Scene | None = None  # an image's scene (what each pixel shows), for the projector's alignment stage
 
     @property
     def is_video(self) -> bool:
@@ -327,7 +328,7 @@ def training_items(seed: int, images: int, clips: int) -> list[Item]:
         scene = sample_scene(rng)
         qas = scene_questions(scene, rng)
         rng.shuffle(qas)
-        items.append(Item([render(scene)], qas, caption(scene)))
+        items.append(Item([render(scene)], qas, caption(scene), scene))
     for _ in range(clips):
         clip = sample_clip(rng)
         items.append(Item(clip.frames, clip_questions(clip, rng), clip_caption(clip)))

@@ -1,21 +1,27 @@
-"""Train the embedded model's projector on the generated visual task set, with SmolLM2 and DINOv2 frozen.
+"""Train the embedded model's projector and attention adapters on the generated visual task set; the packaged
+SmolLM2 and DINOv2 weights stay frozen.
 
-    python -m training.train_projector            # ~50 min on a 2-core CPU, writes assets/embedded_projector.*
+    python -m training.train_projector            # ~45 min on a 2-core CPU, writes assets/embedded_*
 
-Two stages, as LLaVA's projector pre-training:
+Three stages:
 
 1. Precompute: every training image (and every sampled clip frame) goes once through DINOv2 with the exact
    function inference uses (`LlavaAdapter.vision_features`: layer -2, CLS dropped, clip frames 2x2 pooled),
    so the frozen encoder costs nothing per step. Features are cached under `training/cache/`.
-2. Train: each item is one chat — the image or clip in the first user turn, then all of its questions as
-   turns (a caption request among them for some items), rendered with the embedded model's own chat template
-   exactly as `glimpse ask` renders a prompt. Loss is next-token cross-entropy on the assistant answers and
-   their `<|im_end|>` only. Only the projector (LLaVA's two-layer GELU MLP, 0.55M parameters) gets gradients;
-   the language model runs frozen in float32, as at inference, and the LM head is applied to answer
-   positions only.
+2. Align (seconds): the projector alone is fitted so that each image token lands on the word embeddings of
+   what its cell shows (`align`), so the next stage starts from tokens the language model can read.
+3. Train: every question of an item is a single-turn chat with the image or clip (for some items also a
+   caption request), rendered with the embedded model's own chat template exactly as `glimpse ask` renders a
+   prompt. An item's chats are packed into one sequence (`pack`: the shared prefix with the visual tokens
+   once, then each chat's remainder attending only to the prefix and itself), so each answer is trained
+   exactly as in its own chat. Loss is next-token cross-entropy on the answers and their `<|im_end|>` only.
+   The projector and rank-8 LoRA adapters on SmolLM2's attention projections get gradients; the packaged
+   weights stay frozen. The language model runs in float32, as at inference, and the LM head is applied to
+   answer positions only.
 
-Outputs: `assets/embedded_projector.safetensors` (the projector's state dict), `assets/embedded_projector.json`
-(seed, data recipe, hyper-parameters, the whole training log). The embedded model picks the file up on its next
+Outputs: `assets/embedded_projector.safetensors` (the projector's state dict), `assets/embedded_adapter.safetensors`
+(the LoRA pairs, merged into the checkpoint at conversion), `assets/embedded_projector.json` (seed, data recipe,
+hyper-parameters, the whole training log). The embedded model picks the file up on its next
 load (a new cache entry, see pipeline/embedded.py).
 """
 
@@ -47,12 +53,50 @@ def load_frozen_model():
     """The embedded checkpoint as converted (its projector is replaced by the one being trained)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    path = embedded.embedded_checkpoint(progress=lambda line: print(line, file=sys.stderr))
+    path = embedded.embedded_checkpoint(progress=lambda line: print(line, file=sys.stderr), trained=False)
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(path)
     for p in model.parameters():
         p.requires_grad_(False)
     return model, processor
+
+
+class LoRALinear(torch.nn.Module):
+    """``base(x) + scale * x A^T B^T``: a rank-r update beside a frozen nn.Linear. B starts at zero, so training
+    starts from the packaged model exactly."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.base, self.scale = base, alpha / rank
+        self.lora_A = torch.nn.Parameter(torch.randn(rank, base.in_features, generator=generator) / base.in_features ** 0.5)
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T * self.scale
+
+
+ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def add_adapters(language_model, rank: int, alpha: float, seed: int) -> dict[str, LoRALinear]:
+    """Put a LoRALinear around every attention projection; keys as in pipeline.embedded.ADAPTER_FILE."""
+    generator = torch.Generator().manual_seed(seed)
+    adapters = {}
+    for i, layer in enumerate(language_model.layers):
+        for name in ADAPTED:
+            wrapped = LoRALinear(getattr(layer.self_attn, name), rank, alpha, generator)
+            setattr(layer.self_attn, name, wrapped)
+            adapters[f"layers.{i}.self_attn.{name}"] = wrapped
+    return adapters
+
+
+def adapter_state(adapters: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
+    """What ships: A and B with the scale folded into B, so that merging is W + B A."""
+    state = {}
+    for key, module in adapters.items():
+        state[f"{key}.lora_A"] = module.lora_A.detach().clone().contiguous()
+        state[f"{key}.lora_B"] = (module.lora_B.detach() * module.scale).contiguous()
+    return state
 
 
 def clip_frame_indices(total: int, count: int) -> list[int]:
@@ -86,19 +130,73 @@ def precompute(items: list[tasks.Item], adapter: LlavaAdapter, batch: int = 16) 
     return out
 
 
-def conversation(item: tasks.Item, rng: random.Random, caption_share: float) -> list[dict]:
+def patch_words(item: tasks.Item, grid: int) -> list[str | None]:
+    """What each visual token's cell of an image shows, in words: "red circle", the written word, or None
+    (background). Read off the rendered pixels, so a cell counts when the object covers a quarter of it."""
+    pixels = np.asarray(item.frames[0])
+    cell = pixels.shape[0] // grid
+    pixels = pixels[: cell * grid, : cell * grid]
+    words: list[str | None] = [None] * (grid * grid)
+
+    def cover(mask: np.ndarray) -> np.ndarray:
+        return mask.reshape(grid, cell, grid, cell).mean(axis=(1, 3))
+
+    for thing in item.scene.things:
+        mask = (pixels == np.array(tasks.COLOURS[thing.colour], dtype=np.uint8)).all(-1)
+        for i, j in np.argwhere(cover(mask) > 0.25):
+            words[i * grid + j] = f"{thing.colour} {thing.shape}"
+    if item.scene.word:
+        for i, j in np.argwhere(cover((pixels < 80).all(-1)) > 0.08):
+            words[i * grid + j] = item.scene.word
+    return words
+
+
+def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: float, say) -> None:
+    """Stage 1: fit the projector so that each image token lands on the word embeddings of what it shows
+    (the mean embedding of " red circle" on a red circle's cells, of " background" elsewhere, rescaled to
+    the vocabulary's mean norm). No language-model pass, so it takes seconds; the LM-loss stage starts from
+    tokens the frozen LM can already read as words instead of from noise."""
+    weights = embed_tokens.weight
+    scale = weights.norm(dim=-1).mean()
+    cache: dict[str, torch.Tensor] = {}
+
+    def target(words: str) -> torch.Tensor:
+        if words not in cache:
+            ids = tokenizer(" " + words, add_special_tokens=False)["input_ids"]
+            vector = weights[ids].mean(0)
+            cache[words] = vector * scale / vector.norm()
+        return cache[words]
+
+    grid = int(features[0].shape[0] ** 0.5)
+    rows = [(i, patch_words(item, grid)) for i, item in enumerate(items) if not item.is_video]
+    inputs = torch.stack([features[i] for i, _ in rows]).float()  # (N, tokens, C)
+    targets = torch.stack([torch.stack([target(w or "background") for w in words]) for _, words in rows])
+    weight = torch.tensor([[1.0 if w else 0.1 for w in words] for _, words in rows])
+    optimizer = torch.optim.AdamW(projector.parameters(), lr=lr, weight_decay=0.0)
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))
+    for epoch in range(epochs):
+        total = 0.0
+        for at in range(0, len(rows), 32):
+            pick = order[at: at + 32]
+            error = (projector(inputs[pick]) - targets[pick]).pow(2).sum(-1)
+            loss = (error * weight[pick]).sum() / weight[pick].sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(pick)
+        say(f"align epoch {epoch + 1}/{epochs}  squared error {total / len(rows):.4f}")
+
+
+def chats(item: tasks.Item, rng: random.Random, caption_share: float) -> list[list[dict]]:
+    """One single-turn chat per question of the item (and, for some items, a caption request), each with the
+    image or clip, exactly as a user would ask it."""
     turns = [(qa.question, qa.answer) for qa in item.qas]
     if rng.random() < caption_share:
         ask = "Describe the video." if item.is_video else rng.choice(("Describe the image.", "What is in the image?"))
-        turns.insert(rng.randrange(len(turns) + 1), (ask, item.caption))
-    messages = []
-    for k, (question, answer) in enumerate(turns):
-        content = [{"type": "text", "text": question}]
-        if k == 0:
-            content.insert(0, {"type": "video" if item.is_video else "image"})
-        messages.append({"role": "user", "content": content})
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-    return messages
+        turns.append((ask, item.caption))
+    media = {"type": "video" if item.is_video else "image"}
+    return [[{"role": "user", "content": [media, {"type": "text", "text": question}]},
+             {"role": "assistant", "content": [{"type": "text", "text": answer}]}] for question, answer in turns]
 
 
 def tokenize(messages: list[dict], tokenizer, media_token: int, media_tokens: int) -> tuple[list[int], list[int]]:
@@ -123,23 +221,50 @@ def tokenize(messages: list[dict], tokenizer, media_token: int, media_tokens: in
     return ids, labels
 
 
-def batch_loss(model, projector, batch, features, image_token, video_token) -> tuple[torch.Tensor, int]:
+def pack(tokenized: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
+    """Several single-turn chats about one image as one sequence: their shared prefix (system prompt, user
+    header, the visual tokens) once, then each chat's remainder as a segment that sees the prefix and itself
+    only, at the positions it would have alone. Every answer is then predicted exactly as in its own chat —
+    one image's tokens are computed once for all its questions, and no answer can be read off another."""
+    first = tokenized[0][0]
+    shared = min(next((k for k, (a, b) in enumerate(zip(first, ids)) if a != b), min(len(first), len(ids)))
+                 for ids, _ in tokenized)
+    ids, labels = list(first[:shared]), list(tokenized[0][1][:shared])
+    positions, segments = list(range(shared)), [0] * shared
+    for k, (chat_ids, chat_labels) in enumerate(tokenized, start=1):
+        ids += chat_ids[shared:]
+        labels += chat_labels[shared:]
+        positions += range(shared, len(chat_ids))
+        segments += [k] * (len(chat_ids) - shared)
+    return {"ids": ids, "labels": labels, "positions": positions, "segments": segments}
+
+
+def batch_loss(model, projector, batch: list[dict], features, image_token, video_token) -> tuple[torch.Tensor, int]:
     lm = model.model.language_model
-    length = max(len(ids) for ids, _ in batch)
+    length = max(len(example["ids"]) for example in batch)
     pad = model.config.text_config.pad_token_id or 0
     ids = torch.full((len(batch), length), pad, dtype=torch.long)
     labels = torch.full((len(batch), length), -100, dtype=torch.long)
-    mask = torch.zeros((len(batch), length), dtype=torch.long)
-    for row, (seq, lab) in enumerate(batch):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        labels[row, : len(lab)] = torch.tensor(lab)
-        mask[row, : len(seq)] = 1
+    positions = torch.zeros((len(batch), length), dtype=torch.long)
+    segments = torch.full((len(batch), length), -1, dtype=torch.long)  # -1: padding
+    for row, example in enumerate(batch):
+        n = len(example["ids"])
+        ids[row, :n] = torch.tensor(example["ids"])
+        labels[row, :n] = torch.tensor(example["labels"])
+        positions[row, :n] = torch.tensor(example["positions"])
+        segments[row, :n] = torch.tensor(example["segments"])
+    # token i sees token j when j <= i and j is in the shared prefix (segment 0) or in i's own segment
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    same = (segments[:, :, None] == segments[:, None, :]) | (segments[:, None, :] == 0)
+    allowed = causal & same & (segments[:, None, :] >= 0)
+    mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
     embeds = lm.embed_tokens(ids)
     media = (ids == image_token) | (ids == video_token)
     projected = projector(torch.stack(features).float())
     embeds = embeds.masked_scatter(media[..., None], projected.reshape(-1, projected.shape[-1]))
-    hidden = lm(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
-    # position t predicts token t+1: score only the positions whose next token is an answer token
+    hidden = lm(inputs_embeds=embeds, attention_mask=mask[:, None], position_ids=positions).last_hidden_state
+    # position t predicts token t+1 of its own segment: score only the positions whose next token is an
+    # answer token (a segment never starts with one, so no prediction crosses a segment boundary)
     targets = labels[:, 1:]
     picked = hidden[:, :-1][targets != -100]
     logits = model.lm_head(picked)
@@ -150,12 +275,18 @@ def batch_loss(model, projector, batch, features, image_token, video_token) -> t
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=tasks.TRAIN_SEED)
-    parser.add_argument("--images", type=int, default=1700)
-    parser.add_argument("--clips", type=int, default=400)
+    parser.add_argument("--images", type=int, default=1100)
+    parser.add_argument("--clips", type=int, default=260)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--caption-share", type=float, default=0.25)
+    parser.add_argument("--align-epochs", type=int, default=4, help="stage 1 epochs (0: skip)")
+    parser.add_argument("--adapter-rank", type=int, default=8,
+                        help="rank of the LoRA adapters on SmolLM2's q/k/v/o projections (0: projector only)")
+    parser.add_argument("--adapter-lr", type=float, default=5e-4)
+    parser.add_argument("--adapter-out", default=str(ROOT / "assets" / "embedded_adapter.safetensors"))
+    parser.add_argument("--steps", type=int, default=None, help="stop the LM-loss stage after N steps")
     parser.add_argument("--out", default=str(ROOT / "assets" / "embedded_projector"),
                         help="output path without extension (.safetensors and .json are written)")
     parser.add_argument("--save-every", type=int, default=50, help="also write the projector every N steps")
@@ -193,9 +324,10 @@ def main(argv=None) -> int:
     examples = []
     for item, f in zip(items, features):
         token = config.video_token_id if item.is_video else config.image_token_id
-        ids, labels = tokenize(conversation(item, rng, args.caption_share), processor.tokenizer, token, media_tokens)
-        examples.append((ids, labels, f))
-    mean_len = sum(len(e[0]) for e in examples) / len(examples)
+        tokenized = [tokenize(chat, processor.tokenizer, token, media_tokens)
+                     for chat in chats(item, rng, args.caption_share)]
+        examples.append((pack(tokenized), f))
+    mean_len = sum(len(e[0]["ids"]) for e in examples) / len(examples)
     say(f"{len(examples)} conversations, {mean_len:.0f} tokens on average")
 
     # Always from the seeded initialisation, never from a projector already shipped in assets/.
@@ -204,36 +336,53 @@ def main(argv=None) -> int:
         config.vision_config.hidden_size, config.text_config.hidden_size, config.text_config.initializer_range))
     for p in projector.parameters():
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(projector.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.align_epochs:
+        align(projector, items, features, model.model.language_model.embed_tokens, processor.tokenizer,
+              args.align_epochs, args.lr, say)
+    adapters = add_adapters(model.model.language_model, args.adapter_rank, 2.0 * args.adapter_rank, args.seed) \
+        if args.adapter_rank else {}
+    groups = [{"params": list(projector.parameters()), "lr": args.lr}]
+    if adapters:
+        groups.append({"params": [p for m in adapters.values() for p in (m.lora_A, m.lora_B)], "lr": args.adapter_lr})
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     steps = math.ceil(len(examples) / args.batch)
+    if args.steps is not None:
+        steps = min(steps, args.steps)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
 
     def save(path_stem: Path, final: bool) -> None:
         state = {k: v.detach().clone().contiguous() for k, v in projector.state_dict().items()}
         save_file(state, f"{path_stem}.safetensors", metadata={"format": "pt"})
+        if adapters:
+            save_file(adapter_state(adapters), args.adapter_out, metadata={"format": "pt"})
+        elif Path(args.adapter_out).is_file():
+            Path(args.adapter_out).unlink()  # a projector-only run must not ship beside older adapters
         record = {
             "what": "projector of Glimpse's embedded model (SmolLM2-135M-Instruct + DINOv2-S/14), LLaVA 2-layer MLP",
             "seed": args.seed, "images": args.images, "clips": args.clips, "batch": args.batch, "lr": args.lr,
             "warmup": args.warmup, "schedule": "linear warm-up, cosine to 10%", "optimizer": "AdamW, no weight decay",
-            "caption_share": args.caption_share, "steps": steps, "embedded_recipe": embedded.RECIPE,
-            "data": "training/tasks.py: training_items(seed, images, clips); every question of an item as a turn",
+            "caption_share": args.caption_share, "align_epochs": args.align_epochs,
+            "adapter_rank": args.adapter_rank, "adapter_alpha": 2.0 * args.adapter_rank, "adapter_lr": args.adapter_lr,
+            "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps, "embedded_recipe": embedded.RECIPE,
+            "data": "training/tasks.py: training_items(seed, images, clips); every question a single-turn chat, packed per item",
             "command": "python -m training.train_projector " + " ".join(sys.argv[1:] if argv is None else argv),
             "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
             "torch": torch.__version__, "complete": final, "log": log,
         }
         Path(f"{path_stem}.json").write_text(json.dumps(record, indent=1) + "\n")
 
-    say(f"training {sum(p.numel() for p in projector.parameters())} projector parameters, {steps} steps of {args.batch}")
+    trained = sum(p.numel() for g in groups for p in g["params"])
+    say(f"training {trained} parameters (projector and adapters), {steps} steps of {args.batch}")
     order = list(range(len(examples)))
     rng.shuffle(order)
     running = None
     for step in range(steps):
         chunk = [examples[i] for i in order[step * args.batch: (step + 1) * args.batch]]
-        loss, answer_tokens = batch_loss(model, projector, [(ids, lab) for ids, lab, _ in chunk],
-                                         [f for _, _, f in chunk], config.image_token_id, config.video_token_id)
+        loss, answer_tokens = batch_loss(model, projector, [e for e, _ in chunk], [f for _, f in chunk],
+                                         config.image_token_id, config.video_token_id)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(projector.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
