@@ -239,6 +239,8 @@ def run_eval(args) -> int:
     for name in policies:
         for speed in speeds:
             make_policy(name, speed)  # bad names and speeds fail before loading
+    # the unpruned model is always run, as the reference: `--policies none` runs it alone
+    policies = [p for p in policies if p != "none"]
     if args.samples < 1 or args.new_tokens < 1 or not lengths:
         raise UserError("--samples and --new-tokens must be at least 1, --lengths non-empty")
     if args.task == "visual" and args.seed == evaluation.tasks.TRAIN_SEED:
