@@ -355,24 +355,14 @@ def _fmt(value: float | None) -> str:
 def write_video(path: str | Path, frames: int, fps: int, size: tuple[int, int], seed: int = 0) -> Path:
     """A random video (H.264, or MPEG-4 where libx264 is missing): blocky noise of 28x28-pixel cells,
     different in every frame, ``size`` = (width, height)."""
-    import av
     import numpy as np
+
+    from training.tasks import write_clip
 
     width, height = size
     rng = np.random.RandomState(seed)
-    with av.open(str(path), "w") as container:
-        codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height = width, height
-        stream.pix_fmt = "yuv420p"
-        for _ in range(frames):
-            cells = (rng.rand(-(-height // 28), -(-width // 28), 3) * 255).astype(np.uint8)
-            array = np.ascontiguousarray(cells.repeat(28, 0).repeat(28, 1)[:height, :width])
-            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return Path(path)
+    cells = [(rng.rand(-(-height // 28), -(-width // 28), 3) * 255).astype(np.uint8) for _ in range(frames)]
+    return write_clip([c.repeat(28, 0).repeat(28, 1)[:height, :width] for c in cells], path, fps, crf=None)
 
 
 def _video_plan(tokens: float) -> tuple[int, int, int]:

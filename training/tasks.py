@@ -355,20 +355,22 @@ def heldout_set(seed: int = HELDOUT_SEED, per_category: int = 10,
     return out
 
 
-def write_clip(frames: list[Image.Image], path: str | Path, fps: int = CLIP_FPS) -> Path:
-    """Encode frames as an H.264 (or MPEG-4 where the wheel lacks x264) .mp4 that Glimpse's video reader takes."""
+def write_clip(frames, path: str | Path, fps: int = CLIP_FPS, crf: int | None = 18) -> Path:
+    """Encode frames (PIL images or HxWx3 uint8 arrays) as an H.264 (or MPEG-4 where the wheel lacks x264)
+    .mp4 that Glimpse's video reader takes; ``crf`` sets x264's quality (None: its default)."""
     import av
 
     path = Path(path)
+    frames = [np.asarray(frame) for frame in frames]
     with av.open(str(path), "w") as container:
         codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
         stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height = frames[0].size
+        stream.height, stream.width = frames[0].shape[:2]
         stream.pix_fmt = "yuv420p"
-        if codec == "libx264":
-            stream.options = {"crf": "18"}
+        if codec == "libx264" and crf is not None:
+            stream.options = {"crf": str(crf)}
         for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.asarray(frame), format="rgb24")):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
