@@ -103,6 +103,30 @@ def test_packed_questions_are_trained_exactly_as_single_chats(engine):
     assert together.item() == pytest.approx(mean, rel=1e-4)
 
 
+def test_validation_counts_a_question_right_exactly_when_greedy_decoding_answers_it(engine):
+    """The accuracy logged during training is the accuracy `glimpse eval visual` would measure: a question is
+    right in `validate` exactly when the chat's greedy reply is the answer."""
+    from training import tasks
+    from training.train_projector import question_examples, validate
+
+    adapter = engine.adapter
+    projector = adapter.model.model.multi_modal_projector
+    pairs = tasks.heldout_set(seed=7, per_category=2, categories=tasks.IMAGE_CATEGORIES)
+    examples = question_examples(pairs, adapter)
+    verdicts = []
+    for example in examples:  # one at a time, so each category's accuracy is one question's verdict
+        (accuracy,) = validate(adapter.model, projector, [example], adapter.image_token_id,
+                               adapter.video_token_id).values()
+        verdicts.append(accuracy == 1.0)
+    replies = [engine.generate([{"role": "user", "content": [{"type": "image", "image": item.frames[0]},
+                                                              {"type": "text", "text": qa.question}]}],
+                               max_new_tokens=8).text.strip() for item, qa in pairs]
+    assert verdicts == [reply == qa.answer for reply, (_, qa) in zip(replies, pairs)]
+    together = validate(adapter.model, projector, examples, adapter.image_token_id, adapter.video_token_id, batch=5)
+    assert together == {c: sum(v for v, (_, qa) in zip(verdicts, pairs) if qa.category == c) / 2
+                        for c in tasks.IMAGE_CATEGORIES}  # batching with padding changes nothing
+
+
 def test_training_moves_the_projector_and_adapters_only(engine):
     from training import tasks
     from training.train_projector import add_adapters, batch_loss, chats, pack, precompute, tokenize

@@ -30,6 +30,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 TRAIN_SEED = 0
 HELDOUT_SEED = 1
+VALIDATION_SEED = 2  # watched during training (train_projector --validate-every); reported accuracy uses HELDOUT_SEED
 
 CANVAS = 336  # drawn at 1.5x the encoder's 224 px input; the image processor resizes as for any photo
 COLOURS = {
@@ -241,16 +242,13 @@ def _pick(rng: random.Random, templates: tuple[str, ...], **names) -> str:
     return rng.choice(templates).format(**names)
 
 
-def scene_questions(scene: Scene, rng: random.Random) -> list[QA]:
-    """Every category's question that this scene answers, one per category (object picked at random)."""
-    thing = rng.choice(scene.things)
+def _object_questions(thing: Thing, rng: random.Random) -> list[QA]:
+    """The questions about one object: its colour (named by shape), shape (named by colour), size, position."""
     qas = [
         QA("colour", _pick(rng, ("What colour is the {s}?", "What is the colour of the {s}?",
                                  "Which colour does the {s} have?"), s=thing.shape), f"{thing.colour.capitalize()}."),
         QA("shape", _pick(rng, ("What shape is the {c} object?", "Which shape is {c}?",
                                 "What is the {c} shape?"), c=thing.colour), f"{thing.shape.capitalize()}."),
-        QA("count", _pick(rng, ("How many shapes are there?", "How many objects are in the image?",
-                                "Count the shapes.")), f"{len(scene.things)}."),
         QA("size", _pick(rng, ("Is the {n} big or small?", "Is the {n} small or big?"), n=thing.name),
            f"{thing.size.capitalize()}."),
     ]
@@ -264,6 +262,16 @@ def scene_questions(scene: Scene, rng: random.Random) -> list[QA]:
     else:
         side = thing.quadrant.split()[0]
         qas.append(QA("position", f"Is the {thing.name} at the top or the bottom?", f"{side.capitalize()}."))
+    return qas
+
+
+def scene_questions(scene: Scene, rng: random.Random, every_object: bool = False) -> list[QA]:
+    """The questions this scene answers: colour, shape, size and position of one object picked at random (of
+    every object with `every_object`, as training asks them), then count, exists and the word if any."""
+    things = scene.things if every_object else [rng.choice(scene.things)]
+    qas = [qa for thing in things for qa in _object_questions(thing, rng)]
+    qas.append(QA("count", _pick(rng, ("How many shapes are there?", "How many objects are in the image?",
+                                       "Count the shapes.")), f"{len(scene.things)}."))
     present = {t.shape for t in scene.things}
     asked = rng.choice(SHAPES)
     qas.append(QA("exists", f"Is there a {asked}?", "Yes." if asked in present else "No."))
@@ -321,12 +329,14 @@ class Item:
 
 
 def training_items(seed: int, images: int, clips: int) -> list[Item]:
-    """`images` scenes and `clips` clips, each with every question it supports (in random order)."""
+    """`images` scenes and `clips` clips, each with every question it supports (about every object of a scene,
+    in random order). Binding an attribute to the right object is what the model finds hardest (asked about
+    one of several objects it tends to answer another's colour), so every object is asked about."""
     rng = random.Random(seed)
     items = []
     for _ in range(images):
         scene = sample_scene(rng)
-        qas = scene_questions(scene, rng)
+        qas = scene_questions(scene, rng, every_object=True)
         rng.shuffle(qas)
         items.append(Item([render(scene)], qas, caption(scene), scene))
     for _ in range(clips):
@@ -349,7 +359,7 @@ def heldout_set(seed: int = HELDOUT_SEED, per_category: int = 10,
             else:
                 count = rng.randint(1, 3) if category == "word" else None  # a word needs a free quadrant
                 scene = sample_scene(rng, count=count, word=True if category == "word" else None)
-                item = Item([render(scene)], scene_questions(scene, rng), caption(scene))
+                item = Item([render(scene)], scene_questions(scene, rng), caption(scene), scene)
             qa = rng.choice([q for q in item.qas if q.category == category])
             out.append((item, qa))
     return out

@@ -17,7 +17,11 @@ Three stages:
    exactly as in its own chat. Loss is next-token cross-entropy on the answers and their `<|im_end|>` only.
    The projector and rank-8 LoRA adapters on SmolLM2's attention projections get gradients; the packaged
    weights stay frozen. The language model runs in float32, as at inference, and the LM head is applied to
-   answer positions only.
+   answer positions only. A scene's questions cover every object in it (binding an attribute to the right
+   object is the hard part; see docs/embedded.md).
+
+Every `--validate-every` steps the log shows per-category accuracy on a validation split (`tasks.VALIDATION_SEED`,
+never the reported held-out seed), scored as greedy decoding would score it (`validate`).
 
 Outputs: `assets/embedded_projector.safetensors` (the projector's state dict), `assets/embedded_adapter.safetensors`
 (the LoRA pairs, merged into the checkpoint at conversion), `assets/embedded_projector.json` (seed, data recipe,
@@ -239,7 +243,9 @@ def pack(tokenized: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
     return {"ids": ids, "labels": labels, "positions": positions, "segments": segments}
 
 
-def batch_loss(model, projector, batch: list[dict], features, image_token, video_token) -> tuple[torch.Tensor, int]:
+def answer_logits(model, projector, batch: list[dict], features, image_token, video_token):
+    """The language model's logits at every position whose next token is an answer token, the answer tokens,
+    and the row each belongs to."""
     lm = model.model.language_model
     length = max(len(example["ids"]) for example in batch)
     pad = model.config.text_config.pad_token_id or 0
@@ -266,17 +272,50 @@ def batch_loss(model, projector, batch: list[dict], features, image_token, video
     # position t predicts token t+1 of its own segment: score only the positions whose next token is an
     # answer token (a segment never starts with one, so no prediction crosses a segment boundary)
     targets = labels[:, 1:]
-    picked = hidden[:, :-1][targets != -100]
-    logits = model.lm_head(picked)
-    loss = torch.nn.functional.cross_entropy(logits, targets[targets != -100])
-    return loss, int((targets != -100).sum())
+    scored = targets != -100
+    rows = torch.arange(len(batch))[:, None].expand_as(targets)[scored]
+    return model.lm_head(hidden[:, :-1][scored]), targets[scored], rows
+
+
+def batch_loss(model, projector, batch: list[dict], features, image_token, video_token) -> tuple[torch.Tensor, int]:
+    logits, targets, _ = answer_logits(model, projector, batch, features, image_token, video_token)
+    return torch.nn.functional.cross_entropy(logits, targets), len(targets)
+
+
+def question_examples(pairs: list[tuple[tasks.Item, tasks.QA]], adapter: LlavaAdapter):
+    """(category, tokenized single-question chat, features) for each held-out style (item, question) pair."""
+    examples = []
+    for (item, qa), f in zip(pairs, precompute([item for item, _ in pairs], adapter)):
+        token = adapter.config.video_token_id if item.is_video else adapter.config.image_token_id
+        media = {"type": "video" if item.is_video else "image"}
+        chat = [{"role": "user", "content": [media, {"type": "text", "text": qa.question}]},
+                {"role": "assistant", "content": [{"type": "text", "text": qa.answer}]}]
+        examples.append((qa.category, pack([tokenize(chat, adapter.tokenizer, token, f.shape[0])]), f))
+    return examples
+
+
+@torch.no_grad()
+def validate(model, projector, examples: list[tuple[str, dict, torch.Tensor]], image_token, video_token,
+             batch: int = 8) -> dict[str, float]:
+    """Accuracy per category on single-question chats: a question counts as right when every answer token
+    (and the closing <|im_end|>) is the argmax given the ones before it, i.e. when greedy decoding would
+    produce exactly the answer."""
+    right: dict[str, list[bool]] = {}
+    for at in range(0, len(examples), batch):
+        chunk = examples[at: at + batch]
+        logits, targets, rows = answer_logits(model, projector, [e for _, e, _ in chunk], [f for _, _, f in chunk],
+                                              image_token, video_token)
+        hit = logits.argmax(-1) == targets
+        for row, (category, _, _) in enumerate(chunk):
+            right.setdefault(category, []).append(bool(hit[rows == row].all()))
+    return {category: sum(hits) / len(hits) for category, hits in right.items()}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=tasks.TRAIN_SEED)
-    parser.add_argument("--images", type=int, default=1100)
-    parser.add_argument("--clips", type=int, default=260)
+    parser.add_argument("--images", type=int, default=1280)
+    parser.add_argument("--clips", type=int, default=320)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=10)
@@ -290,6 +329,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "assets" / "embedded_projector"),
                         help="output path without extension (.safetensors and .json are written)")
     parser.add_argument("--save-every", type=int, default=50, help="also write the projector every N steps")
+    parser.add_argument("--validate-every", type=int, default=30,
+                        help="log accuracy on the validation split every N steps (0: never)")
+    parser.add_argument("--validate-per-category", type=int, default=4)
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -319,6 +361,16 @@ def main(argv=None) -> int:
         CACHE.mkdir(exist_ok=True)
         torch.save(features, cached)
         say(f"features cached in {cached}")
+
+    validation = []
+    if args.validate_every:
+        validation = question_examples(tasks.heldout_set(tasks.VALIDATION_SEED, args.validate_per_category), adapter)
+        say(f"validation split: seed {tasks.VALIDATION_SEED}, {len(validation)} questions")
+
+    def check(step: int) -> None:
+        accuracy = validate(model, projector, validation, config.image_token_id, config.video_token_id)
+        overall = sum(accuracy.values()) / len(accuracy)
+        say(f"validation after step {step}: {overall:.0%}  " + " ".join(f"{c} {a:.0%}" for c, a in accuracy.items()))
 
     media_tokens = features[0].shape[0]
     examples = []
@@ -365,7 +417,9 @@ def main(argv=None) -> int:
             "caption_share": args.caption_share, "align_epochs": args.align_epochs,
             "adapter_rank": args.adapter_rank, "adapter_alpha": 2.0 * args.adapter_rank, "adapter_lr": args.adapter_lr,
             "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps, "embedded_recipe": embedded.RECIPE,
-            "data": "training/tasks.py: training_items(seed, images, clips); every question a single-turn chat, packed per item",
+            "data": "training/tasks.py: training_items(seed, images, clips), every object of a scene asked about; "
+                    "every question a single-turn chat, packed per item",
+            "validation": f"heldout_set({tasks.VALIDATION_SEED}, {args.validate_per_category}) every {args.validate_every} steps",
             "command": "python -m training.train_projector " + " ".join(sys.argv[1:] if argv is None else argv),
             "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
             "torch": torch.__version__, "complete": final, "log": log,
@@ -392,6 +446,8 @@ def main(argv=None) -> int:
                 f"lr {schedule.get_last_lr()[0]:.2e}  answer tokens {answer_tokens}")
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < steps:
             save(Path(args.out), final=False)
+        if validation and ((step + 1) % args.validate_every == 0 or step == steps - 1):
+            check(step + 1)
     say("done")
     save(Path(args.out), final=True)
     print(f"wrote {args.out}.safetensors and {args.out}.json")
