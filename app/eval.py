@@ -229,7 +229,7 @@ def format_table(report: dict) -> str:
 
 def plot(report: dict, path: str | Path) -> None:
     """TTFT speedup on x, match rate (agreement) or accuracy (pass-key: mean over lengths; visual: all
-    categories) on y."""
+    categories) on y; the unpruned model is the single point "none" at 1x, the level to keep."""
     from app.plot import line_plot
 
     quality = "match_rate" if report["task"] == "agreement" else "accuracy"
@@ -238,9 +238,8 @@ def plot(report: dict, path: str | Path) -> None:
         points.setdefault((r["policy"], r["speed"]), []).append(r)
     series: dict[str, list[tuple[float, float]]] = {}
     for (name, _), rs in points.items():
-        if name != "none":
-            series.setdefault(name, []).append((sum(r["ttft_speedup"] for r in rs) / len(rs),
-                                                sum(r[quality] for r in rs) / len(rs)))
+        series.setdefault(name, []).append((sum(r["ttft_speedup"] for r in rs) / len(rs),
+                                            sum(r[quality] for r in rs) / len(rs)))
     line_plot(series, path, title=f"glimpse eval {report['task']}", xlabel="TTFT speedup",
               ylabel=quality.replace("_", " "))
 
