@@ -367,7 +367,6 @@ def run_bench(args) -> int:
             preset, layers = args.random_model or "qwen2-vl-2b", args.layers or 8
             device = resolve_device(args.device)
             dtype = resolve_dtype(args.dtype, device)
-            options = {}
             if preset_family(preset) == "llava":
                 shape = LLAVA_PRESETS[preset]
                 fixed = (shape["vision_image_size"] // shape["vision_patch_size"]) ** 2
@@ -376,12 +375,11 @@ def run_bench(args) -> int:
                          f"x{shape['vision_image_size']} pixels); --image-tokens {args.image_tokens} does not apply")
                 if image_tokens:
                     image_tokens = fixed
-            else:
-                options["max_visual_tokens"] = max(DEFAULT_MAX_VISUAL_TOKENS, image_tokens)
             _log(f"building a random-weights {preset} ({layers} decoder layers, 1-layer vision tower, "
                  f"{str(dtype).replace('torch.', '')}) in {tmp} ...")
             folder = build_random(Path(tmp) / "model", preset=preset, layers=layers, dtype=dtype,
-                                  init_device=device if device.type == "cuda" else None, **options)
+                                  max_visual_tokens=max(DEFAULT_MAX_VISUAL_TOKENS, image_tokens),
+                                  init_device=device if device.type == "cuda" else None)
             _log("loading it ...")
             engine = load_engine(str(folder), device=args.device, attn=args.attn, dtype=dtype)
             label = f"random-weights {preset}"

@@ -22,7 +22,7 @@ import torch
 
 from app.bench import device_name
 from pipeline import load_engine
-from pipeline.random_checkpoint import build_random, preset_family, random_image
+from pipeline.random_checkpoint import build_random, random_image
 
 COLOURS = ["#444444", "#d62728", "#1f77b4", "#2ca02c", "#9467bd"]
 
@@ -91,9 +91,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-        # LLaVA-1.5 images are always 576 tokens; Qwen2-VL's processor must admit --image-tokens
-        options = {} if preset_family(args.preset) == "llava" else {"max_visual_tokens": args.image_tokens}
-        folder = build_random(Path(tmp) / "model", preset=args.preset, layers=args.layers, dtype=dtype, **options)
+        folder = build_random(Path(tmp) / "model", preset=args.preset, layers=args.layers, dtype=dtype,
+                              max_visual_tokens=args.image_tokens)
         engine = load_engine(str(folder), device=args.device, dtype=str(dtype).replace("torch.", ""))
     messages = [{"role": "user", "content": [{"type": "image", "image": random_image(args.image_tokens)},
                                              {"type": "text", "text": "Describe the image in detail."}]}]

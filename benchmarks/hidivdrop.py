@@ -25,7 +25,7 @@ import torch
 
 from app.bench import device_name
 from pipeline import load_engine
-from pipeline.random_checkpoint import build_random, preset_family, random_image
+from pipeline.random_checkpoint import build_random, random_image
 from pruning import HiDivDrop, NoPruning
 
 QUESTIONS = ["What is in this picture?", "Describe the image in detail.", "What colours do you see?"]
@@ -34,10 +34,8 @@ QUESTIONS = ["What is in this picture?", "Describe the image in detail.", "What 
 def speed_part(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-        # LLaVA-1.5 images are always 576 tokens; Qwen2-VL's processor must admit --image-tokens
-        options = {} if preset_family(args.preset) == "llava" else {"max_visual_tokens": args.image_tokens}
         folder = build_random(Path(tmp) / "model", preset=args.preset, layers=args.layers,
-                              dtype=getattr(torch, dtype), **options)
+                              dtype=getattr(torch, dtype), max_visual_tokens=args.image_tokens)
         engine = load_engine(str(folder), device=args.device, attn=args.attn, dtype=dtype)
     messages = [{"role": "user", "content": [{"type": "image", "image": random_image(args.image_tokens)},
                                              {"type": "text", "text": "Describe the image in detail."}]}]

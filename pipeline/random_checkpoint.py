@@ -290,11 +290,16 @@ def preset_family(preset: str) -> str:
     raise ValueError(f"unknown preset {preset!r}; available: {', '.join([*PRESETS, *LLAVA_PRESETS])}")
 
 
-def build_random(folder: str | Path, *, preset: str = "qwen2-vl-2b", **kwargs) -> Path:
-    """``build_random_qwen2_vl`` or ``build_random_llava``, whichever makes ``preset``; ``kwargs`` go to it
-    (``max_visual_tokens`` is Qwen2-VL's only: a LLaVA-1.5 image is always the same number of tokens)."""
-    builder = build_random_llava if preset_family(preset) == "llava" else build_random_qwen2_vl
-    return builder(folder, preset=preset, **kwargs)
+def build_random(folder: str | Path, *, preset: str = "qwen2-vl-2b", max_visual_tokens: int | None = None,
+                 **kwargs) -> Path:
+    """``build_random_qwen2_vl`` or ``build_random_llava``, whichever makes ``preset``; ``kwargs`` go to it.
+    ``max_visual_tokens`` (the most visual tokens one image may have) bounds Qwen2-VL's processor only: a
+    LLaVA-1.5 image is always the same number of tokens, so there it has nothing to bound."""
+    if preset_family(preset) == "llava":
+        return build_random_llava(folder, preset=preset, **kwargs)
+    if max_visual_tokens is not None:
+        kwargs["max_visual_tokens"] = max_visual_tokens
+    return build_random_qwen2_vl(folder, preset=preset, **kwargs)
 
 
 def grid_for_tokens(tokens: int, aspect: float = 1.0) -> tuple[int, int]:

@@ -191,6 +191,17 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
         say(f"align epoch {epoch + 1}/{epochs}  squared error {total / len(rows):.4f}")
 
 
+def single_turn_chat(item: tasks.Item, question: str, answer: str) -> list[dict]:
+    """The item's image or clip and `question` from the user, `answer` from the assistant."""
+    media = {"type": "video" if item.is_video else "image"}
+    return [{"role": "user", "content": [media, {"type": "text", "text": question}]},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+
+
+def media_token(item: tasks.Item, config) -> int:
+    return config.video_token_id if item.is_video else config.image_token_id
+
+
 def chats(item: tasks.Item, rng: random.Random, caption_share: float) -> list[list[dict]]:
     """One single-turn chat per question of the item (and, for some items, a caption request), each with the
     image or clip, exactly as a user would ask it."""
@@ -198,9 +209,7 @@ def chats(item: tasks.Item, rng: random.Random, caption_share: float) -> list[li
     if rng.random() < caption_share:
         ask = "Describe the video." if item.is_video else rng.choice(("Describe the image.", "What is in the image?"))
         turns.append((ask, item.caption))
-    media = {"type": "video" if item.is_video else "image"}
-    return [[{"role": "user", "content": [media, {"type": "text", "text": question}]},
-             {"role": "assistant", "content": [{"type": "text", "text": answer}]}] for question, answer in turns]
+    return [single_turn_chat(item, question, answer) for question, answer in turns]
 
 
 def tokenize(messages: list[dict], tokenizer, media_token: int, media_tokens: int) -> tuple[list[int], list[int]]:
@@ -286,11 +295,9 @@ def question_examples(pairs: list[tuple[tasks.Item, tasks.QA]], adapter: LlavaAd
     """(category, tokenized single-question chat, features) for each held-out style (item, question) pair."""
     examples = []
     for (item, qa), f in zip(pairs, precompute([item for item, _ in pairs], adapter)):
-        token = adapter.config.video_token_id if item.is_video else adapter.config.image_token_id
-        media = {"type": "video" if item.is_video else "image"}
-        chat = [{"role": "user", "content": [media, {"type": "text", "text": qa.question}]},
-                {"role": "assistant", "content": [{"type": "text", "text": qa.answer}]}]
-        examples.append((qa.category, pack([tokenize(chat, adapter.tokenizer, token, f.shape[0])]), f))
+        chat = single_turn_chat(item, qa.question, qa.answer)
+        tokenized = tokenize(chat, adapter.tokenizer, media_token(item, adapter.config), f.shape[0])
+        examples.append((qa.category, pack([tokenized]), f))
     return examples
 
 
@@ -375,7 +382,7 @@ def main(argv=None) -> int:
     media_tokens = features[0].shape[0]
     examples = []
     for item, f in zip(items, features):
-        token = config.video_token_id if item.is_video else config.image_token_id
+        token = media_token(item, config)
         tokenized = [tokenize(chat, processor.tokenizer, token, media_tokens)
                      for chat in chats(item, rng, args.caption_share)]
         examples.append((pack(tokenized), f))
