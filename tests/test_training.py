@@ -127,6 +127,15 @@ def test_validation_counts_a_question_right_exactly_when_greedy_decoding_answers
                         for c in tasks.IMAGE_CATEGORIES}  # batching with padding changes nothing
 
 
+def test_passes_show_every_item_once_before_any_item_again():
+    from training.train_projector import shuffled_passes
+
+    order = shuffled_passes(10, 25, random.Random(0))
+    assert len(order) == 25
+    assert sorted(order[:10]) == sorted(order[10:20]) == list(range(10))
+    assert len(set(order[20:])) == 5 and order[:10] != order[10:20]  # each pass freshly shuffled
+
+
 def test_training_moves_the_projector_and_adapters_only(engine):
     from training import tasks
     from training.train_projector import add_adapters, batch_loss, chats, pack, precompute, tokenize
@@ -149,8 +158,13 @@ def test_training_moves_the_projector_and_adapters_only(engine):
     optimizer = torch.optim.AdamW(trainable, lr=1e-3)
     losses = []
     try:
+        with torch.no_grad():  # training runs under bfloat16 autocast: the same objective, to bf16 precision
+            exact, _ = batch_loss(model, projector, batch, features, adapter.image_token_id, adapter.video_token_id)
         for _ in range(3):
-            loss, _ = batch_loss(model, projector, batch, features, adapter.image_token_id, adapter.video_token_id)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, _ = batch_loss(model, projector, batch, features, adapter.image_token_id, adapter.video_token_id)
+            if not losses:
+                assert loss.item() == pytest.approx(exact.item(), rel=0.03)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

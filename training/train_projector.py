@@ -1,7 +1,7 @@
 """Train the embedded model's projector and attention adapters on the generated visual task set; the packaged
 SmolLM2 and DINOv2 weights stay frozen.
 
-    python -m training.train_projector            # ~75 min on a 2-core CPU, writes assets/embedded_*
+    python -m training.train_projector            # ~80 min on a 2-core CPU, writes assets/embedded_*
 
 Three stages:
 
@@ -16,9 +16,11 @@ Three stages:
    once, then each chat's remainder attending only to the prefix and itself), so each answer is trained
    exactly as in its own chat. Loss is next-token cross-entropy on the answers and their `<|im_end|>` only.
    The projector and rank-8 LoRA adapters on SmolLM2's attention projections get gradients; the packaged
-   weights stay frozen. The language model runs in float32, as at inference, and the LM head is applied to
-   answer positions only. A scene's questions cover every object in it (binding an attribute to the right
-   object is the hard part; see docs/embedded.md).
+   weights stay frozen. The forward pass runs under bfloat16 autocast (`--precision`, about 1.6x faster on
+   this CPU); validation, like inference, runs in float32. The LM head is applied to answer positions only.
+   The `--steps` steps (default 320, 1.6 passes) take the items in passes, each freshly shuffled. A scene's
+   questions cover every object in it (binding an attribute to the right object is the hard part; see
+   docs/embedded.md).
 
 Every `--validate-every` steps the log shows per-category accuracy on a validation split (`tasks.VALIDATION_SEED`,
 never the reported held-out seed), scored as greedy decoding would score it (`validate`).
@@ -191,6 +193,15 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
         say(f"align epoch {epoch + 1}/{epochs}  squared error {total / len(rows):.4f}")
 
 
+def shuffled_passes(count: int, length: int, rng: random.Random) -> list[int]:
+    """`length` item indices: one pass over range(count) in a fresh random order after another, so that no
+    item is seen a second time before every item has been seen once."""
+    order: list[int] = []
+    while len(order) < length:
+        order += rng.sample(range(count), count)
+    return order[:length]
+
+
 def single_turn_chat(item: tasks.Item, question: str, answer: str) -> list[dict]:
     """The item's image or clip and `question` from the user, `answer` from the assistant."""
     media = {"type": "video" if item.is_video else "image"}
@@ -275,8 +286,8 @@ def answer_logits(model, projector, batch: list[dict], features, image_token, vi
     mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
     embeds = lm.embed_tokens(ids)
     media = (ids == image_token) | (ids == video_token)
-    projected = projector(torch.stack(features).float())
-    embeds = embeds.masked_scatter(media[..., None], projected.reshape(-1, projected.shape[-1]))
+    projected = projector(torch.stack([f.float() for f in features]))
+    embeds = embeds.masked_scatter(media[..., None], projected.reshape(-1, projected.shape[-1]).to(embeds.dtype))
     hidden = lm(inputs_embeds=embeds, attention_mask=mask[:, None], position_ids=positions).last_hidden_state
     # position t predicts token t+1 of its own segment: score only the positions whose next token is an
     # answer token (a segment never starts with one, so no prediction crosses a segment boundary)
@@ -332,7 +343,11 @@ def main(argv=None) -> int:
                         help="rank of the LoRA adapters on SmolLM2's q/k/v/o projections (0: projector only)")
     parser.add_argument("--adapter-lr", type=float, default=5e-4)
     parser.add_argument("--adapter-out", default=str(ROOT / "assets" / "embedded_adapter.safetensors"))
-    parser.add_argument("--steps", type=int, default=None, help="stop the LM-loss stage after N steps")
+    parser.add_argument("--steps", type=int, default=320,
+                        help="LM-loss steps (0: one pass over the items); past the last item a new shuffled pass starts")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="the training forward pass (bf16: autocast, ~1.6x faster on a CPU with AVX512-BF16); "
+                             "validation and inference stay float32")
     parser.add_argument("--out", default=str(ROOT / "assets" / "embedded_projector"),
                         help="output path without extension (.safetensors and .json are written)")
     parser.add_argument("--save-every", type=int, default=50, help="also write the projector every N steps")
@@ -404,9 +419,7 @@ def main(argv=None) -> int:
     if adapters:
         groups.append({"params": [p for m in adapters.values() for p in (m.lora_A, m.lora_B)], "lr": args.adapter_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-    steps = math.ceil(len(examples) / args.batch)
-    if args.steps is not None:
-        steps = min(steps, args.steps)
+    steps = args.steps or math.ceil(len(examples) / args.batch)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
 
@@ -423,7 +436,9 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "schedule": "linear warm-up, cosine to 10%", "optimizer": "AdamW, no weight decay",
             "caption_share": args.caption_share, "align_epochs": args.align_epochs,
             "adapter_rank": args.adapter_rank, "adapter_alpha": 2.0 * args.adapter_rank, "adapter_lr": args.adapter_lr,
-            "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps, "embedded_recipe": embedded.RECIPE,
+            "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps,
+            "passes": round(steps * args.batch / len(examples), 2), "precision": args.precision,
+            "embedded_recipe": embedded.RECIPE,
             "data": "training/tasks.py: training_items(seed, images, clips), every object of a scene asked about; "
                     "every question a single-turn chat, packed per item",
             "validation": f"heldout_set({tasks.VALIDATION_SEED}, {args.validate_per_category}) every {args.validate_every} steps",
@@ -435,13 +450,13 @@ def main(argv=None) -> int:
 
     trained = sum(p.numel() for g in groups for p in g["params"])
     say(f"training {trained} parameters (projector and adapters), {steps} steps of {args.batch}")
-    order = list(range(len(examples)))
-    rng.shuffle(order)
+    order = shuffled_passes(len(examples), steps * args.batch, rng)
     running = None
     for step in range(steps):
         chunk = [examples[i] for i in order[step * args.batch: (step + 1) * args.batch]]
-        loss, answer_tokens = batch_loss(model, projector, [e for e, _ in chunk], [f for _, f in chunk],
-                                         config.image_token_id, config.video_token_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss, answer_tokens = batch_loss(model, projector, [e for e, _ in chunk], [f for _, f in chunk],
+                                             config.image_token_id, config.video_token_id)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         optimizer.step()
