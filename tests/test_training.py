@@ -149,13 +149,16 @@ def test_training_moves_the_projector_and_adapters_only(engine):
     projector = model.model.multi_modal_projector
     language_model = model.model.language_model
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config  # training starts from the seeded projector, never from the shipped one
+    projector.load_state_dict(embedded.initial_projector_state(
+        config.vision_config.hidden_size, config.text_config.hidden_size, config.text_config.initializer_range))
     originals = [{n: getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
                  for layer in language_model.layers]
     adapters = add_adapters(language_model, rank=4, alpha=8.0, seed=0)
     trainable = list(projector.parameters()) + [p for m in adapters.values() for p in (m.lora_A, m.lora_B)]
     for p in trainable:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)  # the warm-up's first rate
     losses = []
     try:
         with torch.no_grad():  # training runs under bfloat16 autocast: the same objective, to bf16 precision
@@ -164,7 +167,7 @@ def test_training_moves_the_projector_and_adapters_only(engine):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss, _ = batch_loss(model, projector, batch, features, adapter.image_token_id, adapter.video_token_id)
             if not losses:
-                assert loss.item() == pytest.approx(exact.item(), rel=0.03)
+                assert loss.item() == pytest.approx(exact.item(), rel=0.03, abs=0.02)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
