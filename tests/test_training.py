@@ -138,7 +138,7 @@ def test_passes_show_every_item_once_before_any_item_again():
 
 def test_training_moves_the_projector_and_adapters_only(engine):
     from training import tasks
-    from training.train_projector import add_adapters, batch_loss, chats, pack, precompute, tokenize
+    from training.train_projector import add_adapters, batch_loss, chats, pack, precompute, reset_projector, tokenize
 
     model, adapter = engine.adapter.model, engine.adapter
     items = tasks.training_items(4, 2, 0)
@@ -149,9 +149,7 @@ def test_training_moves_the_projector_and_adapters_only(engine):
     projector = model.model.multi_modal_projector
     language_model = model.model.language_model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    config = model.config  # training starts from the seeded projector, never from the shipped one
-    projector.load_state_dict(embedded.initial_projector_state(
-        config.vision_config.hidden_size, config.text_config.hidden_size, config.text_config.initializer_range))
+    reset_projector(projector, model.config)  # where training starts, not the shipped projector
     originals = [{n: getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
                  for layer in language_model.layers]
     adapters = add_adapters(language_model, rank=4, alpha=8.0, seed=0)

@@ -84,6 +84,12 @@ class LoRALinear(torch.nn.Module):
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+def reset_projector(projector, config) -> None:
+    """Load the seeded initial projector: training always starts there, never from one shipped in assets/."""
+    projector.load_state_dict(embedded.initial_projector_state(
+        config.vision_config.hidden_size, config.text_config.hidden_size, config.text_config.initializer_range))
+
+
 def add_adapters(language_model, rank: int, alpha: float, seed: int) -> dict[str, LoRALinear]:
     """Put a LoRALinear around every attention projection; keys as in pipeline.embedded.ADAPTER_FILE."""
     generator = torch.Generator().manual_seed(seed)
@@ -286,6 +292,7 @@ def answer_logits(model, projector, batch: list[dict], features, image_token, vi
     mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
     embeds = lm.embed_tokens(ids)
     media = (ids == image_token) | (ids == video_token)
+    # the cached features are float16: cast each before stacking (CPU autocast rejects float16 inputs)
     projected = projector(torch.stack([f.float() for f in features]))
     embeds = embeds.masked_scatter(media[..., None], projected.reshape(-1, projected.shape[-1]).to(embeds.dtype))
     hidden = lm(inputs_embeds=embeds, attention_mask=mask[:, None], position_ids=positions).last_hidden_state
@@ -404,10 +411,8 @@ def main(argv=None) -> int:
     mean_len = sum(len(e[0]["ids"]) for e in examples) / len(examples)
     say(f"{len(examples)} conversations, {mean_len:.0f} tokens on average")
 
-    # Always from the seeded initialisation, never from a projector already shipped in assets/.
     projector = model.model.multi_modal_projector
-    projector.load_state_dict(embedded.initial_projector_state(
-        config.vision_config.hidden_size, config.text_config.hidden_size, config.text_config.initializer_range))
+    reset_projector(projector, config)
     for p in projector.parameters():
         p.requires_grad_(True)
     if args.align_epochs:
