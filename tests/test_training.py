@@ -187,12 +187,11 @@ def test_training_moves_the_projector_and_adapters_only(engine):
 def test_alignment_position_code_says_where_each_cell_is(engine):
     """The alignment targets' position term: seen along the word-embedding directions " left" -> " right" and
     " top" -> " bottom", every cell of the row-major grid sits on its own side, further out cell by cell."""
-    from training.train_projector import position_code
+    from training.train_projector import position_code, word_embedding
 
     tokenizer = engine.adapter.tokenizer
     embed = engine.adapter.model.model.language_model.embed_tokens
-    words = {w: embed.weight[tokenizer(" " + w, add_special_tokens=False)["input_ids"]].mean(0).detach()
-             for w in ("left", "right", "top", "bottom")}
+    words = {w: word_embedding(embed, tokenizer, w) for w in ("left", "right", "top", "bottom")}
     code = position_code(16, embed, tokenizer)
     horizontal = (code @ (words["right"] - words["left"])).reshape(16, 16)  # [row, column]
     vertical = (code @ (words["bottom"] - words["top"])).reshape(16, 16)

@@ -163,15 +163,17 @@ def patch_words(item: tasks.Item, grid: int) -> list[str | None]:
     return words
 
 
+def word_embedding(embed_tokens, tokenizer, words: str) -> torch.Tensor:
+    """The mean input embedding of " " + `words` (the form they take inside a sentence)."""
+    return embed_tokens.weight.detach()[tokenizer(" " + words, add_special_tokens=False)["input_ids"]].mean(0)
+
+
 def position_code(grid: int, embed_tokens, tokenizer) -> torch.Tensor:
     """Where each of a grid's cells is, in word space: (grid * grid, hidden), x * u_h + y * u_v with u_h the unit
     vector from the embedding of " left" to that of " right", u_v from " top" to " bottom", and x, y running
     from -1 (left edge, top edge) to 1 at the cell centres. Row-major like the visual tokens."""
-    weights = embed_tokens.weight.detach()
-
     def axis(low: str, high: str) -> torch.Tensor:
-        vector = (weights[tokenizer(" " + high, add_special_tokens=False)["input_ids"]].mean(0)
-                  - weights[tokenizer(" " + low, add_special_tokens=False)["input_ids"]].mean(0))
+        vector = word_embedding(embed_tokens, tokenizer, high) - word_embedding(embed_tokens, tokenizer, low)
         return vector / vector.norm()
 
     centres = (torch.arange(grid, dtype=torch.float32) + 0.5) / grid * 2 - 1
@@ -191,14 +193,12 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
     the word targets do not); with w = 0.5 the left/right signal at the projector's output is 13x stronger.
     That was run 7 (`--align-position 0.5`): the model still answered left/right at chance, so the shipped
     run 6 and the default use w = 0 (docs/embedded.md)."""
-    weights = embed_tokens.weight
-    scale = weights.norm(dim=-1).mean()
+    scale = embed_tokens.weight.detach().norm(dim=-1).mean()
     cache: dict[str, torch.Tensor] = {}
 
     def target(words: str) -> torch.Tensor:
         if words not in cache:
-            ids = tokenizer(" " + words, add_special_tokens=False)["input_ids"]
-            vector = weights[ids].mean(0)
+            vector = word_embedding(embed_tokens, tokenizer, words)
             cache[words] = vector * scale / vector.norm()
         return cache[words]
 
