@@ -1,7 +1,7 @@
 """Train the embedded model's projector and attention adapters on the generated visual task set; the packaged
 SmolLM2 and DINOv2 weights stay frozen.
 
-    python -m training.train_projector            # under 90 min on a 2-core CPU (88.5 measured), writes assets/embedded_*
+    python -m training.train_projector            # ~90 min on a 2-core CPU (91.3 measured), writes assets/embedded_*
 
 Three stages:
 
@@ -12,9 +12,10 @@ Three stages:
    what its cell shows (`align`), so the next stage starts from tokens the language model can read.
 3. Train: every question of an item is a single-turn chat with the image or clip (for some items also a
    caption request), rendered with the embedded model's own chat template exactly as `glimpse ask` renders a
-   prompt. An item's chats are packed into one sequence (`pack`: the shared prefix with the visual tokens
-   once, then each chat's remainder attending only to the prefix and itself), so each answer is trained
-   exactly as in its own chat. Loss is next-token cross-entropy on the answers and their `<|im_end|>` only.
+   prompt, and its visual tokens get the fixed 2D position code inference adds (`visual_code`,
+   `--position-scale`; pipeline/embedded.py). An item's chats are packed into one sequence (`pack`: the
+   shared prefix with the visual tokens once, then each chat's remainder attending only to the prefix and
+   itself), so each answer is trained exactly as in its own chat. Loss is next-token cross-entropy on the answers and their `<|im_end|>` only.
    The projector and rank-8 LoRA adapters on SmolLM2's attention projections get gradients; the packaged
    weights stay frozen. The forward pass runs under bfloat16 autocast (`--precision`, about 1.6x faster on
    this CPU); validation, like inference, runs in float32. The LM head is applied to answer positions only.
@@ -173,8 +174,9 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
     With `position_weight` w > 0 each target also says where its cell is: w * `embedded.position_code` is
     added. Without it the aligned projector keeps little of where a cell is (DINOv2's features carry it,
     the word targets do not); with w = 0.5 the left/right signal at the projector's output is 13x stronger.
-    That was run 7 (`--align-position 0.5`): the model still answered left/right at chance, so the shipped
-    run 6 and the default use w = 0 (docs/embedded.md)."""
+    That was run 7 (`--align-position 0.5`): the signal faded during the LM-loss stage and the model still
+    answered left/right at chance. The default is w = 0; the shipped run 8 gives the position through the
+    fixed code added to every token instead (`--position-scale`, docs/embedded.md#position)."""
     scale = embed_tokens.weight.detach().norm(dim=-1).mean()
     cache: dict[str, torch.Tensor] = {}
 
