@@ -15,10 +15,10 @@ Three stages:
    prompt, and its visual tokens get the fixed 2D position code inference adds (`visual_code`,
    `--position-scale`; pipeline/embedded.py). An item's chats are packed into one sequence (`pack`: the
    shared prefix with the visual tokens once, then each chat's remainder attending only to the prefix and
-   itself), so each answer is trained exactly as in its own chat. Loss is next-token cross-entropy on the answers and their `<|im_end|>` only.
-   The projector and rank-8 LoRA adapters on SmolLM2's attention projections get gradients; the packaged
-   weights stay frozen. The forward pass runs under bfloat16 autocast (`--precision`, about 1.6x faster on
-   this CPU); validation, like inference, runs in float32. The LM head is applied to answer positions only.
+   itself), so each answer is trained exactly as in its own chat. Loss is next-token cross-entropy on the
+   answers and their `<|im_end|>` only. The projector and rank-8 LoRA adapters on SmolLM2's attention
+   projections get gradients; the packaged weights stay frozen. The forward pass runs under bfloat16
+   autocast (`--precision`, about 1.6x faster on this CPU); validation, like inference, runs in float32. The LM head is applied to answer positions only.
    The `--steps` steps (default 320, 1.6 passes) take the items in passes, each freshly shuffled. A scene's
    questions cover every object in it (binding an attribute to the right object is the hard part; see
    docs/embedded.md).
