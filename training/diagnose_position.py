@@ -1,5 +1,6 @@
 """Where the embedded model reads an object's position from: two measurements behind docs/embedded.md's
-account of why it answers top/bottom and not left/right.
+account of why runs 1-7 answered top/bottom and not left/right (run 8 adds the position code to every
+token's content, and the code moves with its token when the grid is transposed).
 
     python -m training.diagnose_position            # about 6 min on a 2-core CPU
 
