@@ -352,7 +352,7 @@ def _position_scale() -> float:
 
 def word_embedding(embed_weight: torch.Tensor, tokenizer, words: str) -> torch.Tensor:
     """The mean input embedding of " " + `words` (the form they take inside a sentence)."""
-    return embed_weight.detach().float()[tokenizer(" " + words, add_special_tokens=False)["input_ids"]].mean(0)
+    return embed_weight.detach()[tokenizer(" " + words, add_special_tokens=False)["input_ids"]].float().mean(0)
 
 
 def position_axes(embed_weight: torch.Tensor, tokenizer) -> torch.Tensor:
@@ -368,8 +368,8 @@ def position_axes(embed_weight: torch.Tensor, tokenizer) -> torch.Tensor:
 def position_code(axes: torch.Tensor, frames: int, rows: int, cols: int) -> torch.Tensor:
     """(frames * rows * cols, hidden): x * axes[0] + y * axes[1] for each token of `frames` row-major grids,
     x and y running from -1 to 1 over the cell centres (the left column's x is -1 + 1/cols)."""
-    y = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows * 2 - 1
-    x = (torch.arange(cols, dtype=torch.float32) + 0.5) / cols * 2 - 1
+    y = (torch.arange(rows, dtype=torch.float32, device=axes.device) + 0.5) / rows * 2 - 1
+    x = (torch.arange(cols, dtype=torch.float32, device=axes.device) + 0.5) / cols * 2 - 1
     grid = x[None, :, None] * axes[0] + y[:, None, None] * axes[1]  # (rows, cols, hidden)
     return grid.reshape(rows * cols, -1).repeat(frames, 1)
 

@@ -58,7 +58,7 @@ def test_precomputed_features_are_what_inference_projects(engine, tmp_path, monk
         video = adapter.encode([adapter.prepare_video(path)], 2)
         assert image.shape == video.shape == (256, adapter.text_config.hidden_size)
         for item, f, encoded in zip(items, features, (image, video)):
-            trained = projector(f.float()) + visual_code(item, adapter.config, axes)
+            trained = projector(f.float()) + visual_code(item.is_video, adapter.config, axes)
             torch.testing.assert_close(trained, encoded, atol=2e-2, rtol=0)  # float16 storage
 
 

@@ -52,8 +52,7 @@ def answer_states(adapter, item: tasks.Item, features: torch.Tensor, question: s
     at = ids.shape[1] - answer - 1
     tokens = model.model.multi_modal_projector(features.float())
     if adapter.position_axes is not None:  # the code belongs to its cell, so a transposed grid takes it along
-        side = round(features.shape[0] ** 0.5)
-        tokens = tokens + position_code(adapter.position_axes, 1, side, side)
+        tokens = tokens + position_code(adapter.position_axes, 1, GRID, GRID)
     embeds = model.model.language_model.embed_tokens(ids)
     embeds[ids == adapter.image_token_id] = transposed(tokens) if transpose else tokens
     out = model.model.language_model(inputs_embeds=embeds, output_hidden_states=True)

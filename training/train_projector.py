@@ -18,10 +18,10 @@ Three stages:
    itself), so each answer is trained exactly as in its own chat. Loss is next-token cross-entropy on the
    answers and their `<|im_end|>` only. The projector and rank-8 LoRA adapters on SmolLM2's attention
    projections get gradients; the packaged weights stay frozen. The forward pass runs under bfloat16
-   autocast (`--precision`, about 1.6x faster on this CPU); validation, like inference, runs in float32. The LM head is applied to answer positions only.
-   The `--steps` steps (default 320, 1.6 passes) take the items in passes, each freshly shuffled. A scene's
-   questions cover every object in it (binding an attribute to the right object is the hard part; see
-   docs/embedded.md).
+   autocast (`--precision`, about 1.6x faster on this CPU); validation, like inference, runs in float32.
+   The LM head is applied to answer positions only. The `--steps` steps (default 320, 1.6 passes) take the
+   items in passes, each freshly shuffled. A scene's questions cover every object in it (binding an
+   attribute to the right object is the hard part; see docs/embedded.md).
 
 Every `--validate-every` steps the log shows per-category accuracy on a validation split (`tasks.VALIDATION_SEED`,
 never the reported held-out seed), scored as greedy decoding would score it (`validate`).
@@ -225,13 +225,14 @@ def single_turn_chat(item: tasks.Item, question: str, answer: str) -> list[dict]
             {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
 
 
-def visual_code(item: tasks.Item, config, axes: torch.Tensor | None) -> torch.Tensor | None:
-    """The position code inference adds to the item's visual tokens (`embedded.position_code`; its grid as
-    LlavaAdapter lays it out: 16x16 for an image, `video_frames` 8x8 grids for a clip); None without `axes`."""
+def visual_code(is_video: bool, config, axes: torch.Tensor | None) -> torch.Tensor | None:
+    """The position code inference adds to an image's or a clip's visual tokens (`embedded.position_code`; its
+    grid as LlavaAdapter lays it out: 16x16 for an image, `video_frames` 8x8 grids for a clip); None without
+    `axes`. There are only these two codes: callers compute each once and share it between items."""
     if axes is None:
         return None
     side = embedded.IMAGE_SIZE // embedded.PATCH_SIZE
-    if item.is_video:
+    if is_video:
         side //= config.spatial_pool_stride
         return embedded.position_code(axes, config.video_frames, side, side)
     return embedded.position_code(axes, 1, side, side)
@@ -338,11 +339,12 @@ def batch_loss(model, projector, batch: list[dict], features, image_token, video
 def question_examples(pairs: list[tuple[tasks.Item, tasks.QA]], adapter: LlavaAdapter, axes=None):
     """(category, tokenized single-question chat, features, position code or None) for each held-out style
     (item, question) pair; `axes` as for `visual_code`."""
+    codes = {is_video: visual_code(is_video, adapter.config, axes) for is_video in (False, True)}
     examples = []
     for (item, qa), f in zip(pairs, precompute([item for item, _ in pairs], adapter)):
         chat = single_turn_chat(item, qa.question, qa.answer)
         tokenized = tokenize(chat, adapter.tokenizer, media_token(item, adapter.config), f.shape[0])
-        examples.append((qa.category, pack([tokenized]), f, visual_code(item, adapter.config, axes)))
+        examples.append((qa.category, pack([tokenized]), f, codes[item.is_video]))
     return examples
 
 
@@ -439,12 +441,13 @@ def main(argv=None) -> int:
         say(f"validation after step {step}: {overall:.0%}  " + " ".join(f"{c} {a:.0%}" for c, a in accuracy.items()))
 
     media_tokens = features[0].shape[0]
+    codes = {is_video: visual_code(is_video, config, axes) for is_video in (False, True)}
     examples = []
     for item, f in zip(items, features):
         token = media_token(item, config)
         tokenized = [tokenize(chat, processor.tokenizer, token, media_tokens)
                      for chat in chats(item, rng, args.caption_share)]
-        examples.append((pack(tokenized), f, visual_code(item, config, axes)))
+        examples.append((pack(tokenized), f, codes[item.is_video]))
     mean_len = sum(len(e[0]["ids"]) for e in examples) / len(examples)
     say(f"{len(examples)} conversations, {mean_len:.0f} tokens on average")
 
