@@ -127,6 +127,45 @@ def test_packed_questions_are_trained_exactly_as_single_chats(engine):
     assert together.item() == pytest.approx(mean, rel=1e-4)
 
 
+def test_one_example_at_a_time_gives_the_padded_batch_gradient(engine):
+    """Training backpropagates each packed item at its own length (`accumulate_gradient`): the loss and the
+    gradient are the padded batch's, for items of different lengths (a scene with a caption request, a clip)."""
+    from training import tasks
+    from training.train_projector import accumulate_gradient, batch_loss, chats, pack, precompute, tokenize
+
+    adapter = engine.adapter
+    projector = adapter.model.model.multi_modal_projector
+    items = tasks.training_items(6, 1, 1)
+    features = precompute(items, adapter)
+    rng = random.Random(0)
+    batch = [pack([tokenize(chat, adapter.tokenizer, adapter.video_token_id if item.is_video else adapter.image_token_id,
+                            f.shape[0]) for chat in chats(item, rng, caption_share=1.0)])
+             for item, f in zip(items, features)]
+    assert len(batch[0]["ids"]) != len(batch[1]["ids"])  # the shorter one is padded in a batch
+    args = (adapter.model, projector, batch, features, adapter.image_token_id, adapter.video_token_id)
+    trainable = {p: p.requires_grad for p in adapter.model.parameters()}
+    for p in trainable:  # as in training: gradients for the projector only
+        p.requires_grad_(False)
+    for p in projector.parameters():
+        p.requires_grad_(True)
+    try:
+        loss, count = batch_loss(*args)
+        loss.backward()
+        batched = [p.grad.clone() for p in projector.parameters()]
+        projector.zero_grad(set_to_none=True)
+        accumulated_loss, accumulated_count = accumulate_gradient(*args, bf16=False)
+        accumulated = [p.grad.clone() for p in projector.parameters()]
+    finally:
+        projector.zero_grad(set_to_none=True)
+        for p, flag in trainable.items():
+            p.requires_grad_(flag)
+    assert accumulated_count == count
+    assert accumulated_loss == pytest.approx(loss.item(), rel=1e-5)
+    for a, b in zip(accumulated, batched):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
 def test_validation_counts_a_question_right_exactly_when_greedy_decoding_answers_it(engine):
     """The accuracy logged during training is the accuracy `glimpse eval visual` would measure: a question is
     right in `validate` exactly when the chat's greedy reply is the answer."""
@@ -162,7 +201,8 @@ def test_passes_show_every_item_once_before_any_item_again():
 
 def test_training_moves_the_projector_and_adapters_only(engine):
     from training import tasks
-    from training.train_projector import add_adapters, batch_loss, chats, pack, precompute, reset_projector, tokenize
+    from training.train_projector import (accumulate_gradient, add_adapters, batch_loss, chats, pack, precompute,
+                                          reset_projector, tokenize)
 
     model, adapter = engine.adapter.model, engine.adapter
     items = tasks.training_items(4, 2, 0)
@@ -186,14 +226,13 @@ def test_training_moves_the_projector_and_adapters_only(engine):
         with torch.no_grad():  # training runs under bfloat16 autocast: the same objective, to bf16 precision
             exact, _ = batch_loss(model, projector, batch, features, adapter.image_token_id, adapter.video_token_id)
         for _ in range(3):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss, _ = batch_loss(model, projector, batch, features, adapter.image_token_id, adapter.video_token_id)
+            loss, _ = accumulate_gradient(model, projector, batch, features, adapter.image_token_id,
+                                          adapter.video_token_id, bf16=True)
             if not losses:
-                assert loss.item() == pytest.approx(exact.item(), rel=0.03, abs=0.02)
-            loss.backward()
+                assert loss == pytest.approx(exact.item(), rel=0.03, abs=0.02)
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(loss.item())
+            losses.append(loss)
         assert losses[-1] < losses[0]
         assert all(m.lora_B.abs().sum() > 0 for m in adapters.values())  # every adapter learnt something
     finally:
