@@ -220,7 +220,7 @@ def test_training_moves_the_projector_and_adapters_only(engine):
     trainable = list(projector.parameters()) + [p for m in adapters.values() for p in (m.lora_A, m.lora_B)]
     for p in trainable:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)  # the warm-up's first rate
+    optimizer = torch.optim.AdamW(trainable, lr=2e-5)  # small steps: each must lower the loss from any start
     losses = []
     try:
         with torch.no_grad():  # training runs under bfloat16 autocast: the same objective, to bf16 precision

@@ -20,8 +20,9 @@ Three stages:
    projections get gradients; the packaged weights stay frozen. The forward pass runs under bfloat16
    autocast (`--precision`, about 1.6x faster on this CPU); validation, like inference, runs in float32.
    Each step backpropagates its items one at a time at their own lengths (`accumulate_gradient`: the
-   padded batch's gradient without its padding). The LM head is applied to answer positions only. The `--steps` steps (default 320, 1.6 passes) take the
-   items in passes, each freshly shuffled. A scene's questions cover every object in it (binding an
+   padded batch's gradient without its padding), with the language model's attention eager. The LM head is
+   applied to answer positions only. The `--steps` steps (default 320, 1.6 passes) take the items in
+   passes, each freshly shuffled. A scene's questions cover every object in it (binding an
    attribute to the right object is the hard part; see docs/embedded.md).
 
 Every `--validate-every` steps the log shows per-category accuracy on a validation split (`tasks.VALIDATION_SEED`,
@@ -64,8 +65,9 @@ def load_frozen_model():
     path = embedded.embedded_checkpoint(progress=lambda line: print(line, file=sys.stderr), trained=False)
     model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     # The language model's attention as explicit matmuls and softmax: with the packed items' block mask, CPU
-    # SDPA took ~45% of a bf16 step (its flash kernel, backward mostly); eager made a step ~15-20% faster.
-    # The encoder keeps SDPA, so the precomputed features stay exactly the chat path's.
+    # SDPA took ~45% of a bf16 step (its flash kernel, backward mostly). Eager, one item at a time, was 15-25%
+    # faster on two profiled batches, 3.4% over run 9's whole run (docs/embedded.md, Decisions). The encoder
+    # keeps SDPA, so the precomputed features stay exactly the chat path's.
     model.model.language_model.set_attn_implementation("eager")
     processor = AutoProcessor.from_pretrained(path)
     for p in model.parameters():
