@@ -131,15 +131,14 @@ def test_one_example_at_a_time_gives_the_padded_batch_gradient(engine):
     """Training backpropagates each packed item at its own length (`accumulate_gradient`): the loss and the
     gradient are the padded batch's, for items of different lengths (a scene with a caption request, a clip)."""
     from training import tasks
-    from training.train_projector import accumulate_gradient, batch_loss, chats, pack, precompute, tokenize
+    from training.train_projector import accumulate_gradient, batch_loss, packed_chats, precompute
 
     adapter = engine.adapter
     projector = adapter.model.model.multi_modal_projector
     items = tasks.training_items(6, 1, 1)
     features = precompute(items, adapter)
     rng = random.Random(0)
-    batch = [pack([tokenize(chat, adapter.tokenizer, adapter.video_token_id if item.is_video else adapter.image_token_id,
-                            f.shape[0]) for chat in chats(item, rng, caption_share=1.0)])
+    batch = [packed_chats(item, adapter.tokenizer, adapter.config, f.shape[0], rng, caption_share=1.0)
              for item, f in zip(items, features)]
     assert len(batch[0]["ids"]) != len(batch[1]["ids"])  # the shorter one is padded in a batch
     args = (adapter.model, projector, batch, features, adapter.image_token_id, adapter.video_token_id)

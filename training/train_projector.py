@@ -259,6 +259,13 @@ def chats(item: tasks.Item, rng: random.Random, caption_share: float) -> list[li
     return [single_turn_chat(item, question, answer) for question, answer in turns]
 
 
+def features_cache(seed: int, images: int, clips: int) -> Path:
+    """Where the precomputed features of `training_items(seed, images, clips)` are cached (keyed by the data and
+    the embedded model's recipe, so a changed encoder conversion never reuses them)."""
+    recipe = hashlib.sha256(json.dumps([seed, images, clips, embedded.RECIPE]).encode()).hexdigest()[:12]
+    return CACHE / f"features-{recipe}.pt"
+
+
 def tokenize(messages: list[dict], tokenizer, media_token: int, media_tokens: int) -> tuple[list[int], list[int]]:
     """Token ids (the media placeholder expanded) and labels (-100 except on answers and their <|im_end|>)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -297,6 +304,13 @@ def pack(tokenized: list[tuple[list[int], list[int]]]) -> dict[str, list[int]]:
         positions += range(shared, len(chat_ids))
         segments += [k] * (len(chat_ids) - shared)
     return {"ids": ids, "labels": labels, "positions": positions, "segments": segments}
+
+
+def packed_chats(item: tasks.Item, tokenizer, config, media_tokens: int, rng: random.Random,
+                 caption_share: float) -> dict[str, list[int]]:
+    """The item's training example: its chats (`chats`) tokenized and packed into one sequence."""
+    token = media_token(item, config)
+    return pack([tokenize(chat, tokenizer, token, media_tokens) for chat in chats(item, rng, caption_share)])
 
 
 def answer_logits(model, projector, batch: list[dict], features, image_token, video_token, codes=None):
@@ -449,8 +463,7 @@ def main(argv=None) -> int:
     adapter = LlavaAdapter(model, processor.tokenizer, processor.image_processor)
     config = model.config
 
-    recipe = hashlib.sha256(json.dumps([args.seed, args.images, args.clips, embedded.RECIPE]).encode()).hexdigest()[:12]
-    cached = CACHE / f"features-{recipe}.pt"
+    cached = features_cache(args.seed, args.images, args.clips)
     if cached.is_file():
         features = torch.load(cached)
         say(f"features loaded from {cached}")
@@ -478,10 +491,8 @@ def main(argv=None) -> int:
     codes = {is_video: visual_code(is_video, config, axes) for is_video in (False, True)}
     examples = []
     for item, f in zip(items, features):
-        token = media_token(item, config)
-        tokenized = [tokenize(chat, processor.tokenizer, token, media_tokens)
-                     for chat in chats(item, rng, args.caption_share)]
-        examples.append((pack(tokenized), f, codes[item.is_video]))
+        examples.append((packed_chats(item, processor.tokenizer, config, media_tokens, rng, args.caption_share), f,
+                         codes[item.is_video]))
     mean_len = sum(len(e[0]["ids"]) for e in examples) / len(examples)
     say(f"{len(examples)} conversations, {mean_len:.0f} tokens on average")
 
