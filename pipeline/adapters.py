@@ -177,6 +177,10 @@ class LlavaAdapter(Adapter):
         # None for every other checkpoint.
         scale = getattr(self.config, "visual_position_scale", 0.0)
         self.position_axes = position_axes(self.embed_tokens.weight, tokenizer) * scale if scale else None
+        # The embedded model's learnt colour input, (hidden, 3): each visual token also gets this map of its
+        # cell's mean pixel colour (pipeline/embedded.py says why); None for every other checkpoint.
+        colour_map = getattr(self.config, "visual_colour_map", None)
+        self.colour_map = torch.tensor(colour_map, dtype=torch.float32) if colour_map else None
 
     @property
     def supports_video(self) -> bool:
@@ -221,6 +225,12 @@ class LlavaAdapter(Adapter):
             hidden = torch.nn.functional.avg_pool2d(grid, pool).flatten(2).transpose(1, 2)
         return hidden
 
+    def cell_colours(self, pixel_values: torch.Tensor, pool: int = 1) -> torch.Tensor:
+        """(N, tokens, 3): the mean of the processed pixels under each visual token's cell (a patch, or
+        ``pool`` x ``pool`` patches), in the order of `vision_features`. The projector's training uses it too."""
+        cell = self.config.vision_config.patch_size * pool
+        return torch.nn.functional.avg_pool2d(pixel_values.float(), cell).flatten(2).transpose(1, 2)
+
     def encode(self, media, kind):
         vm = self.model.model
         if kind == VIDEO:
@@ -232,10 +242,14 @@ class LlavaAdapter(Adapter):
             pixels = pixels.to(vm.vision_tower.device, vm.vision_tower.dtype)
             out = vm.get_image_features(pixel_values=pixels, return_dict=True, **self._feature_kwargs())
             tokens = torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output], dim=0)
-        if self.position_axes is None:
-            return tokens
-        code = torch.cat([position_code(self.position_axes, *m.grid) for m in media if m.kind == kind])
-        return tokens + code.to(tokens.device, tokens.dtype)
+        if self.position_axes is not None:
+            code = torch.cat([position_code(self.position_axes, *m.grid) for m in media if m.kind == kind])
+            tokens = tokens + code.to(tokens.device, tokens.dtype)
+        if self.colour_map is not None:
+            pool = self.config.spatial_pool_stride if kind == VIDEO else 1
+            colours = self.cell_colours(pixels, pool).reshape(-1, 3)
+            tokens = tokens + (colours @ self.colour_map.to(colours.device).T).to(tokens.device, tokens.dtype)
+        return tokens
 
 
 class LlavaNextAdapter(LlavaAdapter):

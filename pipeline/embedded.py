@@ -46,6 +46,11 @@ Decisions:
   The scale is a trained asset's property (`position_scale` in `embedded_projector.json`, written into the
   config as `visual_position_scale`; 0 or absent: no code); only Glimpse's Llava adapter adds it, so the
   checkpoint stays a plain `LlavaForConditionalGeneration` that transformers loads (and then lacks the code).
+- Each visual token also gets a learnt map of its cell's colour: `visual_colour_map` (hidden x 3, from
+  `embedded_colour.safetensors`) times the mean of the processed pixels under the token's cell (a 14x14 patch,
+  28x28 for a pooled clip cell). Why: DINOv2 was pretrained with strong hue jitter and keeps red, orange and
+  yellow only coarsely apart, while the cell's mean colour separates them (docs/embedded.md, Colour). Like the
+  position code, only Glimpse's Llava adapter adds it; absent or null: no colour input.
 - Everything is stored in float32 so that CPU logits equal SmolLM2's exactly (~630 MB on disk).
 """
 
@@ -98,6 +103,9 @@ PROJECTOR_RECORD = ASSETS / "embedded_projector.json"  # the training record; it
 # `layers.{i}.self_attn.{q,k,v,o}_proj` a pair `.lora_A` (r, in) and `.lora_B` (out, r), scale folded into B.
 # They are merged into the converted checkpoint (W + B A); the packaged GGUF is never changed.
 ADAPTER_FILE = ASSETS / "embedded_adapter.safetensors"
+# The learnt colour input, trained with the projector: `weight`, (hidden, 3), maps a visual token's cell mean
+# colour to what is added to the token. Written into the config as `visual_colour_map`.
+COLOUR_FILE = ASSETS / "embedded_colour.safetensors"
 EMBEDDED_GROUNDED: bool = PROJECTOR_FILE.is_file()
 
 IMAGE_TOKEN = "<image>"
@@ -186,7 +194,7 @@ def _checkpoint_name(trained: bool = True) -> str:
     # Trained weights change the model, so they get their own directory: shipping new ones never reuses an
     # older cache. `trained=False` is the plain conversion (seeded random projector, no adapters) that the
     # projector's training starts from.
-    files = [f for f in (PROJECTOR_FILE, ADAPTER_FILE) if trained and f.is_file()]
+    files = [f for f in (PROJECTOR_FILE, ADAPTER_FILE, COLOUR_FILE) if trained and f.is_file()]
     if not files:
         return RECIPE
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
@@ -246,6 +254,7 @@ def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str]
         projector_hidden_act="gelu",
         tie_word_embeddings=text_config.tie_word_embeddings,
         visual_position_scale=_position_scale() if trained else 0.0,
+        visual_colour_map=_colour_map() if trained else None,
     )
     config.dtype = text_config.dtype = vision_config.dtype = torch.float32
 
@@ -348,6 +357,13 @@ def _position_scale() -> float:
     if not (PROJECTOR_FILE.is_file() and PROJECTOR_RECORD.is_file()):
         return 0.0
     return float(json.loads(PROJECTOR_RECORD.read_text()).get("position_scale", 0.0))
+
+
+def _colour_map() -> list[list[float]] | None:
+    # JSON in the config (576 x 3 numbers): float32 -> Python float -> float32 is exact
+    if not (PROJECTOR_FILE.is_file() and COLOUR_FILE.is_file()):
+        return None
+    return load_file(COLOUR_FILE)["weight"].tolist()
 
 
 def word_embedding(embed_weight: torch.Tensor, tokenizer, words: str) -> torch.Tensor:

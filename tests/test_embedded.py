@@ -177,3 +177,11 @@ def test_trained_projector_is_loaded_into_its_own_cache_entry(tmp_path, monkeypa
     assert embedded._position_scale() == 0.0
     embedded.PROJECTOR_RECORD.write_text(json.dumps({"seed": 0, "position_scale": 0.75}))
     assert embedded._position_scale() == 0.75
+    # so is the colour input: a colour map beside the projector goes into the config and names a new entry
+    monkeypatch.setattr(embedded, "COLOUR_FILE", tmp_path / "embedded_colour.safetensors")
+    without_colour = embedded._checkpoint_name()
+    assert embedded._colour_map() is None
+    colour_map = torch.randn(576, 3)
+    save_file({"weight": colour_map}, embedded.COLOUR_FILE)
+    assert embedded._checkpoint_name() != without_colour
+    assert torch.equal(torch.tensor(json.loads(json.dumps(embedded._colour_map()))), colour_map)

@@ -124,6 +124,15 @@ def clip_frame_indices(total: int, count: int) -> list[int]:
     return np.linspace(0, total - 1, count, dtype=int).tolist()
 
 
+def item_frames(item: tasks.Item, config) -> tuple[list, int]:
+    """The frames inference encodes for the item (its image, or the clip's sampled frames) and the pooling of
+    their feature grids (1, or `spatial_pool_stride` for a clip)."""
+    if item.is_video:
+        return [item.frames[k] for k in clip_frame_indices(len(item.frames), config.video_frames)], \
+            config.spatial_pool_stride
+    return item.frames[:1], 1
+
+
 @torch.no_grad()
 def precompute(items: list[tasks.Item], adapter: LlavaAdapter, batch: int = 16) -> list[torch.Tensor]:
     """(256, 384) float16 features per item, in item order."""
@@ -135,11 +144,7 @@ def precompute(items: list[tasks.Item], adapter: LlavaAdapter, batch: int = 16) 
     for group, pool in ((images, 1), (clips, config.spatial_pool_stride)):
         for at in range(0, len(group), batch):
             chunk = group[at: at + batch]
-            frames = []
-            for i in chunk:
-                item = items[i]
-                picks = clip_frame_indices(len(item.frames), config.video_frames) if item.is_video else [0]
-                frames += [item.frames[k] for k in picks]
+            frames = [frame for i in chunk for frame in item_frames(items[i], config)[0]]
             pixels = adapter.image_processor(images=frames, return_tensors="pt")["pixel_values"]
             features = adapter.vision_features(pixels, pool=pool)
             per_item = features.reshape(len(chunk), -1, features.shape[-1])
@@ -148,6 +153,37 @@ def precompute(items: list[tasks.Item], adapter: LlavaAdapter, batch: int = 16) 
             done = sum(x is not None for x in out)
             print(f"  features {done}/{len(items)}  {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return out
+
+
+@torch.no_grad()
+def item_colours(item: tasks.Item, adapter: LlavaAdapter) -> torch.Tensor:
+    """(visual tokens, 3): the mean processed-pixel colour under each of the item's visual tokens, computed as
+    inference computes it (`LlavaAdapter.cell_colours` of the frames `item_frames` names)."""
+    frames, pool = item_frames(item, adapter.config)
+    pixels = adapter.image_processor(images=frames, return_tensors="pt")["pixel_values"]
+    return adapter.cell_colours(pixels, pool).reshape(-1, 3)
+
+
+def with_colours(items: list[tasks.Item], features: list[torch.Tensor], adapter: LlavaAdapter) -> list[torch.Tensor]:
+    """Each item's features with its cells' mean colours appended, (tokens, C + 3): the input of `ColourInput`."""
+    return [torch.cat([f, item_colours(item, adapter).to(f.dtype)], dim=-1) for item, f in zip(items, features)]
+
+
+class ColourInput(torch.nn.Module):
+    """The projector beside a learnt map of each visual token's cell colour (`--colour-input`). Its input is a
+    feature row with the cell's mean colour appended (`with_colours`): the projector reads the first C values,
+    a bias-free 3 -> hidden map (zero at the start) the last 3, and their sum is the token, as
+    `LlavaAdapter.encode` adds the shipped map (`visual_colour_map`) to the projected token. Why: DINOv2 keeps
+    hue only coarsely (docs/embedded.md, Colour)."""
+
+    def __init__(self, projector: torch.nn.Module, hidden: int):
+        super().__init__()
+        self.projector = projector
+        self.colour_map = torch.nn.Linear(3, hidden, bias=False)
+        torch.nn.init.zeros_(self.colour_map.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projector(x[..., :-3]) + self.colour_map(x[..., -3:])
 
 
 def patch_words(item: tasks.Item, grid: int) -> list[str | None]:
@@ -383,12 +419,17 @@ def accumulate_gradient(model, projector, batch: list[dict], features, image_tok
     return total, count
 
 
-def question_examples(pairs: list[tuple[tasks.Item, tasks.QA]], adapter: LlavaAdapter, axes=None):
+def question_examples(pairs: list[tuple[tasks.Item, tasks.QA]], adapter: LlavaAdapter, axes=None,
+                      colours: bool = False):
     """(category, tokenized single-question chat, features, position code or None) for each held-out style
-    (item, question) pair; `axes` as for `visual_code`."""
+    (item, question) pair; `axes` as for `visual_code`; `colours`: features with colours (`with_colours`)."""
     codes = {is_video: visual_code(is_video, adapter.config, axes) for is_video in (False, True)}
+    items = [item for item, _ in pairs]
+    features = precompute(items, adapter)
+    if colours:
+        features = with_colours(items, features, adapter)
     examples = []
-    for (item, qa), f in zip(pairs, precompute([item for item, _ in pairs], adapter)):
+    for (item, qa), f in zip(pairs, features):
         chat = single_turn_chat(item, qa.question, qa.answer)
         tokenized = tokenize(chat, adapter.tokenizer, media_token(item, adapter.config), f.shape[0])
         examples.append((qa.category, pack([tokenized]), f, codes[item.is_video]))
@@ -429,6 +470,10 @@ def main(argv=None) -> int:
     parser.add_argument("--position-scale", type=float, default=1.0,
                         help="scale of the fixed 2D position code added to every visual token (pipeline/embedded.py; "
                              "0: none, as in runs 1-7)")
+    parser.add_argument("--colour-input", action=argparse.BooleanOptionalAction, default=False,
+                        help="also learn a map of each visual token's cell mean colour, added to the token "
+                             "(ColourInput; written to --colour-out)")
+    parser.add_argument("--colour-out", default=str(ROOT / "assets" / "embedded_colour.safetensors"))
     parser.add_argument("--adapter-rank", type=int, default=8,
                         help="rank of the LoRA adapters on SmolLM2's q/k/v/o projections (0: projector only)")
     parser.add_argument("--adapter-lr", type=float, default=5e-4)
@@ -473,13 +518,16 @@ def main(argv=None) -> int:
         CACHE.mkdir(exist_ok=True)
         torch.save(features, cached)
         say(f"features cached in {cached}")
+    if args.colour_input:
+        features = with_colours(items, features, adapter)
+        say("cell colours appended to the features")
 
     axes = embedded.position_axes(model.model.language_model.embed_tokens.weight, processor.tokenizer) \
         * args.position_scale if args.position_scale else None
     validation = []
     if args.validate_every:
         validation = question_examples(tasks.heldout_set(tasks.VALIDATION_SEED, args.validate_per_category), adapter,
-                                       axes)
+                                       axes, colours=args.colour_input)
         say(f"validation split: seed {tasks.VALIDATION_SEED}, {len(validation)} questions")
 
     def check(step: int) -> None:
@@ -496,10 +544,12 @@ def main(argv=None) -> int:
     mean_len = sum(len(e[0]["ids"]) for e in examples) / len(examples)
     say(f"{len(examples)} conversations, {mean_len:.0f} tokens on average")
 
-    projector = model.model.multi_modal_projector
-    reset_projector(projector, config)
-    for p in projector.parameters():
+    llava_projector = model.model.multi_modal_projector
+    reset_projector(llava_projector, config)
+    for p in llava_projector.parameters():
         p.requires_grad_(True)
+    # what maps a feature row to a visual token: the projector, or the projector beside the colour map
+    projector = ColourInput(llava_projector, config.text_config.hidden_size) if args.colour_input else llava_projector
     if args.align_epochs:
         align(projector, items, features, model.model.language_model.embed_tokens, processor.tokenizer,
               args.align_epochs, args.lr, say, position_weight=args.align_position)
@@ -514,8 +564,13 @@ def main(argv=None) -> int:
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
 
     def save(path_stem: Path, final: bool) -> None:
-        state = {k: v.detach().clone().contiguous() for k, v in projector.state_dict().items()}
+        state = {k: v.detach().clone().contiguous() for k, v in llava_projector.state_dict().items()}
         save_file(state, f"{path_stem}.safetensors", metadata={"format": "pt"})
+        if args.colour_input:
+            save_file({"weight": projector.colour_map.weight.detach().clone().contiguous()}, args.colour_out,
+                      metadata={"format": "pt"})
+        elif Path(args.colour_out).is_file():
+            Path(args.colour_out).unlink()  # nor beside an older colour map
         if adapters:
             save_file(adapter_state(adapters), args.adapter_out, metadata={"format": "pt"})
         elif Path(args.adapter_out).is_file():
@@ -526,6 +581,7 @@ def main(argv=None) -> int:
             "warmup": args.warmup, "schedule": "linear warm-up, cosine to 10%", "optimizer": "AdamW, no weight decay",
             "caption_share": args.caption_share, "align_epochs": args.align_epochs,
             "align_position": args.align_position, "position_scale": args.position_scale,
+            "colour_input": args.colour_input,
             "adapter_rank": args.adapter_rank, "adapter_alpha": 2.0 * args.adapter_rank, "adapter_lr": args.adapter_lr,
             "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps,
             "passes": round(steps * args.batch / len(examples), 2), "precision": args.precision,

@@ -30,18 +30,6 @@ from training import train_projector as tp
 BATCH = 8
 
 
-def cell_colours(item: tasks.Item, processor, config) -> torch.Tensor:
-    """(visual tokens, 3): the mean of the processed (normalised) pixels under each visual token, in the
-    order the adapter lays the tokens out."""
-    if item.is_video:
-        frames = [item.frames[k] for k in tp.clip_frame_indices(len(item.frames), config.video_frames)]
-        pool = embedded.PATCH_SIZE * config.spatial_pool_stride
-    else:
-        frames, pool = item.frames[:1], embedded.PATCH_SIZE
-    pixels = processor.image_processor(images=frames, return_tensors="pt")["pixel_values"]
-    return torch.nn.functional.avg_pool2d(pixels, pool).flatten(2).transpose(1, 2).reshape(-1, 3)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("arm", choices=("control", "colour"))
@@ -66,7 +54,7 @@ def main(argv=None) -> int:
         """What is added to the item's projected tokens: the position code, plus the colour map in that arm."""
         if args.arm == "control":
             return position
-        colour = colour_map(cell_colours(item, processor, config))
+        colour = colour_map(tp.item_colours(item, adapter))
         return colour if position is None else position + colour
 
     def score(tag: str) -> None:
