@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, default=None,
                           help="passkey: key draw (default 0); visual: held-out split (default 1; 0 is the "
                                "training seed and is refused)")
+    evaluate.add_argument("--categories", default=None,
+                          help="visual: comma-separated question categories (default: every image category, and every "
+                               "clip category when the model takes video), e.g. colour,shape,count,position")
     evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
     evaluate.add_argument("--plot", default=None, metavar="FILE.png", help="quality vs TTFT speedup plot")
     _add_device_options(evaluate)
@@ -245,14 +248,21 @@ def run_eval(args) -> int:
         raise UserError("--samples and --new-tokens must be at least 1, --lengths non-empty")
     if args.task == "visual" and args.seed == evaluation.tasks.TRAIN_SEED:
         raise UserError(f"--seed {args.seed} is the seed the projector was trained on; pick another for a held-out set")
+    categories = tuple(c.strip() for c in args.categories.split(",")) if args.categories else None
+    known = evaluation.tasks.IMAGE_CATEGORIES + evaluation.tasks.VIDEO_CATEGORIES
+    if categories is not None and (not categories or any(c not in known for c in categories)):
+        raise UserError(f"--categories takes a comma-separated list of {', '.join(known)}")
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
+    if categories and not engine.adapter.supports_video and set(categories) & set(evaluation.tasks.VIDEO_CATEGORIES):
+        raise UserError(f"{args.model} takes no video: leave out {', '.join(evaluation.tasks.VIDEO_CATEGORIES)}")
     if args.task == "agreement":
         report = evaluation.agreement_with_synthesized_media(engine, policies, speeds, args.new_tokens,
                                                              args.image_tokens, args.video_tokens, _log)
     elif args.task == "visual":
         seed = evaluation.tasks.HELDOUT_SEED if args.seed is None else args.seed
-        report = evaluation.run_visual(engine, args.samples, policies, speeds, seed, progress=_log)
+        report = evaluation.run_visual(engine, args.samples, policies, speeds, seed, progress=_log,
+                                       categories=categories)
     else:
         report = evaluation.run_passkey(engine, lengths, args.samples, policies, speeds, args.seed or 0,
                                         progress=_log)

@@ -140,8 +140,12 @@ def run_passkey(engine, lengths: list[int], samples: int, policies: list[str], s
 
 
 # ------------------------------------------------------------------------------------ visual task
-def visual_cases(folder: Path, samples: int, seed: int, video: bool) -> list[dict]:
-    categories = tasks.IMAGE_CATEGORIES + (tasks.VIDEO_CATEGORIES if video else ())
+def visual_cases(folder: Path, samples: int, seed: int, video: bool, categories: tuple[str, ...] | None = None
+                 ) -> list[dict]:
+    """`samples` held-out questions of each category (default: every image category, and every clip category when
+    the model takes video), the media written into `folder`, as chat messages."""
+    if categories is None:
+        categories = tasks.IMAGE_CATEGORIES + (tasks.VIDEO_CATEGORIES if video else ())
     cases = []
     for i, (item, qa) in enumerate(tasks.heldout_set(seed, samples, categories)):
         if item.is_video:
@@ -161,9 +165,9 @@ def visual_reduction(metrics: dict) -> float:
 
 
 def run_visual(engine, samples: int, policies: list[str], speeds: list[float], seed: int = tasks.HELDOUT_SEED,
-               new_tokens: int = 8, progress=lambda line: None) -> dict:
+               new_tokens: int = 8, progress=lambda line: None, categories: tuple[str, ...] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="glimpse-visual-") as tmp:
-        cases = visual_cases(Path(tmp), samples, seed, engine.adapter.supports_video)
+        cases = visual_cases(Path(tmp), samples, seed, engine.adapter.supports_video, categories)
         categories = list(dict.fromkeys(c["qa"].category for c in cases))
         configs = [("none", 0.0)] + [(name, speed) for name in policies for speed in speeds]
         rows, base_ttft = [], 0.0
@@ -189,7 +193,7 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
             image = [accuracy[c] for c in categories if c in tasks.IMAGE_CATEGORIES]
             video = [accuracy[c] for c in categories if c in tasks.VIDEO_CATEGORIES]
             rows.append({"policy": name, "speed": speed, "accuracy": sum(right.values()) / len(cases),
-                         "image_accuracy": sum(image) / len(image), "video_accuracy": sum(video) / len(video) if video else None,
+                         "image_accuracy": sum(image) / len(image) if image else None, "video_accuracy": sum(video) / len(video) if video else None,
                          "per_category": accuracy, "visual_reduction": sum(reductions) / len(reductions),
                          "flops_speedup": flops_base / flops, "ttft_speedup": base_ttft / ttft, "answers": answers})
             progress(f"{name} @ {speed:g}: accuracy {rows[-1]['accuracy']:.0%}, "

@@ -104,3 +104,21 @@ def test_visual_task_report_is_consistent(checkpoints, tmp_path, capsys):
         assert r["accuracy"] == sum(r["per_category"].values()) / len(report["categories"])
     assert Image.open(plot).size == (720, 440)
     assert main(["eval", "visual", "--model", str(checkpoints["llava"]), "--seed", str(tasks.TRAIN_SEED)]) == 1
+
+
+def test_visual_task_asks_only_the_categories_named(checkpoints, capsys):
+    """`--categories` restricts the questions (the goal categories on a fresh draw); an unknown category, or a
+    clip category for a model without video, is refused with a message."""
+    from training import tasks
+
+    args = ["eval", "visual", "--model", str(checkpoints["llava"]), "--policies", "none", "--samples", "2", "--json"]
+    assert main(args + ["--categories", "colour,count", "--seed", "7"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["categories"] == ["colour", "count"] and report["seed"] == 7
+    asked = [(q["category"], q["question"]) for q in report["questions"]]
+    drawn = [(qa.category, qa.question) for _, qa in tasks.heldout_set(7, 2, ("colour", "count"))]
+    assert asked == drawn
+    assert main(args + ["--categories", "colour,hue"]) == 1
+    assert "--categories" in capsys.readouterr().err
+    assert main(args + ["--categories", "motion"]) == 1  # the tiny LLaVA takes no video
+    assert "takes no video" in capsys.readouterr().err

@@ -174,12 +174,12 @@ def test_validation_counts_a_question_right_exactly_when_greedy_decoding_answers
     """The accuracy logged during training is the accuracy `glimpse eval visual` would measure: a question is
     right in `validate` exactly when the chat's greedy reply is the answer."""
     from training import tasks
-    from training.train_projector import question_examples, validate
+    from training.train_projector import inference_projector, question_examples, validate
 
     adapter = engine.adapter
-    projector = adapter.model.model.multi_modal_projector
+    projector = inference_projector(adapter)  # with the shipped position code and colour input, as the chat path
     pairs = tasks.heldout_set(seed=7, per_category=2, categories=tasks.IMAGE_CATEGORIES)
-    examples = question_examples(pairs, adapter)
+    examples = question_examples(pairs, adapter, adapter.position_axes, colours=adapter.colour_map is not None)
     verdicts = []
     for example in examples:  # one at a time, so each category's accuracy is one question's verdict
         (accuracy,) = validate(adapter.model, projector, [example], adapter.image_token_id,

@@ -186,6 +186,19 @@ class ColourInput(torch.nn.Module):
         return self.projector(x[..., :-3]) + self.colour_map(x[..., -3:])
 
 
+def inference_projector(adapter: LlavaAdapter) -> torch.nn.Module:
+    """What the chat path applies to a feature row, as a training-side module: the checkpoint's projector, beside
+    its shipped colour map when it has one (then it takes `with_colours` rows). The position code is separate
+    (`visual_code` with `adapter.position_axes`)."""
+    projector = adapter.model.model.multi_modal_projector
+    if adapter.colour_map is None:
+        return projector
+    wrapped = ColourInput(projector, adapter.text_config.hidden_size)
+    with torch.no_grad():
+        wrapped.colour_map.weight.copy_(adapter.colour_map)
+    return wrapped
+
+
 def patch_words(item: tasks.Item, grid: int) -> list[str | None]:
     """What each visual token's cell of an image shows, in words: "red circle", the written word, or None
     (background). Read off the rendered pixels, so a cell counts when the object covers a quarter of it."""

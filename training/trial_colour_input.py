@@ -1,5 +1,6 @@
-"""Trial behind docs/embedded.md, "Colour": does a per-token colour input help the shipped model tell red,
-orange and yellow apart? Not part of the shipped recipe.
+"""Trial behind docs/embedded.md, "Colour": does a per-token colour input help run 9's weights tell red,
+orange and yellow apart? Run on run 9 (shipped then, without a colour input); run 10, trained from scratch with
+the colour input (`train_projector --colour-input`), replaced it, and this script refuses weights that have one.
 
     python -m training.trial_colour_input control 40   # ~8 min + ~4 min scoring on a 2-core CPU
     python -m training.trial_colour_input colour 40
@@ -45,6 +46,11 @@ def main(argv=None) -> int:
     for p in model.parameters():
         p.requires_grad_(False)
     adapter = LlavaAdapter(model, processor.tokenizer, processor.image_processor)
+    if adapter.colour_map is not None:
+        raise SystemExit("this trial starts from weights without a colour input (run 9); the shipped ones have one. "
+                         "Put run 9's in place first: git checkout ae2c6b1 -- assets/embedded_projector.safetensors "
+                         "assets/embedded_adapter.safetensors assets/embedded_projector.json && "
+                         "rm assets/embedded_colour.safetensors (git checkout HEAD -- assets/ restores the shipped ones)")
     config = model.config
     projector = model.model.multi_modal_projector
     colour_map = torch.nn.Linear(3, config.text_config.hidden_size, bias=False)
