@@ -9,7 +9,8 @@ probe (multinomial logistic regression, L-BFGS) is fitted on the cells of the fi
 the cells of the last 100, on four inputs:
 
 1. the encoder's patch features (what the projector sees),
-2. the trained projector's output (what the language model sees, before the position code),
+2. the trained projector's output, and with the shipped colour input added (what the language model sees,
+   before the position code; run 10 on),
 3. the cell's mean RGB alone,
 4. the patch features with the mean RGB beside them.
 
@@ -28,14 +29,15 @@ import torch
 
 from pipeline import load_engine
 from training import tasks
-from training.train_projector import patch_words, precompute
+from training.train_projector import inference_projector, item_colours, patch_words, precompute
 
 GRID = 16
 PROBE_SEED = 100
 
 
 def labelled_cells(items: list[tasks.Item], features: list[torch.Tensor]):
-    """Per labelled cell: encoder feature, mean RGB (0-1), colour index, and the scene it comes from."""
+    """Per labelled cell: encoder feature (with whatever columns `features` has), mean RGB (0-1), colour index,
+    and the scene it comes from."""
     names = list(tasks.COLOURS)
     feats, rgb, colour, scene = [], [], [], []
     for n, (item, f) in enumerate(zip(items, features)):
@@ -79,15 +81,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     adapter = load_engine("embedded", device="cpu").adapter
     items = tasks.training_items(PROBE_SEED, args.scenes, 0)
-    features = precompute(items, adapter)
-    feats, rgb, colour, scene = labelled_cells(items, features)
+    # each cell's processed-pixel mean colour rides along as 3 more columns (the colour input's input)
+    features = [torch.cat([f.float(), item_colours(item, adapter)], -1)
+                for item, f in zip(items, precompute(items, adapter))]
+    cells, rgb, colour, scene = labelled_cells(items, features)
+    feats = cells[:, :-3]
     train = scene < args.scenes * 3 // 4
     with torch.no_grad():
-        projected = adapter.model.model.multi_modal_projector(feats)
+        probes = [("encoder features", feats), ("projected tokens", adapter.model.model.multi_modal_projector(feats))]
+        if adapter.colour_map is not None:
+            probes.append(("projected + colour input", inference_projector(adapter)(cells)))
+    probes += [("cell mean RGB", rgb), ("encoder features + mean RGB", torch.cat([feats, rgb], 1))]
     names = list(tasks.COLOURS)
     print(f"{int(train.sum())} training cells, {int((~train).sum())} test cells")
-    for label, inputs in (("encoder features", feats), ("projected tokens", projected),
-                          ("cell mean RGB", rgb), ("encoder features + mean RGB", torch.cat([feats, rgb], 1))):
+    for label, inputs in probes:
         accuracy, misses = probe(inputs, colour, train, len(names))
         worst = ", ".join(f"{names[t]}->{names[p]} {n}" for (t, p), n in misses.most_common(4))
         print(f"{label:30s} {accuracy:6.1%}  misses {sum(misses.values()):4d}: {worst}")

@@ -1,7 +1,7 @@
 """Train the embedded model's projector and attention adapters on the generated visual task set; the packaged
 SmolLM2 and DINOv2 weights stay frozen.
 
-    python -m training.train_projector            # 85.4 min on a 2-core CPU from scratch (run 9), writes assets/embedded_*
+    python -m training.train_projector            # 46.7 min on a 2-core CPU from scratch (run 10), writes assets/embedded_*
 
 Three stages:
 
@@ -13,7 +13,8 @@ Three stages:
 3. Train: every question of an item is a single-turn chat with the image or clip (for some items also a
    caption request), rendered with the embedded model's own chat template exactly as `glimpse ask` renders a
    prompt, and its visual tokens get the fixed 2D position code inference adds (`visual_code`,
-   `--position-scale`; pipeline/embedded.py). An item's chats are packed into one sequence (`pack`: the
+   `--position-scale`; pipeline/embedded.py) and a learnt map of their cell's mean colour (`ColourInput`,
+   `--colour-input`; it is trained in the alignment stage too). An item's chats are packed into one sequence (`pack`: the
    shared prefix with the visual tokens once, then each chat's remainder attending only to the prefix and
    itself), so each answer is trained exactly as in its own chat. Loss is next-token cross-entropy on the
    answers and their `<|im_end|>` only. The projector and rank-8 LoRA adapters on SmolLM2's attention
@@ -29,9 +30,9 @@ Every `--validate-every` steps the log shows per-category accuracy on a validati
 never the reported held-out seed), scored as greedy decoding would score it (`validate`).
 
 Outputs: `assets/embedded_projector.safetensors` (the projector's state dict), `assets/embedded_adapter.safetensors`
-(the LoRA pairs, merged into the checkpoint at conversion), `assets/embedded_projector.json` (seed, data recipe,
-hyper-parameters, the whole training log). The embedded model picks the file up on its next
-load (a new cache entry, see pipeline/embedded.py).
+(the LoRA pairs, merged into the checkpoint at conversion), `assets/embedded_colour.safetensors` (the colour map),
+`assets/embedded_projector.json` (seed, data recipe, hyper-parameters, the whole training log). The embedded model
+picks the files up on its next load (a new cache entry, see pipeline/embedded.py).
 """
 
 from __future__ import annotations
@@ -483,9 +484,9 @@ def main(argv=None) -> int:
     parser.add_argument("--position-scale", type=float, default=1.0,
                         help="scale of the fixed 2D position code added to every visual token (pipeline/embedded.py; "
                              "0: none, as in runs 1-7)")
-    parser.add_argument("--colour-input", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--colour-input", action=argparse.BooleanOptionalAction, default=True,
                         help="also learn a map of each visual token's cell mean colour, added to the token "
-                             "(ColourInput; written to --colour-out)")
+                             "(ColourInput; written to --colour-out; on since run 10, --no-colour-input as in runs 1-9)")
     parser.add_argument("--colour-out", default=str(ROOT / "assets" / "embedded_colour.safetensors"))
     parser.add_argument("--adapter-rank", type=int, default=8,
                         help="rank of the LoRA adapters on SmolLM2's q/k/v/o projections (0: projector only)")
