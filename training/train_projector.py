@@ -1,7 +1,7 @@
 """Train the embedded model's projector and attention adapters on the generated visual task set; the packaged
 SmolLM2 and DINOv2 weights stay frozen.
 
-    python -m training.train_projector            # 46.7 min on a 2-core CPU from scratch (run 10), writes assets/embedded_*
+    python -m training.train_projector            # 46.7 min on a 2-core CPU from scratch (run 10; ~85 on a slower day), writes assets/
 
 Three stages:
 
