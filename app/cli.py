@@ -250,7 +250,7 @@ def run_eval(args) -> int:
         raise UserError(f"--seed {args.seed} is the seed the projector was trained on; pick another for a held-out set")
     categories = tuple(c.strip() for c in args.categories.split(",")) if args.categories else None
     known = evaluation.tasks.IMAGE_CATEGORIES + evaluation.tasks.VIDEO_CATEGORIES
-    if categories is not None and (not categories or any(c not in known for c in categories)):
+    if categories is not None and any(c not in known for c in categories):
         raise UserError(f"--categories takes a comma-separated list of {', '.join(known)}")
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
