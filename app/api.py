@@ -109,9 +109,10 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
             return _error(400, "the request body is not JSON")
         scratch = tempfile.TemporaryDirectory(prefix="glimpse-api-")
         try:
-            messages, options, speed = _parse(body, engine, root, Path(scratch.name))
+            messages, options, speed, promise = _parse(body, engine, root, Path(scratch.name))
             if body.get("stream"):
-                return StreamingResponse(_stream(engine, messages, options, speed, model_name, counters, scratch),
+                return StreamingResponse(_stream(engine, messages, options, speed, promise, model_name, counters,
+                                                 scratch),
                                          media_type="text/event-stream")
             result = await run_in_threadpool(engine.generate, messages, **options)
         except (BadRequest, MediaError, PromptError, ValueError) as error:
@@ -124,7 +125,7 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
             return _error(500, f"{type(error).__name__}: {error}", "server_error")
         scratch.cleanup()
         counters.record("ok", result)
-        return _completion(result, model_name, speed)
+        return _completion(result, model_name, speed, promise)
 
     return app
 
@@ -133,8 +134,9 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[dict], dict, float]:
-    """The engine's messages, the generate options, and the requested speed (reported back)."""
+def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[dict], dict, float, dict]:
+    """The engine's messages, the generate options, the requested speed (reported back) and what the
+    slider promises at it (the calibrated agreement and cost, or that the model is uncalibrated)."""
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty list")
     messages = []
@@ -174,6 +176,7 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[d
         policy = engine.make_policy(str(policy_name), float(speed), params)
     except (KeyError, TypeError, ValueError) as error:
         raise BadRequest(f"policy: {error}") from None
+    promise = engine.promise(str(policy_name), float(speed), params)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise BadRequest("max_tokens must be a positive integer")
@@ -181,7 +184,7 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[d
     options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": bool(temperature and temperature > 0),
                "temperature": float(temperature or 1.0), "top_p": float(body.get("top_p", 1.0)),
                "seed": body.get("seed")}
-    return messages, options, float(speed)
+    return messages, options, float(speed), promise
 
 
 def _media_source(url: str, kind: str, root: Path | None, scratch: Path):
@@ -236,22 +239,22 @@ def _usage(result) -> dict:
             "total_tokens": prompt + result.metrics["new_tokens"]}
 
 
-def _glimpse(result, speed: float) -> dict:
+def _glimpse(result, speed: float, promise: dict) -> dict:
     keys = ("ttft_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
             "prefill_flops", "prefill_flops_baseline")
-    return {"policy": result.policy, "speed": speed, "params": result.params,
-            "summary": result.summary, "metrics": {k: result.metrics[k] for k in keys}}
+    return {"policy": result.policy, "speed": speed, "params": result.params, "summary": result.summary,
+            "promise": promise, "metrics": {k: result.metrics[k] for k in keys}}
 
 
-def _completion(result, model_name: str, speed: float) -> dict:
+def _completion(result, model_name: str, speed: float, promise: dict) -> dict:
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": model_name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
                          "finish_reason": result.finish_reason}],
-            "usage": _usage(result), "glimpse": _glimpse(result, speed)}
+            "usage": _usage(result), "glimpse": _glimpse(result, speed, promise)}
 
 
-def _stream(engine, messages, options, speed, model_name, counters, scratch):
+def _stream(engine, messages, options, speed, promise, model_name, counters, scratch):
     """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with usage."""
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -268,7 +271,7 @@ def _stream(engine, messages, options, speed, model_name, counters, scratch):
             if chunk.result is not None:
                 counters.record("ok", chunk.result)
                 yield event({}, chunk.result.finish_reason, usage=_usage(chunk.result),
-                            glimpse=_glimpse(chunk.result, speed))
+                            glimpse=_glimpse(chunk.result, speed, promise))
     except (MediaError, PromptError, ValueError) as error:
         counters.record("bad_request")
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'invalid_request_error'}})}\n\n"

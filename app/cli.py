@@ -3,6 +3,7 @@
     glimpse ask [--model M] [--image P | --video P] [--policy P] [--speed S] [--max-new-tokens N] [--json] QUESTION
     glimpse bench [--model M | --random-model PRESET] [--layers N] [--image P] [--video P] [--image-tokens N]
                   [--video-tokens N] [--policies P,Q] [--speeds S,T] [--runs N] [--warmup N] [--json] [--out FILE]
+    glimpse calibrate slider --model M [--images DIR] [--videos DIR] [--prompts FILE] [--budget-minutes N] [--out FILE]
     glimpse calibrate hidivdrop --model M --images DIR [--window N] [--top-k K] [--max-images N] [--out FILE]
     glimpse eval agreement|passkey|visual [--model M] [--policies P,Q] [--speeds S,T] [--json] [--plot FILE.png]
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
@@ -104,14 +105,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
     bench.set_defaults(run=run_bench)
 
-    calibrate = commands.add_parser("calibrate", help="calibrate a policy for one model (HiDivDrop's ILVAS layers)")
-    calibrate.add_argument("policy", choices=["hidivdrop"])
-    calibrate.add_argument("--model", required=True, help="hub id or local checkpoint folder")
-    calibrate.add_argument("--images", required=True, metavar="DIR", help="a folder of calibration images")
-    calibrate.add_argument("--max-images", type=int, default=32, help="use at most this many (default 32)")
-    calibrate.add_argument("--window", type=int, default=4, help="ILVAS layer distance n (default 4, the paper's)")
-    calibrate.add_argument("--top-k", type=int, default=20, help="ILVAS top-K vision tokens (default 20)")
-    calibrate.add_argument("--question", default="Describe the image in detail.")
+    calibrate = commands.add_parser(
+        "calibrate", help="calibrate one model: the slider's speed/quality frontier, or HiDivDrop's ILVAS layers",
+        description="slider: measure candidate pruning configurations against the unpruned model on label-free "
+                    "prompts (answer agreement, first-token KL; prefill FLOPs and end-to-end time) and store the "
+                    "Pareto frontier that `auto` reads; interrupt and rerun to resume. hidivdrop: pick HiDivDrop's "
+                    "filtering layers by the paper's ILVAS curve.")
+    calibrate.add_argument("policy", choices=["slider", "hidivdrop"])
+    calibrate.add_argument("--model", required=True, help="hub id or local checkpoint folder, or 'embedded'")
+    calibrate.add_argument("--images", metavar="DIR",
+                           help="a folder of calibration images (hidivdrop: required; slider: default the set that "
+                                "ships with Glimpse, assets/calibration)")
+    calibrate.add_argument("--videos", metavar="DIR", help="slider: a folder of calibration videos")
+    calibrate.add_argument("--prompts", metavar="FILE",
+                           help="slider: questions, one per line, asked of the images/videos in turn "
+                                "(default: a one-sentence description)")
+    calibrate.add_argument("--budget-minutes", type=float, default=None,
+                           help="slider: start no new candidate after this long; the frontier of what was measured "
+                                "is stored, rerun to measure the rest")
+    calibrate.add_argument("--floor", type=float, default=None,
+                           help="slider: the answer agreement speed 1 may fall to (default 0.85)")
+    calibrate.add_argument("--max-images", type=int, default=None,
+                           help="use at most this many images/prompts (hidivdrop default 32, slider: all)")
+    calibrate.add_argument("--window", type=int, default=4, help="hidivdrop: ILVAS layer distance n (default 4)")
+    calibrate.add_argument("--top-k", type=int, default=20, help="hidivdrop: ILVAS top-K vision tokens (default 20)")
+    calibrate.add_argument("--question", default="Describe the image in detail.", help="hidivdrop: the question")
     calibrate.add_argument("--out", metavar="FILE", help="write the profile here instead of the Glimpse cache")
     _add_device_options(calibrate)
     calibrate.set_defaults(run=run_calibrate)
@@ -203,15 +221,17 @@ def run_ask(args) -> int:
     if not engine.grounded and (args.image or args.video):
         _log(NOT_GROUNDED)
     policy = engine.make_policy(args.policy, args.speed, overrides)  # with the model's calibration profile
+    promise = engine.promise(args.policy, args.speed, overrides)  # what this speed was measured to keep
     options = dict(policy=policy, max_new_tokens=args.max_new_tokens,
                    do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.json:
         result = engine.generate(messages, **options)
         out = {"text": result.text, "policy": result.policy, "speed": args.speed, "params": result.params,
-               "summary": result.summary, "metrics": result.metrics, "model": args.model,
+               "summary": result.summary, "promise": promise, "metrics": result.metrics, "model": args.model,
                "grounded": engine.grounded, "finish_reason": result.finish_reason}
         print(json.dumps(out))
         return 0
+    _log(f"[{args.policy} speed={args.speed:g}] {promise['text']}")
     result = None
     for chunk in engine.stream(messages, **options):
         sys.stdout.write(chunk.text)
@@ -421,16 +441,18 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".ti
 
 
 def run_calibrate(args) -> int:
-    from pathlib import Path
-
     from pipeline import load_engine
     from pipeline.calibrate import calibrate_hidivdrop
     from pipeline.profiles import save_profile
 
+    if args.policy == "slider":
+        return run_calibrate_slider(args)
+    if args.images is None:
+        raise UserError("calibrate hidivdrop needs --images DIR")
     folder = Path(args.images)
     if not folder.is_dir():
         raise UserError(f"--images must be a folder of images, got {args.images}")
-    images = sorted(str(p) for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)[: args.max_images]
+    images = sorted(str(p) for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)[: args.max_images or 32]
     if not images:
         raise UserError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {folder}")
     _log(f"loading {args.model} ...")
@@ -441,6 +463,42 @@ def run_calibrate(args) -> int:
     curve = ", ".join(f"{layer}: {value:.3f}" for layer, value in profile["ilvas"].items())
     _log(f"ILVAS (n={args.window}, K={args.top_k}) over layers {curve}")
     _log(f"filtering layers {profile['filter_layers']} -> {path}")
+    print(json.dumps(profile))
+    return 0
+
+
+def run_calibrate_slider(args) -> int:
+    from pipeline import load_engine
+    from pipeline.calibrate_slider import calibrate_slider, folder_prompts, shipped_prompts
+    from pipeline.profiles import profile_path, save_profile
+    from pruning.frontier import DEFAULT_FLOOR, candidates
+
+    floor = DEFAULT_FLOOR if args.floor is None else args.floor
+    if not 0.0 < floor <= 1.0:
+        raise UserError(f"--floor must be in (0, 1], got {floor}")
+    if args.budget_minutes is not None and args.budget_minutes <= 0:
+        raise UserError("--budget-minutes must be positive")
+    if args.max_images is not None and args.max_images < 1:
+        raise UserError("--max-images must be at least 1")
+    if args.prompts and not Path(args.prompts).is_file():
+        raise UserError(f"--prompts must be a text file of questions, got {args.prompts}")
+    _log(f"loading {args.model} ...")
+    engine = load_engine(args.model, device=args.device, attn=args.attn)
+    video = engine.adapter.supports_video
+    if args.images or args.videos or args.prompts:
+        prompts = folder_prompts(args.images, args.videos, args.prompts, video, args.max_images)
+    else:
+        prompts = shipped_prompts(video)[: args.max_images]
+        _log(f"no --images/--videos/--prompts: the {len(prompts)} calibration prompts that ship with Glimpse")
+    path = Path(args.out) if args.out else profile_path(args.model, "slider")
+    state = path.with_name(path.name + ".partial.jsonl")
+    frontier = calibrate_slider(engine, prompts, candidates(), state_path=state, floor=floor, progress=_log,
+                                budget_s=args.budget_minutes * 60 if args.budget_minutes else None)
+    profile = {**frontier.to_json(), "model": args.model, "num_layers": len(engine.adapter.layers)}
+    save_profile(args.model, profile, path=path)
+    _log(f"frontier ({len(frontier.points)} points) -> {path}")
+    for speed in (0.0, 0.25, 0.5, 0.75, 1.0):
+        _log(f"  auto at speed {speed:g}: {frontier.promise(speed)['text']}")
     print(json.dumps(profile))
     return 0
 

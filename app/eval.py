@@ -176,6 +176,7 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
             ttft = flops = flops_base = 0.0
             reductions = []
             answers = []
+            configuration = engine.promise(name, speed)["configuration"]  # what auto picked at this speed
             for case in cases:
                 result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, False),
                                          max_new_tokens=new_tokens)
@@ -192,7 +193,11 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
             accuracy = {c: right[c] / samples for c in categories}
             image = [accuracy[c] for c in categories if c in tasks.IMAGE_CATEGORIES]
             video = [accuracy[c] for c in categories if c in tasks.VIDEO_CATEGORIES]
+            if name == "none":
+                reference = answers
+            agreement = sum(_same_answer(a, b) for a, b in zip(answers, reference)) / len(cases)
             rows.append({"policy": name, "speed": speed, "accuracy": sum(right.values()) / len(cases),
+                         "agreement": agreement, "configuration": configuration,
                          "image_accuracy": sum(image) / len(image) if image else None, "video_accuracy": sum(video) / len(video) if video else None,
                          "per_category": accuracy, "visual_reduction": sum(reductions) / len(reductions),
                          "flops_speedup": flops_base / flops, "ttft_speedup": base_ttft / ttft, "answers": answers})
@@ -204,14 +209,28 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
             "categories": categories, "questions": questions, "rows": rows}
 
 
+def _label(row: dict) -> str:
+    """A table's policy cell: auto names the configuration it ran."""
+    if row["policy"] == "auto" and row.get("configuration"):
+        return f"auto ({row['configuration']})"
+    return row["policy"]
+
+
+def _same_answer(a: str, b: str) -> bool:
+    """The label-free agreement calibration measures: the same answer as the unpruned model's."""
+    from pipeline.calibrate_slider import normalised
+
+    return normalised(a) == normalised(b)
+
+
 # ------------------------------------------------------------------------------------ output
 def format_table(report: dict) -> str:
     if report["task"] == "visual":
         cats = report["categories"]
-        lines = ["| policy | speed | visual tokens removed | FLOPs speedup | TTFT speedup | all | "
-                 + " | ".join(cats) + " |", "|---|---|---|---|---|---|" + "---|" * len(cats)]
-        lines += [f"| {r['policy']} | {r['speed']:g} | {r['visual_reduction']:.0%} | {r['flops_speedup']:.2f}x | "
-                  f"{r['ttft_speedup']:.2f}x | {r['accuracy']:.0%} | "
+        lines = ["| policy | speed | visual tokens removed | FLOPs speedup | TTFT speedup | same answer as none | all | "
+                 + " | ".join(cats) + " |", "|---|---|---|---|---|---|---|" + "---|" * len(cats)]
+        lines += [f"| {_label(r)} | {r['speed']:g} | {r['visual_reduction']:.0%} | {r['flops_speedup']:.2f}x | "
+                  f"{r['ttft_speedup']:.2f}x | {r['agreement']:.0%} | {r['accuracy']:.0%} | "
                   + " | ".join(f"{r['per_category'][c]:.0%}" for c in cats) + " |" for r in report["rows"]]
     elif report["task"] == "agreement":
         lines = ["| policy | speed | greedy match | first-token KL | TTFT speedup |", "|---|---|---|---|---|"]

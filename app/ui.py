@@ -148,6 +148,14 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256):
         except (ValueError, TypeError, KeyError) as error:
             return {"error": str(error)}
 
+    def promise_markdown(policy, speed, overrides):
+        """Under the slider, before anything is asked: what this speed selects and what it was measured to keep."""
+        try:
+            promise = engine.promise(policy, speed, parse_overrides(overrides))
+        except (ValueError, TypeError, KeyError) as error:
+            return f"⚠️ {error}"
+        return f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] else " *(uncalibrated)*")
+
     def add_turn(message, history):
         history = list(history or [])
         for path in message.get("files", []):
@@ -200,6 +208,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256):
                     clear = gr.ClearButton([chat], value="Clear", elem_id="clear")
             with gr.Column(scale=2):
                 speed = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="speed (0 = exact)", elem_id="speed")
+                promise = gr.Markdown(promise_markdown("auto", 0.0, ""), elem_id="promise")
                 policy = gr.Dropdown(POLICIES, value="auto", label="policy", elem_id="policy")
                 compare = gr.Checkbox(False, label="also run unpruned, to compare", elem_id="compare")
                 with gr.Accordion("advanced: parameters", open=False):
@@ -211,6 +220,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256):
 
         for control in (speed, policy, overrides):
             control.change(chosen_params, [policy, speed, overrides], params, api_name=False)
+            control.change(promise_markdown, [policy, speed, overrides], promise, api_name=False)
         submitted = box.submit(add_turn, [box, chat], [box, chat], api_name=False).then(
             answer, [chat, policy, speed, overrides, compare], [chat, metrics, keep], api_name="chat")
         submitted.then(lambda: gr.MultimodalTextbox(interactive=True), None, box)

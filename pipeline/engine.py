@@ -27,7 +27,8 @@ from pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
 from pipeline.cache import AuxCache, KVCache
 from pipeline.metrics import MemoryMeter, prefill_flops, synchronize
 from pipeline.prompt import Prompt, build_prompt
-from pruning import Policy, make_policy
+from pruning import Frontier, Policy, make_policy
+from pruning.frontier import uncalibrated_frontier
 
 
 @dataclass
@@ -39,6 +40,8 @@ class GenerationResult:
     params: dict
     finish_reason: str  # "stop" (EOS), "length" (max_new_tokens or context end)
     summary: str = ""  # the policy's one-line description, e.g. "DASH rho=0.40 at layer 11"
+    # The next-token logits after prefill (float32, on the device): calibration's first-token KL.
+    first_logits: torch.Tensor | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Request:
     finish: str = "length"
     t_decode: float = 0.0  # decode starts (for a batch: once every request is prefilled)
     t_end: float = 0.0
+    first_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -176,6 +180,9 @@ class Engine:
         # Calibrated parameters per policy name (HiDivDrop's filtering layers from an ILVAS profile),
         # applied to every policy this engine builds by name; explicit overrides win.
         self.profiles: dict[str, dict] = {}
+        # What ``auto`` runs at each speed: this model's calibrated frontier (``glimpse calibrate
+        # slider``), the shipped one for the embedded model, or the uncalibrated default.
+        self.frontier: Frontier = uncalibrated_frontier()
 
     # ------------------------------------------------------------------ public API
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -212,14 +219,26 @@ class Engine:
             return [self._result(request, batch_size=len(requests)) for request in requests]
 
     def make_policy(self, name: str, speed: float = 0.0, overrides: dict | None = None) -> Policy:
-        """A registry policy for this model: its calibration profile, then ``overrides``."""
+        """A registry policy for this model (``auto``: the configuration its frontier selects at
+        ``speed``): its calibration profile, then ``overrides``."""
+        members = {p.name for p in make_policy(name, speed, frontier=self.frontier).policies} if name == "auto" else ()
         calibrated = {}
         for member, params in self.profiles.items():
             if name == member:
                 calibrated.update(params)
-            elif name == "auto":
+            elif member in members:
                 calibrated.update({f"{member}.{k}": v for k, v in params.items()})
-        return make_policy(name, speed, {**calibrated, **(overrides or {})})
+        return make_policy(name, speed, {**calibrated, **(overrides or {})}, frontier=self.frontier)
+
+    def promise(self, name: str, speed: float, overrides: dict | None = None) -> dict:
+        """What ``name`` at ``speed`` is measured to keep on this model, before anything is asked:
+        for ``auto`` the frontier's promise, for a named policy what calibration measured of it."""
+        promise = self.frontier.promise(speed) if name == "auto" else self.frontier.promise_for(name, speed)
+        if overrides:  # the measured numbers are of the configuration as the slider set it
+            promise = {**promise, "overridden": sorted(overrides),
+                       "text": f"parameters overridden ({', '.join(sorted(overrides))}): not the measured "
+                               f"configuration; as measured: {promise['text']}"}
+        return promise
 
     def prepare(self, messages) -> Prompt:
         return build_prompt(self.adapter, messages, self.chat_template, self.max_length)
@@ -249,7 +268,8 @@ class Engine:
         if self.max_length is not None:  # never run past the positions the model knows
             budget = min(budget, self.max_length - int(ctx.positions.max()) - 1)
         return Request(prompt, policy, ctx, sampling, generator, budget, token, memory, t_request, t_prefill,
-                       t_first, _IncrementalDecoder(self.tokenizer), set() if ignore_eos else self.eos_token_ids)
+                       t_first, _IncrementalDecoder(self.tokenizer), set() if ignore_eos else self.eos_token_ids,
+                       first_logits=logits)
 
     def _decode_loop(self, requests: list["Request"]) -> Iterator[tuple["Request", int]]:
         """Yield each request's tokens as they are chosen; decode all unfinished requests together."""
@@ -292,7 +312,7 @@ class Engine:
         text = self.tokenizer.decode(request.tokens, skip_special_tokens=True)
         policy = request.policy
         return GenerationResult(text, request.tokens, metrics, policy.name, policy.params(), request.finish,
-                                policy.summary())
+                                policy.summary(), request.first_logits)
 
     def embed_prompt(self, prompt: Prompt) -> torch.Tensor:
         """Token embeddings with the vision encoder's output written over the placeholder tokens."""

@@ -12,7 +12,9 @@ import torch
 
 from pipeline.adapters import ADAPTERS
 from pipeline.engine import Engine
+from pipeline.calibrate_slider import SHIPPED_FRONTIER
 from pipeline.profiles import load_profile
+from pruning.frontier import Frontier, uncalibrated_frontier
 
 
 class ModelLoadError(RuntimeError):
@@ -95,7 +97,22 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     profile = load_profile(str(model))
     if profile and profile.get("num_layers") == len(adapter.layers):
         engine.profiles["hidivdrop"] = {"filter_layers": tuple(profile["filter_layers"])}
+    engine.frontier = slider_frontier(str(model), len(adapter.layers))
     return engine
+
+
+def slider_frontier(model: str, num_layers: int) -> Frontier:
+    """What ``auto`` runs on this model: its own calibrated frontier (``glimpse calibrate slider``),
+    else for the embedded model the frontier that ships with Glimpse, else the uncalibrated default."""
+    profile = load_profile(model, "slider")
+    if profile and profile.get("num_layers") == num_layers and profile.get("frontier") is not None:
+        try:
+            return Frontier.from_json(profile, calibrated=True)
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged profile: fall back as if there were none
+    if model == "embedded" and SHIPPED_FRONTIER.exists():
+        return Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()), calibrated=True)
+    return uncalibrated_frontier()
 
 
 def _chat_template(source: str) -> str | None:

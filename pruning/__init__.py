@@ -11,6 +11,7 @@ from pruning.base import NoPruning, Policy
 from pruning.compose import Pipeline
 from pruning.dash import DASH
 from pruning.fastv import FastV
+from pruning.frontier import Frontier, Member, Point, design_pipeline_members, uncalibrated_frontier
 from pruning.hidivdrop import HiDivDrop
 from pruning.lazyllm import LazyLLM
 from pruning.st3 import ST3
@@ -28,28 +29,44 @@ POLICIES: dict[str, type[Policy]] = {
 NAMES = ["auto", *POLICIES]
 
 
-def default_pipeline(speed: float) -> Pipeline:
-    """``auto``: the design card's default pipeline at one speed: HiDivDrop's late injection, early
-    exit and pyramid, then DASH's halting in prefill, then ST3's visual-KV annealing in decode.
-    """
-    return Pipeline(policies=(HiDivDrop.from_speed(speed), DASH.from_speed(speed), ST3.annealing_only(speed)),
-                    label="auto")
+def configuration(members: tuple[Member, ...], label: str = "") -> Pipeline:
+    """A configuration (``pruning.frontier``) as one policy: its members from the slider, then
+    their overrides, run in order."""
+    policies = []
+    for member in members:
+        if member.policy not in POLICIES:
+            raise ValueError(f"unknown policy {member.policy!r} in a configuration; available: {', '.join(POLICIES)}")
+        policies.append(_override(POLICIES[member.policy].from_speed(member.speed), dict(member.params)))
+    return Pipeline(policies=tuple(policies), label=label)
 
 
-def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None = None) -> Policy:
+def design_pipeline(speed: float) -> Pipeline:
+    """The design card's pipeline at one speed: HiDivDrop's late injection, early exit and pyramid,
+    then DASH's halting in prefill, then ST3's visual-KV annealing in decode. One candidate of the
+    frontier that ``auto`` reads, chosen only where calibration measured that it keeps quality."""
+    return configuration(design_pipeline_members(speed))
+
+
+def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None = None,
+                frontier: Frontier | None = None) -> Policy:
     """A policy by registry name with parameters from the speed slider, then ``overrides``.
 
-    ``overrides`` maps parameter names to values (``{"rho": 0.5}``); for ``auto`` prefix them with
-    the member's name (``{"dash.rho": 0.5}``).
+    ``auto`` runs the configuration ``frontier`` selects at ``speed`` (the model's calibrated
+    frontier; without one, the uncalibrated default). ``overrides`` maps parameter names to values
+    (``{"rho": 0.5}``); for ``auto`` prefix them with the member's name (``{"lazyllm.percentiles": ...}``).
     """
     if name == "auto":
-        policy = default_pipeline(speed)
+        frontier = frontier or uncalibrated_frontier()
+        point = frontier.choose(speed)
+        policy = configuration(point.members if point else (), label="auto")
         members = {p.name: p for p in policy.policies}
         by_member: dict[str, dict] = {}
         for key, value in (overrides or {}).items():
             member, _, param = key.partition(".")
             if member not in members or not param:
-                raise ValueError(f"auto's parameters are named member.param, members: {', '.join(members)}; got {key!r}")
+                chosen = ", ".join(members) or "none: auto prunes nothing at this speed"
+                raise ValueError(f"auto's parameters are named member.param; its members at speed {speed:g}: "
+                                 f"{chosen}; got {key!r}")
             by_member.setdefault(member, {})[param] = value
         return Pipeline(policies=tuple(_override(p, by_member.get(p.name, {})) for p in policy.policies), label="auto")
     if name not in POLICIES:
@@ -67,5 +84,5 @@ def _override(policy: Policy, overrides: dict) -> Policy:
     return replace(policy, **values)
 
 
-__all__ = ["DASH", "NAMES", "POLICIES", "FastV", "HiDivDrop", "LazyLLM", "NoPruning", "Pipeline", "Policy", "ST3",
-           "ZipVL", "default_pipeline", "make_policy"]
+__all__ = ["DASH", "NAMES", "POLICIES", "FastV", "Frontier", "HiDivDrop", "LazyLLM", "Member", "NoPruning", "Pipeline",
+           "Point", "Policy", "ST3", "ZipVL", "configuration", "design_pipeline", "make_policy"]

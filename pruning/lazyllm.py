@@ -21,6 +21,14 @@ tokens) and runs on through the following layers, which store its keys/values. A
 pruned at a later pruning layer goes into that layer's Aux Cache. So every token is computed at
 most once per layer, and in each layer it has either a key/value or an Aux Cache entry, never both.
 
+Decode re-selection is the paper's behaviour and stays available (``decode_reselect=True``, the
+field's default), but the slider's settings (``from_speed``) switch it off: each step gathers the
+selected entries of every layer past the first pruning layer and computes the revived tokens, which
+made decode 0.69x the unpruned speed at batch 1 (docs/benchmarks.md), so a faster first token came
+with a slower long answer. Without it, decode attends to what prefill left in each layer's KV cache
+(a shorter cache, so each step is cheaper than the unpruned one); docs/pruning.md has the measured
+difference in answers.
+
 The paper sweeps where and how much to prune and fixes no default. Ours: prune at 1/4, 1/2 and 3/4
 of the depth, with percentiles ``(0.4, 0.5, 0.6) x speed``: at speed 1 the three stages keep 60%,
 30% and 12% of the prompt (pruning later layers harder, as the paper's Section 5.5 finds safer).
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy, check_speed, last_token_attention, lowest_except, new_token_attention, without
+from pruning.base import Policy, check_speed, last_token_attention, lowest, lowest_except, new_token_attention, without
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
 PERCENTILES_AT_FULL_SPEED = (0.4, 0.5, 0.6)
@@ -44,12 +52,17 @@ class LazyLLM(Policy):
     percentiles: tuple[float, ...] = (0.0, 0.0, 0.0)  # k at each pruning layer, in [0, 1)
     depth_fractions: tuple[float, ...] = DEPTH_FRACTIONS  # where the pruning layers sit
     prune_layers: tuple[int, ...] | None = None  # explicit layers instead of depth_fractions
+    decode_reselect: bool = True  # the paper's per-step re-selection and revival in decode
+    # The paper prunes every token; False prunes the visual tokens only (k of the active visual
+    # tokens; text never), in prefill only: a calibration candidate for VLMs.
+    prune_text: bool = True
     name = "lazyllm"
 
     @classmethod
     def from_speed(cls, speed: float) -> "LazyLLM":
         speed = check_speed(speed)
-        return cls(percentiles=tuple(round(k * speed, 6) for k in PERCENTILES_AT_FULL_SPEED))
+        # The slider's LazyLLM prunes in prefill only: never slower end to end (see the module docstring).
+        return cls(percentiles=tuple(round(k * speed, 6) for k in PERCENTILES_AT_FULL_SPEED), decode_reselect=False)
 
     def plan(self, ctx) -> None:
         L = ctx.num_layers
@@ -58,6 +71,8 @@ class LazyLLM(Policy):
             raise ValueError(f"LazyLLM: {len(layers)} pruning layers but {len(self.percentiles)} percentiles")
         if any(not 0.0 <= k < 1.0 for k in self.percentiles):
             raise ValueError(f"LazyLLM percentiles must be in [0, 1), got {self.percentiles}")
+        if not self.prune_text and self.decode_reselect:
+            raise ValueError("LazyLLM prune_text=False prunes in prefill only: set decode_reselect=False")
         # On shallow models two fractions can round to one layer: the first keeps it.
         self.schedule: dict[int, float] = {}
         for layer, k in zip(layers, self.percentiles):
@@ -80,7 +95,12 @@ class LazyLLM(Policy):
         if k == 0.0 or self.scores is None:
             return active
         previous = ctx.active  # the previous layer's active set, which the scores cover
-        pruned = lowest_except(self.scores[torch.isin(previous, active)], math.floor(k * active.shape[0]))
+        scores = self.scores[torch.isin(previous, active)]
+        if self.prune_text:
+            pruned = lowest_except(scores, math.floor(k * active.shape[0]))
+        else:
+            visual = (ctx.modality[active] != 0).nonzero().squeeze(1)
+            pruned = visual[lowest(scores[visual], math.floor(k * visual.shape[0]))].sort().values
         ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
         return without(active, pruned)
 
@@ -88,7 +108,7 @@ class LazyLLM(Policy):
         if layer_idx == 0:
             self.selected = None  # a new step starts from every token
         k = self.schedule.get(layer_idx, 0.0)
-        if k == 0.0 or self.decode_scores is None:
+        if k == 0.0 or self.decode_scores is None or not self.decode_reselect:
             return rows
         seen, attention = self.decode_scores  # A_{l-1} and the new token's attention over it
         new_token = int((seen == rows.index[-1]).nonzero())  # never pruned
@@ -116,11 +136,11 @@ class LazyLLM(Policy):
         return torch.isin(ctx.cache.layers[layer_idx].index, self.selected).nonzero().squeeze(1)
 
     def decode_score(self, layer_idx: int, ctx) -> None:
-        if layer_idx + 1 in self.schedule:
+        if layer_idx + 1 in self.schedule and self.decode_reselect:
             self.decode_scores = (ctx.key_index.clone(), new_token_attention(ctx))
 
     def summary(self) -> str:
         if not any(self.schedule.values()):
             return "LazyLLM off"
         stages = ", ".join(f"{k:.0%} at layer {layer}" for layer, k in sorted(self.schedule.items()))
-        return f"LazyLLM prunes {stages}, again at every decode step"
+        return f"LazyLLM prunes {stages}" + (", again at every decode step" if self.decode_reselect else " in prefill")

@@ -30,8 +30,11 @@ def describe(name: str, speed: float, num_layers: int, video: bool = False) -> s
 
 
 def table(num_layers: int, speeds=SPEEDS) -> str:
+    """One row per speed, one column per policy. ``auto`` depends on the model's calibration: the
+    column shows the uncalibrated default (a calibrated model's choices: ``glimpse calibrate slider``)."""
     names = [n for n in NAMES if n != "none"]
-    lines = ["| speed | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    header = [n if n != "auto" else "auto (uncalibrated default)" for n in names]
+    lines = ["| speed | " + " | ".join(header) + " |", "|---" * (len(names) + 1) + "|"]
     for speed in speeds:
         cells = [describe(n, speed, num_layers) for n in names]
         video = describe("zipvl", speed, num_layers, video=True)

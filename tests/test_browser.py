@@ -1,13 +1,12 @@
 """The web chat in a real browser: Debian's chromium driven by Playwright (no browser downloads;
 `.ci/run` installs chromium). `glimpse serve` runs on the embedded model in a subprocess, exactly as
 a user starts it; the test uploads an image, asks, watches the streamed answer and the metrics panel,
-moves the slider and sees the parameters change, uploads a corrupt file and sees the error in the
+moves the slider and sees what it selects and its measured promise, uploads a corrupt file and sees the error in the
 chat, then asks again and gets an answer."""
 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -80,10 +79,14 @@ def _ask(page, text: str, upload: Path | None = None) -> None:
     }""", timeout=120_000)
 
 
-def _rho(page) -> float:
-    """DASH's rho as the advanced panel shows it (auto's dash member)."""
-    text = page.locator("#params").inner_text()
-    return float(re.search(r'"rho"\s*:\s*([0-9.]+)', text).group(1))
+def _shipped_choice(speed: float) -> str:
+    """The configuration the embedded model's shipped frontier selects at ``speed``."""
+    import json
+
+    from pipeline.calibrate_slider import SHIPPED_FRONTIER
+    from pruning import Frontier
+
+    return Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text())).promise(speed)["configuration"]
 
 
 def test_upload_ask_and_see_the_answer_stream_and_the_metrics_fill_in(page):
@@ -95,16 +98,23 @@ def test_upload_ask_and_see_the_answer_stream_and_the_metrics_fill_in(page):
     assert page.locator("#keepmap img").count() == 1  # the keep map is drawn
 
 
-def test_moving_the_slider_changes_the_parameters_shown(page):
+def test_moving_the_slider_shows_what_it_selects_and_its_measured_promise_before_asking(page):
     page.get_by_text("advanced: parameters").click()
     page.wait_for_selector("#params", timeout=10_000)
-    assert _rho(page) == 0.0  # speed 0: DASH halts nothing
-    page.locator("#speed input[type=number]").fill("0.5")
+    assert "exact" in page.locator("#promise").inner_text()  # speed 0: no pruning
+    page.locator("#speed input[type=number]").fill("1")
     page.locator("#speed input[type=number]").press("Enter")
+    chosen = _shipped_choice(1.0)
     deadline = time.monotonic() + 30
-    while _rho(page) == 0.0 and time.monotonic() < deadline:
+    while chosen not in page.locator("#promise").inner_text() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _rho(page) == pytest.approx(0.4)  # rho = 0.8 x speed
+    promise = page.locator("#promise").inner_text()
+    assert chosen in promise and "keeps" in promise and "calibration set" in promise
+    members = {part.split("@")[0] for part in chosen.split("+")}
+    deadline = time.monotonic() + 30
+    while not all(f'"{m}"' in page.locator("#params").inner_text() for m in members) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(f'"{m}"' in page.locator("#params").inner_text() for m in members)  # auto's members, as run
 
 
 def test_a_corrupt_upload_shows_an_error_in_the_chat_and_the_next_question_still_works(page, tmp_path):

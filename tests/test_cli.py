@@ -61,6 +61,7 @@ def test_ask_embedded_about_the_sample_image(embedded_cache):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["grounded"] is EMBEDDED_GROUNDED and out["metrics"]["prompt_tokens"]["image"] == 256
+    assert out["promise"]["configuration"] == "none" and out["promise"]["calibrated"]  # speed 0: exact
     assert ("not grounded" in proc.stderr) is not EMBEDDED_GROUNDED
     if EMBEDDED_GROUNDED:  # a short answer in the task's vocabulary (held-out colour accuracy: docs/embedded.md)
         assert out["text"].strip().rstrip(".").lower() in COLOURS
@@ -129,3 +130,28 @@ def test_ask_rejects_an_unknown_policy_parameter_before_loading(checkpoints, med
     proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--policy", "dash", "--param", "rhoo=1", "hi")
     assert proc.returncode == 1
     assert "dash has no parameter rhoo" in proc.stderr and "loading" not in proc.stderr
+
+
+def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cache, checkpoints, media):
+    """The embedded model's shipped frontier: auto at speed 1 runs, and promises, what calibration measured."""
+    import pruning
+    from pipeline.calibrate_slider import SHIPPED_FRONTIER
+
+    shipped = pruning.Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()))
+    sample = Path(__file__).resolve().parents[1] / "assets" / "sample.png"
+    proc = glimpse("ask", "--image", str(sample), "--speed", "1", "--max-new-tokens", "4", "--json",
+                   "What colour is the circle?", cache=embedded_cache)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    chosen = shipped.choose(1.0)
+    assert out["promise"]["configuration"] == chosen.name and out["promise"]["calibrated"]
+    assert out["promise"]["agreement"] == chosen.agreement and chosen.agreement_bound >= shipped.floor
+    assert set(out["params"]) == {m.policy for m in chosen.members}  # the configuration it promised is what ran
+    flops = out["metrics"]["prefill_flops_baseline"] / out["metrics"]["prefill_flops"]
+    assert flops > 1.0
+    assert f"keeps {chosen.agreement:.0%} of answers" in proc.stderr  # said before the answer, in the terminal too
+    # a model nobody calibrated: auto is the labelled uncalibrated default
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(media["image"]), "--speed", "1",
+                   "--max-new-tokens", "2", "--json", "What is in this picture?", cache=embedded_cache)
+    out = json.loads(proc.stdout)
+    assert out["promise"]["calibrated"] is False and out["promise"]["text"].startswith("uncalibrated")

@@ -261,9 +261,10 @@ def deep_llava(deep_checkpoints):
 def test_lazyllm_revives_pruned_tokens_once_per_layer_from_the_aux_cache_at_their_original_position(
         deep_llava, media):
     engine, messages, new = deep_llava, _messages(media), 8
-    policy = _Watching.from_speed(1.0)
+    paper = dict(percentiles=(0.4, 0.5, 0.6), decode_reselect=True)  # the paper's per-step re-selection
+    policy = _Watching(**paper)
     with torch.inference_mode():
-        _, prefilled = engine.prefill(engine.prepare(messages), LazyLLM.from_speed(1.0))
+        _, prefilled = engine.prefill(engine.prepare(messages), LazyLLM(**paper))
     parked = {layer: entry[0].tolist() for layer, entry in prefilled.aux_cache.layers.items()}
     request = _answer(engine, messages, policy, new)
     ctx, T, L = request.ctx, len(request.prompt), len(engine.adapter.layers)
@@ -311,6 +312,19 @@ def test_lazyllm_revives_pruned_tokens_once_per_layer_from_the_aux_cache_at_thei
                 assert set(step[layer_idx]) <= set(step[layer_idx - 1])
             else:
                 assert step[layer_idx] == step[layer_idx - 1] or layer_idx < min(schedule)
+
+
+def test_the_sliders_lazyllm_prunes_in_prefill_only_and_decode_attends_to_what_prefill_left(deep_llava, media):
+    engine, messages = deep_llava, _messages(media)
+    policy = _Watching.from_speed(1.0)
+    assert not policy.decode_reselect  # the paper's per-step re-selection is opt-in: decode_reselect=True
+    request = _answer(engine, messages, policy, 6)
+    assert request.ctx.revived == 0 and request.ctx.aux_cache.nbytes() > 0
+    prefill_entries = [set(active.tolist()) for active in request.ctx.active_per_layer]
+    T = len(request.prompt)
+    for step in policy.seen:  # every layer's whole cache: its prefill tokens, then the generated ones
+        for layer_idx, seen in step.items():
+            assert {i for i in seen if i < T} == prefill_entries[layer_idx]
 
 
 def test_lazyllm_at_speed_0_decodes_exactly_like_no_pruning(deep_llava, media):

@@ -139,10 +139,11 @@ def test_speed_moves_injection_later_exit_earlier_and_the_schedule_steeper():
     assert all(b <= a for a, b in zip(drops, drops[1:]))  # concave: steep first, then gentle
 
 
-def test_auto_composes_hidivdrop_and_dash(deep, media):
+def test_the_design_pipeline_composes_hidivdrop_dash_and_st3(deep, media):
+    from test_pruning import design_pipeline_with_guards
+
     engine = load_engine(str(deep["qwen2_vl"]), device="cpu")
-    result = engine.generate(_messages(media), policy=engine.make_policy(
-        "auto", 0.8, {"dash.keep_first": 4, "dash.keep_last": 4}), max_new_tokens=4)
+    result = engine.generate(_messages(media), policy=design_pipeline_with_guards(0.8, 4), max_new_tokens=4)
     assert set(result.params) == {"hidivdrop", "dash", "st3"}
     inject = result.params["hidivdrop"]["inject_layer"]
     assert inject > 0 and result.metrics["keep_map"]["entered"] == [inject] * result.metrics["prompt_tokens"]["image"]

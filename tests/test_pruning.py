@@ -11,7 +11,8 @@ import torch
 from conftest import ARCHS, DEEP_LAYERS
 from pipeline import load_engine
 from pipeline.adapters import TEXT
-from pruning import DASH, POLICIES, FastV, LazyLLM, NoPruning, Pipeline, ST3, ZipVL, make_policy
+from pruning import DASH, POLICIES, FastV, Frontier, LazyLLM, NoPruning, Pipeline, Point, ST3, ZipVL, make_policy
+from pruning.frontier import design_pipeline_members
 from pruning.zipvl import important_count
 from tiny_models import masked_reference, reference_inputs
 
@@ -272,8 +273,7 @@ def test_flops_proxy_never_rises_with_speed(deep, media, name):
     messages = _image_messages(media)
     flops = []
     for speed in (0.0, 0.25, 0.5, 0.75, 1.0):
-        policy = make_policy(name, speed, {"dash.keep_first": 4, "dash.keep_last": 4} if name == "auto"
-                             else {"keep_first": 4, "keep_last": 4} if name == "dash" else {})
+        policy = make_policy(name, speed, {"keep_first": 4, "keep_last": 4} if name == "dash" else {})
         result = engine.generate(messages, policy=policy, max_new_tokens=1)
         flops.append(result.metrics["prefill_flops"])
     assert all(b <= a for a, b in zip(flops, flops[1:])), flops
@@ -289,19 +289,22 @@ def test_speed_outside_zero_one_and_unknown_parameters_are_clear_errors():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("magic", 0.5)
     assert make_policy("dash", 0.5, {"rho": 0.3}).rho == 0.3
-    members = {p.name: p for p in make_policy("auto", 0.5, {"dash.start_layer": 5}).policies}
-    assert members["dash"].start_layer == 5
+    # auto's overrides name a member of the configuration its frontier picks at that speed
+    frontier = Frontier([Point(design_pipeline_members(0.5), agreement=0.95, flops_ratio=0.5, e2e_ratio=0.6)])
+    members = {p.name: p for p in make_policy("auto", 0.5, {"dash.start_layer": 5}, frontier=frontier).policies}
+    assert members["dash"].start_layer == 5 and set(members) == {"hidivdrop", "dash", "st3"}
+    with pytest.raises(ValueError, match="members at speed 0.5: hidivdrop, dash, st3"):
+        make_policy("auto", 0.5, {"lazyllm.percentiles": [0.1, 0.1, 0.1]}, frontier=frontier)
 
 
 # ---------------------------------------------------------------------------------------- composition
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])  # M-RoPE and 1-D RoPE
-def test_composed_auto_and_a_hand_built_pipeline_run_end_to_end(deep, media, arch):
+def test_the_design_pipeline_and_a_hand_built_pipeline_run_end_to_end(deep, media, arch):
     engine = load_engine(str(deep[arch]), device="cpu")
     messages = _image_messages(media)
-    result = engine.generate(messages, policy=make_policy("auto", 0.8, {"dash.keep_first": 4, "dash.keep_last": 4}),
-                             max_new_tokens=6)
+    result = engine.generate(messages, policy=design_pipeline_with_guards(0.8, 4), max_new_tokens=6)
     counts = result.metrics["active_tokens_per_layer"]
-    assert result.policy == "auto" and "dash" in result.params
+    assert result.policy == "hidivdrop+dash+st3" and "dash" in result.params
     assert counts[-1] < counts[0] and result.token_ids
 
     fastv, dash = FastV(ratio=0.5), DASH(rho=0.5, keep_first=2, keep_last=2)
@@ -324,7 +327,7 @@ MASKING_CASES = {
     "st3": lambda: ST3(first_drop=0.5, end_keep=0.1),
     "lazyllm": lambda: LazyLLM(percentiles=(0.3, 0.4, 0.5)),
     "fastv": lambda: FastV(ratio=0.6),
-    "auto": lambda: make_policy("auto", 0.8, {"dash.keep_first": 2, "dash.keep_last": 2}),
+    "design pipeline": lambda: design_pipeline_with_guards(0.8, 2),
 }
 
 
@@ -365,3 +368,14 @@ def test_each_policy_gives_the_same_logits_with_sdpa_and_eager(deep, media, name
         active.append([a.tolist() for a in ctx.active_per_layer])
     assert active[0] == active[1]
     torch.testing.assert_close(prompt_logits[0], prompt_logits[1], atol=1e-4, rtol=0)
+
+
+def design_pipeline_with_guards(speed: float, guard: int) -> Pipeline:
+    """The design card's pipeline with DASH's first/last guards small enough for a tiny prompt."""
+    from pruning import design_pipeline
+
+    pipeline = design_pipeline(speed)
+    for member in pipeline.policies:
+        if member.name == "dash":
+            member.keep_first = member.keep_last = guard
+    return pipeline

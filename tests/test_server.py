@@ -70,6 +70,15 @@ def test_an_openai_client_gets_the_engines_answer_with_usage_and_glimpse_metrics
     assert reply.usage.prompt_tokens == sum(direct.metrics["prompt_tokens"].values())
     extra = reply.model_extra["glimpse"]
     assert extra["policy"] == "none" and extra["metrics"]["ttft_s"] > 0
+    assert extra["promise"]["configuration"] == "none"
+    reply = _client(server).chat.completions.create(model="tiny-llava", messages=messages, max_tokens=2,
+                                                    extra_body={"speed": 1.0})
+    promise = reply.model_extra["glimpse"]["promise"]  # auto on a model nobody calibrated says so
+    assert promise == server["engine"].promise("auto", 1.0) and promise["text"].startswith("uncalibrated")
+    reply = _client(server).chat.completions.create(model="tiny-llava", messages=messages, max_tokens=2,
+                                                    extra_body={"policy": "fastv", "speed": 0.5,
+                                                                "params": {"ratio": 0.2}})
+    assert "overridden" in reply.model_extra["glimpse"]["promise"]["text"]
 
 
 def test_streaming_sends_the_same_text_in_server_sent_events(server, media):

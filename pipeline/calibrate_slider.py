@@ -1,0 +1,227 @@
+"""Label-free calibration of the speed slider: the measured speed/quality frontier of one model.
+
+For every candidate configuration (``pruning.frontier.candidates``), on the calibration prompts:
+
+* agreement with the unpruned model, answer by answer (greedy, ``answer_tokens`` at most, EOS
+  honoured): the share of answers that are exactly the unpruned model's (what the slider's floor
+  is about), the greedy-token match rate over the unpruned answer's tokens, and the first-token KL
+  ``KL(p_unpruned || p_policy)``. No labels: the unpruned model is the reference.
+* cost, as ratios to the unpruned model measured side by side: the prefill FLOPs proxy and KV bytes
+  (exact, summed over the prompts), and the wall time of the first token plus a typical answer of
+  ``typical_answer`` tokens, ``ttft + (typical_answer - 1) / decode tokens/s``, from ``timing_prompts``
+  prompts each run unpruned then with the candidate (EOS ignored, ``timing_tokens`` decoded), median
+  of the per-prompt ratios. That is the end-to-end time the slider promises never rises.
+
+A candidate whose agreement is already far below the floor after half of the prompts is stopped
+there (rejected, no timing). The frontier (``pruning.frontier.pareto_frontier``) is stored as the
+model's profile beside its ILVAS profile, atomically. Every finished candidate is appended to a
+state file next to it first, so an interrupted calibration, rerun with the same arguments, resumes
+where it stopped; ``budget_s`` stops starting new candidates once spent and stores the frontier of
+what was measured (rerun to measure the rest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pruning import configuration
+from pruning.frontier import DEFAULT_FLOOR, Frontier, Member, Point, configuration_name, pareto_frontier
+from vision import MediaError
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CALIBRATION_DIR = ASSETS / "calibration"  # the label-free set that ships (training/make_calibration_set.py)
+SHIPPED_FRONTIER = ASSETS / "embedded_frontier.json"  # the embedded model's calibrated frontier
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+VIDEO_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi"}
+DEFAULT_QUESTIONS = {"image": "Describe the image in one sentence.", "video": "Describe the video in one sentence."}
+
+
+def shipped_prompts(video: bool) -> list[list[dict]]:
+    """The calibration set that ships with Glimpse, as chat messages (clips only if the model takes video)."""
+    prompts = []
+    for line in (CALIBRATION_DIR / "prompts.jsonl").read_text().splitlines():
+        item = json.loads(line)
+        kind = "video" if "video" in item else "image"
+        if kind == "video" and not video:
+            continue
+        prompts.append(_messages(kind, str(CALIBRATION_DIR / item[kind]), item["question"]))
+    return prompts
+
+
+def folder_prompts(images: str | None, videos: str | None, prompts_file: str | None, video: bool,
+                   limit: int | None = None) -> list[list[dict]]:
+    """Prompts from the user's media: every image (and video) in the folders, each asked one of the
+    questions of ``prompts_file`` (one per line, in turn), or a request for a one-sentence description."""
+    questions = []
+    if prompts_file:
+        questions = [q.strip() for q in Path(prompts_file).read_text().splitlines() if q.strip()]
+        if not questions:
+            raise ValueError(f"{prompts_file} holds no question (one per line)")
+    media = []
+    for folder, kind, suffixes in ((images, "image", IMAGE_SUFFIXES), (videos, "video", VIDEO_SUFFIXES)):
+        if folder is None:
+            continue
+        if not Path(folder).is_dir():
+            raise ValueError(f"--{kind}s must be a folder, got {folder}")
+        if kind == "video" and not video:
+            raise ValueError("this model takes no video: leave out --videos")
+        found = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in suffixes)
+        if not found:
+            raise ValueError(f"no {kind} files ({', '.join(sorted(suffixes))}) in {folder}")
+        media += [(kind, str(p)) for p in found]
+    if not media:  # text questions alone
+        return [[{"role": "user", "content": q}] for q in questions[:limit]]
+    media = media[:limit]
+    return [_messages(kind, path, questions[i % len(questions)] if questions else DEFAULT_QUESTIONS[kind])
+            for i, (kind, path) in enumerate(media)]
+
+
+def _messages(kind: str, path: str, question: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": kind, kind: path}, {"type": "text", "text": question}]}]
+
+
+@dataclass
+class Reference:
+    """The unpruned model's answer to one prompt."""
+
+    tokens: list[int]
+    text: str
+    log_p: torch.Tensor  # first-token log-probabilities
+    flops: float
+    kv_bytes: int
+
+
+def normalised(text: str) -> str:
+    """An answer as compared: case, surrounding space and trailing punctuation do not count."""
+    return " ".join(text.lower().split()).rstrip(".!?,;:")
+
+
+def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[Member, ...]], *, state_path: Path,
+                     floor: float = DEFAULT_FLOOR, answer_tokens: int = 16, timing_prompts: int = 3,
+                     timing_tokens: int = 16, typical_answer: int = 64, budget_s: float | None = None,
+                     progress: Callable[[str], None] = lambda line: None) -> Frontier:
+    start = time.perf_counter()
+    # What the measurements depend on (the floor only decides which far-off candidates stop early and
+    # how the frontier is read, so a new floor reuses them).
+    settings = {"model": engine.model_id, "answer_tokens": answer_tokens,
+                "timing_prompts": timing_prompts, "timing_tokens": timing_tokens, "typical_answer": typical_answer,
+                "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True, default=str).encode()).hexdigest()}
+    done = _load_state(state_path, settings, progress)
+
+    progress(f"unpruned answers to {len(prompts)} calibration prompts ...")
+    references, usable = [], []
+    for number, messages in enumerate(prompts, start=1):
+        try:
+            result = engine.generate(messages, policy="none", max_new_tokens=answer_tokens)
+        except MediaError as error:  # one unreadable file does not spoil a calibration
+            progress(f"  skipped prompt {number}: {error}")
+            continue
+        usable.append(messages)
+        references.append(Reference(result.token_ids, result.text, torch.log_softmax(result.first_logits, -1),
+                                    result.metrics["prefill_flops"], result.metrics["kv_bytes"]))
+    if not usable:
+        raise ValueError("none of the calibration prompts could be read")
+
+    measured: list[Point] = []
+    todo = [c for c in candidates if configuration_name(c) not in done]
+    measured += [done[configuration_name(c)] for c in candidates if configuration_name(c) in done]
+    if measured:
+        progress(f"resuming: {len(measured)} of {len(candidates)} candidates already measured ({state_path})")
+    for number, members in enumerate(todo, start=len(measured) + 1):
+        if budget_s is not None and time.perf_counter() - start > budget_s:
+            progress(f"budget spent: {len(todo) - (number - len(measured) - 1)} candidates not measured; "
+                     "rerun the same command to measure them")
+            break
+        name = configuration_name(members)
+        t0 = time.perf_counter()
+        point = measure(engine, members, usable, references, floor, answer_tokens, timing_prompts, timing_tokens,
+                        typical_answer)
+        measured.append(point)
+        with state_path.open("a") as state:
+            state.write(json.dumps({"point": point.to_json()}) + "\n")
+        verdict = (f"e2e {1 / point.e2e_ratio:.2f}x" if point.e2e_ratio is not None
+                   else f"rejected after {point.prompts} prompts")
+        progress(f"[{number}/{len(candidates)}] {name}: agreement {point.agreement:.0%}, "
+                 f"FLOPs {1 / point.flops_ratio:.2f}x, {verdict} ({time.perf_counter() - t0:.0f} s)")
+
+    device = engine.device.type if engine.device.type != "cuda" else torch.cuda.get_device_name(engine.device)
+    source = (f"calibrated on {len(usable)} prompts, {device}, {time.strftime('%Y-%m-%d')}, "
+              f"{len(measured)} of {len(candidates)} candidates measured")
+    return Frontier(pareto_frontier(measured), floor=floor, calibrated=True, source=source,
+                    answer_tokens=typical_answer, measured=measured)
+
+
+def measure(engine, members, prompts, references, floor, answer_tokens, timing_prompts, timing_tokens,
+            typical_answer) -> Point:
+    """One candidate's agreement and cost (see the module docstring)."""
+    same = matches = kl = flops = base_flops = kv = base_kv = 0.0
+    counted = 0
+    check_at = len(prompts) // 2
+    for messages, reference in zip(prompts, references):
+        result = engine.generate(messages, policy=configuration(members), max_new_tokens=answer_tokens)
+        counted += 1
+        same += normalised(result.text) == normalised(reference.text)
+        matches += sum(a == b for a, b in zip(reference.tokens, result.token_ids)) / max(1, len(reference.tokens))
+        log_q = torch.log_softmax(result.first_logits, -1)
+        kl += float((reference.log_p.exp() * (reference.log_p - log_q)).sum().clamp(min=0.0))
+        flops, base_flops = flops + result.metrics["prefill_flops"], base_flops + reference.flops
+        kv, base_kv = kv + result.metrics["kv_bytes"], base_kv + reference.kv_bytes
+        # Far below the floor at half-way (more than 20 points): not worth the other half and the timing.
+        if counted == check_at and same / counted < floor - 0.2:
+            break
+    common = dict(agreement=same / counted, flops_ratio=flops / base_flops, token_match=matches / counted,
+                  first_token_kl=kl / counted, kv_ratio=kv / base_kv, prompts=counted)
+    if counted < len(prompts):
+        return Point(members, e2e_ratio=None, **common)
+    e2e, prefill, decode = [], [], []
+    for messages in prompts[:timing_prompts]:
+        base = engine.generate(messages, policy="none", max_new_tokens=timing_tokens, ignore_eos=True).metrics
+        run = engine.generate(messages, policy=configuration(members), max_new_tokens=timing_tokens,
+                              ignore_eos=True).metrics
+        e2e.append(_end_to_end(run, typical_answer) / _end_to_end(base, typical_answer))
+        prefill.append(run["prefill_s"] / base["prefill_s"])
+        decode.append(run["decode_tokens_per_s"] / base["decode_tokens_per_s"])
+    return Point(members, e2e_ratio=statistics.median(e2e), prefill_ratio=statistics.median(prefill),
+                 decode_speedup=statistics.median(decode), **common)
+
+
+def _end_to_end(metrics: dict, answer: int) -> float:
+    """Seconds to the end of an ``answer``-token reply: first token, then ``answer - 1`` decode steps."""
+    return metrics["ttft_s"] + (answer - 1) / metrics["decode_tokens_per_s"]
+
+
+def _load_state(path: Path, settings: dict, progress) -> dict[str, Point]:
+    """Candidates already measured with the same settings and prompts (a resumed calibration)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        text = path.read_text()
+        if text and not text.endswith("\n"):  # a line cut short by a kill: end it, so appends start clean
+            with path.open("a") as state:
+                state.write("\n")
+        lines = text.splitlines()
+        try:
+            header = json.loads(lines[0]) if lines else None
+        except json.JSONDecodeError:
+            header = None
+        if header == {"settings": settings}:
+            done = {}
+            for line in lines[1:]:
+                try:
+                    point = Point.from_json(json.loads(line)["point"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue  # a line cut short by a kill: that candidate is measured again
+                done[point.name] = point
+            return done
+        kept = path.with_name(path.name + ".previous")
+        path.replace(kept)  # never thrown away: it may be the only copy of hours of measurements
+        progress(f"{path} holds a calibration with other settings or prompts: starting afresh (the old one is {kept})")
+    path.write_text(json.dumps({"settings": settings}) + "\n")
+    return {}

@@ -1,0 +1,194 @@
+"""The honest slider: `auto` reads a measured speed/quality frontier (pruning/frontier.py), calibrated
+label-free per model (`glimpse calibrate slider`, pipeline/calibrate_slider.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline import load_engine
+from pipeline.calibrate_slider import SHIPPED_FRONTIER, calibrate_slider, folder_prompts, shipped_prompts
+from pipeline.profiles import profile_path, save_profile
+from pruning import Frontier, Member, Point, make_policy
+from pruning.frontier import (DEFAULT_FLOOR, candidates, design_pipeline_members, pareto_frontier,
+                              required_agreement, uncalibrated_frontier)
+
+SPEEDS = [i / 20 for i in range(21)]
+
+
+def _point(name: str, agreement: float, flops: float, e2e: float | None) -> Point:
+    return Point((Member.of(name, 0.5),), agreement=agreement, flops_ratio=flops, e2e_ratio=e2e, prompts=40)
+
+
+# ------------------------------------------------------------------------------------------ frontier
+def test_the_frontier_keeps_only_points_no_other_beats_on_both_cost_and_agreement():
+    a = _point("fastv", 0.60, 0.30, 0.50)  # cheapest
+    b = _point("st3", 0.90, 0.55, 0.70)
+    dominated = _point("dash", 0.70, 0.80, 0.80)  # more FLOPs than b and agrees less
+    c = _point("lazyllm", 0.97, 0.70, 0.85)
+    slower = _point("zipvl", 0.99, 0.95, 1.05)  # slower end to end than the unpruned model: never worth it
+    rejected = _point("hidivdrop", 0.20, 0.30, None)  # stopped early, never timed
+    assert pareto_frontier([dominated, c, slower, a, rejected, b]) == [a, b, c]
+
+
+def test_a_cheaper_point_measured_slower_end_to_end_is_dropped_so_higher_speed_is_never_slower():
+    dear = _point("st3", 0.95, 0.50, 0.80)
+    decode_bound = _point("lazyllm", 0.90, 0.40, 0.90)  # fewer FLOPs, but its decode costs more than that
+    within_noise = _point("fastv", 0.85, 0.35, 0.82)  # 2 points slower: timing noise, kept
+    cheap = _point("dash", 0.70, 0.20, 0.60)
+    assert pareto_frontier([dear, decode_bound, within_noise, cheap]) == [cheap, within_noise, dear]
+
+
+def test_auto_along_the_slider_is_exact_at_0_then_never_slower_never_pruning_less_and_keeps_its_promise():
+    points = [_point("fastv", 0.55, 0.25, 0.45), _point("st3", 0.86, 0.45, 0.60), _point("lazyllm", 0.93, 0.55, 0.72),
+              _point("dash", 0.97, 0.80, 0.90)]
+    frontier = Frontier(pareto_frontier(points), floor=DEFAULT_FLOOR, calibrated=True)
+    assert frontier.choose(0.0) is None  # exact, whatever was measured
+    chosen = [frontier.choose(s) for s in SPEEDS[1:]]
+    for speed, point in zip(SPEEDS[1:], chosen):
+        if point is not None:
+            assert point.agreement_bound >= required_agreement(speed, DEFAULT_FLOOR)
+    cost = [1.0] + [p.e2e_ratio if p else 1.0 for p in chosen]
+    flops = [1.0] + [p.flops_ratio if p else 1.0 for p in chosen]
+    assert all(b <= a for a, b in zip(cost, cost[1:])) and all(b <= a for a, b in zip(flops, flops[1:]))
+    # speed 1: the cheapest point whose agreement stays above the floor; the 55% one is never run
+    assert frontier.choose(1.0).name == "st3@0.5"
+    assert all(p is None or p.name != "fastv@0.5" for p in chosen)
+    promise = frontier.promise(1.0)
+    assert promise["configuration"] == "st3@0.5" and promise["agreement"] == 0.86
+    assert "keeps 86% of answers" in promise["text"] and "2.2x fewer prefill FLOPs" in promise["text"]
+    assert promise["text"].count("at least 81%") == 1  # 0.86 less one standard error over 40 prompts
+
+
+def test_a_frontier_survives_its_json_and_builds_the_same_policy():
+    frontier = Frontier(pareto_frontier([Point(design_pipeline_members(1.0), 0.9, 0.3, 0.5, token_match=0.95),
+                                         Point((Member.of("lazyllm", 1.0, percentiles=[0.5, 0.6, 0.7]),), 0.97,
+                                               0.5, 0.7)]), calibrated=True, source="test")
+    again = Frontier.from_json(json.loads(json.dumps(frontier.to_json())))
+    assert again.points == frontier.points
+    for speed in (0.25, 1.0):
+        assert make_policy("auto", speed, frontier=again).params() == make_policy("auto", speed, frontier=frontier).params()
+    assert make_policy("auto", 0.25, frontier=again).policies[0].percentiles == (0.5, 0.6, 0.7)
+
+
+def test_without_a_profile_auto_is_the_labelled_uncalibrated_default():
+    frontier = uncalibrated_frontier()
+    assert not frontier.calibrated
+    for speed in (0.5, 1.0):
+        assert frontier.promise(speed)["text"].startswith("uncalibrated")
+    assert frontier.promise(0.0)["configuration"] == "none"
+
+
+def test_the_default_candidates_hold_the_design_pipeline_and_every_policy():
+    names = {member.policy for members in candidates() for member in members}
+    assert names == {"dash", "zipvl", "st3", "lazyllm", "fastv", "hidivdrop"}
+    assert design_pipeline_members(0.5) in candidates()
+    assert len({tuple(c) for c in candidates()}) == len(candidates())  # no candidate measured twice
+
+
+# ------------------------------------------------------------------------------------------ calibration
+@pytest.fixture(scope="module")
+def engine(deep_checkpoints):
+    return load_engine(str(deep_checkpoints["qwen2_vl"]), device="cpu")
+
+
+def test_calibration_can_choose_or_reject_the_design_pipeline_by_what_it_measured(engine, media, tmp_path):
+    image = str(media["image"])
+    prompts = [[{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+               for question in ("What is in the picture?", "What colours are there?", "Describe it.", "Is it dark?")]
+    design = design_pipeline_members(1.0)
+    mild = (Member.of("lazyllm", 0.25),)
+    # floor 0: nothing stops early, so both are measured on every prompt and timed
+    frontier = calibrate_slider(engine, prompts, [design, mild], state_path=tmp_path / "state.jsonl", floor=0.0,
+                                answer_tokens=6, timing_prompts=1, timing_tokens=4)
+    measured = {p.name: p for p in frontier.measured}
+    design_point = measured["+".join(m.label for m in design)]
+    assert 0.0 <= design_point.agreement <= 1.0 and design_point.prompts == len(prompts)
+    assert design_point.flops_ratio < measured["lazyllm@0.25"].flops_ratio < 1.0
+    assert design_point.e2e_ratio is not None and design_point.e2e_ratio > 0
+    # The same measurements, read against a floor above what the design pipeline kept: never chosen.
+    misses = Frontier(frontier.points, floor=min(1.0, design_point.agreement_bound + 0.01), calibrated=True)
+    assert all(misses.choose(s) != design_point for s in SPEEDS)
+    # ... and against a floor it meets: chosen at speed 1, being the cheapest, if it made the frontier
+    # (a shared machine may time it slower end to end than the unpruned model, which keeps it off).
+    meets = Frontier(frontier.points, floor=design_point.agreement_bound, calibrated=True)
+    assert (meets.choose(1.0) == design_point) == (design_point in frontier.points)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def test_an_interrupted_calibration_resumes_without_measuring_again(engine, media, tmp_path):
+    prompts = folder_prompts(str(media["image"].parent), None, None, video=True)
+    todo = [(Member.of("fastv", 0.5),), (Member.of("st3", 0.5),), (Member.of("lazyllm", 0.5),)]
+    state = tmp_path / "state.jsonl"
+    lines = []
+
+    def stop_after_first(line):
+        lines.append(line)
+        if line.startswith("[1/3]"):
+            raise _Interrupt  # as Ctrl-C would, right after the first candidate was stored
+
+    with pytest.raises(_Interrupt):
+        calibrate_slider(engine, prompts, todo, state_path=state, answer_tokens=4, timing_prompts=1,
+                         timing_tokens=3, progress=stop_after_first)
+    first = json.loads(state.read_text().splitlines()[1])["point"]
+    assert first["name"] == "fastv@0.5"
+    with state.open("a") as f:  # a kill in the middle of writing the next line
+        f.write('{"point": {"name": "st3@0.5", "agr')
+    lines.clear()
+    frontier = calibrate_slider(engine, prompts, todo, state_path=state, answer_tokens=4, timing_prompts=1,
+                                timing_tokens=3, progress=lines.append)
+    assert any(line.startswith("resuming: 1 of 3") for line in lines)
+    assert [line.split(":")[0] for line in lines if line.startswith("[")] == ["[2/3] st3@0.5", "[3/3] lazyllm@0.5"]
+    assert {p.name for p in frontier.measured} == {"fastv@0.5", "st3@0.5", "lazyllm@0.5"}
+    assert next(p for p in frontier.measured if p.name == "fastv@0.5").to_json() == first
+    # other settings: the old measurements are not mixed in
+    calibrate_slider(engine, prompts, todo[:1], state_path=state, answer_tokens=5, timing_prompts=1,
+                     timing_tokens=3, progress=lines.append)
+    assert any("starting afresh" in line for line in lines)
+    kept = state.with_name(state.name + ".previous")  # the old measurements are moved aside, not lost
+    assert json.loads(kept.read_text().splitlines()[1])["point"] == first
+
+
+def test_a_stored_profile_is_what_auto_runs_and_promises(deep_checkpoints, media, tmp_path, monkeypatch):
+    monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path))
+    model = str(deep_checkpoints["llava"])
+    assert not load_engine(model, device="cpu").promise("auto", 1.0)["calibrated"]
+    point = Point((Member.of("fastv", 0.5),), agreement=0.9, flops_ratio=0.5, e2e_ratio=0.7, prompts=12)
+    frontier = Frontier([point], calibrated=True, source="test calibration")
+    save_profile(model, {**frontier.to_json(), "num_layers": 12}, policy="slider")
+    assert profile_path(model, "slider").exists()
+    engine = load_engine(model, device="cpu")
+    policy = engine.make_policy("auto", 1.0)
+    assert [p.name for p in policy.policies] == ["fastv"] and policy.policies[0].ratio == 0.5
+    promise = engine.promise("auto", 1.0)
+    assert promise["calibrated"] and promise["configuration"] == "fastv@0.5" and "12 prompts" in promise["text"]
+    assert engine.make_policy("auto", 0.0).policies == ()
+    # a profile of another depth (another model at the same path) is not used
+    save_profile(model, {**frontier.to_json(), "num_layers": 7}, policy="slider")
+    assert not load_engine(model, device="cpu").promise("auto", 1.0)["calibrated"]
+
+
+def test_the_shipped_calibration_set_and_frontier_are_usable():
+    prompts = shipped_prompts(video=True)
+    assert len(prompts) >= 40 and {part["type"] for p in prompts for part in p[0]["content"]} == {"image", "video", "text"}
+    assert all("video" not in part for p in shipped_prompts(video=False) for part in p[0]["content"])
+    frontier = Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()))
+    assert frontier.calibrated and frontier.points and frontier.choose(0.0) is None
+    for point in frontier.points:  # every frontier point was measured, and is faster than the unpruned model
+        assert point.e2e_ratio < 1.0 and point.flops_ratio < 1.0 and point in frontier.measured
+    assert frontier.choose(1.0).agreement_bound >= frontier.floor
+
+
+def test_calibrate_slider_from_the_command_line_refuses_bad_input_before_loading(tmp_path, capsys):
+    from app.cli import main
+
+    assert main(["calibrate", "slider", "--model", "embedded", "--floor", "1.5"]) == 1
+    assert "--floor" in capsys.readouterr().err
+    assert main(["calibrate", "slider", "--model", "embedded", "--prompts", str(tmp_path / "missing.txt")]) == 1
+    assert "--prompts" in capsys.readouterr().err
+    assert main(["calibrate", "hidivdrop", "--model", "embedded"]) == 1
+    assert "needs --images" in capsys.readouterr().err

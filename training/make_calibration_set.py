@@ -1,0 +1,46 @@
+"""The label-free calibration set that ships with Glimpse (assets/calibration/).
+
+`glimpse calibrate slider` without --images/--videos uses it: 4 images per image category and 4
+clips per clip category of the generated shapes task (training/tasks.py), drawn from seed 100 —
+neither the training seed 0, the validation seed 2, nor the held-out seeds 1 and 3-7 that the
+reported accuracy uses — each with one question. No answers are stored: calibration compares the
+pruned model with the unpruned one, so it needs none.
+
+    python -m training.make_calibration_set            # rewrites assets/calibration/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from training import tasks
+
+CALIBRATION_SEED = 100
+OUT = Path(__file__).resolve().parent.parent / "assets" / "calibration"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=CALIBRATION_SEED)
+    parser.add_argument("--per-category", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, (item, qa) in enumerate(tasks.heldout_set(args.seed, args.per_category)):
+        if item.is_video:
+            name = f"{i:03d}.mp4"
+            tasks.write_clip(item.frames, args.out / name)
+            lines.append({"video": name, "question": qa.question})
+        else:
+            name = f"{i:03d}.png"
+            item.frames[0].save(args.out / name, optimize=True)
+            lines.append({"image": name, "question": qa.question})
+    (args.out / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    print(f"{len(lines)} prompts -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
