@@ -222,6 +222,7 @@ def run_ask(args) -> int:
         _log(NOT_GROUNDED)
     policy = engine.make_policy(args.policy, args.speed, overrides)  # with the model's calibration profile
     promise = engine.promise(args.policy, args.speed, overrides)  # what this speed was measured to keep
+    _log(f"[{args.policy} speed={args.speed:g}] {promise['text']}")
     options = dict(policy=policy, max_new_tokens=args.max_new_tokens,
                    do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.json:
@@ -231,7 +232,6 @@ def run_ask(args) -> int:
                "grounded": engine.grounded, "finish_reason": result.finish_reason}
         print(json.dumps(out))
         return 0
-    _log(f"[{args.policy} speed={args.speed:g}] {promise['text']}")
     result = None
     for chunk in engine.stream(messages, **options):
         sys.stdout.write(chunk.text)
