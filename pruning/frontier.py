@@ -167,8 +167,8 @@ class Frontier:
             text = "exact: no pruning, the unpruned model's answer"
             if speed > 0.0:
                 text = ("no pruning at this speed: nothing measured keeps the answers it asks for"
-                        if self.calibrated else "uncalibrated: no pruning at this speed (the default prunes "
-                        "from speed 0.75); run `glimpse calibrate slider` for this model's frontier")
+                        if self.calibrated else "uncalibrated: no pruning at this speed (the default keeps too "
+                        "few answers here); run `glimpse calibrate slider` for this model's frontier")
             out.update(configuration="none", agreement=1.0, flops_speedup=1.0, e2e_speedup=1.0, text=text)
             return out
         flops, e2e = 1.0 / point.flops_ratio, 1.0 / point.e2e_ratio
