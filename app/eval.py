@@ -176,7 +176,8 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
             ttft = flops = flops_base = 0.0
             reductions = []
             answers = []
-            configuration = engine.promise(name, speed)["configuration"]  # what auto picked at this speed
+            promise = engine.promise(name, speed)  # what auto picked at this speed, calibrated or not
+            configuration = promise["configuration"]
             for case in cases:
                 result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, False),
                                          max_new_tokens=new_tokens)
@@ -197,7 +198,7 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
                 reference = answers
             agreement = sum(_same_answer(a, b) for a, b in zip(answers, reference)) / len(cases)
             rows.append({"policy": name, "speed": speed, "accuracy": sum(right.values()) / len(cases),
-                         "agreement": agreement, "configuration": configuration,
+                         "agreement": agreement, "configuration": configuration, "calibrated": promise["calibrated"],
                          "image_accuracy": sum(image) / len(image) if image else None, "video_accuracy": sum(video) / len(video) if video else None,
                          "per_category": accuracy, "visual_reduction": sum(reductions) / len(reductions),
                          "flops_speedup": flops_base / flops, "ttft_speedup": base_ttft / ttft, "answers": answers})
@@ -212,7 +213,7 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
 def _label(row: dict) -> str:
     """A table's policy cell: auto names the configuration it ran."""
     if row["policy"] == "auto" and row.get("configuration"):
-        return f"auto ({row['configuration']})"
+        return f"auto ({row['configuration']}{'' if row.get('calibrated') else ', uncalibrated'})"
     return row["policy"]
 
 

@@ -17,7 +17,7 @@ there (rejected, no timing). The frontier (``pruning.frontier.pareto_frontier``)
 model's profile beside its ILVAS profile, atomically. Every finished candidate is appended to a
 state file next to it first, so an interrupted calibration, rerun with the same arguments, resumes
 where it stopped; ``budget_s`` stops starting new candidates once spent and stores the frontier of
-what was measured (rerun to measure the rest).
+what was measured (rerun to measure the rest; every run measures at least one candidate).
 """
 
 from __future__ import annotations
@@ -135,9 +135,11 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
     measured += [done[configuration_name(c)] for c in candidates if configuration_name(c) in done]
     if measured:
         progress(f"resuming: {len(measured)} of {len(candidates)} candidates already measured ({state_path})")
-    for number, members in enumerate(todo, start=len(measured) + 1):
-        if budget_s is not None and time.perf_counter() - start > budget_s:
-            progress(f"budget spent: {len(todo) - (number - len(measured) - 1)} candidates not measured; "
+    for done_now, members in enumerate(todo):
+        number = len(measured) + 1
+        # Every run measures at least one candidate, so a rerun always makes progress.
+        if done_now and budget_s is not None and time.perf_counter() - start > budget_s:
+            progress(f"budget spent: {len(todo) - done_now} candidates not measured; "
                      "rerun the same command to measure them")
             break
         name = configuration_name(members)

@@ -192,3 +192,28 @@ def test_calibrate_slider_from_the_command_line_refuses_bad_input_before_loading
     assert "--prompts" in capsys.readouterr().err
     assert main(["calibrate", "hidivdrop", "--model", "embedded"]) == 1
     assert "needs --images" in capsys.readouterr().err
+
+
+def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budget_and_resumes(
+        deep_checkpoints, media, tmp_path, capsys):
+    from app.cli import main
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("a.png", "b.png"):
+        (images / name).write_bytes(media["image"].read_bytes())
+    (images / "notes.txt").write_text("not an image")
+    out = tmp_path / "slider.json"
+    command = ["calibrate", "slider", "--model", str(deep_checkpoints["llava"]), "--images", str(images),
+               "--budget-minutes", "0.001", "--out", str(out), "--device", "cpu"]
+    assert main(command) == 0
+    err = capsys.readouterr().err
+    assert "[1/" in err and "budget spent" in err  # one candidate measured, then the budget stops it
+    profile = json.loads(out.read_text())
+    assert profile["num_layers"] == 12 and len(profile["measured"]) == 1 and profile["measured"][0]["prompts"] >= 1
+    frontier = Frontier.from_json(profile)
+    assert all(p in frontier.measured for p in frontier.points)
+    assert main(command) == 0  # the same command again: resumes, measures the next one
+    err = capsys.readouterr().err
+    assert "resuming: 1 of" in err and "[2/" in err
+    assert len(json.loads(out.read_text())["measured"]) == 2
