@@ -3,7 +3,7 @@
     glimpse serve --port 7860 &          # any model; the README's shot uses the embedded one
     python docs/screenshot.py http://127.0.0.1:7860 docs/screenshot.png [POLICY] [SPEED] [QUESTION]
 
-Defaults: LazyLLM at speed 0.75, "What colour is the circle?" (the README's first question).
+Defaults: auto at speed 1, "What colour is the circle?" (the README's first question).
 """
 
 import shutil
@@ -13,8 +13,8 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 url, out = sys.argv[1], sys.argv[2]
-policy = sys.argv[3] if len(sys.argv) > 3 else "lazyllm"
-speed = sys.argv[4] if len(sys.argv) > 4 else "0.75"
+policy = sys.argv[3] if len(sys.argv) > 3 else "auto"
+speed = sys.argv[4] if len(sys.argv) > 4 else "1"
 question = sys.argv[5] if len(sys.argv) > 5 else "What colour is the circle?"
 with sync_playwright() as p:
     browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=["--no-sandbox"])

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-from pruning import configuration
 from pruning.frontier import DEFAULT_FLOOR, Frontier, Member, Point, configuration_name, pareto_frontier
 from vision import MediaError
 
@@ -136,7 +135,7 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
     if measured:
         progress(f"resuming: {len(measured)} of {len(candidates)} candidates already measured ({state_path})")
     for done_now, members in enumerate(todo):
-        number = len(measured) + 1
+        number = len(candidates) - len(todo) + done_now + 1
         # Every run measures at least one candidate, so a rerun always makes progress.
         if done_now and budget_s is not None and time.perf_counter() - start > budget_s:
             progress(f"budget spent: {len(todo) - done_now} candidates not measured; "
@@ -144,8 +143,12 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
             break
         name = configuration_name(members)
         t0 = time.perf_counter()
-        point = measure(engine, members, usable, references, floor, answer_tokens, timing_prompts, timing_tokens,
-                        typical_answer)
+        try:
+            point = measure(engine, members, usable, references, floor, answer_tokens, timing_prompts, timing_tokens,
+                            typical_answer)
+        except ValueError as error:  # a configuration this model cannot run (e.g. too shallow for its layers)
+            progress(f"[{number}/{len(candidates)}] {name}: skipped, {error}")
+            continue
         measured.append(point)
         with state_path.open("a") as state:
             state.write(json.dumps({"point": point.to_json()}) + "\n")
@@ -168,7 +171,7 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
     counted = 0
     check_at = len(prompts) // 2
     for messages, reference in zip(prompts, references):
-        result = engine.generate(messages, policy=configuration(members), max_new_tokens=answer_tokens)
+        result = engine.generate(messages, policy=engine.configuration(members), max_new_tokens=answer_tokens)
         counted += 1
         same += normalised(result.text) == normalised(reference.text)
         matches += sum(a == b for a, b in zip(reference.tokens, result.token_ids)) / max(1, len(reference.tokens))
@@ -186,7 +189,7 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
     e2e, prefill, decode = [], [], []
     for messages in prompts[:timing_prompts]:
         base = engine.generate(messages, policy="none", max_new_tokens=timing_tokens, ignore_eos=True).metrics
-        run = engine.generate(messages, policy=configuration(members), max_new_tokens=timing_tokens,
+        run = engine.generate(messages, policy=engine.configuration(members), max_new_tokens=timing_tokens,
                               ignore_eos=True).metrics
         e2e.append(_end_to_end(run, typical_answer) / _end_to_end(base, typical_answer))
         prefill.append(run["prefill_s"] / base["prefill_s"])

@@ -27,7 +27,7 @@ from pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
 from pipeline.cache import AuxCache, KVCache
 from pipeline.metrics import MemoryMeter, prefill_flops, synchronize
 from pipeline.prompt import Prompt, build_prompt
-from pruning import Frontier, Policy, make_policy
+from pruning import Frontier, Policy, configuration, make_policy
 from pruning.frontier import uncalibrated_frontier
 
 
@@ -229,6 +229,15 @@ class Engine:
             elif member in members:
                 calibrated.update({f"{member}.{k}": v for k, v in params.items()})
         return make_policy(name, speed, {**calibrated, **(overrides or {})}, frontier=self.frontier)
+
+    def configuration(self, members) -> Policy:
+        """A frontier configuration (``pruning.frontier.Member`` list) for this model, with its
+        calibration profile applied as ``auto`` applies it: calibration measures what ``auto`` runs."""
+        policy = configuration(members)
+        for member in policy.policies:
+            for param, value in self.profiles.get(member.name, {}).items():
+                setattr(member, param, value)
+        return policy
 
     def promise(self, name: str, speed: float, overrides: dict | None = None) -> dict:
         """What ``name`` at ``speed`` is measured to keep on this model, before anything is asked:

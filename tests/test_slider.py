@@ -153,6 +153,18 @@ def test_an_interrupted_calibration_resumes_without_measuring_again(engine, medi
     assert json.loads(kept.read_text().splitlines()[1])["point"] == first
 
 
+def test_a_candidate_the_model_cannot_run_is_skipped_with_its_reason_and_the_rest_are_measured(engine, media,
+                                                                                                tmp_path):
+    prompts = folder_prompts(str(media["image"].parent), None, None, video=True)
+    impossible = (Member.of("hidivdrop", 1.0, inject_layer=10, exit_layer=5),)  # injects after it exits
+    lines = []
+    frontier = calibrate_slider(engine, prompts, [impossible, (Member.of("fastv", 0.5),)],
+                                state_path=tmp_path / "state.jsonl", answer_tokens=3, timing_prompts=1,
+                                timing_tokens=2, progress=lines.append)
+    assert [p.name for p in frontier.measured] == ["fastv@0.5"]
+    assert any(line.startswith("[1/2] hidivdrop@1") and "skipped" in line and "L_inj" in line for line in lines)
+
+
 def test_a_stored_profile_is_what_auto_runs_and_promises(deep_checkpoints, media, tmp_path, monkeypatch):
     monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path))
     model = str(deep_checkpoints["llava"])
