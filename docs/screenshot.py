@@ -21,8 +21,9 @@ with sync_playwright() as p:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(url)
     page.wait_for_selector("#input textarea", timeout=60_000)
-    page.locator("#policy input").click()
-    page.get_by_role("option", name=policy, exact=True).click()
+    if policy != "auto":  # auto is already selected
+        page.locator("#policy input").click()
+        page.get_by_role("option", name=policy, exact=True).click()
     page.locator("#speed input[type=number]").fill(speed)
     page.locator("#speed input[type=number]").press("Enter")
     page.get_by_text("also run unpruned, to compare").click()
