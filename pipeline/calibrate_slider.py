@@ -34,12 +34,11 @@ import torch
 
 from pruning.frontier import DEFAULT_FLOOR, Frontier, Member, Point, configuration_name, pareto_frontier
 from vision import MediaError
+from vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CALIBRATION_DIR = ASSETS / "calibration"  # the label-free set that ships (training/make_calibration_set.py)
 SHIPPED_FRONTIER = ASSETS / "embedded_frontier.json"  # the embedded model's calibrated frontier
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-VIDEO_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi"}
 DEFAULT_QUESTIONS = {"image": "Describe the image in one sentence.", "video": "Describe the video in one sentence."}
 
 
@@ -65,7 +64,7 @@ def folder_prompts(images: str | None, videos: str | None, prompts_file: str | N
         if not questions:
             raise ValueError(f"{prompts_file} holds no question (one per line)")
     media = []
-    for folder, kind, suffixes in ((images, "image", IMAGE_SUFFIXES), (videos, "video", VIDEO_SUFFIXES)):
+    for folder, kind, suffixes in ((images, "image", IMAGE_EXTENSIONS), (videos, "video", VIDEO_EXTENSIONS)):
         if folder is None:
             continue
         if not Path(folder).is_dir():
@@ -129,9 +128,8 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
     if not usable:
         raise ValueError("none of the calibration prompts could be read")
 
-    measured: list[Point] = []
     todo = [c for c in candidates if configuration_name(c) not in done]
-    measured += [done[configuration_name(c)] for c in candidates if configuration_name(c) in done]
+    measured: list[Point] = [done[configuration_name(c)] for c in candidates if configuration_name(c) in done]
     if measured:
         progress(f"resuming: {len(measured)} of {len(candidates)} candidates already measured ({state_path})")
     for done_now, members in enumerate(todo):

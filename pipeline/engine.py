@@ -220,23 +220,21 @@ class Engine:
 
     def make_policy(self, name: str, speed: float = 0.0, overrides: dict | None = None) -> Policy:
         """A registry policy for this model (``auto``: the configuration its frontier selects at
-        ``speed``): its calibration profile, then ``overrides``."""
-        members = {p.name for p in make_policy(name, speed, frontier=self.frontier).policies} if name == "auto" else ()
-        calibrated = {}
-        for member, params in self.profiles.items():
-            if name == member:
-                calibrated.update(params)
-            elif member in members:
-                calibrated.update({f"{member}.{k}": v for k, v in params.items()})
-        return make_policy(name, speed, {**calibrated, **(overrides or {})}, frontier=self.frontier)
+        ``speed``): its calibration profile, then ``overrides``, which win."""
+        return self._with_profiles(make_policy(name, speed, overrides, frontier=self.frontier), overrides or {})
 
     def configuration(self, members) -> Policy:
         """A frontier configuration (``pruning.frontier.Member`` list) for this model, with its
         calibration profile applied as ``auto`` applies it: calibration measures what ``auto`` runs."""
-        policy = configuration(members)
-        for member in policy.policies:
+        return self._with_profiles(configuration(members), {})
+
+    def _with_profiles(self, policy: Policy, overrides: dict) -> Policy:
+        """``policy`` (or each member of a pipeline) with this model's calibrated parameters (HiDivDrop's
+        ILVAS filtering layers), except those ``overrides`` set explicitly ("param" or "member.param")."""
+        for member in getattr(policy, "policies", (policy,)):
             for param, value in self.profiles.get(member.name, {}).items():
-                setattr(member, param, value)
+                if param not in overrides and f"{member.name}.{param}" not in overrides:
+                    setattr(member, param, value)
         return policy
 
     def promise(self, name: str, speed: float, overrides: dict | None = None) -> dict:

@@ -188,6 +188,10 @@ def test_calibrate_writes_a_profile_the_engine_then_uses(deep, media, tmp_path, 
     policy = engine.make_policy("hidivdrop", 1.0)
     assert policy.filter_layers == tuple(profile["filter_layers"])
     assert engine.make_policy("hidivdrop", 1.0, {"filter_layers": [5]}).filter_layers == (5,)  # overrides win
+    # calibration measures a configuration with the same profile applied
+    from pruning import Member
+
+    assert engine.configuration((Member.of("hidivdrop", 1.0),)).policies[0].filter_layers == policy.filter_layers
 
 
 def test_speed_zero_is_exact_and_no_pruning_is_unchanged(deep, media):
