@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from app.bench import FILLER, device_name, synthesize_prompts
+from pipeline.calibrate_slider import normalised
 from training import tasks
 
 TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
@@ -219,8 +220,6 @@ def _label(row: dict) -> str:
 
 def _same_answer(a: str, b: str) -> bool:
     """The label-free agreement calibration measures: the same answer as the unpruned model's."""
-    from pipeline.calibrate_slider import normalised
-
     return normalised(a) == normalised(b)
 
 

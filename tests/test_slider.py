@@ -215,12 +215,14 @@ def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budg
     for name in ("a.png", "b.png"):
         (images / name).write_bytes(media["image"].read_bytes())
     (images / "notes.txt").write_text("not an image")
+    (images / "c_broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")  # a bad file is skipped, not fatal
     out = tmp_path / "slider.json"
     command = ["calibrate", "slider", "--model", str(deep_checkpoints["llava"]), "--images", str(images),
                "--budget-minutes", "0.001", "--out", str(out), "--device", "cpu"]
     assert main(command) == 0
     err = capsys.readouterr().err
     assert "[1/" in err and "budget spent" in err  # one candidate measured, then the budget stops it
+    assert "skipped prompt 3" in err and "c_broken.png" in err
     profile = json.loads(out.read_text())
     assert profile["num_layers"] == 12 and len(profile["measured"]) == 1 and profile["measured"][0]["prompts"] >= 1
     frontier = Frontier.from_json(profile)
