@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--categories", default=None,
                           help="visual: comma-separated question categories (default: every image category, and every "
                                "clip category when the model takes video), e.g. colour,shape,count,position")
+    evaluate.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                          help="passkey, visual: a parameter of every policy in --policies, as for ask "
+                               "(e.g. --policies fastv --param layer=6 --param merge=true)")
     evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
     evaluate.add_argument("--plot", default=None, metavar="FILE.png", help="quality vs TTFT speedup plot")
     _add_device_options(evaluate)
@@ -259,9 +262,12 @@ def run_eval(args) -> int:
         raise UserError("--speeds and --lengths must be comma-separated numbers") from None
     default = evaluation.PASSKEY_POLICIES if args.task == "passkey" else [n for n in NAMES if n != "none"]
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else default
+    overrides = parse_params(args.param) or None
+    if overrides and args.task == "agreement":
+        raise UserError("--param applies to the passkey and visual tasks")
     for name in policies:
         for speed in speeds:
-            make_policy(name, speed)  # bad names and speeds fail before loading
+            make_policy(name, speed, overrides)  # bad names, speeds and parameters fail before loading
     # the unpruned model is always run, as the reference: `--policies none` runs it alone
     policies = [p for p in policies if p != "none"]
     if args.samples < 1 or args.new_tokens < 1 or not lengths:
@@ -282,10 +288,10 @@ def run_eval(args) -> int:
     elif args.task == "visual":
         seed = evaluation.tasks.HELDOUT_SEED if args.seed is None else args.seed
         report = evaluation.run_visual(engine, args.samples, policies, speeds, seed, progress=_log,
-                                       categories=categories)
+                                       categories=categories, overrides=overrides)
     else:
         report = evaluation.run_passkey(engine, lengths, args.samples, policies, speeds, args.seed or 0,
-                                        progress=_log)
+                                        progress=_log, overrides=overrides)
     report["model"] = args.model
     if args.plot:
         evaluation.plot(report, args.plot)

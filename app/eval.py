@@ -44,9 +44,14 @@ TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
 PASSKEY_POLICIES = ["dash", "zipvl", "lazyllm", "fastv"]
 
 
-def policy_for(engine, name: str, speed: float, text_task: bool):
-    # FastV prunes only visual tokens; on text it is its text adaptation (DASH's appendix).
-    return engine.make_policy(name, speed, {"text": True} if text_task and name == "fastv" else None)
+def policy_for(engine, name: str, speed: float, text_task: bool, overrides: dict | None = None):
+    """The pruned policies' configuration: ``overrides`` (``--param``) on top; the unpruned reference never gets them."""
+    if name == "none":
+        return engine.make_policy(name, speed)
+    params = dict(overrides or {})
+    if text_task and name == "fastv":
+        params.setdefault("text", True)  # FastV prunes only visual tokens; on text, its text adaptation (DASH's appendix)
+    return engine.make_policy(name, speed, params or None)
 
 
 # ------------------------------------------------------------------------------------ agreement
@@ -119,7 +124,7 @@ def passkey_cases(tokenizer, lengths: list[int], samples: int, seed: int) -> lis
 
 
 def run_passkey(engine, lengths: list[int], samples: int, policies: list[str], speeds: list[float], seed: int = 0,
-                new_tokens: int = 12, progress=lambda line: None) -> dict:
+                new_tokens: int = 12, progress=lambda line: None, overrides: dict | None = None) -> dict:
     cases = passkey_cases(engine.tokenizer, lengths, samples, seed)
     configs = [("none", 0.0)] + [(name, speed) for name in policies for speed in speeds]
     rows, base_ttft = [], {}
@@ -127,7 +132,7 @@ def run_passkey(engine, lengths: list[int], samples: int, policies: list[str], s
         for length in lengths:
             correct, ttft = 0, 0.0
             for case in (c for c in cases if c["length"] == length):
-                result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, True),
+                result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, True, overrides),
                                          max_new_tokens=new_tokens)
                 correct += str(case["key"]) in result.text
                 ttft += result.metrics["ttft_s"]
@@ -137,7 +142,7 @@ def run_passkey(engine, lengths: list[int], samples: int, policies: list[str], s
                          "ttft_speedup": base_ttft[length] / ttft})
             progress(f"{name} @ {speed:g}, {length} tokens: accuracy {correct}/{samples}")
     return {"task": "passkey", "device": device_name(engine), "lengths": lengths, "samples": samples, "seed": seed,
-            "rows": rows}
+            "rows": rows, "params": overrides or {}}
 
 
 # ------------------------------------------------------------------------------------ visual task
@@ -166,7 +171,8 @@ def visual_reduction(metrics: dict) -> float:
 
 
 def run_visual(engine, samples: int, policies: list[str], speeds: list[float], seed: int = tasks.HELDOUT_SEED,
-               new_tokens: int = 8, progress=lambda line: None, categories: tuple[str, ...] | None = None) -> dict:
+               new_tokens: int = 8, progress=lambda line: None, categories: tuple[str, ...] | None = None,
+               overrides: dict | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="glimpse-visual-") as tmp:
         cases = visual_cases(Path(tmp), samples, seed, engine.adapter.supports_video, categories)
         categories = list(dict.fromkeys(c["qa"].category for c in cases))
@@ -177,10 +183,11 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
             ttft = flops = flops_base = 0.0
             reductions = []
             answers = []
-            promise = engine.promise(name, speed)  # what auto picked at this speed, calibrated or not
+            params = overrides if name != "none" else None
+            promise = engine.promise(name, speed, params)  # what auto picked at this speed, calibrated or not
             configuration = promise["configuration"]
             for case in cases:
-                result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, False),
+                result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, False, overrides),
                                          max_new_tokens=new_tokens)
                 qa = case["qa"]
                 right[qa.category] += tasks.is_correct(result.text, qa)
@@ -208,7 +215,7 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
         questions = [{"category": c["qa"].category, "question": c["qa"].question, "answer": c["qa"].answer}
                      for c in cases]
     return {"task": "visual", "device": device_name(engine), "seed": seed, "samples": samples,
-            "categories": categories, "questions": questions, "rows": rows}
+            "categories": categories, "questions": questions, "rows": rows, "params": overrides or {}}
 
 
 def _label(row: dict) -> str:

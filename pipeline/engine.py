@@ -366,6 +366,7 @@ class Engine:
         fresh = torch.ones(T, dtype=torch.bool, device=self.device)  # not computed by any layer yet
         for layer_idx, layer in enumerate(self.adapter.layers):
             active = _checked(policy.select(layer_idx, active, ctx), active, fresh)
+            hidden = ctx.hidden  # a merging policy folds pruned tokens into kept ones (pruning.base.merge_into_kept)
             if vision is not None and bool((ctx.modality[active] != TEXT).any()):
                 hidden = ctx.hidden = vision.join(hidden, ctx)
                 vision = None  # joined

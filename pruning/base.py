@@ -3,7 +3,9 @@
 The engine calls, in this order:
   plan(ctx)                          before prefill, once the prompt, its modalities and the depth
                                      are known: resolve layer numbers, reset per-request state
-  select(layer_idx, active, ctx)     before each decoder layer: return the token indices it computes
+  select(layer_idx, active, ctx)     before each decoder layer: return the token indices it computes;
+                                     a policy that merges (``merge_into_kept``) may also replace
+                                     ``ctx.hidden``, which the engine reads back before the layer
   attention_rows(layer_idx, ctx)     once the layer's queries and keys exist: which of the active
                                      tokens take part in attention (None: all of them)
   score(layer_idx, attn_output, ctx) after that layer's attention output (after o_proj, before the
@@ -153,6 +155,33 @@ def drop_lowest_visual(active: torch.Tensor, ctx, scores: torch.Tensor, count: i
     index); text tokens are never touched."""
     visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
     return without(active, visual[lowest(scores[active[visual]], count)])
+
+
+def merge_into_kept(ctx, active: torch.Tensor, pruned: torch.Tensor, sizes: torch.Tensor) -> None:
+    """Fold the visual tokens at ``pruned`` (positions into ``active``) into the visual tokens of
+    ``active`` that stay, instead of losing what they carry (token merging, as ToMe does in a ViT).
+
+    Each pruned visual token joins the kept visual token whose hidden state is most similar (cosine)
+    and that token becomes the size-weighted mean of everything it holds; ``sizes`` (indexed by
+    original index, 1 for a token that holds only itself) is updated, so a later stage averages
+    correctly again. Pruned text tokens are not merged. Replaces ``ctx.hidden``.
+    """
+    gone = active[pruned]
+    gone = gone[ctx.modality[gone] != 0]
+    stays = without(active, pruned)
+    stays = stays[ctx.modality[stays] != 0]
+    if gone.numel() == 0 or stays.numel() == 0:
+        return
+    hidden = ctx.hidden[0]
+    source, target = hidden[gone].float(), hidden[stays].float()
+    similarity = torch.nn.functional.normalize(source, dim=-1) @ torch.nn.functional.normalize(target, dim=-1).T
+    into = similarity.argmax(dim=1)  # for each pruned token, the kept token it joins
+    weight = sizes.to(hidden.device, torch.float32)
+    total = target * weight[stays, None]
+    total.index_add_(0, into, source * weight[gone, None])
+    size = weight[stays].index_add(0, into, weight[gone])
+    sizes[stays.to(sizes.device)] = size.to(sizes.device, sizes.dtype)
+    ctx.hidden = ctx.hidden.index_copy(1, stays, (total / size[:, None]).to(hidden.dtype)[None])
 
 
 def lowest(scores: torch.Tensor, count: int) -> torch.Tensor:

@@ -6,6 +6,9 @@ that received the least attention in layer K-1 is dropped for good. FastV's rele
 by the last token's attention row, averaged over heads, which is what we use: one probe query, no
 T x T matrix. Paper defaults: K = 2, R = 50% on LLaVA-1.5 (32 layers); K scales with depth.
 
+``merge=True`` folds each dropped visual token into its most similar kept one instead of losing it
+(``pruning.base.merge_into_kept``; not in the paper, a Glimpse option measured in docs/pruning.md).
+
 ``text=True`` is the text adaptation DASH's appendix compares against: the share R of *all* tokens
 but the last is dropped the same way (for text-only prompts such as the pass-key task).
 """
@@ -17,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import (Policy, check_speed, drop_lowest_visual, last_token_attention, lowest_except, scaled_layer,
-                          scores_by_token, without)
+from pruning.base import (Policy, check_speed, last_token_attention, lowest, lowest_except, merge_into_kept,
+                          scaled_layer, scores_by_token, without)
 
 
 @dataclass
@@ -26,6 +29,7 @@ class FastV(Policy):
     ratio: float = 0.0  # R: share of the visual tokens dropped at layer K
     layer: int | None = None  # K; None: round(2 L / 32), at least 1
     text: bool = False  # also drop text tokens (every token but the last)
+    merge: bool = False  # fold dropped visual tokens into their most similar kept ones
     name = "fastv"
 
     @classmethod
@@ -48,14 +52,19 @@ class FastV(Policy):
             return active
         if self.text:
             count = math.floor(self.ratio * (active.shape[0] - 1) + 1e-9)
-            self.resolved["num_dropped"] = count
-            return without(active, lowest_except(self.scores[active], count))
-        count = math.floor(self.ratio * int((ctx.modality[active] != 0).sum()) + 1e-9)
+            dropped = lowest_except(self.scores[active], count)
+        else:
+            visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
+            count = math.floor(self.ratio * visual.shape[0] + 1e-9)
+            dropped = visual[lowest(self.scores[active[visual]], count)]
         self.resolved["num_dropped"] = count
-        return drop_lowest_visual(active, ctx, self.scores, count)
+        if self.merge:
+            merge_into_kept(ctx, active, dropped, torch.ones(ctx.modality.shape[0]))
+        return without(active, dropped)
 
     def summary(self) -> str:
         if self.ratio == 0.0:
             return "FastV off"
         scope = " of all tokens" if self.text else ""
-        return f"FastV R={self.ratio:.0%}{scope} at layer {self.resolved['layer']}"
+        how = ", merged into the kept ones" if self.merge else ""
+        return f"FastV R={self.ratio:.0%}{scope} at layer {self.resolved['layer']}{how}"

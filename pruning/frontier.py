@@ -241,7 +241,8 @@ def candidates() -> list[tuple[Member, ...]]:
     """What ``glimpse calibrate slider`` measures by default: every policy over a grid of speeds,
     the design card's pipeline, and the compositions the embedded model's measurements suggested
     (docs/slider.md): LazyLLM past its slider's end, LazyLLM or ST3 with ST3's decode annealing or
-    ZipVL's packed KV, FastV's early cut under LazyLLM, and an early vision exit under LazyLLM."""
+    ZipVL's packed KV, FastV's early cut under LazyLLM, an early vision exit under LazyLLM, and FastV's
+    and LazyLLM's cuts with the pruned visual tokens merged into the kept ones (``merge=True``)."""
     anneal = dict(first_drop=0.0, end_keep=1.0)  # ST3's decode half alone
     packed_kv = dict(tau_image=1.0, tau_video=1.0)  # ZipVL's 4/2-bit KV in decode, no sparse prefill
     out: list[tuple[Member, ...]] = []
@@ -277,6 +278,18 @@ def candidates() -> list[tuple[Member, ...]]:
         (Member.of("hidivdrop", 0.0, exit_fraction=0.5), Member.of("lazyllm", 0.5)),
         (Member.of("hidivdrop", 0.0, exit_fraction=0.6), Member.of("fastv", 0.25)),
     ]
+    # Merging instead of dropping (pruning.base.merge_into_kept): FastV's one cut and LazyLLM's
+    # visual-only stages, where dropping lost the most answers (docs/pruning.md).
+    merge = dict(merge=True)
+    out += [(Member.of("fastv", 0.9, layer=6),), (Member.of("fastv", 0.95, layer=6),)]  # the same cuts, dropped
+    out += [(Member.of("fastv", 0.75, **merge),), (Member.of("fastv", 0.8, layer=4, **merge),),
+            (Member.of("fastv", 0.9, layer=6, **merge),), (Member.of("fastv", 0.95, layer=6, **merge),),
+            (Member.of("lazyllm", 1.0, **merge),)]
+    visual_only = dict(prune_text=False, **merge)
+    out += [(Member.of("lazyllm", 1.0, depth_fractions=[0.2, 0.4, 0.6], percentiles=p, **visual_only),)
+            for p in ([0.4, 0.5, 0.6], [0.5, 0.6, 0.7], [0.6, 0.7, 0.8], [0.7, 0.8, 0.9])]
+    out += [(Member.of("lazyllm", 1.0, depth_fractions=[0.15, 0.3, 0.5], percentiles=[0.5, 0.6, 0.7], **visual_only),),
+            (Member.of("lazyllm", 1.0, depth_fractions=[0.1, 0.2, 0.4], percentiles=[0.4, 0.5, 0.6], **visual_only),)]
     return out
 
 

@@ -29,6 +29,10 @@ with a slower long answer. Without it, decode attends to what prefill left in ea
 (a shorter cache, so each step is cheaper than the unpruned one); docs/pruning.md has the measured
 difference in answers.
 
+``merge=True`` (not in the paper; a Glimpse option, measured in docs/pruning.md) folds each pruned
+visual token into its most similar kept visual token (``pruning.base.merge_into_kept``) instead of
+only setting it aside; the Aux Cache still gets its own state.
+
 The paper sweeps where and how much to prune and fixes no default. Ours: prune at 1/4, 1/2 and 3/4
 of the depth, with percentiles ``(0.4, 0.5, 0.6) x speed``: at speed 1 the three stages keep 60%,
 30% and 12% of the prompt (pruning later layers harder, as the paper's Section 5.5 finds safer).
@@ -41,7 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy, check_speed, last_token_attention, lowest, lowest_except, new_token_attention, without
+from pruning.base import (Policy, check_speed, last_token_attention, lowest, lowest_except, merge_into_kept,
+                          new_token_attention, without)
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
 PERCENTILES_AT_FULL_SPEED = (0.4, 0.5, 0.6)
@@ -56,6 +61,7 @@ class LazyLLM(Policy):
     # The paper prunes every token; False prunes the visual tokens only (k of the active visual
     # tokens; text never), in prefill only: a calibration candidate for VLMs.
     prune_text: bool = True
+    merge: bool = False  # fold pruned visual tokens into their most similar kept ones
     name = "lazyllm"
 
     @classmethod
@@ -85,6 +91,7 @@ class LazyLLM(Policy):
         self.scores: torch.Tensor | None = None
         self.decode_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # (key_index, attention)
         self.selected: torch.Tensor | None = None  # this decode step's A_l (original indices), sorted
+        self.sizes = torch.ones(ctx.modality.shape[0])  # how many tokens each one holds (merge)
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
         if layer_idx + 1 in self.schedule:  # the pruning decision uses the previous layer's scores
@@ -102,6 +109,8 @@ class LazyLLM(Policy):
             visual = (ctx.modality[active] != 0).nonzero().squeeze(1)
             pruned = visual[lowest(scores[visual], math.floor(k * visual.shape[0]))].sort().values
         ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
+        if self.merge:
+            merge_into_kept(ctx, active, pruned, self.sizes)
         return without(active, pruned)
 
     def decode_rows(self, layer_idx: int, rows, ctx):
@@ -143,4 +152,5 @@ class LazyLLM(Policy):
         if not any(self.schedule.values()):
             return "LazyLLM off"
         stages = ", ".join(f"{k:.0%} at layer {layer}" for layer, k in sorted(self.schedule.items()))
+        stages += ", merged into the kept tokens" if self.merge else ""
         return f"LazyLLM prunes {stages}" + (", again at every decode step" if self.decode_reselect else " in prefill")

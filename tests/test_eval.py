@@ -122,3 +122,21 @@ def test_visual_task_asks_only_the_categories_named(checkpoints, capsys):
     assert "--categories" in capsys.readouterr().err
     assert main(args + ["--categories", "motion"]) == 1  # the tiny LLaVA takes no video
     assert "takes no video" in capsys.readouterr().err
+
+
+def test_visual_task_param_configures_the_pruned_policies_not_the_reference(checkpoints, capsys):
+    """`--param` sets a parameter of every policy named (here FastV's cut at layer 2, merging): the run
+    differs from FastV's default cut, the unpruned reference is untouched, and the report records the
+    parameters; an unknown parameter is refused before the model loads."""
+    args = ["eval", "visual", "--model", str(checkpoints["llava"]), "--policies", "fastv", "--speeds", "1",
+            "--samples", "1", "--categories", "colour,shape", "--json"]
+    assert main(args) == 0
+    default = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert main(args + ["--param", "layer=2", "--param", "merge=true"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {r["policy"]: r for r in report["rows"]}
+    assert report["params"] == {"layer": 2, "merge": True}
+    assert rows["none"]["answers"] == default["none"]["answers"]
+    assert rows["fastv"]["flops_speedup"] < default["fastv"]["flops_speedup"]  # a later cut than layer 1 saves less
+    assert main(args + ["--param", "nope=1"]) == 1
+    assert "nope" in capsys.readouterr().err

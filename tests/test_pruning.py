@@ -255,6 +255,56 @@ def test_fastv_drops_r_of_the_image_tokens_with_least_attention_at_layer_k(deep,
     assert set(ctx.active_per_layer[K].tolist()) == set(range(T)) - set(dropped.tolist())
 
 
+def test_fastv_merge_folds_each_dropped_token_into_its_most_similar_kept_one(deep, media):
+    """Merging drops the same tokens as FastV does; each kept visual token then enters layer K as the
+    mean of itself and the dropped visual tokens whose state (entering layer K) is closest to its own."""
+    engine = load_engine(str(deep["llava"]), device="cpu", attn="eager")
+    prompt = engine.prepare(_image_messages(media))
+    with torch.no_grad():
+        _, dropping = engine.prefill(prompt, FastV(ratio=0.5))
+        policy = FastV(ratio=0.5, merge=True)
+        K = max(1, round(2 * DEEP_LAYERS / 32))
+        captured = {}
+        norm = engine.adapter.layers[K].input_layernorm
+        hook = norm.register_forward_hook(lambda m, args, out: captured.update(h=args[0][0]))
+        try:
+            _, merging = engine.prefill(prompt, policy)
+        finally:
+            hook.remove()
+        states = engine.model(**reference_inputs(engine, prompt), output_hidden_states=True).hidden_states[K][0]
+    kept = merging.active_per_layer[K]
+    assert torch.equal(kept, dropping.active_per_layer[K])
+    visual = _visual(prompt)
+    gone = visual[~torch.isin(visual, kept)]
+    stays = visual[torch.isin(visual, kept)]
+    unit = torch.nn.functional.normalize(states, dim=-1)
+    into = (unit[gone] @ unit[stays].T).argmax(dim=1)
+    expected = states.clone()
+    for j, token in enumerate(stays.tolist()):
+        members = torch.cat([torch.tensor([token]), gone[into == j]])
+        expected[token] = states[members].mean(dim=0)
+    assert (into.bincount(minlength=len(stays)) > 0).any()  # something was merged
+    torch.testing.assert_close(captured["h"], expected[kept], atol=1e-4, rtol=0)
+
+
+def test_a_token_merged_twice_is_the_plain_mean_of_everything_it_holds():
+    """Two merge stages (LazyLLM prunes at several layers): sizes carry over, so the last kept token
+    is the mean of all three originals, not a mean of means."""
+    from types import SimpleNamespace
+    from pruning.base import merge_into_kept
+    a, b, c = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.2]), torch.tensor([1.0, 0.4])
+    ctx = SimpleNamespace(hidden=torch.stack([a, b, c, torch.tensor([0.0, 1.0])])[None],
+                          modality=torch.tensor([1, 1, 1, 0]))
+    sizes = torch.ones(4)
+    active = torch.arange(4)
+    merge_into_kept(ctx, active, torch.tensor([0]), sizes)  # a joins b, its nearest
+    torch.testing.assert_close(ctx.hidden[0, 1], (a + b) / 2)
+    merge_into_kept(ctx, active[1:], torch.tensor([0]), sizes)  # b (holding a) joins c
+    torch.testing.assert_close(ctx.hidden[0, 2], (a + b + c) / 3)
+    assert sizes.tolist() == [1.0, 2.0, 3.0, 1.0]
+    torch.testing.assert_close(ctx.hidden[0, 3], torch.tensor([0.0, 1.0]))  # text is never touched
+
+
 # ---------------------------------------------------------------------------------------- slider
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_policy_at_speed_zero_equals_no_pruning_token_for_token(checkpoints, media, arch):
