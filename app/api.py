@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from pipeline import PromptError
-from vision.media import MediaError
+from common import UserError
+from pruning.base import check_speed
 
 MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -115,7 +115,7 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
                                                  scratch),
                                          media_type="text/event-stream")
             result = await run_in_threadpool(engine.generate, messages, **options)
-        except (BadRequest, MediaError, PromptError, ValueError) as error:
+        except (BadRequest, UserError) as error:
             scratch.cleanup()
             counters.record("bad_request")
             return _error(400, str(error))
@@ -166,15 +166,16 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[d
         messages.append({"role": message["role"], "content": parts})
 
     speed = body.get("speed", 0.0)
-    if not isinstance(speed, (int, float)) or not 0.0 <= speed <= 1.0:
+    if not isinstance(speed, (int, float)):
         raise BadRequest(f"speed must be a number in [0, 1], got {speed!r}")
+    check_speed(speed)
     policy_name = body.get("policy", "auto")
     params = body.get("params") or {}
     if not isinstance(params, dict):
         raise BadRequest("params must be an object of parameter overrides")
     try:
         policy = engine.make_policy(str(policy_name), float(speed), params)
-    except (KeyError, TypeError, ValueError) as error:
+    except (UserError, KeyError, TypeError) as error:  # the request's own policy, params or their values
         raise BadRequest(f"policy: {error}") from None
     promise = engine.promise(str(policy_name), float(speed), params)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
@@ -272,7 +273,7 @@ def _stream(engine, messages, options, speed, promise, model_name, counters, scr
                 counters.record("ok", chunk.result)
                 yield event({}, chunk.result.finish_reason, usage=_usage(chunk.result),
                             glimpse=_glimpse(chunk.result, speed, promise))
-    except (MediaError, PromptError, ValueError) as error:
+    except UserError as error:
         counters.record("bad_request")
         yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'invalid_request_error'}})}\n\n"
     except Exception as error:

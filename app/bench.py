@@ -39,8 +39,11 @@ from pathlib import Path
 
 import torch
 
+from common import UserError
+from pipeline.adapters import Qwen2VLAdapter
+from pruning.base import check_speed
+
 BASELINE = "none"
-DEFAULT_POLICIES = ["dash", "zipvl", "st3", "lazyllm", "fastv"]
 DEFAULT_SPEEDS = [0.5, 0.8]
 ORDER = ("per prompt: warm-up rounds (baseline then each candidate, untimed), then timed rounds in which "
          "every candidate run directly follows its own baseline run: none, c1, none, c2, ...; ratios use "
@@ -50,7 +53,7 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 DEFAULT_QUESTIONS = {"image": "Describe the image in detail.", "video": "Describe the video in detail."}
 
 
-class BenchError(ValueError):
+class BenchError(UserError):
     """A benchmark request that cannot run (unknown policy, bad speed, nothing to measure)."""
 
 
@@ -70,13 +73,15 @@ def check_policies(policies: list[str], speeds: list[float]) -> None:
     if not speeds:
         raise BenchError("no speeds to benchmark")
     for speed in speeds:
-        if not (isinstance(speed, (int, float)) and 0.0 <= speed <= 1.0):
-            raise BenchError(f"speed must be between 0 and 1, got {speed}")
+        try:
+            check_speed(speed)
+        except (UserError, TypeError):
+            raise BenchError(f"speed must be a number in [0, 1], got {speed!r}") from None
     for name in policies:
         for speed in speeds:
             try:
                 make_policy(name, speed)
-            except (ValueError, KeyError) as error:
+            except UserError as error:
                 if name not in available_policies():
                     raise BenchError(f"unknown policy {name!r}; available: {', '.join(available_policies())}") from None
                 raise BenchError(f"policy {name!r} at speed {speed}: {error}") from None
@@ -397,7 +402,7 @@ def synthesize_prompts(engine, folder: str | Path, image_tokens: int, video_toke
 
     progress = progress or (lambda line: None)
     questions = {**DEFAULT_QUESTIONS, **(questions or {})}
-    qwen = engine.model.config.model_type == "qwen2_vl"
+    qwen = isinstance(engine.adapter, Qwen2VLAdapter)  # Qwen2-VL and Qwen2.5-VL: token counts follow the size
     prompts = {}
     if image_tokens > 0:
         image = random_image(image_tokens)
@@ -443,6 +448,6 @@ def _messages(kind: str, media, question: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": kind, kind: media}, {"type": "text", "text": question}]}]
 
 
-__all__ = ["BASELINE", "BenchError", "DEFAULT_POLICIES", "DEFAULT_SPEEDS", "available_policies", "check_policies",
+__all__ = ["BASELINE", "BenchError", "DEFAULT_SPEEDS", "available_policies", "check_policies",
            "device_name", "format_markdown", "media_prompts", "plot", "run_bench", "synthesize_prompts",
            "text_prompt", "write_video"]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from common import UserError
 from pipeline import PromptError
 from vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
@@ -121,7 +122,7 @@ def caption_inputs(engine, inputs: list[Path], *, out: Path | None, fmt: str, ov
         for path in inputs:
             clash = sidecars.setdefault(sidecar(path).resolve(), path)
             if clash != path:
-                raise ValueError(f"{clash} and {path} would share the caption file {sidecar(path)}")
+                raise UserError(f"{clash} and {path} would share the caption file {sidecar(path)}")
     if fmt == "jsonl" and overwrite and out.exists():
         out.unlink()
     done = done_in_jsonl(out) if fmt == "jsonl" else set()

@@ -20,13 +20,15 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
-POLICY_CHOICES = ["auto", "none", "dash", "zipvl", "hidivdrop", "st3", "lazyllm", "fastv"]
-DEFAULT_BENCH_POLICIES = ["dash", "zipvl", "st3", "lazyllm", "fastv"]
+from pipeline.random_checkpoint import REAL_PRESETS
+from common import UserError
+from pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES
+from pruning.base import check_speed
+
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
-# pipeline.random_checkpoint.REAL_PRESETS (kept import-free here)
-REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b", "llava-1.5-7b"]
 NOT_GROUNDED = ("note: the embedded model's vision projector is not trained yet, so its answers about "
                 "images and videos are not grounded in them; text answers come from SmolLM2-135M-Instruct. "
                 "Use --model with a Qwen2-VL or LLaVA checkpoint for real answers.")
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     media = ask.add_mutually_exclusive_group()
     media.add_argument("--image", action="append", default=[], metavar="PATH", help="an image (repeatable)")
     media.add_argument("--video", metavar="PATH", help="a video file")
-    ask.add_argument("--policy", default="auto", choices=POLICY_CHOICES, help="pruning policy (default: auto)")
+    ask.add_argument("--policy", default="auto", choices=NAMES, help="pruning policy (default: auto)")
     ask.add_argument("--speed", type=float, default=0.0, help="speed/quality slider in [0, 1]; 0 is exact")
     ask.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                      help="override one policy parameter (repeatable), e.g. rho=0.6; for auto: dash.rho=0.6")
@@ -86,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "fixed at 576 for llava-1.5-7b)")
     bench.add_argument("--video-tokens", type=int, default=4000,
                        help="visual tokens of the synthesized video (0: no video prompt; default 4000)")
-    bench.add_argument("--policies", default=",".join(DEFAULT_BENCH_POLICIES),
-                       help=f"comma-separated policies (default: {','.join(DEFAULT_BENCH_POLICIES)})")
+    bench.add_argument("--policies", default=",".join(PRUNING_NAMES),
+                       help=f"comma-separated policies (default: {','.join(PRUNING_NAMES)})")
     bench.add_argument("--speeds", default="0.5,0.8", help="comma-separated speeds in [0, 1] (default: 0.5,0.8)")
     bench.add_argument("--runs", type=int, default=3, help="timed runs per configuration (default 3)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per prompt (default 1)")
@@ -143,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("task", choices=["agreement", "passkey", "visual"])
     evaluate.add_argument("--model", default="embedded", help="as for ask")
     evaluate.add_argument("--policies", default=None,
-                          help="comma-separated (default: every policy for agreement and visual; dash,zipvl,lazyllm,fastv for "
+                          help=f"comma-separated (default: every policy for agreement and visual; {','.join(TEXT_PRUNING_NAMES)} for "
                                "passkey, FastV in its text adaptation)")
     evaluate.add_argument("--speeds", default="0.25,0.5,0.75,1")
     evaluate.add_argument("--new-tokens", type=int, default=32, help="agreement: answer length compared")
@@ -192,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="txt: a <name>.txt sidecar next to each input instead of JSONL")
     caption.add_argument("--overwrite", action="store_true", help="caption again what is already captioned")
     caption.add_argument("--model", default="embedded", help="as for ask")
-    caption.add_argument("--policy", default="auto", choices=POLICY_CHOICES)
+    caption.add_argument("--policy", default="auto", choices=NAMES)
     caption.add_argument("--speed", type=float, default=0.0)
     caption.add_argument("--prompt", default=None,
                          help="the instruction (default: 'Describe this image/video in one or two sentences.')")
@@ -207,8 +209,7 @@ def run_ask(args) -> int:
     from pipeline import load_engine
     from pruning import make_policy
 
-    if not 0.0 <= args.speed <= 1.0:
-        raise UserError(f"--speed must be between 0 and 1, got {args.speed}")
+    check_speed(args.speed)
     overrides = parse_params(args.param)
     make_policy(args.policy, args.speed, overrides)  # a bad name or value fails before loading
     if args.max_new_tokens < 1:
@@ -253,14 +254,14 @@ def run_ask(args) -> int:
 def run_eval(args) -> int:
     from app import eval as evaluation
     from pipeline import load_engine
-    from pruning import NAMES, make_policy
+    from pruning import make_policy
 
     try:
         speeds = [float(x) for x in args.speeds.split(",") if x.strip()]
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
         raise UserError("--speeds and --lengths must be comma-separated numbers") from None
-    default = evaluation.PASSKEY_POLICIES if args.task == "passkey" else [n for n in NAMES if n != "none"]
+    default = TEXT_PRUNING_NAMES if args.task == "passkey" else [n for n in NAMES if n != "none"]
     policies = [p.strip() for p in args.policies.split(",")] if args.policies else default
     overrides = parse_params(args.param) or None
     if overrides and args.task == "agreement":
@@ -335,8 +336,7 @@ def run_caption(args) -> int:
     from pipeline import load_engine
     from pruning import make_policy
 
-    if not 0.0 <= args.speed <= 1.0:
-        raise UserError(f"--speed must be between 0 and 1, got {args.speed}")
+    check_speed(args.speed)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--batch-size and --max-new-tokens must be at least 1")
     make_policy(args.policy, args.speed)
@@ -523,10 +523,6 @@ def parse_params(items: list[str]) -> dict:
     return params
 
 
-class UserError(Exception):
-    """A mistake in the command line itself."""
-
-
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -542,19 +538,19 @@ def _quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_libraries()
-    from pipeline import ModelLoadError, PromptError
-    from pipeline.embedded import EmbeddedModelError
-    from vision import MediaError
-
-    expected = (UserError, MediaError, PromptError, ModelLoadError, EmbeddedModelError, ValueError)
     try:
         return args.run(args)
-    except expected as error:
+    except UserError as error:  # bad input, media, prompt or model (common.errors): the user can fix it
         print(f"glimpse: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("glimpse: interrupted", file=sys.stderr)
         return 130
+    except Exception:  # anything else is Glimpse's bug, never blamed on the input
+        traceback.print_exc()
+        print("glimpse: internal error: this is a bug in Glimpse, not a problem with your input; "
+              "please report it with the traceback above", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ from training import tasks
 
 TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
                   "Write a short story about a lighthouse keeper and a storm."]
-PASSKEY_POLICIES = ["dash", "zipvl", "lazyllm", "fastv"]
 
 
 def policy_for(engine, name: str, speed: float, text_task: bool, overrides: dict | None = None):

@@ -15,6 +15,7 @@ import json
 import numpy as np
 from PIL import Image
 
+from common import UserError
 from pruning import NAMES
 from vision.media import MediaError, detect_kind, load_image, probe_video, read_frames
 
@@ -52,7 +53,7 @@ def parse_overrides(text: str) -> dict:
             continue
         name, sep, value = line.partition("=")
         if not sep or not name.strip():
-            raise ValueError(f"override {line!r}: write name=value")
+            raise UserError(f"override {line!r}: write name=value")
         try:
             out[name.strip()] = json.loads(value.strip())
         except ValueError:
@@ -145,14 +146,14 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256):
     def chosen_params(policy, speed, overrides):
         try:
             return engine.make_policy(policy, speed, parse_overrides(overrides)).params()
-        except (ValueError, TypeError, KeyError) as error:
+        except (UserError, TypeError, KeyError) as error:
             return {"error": str(error)}
 
     def promise_markdown(policy, speed, overrides):
         """Under the slider, before anything is asked: what this speed selects and what it was measured to keep."""
         try:
             promise = engine.promise(policy, speed, parse_overrides(overrides))
-        except (ValueError, TypeError, KeyError) as error:
+        except (UserError, TypeError, KeyError) as error:
             return f"⚠️ {error}"
         return f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] else " *(uncalibrated)*")
 
@@ -182,7 +183,10 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256):
             baseline = engine.generate(messages, policy="none", max_new_tokens=max_new_tokens) if compare else None
             yield history, metrics_markdown(result, baseline), keep_map_image(messages, result.metrics["keep_map"])
         except Exception as error:  # shown in the chat; the server keeps serving
-            history[-1]["content"] = f"⚠️ {error}"
+            if isinstance(error, UserError):
+                history[-1]["content"] = f"⚠️ {error}"
+            else:  # Glimpse's bug, not the user's input
+                history[-1]["content"] = f"⚠️ internal error (a bug in Glimpse, not your input): {type(error).__name__}: {error}"
             history = _drop_bad_files(history)
             yield history, gr.skip(), gr.skip()
 

@@ -20,10 +20,11 @@ import torch
 from PIL import Image
 
 import vision
-from pipeline.embedded import position_axes, position_code
+from common import Modality
+from pipeline.visual_codes import position_axes, position_code
 
-TEXT, IMAGE, VIDEO = 0, 1, 2
-MODALITY_NAMES = {TEXT: "text", IMAGE: "image", VIDEO: "video"}
+TEXT, IMAGE, VIDEO = Modality.TEXT, Modality.IMAGE, Modality.VIDEO
+MODALITY_NAMES = {m: m.name.lower() for m in Modality}
 
 
 @dataclass
@@ -34,17 +35,19 @@ class MediaInput:
     inputs; ``frames`` are what the user sees in the keep-map (the image, or the sampled frames).
     """
 
-    kind: int  # IMAGE or VIDEO
+    kind: Modality  # IMAGE or VIDEO
     num_tokens: int
     tensors: dict[str, torch.Tensor]
     frames: list[Image.Image] = field(default_factory=list)
     grid: tuple[int, int, int] | None = None  # (t, h, w) of the visual tokens, for the keep-map
+    sample_fps: float | None = None  # a video's frames per second as sampled
 
 
 class Adapter:
     """Base class: the decoder parts are the same for every transformers VLM we support."""
 
     name = "base"
+    model_class = ""  # the transformers class that loads this architecture's checkpoints
     supports_video = False
 
     def __init__(self, model, tokenizer, image_processor):
@@ -74,7 +77,7 @@ class Adapter:
     def video_token_id(self) -> int | None:
         return getattr(self.config, "video_token_id", None)
 
-    def placeholder(self, kind: int) -> str:
+    def placeholder(self, kind: Modality) -> str:
         """The text a chat template writes for one image/video item, when it writes nothing itself."""
         return self.tokenizer.convert_ids_to_tokens(self.image_token_id if kind == IMAGE else self.video_token_id)
 
@@ -85,7 +88,7 @@ class Adapter:
     def prepare_video(self, path) -> MediaInput:
         raise vision.MediaError(f"{path}: this model ({self.name}) does not take video")
 
-    def encode(self, media: list[MediaInput], kind: int) -> torch.Tensor:
+    def encode(self, media: list[MediaInput], kind: Modality) -> torch.Tensor:
         """Vision encoder + projector: one row per placeholder token of ``kind``, in prompt order."""
         raise NotImplementedError
 
@@ -101,6 +104,7 @@ class Adapter:
 
 class Qwen2VLAdapter(Adapter):
     name = "qwen2-vl"
+    model_class = "Qwen2VLForConditionalGeneration"
     supports_video = True
 
     def placeholder(self, kind: int) -> str:
@@ -129,7 +133,8 @@ class Qwen2VLAdapter(Adapter):
         t, h, w = (int(x) for x in tensors["video_grid_thw"][0])
         m = self.merge_size
         frames = [Image.fromarray(f) for f in sampled.frames[:: ip.temporal_patch_size]]
-        return MediaInput(VIDEO, t * h * w // m**2, tensors, frames=frames, grid=(t, h // m, w // m))
+        return MediaInput(VIDEO, t * h * w // m**2, tensors, frames=frames, grid=(t, h // m, w // m),
+                          sample_fps=sampled.sample_fps)
 
     def encode(self, media, kind):
         vm = self.model.model
@@ -154,11 +159,35 @@ class Qwen2VLAdapter(Adapter):
             mm_token_type_ids=modality[None].to(input_ids.device),
             image_grid_thw=torch.cat(grids[IMAGE]).to(input_ids.device) if grids[IMAGE] else None,
             video_grid_thw=torch.cat(grids[VIDEO]).to(input_ids.device) if grids[VIDEO] else None,
+            **self._rope_extras(media, input_ids.device),
         )
         return position_ids[:, 0]  # (3, T)
 
+    def _rope_extras(self, media, device) -> dict:
+        return {}
+
     def rotary(self, hidden, positions):
         return self.rotary_emb(hidden, positions[:, None, :])  # (3, 1, T) -> M-RoPE cos/sin
+
+
+class Qwen25VLAdapter(Qwen2VLAdapter):
+    """Qwen2.5-VL: Qwen2-VL's layout and processor, a window-attention encoder (the model's own
+    ``get_image_features`` runs it), and M-RoPE whose temporal index is absolute time: a video's
+    temporal position advances ``tokens_per_second * second_per_grid_t`` per temporal patch, where
+    ``second_per_grid_t = temporal_patch_size / sampled fps`` (as qwen-vl-utils computes it)."""
+
+    name = "qwen2.5-vl"
+    model_class = "Qwen2_5_VLForConditionalGeneration"
+
+    def prepare_video(self, path):
+        item = super().prepare_video(path)
+        seconds = self.image_processor.temporal_patch_size / item.sample_fps
+        item.tensors["second_per_grid_ts"] = torch.tensor([seconds], dtype=torch.float32)
+        return item
+
+    def _rope_extras(self, media, device) -> dict:
+        seconds = [m.tensors["second_per_grid_ts"] for m in media if m.kind == VIDEO]
+        return {"second_per_grid_ts": torch.cat(seconds).to(device)} if seconds else {}
 
 
 class LlavaAdapter(Adapter):
@@ -170,6 +199,7 @@ class LlavaAdapter(Adapter):
     """
 
     name = "llava"
+    model_class = "LlavaForConditionalGeneration"
 
     def __init__(self, model, tokenizer, image_processor):
         super().__init__(model, tokenizer, image_processor)
@@ -256,6 +286,7 @@ class LlavaNextAdapter(LlavaAdapter):
     """LLaVA-NeXT (anyres images). LongVA is a LLaVA-NeXT-Video checkpoint: see LlavaNextVideoAdapter."""
 
     name = "llava-next"
+    model_class = "LlavaNextForConditionalGeneration"
 
     def __init__(self, model, tokenizer, image_processor):
         super().__init__(model, tokenizer, image_processor)
@@ -299,6 +330,7 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
     """
 
     name = "llava-next-video"
+    model_class = "LlavaNextVideoForConditionalGeneration"
     supports_video = True
     num_frames = 16
 
@@ -338,8 +370,9 @@ def _clip_preprocess(frame: Image.Image, size: int, image_processor) -> torch.Te
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()
 
 
-ADAPTERS = {
+ADAPTERS = {  # model_type -> adapter: the one list of supported architectures
     "qwen2_vl": Qwen2VLAdapter,
+    "qwen2_5_vl": Qwen25VLAdapter,
     "llava": LlavaAdapter,
     "llava_next": LlavaNextAdapter,
     "llava_next_video": LlavaNextVideoAdapter,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from common import Modality
 from pipeline.quant import QuantizedTensor, dequantize, quantize
 
 
@@ -130,7 +131,7 @@ class KVCache:
 
     def visual_entries(self) -> int:
         """Image and video entries over all layers (what ST3's annealing shrinks)."""
-        return sum(int((layer.modality != 0).sum()) for layer in self.layers)
+        return sum(int((layer.modality != Modality.TEXT).sum()) for layer in self.layers)
 
     def lengths(self) -> list[int]:
         return [len(layer) for layer in self.layers]

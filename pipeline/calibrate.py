@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common import Modality, UserError
 from pruning import HiDivDrop, Pipeline, Policy
 from pruning.base import probe_attention
 from vision import MediaError
@@ -33,7 +34,7 @@ class VisionAttentionRecorder(Policy):
     name = "ilvas-recorder"
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
-        visual = (ctx.modality[ctx.active] != 0).nonzero().squeeze(1)
+        visual = (ctx.modality[ctx.active] != Modality.TEXT).nonzero().squeeze(1)
         if visual.numel() == 0:
             return
         last = torch.tensor([ctx.active.shape[0] - 1], device=ctx.active.device)
@@ -67,7 +68,7 @@ def calibrate_hidivdrop(engine, images: list, question: str = "Describe the imag
     """The ILVAS curve of ``engine``'s model on ``images`` and the filtering layers it picks."""
     progress = progress or (lambda line: None)
     if not images:
-        raise ValueError("calibration needs at least one image")
+        raise UserError("calibration needs at least one image")
     window_policy = HiDivDrop.from_speed(1.0)
     window_policy.keep = (1.0,) * len(window_policy.keep)  # injection and exit only, no pruning
     L = len(engine.adapter.layers)
@@ -93,9 +94,9 @@ def calibrate_hidivdrop(engine, images: list, question: str = "Describe the imag
                 totals.setdefault(layer, []).append(ilvas(first, later, top_k))
     curve = {layer: sum(values) / len(values) for layer, values in sorted(totals.items())}
     if not used:
-        raise ValueError("none of the calibration images could be read")
+        raise UserError("none of the calibration images could be read")
     if not curve:
-        raise ValueError(f"the vision window of this {L}-layer model is shorter than the ILVAS window {window}")
+        raise UserError(f"the vision window of this {L}-layer model is shorter than the ILVAS window {window}")
     resolved = window_policy.resolved
     return {"policy": "hidivdrop", "model": engine.model_id, "num_layers": L, "window": window, "top_k": top_k,
             "images": used, "inject_layer": resolved["inject_layer"], "exit_layer": resolved["exit_layer"],

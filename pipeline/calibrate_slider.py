@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from common import UserError
 from pruning.frontier import DEFAULT_FLOOR, Frontier, Member, Point, configuration_name, pareto_frontier
 from vision import MediaError
 from vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
@@ -62,18 +63,18 @@ def folder_prompts(images: str | None, videos: str | None, prompts_file: str | N
     if prompts_file:
         questions = [q.strip() for q in Path(prompts_file).read_text().splitlines() if q.strip()]
         if not questions:
-            raise ValueError(f"{prompts_file} holds no question (one per line)")
+            raise UserError(f"{prompts_file} holds no question (one per line)")
     media = []
     for folder, kind, suffixes in ((images, "image", IMAGE_EXTENSIONS), (videos, "video", VIDEO_EXTENSIONS)):
         if folder is None:
             continue
         if not Path(folder).is_dir():
-            raise ValueError(f"--{kind}s must be a folder, got {folder}")
+            raise UserError(f"--{kind}s must be a folder, got {folder}")
         if kind == "video" and not video:
-            raise ValueError("this model takes no video: leave out --videos")
+            raise UserError("this model takes no video: leave out --videos")
         found = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in suffixes)
         if not found:
-            raise ValueError(f"no {kind} files ({', '.join(sorted(suffixes))}) in {folder}")
+            raise UserError(f"no {kind} files ({', '.join(sorted(suffixes))}) in {folder}")
         media += [(kind, str(p)) for p in found]
     if not media:  # text questions alone
         return [[{"role": "user", "content": q}] for q in questions[:limit]]
@@ -126,7 +127,7 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
         references.append(Reference(result.token_ids, result.text, torch.log_softmax(result.first_logits, -1),
                                     result.metrics["prefill_flops"], result.metrics["kv_bytes"]))
     if not usable:
-        raise ValueError("none of the calibration prompts could be read")
+        raise UserError("none of the calibration prompts could be read")
 
     todo = [c for c in candidates if configuration_name(c) not in done]
     measured: list[Point] = [done[configuration_name(c)] for c in candidates if configuration_name(c) in done]
@@ -144,7 +145,7 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
         try:
             point = measure(engine, members, usable, references, floor, answer_tokens, timing_prompts, timing_tokens,
                             typical_answer)
-        except ValueError as error:  # a configuration this model cannot run (e.g. too shallow for its layers)
+        except UserError as error:  # a configuration this model cannot run (e.g. too shallow for its layers)
             progress(f"[{number}/{len(candidates)}] {name}: skipped, {error}")
             continue
         measured.append(point)

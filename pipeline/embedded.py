@@ -38,7 +38,7 @@ Decisions:
   takes 4 x 64 = 256 tokens, as many as one image. `video_token_id`, `video_frames` and `spatial_pool_stride`
   are extra `LlavaConfig` attributes that Glimpse's Llava adapter reads; transformers' own Llava ignores them.
 - Where a visual token sits is also in its content: a fixed 2D position code, `visual_position_scale` times
-  (x * u_h + y * u_v), is added to every projected token (`position_code`). u_h is the unit vector from the
+  (x * u_h + y * u_v), is added to every projected token (`pipeline.visual_codes.position_code`). u_h is the unit vector from the
   input embedding of " left" to that of " right", u_v from " top" to " bottom", both scaled to the vocabulary's
   mean embedding norm; x, y run from -1 to 1 over the cell centres of the token grid (per frame for clips).
   Why: SmolLM2's 1D RoPE lets the model read a token's row from how far back it sits (top rows come first),
@@ -56,7 +56,6 @@ Decisions:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -86,8 +85,9 @@ from transformers import (
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-__all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint", "merge_adapters", "position_axes",
-           "position_code", "word_embedding"]
+from common import UserError
+
+__all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint", "merge_adapters"]
 
 # Bump when the conversion recipe changes, so that stale cached checkpoints are not reused.
 RECIPE = "embedded-v2"
@@ -146,7 +146,7 @@ _DINOV2_RENAMES = {
 }
 
 
-class EmbeddedModelError(RuntimeError):
+class EmbeddedModelError(UserError):
     """The embedded model cannot be built (a weight package is missing or not the expected version)."""
 
 
@@ -166,6 +166,8 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
 
     gguf_path, onnx_path = _package_files()
     root.mkdir(parents=True, exist_ok=True)
+    import fcntl  # POSIX-only, so imported here: the engine's import path stays portable
+
     with open(root / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_dir():  # another process built it while we waited for the lock
@@ -364,30 +366,6 @@ def _colour_map() -> list[list[float]] | None:
     if not (PROJECTOR_FILE.is_file() and COLOUR_FILE.is_file()):
         return None
     return load_file(COLOUR_FILE)["weight"].tolist()
-
-
-def word_embedding(embed_weight: torch.Tensor, tokenizer, words: str) -> torch.Tensor:
-    """The mean input embedding of " " + `words` (the form they take inside a sentence)."""
-    return embed_weight.detach()[tokenizer(" " + words, add_special_tokens=False)["input_ids"]].float().mean(0)
-
-
-def position_axes(embed_weight: torch.Tensor, tokenizer) -> torch.Tensor:
-    """(2, hidden): the unit vectors from the input embedding of " left" to " right" and of " top" to " bottom",
-    each times the vocabulary's mean embedding norm."""
-    def axis(low: str, high: str) -> torch.Tensor:
-        return word_embedding(embed_weight, tokenizer, high) - word_embedding(embed_weight, tokenizer, low)
-
-    axes = torch.stack([axis("left", "right"), axis("top", "bottom")])
-    return axes / axes.norm(dim=-1, keepdim=True) * embed_weight.detach().float().norm(dim=-1).mean()
-
-
-def position_code(axes: torch.Tensor, frames: int, rows: int, cols: int) -> torch.Tensor:
-    """(frames * rows * cols, hidden): x * axes[0] + y * axes[1] for each token of `frames` row-major grids,
-    x and y running from -1 to 1 over the cell centres (the left column's x is -1 + 1/cols)."""
-    y = (torch.arange(rows, dtype=torch.float32, device=axes.device) + 0.5) / rows * 2 - 1
-    x = (torch.arange(cols, dtype=torch.float32, device=axes.device) + 0.5) / cols * 2 - 1
-    grid = x[None, :, None] * axes[0] + y[:, None, None] * axes[1]  # (rows, cols, hidden)
-    return grid.reshape(rows * cols, -1).repeat(frames, 1)
 
 
 def _projector_state(vision_hidden: int, text_hidden: int, std: float) -> dict[str, torch.Tensor]:

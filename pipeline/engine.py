@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from common import UserError
 from pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
 from pipeline.cache import AuxCache, KVCache
 from pipeline.metrics import MemoryMeter, prefill_flops, synchronize
@@ -341,9 +342,6 @@ class Engine:
         return out
 
     def prefill(self, prompt: Prompt, policy: Policy) -> tuple[torch.Tensor, PrefillContext]:
-        # The vision encoder starts now, beside the layer loop; the loop joins it before the first
-        # layer that computes a visual token (layer 0 unless a policy injects vision late).
-        vision = VisionJob(self, prompt, parallel=self.parallel_vision) if prompt.media else None
         hidden = self.adapter.embed_tokens(prompt.input_ids.to(self.device))[None]  # (1, T, d)
         positions = self.adapter.positions(prompt.input_ids.to(self.device), prompt.modality, prompt.media)
         cos, sin = self.adapter.rotary(hidden, positions)
@@ -351,8 +349,11 @@ class Engine:
         ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
                              KVCache(num_layers), num_layers,
                              next_position=positions.max(dim=1, keepdim=True).values + 1)
-        policy.plan(ctx)
+        policy.plan(ctx)  # a bad parameter fails here, before any work starts
 
+        # The vision encoder starts now, beside the layer loop; the loop joins it before the first
+        # layer that computes a visual token (layer 0 unless a policy injects vision late).
+        vision = VisionJob(self, prompt, parallel=self.parallel_vision) if prompt.media else None
         try:
             logits = self._layers(hidden, cos, sin, policy, ctx, vision)
         finally:
@@ -662,7 +663,7 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
     if not do_sample:
         return int(logits.argmax())
     if temperature <= 0:
-        raise ValueError("temperature must be > 0 when sampling")
+        raise UserError("temperature must be > 0 when sampling")
     scores = logits / temperature
     if top_p < 1.0:
         sorted_scores, order = scores.sort(descending=False)
@@ -686,22 +687,35 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 class _IncrementalDecoder:
-    """Turns a token stream into text deltas without splitting multi-byte characters."""
+    """Turns a token stream into text deltas without splitting multi-byte characters, in O(1) per token.
+
+    Each step decodes only a short window: the tokens since ``prefix`` (the last few already shown)
+    with and without the new ones, and emits the difference. Decoding a window that starts at an
+    earlier token, rather than at the new token, keeps the leading space a tokenizer would drop at
+    the start of a text. While the window ends in an incomplete UTF-8 sequence ("\ufffd") it grows
+    until the character completes. The joined deltas equal decoding the whole answer at once.
+    """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
-        self.emitted = ""
+        self.prefix = 0  # window start
+        self.shown = 0  # tokens[prefix:shown] decode to text already emitted
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def push(self, token: int) -> str:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        before = self._decode(self.tokens[self.prefix:self.shown])
+        after = self._decode(self.tokens[self.prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):  # nothing new yet, or a character cut short
             return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        self.prefix, self.shown = self.shown, len(self.tokens)
+        return after[len(before):]
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        before = self._decode(self.tokens[self.prefix:self.shown])
+        after = self._decode(self.tokens[self.prefix:])
+        self.prefix = self.shown = len(self.tokens)
+        return after[len(before):]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from common import UserError
 from pipeline.adapters import ADAPTERS
 from pipeline.engine import Engine
 from pipeline.calibrate_slider import SHIPPED_FRONTIER
@@ -17,18 +18,8 @@ from pipeline.profiles import load_profile
 from pruning.frontier import Frontier, uncalibrated_frontier
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError):
     """The model could not be found, is not a supported architecture, or failed to load."""
-
-
-MODEL_CLASSES = {
-    "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    "llava": "LlavaForConditionalGeneration",
-    "llava_next": "LlavaNextForConditionalGeneration",
-    # LongVA: the LLaVA-NeXT layout with a Qwen2 language model, loaded as LLaVA-NeXT-Video so
-    # that its video path (pooled frames) works; see docs/models.md for the conversion.
-    "llava_next_video": "LlavaNextVideoForConditionalGeneration",
-}
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -81,9 +72,9 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
         raise ModelLoadError(f"cannot load model {model!r}{hint}: {_first_line(error)}") from None
     if config.model_type not in ADAPTERS:
         raise ModelLoadError(f"model {model!r} is a {config.model_type!r} checkpoint; Glimpse supports "
-                             f"{', '.join(sorted(ADAPTERS))} (Qwen2-VL, LLaVA-1.5, LLaVA-NeXT, LongVA)")
+                             f"{', '.join(sorted(ADAPTERS))} (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5, LLaVA-NeXT, LongVA)")
     try:
-        model_class = getattr(transformers, MODEL_CLASSES[config.model_type])
+        model_class = getattr(transformers, ADAPTERS[config.model_type].model_class)
         vlm = model_class.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
         vlm = vlm.to(torch_device).eval()
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 import vision
+from common import UserError
 from pipeline.adapters import IMAGE, MODALITY_NAMES, TEXT, VIDEO, Adapter, MediaInput
 
 
-class PromptError(ValueError):
+class PromptError(UserError):
     """The request cannot become a prompt (bad message format, too long for the model, ...)."""
 
 

@@ -21,9 +21,11 @@ Qwen template are also used by the tests' tiny checkpoints (tests/tiny_models.py
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 from pathlib import Path
 
-import torch
+if TYPE_CHECKING:  # torch is imported where weights are built, so the CLI can read the presets without it
+    import torch
 
 CORPUS = [
     "What is in this picture? Describe the image in detail. A red circle and a blue square.",
@@ -70,6 +72,17 @@ PRESETS: dict[str, dict] = {
                         num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6,
                         mrope_section=[16, 24, 24], tie_word_embeddings=False, max_position_embeddings=32768,
                         rms_norm_eps=1e-6, vision_embed_dim=1280, vision_num_heads=16, vision_mlp_ratio=4),
+    # Qwen2.5-VL (config.json of Qwen/Qwen2.5-VL-3B-Instruct and -7B-Instruct): the same decoder family, a
+    # window-attention vision tower (width 1280, 16 heads, SwiGLU MLP 3420, windows of 112 pixels, full
+    # attention in blocks 7, 15, 23, 31) and absolute-time M-RoPE for video.
+    "qwen2.5-vl-3b": dict(arch="qwen2_5_vl", vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                          num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, rope_theta=1e6,
+                          mrope_section=[16, 24, 24], tie_word_embeddings=True, max_position_embeddings=128000,
+                          rms_norm_eps=1e-6, vision_embed_dim=1280, vision_num_heads=16, vision_mlp_ratio=3420 / 1280),
+    "qwen2.5-vl-7b": dict(arch="qwen2_5_vl", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                          num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6,
+                          mrope_section=[16, 24, 24], tie_word_embeddings=False, max_position_embeddings=128000,
+                          rms_norm_eps=1e-6, vision_embed_dim=1280, vision_num_heads=16, vision_mlp_ratio=3420 / 1280),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, mrope_section=[2, 3, 3],
                  tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
@@ -91,7 +104,7 @@ LLAVA_PRESETS: dict[str, dict] = {
                        vision_hidden_size=32, vision_intermediate_size=64, vision_num_heads=4,
                        vision_patch_size=14, vision_image_size=56, vision_projection_dim=32),
 }
-REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b", "llava-1.5-7b"]
+REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "llava-1.5-7b"]
 
 # The real Qwen2-VL image processor's budget: max_pixels 12845056 = 16384 tokens, min_pixels 3136.
 DEFAULT_MAX_VISUAL_TOKENS = 16384
@@ -113,6 +126,8 @@ def make_tokenizer(special: list[str], eos: str, bos: str | None = None, vocab_s
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -123,9 +138,10 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", layers: int | None = None,
                           vision_depth: int = 1, max_visual_tokens: int = DEFAULT_MAX_VISUAL_TOKENS,
-                          dtype: str | torch.dtype = torch.float32, seed: int = 0,
+                          dtype: str | torch.dtype = "float32", seed: int = 0,
                           init_device: str | torch.device | None = None, **overrides) -> Path:
-    """Write a random-weights Qwen2-VL checkpoint with the text shapes of ``preset`` into ``folder``.
+    """Write a random-weights Qwen2-VL (or Qwen2.5-VL, for its presets) checkpoint with the text shapes of
+    ``preset`` into ``folder``.
 
     ``layers`` overrides the decoder depth; ``vision_depth`` is the vision tower's depth (real width).
     The image processor admits images of up to ``max_visual_tokens`` visual tokens (28x28 pixels each)
@@ -135,7 +151,8 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
     (``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``vision_embed_dim``, ...).
     Returns ``folder``.
     """
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    import torch
+    import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     if preset not in PRESETS:
@@ -145,6 +162,7 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
     if unknown:
         raise TypeError(f"unknown override(s) {sorted(unknown)}; known: {sorted(PRESETS[preset])}")
     shape = {**PRESETS[preset], **overrides}
+    arch = shape.pop("arch", "qwen2_vl")
     if layers is not None:
         shape["num_hidden_layers"] = layers
     if shape["num_hidden_layers"] < 1 or vision_depth < 1:
@@ -157,7 +175,19 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
     tok = make_tokenizer(QWEN_SPECIAL_TOKENS, eos="<|im_end|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     eos = ids["<|im_end|>"]
-    config = Qwen2VLConfig(
+    if arch == "qwen2_5_vl":
+        width = shape["vision_embed_dim"]
+        vision_config = dict(depth=vision_depth, hidden_size=width, intermediate_size=round(width * shape["vision_mlp_ratio"]),
+                             num_heads=shape["vision_num_heads"], out_hidden_size=shape["hidden_size"], patch_size=14,
+                             spatial_merge_size=2, temporal_patch_size=2, window_size=112, tokens_per_second=2,
+                             fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < vision_depth])
+        config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        vision_config = dict(depth=vision_depth, embed_dim=shape["vision_embed_dim"], hidden_size=shape["hidden_size"],
+                             num_heads=shape["vision_num_heads"], mlp_ratio=shape["vision_mlp_ratio"], patch_size=14,
+                             spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    config = config_class(
         text_config=dict(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
                          intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_hidden_layers"],
                          num_attention_heads=shape["num_attention_heads"],
@@ -166,16 +196,14 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
                          bos_token_id=None, eos_token_id=eos, pad_token_id=ids["<|endoftext|>"],
                          rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"],
                                           "mrope_section": list(shape["mrope_section"])}),
-        vision_config=dict(depth=vision_depth, embed_dim=shape["vision_embed_dim"], hidden_size=shape["hidden_size"],
-                           num_heads=shape["vision_num_heads"], mlp_ratio=shape["vision_mlp_ratio"], patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         eos_token_id=eos, pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=shape["tie_word_embeddings"],
     )
     torch.manual_seed(seed)
     with torch.device(init_device or "cpu"):
-        model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch_dtype).eval()
+        model = model_class._from_config(config, dtype=torch_dtype).eval()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
     max_pixels = max(int(max_visual_tokens), 4) * PIXELS_PER_TOKEN
@@ -236,7 +264,7 @@ def llava_config(preset: str = "llava-1.5-7b", *, layers: int | None = None, vis
 
 
 def build_random_llava(folder: str | Path, *, preset: str = "llava-1.5-7b", layers: int | None = None,
-                       vision_depth: int = 1, dtype: str | torch.dtype = torch.float32, seed: int = 0,
+                       vision_depth: int = 1, dtype: str | torch.dtype = "float32", seed: int = 0,
                        init_device: str | torch.device | None = None, **overrides) -> Path:
     """Write a random-weights LLaVA-1.5 checkpoint with the shapes of ``preset`` into ``folder``.
 
@@ -253,6 +281,7 @@ def build_random_llava(folder: str | Path, *, preset: str = "llava-1.5-7b", laye
     ``build_random_qwen2_vl``; ``overrides`` replace preset keys (``hidden_size``, ``intermediate_size``,
     ``num_attention_heads``, ``vision_hidden_size``, ``vision_image_size``, ...). Returns ``folder``.
     """
+    import torch
     from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration
 
     config = llava_config(preset, layers=layers, vision_depth=vision_depth, **overrides)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+from common import UserError
 from pruning.base import NoPruning, Policy
 from pruning.compose import Pipeline
 from pruning.dash import DASH
@@ -26,7 +27,9 @@ POLICIES: dict[str, type[Policy]] = {
     "fastv": FastV,
     "hidivdrop": HiDivDrop,
 }
-NAMES = ["auto", *POLICIES]
+NAMES = ["auto", *POLICIES]  # what --policy, the chat's dropdown and the API accept
+PRUNING_NAMES = [name for name in POLICIES if name != "none"]  # the policies a benchmark compares
+TEXT_PRUNING_NAMES = [name for name, policy in POLICIES.items() if policy.prunes_text]  # ... on text-only prompts
 
 
 def configuration(members: tuple[Member, ...], label: str = "") -> Pipeline:
@@ -35,7 +38,7 @@ def configuration(members: tuple[Member, ...], label: str = "") -> Pipeline:
     policies = []
     for member in members:
         if member.policy not in POLICIES:
-            raise ValueError(f"unknown policy {member.policy!r} in a configuration; available: {', '.join(POLICIES)}")
+            raise UserError(f"unknown policy {member.policy!r} in a configuration; available: {', '.join(POLICIES)}")
         policies.append(_override(POLICIES[member.policy].from_speed(member.speed), dict(member.params)))
     return Pipeline(policies=tuple(policies), label=label)
 
@@ -65,12 +68,12 @@ def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None =
             member, _, param = key.partition(".")
             if member not in members or not param:
                 chosen = ", ".join(members) or "none: auto prunes nothing at this speed"
-                raise ValueError(f"auto's parameters are named member.param; its members at speed {speed:g}: "
+                raise UserError(f"auto's parameters are named member.param; its members at speed {speed:g}: "
                                  f"{chosen}; got {key!r}")
             by_member.setdefault(member, {})[param] = value
         return Pipeline(policies=tuple(_override(p, by_member.get(p.name, {})) for p in policy.policies), label="auto")
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; available: {', '.join(NAMES)}")
+        raise UserError(f"unknown policy {name!r}; available: {', '.join(NAMES)}")
     return _override(POLICIES[name].from_speed(speed), overrides or {})
 
 
@@ -78,11 +81,11 @@ def _override(policy: Policy, overrides: dict) -> Policy:
     allowed = {f.name for f in fields(policy) if f.init}
     unknown = set(overrides) - allowed
     if unknown:
-        raise ValueError(f"{policy.name} has no parameter {', '.join(sorted(unknown))}; "
+        raise UserError(f"{policy.name} has no parameter {', '.join(sorted(unknown))}; "
                          f"its parameters: {', '.join(sorted(allowed))}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
     return replace(policy, **values)
 
 
-__all__ = ["DASH", "NAMES", "POLICIES", "FastV", "Frontier", "HiDivDrop", "LazyLLM", "Member", "NoPruning", "Pipeline",
+__all__ = ["DASH", "NAMES", "POLICIES", "PRUNING_NAMES", "TEXT_PRUNING_NAMES", "FastV", "Frontier", "HiDivDrop", "LazyLLM", "Member", "NoPruning", "Pipeline",
            "Point", "Policy", "ST3", "ZipVL", "configuration", "design_pipeline", "make_policy"]

@@ -33,10 +33,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from common import Modality, UserError
 
 def check_speed(speed: float) -> float:
     if not 0.0 <= speed <= 1.0:
-        raise ValueError(f"speed must be in [0, 1], got {speed}")
+        raise UserError(f"speed must be in [0, 1], got {speed}")
     return float(speed)
 
 
@@ -48,6 +49,8 @@ def scaled_layer(paper_layer: float, paper_depth: int, num_layers: int) -> int:
 @dataclass
 class Policy:
     name = "none"
+    # Whether the policy can prune a text-only prompt (the pass-key task); visual-only policies cannot.
+    prunes_text = False
     # Layer numbers and other values only known once the model's depth and the prompt are (set by plan).
     resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -153,7 +156,7 @@ def scores_by_token(ctx, attention: torch.Tensor) -> torch.Tensor:
 def drop_lowest_visual(active: torch.Tensor, ctx, scores: torch.Tensor, count: int) -> torch.Tensor:
     """``active`` without its ``count`` visual tokens of lowest ``scores`` (indexed by original
     index); text tokens are never touched."""
-    visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
+    visual = (ctx.modality[active] != Modality.TEXT).nonzero().squeeze(1)  # positions in active
     return without(active, visual[lowest(scores[active[visual]], count)])
 
 
@@ -167,9 +170,9 @@ def merge_into_kept(ctx, active: torch.Tensor, pruned: torch.Tensor, sizes: torc
     correctly again. Pruned text tokens are not merged. Replaces ``ctx.hidden``.
     """
     gone = active[pruned]
-    gone = gone[ctx.modality[gone] != 0]
+    gone = gone[ctx.modality[gone] != Modality.TEXT]
     stays = without(active, pruned)
-    stays = stays[ctx.modality[stays] != 0]
+    stays = stays[ctx.modality[stays] != Modality.TEXT]
     if gone.numel() == 0 or stays.numel() == 0:
         return
     hidden = ctx.hidden[0]

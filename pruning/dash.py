@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import UserError
 from pruning.base import Policy, check_speed, lowest, without
 
 RHO_AT_FULL_SPEED = 0.8  # rho = 0.8 * speed: 0.4 at speed 0.5, the paper's 0.667 at speed ~0.83
@@ -36,6 +37,7 @@ class DASH(Policy):
     keep_first: int = 64
     keep_last: int = 32
     name = "dash"
+    prunes_text = True
 
     @classmethod
     def from_speed(cls, speed: float) -> "DASH":
@@ -43,7 +45,7 @@ class DASH(Policy):
 
     def plan(self, ctx) -> None:
         if not 0.0 <= self.rho < 1.0:
-            raise ValueError(f"DASH rho must be in [0, 1), got {self.rho}")
+            raise UserError(f"DASH rho must be in [0, 1), got {self.rho}")
         l_s = self.start_layer if self.start_layer is not None else max(1, math.floor(0.4 * ctx.num_layers))
         self.resolved = {"start_layer": l_s, "num_halted": 0,
                          "paper": {"rho": self.rho, "l_s": l_s, "n_first": self.keep_first, "n_last": self.keep_last}}

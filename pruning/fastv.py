@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import Modality, UserError
 from pruning.base import (Policy, check_speed, last_token_attention, lowest, lowest_except, merge_into_kept,
                           scaled_layer, scores_by_token, without)
 
@@ -31,6 +32,7 @@ class FastV(Policy):
     text: bool = False  # also drop text tokens (every token but the last)
     merge: bool = False  # fold dropped visual tokens into their most similar kept ones
     name = "fastv"
+    prunes_text = True
 
     @classmethod
     def from_speed(cls, speed: float) -> "FastV":
@@ -38,7 +40,7 @@ class FastV(Policy):
 
     def plan(self, ctx) -> None:
         if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"FastV ratio must be in [0, 1], got {self.ratio}")
+            raise UserError(f"FastV ratio must be in [0, 1], got {self.ratio}")
         K = self.layer if self.layer is not None else scaled_layer(2, 32, ctx.num_layers)
         self.resolved = {"layer": K, "num_dropped": 0, "paper": {"K": K, "R": self.ratio}}
         self.scores: torch.Tensor | None = None
@@ -54,7 +56,7 @@ class FastV(Policy):
             count = math.floor(self.ratio * (active.shape[0] - 1) + 1e-9)
             dropped = lowest_except(self.scores[active], count)
         else:
-            visual = (ctx.modality[active] != 0).nonzero().squeeze(1)  # positions in active
+            visual = (ctx.modality[active] != Modality.TEXT).nonzero().squeeze(1)  # positions in active
             count = math.floor(self.ratio * visual.shape[0] + 1e-9)
             dropped = visual[lowest(self.scores[active[visual]], count)]
         self.resolved["num_dropped"] = count

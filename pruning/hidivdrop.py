@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import Modality, UserError
 from pruning.base import Policy, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
 
 PAPER_DEPTH = 32
@@ -60,12 +61,12 @@ class HiDivDrop(Policy):
         inject = self.inject_layer if self.inject_layer is not None else round(self.inject_fraction * L)
         exit_ = self.exit_layer if self.exit_layer is not None else L - round(self.exit_fraction * L)
         if not 0 <= inject < exit_ <= L:
-            raise ValueError(f"HiDivDrop needs 0 <= L_inj < L_exit <= L, got {inject}, {exit_} on {L} layers")
+            raise UserError(f"HiDivDrop needs 0 <= L_inj < L_exit <= L, got {inject}, {exit_} on {L} layers")
         filters = self.filter_layers or tuple(max(1, round(f * L / PAPER_DEPTH)) for f in PAPER_FILTERS)
         if any(b > a for a, b in zip(self.keep, self.keep[1:])) or not all(0.0 <= k <= 1.0 for k in self.keep):
-            raise ValueError(f"HiDivDrop keep shares must be in [0, 1] and never grow, got {self.keep}")
+            raise UserError(f"HiDivDrop keep shares must be in [0, 1] and never grow, got {self.keep}")
         keep = resample(self.keep, len(filters))  # a calibration profile may find more or fewer layers
-        visual = (ctx.modality != 0).nonzero().squeeze(1)
+        visual = (ctx.modality != Modality.TEXT).nonzero().squeeze(1)
         V = visual.shape[0]
         # A filtering layer counts only inside the vision window, and prunes from the layer after it.
         self.cuts: dict[int, int] = {}  # layer from which the count applies -> vision tokens kept
@@ -82,11 +83,11 @@ class HiDivDrop(Policy):
 
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         if layer_idx < self.inject or layer_idx >= self.exit:
-            return active[ctx.modality[active] == 0]  # text only: before injection, after the exit
+            return active[ctx.modality[active] == Modality.TEXT]  # text only: before injection, after the exit
         if layer_idx == self.inject:  # the vision tokens join, with their original embeddings
             return torch.cat([active, self.visual]).unique(sorted=True) if self.inject > 0 else active
         if layer_idx in self.cuts and self.scores is not None:
-            excess = int((ctx.modality[active] != 0).sum()) - self.cuts[layer_idx]
+            excess = int((ctx.modality[active] != Modality.TEXT).sum()) - self.cuts[layer_idx]
             if excess > 0:
                 return drop_lowest_visual(active, ctx, self.scores, excess)
         return active

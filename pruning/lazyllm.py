@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import Modality, UserError
 from pruning.base import (Policy, check_speed, last_token_attention, lowest, lowest_except, merge_into_kept,
                           new_token_attention, without)
 
@@ -63,6 +64,7 @@ class LazyLLM(Policy):
     prune_text: bool = True
     merge: bool = False  # fold pruned visual tokens into their most similar kept ones
     name = "lazyllm"
+    prunes_text = True
 
     @classmethod
     def from_speed(cls, speed: float) -> "LazyLLM":
@@ -74,11 +76,11 @@ class LazyLLM(Policy):
         L = ctx.num_layers
         layers = self.prune_layers or tuple(max(1, round(f * L)) for f in self.depth_fractions)
         if len(layers) != len(self.percentiles):
-            raise ValueError(f"LazyLLM: {len(layers)} pruning layers but {len(self.percentiles)} percentiles")
+            raise UserError(f"LazyLLM: {len(layers)} pruning layers but {len(self.percentiles)} percentiles")
         if any(not 0.0 <= k < 1.0 for k in self.percentiles):
-            raise ValueError(f"LazyLLM percentiles must be in [0, 1), got {self.percentiles}")
+            raise UserError(f"LazyLLM percentiles must be in [0, 1), got {self.percentiles}")
         if not self.prune_text and self.decode_reselect:
-            raise ValueError("LazyLLM prune_text=False prunes in prefill only: set decode_reselect=False")
+            raise UserError("LazyLLM prune_text=False prunes in prefill only: set decode_reselect=False")
         # On shallow models two fractions can round to one layer: the first keeps it.
         self.schedule: dict[int, float] = {}
         for layer, k in zip(layers, self.percentiles):
@@ -106,7 +108,7 @@ class LazyLLM(Policy):
         if self.prune_text:
             pruned = lowest_except(scores, math.floor(k * active.shape[0]))
         else:
-            visual = (ctx.modality[active] != 0).nonzero().squeeze(1)
+            visual = (ctx.modality[active] != Modality.TEXT).nonzero().squeeze(1)
             pruned = visual[lowest(scores[visual], math.floor(k * visual.shape[0]))].sort().values
         ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
         if self.merge:

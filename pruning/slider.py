@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+from common import Modality
 from pruning import NAMES, make_policy
 
 SPEEDS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -24,7 +25,7 @@ def describe(name: str, speed: float, num_layers: int, video: bool = False) -> s
     e.g. "DASH rho=0.48 at layer 11"."""
     policy = make_policy(name, speed)
     # A dry plan: the depth and a visual/text split are all the policies' plans look at.
-    modality = torch.tensor([2 if video else 1] * 8 + [0] * 8)
+    modality = torch.tensor([Modality.VIDEO if video else Modality.IMAGE] * 8 + [Modality.TEXT] * 8)
     policy.plan(SimpleNamespace(num_layers=num_layers, modality=modality))
     return policy.summary()
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import Modality, UserError
 from pruning.base import Policy, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
 
 PAPER_START, PAPER_STRIDE, PAPER_DEPTH = 3, 7, 32
@@ -81,21 +82,21 @@ class ST3(Policy):
         else:
             step = (1.0 - self.first_drop - self.end_keep) / len(drops) if drops else 0.0
         if self.first_drop + step * len(drops) > 1.0 + 1e-9 or min(self.first_drop, step) < 0:
-            raise ValueError(f"ST3: P={self.first_drop} and R={step} over {len(drops)} drops prune more than all")
+            raise UserError(f"ST3: P={self.first_drop} and R={step} over {len(drops)} drops prune more than all")
         # Cumulative share of the original visual tokens pruned before each pruning layer.
         self.schedule = {start: self.first_drop} if start >= 1 else {}
         for j, layer in enumerate(drops, start=1):
             self.schedule[layer] = self.first_drop + j * step
-        self.visual_total = int((ctx.modality != 0).sum())
+        self.visual_total = int((ctx.modality != Modality.TEXT).sum())
         self.resolved = {"start_layer": start, "stride": stride, "drop_step": step,
                          "prune_layers": sorted(self.schedule),
                          "last_layer_keep": 1.0 - (max(self.schedule.values()) if self.schedule else 0.0)}
         self.resolved["paper"] = {"P": self.first_drop, "R": step, "S": stride, "C": self.resolved["last_layer_keep"]}
         if self.anneal not in SCHEDULES:
-            raise ValueError(f"ST3 anneal must be one of {', '.join(SCHEDULES)}, got {self.anneal!r}")
+            raise UserError(f"ST3 anneal must be one of {', '.join(SCHEDULES)}, got {self.anneal!r}")
         if self.anneal_tau is not None:
             if self.anneal_tau <= 0:
-                raise ValueError(f"ST3 anneal_tau must be > 0, got {self.anneal_tau}")
+                raise UserError(f"ST3 anneal_tau must be > 0, got {self.anneal_tau}")
             self.resolved["paper"]["tau"] = self.anneal_tau
         self.scores: torch.Tensor | None = None
         self.ranking: dict[int, torch.Tensor] = {}  # layer -> its visual tokens, most important first
@@ -109,7 +110,7 @@ class ST3(Policy):
         if pruning_next:
             self.scores = scores_by_token(ctx, attention)
         if self.anneal_tau is not None:  # VTA ranks each layer's visual KV by this layer's attention
-            visual = (ctx.modality[ctx.active] != 0).nonzero().squeeze(1)
+            visual = (ctx.modality[ctx.active] != Modality.TEXT).nonzero().squeeze(1)
             order = attention[visual].argsort(descending=True, stable=True)
             self.ranking[layer_idx] = ctx.active[visual][order].cpu()
             self.kept[layer_idx] = visual.shape[0]
@@ -131,7 +132,7 @@ class ST3(Policy):
         if layer_idx not in self.schedule or self.scores is None:
             return active
         target = self.visual_total - math.floor(self.schedule[layer_idx] * self.visual_total + 1e-9)
-        excess = int((ctx.modality[active] != 0).sum()) - target
+        excess = int((ctx.modality[active] != Modality.TEXT).sum()) - target
         return drop_lowest_visual(active, ctx, self.scores, excess) if excess > 0 else active
 
     def summary(self) -> str:

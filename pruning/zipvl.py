@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import Modality, UserError
 from pruning.base import Policy, check_speed, new_token_attention, probe_attention
 
 TAU_DROP_AT_FULL_SPEED = {"image": 0.08, "video": 0.05}  # tau = 1 - drop * speed: paper values at 0.5
@@ -50,6 +51,7 @@ class ZipVL(Policy):
     requantize_every: int = 100  # new tokens stay float until this many have accumulated
     group: int = 32  # channels per quantization group (reduced to divide head_dim)
     name = "zipvl"
+    prunes_text = True
 
     @classmethod
     def from_speed(cls, speed: float) -> "ZipVL":
@@ -60,17 +62,17 @@ class ZipVL(Policy):
                    important_bits=bits[0], other_bits=bits[1])
 
     def plan(self, ctx) -> None:
-        has_video = bool((ctx.modality == 2).any())
+        has_video = bool((ctx.modality == Modality.VIDEO).any())
         tau = self.tau_video if has_video else self.tau_image
         if not 0.0 < tau <= 1.0:
-            raise ValueError(f"ZipVL tau must be in (0, 1], got {tau}")
+            raise UserError(f"ZipVL tau must be in (0, 1], got {tau}")
         self.resolved = {"tau": tau, "important_per_layer": []}
         self.resolved["paper"] = {"tau": tau, "p": self.resolved["important_per_layer"]}  # p filled per layer
         if (self.important_bits is None) != (self.other_bits is None):
-            raise ValueError("ZipVL: set both important_bits and other_bits, or neither")
+            raise UserError("ZipVL: set both important_bits and other_bits, or neither")
         if self.important_bits is not None:
             if self.requantize_every < 1:
-                raise ValueError(f"ZipVL requantize_every must be >= 1, got {self.requantize_every}")
+                raise UserError(f"ZipVL requantize_every must be >= 1, got {self.requantize_every}")
             self.resolved["paper"].update(b_h=self.important_bits, b_l=self.other_bits)
 
     def probe_rows(self, layer_idx: int, n: int, device) -> torch.Tensor:

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import pruning
 from app import bench
@@ -275,3 +276,30 @@ def test_cli_bench_decode_text_prompt_spread_and_plot(checkpoints, tmp_path, cap
             flops = [r["prefill_flops"] for r in report["rows"] if (r["prompt"], r["policy"]) == (prompt, policy)]
             assert flops == sorted(flops, reverse=True)  # speeds 0, 0.5, 1: never more FLOPs
     assert Image.open(plot).size == (720, 440)
+
+
+def test_random_qwen2_5_vl_checkpoint_is_a_qwen2_5_vl_that_glimpse_loads(tmp_path, media):
+    """The Qwen2.5-VL presets build Qwen2_5_VLForConditionalGeneration (window-attention tower, absolute-time
+    M-RoPE); at a test width it loads through load_engine with the Qwen2.5-VL adapter and answers an image and
+    a video exactly as transformers' forward scores them."""
+    from pipeline.adapters import Qwen25VLAdapter
+    from tiny_models import reference_inputs
+
+    assert {"qwen2.5-vl-3b", "qwen2.5-vl-7b"} <= set(REAL_PRESETS)
+    seven = PRESETS["qwen2.5-vl-7b"]
+    assert (seven["hidden_size"], seven["intermediate_size"], seven["num_hidden_layers"], seven["num_attention_heads"],
+            seven["num_key_value_heads"], seven["vocab_size"]) == (3584, 18944, 28, 28, 4, 152064)
+    folder = build_random(tmp_path / "model", preset="qwen2.5-vl-7b", layers=2, vision_depth=2, hidden_size=64,
+                          intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                          mrope_section=[2, 3, 3], vision_embed_dim=32, vision_num_heads=4, max_visual_tokens=16)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert config["vision_config"]["window_size"] == 112 and config["vision_config"]["out_hidden_size"] == 64
+    engine = load_engine(str(folder), device="cpu")
+    assert isinstance(engine.adapter, Qwen25VLAdapter)
+    for item in ({"type": "image", "image": str(media["image"])}, {"type": "video", "video": str(media["video"])}):
+        prompt = engine.prepare([{"role": "user", "content": [item, {"type": "text", "text": "What is it?"}]}])
+        with torch.no_grad():
+            logits, _ = engine.prefill(prompt, pruning.NoPruning())
+            expected = engine.model(**reference_inputs(engine, prompt)).logits[0, -1]
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)

@@ -356,3 +356,23 @@ def test_batched_decode_equals_one_by_one(deep_checkpoints, media, arch, policy)
         assert together.token_ids == alone.token_ids
         assert together.finish_reason == alone.finish_reason
         assert together.metrics["kv_bytes"] == alone.metrics["kv_bytes"]
+
+
+def test_streamed_deltas_join_to_the_whole_answer_and_decoding_stays_linear():
+    """The streaming detokenizer never emits half a character (byte-level tokens split 日本語 and é),
+    its deltas join to exactly what decoding the whole answer gives (special tokens skipped), and the
+    tokens it decodes over a long answer grow linearly with its length, not quadratically."""
+    from pipeline.engine import _IncrementalDecoder
+    from pipeline.random_checkpoint import QWEN_SPECIAL_TOKENS, make_tokenizer
+
+    tok = make_tokenizer(QWEN_SPECIAL_TOKENS, eos="<|im_end|>")
+    ids = tok("A red circle, 日本語 and émigré, then a blue square. " * 30)["input_ids"]
+    ids += [tok.convert_tokens_to_ids("<|im_end|>")]
+    real_decode, decoded = tok.decode, []
+    tok.decode = lambda tokens, **kwargs: decoded.append(len(tokens)) or real_decode(tokens, **kwargs)
+    stream = _IncrementalDecoder(tok)
+    pieces = [stream.push(token) for token in ids]
+    pieces.append(stream.flush())
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert "".join(pieces) == real_decode(ids, skip_special_tokens=True)
+    assert len(ids) > 500 and sum(decoded) < 10 * len(ids)  # re-decoding the answer each step: ~n^2 / 2

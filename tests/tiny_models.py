@@ -67,6 +67,33 @@ def build_qwen2_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
     return _save(folder, model, tok, processor, QWEN_TEMPLATE, ids["<|im_end|>"])
 
 
+def build_qwen2_5_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
+    """Qwen2.5-VL: the window-attention encoder (window 56 px = 2x2 merged tokens, one full-attention
+    block), absolute-time M-RoPE for video."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+               "<|image_pad|>", "<|video_pad|>"]
+    tok = make_tokenizer(special, eos="<|im_end|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    config = Qwen2_5_VLConfig(
+        text_config=_text_config(len(tok), layers=layers, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+                                 pad_token_id=ids["<|endoftext|>"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                            "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1], tokens_per_second=2, initializer_range=0.2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+    return _save(folder, model, tok, processor, QWEN_TEMPLATE, ids["<|im_end|>"])
+
+
 def _clip_vision(image_size: int) -> dict:
     return dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, image_size=image_size, patch_size=14, projection_dim=32,
@@ -131,7 +158,7 @@ def build_longva(folder: Path, seed: int = 0) -> Path:
     return _save(folder, model, tok, processor, template, tok.convert_tokens_to_ids("<|im_end|>"))
 
 
-BUILDERS = {"qwen2_vl": build_qwen2_vl, "llava": build_llava, "llava_next": build_llava_next,
+BUILDERS = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl, "llava": build_llava, "llava_next": build_llava_next,
             "longva": build_longva}
 
 
@@ -144,7 +171,7 @@ def reference_inputs(engine, prompt) -> dict:
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     images = [m.tensors for m in prompt.media if m.kind == IMAGE]
     videos = [m.tensors for m in prompt.media if m.kind == VIDEO]
-    if kind == "qwen2_vl":
+    if kind in ("qwen2_vl", "qwen2_5_vl"):
         inputs["mm_token_type_ids"] = prompt.modality[None].int()
         if images:
             inputs["pixel_values"] = torch.cat([t["pixel_values"] for t in images])
@@ -152,6 +179,8 @@ def reference_inputs(engine, prompt) -> dict:
         if videos:
             inputs["pixel_values_videos"] = torch.cat([t["pixel_values_videos"] for t in videos])
             inputs["video_grid_thw"] = torch.cat([t["video_grid_thw"] for t in videos])
+            if kind == "qwen2_5_vl":
+                inputs["second_per_grid_ts"] = torch.cat([t["second_per_grid_ts"] for t in videos])
     else:
         if images:
             inputs["pixel_values"] = torch.cat([t["pixel_values"] for t in images])

@@ -21,7 +21,7 @@ import random
 import torch
 
 from pipeline import load_engine
-from pipeline.embedded import position_code
+from pipeline.visual_codes import position_code
 from training import tasks
 from training.train_projector import precompute, single_turn_chat, tokenize
 

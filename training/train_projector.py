@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from pipeline import embedded
+from pipeline import embedded, visual_codes
 from pipeline.adapters import LlavaAdapter
 from training import tasks
 
@@ -228,7 +228,7 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
     the vocabulary's mean norm). No language-model pass, so it takes seconds; the LM-loss stage starts from
     tokens the frozen LM can already read as words instead of from noise.
 
-    With `position_weight` w > 0 each target also says where its cell is: w * `embedded.position_code` is
+    With `position_weight` w > 0 each target also says where its cell is: w * `visual_codes.position_code` is
     added. Without it the aligned projector keeps little of where a cell is (DINOv2's features carry it,
     the word targets do not); with w = 0.5 the left/right signal at the projector's output is 13x stronger.
     That was run 7 (`--align-position 0.5`): the signal faded during the LM-loss stage and the model still
@@ -239,7 +239,7 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
 
     def target(words: str) -> torch.Tensor:
         if words not in cache:
-            vector = embedded.word_embedding(embed_tokens.weight, tokenizer, words)
+            vector = visual_codes.word_embedding(embed_tokens.weight, tokenizer, words)
             cache[words] = vector * scale / vector.norm()
         return cache[words]
 
@@ -248,8 +248,8 @@ def align(projector, items, features, embed_tokens, tokenizer, epochs: int, lr: 
     inputs = torch.stack([features[i] for i, _ in rows]).float()  # (N, tokens, C)
     targets = torch.stack([torch.stack([target(w or "background") for w in words]) for _, words in rows])
     if position_weight:
-        axes = embedded.position_axes(embed_tokens.weight, tokenizer)
-        targets = targets + position_weight * embedded.position_code(axes, 1, grid, grid)
+        axes = visual_codes.position_axes(embed_tokens.weight, tokenizer)
+        targets = targets + position_weight * visual_codes.position_code(axes, 1, grid, grid)
     weight = torch.tensor([[1.0 if w else 0.1 for w in words] for _, words in rows])
     optimizer = torch.optim.AdamW(projector.parameters(), lr=lr, weight_decay=0.0)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))
@@ -283,7 +283,7 @@ def single_turn_chat(item: tasks.Item, question: str, answer: str) -> list[dict]
 
 
 def visual_code(is_video: bool, config, axes: torch.Tensor | None) -> torch.Tensor | None:
-    """The position code inference adds to an image's or a clip's visual tokens (`embedded.position_code`; its
+    """The position code inference adds to an image's or a clip's visual tokens (`visual_codes.position_code`; its
     grid as LlavaAdapter lays it out: 16x16 for an image, `video_frames` 8x8 grids for a clip); None without
     `axes`. There are only these two codes: callers compute each once and share it between items."""
     if axes is None:
@@ -291,8 +291,8 @@ def visual_code(is_video: bool, config, axes: torch.Tensor | None) -> torch.Tens
     side = embedded.IMAGE_SIZE // embedded.PATCH_SIZE
     if is_video:
         side //= config.spatial_pool_stride
-        return embedded.position_code(axes, config.video_frames, side, side)
-    return embedded.position_code(axes, 1, side, side)
+        return visual_codes.position_code(axes, config.video_frames, side, side)
+    return visual_codes.position_code(axes, 1, side, side)
 
 
 def media_token(item: tasks.Item, config) -> int:
@@ -536,7 +536,7 @@ def main(argv=None) -> int:
         features = with_colours(items, features, adapter)
         say("cell colours appended to the features")
 
-    axes = embedded.position_axes(model.model.language_model.embed_tokens.weight, processor.tokenizer) \
+    axes = visual_codes.position_axes(model.model.language_model.embed_tokens.weight, processor.tokenizer) \
         * args.position_scale if args.position_scale else None
     validation = []
     if args.validate_every:
