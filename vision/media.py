@@ -36,6 +36,8 @@ import av
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from common import UserError
+
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ VIDEO_EXTENSIONS = frozenset(
 )
 
 
-class MediaError(ValueError):
+class MediaError(UserError):
     """A file Glimpse cannot use as an image or video; the message names the file and the problem."""
 
 
