@@ -88,8 +88,9 @@ class DashFrozenKV(DashVariant):
 def patch_engine(engine):
     original = engine.run_layer
 
-    def run_layer(layer_idx, layer, hidden, pe, mask, cache, policy=None, ctx=None):
-        out = original(layer_idx, layer, hidden, pe, mask, cache, policy, ctx)
+    def run_layer(layer, hidden, pe, call):
+        out = original(layer, hidden, pe, call)
+        policy, ctx, layer_idx = getattr(call, "policy", None), getattr(call, "ctx", None), call.layer_idx
         if isinstance(policy, DashFrozenKV) and policy.kept is not None \
                 and layer_idx >= policy.resolved["start_layer"]:
             assert hidden.shape[1] == ctx.hidden.shape[1]  # every token active

@@ -12,7 +12,6 @@ Everything here calls the model's own modules and functions (``get_image_feature
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,11 +61,6 @@ class Adapter:
         self.embed_tokens = self.text_model.embed_tokens
         self.lm_head = model.lm_head
         self.text_config = self.config.text_config
-        # The decoder's own RoPE and eager-attention functions, from its modeling module (llama,
-        # qwen2, mistral, qwen2_vl, ...): the engine spells the attention out with them.
-        modeling = sys.modules[type(self.layers[0].self_attn).__module__]
-        self.apply_rotary = modeling.apply_rotary_pos_emb
-        self.eager_attention = modeling.eager_attention_forward
 
     # -- tokens -------------------------------------------------------------------------------
     @property
@@ -91,6 +85,11 @@ class Adapter:
     def encode(self, media: list[MediaInput], kind: Modality) -> torch.Tensor:
         """Vision encoder + projector: one row per placeholder token of ``kind``, in prompt order."""
         raise NotImplementedError
+
+    def encode_with_layers(self, media: list[MediaInput], kind: Modality) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``encode``, plus what the architecture adds to the visual tokens after decoder layers 0, 1, ...
+        (Qwen3-VL's DeepStack features, one row per placeholder each); none for most."""
+        return self.encode(media, kind), []
 
     # -- positions ----------------------------------------------------------------------------
     def positions(self, input_ids: torch.Tensor, modality: torch.Tensor, media: list[MediaInput]) -> torch.Tensor:
@@ -188,6 +187,34 @@ class Qwen25VLAdapter(Qwen2VLAdapter):
     def _rope_extras(self, media, device) -> dict:
         seconds = [m.tensors["second_per_grid_ts"] for m in media if m.kind == VIDEO]
         return {"second_per_grid_ts": torch.cat(seconds).to(device)} if seconds else {}
+
+
+class Qwen3VLAdapter(Qwen2VLAdapter):
+    """Qwen3-VL (dense; the MoE variant loads through the same code): the decoder layer's own forward
+    adds q/k norms and the model's rotary embedding interleaves M-RoPE, so only the encoder differs
+    here: ``get_image_features`` also returns DeepStack features, which the engine adds to the visual
+    tokens after the first decoder layers (only to those still active there). Video is not supported
+    yet: Qwen3-VL writes a timestamp before each frame's tokens, which Glimpse's prompt builder does not."""
+
+    name = "qwen3-vl"
+    model_class = "Qwen3VLForConditionalGeneration"
+    supports_video = False
+
+    def prepare_video(self, path):
+        raise vision.MediaError(f"{path}: Glimpse does not run Qwen3-VL on video yet (its per-frame timestamps "
+                                "are not written into the prompt); ask about an image")
+
+    def encode_with_layers(self, media, kind):
+        vm = self.model.model
+        items = [m for m in media if m.kind == kind]
+        pixels = torch.cat([m.tensors["pixel_values"] for m in items])
+        grid = torch.cat([m.tensors["image_grid_thw"] for m in items])
+        out = vm.get_image_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
+        layers = [torch.cat(per_item, dim=0) for per_item in out.deepstack_features]
+        return torch.cat(out.pooler_output, dim=0), layers
+
+    def encode(self, media, kind):
+        return self.encode_with_layers(media, kind)[0]
 
 
 class LlavaAdapter(Adapter):
@@ -373,6 +400,7 @@ def _clip_preprocess(frame: Image.Image, size: int, image_processor) -> torch.Te
 ADAPTERS = {  # model_type -> adapter: the one list of supported architectures
     "qwen2_vl": Qwen2VLAdapter,
     "qwen2_5_vl": Qwen25VLAdapter,
+    #QWEN3
     "llava": LlavaAdapter,
     "llava_next": LlavaNextAdapter,
     "llava_next_video": LlavaNextVideoAdapter,

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from common import UserError
+from pipeline import attention
 from pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
 from pipeline.cache import AuxCache, KVCache
 from pipeline.metrics import MemoryMeter, prefill_flops, synchronize
@@ -160,6 +160,61 @@ class DecodeRows:
                           self.hidden[:, on])
 
 
+@dataclass
+class PrefillLayer:
+    """One prefill layer of one request (a ``pipeline.attention.LayerCall``): the active tokens'
+    keys and values go into the request's cache, the policy sees the layer's queries and keys and
+    picks which rows attend (all, or ZipVL's important ones), and it gets the attention output."""
+
+    engine: "Engine"
+    policy: Policy
+    ctx: PrefillContext
+    layer_idx: int
+
+    def attend(self, module, query, key, value, kernel) -> torch.Tensor:
+        ctx, engine = self.ctx, self.engine
+        key, value = ctx.cache.update(key, value, self.layer_idx)
+        ctx.queries, ctx.keys, ctx.scaling = query, key, module.scaling
+        rows = self.policy.attention_rows(self.layer_idx, ctx)
+        ctx.attention_per_layer.append(None if rows is None else ctx.active[rows])
+        n = query.shape[2]
+        if rows is None:
+            return kernel(query, key, value, engine._causal_mask(n, query.dtype))
+        # Only ``rows`` attend, and only to each other; the other tokens get no attention update
+        # (their FFN still runs). Their keys and values are in the cache all the same.
+        out = query.new_zeros(1, n, query.shape[1], query.shape[3])
+        out[:, rows] = kernel(query[:, :, rows], key[:, :, rows], value[:, :, rows],
+                              engine._causal_mask(rows.shape[0], query.dtype))
+        return out
+
+    def attention_output(self, output: torch.Tensor) -> None:
+        self.policy.score(self.layer_idx, output, self.ctx)
+
+
+@dataclass
+class DecodeLayer:
+    """One decode layer of a batch of requests (a ``pipeline.attention.LayerCall``): the rows of all
+    requests go through the layer's token-wise work together; attention runs per request, over that
+    request's own cache."""
+
+    engine: "Engine"
+    requests: list["Request"]
+    batch: list[DecodeRows]
+    layer_idx: int
+
+    def attend(self, module, query, key, value, kernel) -> torch.Tensor:
+        outputs, start = [], 0
+        for request, rows in zip(self.requests, self.batch):
+            part = slice(start, start + rows.count)
+            outputs.append(self.engine.decode_attention(self.layer_idx, module, query[:, :, part], key[:, :, part],
+                                                        value[:, :, part], rows, request, kernel))
+            start += rows.count
+        return torch.cat(outputs, dim=1)
+
+    def attention_output(self, output: torch.Tensor) -> None:
+        pass
+
+
 class Engine:
     def __init__(self, adapter: Adapter, *, model_id: str, chat_template: str | None = None,
                  grounded: bool = True):
@@ -171,7 +226,10 @@ class Engine:
         self.grounded = grounded  # False for the embedded model until its projector is trained
         self.device = self.adapter.embed_tokens.weight.device
         self.dtype = self.adapter.embed_tokens.weight.dtype
-        self.attn_implementation = self.adapter.text_config._attn_implementation
+        # Each layer runs its own forward; attention goes through pipeline/attention.py's function,
+        # which runs this kernel ("sdpa", "eager", "flash_attention_2") over what the engine chose.
+        self.attn_implementation = attention.install(self.adapter.text_config)
+        attention.hook_attention_outputs(layer.self_attn for layer in self.adapter.layers)
         self.max_length = getattr(self.adapter.text_config, "max_position_embeddings", None)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self._lock = threading.Lock()  # one request at a time: the model and its caches are shared
@@ -377,8 +435,7 @@ class Engine:
             full = active.shape[0] == T  # nothing pruned: skip the gather/scatter copies
             h = hidden if full else hidden[:, active]
             pe = (cos, sin) if full else (cos[:, active], sin[:, active])
-            mask = self._causal_mask(active.shape[0], h.dtype)
-            out = self.run_layer(layer_idx, layer, h, pe, mask, ctx.cache, policy, ctx)
+            out = self.run_layer(layer, h, pe, PrefillLayer(self, policy, ctx, layer_idx))
             ctx.cache.record(layer_idx, active, ctx.modality[active])
             if full:
                 hidden = out
@@ -392,58 +449,10 @@ class Engine:
         logits = self.adapter.lm_head(self.adapter.norm(hidden[:, -1:]))
         return logits[0, -1].float()
 
-    def run_layer(self, layer_idx, layer, hidden, position_embeddings, mask, cache, policy=None, ctx=None):
-        """One decoder layer through its own sub-modules, as its forward does, exposing the
-        attention output (after o_proj, before the residual add) to the policy."""
-        residual = hidden
-        normed = layer.input_layernorm(hidden)
-        attn_output = self.attention(layer_idx, layer.self_attn, normed, position_embeddings, mask, cache,
-                                     policy, ctx)
-        if policy is not None:
-            policy.score(layer_idx, attn_output, ctx)
-        hidden = residual + attn_output
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-    def attention(self, layer_idx, attn, normed, position_embeddings, mask, cache, policy=None, ctx=None):
-        """The layer's self-attention as its own forward computes it — q/k/v projections, the
-        model's RoPE, the cache update, the configured kernel (sdpa, flash, eager), o_proj — spelled
-        out so that policies can read this layer's queries and keys (probe attention, without a
-        T x T matrix) and restrict attention to a subset of tokens (ZipVL's sparse prefill)."""
-        query, key, value = self.project(attn, normed, position_embeddings)
-        key, value = cache.update(key, value, layer_idx)
-
-        rows = None
-        if policy is not None:
-            ctx.queries, ctx.keys, ctx.scaling = query, key, attn.scaling
-            rows = policy.attention_rows(layer_idx, ctx)
-            ctx.attention_per_layer.append(None if rows is None else ctx.active[rows])
-        if rows is None:
-            return attn.o_proj(self._attend(attn, query, key, value, mask))
-        # Only ``rows`` attend, and only to each other; the other tokens get no attention update
-        # (their FFN still runs). Their keys and values are in the cache all the same.
-        sub_mask = self._causal_mask(rows.shape[0], normed.dtype)
-        out = self._attend(attn, query[:, :, rows], key[:, :, rows], value[:, :, rows], sub_mask)
-        output = normed.new_zeros(normed.shape)
-        output[:, rows] = attn.o_proj(out)
-        return output
-
-    def project(self, attn, normed, position_embeddings):
-        """The layer's query, key and value, (1, heads, n, head_dim) each, with the model's RoPE."""
-        shape = (*normed.shape[:-1], -1, attn.head_dim)
-        query = attn.q_proj(normed).view(shape).transpose(1, 2)
-        key = attn.k_proj(normed).view(shape).transpose(1, 2)
-        value = attn.v_proj(normed).view(shape).transpose(1, 2)
-        query, key = self.adapter.apply_rotary(query, key, *position_embeddings)
-        return query, key, value
-
-    def _attend(self, attn, query, key, value, mask) -> torch.Tensor:
-        implementation = self.attn_implementation
-        if mask is not None and implementation != "eager":
-            implementation = "sdpa"  # an explicit mask (revived rows in decode): flash kernels take none
-        kernel = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, self.adapter.eager_attention)
-        out, _ = kernel(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling,
-                        sliding_window=getattr(attn, "sliding_window", None))
-        return out.reshape(*out.shape[:2], -1)  # (1, n, heads * head_dim)
+    def run_layer(self, layer, hidden, position_embeddings, call: attention.LayerCall) -> torch.Tensor:
+        """One decoder layer, as its own forward runs it (norms, projections, q/k norms, RoPE, MLP or
+        MoE), on ``hidden``'s tokens; ``call`` decides what its attention sees (pipeline/attention.py)."""
+        return layer(hidden, position_embeddings=position_embeddings, glimpse=call)
 
     def decode(self, requests: list["Request"]) -> torch.Tensor:
         """One decode step of one or more requests: (B, vocab) logits.
@@ -463,17 +472,7 @@ class Engine:
                 request.ctx.revived += rows.count - 1  # prompt tokens computed here in decode
             hidden = torch.cat([rows.hidden for rows in batch], dim=1)
             cos, sin = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
-            attn = layer.self_attn
-            normed = layer.input_layernorm(hidden)
-            query, key, value = self.project(attn, normed, (cos, sin))
-            outputs, start = [], 0
-            for request, rows in zip(requests, batch):
-                part = slice(start, start + rows.count)
-                outputs.append(self.decode_attention(layer_idx, attn, query[:, :, part], key[:, :, part],
-                                                     value[:, :, part], rows, request))
-                start += rows.count
-            hidden = hidden + attn.o_proj(torch.cat(outputs, dim=1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = self.run_layer(layer, hidden, (cos, sin), DecodeLayer(self, requests, batch, layer_idx))
             start = 0
             for rows in batch:
                 rows.hidden = hidden[:, start:start + rows.count]
@@ -483,9 +482,10 @@ class Engine:
             request.ctx.queries = request.ctx.keys = None
         return self.adapter.lm_head(self.adapter.norm(last))[0].float()
 
-    def decode_attention(self, layer_idx, attn, query, key, value, rows: "DecodeRows", request) -> torch.Tensor:
+    def decode_attention(self, layer_idx, attn, query, key, value, rows: "DecodeRows", request, kernel) -> torch.Tensor:
         """A request's decode rows attend to the entries of this layer's cache the policy picks
-        (all, by default) and to each other, causally; their own keys/values join the cache."""
+        (all, by default) and to each other, causally; their own keys/values join the cache.
+        (1, r, heads, head_dim), as ``kernel`` computes it."""
         ctx, policy = request.ctx, request.policy
         layer_kv = ctx.cache.layers[layer_idx]
         attend = policy.decode_attend(layer_idx, ctx)  # positions in the layer's cache, or None
@@ -506,7 +506,7 @@ class Engine:
             allowed = torch.cat([allowed.new_ones(n, seen), allowed], dim=1)
             mask = torch.zeros(n, seen + n, dtype=query.dtype, device=self.device)
             mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
-        out = self._attend(attn, query, keys, values, mask)
+        out = kernel(query, keys, values, mask)
         ctx.layer_idx, ctx.queries, ctx.keys, ctx.key_index, ctx.scaling = layer_idx, query[:, :, -1:], keys, \
             key_index, attn.scaling
         policy.decode_score(layer_idx, ctx)

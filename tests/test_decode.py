@@ -4,6 +4,7 @@ revival from the Aux Cache; batched decode."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -292,7 +293,9 @@ def test_lazyllm_revives_pruned_tokens_once_per_layer_from_the_aux_cache_at_thei
             attn = adapter.layers[layer_idx].self_attn
             normed = adapter.layers[layer_idx].input_layernorm(hidden)
             cos, sin = adapter.rotary(hidden, ctx.positions[:, torch.tensor(revived)])
-            _, key, _ = engine.project(attn, normed, (cos, sin))
+            # k_proj and the model's own RoPE function, as the layer's forward applies them
+            key = attn.k_proj(normed).view(*normed.shape[:-1], -1, attn.head_dim).transpose(1, 2)
+            _, key = sys.modules[type(attn).__module__].apply_rotary_pos_emb(key, key, cos, sin)
             where = torch.tensor([layer.index.tolist().index(t) for t in revived])
             assert torch.allclose(layer.keys_values()[0][:, :, where], key, atol=1e-5)
             checked += len(revived)
