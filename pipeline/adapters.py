@@ -400,7 +400,7 @@ def _clip_preprocess(frame: Image.Image, size: int, image_processor) -> torch.Te
 ADAPTERS = {  # model_type -> adapter: the one list of supported architectures
     "qwen2_vl": Qwen2VLAdapter,
     "qwen2_5_vl": Qwen25VLAdapter,
-    #QWEN3
+    "qwen3_vl": Qwen3VLAdapter,
     "llava": LlavaAdapter,
     "llava_next": LlavaNextAdapter,
     "llava_next_video": LlavaNextVideoAdapter,

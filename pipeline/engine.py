@@ -76,6 +76,9 @@ class PrefillContext:
     visual_kv_per_step: list[int] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     revived: int = 0  # prompt-token computations added by revival in decode (LazyLLM)
+    # Per decoder layer 0, 1, ...: (visual rows, features) the architecture adds to those tokens after
+    # that layer (Qwen3-VL's DeepStack); empty for most.
+    layer_features: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # Valid while a layer runs, for the policy callbacks of that layer: its index, its active set,
     # and its queries (1, heads, n, head_dim) and keys (1, kv_heads, n, head_dim), after RoPE.
     # In decode, ``queries`` is the new token's alone and ``keys`` what it attended to, whose
@@ -383,20 +386,22 @@ class Engine:
     def embed_prompt(self, prompt: Prompt) -> torch.Tensor:
         """Token embeddings with the vision encoder's output written over the placeholder tokens."""
         embeds = self.adapter.embed_tokens(prompt.input_ids.to(self.device))[None]  # (1, T, d)
-        for rows, features in self.encode_media(prompt):
+        for rows, features, _ in self.encode_media(prompt):
             embeds[0, rows] = features
         return embeds
 
-    def encode_media(self, prompt: Prompt) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The vision encoder + projector: (placeholder rows, one feature row each) per modality."""
+    def encode_media(self, prompt: Prompt) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+        """The vision encoder + projector, per modality: the placeholder rows, one feature row each,
+        and per decoder layer what the architecture adds to those rows after it (DeepStack; usually none)."""
         out = []
         for kind in (IMAGE, VIDEO):
             if any(m.kind == kind for m in prompt.media):
-                features = self.adapter.encode(prompt.media, kind).to(self.device, self.dtype)
+                features, layers = self.adapter.encode_with_layers(prompt.media, kind)
+                features = features.to(self.device, self.dtype)
                 rows = (prompt.modality == kind).nonzero().squeeze(1).to(self.device)
                 if features.shape[0] != rows.shape[0]:
                     raise RuntimeError(f"encoder gave {features.shape[0]} features for {rows.shape[0]} placeholders")
-                out.append((rows, features))
+                out.append((rows, features, [f.to(self.device, self.dtype) for f in layers]))
         return out
 
     def prefill(self, prompt: Prompt, policy: Policy) -> tuple[torch.Tensor, PrefillContext]:
@@ -429,6 +434,10 @@ class Engine:
             if vision is not None and bool((ctx.modality[active] != TEXT).any()):
                 hidden = ctx.hidden = vision.join(hidden, ctx)
                 vision = None  # joined
+            joining = active[fresh[active]]
+            if layer_idx > 0 and joining.numel() and ctx.layer_features:
+                # Tokens injected late (HiDivDrop) get what the earlier layers would have added to them.
+                hidden = ctx.hidden = _add_layer_features(hidden, ctx, joining, range(layer_idx))
             fresh[active] = False
             ctx.active_per_layer.append(active)
             ctx.layer_idx, ctx.active = layer_idx, active
@@ -441,6 +450,8 @@ class Engine:
                 hidden = out
             else:
                 hidden = hidden.index_copy(1, active, out)
+            if layer_idx < len(ctx.layer_features):  # DeepStack: only into the visual tokens active here
+                hidden = _add_layer_features(hidden, ctx, active, [layer_idx])
             ctx.hidden = hidden
         ctx.queries = ctx.keys = None  # let the last layer's tensors go
         if vision is not None:  # no layer used the visual tokens (a policy dropped them all)
@@ -613,7 +624,7 @@ class VisionJob:
 
     def __init__(self, engine: "Engine", prompt: Prompt, parallel: bool):
         self.engine, self.prompt = engine, prompt
-        self.features: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.features: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.thread = None
@@ -650,11 +661,29 @@ class VisionJob:
         ctx.vision_wait_s = self.seconds if self.thread is None else time.perf_counter() - start
         if self.error is not None:
             raise self.error
-        for rows, features in self.features:
-            if features.is_cuda:  # made on the side stream, used from now on on the main one
-                features.record_stream(torch.cuda.current_stream(features.device))
+        for rows, features, layers in self.features:
+            for tensor in (features, *layers):
+                if tensor.is_cuda:  # made on the side stream, used from now on on the main one
+                    tensor.record_stream(torch.cuda.current_stream(tensor.device))
             hidden = hidden.index_copy(1, rows, features[None])
+        depth = max((len(layers) for _, _, layers in self.features), default=0)
+        ctx.layer_features = [
+            (torch.cat([rows for rows, _, layers in self.features if l < len(layers)]),
+             torch.cat([layers[l] for _, _, layers in self.features if l < len(layers)]))
+            for l in range(depth)]
         return hidden
+
+
+def _add_layer_features(hidden: torch.Tensor, ctx: PrefillContext, tokens: torch.Tensor, layers) -> torch.Tensor:
+    """``hidden`` plus the features the architecture adds after each of ``layers`` (DeepStack), for the
+    visual rows among ``tokens`` only: a pruned token's state is stale, and it gets nothing."""
+    for layer in layers:
+        if layer >= len(ctx.layer_features):
+            break
+        rows, features = ctx.layer_features[layer]
+        pick = torch.isin(rows, tokens)
+        hidden = hidden.index_add(1, rows[pick], features[pick][None].to(hidden.dtype))
+    return hidden
 
 
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float,

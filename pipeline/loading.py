@@ -72,7 +72,7 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
         raise ModelLoadError(f"cannot load model {model!r}{hint}: {_first_line(error)}") from None
     if config.model_type not in ADAPTERS:
         raise ModelLoadError(f"model {model!r} is a {config.model_type!r} checkpoint; Glimpse supports "
-                             f"{', '.join(sorted(ADAPTERS))} (Qwen2-VL, Qwen2.5-VL, LLaVA-1.5, LLaVA-NeXT, LongVA)")
+                             f"{', '.join(sorted(ADAPTERS))} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT, LongVA)")
     try:
         model_class = getattr(transformers, ADAPTERS[config.model_type].model_class)
         vlm = model_class.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)

@@ -103,7 +103,7 @@ class FixedActiveSet(Policy):
         return torch.tensor(self.keep, device=active.device)
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])  # 1-D RoPE and M-RoPE
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen3_vl"])  # 1-D RoPE and M-RoPE
 def test_physical_dropping_equals_masking(checkpoints, media, arch):
     engine = load_engine(str(checkpoints[arch]), device="cpu", attn="eager")
     prompt = engine.prepare(_messages("image", media))
@@ -114,7 +114,7 @@ def test_physical_dropping_equals_masking(checkpoints, media, arch):
     dropped = torch.cat([visual[torch.randperm(len(visual), generator=generator)[: len(visual) // 2]],
                          torch.tensor([1, 3, T - 3])])
     keep = torch.tensor(sorted(set(range(T)) - set(dropped.tolist())))
-    start = 2
+    start = 1 if arch == "qwen3_vl" else 2  # Qwen3-VL: layer 1 adds DeepStack features to the kept tokens only
 
     with torch.no_grad():
         logits, ctx = engine.prefill(prompt, FixedActiveSet(start=start, keep=tuple(keep.tolist())))
@@ -212,14 +212,65 @@ def test_checkpoint_without_chat_template_still_matches_transformers(checkpoints
 
 
 def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
-    """A Qwen3-VL checkpoint (q/k norms, DeepStack: not run by the engine yet) is refused when loaded, naming
-    the architectures Glimpse runs, rather than run wrong; the error is the user's to fix (a UserError)."""
-    from transformers import Qwen3VLConfig
+    """A Qwen3.5 checkpoint (linear-attention layers: docs/models.md says why the engine does not run them)
+    is refused when loaded, naming the architectures Glimpse runs, rather than run wrong; the error is the
+    user's to fix (a UserError)."""
+    from transformers import Qwen3_5Config
 
     from common import UserError
     from pipeline import ModelLoadError
 
-    Qwen3VLConfig().save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="qwen3_vl.*qwen2_5_vl") as error:
+    Qwen3_5Config().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="qwen3_5.*qwen2_5_vl.*qwen3_vl") as error:
         load_engine(str(tmp_path), device="cpu")
     assert isinstance(error.value, UserError)
+
+
+def test_qwen3_vl_deepstack_reaches_late_injected_tokens_as_the_layers_they_skipped_would_have_added(checkpoints, media):
+    """Visual tokens that join at layer L (HiDivDrop's late injection) enter it as their encoder output
+    plus the DeepStack features of every layer before L: what the residual stream would have carried
+    from those layers' additions."""
+    from pruning import HiDivDrop
+
+    engine = load_engine(str(checkpoints["qwen3_vl"]), device="cpu")
+    prompt = engine.prepare(_messages("image", media))
+    visual = (prompt.modality != TEXT).nonzero().squeeze(1)
+    L = 2  # the tiny Qwen3-VL adds DeepStack features after layers 0 and 1
+    captured = {}
+    norm = engine.adapter.layers[L].input_layernorm
+    hook = norm.register_forward_hook(lambda m, args, out: captured.update(h=args[0][0]))
+    try:
+        with torch.no_grad():
+            _, ctx = engine.prefill(prompt, HiDivDrop(inject_layer=L, exit_layer=len(engine.adapter.layers)))
+            [(rows, features, layers)] = engine.encode_media(prompt)
+    finally:
+        hook.remove()
+    assert len(layers) == 2 and torch.equal(rows, visual)
+    active = ctx.active_per_layer[L]
+    assert torch.isin(visual, active).all() and not torch.isin(visual, ctx.active_per_layer[L - 1]).any()
+    position = torch.isin(active, visual)
+    torch.testing.assert_close(captured["h"][position], features + layers[0] + layers[1])
+
+
+def test_qwen3_vl_deepstack_skips_the_tokens_pruned_before_its_layer(checkpoints, media):
+    """A visual token pruned before layer 1 keeps the state it left with: layer 1's DeepStack features
+    go only to the visual tokens layer 1 computes."""
+    engine = load_engine(str(checkpoints["qwen3_vl"]), device="cpu")
+    prompt = engine.prepare(_messages("image", media))
+    T = len(prompt)
+    visual = (prompt.modality != TEXT).nonzero().squeeze(1)
+    dropped = visual[::2]
+    keep = tuple(sorted(set(range(T)) - set(dropped.tolist())))
+    captured = {}
+    hook = engine.adapter.layers[1].input_layernorm.register_forward_hook(
+        lambda m, args, out: captured.update(h=args[0][0]))
+    try:
+        with torch.no_grad():
+            engine.prefill(prompt, NoPruning())  # every token: the state entering layer 1
+            entering = captured["h"].clone()
+            _, ctx = engine.prefill(prompt, FixedActiveSet(start=1, keep=keep))
+    finally:
+        hook.remove()
+    torch.testing.assert_close(ctx.hidden[0, dropped], entering[dropped])
+    kept = visual[1::2]
+    assert not torch.allclose(ctx.hidden[0, kept], entering[kept])  # the kept ones went on

@@ -94,6 +94,36 @@ def build_qwen2_5_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
     return _save(folder, model, tok, processor, QWEN_TEMPLATE, ids["<|im_end|>"])
 
 
+def build_qwen3_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
+    """Qwen3-VL (dense): q/k norms in every attention, DeepStack features from encoder blocks 0 and 1
+    added to the first two decoder layers' visual tokens, interleaved M-RoPE, 16-pixel patches."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+               "<|image_pad|>", "<|video_pad|>"]
+    tok = make_tokenizer(special, eos="<|im_end|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    text = _text_config(len(tok), layers=layers, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+                        pad_token_id=ids["<|endoftext|>"],
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                         "mrope_interleaved": True})
+    config = Qwen3VLConfig(
+        text_config={**text, "head_dim": text["hidden_size"] // text["num_attention_heads"]},
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=text["hidden_size"],
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1], initializer_range=0.2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2,
+                                         size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128})
+    return _save(folder, model, tok, processor, QWEN_TEMPLATE, ids["<|im_end|>"])
+
+
 def _clip_vision(image_size: int) -> dict:
     return dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, image_size=image_size, patch_size=14, projection_dim=32,
@@ -158,7 +188,7 @@ def build_longva(folder: Path, seed: int = 0) -> Path:
     return _save(folder, model, tok, processor, template, tok.convert_tokens_to_ids("<|im_end|>"))
 
 
-BUILDERS = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl, "llava": build_llava, "llava_next": build_llava_next,
+BUILDERS = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl, "qwen3_vl": build_qwen3_vl, "llava": build_llava, "llava_next": build_llava_next,
             "longva": build_longva}
 
 
@@ -171,7 +201,7 @@ def reference_inputs(engine, prompt) -> dict:
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     images = [m.tensors for m in prompt.media if m.kind == IMAGE]
     videos = [m.tensors for m in prompt.media if m.kind == VIDEO]
-    if kind in ("qwen2_vl", "qwen2_5_vl"):
+    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         inputs["mm_token_type_ids"] = prompt.modality[None].int()
         if images:
             inputs["pixel_values"] = torch.cat([t["pixel_values"] for t in images])
@@ -197,12 +227,15 @@ def masked_reference(engine, prompt, active_per_layer, attention_per_layer) -> t
     restricted (ZipVL) the other tokens' attention output is zeroed while their FFN runs."""
     adapter = engine.adapter
     hidden = engine.embed_prompt(prompt)
+    # What the architecture adds to the visual tokens after a layer (Qwen3-VL's DeepStack), from
+    # transformers' own encoder call: here to the active ones only.
+    added = [(rows, layers) for rows, _, layers in engine.encode_media(prompt) if layers]
     positions = adapter.positions(prompt.input_ids, prompt.modality, prompt.media)
     cos, sin = adapter.rotary(hidden, positions)
     T = hidden.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     minimum = torch.finfo(hidden.dtype).min
-    for layer, active, rows in zip(adapter.layers, active_per_layer, attention_per_layer):
+    for layer_idx, (layer, active, rows) in enumerate(zip(adapter.layers, active_per_layer, attention_per_layer)):
         keys = torch.zeros(T, dtype=torch.bool)
         keys[active if rows is None else rows] = True
         allowed = (causal & keys[None, :]) | torch.eye(T, dtype=torch.bool)
@@ -216,4 +249,7 @@ def masked_reference(engine, prompt, active_per_layer, attention_per_layer) -> t
         is_active = torch.zeros(T, dtype=torch.bool)
         is_active[active] = True
         hidden = torch.where(is_active[None, :, None], new, hidden)
+        for rows, layers in added:
+            if layer_idx < len(layers):
+                hidden[0, rows[is_active[rows]]] += layers[layer_idx][is_active[rows]]
     return adapter.lm_head(adapter.norm(hidden[:, -1:]))[0, -1]
