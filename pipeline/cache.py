@@ -12,6 +12,8 @@ evicted (ST3's annealing, ``LayerKV.keep``); readers get float keys and values f
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from common import Modality
@@ -128,6 +130,41 @@ class KVCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return len(self.layers[layer_idx])
+
+    # -- what policies ask of the cache (they never touch its storage) ----------------------------
+    def tokens(self, layer_idx: int, modality: Modality | None = None) -> torch.Tensor:
+        """The original token indices ``layer_idx`` holds entries for, in storage order (of one
+        modality, if given): what ``decode_attend`` positions refer to."""
+        layer = self.layers[layer_idx]
+        return layer.index if modality is None else layer.index[layer.modality == modality]
+
+    def evict(self, layer_idx: int, tokens: torch.Tensor) -> None:
+        """Drop the entries of ``tokens`` (original indices) from ``layer_idx``; the memory is freed."""
+        layer = self.layers[layer_idx]
+        layer.keep((~torch.isin(layer.index, tokens.cpu())).nonzero().squeeze(1))
+
+    def unpacked_tokens(self, layer_idx: int) -> torch.Tensor:
+        """The tokens of ``layer_idx`` still stored in float (appended since the last ``pack``)."""
+        layer = self.layers[layer_idx]
+        return layer.index[len(layer) - layer.tail_entries():]
+
+    def pack(self, layer_idx: int, important: torch.Tensor, important_bits: int, other_bits: int,
+             group: int) -> None:
+        """Quantize the float entries of ``layer_idx``: those of the ``important`` tokens (original
+        indices) to ``important_bits``, the others to ``other_bits`` (ZipVL's mixed-precision KV).
+        ``group`` (values per scale) is reduced to divide the head size."""
+        layer = self.layers[layer_idx]
+        if layer.tail_entries() == 0:
+            return
+        group = math.gcd(group, layer.key.shape[-1])
+        tail = self.unpacked_tokens(layer_idx)
+        layer.pack(torch.isin(tail, important.cpu()).nonzero().squeeze(1), important_bits, group)
+        layer.pack(torch.arange(layer.tail_entries()), other_bits, group)
+
+    def pack_group(self, layer_idx: int, group: int) -> int:
+        """The group size ``pack`` uses on ``layer_idx``."""
+        layer = self.layers[layer_idx]
+        return math.gcd(group, layer.key.shape[-1]) if layer.key is not None else group
 
     def visual_entries(self) -> int:
         """Image and video entries over all layers (what ST3's annealing shrinks)."""

@@ -87,7 +87,7 @@ class Policy:
         return rows
 
     def decode_attend(self, layer_idx: int, ctx) -> torch.Tensor | None:
-        """Sorted positions in ``ctx.cache.layers[layer_idx]`` the decode rows attend to (None: all)."""
+        """Sorted positions in ``ctx.cache.tokens(layer_idx)`` the decode rows attend to (None: all)."""
         return None
 
     def decode_score(self, layer_idx: int, ctx) -> None:
@@ -96,6 +96,37 @@ class Policy:
     def summary(self) -> str:
         """One line for the UI, after plan: what this request runs with."""
         return "no pruning"
+
+
+@dataclass
+class ScoreThenCut(Policy):
+    """The pattern FastV, ST3, LazyLLM and HiDivDrop share: a score read in layer l - 1 decides which
+    tokens layer l (and every deeper one) drops. A subclass's ``plan`` sets ``cut_at`` (the layers that
+    cut); ``cut`` says what a cut keeps, given ``scores``. The score is the last prompt token's
+    attention (one probe query) unless ``token_scores`` says otherwise.
+    """
+
+    # Per-request state, reset by ``plan``: the layers that cut, and the scores (by original token
+    # index; -inf for tokens the layer did not compute) read in the layer before the next cut.
+    cut_at: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+    scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def token_scores(self, attn_output: torch.Tensor, ctx) -> torch.Tensor:
+        """Importance of the layer's active tokens, one per token (higher: keep)."""
+        return last_token_attention(ctx)
+
+    def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        """The tokens layer ``layer_idx`` computes, of ``active``, given ``self.scores``."""
+        raise NotImplementedError
+
+    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
+        if layer_idx + 1 in self.cut_at:
+            self.scores = scores_by_token(ctx, self.token_scores(attn_output, ctx))
+
+    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        if layer_idx not in self.cut_at or self.scores is None:
+            return active
+        return self.cut(layer_idx, active, ctx)
 
 
 @dataclass

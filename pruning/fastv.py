@@ -21,12 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from common import Modality, UserError
-from pruning.base import (Policy, check_speed, last_token_attention, lowest, lowest_except, merge_into_kept,
-                          scaled_layer, scores_by_token, without)
+from pruning.base import ScoreThenCut, check_speed, lowest, lowest_except, merge_into_kept, scaled_layer, without
 
 
 @dataclass
-class FastV(Policy):
+class FastV(ScoreThenCut):
     ratio: float = 0.0  # R: share of the visual tokens dropped at layer K
     layer: int | None = None  # K; None: round(2 L / 32), at least 1
     text: bool = False  # also drop text tokens (every token but the last)
@@ -43,15 +42,9 @@ class FastV(Policy):
             raise UserError(f"FastV ratio must be in [0, 1], got {self.ratio}")
         K = self.layer if self.layer is not None else scaled_layer(2, 32, ctx.num_layers)
         self.resolved = {"layer": K, "num_dropped": 0, "paper": {"K": K, "R": self.ratio}}
-        self.scores: torch.Tensor | None = None
+        self.cut_at, self.scores = (frozenset({K}) if self.ratio > 0 else frozenset()), None
 
-    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
-        if layer_idx == self.resolved["layer"] - 1 and self.ratio > 0:
-            self.scores = scores_by_token(ctx, last_token_attention(ctx))
-
-    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
-        if layer_idx != self.resolved["layer"] or self.scores is None:
-            return active
+    def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         if self.text:
             count = math.floor(self.ratio * (active.shape[0] - 1) + 1e-9)
             dropped = lowest_except(self.scores[active], count)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from common import Modality, UserError
-from pruning.base import Policy, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
+from pruning.base import ScoreThenCut, check_speed, drop_lowest_visual
 
 PAPER_DEPTH = 32
 PAPER_INJECT, PAPER_EXIT = 9, 25
@@ -40,7 +40,7 @@ INJECT_FROM_SPEED = 0.5
 
 
 @dataclass
-class HiDivDrop(Policy):
+class HiDivDrop(ScoreThenCut):
     inject_layer: int | None = None  # L_inj; None: round(inject_fraction * L)
     exit_layer: int | None = None  # L_exit; None: L - round(exit_fraction * L)
     inject_fraction: float = 0.0  # share of the depth the vision tokens skip at the bottom
@@ -79,22 +79,19 @@ class HiDivDrop(Policy):
                          "keep_counts": [self.cuts[c] for c in sorted(self.cuts)], "visual_tokens": V}
         self.resolved["paper"] = {"L_inj": inject, "L_exit": exit_, "F": self.resolved["filter_layers"],
                                   "keep": [V, *self.resolved["keep_counts"]]}
-        self.scores: torch.Tensor | None = None
+        # A filtering layer f ranks the vision tokens by its own last-token attention; layer f + 1 cuts.
+        self.cut_at, self.scores = frozenset(self.cuts), None
 
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         if layer_idx < self.inject or layer_idx >= self.exit:
             return active[ctx.modality[active] == Modality.TEXT]  # text only: before injection, after the exit
         if layer_idx == self.inject:  # the vision tokens join, with their original embeddings
             return torch.cat([active, self.visual]).unique(sorted=True) if self.inject > 0 else active
-        if layer_idx in self.cuts and self.scores is not None:
-            excess = int((ctx.modality[active] != Modality.TEXT).sum()) - self.cuts[layer_idx]
-            if excess > 0:
-                return drop_lowest_visual(active, ctx, self.scores, excess)
-        return active
+        return super().select(layer_idx, active, ctx)
 
-    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
-        if layer_idx + 1 in self.cuts:  # a filtering layer: rank by its own last-token attention
-            self.scores = scores_by_token(ctx, last_token_attention(ctx))
+    def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        excess = int((ctx.modality[active] != Modality.TEXT).sum()) - self.cuts[layer_idx]
+        return drop_lowest_visual(active, ctx, self.scores, excess) if excess > 0 else active
 
     def summary(self) -> str:
         r = self.resolved

@@ -46,15 +46,15 @@ from dataclasses import dataclass
 import torch
 
 from common import Modality, UserError
-from pruning.base import (Policy, check_speed, last_token_attention, lowest, lowest_except, merge_into_kept,
-                          new_token_attention, without)
+from pruning.base import (ScoreThenCut, check_speed, lowest, lowest_except, merge_into_kept, new_token_attention,
+                          without)
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
 PERCENTILES_AT_FULL_SPEED = (0.4, 0.5, 0.6)
 
 
 @dataclass
-class LazyLLM(Policy):
+class LazyLLM(ScoreThenCut):
     percentiles: tuple[float, ...] = (0.0, 0.0, 0.0)  # k at each pruning layer, in [0, 1)
     depth_fractions: tuple[float, ...] = DEPTH_FRACTIONS  # where the pruning layers sit
     prune_layers: tuple[int, ...] | None = None  # explicit layers instead of depth_fractions
@@ -90,21 +90,14 @@ class LazyLLM(Policy):
                          "layer_percentiles": [self.schedule[l] for l in sorted(self.schedule)]}
         self.resolved["paper"] = {"pruning_layers": self.resolved["prune_layers"],
                                   "k": self.resolved["layer_percentiles"]}
-        self.scores: torch.Tensor | None = None
+        self.cut_at, self.scores = frozenset(layer for layer, k in self.schedule.items() if k > 0.0), None
         self.decode_scores: tuple[torch.Tensor, torch.Tensor] | None = None  # (key_index, attention)
         self.selected: torch.Tensor | None = None  # this decode step's A_l (original indices), sorted
         self.sizes = torch.ones(ctx.modality.shape[0])  # how many tokens each one holds (merge)
 
-    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
-        if layer_idx + 1 in self.schedule:  # the pruning decision uses the previous layer's scores
-            self.scores = last_token_attention(ctx)
-
-    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
-        k = self.schedule.get(layer_idx, 0.0)
-        if k == 0.0 or self.scores is None:
-            return active
-        previous = ctx.active  # the previous layer's active set, which the scores cover
-        scores = self.scores[torch.isin(previous, active)]
+    def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        k = self.schedule[layer_idx]
+        scores = self.scores[active]  # the previous layer's importance of each token still active
         if self.prune_text:
             pruned = lowest_except(scores, math.floor(k * active.shape[0]))
         else:
@@ -133,7 +126,7 @@ class LazyLLM(Policy):
             rows = rows.keep(keep.nonzero().squeeze(1))
         # Selected tokens with no key/value here are revived from the Aux Cache (a token found in
         # neither, e.g. evicted by another policy, is simply not attended to).
-        cached = ctx.cache.layers[layer_idx].index
+        cached = ctx.cache.tokens(layer_idx)
         missing = selected[~torch.isin(selected, cached) & ~torch.isin(selected, rows.index)]
         index, hidden = ctx.aux_cache.take(layer_idx, missing)
         if index.numel():
@@ -144,7 +137,7 @@ class LazyLLM(Policy):
     def decode_attend(self, layer_idx: int, ctx) -> torch.Tensor | None:
         if self.selected is None:
             return None
-        return torch.isin(ctx.cache.layers[layer_idx].index, self.selected).nonzero().squeeze(1)
+        return torch.isin(ctx.cache.tokens(layer_idx), self.selected).nonzero().squeeze(1)
 
     def decode_score(self, layer_idx: int, ctx) -> None:
         if layer_idx + 1 in self.schedule and self.decode_reselect:

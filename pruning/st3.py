@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from common import Modality, UserError
-from pruning.base import Policy, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
+from pruning.base import ScoreThenCut, check_speed, drop_lowest_visual, last_token_attention
 
 PAPER_START, PAPER_STRIDE, PAPER_DEPTH = 3, 7, 32
 PAPER_TAU = 50
@@ -50,7 +50,7 @@ def anneal_share(schedule: str, generated: int, tau: float) -> float:
 
 
 @dataclass
-class ST3(Policy):
+class ST3(ScoreThenCut):
     first_drop: float = 0.0  # P: share of the visual tokens dropped at the start layer
     end_keep: float = 1.0  # C: share of the visual tokens the last layer keeps (sets R)
     drop_step: float | None = None  # R: share dropped every S layers; None: from end_keep
@@ -98,18 +98,14 @@ class ST3(Policy):
             if self.anneal_tau <= 0:
                 raise UserError(f"ST3 anneal_tau must be > 0, got {self.anneal_tau}")
             self.resolved["paper"]["tau"] = self.anneal_tau
-        self.scores: torch.Tensor | None = None
+        self.cut_at, self.scores = frozenset(self.schedule), None
         self.ranking: dict[int, torch.Tensor] = {}  # layer -> its visual tokens, most important first
         self.kept: dict[int, int] = {}  # layer -> visual KV entries it holds now
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
-        pruning_next = layer_idx + 1 in self.schedule  # ranked by the previous layer's last-token attention
-        if not pruning_next and self.anneal_tau is None:
-            return
-        attention = last_token_attention(ctx)
-        if pruning_next:
-            self.scores = scores_by_token(ctx, attention)
+        super().score(layer_idx, attn_output, ctx)  # PVTP: the next layer's cut ranks by this layer's attention
         if self.anneal_tau is not None:  # VTA ranks each layer's visual KV by this layer's attention
+            attention = last_token_attention(ctx)
             visual = (ctx.modality[ctx.active] != Modality.TEXT).nonzero().squeeze(1)
             order = attention[visual].argsort(descending=True, stable=True)
             self.ranking[layer_idx] = ctx.active[visual][order].cpu()
@@ -123,14 +119,10 @@ class ST3(Policy):
             keep = math.ceil(share * ranking.shape[0] - 1e-9)
             if keep >= self.kept[layer_idx]:
                 continue
-            layer = ctx.cache.layers[layer_idx]
-            drop = ranking[keep:self.kept[layer_idx]]
-            layer.keep((~torch.isin(layer.index, drop)).nonzero().squeeze(1))
+            ctx.cache.evict(layer_idx, ranking[keep:self.kept[layer_idx]])
             self.kept[layer_idx] = keep
 
-    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
-        if layer_idx not in self.schedule or self.scores is None:
-            return active
+    def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         target = self.visual_total - math.floor(self.schedule[layer_idx] * self.visual_total + 1e-9)
         excess = int((ctx.modality[active] != Modality.TEXT).sum()) - target
         return drop_lowest_visual(active, ctx, self.scores, excess) if excess > 0 else active

@@ -26,7 +26,6 @@ restricted attention in prefill (p = n) has every token important. No bits (spee
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -103,37 +102,32 @@ class ZipVL(Policy):
         if self.important_bits is None or step != 1:
             return
         # Before the first decode step: pack each layer's prefill KV by the prefill split.
-        for layer_kv, important in zip(ctx.cache.layers, ctx.attention_per_layer):
+        for layer_idx, important in enumerate(ctx.attention_per_layer):
             if important is None:  # every token of this layer took part in attention: all important
-                self._pack(layer_kv, torch.arange(layer_kv.tail_entries()))
-            else:
-                self._pack(layer_kv, torch.isin(layer_kv.index, important.cpu()).nonzero().squeeze(1))
+                important = ctx.cache.unpacked_tokens(layer_idx)
+            self._pack(ctx, layer_idx, important)
 
     def decode_score(self, layer_idx: int, ctx) -> None:
         if self.important_bits is None:
             return
-        layer_kv = ctx.cache.layers[layer_idx]
-        window = layer_kv.tail_entries()
+        window_tokens = ctx.cache.unpacked_tokens(layer_idx)
+        window = window_tokens.shape[0]
         if window < self.requantize_every:
             return
         # The new token's attention to the window (the float tail), as a distribution over it.
         attention = new_token_attention(ctx)
         lookup = torch.full((int(ctx.key_index.max()) + 1,), -1, dtype=torch.long)
         lookup[ctx.key_index] = torch.arange(ctx.key_index.shape[0])
-        where = lookup[layer_kv.index[-window:]]  # -1: not attended (another policy hid it)
+        where = lookup[window_tokens]  # -1: not attended (another policy hid it)
         scores = torch.where(where >= 0, attention[where.clamp(min=0).to(attention.device)].cpu(), torch.tensor(0.0))
         probs = (scores / scores.sum().clamp(min=1e-12))[None]
         p = important_count(probs, self.resolved["tau"])
-        self._pack(layer_kv, scores.topk(p).indices.sort().values)
+        self._pack(ctx, layer_idx, window_tokens[scores.topk(p).indices])
 
-    def _pack(self, layer_kv, important: torch.Tensor) -> None:
-        """Pack the float tail: entries ``important`` (tail positions) at high bits, the rest at low."""
-        if layer_kv.tail_entries() == 0:
-            return
-        group = math.gcd(self.group, layer_kv.key.shape[-1])
-        self.resolved["kv_group"] = group
-        layer_kv.pack(important, self.important_bits, group)
-        layer_kv.pack(torch.arange(layer_kv.tail_entries()), self.other_bits, group)
+    def _pack(self, ctx, layer_idx: int, important: torch.Tensor) -> None:
+        """Pack the layer's float entries: the ``important`` tokens' at high bits, the rest at low."""
+        self.resolved["kv_group"] = ctx.cache.pack_group(layer_idx, self.group)
+        ctx.cache.pack(layer_idx, important, self.important_bits, self.other_bits, self.group)
 
     def summary(self) -> str:
         parts = ["ZipVL off" if self.resolved["tau"] >= 1.0 else f"ZipVL tau={self.resolved['tau']:.3f}"]

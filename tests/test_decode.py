@@ -11,7 +11,7 @@ import torch
 
 from pipeline import load_engine
 from pipeline.adapters import TEXT
-from pipeline.cache import LayerKV
+from pipeline.cache import KVCache, LayerKV
 from pipeline.engine import Sampling
 from pipeline.metrics import MemoryMeter
 from pipeline.quant import dequantize, quantize
@@ -179,7 +179,9 @@ def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention():
     policy = ZipVL(tau_image=0.9, important_bits=4, other_bits=2, requantize_every=window)
     policy.resolved = {"tau": 0.9}
     query = torch.full((1, 1, 1, head_dim), 3.0)
-    ctx = SimpleNamespace(cache=SimpleNamespace(layers=[layer]), queries=query, keys=keys,
+    cache = KVCache(1)
+    cache.layers[0] = layer
+    ctx = SimpleNamespace(cache=cache, queries=query, keys=keys,
                           key_index=layer.index.clone(), scaling=head_dim ** -0.5)
     policy.decode_score(0, ctx)
     assert layer.tail_entries() == 0

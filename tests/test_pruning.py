@@ -466,3 +466,17 @@ def test_the_worked_example_of_a_policy_runs(deep, media, monkeypatch):
     assert exact.token_ids == engine.generate(messages, policy="none", max_new_tokens=6).token_ids
     with pytest.raises(UserError, match="layer"):
         engine.prefill(prompt, make_policy("every_other", 1.0, {"layer": DEEP_LAYERS}))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_every_policy_at_full_speed_answers_on_the_new_qwen_generations(checkpoints, media, arch):
+    """Qwen2.5-VL and Qwen3-VL: every registered policy at speed 1 answers an image question end to end,
+    never computing more prefill than the unpruned model."""
+    from pruning import NAMES
+
+    engine = load_engine(str(checkpoints[arch]), device="cpu")
+    messages = _image_messages(media)
+    for name in NAMES:
+        result = engine.generate(messages, policy=engine.make_policy(name, 1.0), max_new_tokens=4, ignore_eos=True)
+        assert len(result.token_ids) == 4, name
+        assert result.metrics["prefill_flops"] <= result.metrics["prefill_flops_baseline"] * (1 + 1e-9), name
