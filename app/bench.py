@@ -41,6 +41,7 @@ import torch
 
 from common import UserError
 from pipeline.adapters import Qwen2VLAdapter
+from pipeline.prompt import user_message
 from pruning.base import check_speed
 
 BASELINE = "none"
@@ -445,7 +446,7 @@ def media_prompts(images: list[str], video: str | None, questions: dict[str, str
 
 
 def _messages(kind: str, media, question: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": kind, kind: media}, {"type": "text", "text": question}]}]
+    return user_message(question, [(kind, media)])
 
 
 __all__ = ["BASELINE", "BenchError", "DEFAULT_SPEEDS", "available_policies", "check_policies",

@@ -33,6 +33,7 @@ import torch
 
 from common import UserError
 from pipeline import PromptError
+from pipeline.prompt import user_message
 from vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
 LIST_EXTENSIONS = (".txt", ".lst")
@@ -177,7 +178,7 @@ def _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
 def _messages(path: Path, prompt: str | None) -> list[dict]:
     kind = kind_of(path)
     text = prompt or DEFAULT_PROMPT.format(kind=kind)
-    return [{"role": "user", "content": [{"type": kind, kind: str(path)}, {"type": "text", "text": text}]}]
+    return user_message(text, [(kind, str(path))])
 
 
 class ProgressBar:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from pipeline.random_checkpoint import REAL_PRESETS
 from common import UserError
-from pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES
+from pipeline.prompt import user_message
+from pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
 from pruning.base import check_speed
 
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
@@ -214,11 +215,8 @@ def run_ask(args) -> int:
     make_policy(args.policy, args.speed, overrides)  # a bad name or value fails before loading
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
-    content = [{"type": "image", "image": path} for path in args.image]
-    if args.video:
-        content.append({"type": "video", "video": args.video})
-    content.append({"type": "text", "text": args.question})
-    messages = [{"role": "user", "content": content}]
+    media = [("image", path) for path in args.image] + ([("video", args.video)] if args.video else [])
+    messages = user_message(args.question, media)
 
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
@@ -507,20 +505,6 @@ def run_calibrate_slider(args) -> int:
         _log(f"  auto at speed {speed:g}: {frontier.promise(speed)['text']}")
     print(json.dumps(profile))
     return 0
-
-
-def parse_params(items: list[str]) -> dict:
-    """``["rho=0.6", "percentiles=[0.3,0.4,0.5]"]`` -> ``{"rho": 0.6, "percentiles": [0.3, 0.4, 0.5]}``."""
-    params = {}
-    for item in items:
-        name, sep, text = item.partition("=")
-        if not sep or not name:
-            raise UserError(f"--param takes NAME=VALUE, got {item!r}")
-        try:
-            params[name] = json.loads(text)
-        except json.JSONDecodeError:
-            params[name] = text
-    return params
 
 
 def _log(message: str) -> None:

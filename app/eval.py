@@ -37,6 +37,7 @@ import torch
 
 from app.bench import FILLER, device_name, synthesize_prompts
 from pipeline.calibrate_slider import normalised
+from pipeline.prompt import user_message
 from training import tasks
 
 TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
@@ -154,12 +155,11 @@ def visual_cases(folder: Path, samples: int, seed: int, video: bool, categories:
     cases = []
     for i, (item, qa) in enumerate(tasks.heldout_set(seed, samples, categories)):
         if item.is_video:
-            media = {"type": "video", "video": str(tasks.write_clip(item.frames, folder / f"{i:04d}.mp4"))}
+            media = ("video", str(tasks.write_clip(item.frames, folder / f"{i:04d}.mp4")))
         else:
             item.frames[0].save(folder / f"{i:04d}.png")
-            media = {"type": "image", "image": str(folder / f"{i:04d}.png")}
-        content = [media, {"type": "text", "text": qa.question}]
-        cases.append({"qa": qa, "messages": [{"role": "user", "content": content}]})
+            media = ("image", str(folder / f"{i:04d}.png"))
+        cases.append({"qa": qa, "messages": user_message(qa.question, [media])})
     return cases
 
 

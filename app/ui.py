@@ -10,13 +10,11 @@ server keeps serving.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 from PIL import Image
 
 from common import UserError
-from pruning import NAMES
+from pruning import NAMES, parse_params
 from vision.media import MediaError, detect_kind, load_image, probe_video, read_frames
 
 POLICIES = ["auto", *[n for n in NAMES if n != "none"], "none"]
@@ -45,20 +43,10 @@ def history_to_messages(history: list[dict]) -> list[dict]:
 
 
 def parse_overrides(text: str) -> dict:
-    """``name=value`` lines -> overrides (values parsed as JSON when they are, else strings)."""
-    out = {}
-    for line in (text or "").splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, sep, value = line.partition("=")
-        if not sep or not name.strip():
-            raise UserError(f"override {line!r}: write name=value")
-        try:
-            out[name.strip()] = json.loads(value.strip())
-        except ValueError:
-            out[name.strip()] = value.strip()
-    return out
+    """The overrides box: ``name=value`` lines (blank lines and ``#`` comments skipped), parsed as the
+    CLI's ``--param`` is (``pruning.parse_params``)."""
+    lines = [line.strip() for line in (text or "").splitlines()]
+    return parse_params(line for line in lines if line and not line.startswith("#"))
 
 
 def metrics_markdown(result, baseline=None) -> str:

@@ -1,4 +1,5 @@
-"""ILVAS calibration of HiDivDrop's filtering layers (seeds/HiDivDrop.txt, section 3.2).
+"""ILVAS calibration of HiDivDrop's filtering layers (the HiDivDrop paper, "Vision Token Reduction in MLLMs via
+Late Injection and Differentiable Top-K", section 3.2).
 
 Inter-Layer Visual Attention Similarity between layer l and l + n, over the K vision tokens the
 last text token attends to most at layer l:
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common import Modality, UserError
+from pipeline.prompt import user_message
 from pruning import HiDivDrop, Pipeline, Policy
 from pruning.base import probe_attention
 from vision import MediaError
@@ -77,7 +79,7 @@ def calibrate_hidivdrop(engine, images: list, question: str = "Describe the imag
     for number, image in enumerate(images, start=1):
         progress(f"[{number}/{len(images)}] {image}")
         recorder = VisionAttentionRecorder()
-        messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}]
+        messages = user_message(question, [("image", image)])
         try:
             prompt = engine.prepare(messages)
         except MediaError as error:  # one unreadable file does not spoil a calibration

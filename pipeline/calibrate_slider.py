@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from common import UserError
+from pipeline.prompt import user_message
 from pruning.frontier import DEFAULT_FLOOR, Frontier, Member, Point, configuration_name, pareto_frontier
 from vision import MediaError
 from vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
@@ -84,7 +85,7 @@ def folder_prompts(images: str | None, videos: str | None, prompts_file: str | N
 
 
 def _messages(kind: str, path: str, question: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": kind, kind: path}, {"type": "text", "text": question}]}]
+    return user_message(question, [(kind, path)])
 
 
 @dataclass

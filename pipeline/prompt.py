@@ -21,6 +21,13 @@ from common import UserError
 from pipeline.adapters import IMAGE, MODALITY_NAMES, TEXT, VIDEO, Adapter, MediaInput
 
 
+def user_message(text: str, media=()) -> list[dict]:
+    """A one-turn chat as every part of Glimpse builds it: the media first (``(kind, source)`` pairs:
+    ``("image", path or PIL image)``, ``("video", path)``), then the question."""
+    content = [{"type": kind, kind: source} for kind, source in media]
+    return [{"role": "user", "content": content + [{"type": "text", "text": text}]}]
+
+
 class PromptError(UserError):
     """The request cannot become a prompt (bad message format, too long for the model, ...)."""
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields, replace
 
 from common import UserError
@@ -77,6 +78,23 @@ def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None =
     return _override(POLICIES[name].from_speed(speed), overrides or {})
 
 
+def parse_params(items) -> dict:
+    """Parameter overrides as users write them, one ``name=value`` each (the CLI's ``--param``, the
+    chat's overrides box): ``["rho=0.6", "percentiles=[0.3,0.4,0.5]"]`` -> ``{"rho": 0.6, "percentiles":
+    [0.3, 0.4, 0.5]}``. A value is read as JSON when it is JSON, else kept as text."""
+    params = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name, text = name.strip(), text.strip()
+        if not sep or not name:
+            raise UserError(f"a parameter is written name=value, got {item!r}")
+        try:
+            params[name] = json.loads(text)
+        except json.JSONDecodeError:
+            params[name] = text
+    return params
+
+
 def _override(policy: Policy, overrides: dict) -> Policy:
     allowed = {f.name for f in fields(policy) if f.init}
     unknown = set(overrides) - allowed
@@ -88,4 +106,4 @@ def _override(policy: Policy, overrides: dict) -> Policy:
 
 
 __all__ = ["DASH", "NAMES", "POLICIES", "PRUNING_NAMES", "TEXT_PRUNING_NAMES", "FastV", "Frontier", "HiDivDrop", "LazyLLM", "Member", "NoPruning", "Pipeline",
-           "Point", "Policy", "ST3", "ZipVL", "configuration", "design_pipeline", "make_policy"]
+           "Point", "Policy", "ST3", "ZipVL", "configuration", "design_pipeline", "make_policy", "parse_params"]

@@ -1,4 +1,5 @@
-"""DASH: Delta Attention Selective Halting (seeds/DASH.txt).
+"""DASH: Delta Attention Selective Halting ("Stability Implies Redundancy: Delta Attention Selective Halting
+for Efficient Long-Context Prefilling", Chen et al.; no arXiv id known to us).
 
 Tokens whose attention branch barely changes them have reached a "semantic fixing point". At the
 start layer ``l_s`` DASH scores every token by ``||U_t||_2``, U the attention output after o_proj

@@ -1,5 +1,5 @@
 """FastV, the baseline every paper here compares against (Chen et al., 2024, "An image is worth 1/2
-tokens after layer 2").
+tokens after layer 2", arXiv:2403.06764).
 
 Layers ``0 .. K-1`` see every token. From layer K on, the share ``R`` of the image (visual) tokens
 that received the least attention in layer K-1 is dropped for good. FastV's released code ranks

@@ -1,5 +1,6 @@
 """HiDivDrop, training-free: late vision injection, concave pyramid pruning, early vision exit
-(seeds/HiDivDrop.txt, sections 2-3).
+("HiDivDrop: Vision Token Reduction in MLLMs via Late Injection and Differentiable Top-K", under
+review at the time of writing, no arXiv id; sections 2-3).
 
 * **Late injection**: layers below ``L_inj`` run on the text tokens only (the vision encoder runs
   meanwhile, beside them: the engine's parallel decoupling). The vision tokens join at ``L_inj``

@@ -1,4 +1,5 @@
-"""LazyLLM's progressive token pruning, its prefill part (seeds/LazyLLM.txt).
+"""LazyLLM's progressive token pruning ("LazyLLM: Dynamic Token Pruning for Efficient Long Context LLM
+Inference", Fu et al., arXiv:2407.14057).
 
 A token's importance in layer l is the last prompt token's attention to it, mean over heads
 (Eq. 1). At each pruning layer, the tokens whose importance in the previous layer falls below the

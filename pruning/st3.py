@@ -1,4 +1,6 @@
-"""ST^3 (seeds/ST3.txt): Progressive Visual Token Pruning in prefill, Visual Token Annealing in decode.
+"""ST^3 ("ST3: Accelerating Multimodal Large Language Model by Spatial-Temporal Visual Token Trimming",
+Zhuang et al., AAAI 2025, arXiv:2412.20105): Progressive Visual Token Pruning in prefill, Visual Token
+Annealing in decode.
 
 No pruning in layers 0-2 (the paper keeps the first three layers whole, on 32- and 40-layer
 models alike, so this layer is not scaled with depth). At layer 3 drop ``P`` of the visual tokens,

@@ -1,4 +1,5 @@
-"""ZipVL's prefill: layer-wise adaptive ratio of important tokens, sparse attention (seeds/ZipVL.txt).
+"""ZipVL's prefill: layer-wise adaptive ratio of important tokens, sparse attention ("ZipVL: Efficient
+Large Vision-Language Models with Dynamic Token Sparsification", He et al., arXiv:2410.08584).
 
 In every layer, a few probe queries — the 64 most recent tokens and 64 random others (Appendix A)
 — attend to all keys: ``A' = softmax(Q_probe K^T / sqrt(d))`` (mean over heads, causal). With
