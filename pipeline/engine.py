@@ -26,7 +26,7 @@ from common import UserError
 from pipeline import attention
 from pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
 from pipeline.cache import AuxCache, KVCache
-from pipeline.metrics import MemoryMeter, prefill_flops, synchronize
+from pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
 from pipeline.prompt import Prompt, build_prompt
 from pruning import Frontier, Policy, configuration, make_policy
 from pruning.frontier import uncalibrated_frontier
@@ -36,7 +36,7 @@ from pruning.frontier import uncalibrated_frontier
 class GenerationResult:
     text: str
     token_ids: list[int]
-    metrics: dict
+    metrics: Metrics
     policy: str
     params: dict
     finish_reason: str  # "stop" (EOS), "length" (max_new_tokens or context end)
@@ -532,7 +532,7 @@ class Engine:
         mask = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=self.device).triu(1)
         return mask[None, None]
 
-    def _metrics(self, request: "Request", batch_size: int) -> dict:
+    def _metrics(self, request: "Request", batch_size: int) -> Metrics:
         prompt, ctx, n_tokens = request.prompt, request.ctx, len(request.tokens)
         cfg = self.adapter.text_config
         counts = [int(a.shape[0]) for a in ctx.active_per_layer]
@@ -542,59 +542,29 @@ class Engine:
         t_request, t_prefill, t_first, t_end = request.t_request, request.t_prefill, request.t_first, request.t_end
         decode_s = t_end - request.t_decode
         memory = request.memory
-        return {
-            "ttft_s": t_first - t_request,
-            "prefill_s": t_first - t_prefill,
-            "vision_encoder_s": ctx.vision_encoder_s,
-            "vision_wait_s": ctx.vision_wait_s,
-            "decode_tokens_per_s": (n_tokens - 1) / decode_s if n_tokens > 1 and decode_s > 0 else None,
-            "new_tokens": n_tokens,
-            "prompt_tokens": prompt.token_counts(),
-            "active_tokens_per_layer": counts,
-            "attention_tokens_per_layer": attending,
-            "prefill_flops": prefill_flops(counts, d, m, attending),
-            "prefill_flops_baseline": prefill_flops([T] * len(counts), d, m),
-            "kv_bytes": ctx.cache.nbytes(),
-            "kv_bytes_per_step": ctx.kv_bytes_per_step,
-            "visual_kv_per_step": ctx.visual_kv_per_step,
-            "decode_step_s": ctx.step_s,
-            "decode_tokens_per_s_per_step": [batch_size / s if s > 0 else None for s in ctx.step_s],
-            "batch_size": batch_size,
-            "revived_tokens": ctx.revived,
-            "aux_cache_bytes": ctx.aux_cache.nbytes(),
-            "peak_memory_bytes": memory.peak(),
-            "keep_map": keep_map(prompt, ctx.active_per_layer, ctx.attention_per_layer),
-        }
-
-
-def keep_map(prompt: Prompt, active_per_layer: list[torch.Tensor],
-             attention_per_layer: list[torch.Tensor | None] | None = None) -> dict:
-    """How deep every visual token went: ``depth`` counts the layers it was active in — a window
-    of consecutive layers starting at ``entered`` (0, or the injection layer under late injection).
-
-    ``attended`` counts, per visual token, the layers in which it took part in attention (equal to
-    ``depth`` unless a policy such as ZipVL made attention sparse while the FFN stayed dense).
-    ``media`` lists each image/video with its token span and (t, h, w) grid so the UI can draw a
-    heatmap of ``depth`` over the picture or the frame strip.
-    """
-    visual = (prompt.modality != TEXT).nonzero().squeeze(1)
-    depth = torch.zeros(prompt.modality.shape[0], dtype=torch.long)
-    attended = torch.zeros_like(depth)
-    entered = torch.full_like(depth, -1)
-    attention_per_layer = attention_per_layer or [None] * len(active_per_layer)
-    for layer_idx, (active, rows) in enumerate(zip(active_per_layer, attention_per_layer)):
-        present = torch.zeros_like(depth, dtype=torch.bool)
-        present[active.cpu()] = True
-        entered[present & (entered < 0)] = layer_idx
-        depth += present  # a token that left never comes back, so its layers are consecutive
-        attended += present if rows is None else torch.zeros_like(present).index_fill_(0, rows.cpu(), True)
-    spans, offset = [], 0
-    for item in prompt.media:
-        spans.append({"kind": "image" if item.kind == IMAGE else "video", "start": offset,
-                      "count": item.num_tokens, "grid": list(item.grid) if item.grid else None})
-        offset += item.num_tokens
-    return {"num_layers": len(active_per_layer), "depth": depth[visual].tolist(),
-            "entered": entered[visual].clamp(min=0).tolist(), "attended": attended[visual].tolist(), "media": spans}
+        return Metrics(
+            ttft_s=t_first - t_request,
+            prefill_s=t_first - t_prefill,
+            vision_encoder_s=ctx.vision_encoder_s,
+            vision_wait_s=ctx.vision_wait_s,
+            decode_tokens_per_s=(n_tokens - 1) / decode_s if n_tokens > 1 and decode_s > 0 else None,
+            new_tokens=n_tokens,
+            prompt_tokens=prompt.token_counts(),
+            active_tokens_per_layer=counts,
+            attention_tokens_per_layer=attending,
+            prefill_flops=prefill_flops(counts, d, m, attending),
+            prefill_flops_baseline=prefill_flops([T] * len(counts), d, m),
+            kv_bytes=ctx.cache.nbytes(),
+            kv_bytes_per_step=ctx.kv_bytes_per_step,
+            visual_kv_per_step=ctx.visual_kv_per_step,
+            decode_step_s=ctx.step_s,
+            decode_tokens_per_s_per_step=[batch_size / s if s > 0 else None for s in ctx.step_s],
+            batch_size=batch_size,
+            revived_tokens=ctx.revived,
+            aux_cache_bytes=ctx.aux_cache.nbytes(),
+            peak_memory_bytes=memory.peak(),
+            keep_map=keep_map(prompt, ctx.active_per_layer, ctx.attention_per_layer),
+        )
 
 
 def _checked(active: torch.Tensor, previous: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:

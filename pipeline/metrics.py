@@ -1,11 +1,73 @@
-"""Request metrics: the FLOPs proxy, memory, clocks."""
+"""Request metrics: the record every answer carries (``Metrics``), the FLOPs proxy, the keep map,
+memory, clocks."""
 
 from __future__ import annotations
 
 import resource
 import sys
+from typing import TypedDict
 
 import torch
+
+from common import Modality
+
+
+class Metrics(TypedDict):
+    """What every answer reports, as ``result.metrics`` (a dict: the stable interface) with its keys and
+    types declared here once. The CLI (``ask --json``), the API's ``glimpse`` field, the chat's panel and
+    the benchmarks all read these keys; being a plain dict, it serialises as it is."""
+
+    ttft_s: float  # request received -> first token chosen (prompt building, vision, prefill)
+    prefill_s: float  # prefill alone (the wait for the vision encoder included)
+    vision_encoder_s: float  # the vision encoder + projector's own time
+    vision_wait_s: float  # how long the layer loop waited for it
+    decode_tokens_per_s: float | None  # over the answer after the first token; None for one token
+    new_tokens: int
+    prompt_tokens: dict[str, int]  # per modality: {"text": n, "image": n, "video": n}
+    active_tokens_per_layer: list[int]  # prefill: tokens each layer computed
+    attention_tokens_per_layer: list[int]  # ... of which took part in attention (ZipVL)
+    prefill_flops: int  # the FLOPs proxy (docs/pruning.md)
+    prefill_flops_baseline: int  # ... of the same prompt unpruned
+    kv_bytes: int  # the KV cache at the end of the answer
+    kv_bytes_per_step: list[int]  # what each decode step attended to
+    visual_kv_per_step: list[int]  # visual KV entries per decode step (ST3's annealing shrinks them)
+    decode_step_s: list[float]
+    decode_tokens_per_s_per_step: list[float | None]  # batch size / step time
+    batch_size: int
+    revived_tokens: int  # prompt-token computations added by revival in decode (LazyLLM)
+    aux_cache_bytes: int
+    peak_memory_bytes: int
+    keep_map: dict  # how deep every visual token went (``keep_map``), for the chat's heatmap
+
+
+def keep_map(prompt, active_per_layer: list[torch.Tensor],
+             attention_per_layer: list[torch.Tensor | None] | None = None) -> dict:
+    """How deep every visual token went: ``depth`` counts the layers it was active in — a window
+    of consecutive layers starting at ``entered`` (0, or the injection layer under late injection).
+
+    ``attended`` counts, per visual token, the layers in which it took part in attention (equal to
+    ``depth`` unless a policy such as ZipVL made attention sparse while the FFN stayed dense).
+    ``media`` lists each image/video with its token span and (t, h, w) grid so the UI can draw a
+    heatmap of ``depth`` over the picture or the frame strip.
+    """
+    visual = (prompt.modality != Modality.TEXT).nonzero().squeeze(1)
+    depth = torch.zeros(prompt.modality.shape[0], dtype=torch.long)
+    attended = torch.zeros_like(depth)
+    entered = torch.full_like(depth, -1)
+    attention_per_layer = attention_per_layer or [None] * len(active_per_layer)
+    for layer_idx, (active, rows) in enumerate(zip(active_per_layer, attention_per_layer)):
+        present = torch.zeros_like(depth, dtype=torch.bool)
+        present[active.cpu()] = True
+        entered[present & (entered < 0)] = layer_idx
+        depth += present  # a token that left never comes back, so its layers are consecutive
+        attended += present if rows is None else torch.zeros_like(present).index_fill_(0, rows.cpu(), True)
+    spans, offset = [], 0
+    for item in prompt.media:
+        spans.append({"kind": "image" if item.kind == Modality.IMAGE else "video", "start": offset,
+                      "count": item.num_tokens, "grid": list(item.grid) if item.grid else None})
+        offset += item.num_tokens
+    return {"num_layers": len(active_per_layer), "depth": depth[visual].tolist(),
+            "entered": entered[visual].clamp(min=0).tolist(), "attended": attended[visual].tolist(), "media": spans}
 
 
 def layer_flops(n: int, d: int, m: int, cache: int | None = None, attending: int | None = None) -> int:

@@ -83,6 +83,19 @@ PRESETS: dict[str, dict] = {
                           num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1e6,
                           mrope_section=[16, 24, 24], tie_word_embeddings=False, max_position_embeddings=128000,
                           rms_norm_eps=1e-6, vision_embed_dim=1280, vision_num_heads=16, vision_mlp_ratio=3420 / 1280),
+    # Qwen3-VL, dense (config.json of Qwen/Qwen3-VL-4B-Instruct and -8B-Instruct): q/k norms, head_dim 128
+    # whatever the width, interleaved M-RoPE; a SigLIP-2 tower with 16-pixel patches (32x32 pixels per LLM
+    # token) whose DeepStack blocks feed the first decoder layers.
+    "qwen3-vl-4b": dict(arch="qwen3_vl", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        rope_theta=5e6, mrope_section=[24, 20, 20], tie_word_embeddings=True,
+                        max_position_embeddings=262144, rms_norm_eps=1e-6, vision_embed_dim=1024,
+                        vision_num_heads=16, vision_mlp_ratio=4.0, deepstack=[5, 11, 17]),
+    "qwen3-vl-8b": dict(arch="qwen3_vl", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                        rope_theta=5e6, mrope_section=[24, 20, 20], tie_word_embeddings=False,
+                        max_position_embeddings=262144, rms_norm_eps=1e-6, vision_embed_dim=1152,
+                        vision_num_heads=16, vision_mlp_ratio=4304 / 1152, deepstack=[8, 16, 24]),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, mrope_section=[2, 3, 3],
                  tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
@@ -104,7 +117,8 @@ LLAVA_PRESETS: dict[str, dict] = {
                        vision_hidden_size=32, vision_intermediate_size=64, vision_num_heads=4,
                        vision_patch_size=14, vision_image_size=56, vision_projection_dim=32),
 }
-REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "llava-1.5-7b"]
+REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen3-vl-4b", "qwen3-vl-8b",
+                "llava-1.5-7b"]
 
 # The real Qwen2-VL image processor's budget: max_pixels 12845056 = 16384 tokens, min_pixels 3136.
 DEFAULT_MAX_VISUAL_TOKENS = 16384
@@ -167,7 +181,7 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
         shape["num_hidden_layers"] = layers
     if shape["num_hidden_layers"] < 1 or vision_depth < 1:
         raise ValueError("layers and vision_depth must be at least 1")
-    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
     if sum(shape["mrope_section"]) * 2 != head_dim:
         raise ValueError(f"mrope_section {shape['mrope_section']} must sum to head_dim / 2 = {head_dim // 2}")
     torch_dtype = _dtype(dtype)
@@ -175,7 +189,17 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
     tok = make_tokenizer(QWEN_SPECIAL_TOKENS, eos="<|im_end|>")
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     eos = ids["<|im_end|>"]
-    if arch == "qwen2_5_vl":
+    patch = 16 if arch == "qwen3_vl" else 14
+    if arch == "qwen3_vl":
+        width = shape["vision_embed_dim"]
+        # DeepStack blocks of the real tower that this depth has (at least one, so the path is exercised)
+        deepstack = [i for i in shape["deepstack"] if i < vision_depth] or [0]
+        vision_config = dict(depth=vision_depth, hidden_size=width, intermediate_size=round(width * shape["vision_mlp_ratio"]),
+                             num_heads=shape["vision_num_heads"], out_hidden_size=shape["hidden_size"], patch_size=16,
+                             spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                             deepstack_visual_indexes=deepstack)
+        config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+    elif arch == "qwen2_5_vl":
         width = shape["vision_embed_dim"]
         vision_config = dict(depth=vision_depth, hidden_size=width, intermediate_size=round(width * shape["vision_mlp_ratio"]),
                              num_heads=shape["vision_num_heads"], out_hidden_size=shape["hidden_size"], patch_size=14,
@@ -195,7 +219,9 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
                          max_position_embeddings=shape["max_position_embeddings"], rms_norm_eps=shape["rms_norm_eps"],
                          bos_token_id=None, eos_token_id=eos, pad_token_id=ids["<|endoftext|>"],
                          rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"],
-                                          "mrope_section": list(shape["mrope_section"])}),
+                                          "mrope_section": list(shape["mrope_section"]),
+                                          **({"mrope_interleaved": True} if arch == "qwen3_vl" else {})},
+                         **({"head_dim": head_dim} if arch == "qwen3_vl" else {})),
         vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
@@ -206,8 +232,10 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
         model = model_class._from_config(config, dtype=torch_dtype).eval()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = eos
-    max_pixels = max(int(max_visual_tokens), 4) * PIXELS_PER_TOKEN
-    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": max_pixels})
+    cell = patch * 2  # pixels per side of one LLM token (patches merged 2x2)
+    max_pixels = max(int(max_visual_tokens), 4) * cell * cell
+    processor = Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2,
+                                         size={"shortest_edge": 2 * cell * 2 * cell, "longest_edge": max_pixels})
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

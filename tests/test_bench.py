@@ -173,7 +173,7 @@ def test_presets_have_the_real_text_shapes():
             seven["num_attention_heads"], seven["num_key_value_heads"], seven["vocab_size"],
             seven["tie_word_embeddings"]) == (3584, 18944, 28, 28, 4, 152064, False)
     for preset in PRESETS.values():
-        head_dim = preset["hidden_size"] // preset["num_attention_heads"]
+        head_dim = preset.get("head_dim") or preset["hidden_size"] // preset["num_attention_heads"]  # Qwen3: explicit
         assert sum(preset["mrope_section"]) * 2 == head_dim
     assert two["rope_theta"] == seven["rope_theta"] == 1e6 and not math.isnan(two["rms_norm_eps"])
 
@@ -303,3 +303,31 @@ def test_random_qwen2_5_vl_checkpoint_is_a_qwen2_5_vl_that_glimpse_loads(tmp_pat
             logits, _ = engine.prefill(prompt, pruning.NoPruning())
             expected = engine.model(**reference_inputs(engine, prompt)).logits[0, -1]
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_random_qwen3_vl_checkpoint_is_a_qwen3_vl_that_glimpse_loads(tmp_path, media):
+    """The Qwen3-VL presets build Qwen3VLForConditionalGeneration (head_dim 128 whatever the width, interleaved
+    M-RoPE, 16-pixel patches, DeepStack); at a test width it loads with the Qwen3-VL adapter and prefills an
+    image exactly as transformers' forward scores it."""
+    from pipeline.adapters import Qwen3VLAdapter
+    from tiny_models import reference_inputs
+
+    assert {"qwen3-vl-4b", "qwen3-vl-8b"} <= set(REAL_PRESETS)
+    eight = PRESETS["qwen3-vl-8b"]
+    assert (eight["hidden_size"], eight["num_hidden_layers"], eight["num_attention_heads"], eight["num_key_value_heads"],
+            eight["head_dim"]) == (4096, 36, 32, 8, 128)
+    folder = build_random(tmp_path / "model", preset="qwen3-vl-8b", layers=2, vision_depth=2, hidden_size=64,
+                          intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          vocab_size=512, mrope_section=[2, 3, 3], vision_embed_dim=32, vision_num_heads=4,
+                          max_visual_tokens=16)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert config["vision_config"]["patch_size"] == 16 and config["vision_config"]["deepstack_visual_indexes"] == [0]
+    engine = load_engine(str(folder), device="cpu")
+    assert isinstance(engine.adapter, Qwen3VLAdapter)
+    prompt = engine.prepare([{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                          {"type": "text", "text": "What is it?"}]}])
+    with torch.no_grad():
+        logits, _ = engine.prefill(prompt, pruning.NoPruning())
+        expected = engine.model(**reference_inputs(engine, prompt)).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
