@@ -12,19 +12,27 @@
 * ``GET /metrics`` — Prometheus text: requests by outcome, tokens, a TTFT histogram, KV bytes.
 
 A bad request gets a 400 with an OpenAI-style ``{"error": {...}}`` body and changes nothing; the
-engine answers one request at a time (its lock), so concurrent requests queue.
+engine answers one request at a time (its lock), so concurrent requests queue. A client that leaves
+— a dropped stream, or a request given up while waiting — cancels its request at the next decode step
+and frees the model. Parsing a request and fetching its media never run on the event loop, and a
+media URL gets ``FETCH_DEADLINE_S`` in all, no redirect to another host, and no private, loopback or
+link-local address unless the server allows them (``--allow-private-urls``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import ipaddress
 import json
+import socket
 import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urljoin, urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -34,6 +42,7 @@ from common import UserError
 from pruning.base import check_speed
 
 MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
+FETCH_DEADLINE_S = 30.0  # a media URL must be fetched within this, however slowly it drips
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -46,7 +55,7 @@ class Counters:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.requests = {"ok": 0, "bad_request": 0, "error": 0}
+        self.requests = {"ok": 0, "bad_request": 0, "error": 0, "cancelled": 0}
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.kv_bytes_last = 0
@@ -86,10 +95,12 @@ class Counters:
         return "\n".join(lines) + "\n"
 
 
-def create_api(engine, *, model_name: str, allowed_root: str | None = None, app: FastAPI | None = None) -> FastAPI:
+def create_api(engine, *, model_name: str, allowed_root: str | None = None, app: FastAPI | None = None,
+               allow_private_urls: bool = False, fetch_deadline_s: float = FETCH_DEADLINE_S) -> FastAPI:
     app = app or FastAPI(title="Glimpse")
     counters = Counters()
     root = Path(allowed_root).resolve() if allowed_root else None
+    fetcher = Fetcher(allow_private_urls, fetch_deadline_s)
     app.state.counters = counters
 
     @app.get("/health")
@@ -109,12 +120,20 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
             return _error(400, "the request body is not JSON")
         scratch = tempfile.TemporaryDirectory(prefix="glimpse-api-")
         try:
-            messages, options, speed, promise = _parse(body, engine, root, Path(scratch.name))
+            # Off the event loop: fetching a slow media URL must not stall /health or other requests.
+            messages, options, speed, promise = await run_in_threadpool(_parse, body, engine, root,
+                                                                        Path(scratch.name), fetcher)
             if body.get("stream"):
                 return StreamingResponse(_stream(engine, messages, options, speed, promise, model_name, counters,
                                                  scratch),
                                          media_type="text/event-stream")
-            result = await run_in_threadpool(engine.generate, messages, **options)
+            cancel = threading.Event()
+            result = await _until_disconnected(request, cancel, run_in_threadpool(
+                engine.generate, messages, cancel=cancel, **options))
+            if result is None:  # the client left before its answer: nobody to answer
+                scratch.cleanup()
+                counters.record("cancelled")
+                return _error(499, "the client closed the request", "cancelled")
         except (BadRequest, UserError) as error:
             scratch.cleanup()
             counters.record("bad_request")
@@ -134,7 +153,8 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[dict], dict, float, dict]:
+def _parse(body: dict, engine, root: Path | None, scratch: Path, fetcher: "Fetcher"
+           ) -> tuple[list[dict], dict, float, dict]:
     """The engine's messages, the generate options, the requested speed (reported back) and what the
     slider promises at it (the calibrated agreement and cost, or that the model is uncalibrated)."""
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
@@ -160,7 +180,7 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[d
                 if not isinstance(url, str) or not url:
                     raise BadRequest(f"a {kind} part needs a url")
                 media = "image" if kind == "image_url" else "video"
-                parts.append({"type": media, media: _media_source(url, media, root, scratch)})
+                parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher)})
             else:
                 raise BadRequest(f"unsupported content part type {kind!r} (text, image_url, video_url)")
         messages.append({"role": message["role"], "content": parts})
@@ -188,7 +208,7 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path) -> tuple[list[d
     return messages, options, float(speed), promise
 
 
-def _media_source(url: str, kind: str, root: Path | None, scratch: Path):
+def _media_source(url: str, kind: str, root: Path | None, scratch: Path, fetcher: "Fetcher"):
     """Bytes (images) or a file path (videos) for a data: / http(s) / local URL."""
     if url.startswith("data:"):
         header, _, payload = url.partition(",")
@@ -199,7 +219,7 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: Path):
         except (binascii.Error, ValueError):
             raise BadRequest("the data URL is not valid base64") from None
     elif url.startswith(("http://", "https://")):
-        data = _fetch(url)
+        data = fetcher.fetch(url)
     else:
         path = Path(url.removeprefix("file://"))
         if root is None:
@@ -217,21 +237,61 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: Path):
     return str(target)
 
 
-def _fetch(url: str) -> bytes:
-    import httpx
+class Fetcher:
+    """Media URLs, fetched with limits: ``MAX_FETCH_BYTES``, ``deadline_s`` for the whole body however slowly
+    it drips, redirects followed only on the same host, and no private, loopback, link-local or reserved
+    address (the server's own network) unless ``allow_private`` — so a request cannot make the server
+    probe its neighbours (server-side request forgery)."""
 
-    try:
-        with httpx.stream("GET", url, timeout=20.0, follow_redirects=True) as response:
-            response.raise_for_status()
-            chunks, size = [], 0
-            for chunk in response.iter_bytes():
-                size += len(chunk)
-                if size > MAX_FETCH_BYTES:
-                    raise BadRequest(f"{url}: larger than {MAX_FETCH_BYTES // 2**20} MiB")
-                chunks.append(chunk)
-    except httpx.HTTPError as error:
-        raise BadRequest(f"{url}: could not fetch ({error})") from None
-    return b"".join(chunks)
+    def __init__(self, allow_private: bool = False, deadline_s: float = FETCH_DEADLINE_S):
+        self.allow_private, self.deadline_s = allow_private, deadline_s
+
+    def fetch(self, url: str) -> bytes:
+        import httpx
+
+        deadline = time.monotonic() + self.deadline_s
+        host = urlsplit(url).hostname
+        try:
+            for _ in range(5):  # redirects, on the same host only
+                self._check_address(url)
+                timeout = httpx.Timeout(min(10.0, self.deadline_s))
+                with httpx.stream("GET", url, timeout=timeout, follow_redirects=False) as response:
+                    if response.is_redirect:
+                        target = urljoin(url, response.headers.get("location", ""))
+                        if urlsplit(target).hostname != host:
+                            raise BadRequest(f"{url}: redirects to another host ({urlsplit(target).hostname})")
+                        url = target
+                        continue
+                    response.raise_for_status()
+                    chunks, size = [], 0
+                    for chunk in response.iter_bytes():
+                        size += len(chunk)
+                        if size > MAX_FETCH_BYTES:
+                            raise BadRequest(f"{url}: larger than {MAX_FETCH_BYTES // 2**20} MiB")
+                        if time.monotonic() > deadline:
+                            raise BadRequest(f"{url}: not fetched within {self.deadline_s:g} s")
+                        chunks.append(chunk)
+                    return b"".join(chunks)
+            raise BadRequest(f"{url}: too many redirects")
+        except httpx.HTTPError:
+            raise BadRequest(f"{url}: could not be fetched") from None  # no detail: it would map the network
+
+    def _check_address(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise BadRequest(f"{url}: only http(s) URLs with a host are fetched")
+        if self.allow_private:
+            return
+        try:
+            infos = socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+        except (socket.gaierror, UnicodeError):
+            raise BadRequest(f"{url}: could not be fetched") from None
+        for info in infos:
+            address = ipaddress.ip_address(info[4][0].split("%")[0])
+            if (address.is_private or address.is_loopback or address.is_link_local or address.is_reserved
+                    or address.is_multicast or address.is_unspecified):
+                raise BadRequest(f"{url}: private, loopback and link-local addresses are not fetched "
+                                 "(start the server with --allow-private-urls to allow them)")
 
 
 def _usage(result) -> dict:
@@ -255,31 +315,85 @@ def _completion(result, model_name: str, speed: float, promise: dict) -> dict:
             "usage": _usage(result), "glimpse": _glimpse(result, speed, promise)}
 
 
-def _stream(engine, messages, options, speed, promise, model_name, counters, scratch):
-    """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with usage."""
+async def _until_disconnected(request: Request, cancel: threading.Event, work):
+    """Await ``work`` (an engine call given ``cancel``), setting ``cancel`` if the client disconnects
+    first: the engine stops at its next step (or before prefill, if it is still queued) and the model
+    is free. Returns the work's result, or None once cancelled."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if not done and await request.is_disconnected():
+            cancel.set()
+    try:
+        result = task.result()
+    except Exception:
+        if cancel.is_set():  # e.g. cancelled while queued: no answer was made, and nobody is waiting for one
+            return None
+        raise
+    return None if cancel.is_set() else result
+
+
+async def _stream(engine, messages, options, speed, promise, model_name, counters, scratch):
+    """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with usage.
+
+    The engine runs in a worker thread that hands chunks over a queue. When the client disconnects,
+    the server stops iterating this generator, whose ``finally`` sets the request's cancel event: the
+    worker's engine call stops before its next step and releases the model."""
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    loop = asyncio.get_running_loop()
+    chunks: asyncio.Queue = asyncio.Queue()
+    cancel = threading.Event()
 
     def event(delta: dict, finish=None, **extra) -> str:
         chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
         return f"data: {json.dumps(chunk)}\n\n"
 
+    def hand_over(item) -> None:
+        try:
+            loop.call_soon_threadsafe(chunks.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+    def work() -> None:
+        stream = engine.stream(messages, cancel=cancel, **options)
+        try:
+            for chunk in stream:
+                hand_over(("chunk", chunk))
+        except BaseException as error:  # reported to the client by the event loop's side
+            hand_over(("error", error))
+        finally:
+            stream.close()  # releases the model if the loop above stopped early
+            scratch.cleanup()  # only now: the engine may still have been reading a fetched video
+            hand_over(("end", None))
+
+    worker = threading.Thread(target=work, name="glimpse-api-stream", daemon=True)
+    worker.start()
+    finished = False
     try:
         yield event({"role": "assistant", "content": ""})
-        for chunk in engine.stream(messages, **options):
-            if chunk.text:
-                yield event({"content": chunk.text})
-            if chunk.result is not None:
-                counters.record("ok", chunk.result)
-                yield event({}, chunk.result.finish_reason, usage=_usage(chunk.result),
-                            glimpse=_glimpse(chunk.result, speed, promise))
-    except UserError as error:
-        counters.record("bad_request")
-        yield f"data: {json.dumps({'error': {'message': str(error), 'type': 'invalid_request_error'}})}\n\n"
-    except Exception as error:
-        counters.record("error")
-        message = f"{type(error).__name__}: {error}"
-        yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+        while True:
+            kind, item = await chunks.get()
+            if kind == "end":
+                finished = True
+                break
+            if kind == "error":
+                if isinstance(item, UserError):
+                    counters.record("bad_request")
+                    yield f"data: {json.dumps({'error': {'message': str(item), 'type': 'invalid_request_error'}})}\n\n"
+                else:
+                    counters.record("error")
+                    message = f"{type(item).__name__}: {item}"
+                    yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+                continue
+            if item.text:
+                yield event({"content": item.text})
+            if item.result is not None:
+                counters.record("ok", item.result)
+                yield event({}, item.result.finish_reason, usage=_usage(item.result),
+                            glimpse=_glimpse(item.result, speed, promise))
+        yield "data: [DONE]\n\n"
     finally:
-        scratch.cleanup()
-    yield "data: [DONE]\n\n"
+        if not finished and not cancel.is_set():
+            cancel.set()  # the client left mid-answer (or the server stopped): free the model
+            counters.record("cancelled")

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="embedded", help="as for ask")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=7860)
+    serve.add_argument("--allow-private-urls", action="store_true",
+                       help="let API requests fetch media from private, loopback and link-local addresses "
+                            "(default: refused, so a request cannot make the server probe its own network)")
     serve.add_argument("--allowed-root", default=None, metavar="DIR",
                        help="API requests may name local files under DIR (default: none)")
     serve.add_argument("--max-upload-mb", type=int, default=200, help="largest upload accepted by the chat")
@@ -300,16 +303,17 @@ def run_eval(args) -> int:
 
 
 def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=200, queue_size=32,
-                 max_new_tokens=256):
+                 max_new_tokens=256, allow_private_urls=False):
     """The FastAPI app `glimpse serve` runs: the API routes, with the Gradio chat mounted at /."""
     import gradio as gr
 
     from app.api import create_api
     from app.ui import build_ui
 
-    app = create_api(engine, model_name=model_name, allowed_root=allowed_root)
+    app = create_api(engine, model_name=model_name, allowed_root=allowed_root, allow_private_urls=allow_private_urls)
     # One answer at a time (the engine's lock serialises anyway); others wait in the queue.
-    demo = build_ui(engine, model_name, max_new_tokens).queue(default_concurrency_limit=1, max_size=queue_size)
+    demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root).queue(
+        default_concurrency_limit=1, max_size=queue_size)
     return gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb")
 
 
@@ -323,7 +327,8 @@ def run_serve(args) -> int:
     if not engine.grounded:
         _log(NOT_GROUNDED)
     app = build_server(engine, args.model, allowed_root=args.allowed_root, max_upload_mb=args.max_upload_mb,
-                       queue_size=args.queue_size, max_new_tokens=args.max_new_tokens)
+                       queue_size=args.queue_size, max_new_tokens=args.max_new_tokens,
+                       allow_private_urls=args.allow_private_urls)
     _log(f"serving on http://{args.host}:{args.port} (chat at /, API at /v1/chat/completions)")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -10,6 +10,8 @@ server keeps serving.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from PIL import Image
 
@@ -20,8 +22,12 @@ from vision.media import MediaError, detect_kind, load_image, probe_video, read_
 POLICIES = ["auto", *[n for n in NAMES if n != "none"], "none"]
 
 
-def history_to_messages(history: list[dict]) -> list[dict]:
-    """Gradio chat history (messages format, files as parts) -> the engine's messages."""
+def history_to_messages(history: list[dict], allowed: tuple[Path, ...]) -> list[dict]:
+    """Gradio chat history (messages format, files as parts) -> the engine's messages.
+
+    A file part names a path on the server; only files under ``allowed`` (Gradio's upload folder, and
+    ``--allowed-root`` if given) are used. A client that calls the chat endpoint directly with any other
+    path gets a refusal that says nothing about whether the file exists."""
     messages = []
     for message in history:
         parts = message["content"] if isinstance(message["content"], list) else [message["content"]]
@@ -33,6 +39,8 @@ def history_to_messages(history: list[dict]) -> list[dict]:
                 content.append({"type": "text", "text": part["text"]})
             elif part.get("type") == "file" or "path" in part:
                 path = (part.get("file") or part)["path"]
+                if not _inside(path, allowed):
+                    raise MediaError(f"{Path(str(path)).name}: only files uploaded to this chat can be used")
                 kind = detect_kind(path)
                 content.append({"type": kind, kind: path})
         if messages and messages[-1]["role"] == message["role"]:
@@ -40,6 +48,14 @@ def history_to_messages(history: list[dict]) -> list[dict]:
         else:
             messages.append({"role": message["role"], "content": content})
     return messages
+
+
+def _inside(path, roots: tuple[Path, ...]) -> bool:
+    try:
+        resolved = Path(str(path)).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return any(resolved.is_relative_to(root) for root in roots)
 
 
 def parse_overrides(text: str) -> dict:
@@ -128,8 +144,13 @@ def _frame_strip(path, groups: int, height: int, width: int) -> Image.Image | No
     return strip
 
 
-def build_ui(engine, model_name: str, max_new_tokens: int = 256):
+def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: str | None = None):
     import gradio as gr
+
+    from gradio.utils import get_upload_folder
+
+    # The only files a chat turn may name: what was uploaded to this chat, and --allowed-root.
+    allowed = tuple(Path(p).resolve() for p in (get_upload_folder(), allowed_root) if p)
 
     def chosen_params(policy, speed, overrides):
         try:
@@ -160,7 +181,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256):
             return
         history.append({"role": "assistant", "content": ""})
         try:
-            messages = history_to_messages(history[:-1])
+            messages = history_to_messages(history[:-1], allowed)
             options = dict(policy=engine.make_policy(policy, speed, parse_overrides(overrides)),
                            max_new_tokens=max_new_tokens)
             result = None

@@ -39,7 +39,7 @@ class GenerationResult:
     metrics: Metrics
     policy: str
     params: dict
-    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens or context end)
+    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens or context end), "cancelled"
     summary: str = ""  # the policy's one-line description, e.g. "DASH rho=0.40 at layer 11"
     # The next-token logits after prefill (float32, on the device): calibration's first-token KL.
     first_logits: torch.Tensor | None = field(default=None, repr=False)
@@ -125,6 +125,7 @@ class Request:
     t_decode: float = 0.0  # decode starts (for a batch: once every request is prefilled)
     t_end: float = 0.0
     first_logits: torch.Tensor | None = None
+    cancel: threading.Event | None = None  # set: stop before the next step (the client left)
 
 
 @dataclass
@@ -255,11 +256,17 @@ class Engine:
 
     def stream(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-               seed: int | None = None, ignore_eos: bool = False) -> Iterator[StreamChunk]:
-        """``ignore_eos``: decode exactly ``max_new_tokens`` (benchmarks and evaluations)."""
+               seed: int | None = None, ignore_eos: bool = False,
+               cancel: threading.Event | None = None) -> Iterator[StreamChunk]:
+        """``ignore_eos``: decode exactly ``max_new_tokens`` (benchmarks and evaluations). ``cancel``: once
+        set (a client that left), the request stops before its next step — or before prefill, if it was
+        still waiting for the model — and the model is free for the next one; its result, if any, says
+        ``finish_reason == "cancelled"``."""
         with self._lock:
+            if cancel is not None and cancel.is_set():
+                return  # gave up while waiting: nothing computed
             sampling = Sampling(do_sample, temperature, top_p, seed)
-            yield from self._stream(messages, policy, speed, max_new_tokens, sampling, ignore_eos)
+            yield from self._stream(messages, policy, speed, max_new_tokens, sampling, ignore_eos, cancel)
 
     def generate_batch(self, conversations: list, *, policy: str | Policy = "auto", speed: float = 0.0,
                        max_new_tokens: int = 128, do_sample: bool = False, temperature: float = 1.0,
@@ -314,8 +321,9 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()  # on a generator: entered around every resume, not across the caller's code
-    def _stream(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos) -> Iterator[StreamChunk]:
+    def _stream(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos, cancel) -> Iterator[StreamChunk]:
         request = self._start(messages, policy, speed, max_new_tokens, sampling, MemoryMeter(self.device), ignore_eos)
+        request.cancel = cancel
         for _, token in self._decode_loop([request]):
             yield StreamChunk(request.detok.push(token), token)
         yield StreamChunk(request.detok.flush(), None, self._result(request))
@@ -348,7 +356,9 @@ class Engine:
         while running:
             stepping = []
             for request in running:
-                if request.next_token in request.stop_ids:
+                if request.cancel is not None and request.cancel.is_set():
+                    request.finish = "cancelled"
+                elif request.next_token in request.stop_ids:
                     request.finish = "stop"
                 elif len(request.tokens) < request.budget:
                     request.tokens.append(request.next_token)

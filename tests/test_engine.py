@@ -274,3 +274,24 @@ def test_qwen3_vl_deepstack_skips_the_tokens_pruned_before_its_layer(checkpoints
     torch.testing.assert_close(ctx.hidden[0, dropped], entering[dropped])
     kept = visual[1::2]
     assert not torch.allclose(ctx.hidden[0, kept], entering[kept])  # the kept ones went on
+
+
+def test_a_cancelled_request_stops_before_its_next_step_and_frees_the_model(checkpoints, media):
+    """Engine.stream(cancel=...): set mid-answer, the answer ends there with finish_reason "cancelled";
+    set while the request still waits for the model, nothing is computed. Either way the model is free."""
+    import threading
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    messages = _messages("image", media)
+    cancel = threading.Event()
+    tokens, result = [], None
+    for chunk in engine.stream(messages, policy="none", max_new_tokens=50, ignore_eos=True, cancel=cancel):
+        if chunk.token_id is not None:
+            tokens.append(chunk.token_id)
+            if len(tokens) == 3:
+                cancel.set()
+        result = chunk.result or result
+    assert len(tokens) == 3 and result.finish_reason == "cancelled" and result.token_ids == tokens
+    assert not engine._lock.locked()
+    assert list(engine.stream(messages, policy="none", max_new_tokens=5, cancel=cancel)) == []
+    assert not engine._lock.locked()

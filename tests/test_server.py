@@ -17,12 +17,8 @@ from pipeline import load_engine
 from pruning import NoPruning
 
 
-@pytest.fixture(scope="module")
-def server(checkpoints, media, tmp_path_factory):
-    engine = load_engine(str(checkpoints["llava"]), device="cpu")
-    root = tmp_path_factory.mktemp("allowed")
-    (root / "image.png").write_bytes(media["image"].read_bytes())
-    app = build_server(engine, "tiny-llava", allowed_root=str(root), max_new_tokens=12)
+def _serve(app):
+    """Run ``app`` with uvicorn on a free local port in a thread; yields its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -34,9 +30,21 @@ def server(checkpoints, media, tmp_path_factory):
     while not running.started and time.monotonic() < deadline:
         time.sleep(0.05)
     assert running.started
-    yield {"url": f"http://127.0.0.1:{port}", "engine": engine, "root": root}
-    running.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        running.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, media, tmp_path_factory):
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    root = tmp_path_factory.mktemp("allowed")
+    (root / "image.png").write_bytes(media["image"].read_bytes())
+    app = build_server(engine, "tiny-llava", allowed_root=str(root), max_new_tokens=12)
+    for url in _serve(app):
+        yield {"url": url, "engine": engine, "root": root}
 
 
 def _data_url(path) -> str:
@@ -198,3 +206,113 @@ def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(check
         # The picture (image, or one frame per temporal group) shows through the heatmap.
         bare = keep_map_image([{"role": "user", "content": [{"type": "text", "text": "x"}]}], keep_map, cell=8)
         assert not np.array_equal(np.asarray(bare), np.asarray(drawn))
+
+
+def test_a_streaming_client_that_disconnects_frees_the_model(server, media, monkeypatch):
+    """A client that drops its stream mid-answer cancels the request at the next decode step: the
+    model is free again (the next request is answered) and /metrics counts the request as cancelled.
+    EOS is ignored here so that the answer would otherwise run for thousands of steps."""
+    engine = server["engine"]
+    monkeypatch.setattr(engine, "eos_token_ids", set())
+    before = httpx.get(server["url"] + "/metrics").text
+    body = {"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3000,
+            "stream": True}
+    with httpx.stream("POST", server["url"] + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # the role chunk
+        while '"content": "' not in next(lines):  # until tokens flow
+            pass
+    # The connection is closed: within a generous liveness bound the model is released.
+    deadline = time.monotonic() + 60
+    while engine._lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine._lock.locked()
+    metrics = httpx.get(server["url"] + "/metrics").text
+    assert _count(metrics, "cancelled") == _count(before, "cancelled") + 1
+    assert _count(metrics, "ok") == _count(before, "ok")  # it never ran to the end
+    monkeypatch.undo()
+    reply = httpx.post(server["url"] + "/v1/chat/completions", timeout=60,
+                       json={"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3})
+    assert reply.status_code == 200
+
+
+def _count(metrics: str, outcome: str) -> int:
+    line = next(l for l in metrics.splitlines() if l.startswith(f'glimpse_requests_total{{outcome="{outcome}"}}'))
+    return int(float(line.split()[-1]))
+
+
+def test_a_media_url_that_drips_does_not_stall_the_server_and_is_refused_at_the_deadline(server, media):
+    """An image URL that sends one byte a second: while it is being fetched /health still answers (the
+    fetch runs off the event loop), and the request is refused once the fetch deadline passes."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from app.api import create_api
+
+    class Drip(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            try:
+                for byte in media["image"].read_bytes()[:30]:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(1.0)
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    drip = ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    threading.Thread(target=drip.serve_forever, daemon=True).start()
+    app = create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True, fetch_deadline_s=4.0)
+    try:
+        for url in _serve(app):
+            outcome = {}
+            body = {"model": "tiny-llava", "messages": _question(f"http://127.0.0.1:{drip.server_port}/x.png")}
+            asking = threading.Thread(target=lambda: outcome.update(
+                reply=httpx.post(url + "/v1/chat/completions", json=body, timeout=60)))
+            asking.start()
+            time.sleep(1.5)  # the fetch is under way
+            assert httpx.get(url + "/health", timeout=10).status_code == 200
+            assert asking.is_alive()  # /health answered while the media was still dripping
+            asking.join(timeout=60)
+            reply = outcome["reply"]
+            assert reply.status_code == 400 and "not fetched within 4 s" in reply.json()["error"]["message"]
+    finally:
+        drip.shutdown()
+
+
+def test_media_urls_on_the_servers_own_network_are_refused(server):
+    """Server-side request forgery: a URL naming a loopback or private address is refused (by default)
+    with one message that says nothing about what is listening there."""
+    for target in (server["url"] + "/health", "http://10.0.0.1/x.png", "http://[::1]/x.png", "http://169.254.169.254/"):
+        reply = httpx.post(server["url"] + "/v1/chat/completions", timeout=30,
+                           json={"model": "tiny-llava", "messages": _question(target)})
+        assert reply.status_code == 400, target
+        assert "private, loopback and link-local addresses are not fetched" in reply.json()["error"]["message"]
+
+
+def test_the_chat_uses_only_files_uploaded_to_it(tmp_path):
+    """The Gradio chat endpoint names files by server path: only paths under the upload folder (or
+    --allowed-root) are used, a symlink out of it included, and the refusal is the same whether or not
+    the named file exists."""
+    from app.ui import history_to_messages
+    from vision import MediaError
+
+    uploads, outside = tmp_path / "uploads", tmp_path / "secret"
+    uploads.mkdir()
+    outside.mkdir()
+    (uploads / "cat.png").write_bytes(b"png")
+    (outside / "key.png").write_bytes(b"png")
+    (uploads / "link.png").symlink_to(outside / "key.png")
+    turn = lambda path: [{"role": "user", "content": [{"type": "file", "file": {"path": str(path)}}]}]  # noqa: E731
+    messages = history_to_messages(turn(uploads / "cat.png"), (uploads.resolve(),))
+    assert messages[0]["content"][0]["image"] == str(uploads / "cat.png")
+    refusals = []
+    for path in (outside / "key.png", outside / "missing.png", uploads / "link.png", uploads / ".." / "secret" / "key.png"):
+        with pytest.raises(MediaError) as error:
+            history_to_messages(turn(path), (uploads.resolve(),))
+        refusals.append(str(error.value).split(": ", 1)[1])
+    assert len(set(refusals)) == 1 and "only files uploaded to this chat" in refusals[0]
