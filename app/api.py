@@ -96,7 +96,8 @@ class Counters:
 
 
 def create_api(engine, *, model_name: str, allowed_root: str | None = None, app: FastAPI | None = None,
-               allow_private_urls: bool = False, fetch_deadline_s: float = FETCH_DEADLINE_S) -> FastAPI:
+               allow_private_urls: bool = False, fetch_deadline_s: float = FETCH_DEADLINE_S,
+               max_new_tokens: int = 4096) -> FastAPI:
     app = app or FastAPI(title="Glimpse")
     counters = Counters()
     root = Path(allowed_root).resolve() if allowed_root else None
@@ -122,7 +123,7 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
         try:
             # Off the event loop: fetching a slow media URL must not stall /health or other requests.
             messages, options, speed, promise = await run_in_threadpool(_parse, body, engine, root,
-                                                                        Path(scratch.name), fetcher)
+                                                                        Path(scratch.name), fetcher, max_new_tokens)
             if body.get("stream"):
                 return StreamingResponse(_stream(engine, messages, options, speed, promise, model_name, counters,
                                                  scratch),
@@ -153,7 +154,15 @@ def _error(status: int, message: str, kind: str = "invalid_request_error") -> JS
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def _parse(body: dict, engine, root: Path | None, scratch: Path, fetcher: "Fetcher"
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _parse(body: dict, engine, root: Path | None, scratch: Path, fetcher: "Fetcher", max_new_tokens: int
            ) -> tuple[list[dict], dict, float, dict]:
     """The engine's messages, the generate options, the requested speed (reported back) and what the
     slider promises at it (the calibrated agreement and cost, or that the model is uncalibrated)."""
@@ -186,7 +195,7 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path, fetcher: "Fetch
         messages.append({"role": message["role"], "content": parts})
 
     speed = body.get("speed", 0.0)
-    if not isinstance(speed, (int, float)):
+    if not _is_number(speed):
         raise BadRequest(f"speed must be a number in [0, 1], got {speed!r}")
     check_speed(speed)
     policy_name = body.get("policy", "auto")
@@ -198,13 +207,21 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path, fetcher: "Fetch
     except (UserError, KeyError, TypeError) as error:  # the request's own policy, params or their values
         raise BadRequest(f"policy: {error}") from None
     promise = engine.promise(str(policy_name), float(speed), params)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 256
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or min(256, max_new_tokens)
+    if not _is_int(max_tokens) or max_tokens < 1:
         raise BadRequest("max_tokens must be a positive integer")
-    temperature = body.get("temperature", 0.0)
+    if max_tokens > max_new_tokens:
+        raise BadRequest(f"max_tokens must be at most {max_new_tokens} on this server (--max-new-tokens)")
+    temperature, top_p, seed = body.get("temperature", 0.0), body.get("top_p", 1.0), body.get("seed")
+    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
+        raise BadRequest(f"temperature must be a number in [0, 2], got {temperature!r}")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        raise BadRequest(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if seed is not None and not _is_int(seed):
+        raise BadRequest(f"seed must be an integer, got {seed!r}")
     options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": bool(temperature and temperature > 0),
-               "temperature": float(temperature or 1.0), "top_p": float(body.get("top_p", 1.0)),
-               "seed": body.get("seed")}
+               "temperature": float(temperature or 1.0), "top_p": float(1.0 if top_p is None else top_p),
+               "seed": seed}
     return messages, options, float(speed), promise
 
 

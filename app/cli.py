@@ -310,7 +310,8 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     from app.api import create_api
     from app.ui import build_ui
 
-    app = create_api(engine, model_name=model_name, allowed_root=allowed_root, allow_private_urls=allow_private_urls)
+    app = create_api(engine, model_name=model_name, allowed_root=allowed_root, allow_private_urls=allow_private_urls,
+                     max_new_tokens=max_new_tokens)
     # One answer at a time (the engine's lock serialises anyway); others wait in the queue.
     demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root).queue(
         default_concurrency_limit=1, max_size=queue_size)

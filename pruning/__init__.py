@@ -101,8 +101,33 @@ def _override(policy: Policy, overrides: dict) -> Policy:
     if unknown:
         raise UserError(f"{policy.name} has no parameter {', '.join(sorted(unknown))}; "
                          f"its parameters: {', '.join(sorted(allowed))}")
+    types = {f.name: f.type for f in fields(policy)}
+    for name, value in overrides.items():
+        if not _fits(value, str(types[name])):
+            raise UserError(f"{policy.name}.{name} must be {types[name]}, got {value!r}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
     return replace(policy, **values)
+
+
+def _fits(value, annotation: str) -> bool:
+    """Whether a user's value (parsed from JSON) fits a parameter's annotation: ``float``, ``int``,
+    ``bool``, ``str``, ``tuple[float, ...]``, ``tuple[int, ...]``, each possibly ``| None``."""
+    for option in (part.strip() for part in annotation.split("|")):
+        if option == "None" and value is None:
+            return True
+        if option == "bool" and isinstance(value, bool):
+            return True
+        if option == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if option == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if option == "str" and isinstance(value, str):
+            return True
+        if option.startswith("tuple[") and isinstance(value, (list, tuple)):
+            item = option[len("tuple["):].split(",")[0].strip()
+            if all(_fits(v, item) for v in value):
+                return True
+    return False
 
 
 __all__ = ["DASH", "NAMES", "POLICIES", "PRUNING_NAMES", "TEXT_PRUNING_NAMES", "FastV", "Frontier", "HiDivDrop", "LazyLLM", "Member", "NoPruning", "Pipeline",

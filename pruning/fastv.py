@@ -41,6 +41,9 @@ class FastV(ScoreThenCut):
         if not 0.0 <= self.ratio <= 1.0:
             raise UserError(f"FastV ratio must be in [0, 1], got {self.ratio}")
         K = self.layer if self.layer is not None else scaled_layer(2, 32, ctx.num_layers)
+        if not 1 <= K < ctx.num_layers:
+            raise UserError(f"FastV layer must be in [1, {ctx.num_layers - 1}] on this {ctx.num_layers}-layer model, "
+                            f"got {K}")
         self.resolved = {"layer": K, "num_dropped": 0, "paper": {"K": K, "R": self.ratio}}
         self.cut_at, self.scores = (frozenset({K}) if self.ratio > 0 else frozenset()), None
 

@@ -212,12 +212,19 @@ def test_a_streaming_client_that_disconnects_frees_the_model(server, media, monk
     """A client that drops its stream mid-answer cancels the request at the next decode step: the
     model is free again (the next request is answered) and /metrics counts the request as cancelled.
     EOS is ignored here so that the answer would otherwise run for thousands of steps."""
+    from app.api import create_api
+
     engine = server["engine"]
     monkeypatch.setattr(engine, "eos_token_ids", set())
-    before = httpx.get(server["url"] + "/metrics").text
+    for url in _serve(create_api(engine, model_name="tiny-llava", max_new_tokens=3000)):
+        _drop_a_stream_and_check(url, engine, media, monkeypatch)
+
+
+def _drop_a_stream_and_check(url, engine, media, monkeypatch):
+    before = httpx.get(url + "/metrics").text
     body = {"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3000,
             "stream": True}
-    with httpx.stream("POST", server["url"] + "/v1/chat/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")  # the role chunk
         while '"content": "' not in next(lines):  # until tokens flow
@@ -227,11 +234,11 @@ def test_a_streaming_client_that_disconnects_frees_the_model(server, media, monk
     while engine._lock.locked() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine._lock.locked()
-    metrics = httpx.get(server["url"] + "/metrics").text
+    metrics = httpx.get(url + "/metrics").text
     assert _count(metrics, "cancelled") == _count(before, "cancelled") + 1
     assert _count(metrics, "ok") == _count(before, "ok")  # it never ran to the end
     monkeypatch.undo()
-    reply = httpx.post(server["url"] + "/v1/chat/completions", timeout=60,
+    reply = httpx.post(url + "/v1/chat/completions", timeout=60,
                        json={"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3})
     assert reply.status_code == 200
 
@@ -316,3 +323,19 @@ def test_the_chat_uses_only_files_uploaded_to_it(tmp_path):
             history_to_messages(turn(path), (uploads.resolve(),))
         refusals.append(str(error.value).split(": ", 1)[1])
     assert len(set(refusals)) == 1 and "only files uploaded to this chat" in refusals[0]
+
+
+def test_client_mistakes_get_400_with_what_to_fix_never_a_server_error(server, media):
+    """Wrong types and out-of-range values a client may send: each is a 400 naming the field, and the
+    server's --max-new-tokens caps max_tokens (the fixture serves 12)."""
+    url = server["url"] + "/v1/chat/completions"
+    good = {"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3}
+    cases = {"temperature": {"temperature": "hot"}, "seed": {"seed": 1.5}, "top_p": {"top_p": 0},
+             "max_tokens": {"max_tokens": 13}, "max_tokens ": {"max_tokens": True},
+             "dash.rho": {"policy": "dash", "params": {"rho": "abc"}},
+             "fastv.layer": {"policy": "fastv", "params": {"layer": "six"}}}
+    for field, change in cases.items():
+        reply = httpx.post(url, json={**good, **change}, timeout=60)
+        assert reply.status_code == 400, (field, reply.text)
+        assert field.strip() in reply.json()["error"]["message"], (field, reply.text)
+    assert httpx.post(url, json=good, timeout=60).status_code == 200
