@@ -55,7 +55,7 @@ class Counters:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.requests = {"ok": 0, "bad_request": 0, "error": 0, "cancelled": 0}
+        self.requests = {"ok": 0, "bad_request": 0, "error": 0, "cancelled": 0, "rejected": 0}
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.kv_bytes_last = 0
@@ -97,11 +97,12 @@ class Counters:
 
 def create_api(engine, *, model_name: str, allowed_root: str | None = None, app: FastAPI | None = None,
                allow_private_urls: bool = False, fetch_deadline_s: float = FETCH_DEADLINE_S,
-               max_new_tokens: int = 4096) -> FastAPI:
+               max_new_tokens: int = 4096, queue_size: int = 32) -> FastAPI:
     app = app or FastAPI(title="Glimpse")
     counters = Counters()
     root = Path(allowed_root).resolve() if allowed_root else None
     fetcher = Fetcher(allow_private_urls, fetch_deadline_s)
+    admission = Admission(queue_size + 1)
     app.state.counters = counters
 
     @app.get("/health")
@@ -119,39 +120,65 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
         except (ValueError, UnicodeDecodeError):
             counters.record("bad_request")
             return _error(400, "the request body is not JSON")
+        if not admission.enter():  # the running answer plus --queue-size waiting: refuse, don't pile up
+            counters.record("rejected")
+            return _error(429, f"the server is busy ({admission.limit - 1} requests are waiting); retry shortly",
+                          "rate_limit_exceeded", headers={"Retry-After": "5"})
         scratch = tempfile.TemporaryDirectory(prefix="glimpse-api-")
+        streaming = False
         try:
             # Off the event loop: fetching a slow media URL must not stall /health or other requests.
             messages, options, speed, promise = await run_in_threadpool(_parse, body, engine, root,
                                                                         Path(scratch.name), fetcher, max_new_tokens)
             if body.get("stream"):
-                return StreamingResponse(_stream(engine, messages, options, speed, promise, model_name, counters,
-                                                 scratch),
+                job = StreamJob(engine, messages, options, scratch, on_done=admission.leave)
+                streaming = True  # the job cleans up and leaves the queue when it ends
+                return StreamingResponse(_stream(job, speed, promise, model_name, counters),
                                          media_type="text/event-stream")
             cancel = threading.Event()
             result = await _until_disconnected(request, cancel, run_in_threadpool(
                 engine.generate, messages, cancel=cancel, **options))
             if result is None:  # the client left before its answer: nobody to answer
-                scratch.cleanup()
                 counters.record("cancelled")
                 return _error(499, "the client closed the request", "cancelled")
         except (BadRequest, UserError) as error:
-            scratch.cleanup()
             counters.record("bad_request")
             return _error(400, str(error))
         except Exception as error:  # the server keeps serving; the client learns what happened
-            scratch.cleanup()
             counters.record("error")
             return _error(500, f"{type(error).__name__}: {error}", "server_error")
-        scratch.cleanup()
+        finally:
+            if not streaming:
+                scratch.cleanup()
+                admission.leave()
         counters.record("ok", result)
         return _completion(result, model_name, speed, promise)
 
     return app
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+class Admission:
+    """How many API requests may be in the server at once (the one the model answers and those
+    waiting for it): ``limit``. One more is refused with 429 instead of queueing without bound."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count, self.lock = limit, 0, threading.Lock()
+
+    def enter(self) -> bool:
+        with self.lock:
+            if self.count >= self.limit:
+                return False
+            self.count += 1
+            return True
+
+    def leave(self) -> None:
+        with self.lock:
+            self.count -= 1
 
 
 def _is_int(value) -> bool:
@@ -350,47 +377,55 @@ async def _until_disconnected(request: Request, cancel: threading.Event, work):
     return None if cancel.is_set() else result
 
 
-async def _stream(engine, messages, options, speed, promise, model_name, counters, scratch):
-    """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with usage.
+class StreamJob:
+    """One streamed answer: the engine runs in a worker thread, started at once, that hands chunks to
+    the event loop over a queue. ``cancel`` stops it before its next step; when it ends it closes the
+    engine's generator (releasing the model), deletes the request's fetched media, and calls ``on_done``
+    — whether or not anybody is still reading."""
 
-    The engine runs in a worker thread that hands chunks over a queue. When the client disconnects,
-    the server stops iterating this generator, whose ``finally`` sets the request's cancel event: the
-    worker's engine call stops before its next step and releases the model."""
+    def __init__(self, engine, messages, options, scratch, on_done):
+        self.loop = asyncio.get_running_loop()
+        self.chunks: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.engine, self.messages, self.options, self.scratch, self.on_done = engine, messages, options, scratch, on_done
+        threading.Thread(target=self._work, name="glimpse-api-stream", daemon=True).start()
+
+    def _hand_over(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.chunks.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server shutting down)
+            pass
+
+    def _work(self) -> None:
+        stream = self.engine.stream(self.messages, cancel=self.cancel, **self.options)
+        try:
+            for chunk in stream:
+                self._hand_over(("chunk", chunk))
+        except BaseException as error:  # reported to the client by the event loop's side
+            self._hand_over(("error", error))
+        finally:
+            stream.close()  # releases the model if the loop above stopped early
+            self.scratch.cleanup()  # only now: the engine may still have been reading a fetched video
+            self.on_done()
+            self._hand_over(("end", None))
+
+
+async def _stream(job: StreamJob, speed, promise, model_name, counters):
+    """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with usage. When
+    the client disconnects, the server stops iterating this generator, whose ``finally`` cancels the
+    job: the engine stops before its next step and releases the model."""
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    loop = asyncio.get_running_loop()
-    chunks: asyncio.Queue = asyncio.Queue()
-    cancel = threading.Event()
 
     def event(delta: dict, finish=None, **extra) -> str:
         chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
         return f"data: {json.dumps(chunk)}\n\n"
 
-    def hand_over(item) -> None:
-        try:
-            loop.call_soon_threadsafe(chunks.put_nowait, item)
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            pass
-
-    def work() -> None:
-        stream = engine.stream(messages, cancel=cancel, **options)
-        try:
-            for chunk in stream:
-                hand_over(("chunk", chunk))
-        except BaseException as error:  # reported to the client by the event loop's side
-            hand_over(("error", error))
-        finally:
-            stream.close()  # releases the model if the loop above stopped early
-            scratch.cleanup()  # only now: the engine may still have been reading a fetched video
-            hand_over(("end", None))
-
-    worker = threading.Thread(target=work, name="glimpse-api-stream", daemon=True)
-    worker.start()
     finished = False
     try:
         yield event({"role": "assistant", "content": ""})
         while True:
-            kind, item = await chunks.get()
+            kind, item = await job.chunks.get()
             if kind == "end":
                 finished = True
                 break
@@ -411,6 +446,6 @@ async def _stream(engine, messages, options, speed, promise, model_name, counter
                             glimpse=_glimpse(item.result, speed, promise))
         yield "data: [DONE]\n\n"
     finally:
-        if not finished and not cancel.is_set():
-            cancel.set()  # the client left mid-answer (or the server stopped): free the model
+        if not finished and not job.cancel.is_set():
+            job.cancel.set()  # the client left mid-answer (or the server stopped): free the model
             counters.record("cancelled")

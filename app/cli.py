@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-root", default=None, metavar="DIR",
                        help="API requests may name local files under DIR (default: none)")
     serve.add_argument("--max-upload-mb", type=int, default=200, help="largest upload accepted by the chat")
-    serve.add_argument("--queue-size", type=int, default=32, help="requests waiting beyond this are refused")
+    serve.add_argument("--queue-size", type=int, default=32,
+                       help="requests waiting for the model beyond this are refused (the API answers 429)")
     serve.add_argument("--max-new-tokens", type=int, default=256)
     _add_device_options(serve)
     serve.set_defaults(run=run_serve)
@@ -311,7 +312,7 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     from app.ui import build_ui
 
     app = create_api(engine, model_name=model_name, allowed_root=allowed_root, allow_private_urls=allow_private_urls,
-                     max_new_tokens=max_new_tokens)
+                     max_new_tokens=max_new_tokens, queue_size=queue_size)
     # One answer at a time (the engine's lock serialises anyway); others wait in the queue.
     demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root).queue(
         default_concurrency_limit=1, max_size=queue_size)

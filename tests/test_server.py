@@ -339,3 +339,32 @@ def test_client_mistakes_get_400_with_what_to_fix_never_a_server_error(server, m
         assert reply.status_code == 400, (field, reply.text)
         assert field.strip() in reply.json()["error"]["message"], (field, reply.text)
     assert httpx.post(url, json=good, timeout=60).status_code == 200
+
+
+def test_a_full_queue_answers_429_and_admits_again_once_there_is_room(server, media, monkeypatch):
+    """--queue-size bounds the API: with no waiting room, a request that arrives while another is being
+    answered gets 429 with Retry-After at once; when the first leaves, requests are admitted again."""
+    from app.api import create_api
+
+    engine = server["engine"]
+    monkeypatch.setattr(engine, "eos_token_ids", set())
+    question = _question(_data_url(media["image"]))
+    for url in _serve(create_api(engine, model_name="tiny-llava", max_new_tokens=3000, queue_size=0)):
+        body = {"model": "tiny-llava", "messages": question, "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()  # held: a dropped iterator would close the connection
+            next(lines)  # admitted and answering
+            busy = httpx.post(url + "/v1/chat/completions", timeout=30,
+                              json={"model": "tiny-llava", "messages": question, "max_tokens": 3})
+            assert busy.status_code == 429 and busy.headers["Retry-After"]
+            assert busy.json()["error"]["type"] == "rate_limit_exceeded"
+        monkeypatch.undo()
+        deadline = time.monotonic() + 60
+        while True:  # the dropped stream leaves the queue once its worker has stopped
+            reply = httpx.post(url + "/v1/chat/completions", timeout=60,
+                               json={"model": "tiny-llava", "messages": question, "max_tokens": 3})
+            if reply.status_code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert reply.status_code == 200
