@@ -42,29 +42,38 @@ def _save(folder: Path, model, tokenizer, image_processor, template: str, eos_id
     return folder
 
 
-def build_qwen2_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-               "<|image_pad|>", "<|video_pad|>"]
-    tok = make_tokenizer(special, eos="<|im_end|>")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
-    config = Qwen2VLConfig(
+
+def _build_qwen(folder: Path, seed: int, layers: int, config_class, model_class, vision_config: dict, processor,
+                rope: dict = MROPE, **text_extra) -> Path:
+    """A tiny checkpoint of the Qwen-VL family: its tokens, an M-RoPE text config, the given tower."""
+    tok = make_tokenizer(QWEN_SPECIAL, eos="<|im_end|>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    config = config_class(
         text_config=_text_config(len(tok), layers=layers, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-                                 pad_token_id=ids["<|endoftext|>"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                            "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=0.2),
+                                 pad_token_id=ids["<|endoftext|>"], rope_parameters=rope, **text_extra),
+        vision_config=vision_config,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
+    return _save(folder, model, tok, processor, QWEN_TEMPLATE, ids["<|im_end|>"])
+
+
+def build_qwen2_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=0.2)
     # Small images keep the tests fast: at most 112x112 pixels -> at most 16 visual tokens.
     processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
-    return _save(folder, model, tok, processor, QWEN_TEMPLATE, ids["<|im_end|>"])
+    return _build_qwen(folder, seed, layers, Qwen2VLConfig, Qwen2VLForConditionalGeneration, vision, processor)
 
 
 def build_qwen2_5_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
@@ -73,25 +82,11 @@ def build_qwen2_5_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-               "<|image_pad|>", "<|video_pad|>"]
-    tok = make_tokenizer(special, eos="<|im_end|>")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
-    config = Qwen2_5_VLConfig(
-        text_config=_text_config(len(tok), layers=layers, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-                                 pad_token_id=ids["<|endoftext|>"], rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                            "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[1], tokens_per_second=2, initializer_range=0.2),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                  tokens_per_second=2, initializer_range=0.2)
     processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
-    return _save(folder, model, tok, processor, QWEN_TEMPLATE, ids["<|im_end|>"])
+    return _build_qwen(folder, seed, layers, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, vision, processor)
 
 
 def build_qwen3_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
@@ -100,28 +95,13 @@ def build_qwen3_vl(folder: Path, seed: int = 0, layers: int = 4) -> Path:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-               "<|image_pad|>", "<|video_pad|>"]
-    tok = make_tokenizer(special, eos="<|im_end|>")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
-    text = _text_config(len(tok), layers=layers, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
-                        pad_token_id=ids["<|endoftext|>"],
-                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                                         "mrope_interleaved": True})
-    config = Qwen3VLConfig(
-        text_config={**text, "head_dim": text["hidden_size"] // text["num_attention_heads"]},
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=text["hidden_size"],
-                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                           deepstack_visual_indexes=[0, 1], initializer_range=0.2),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1], initializer_range=0.2)
     processor = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2,
                                          size={"shortest_edge": 64 * 64, "longest_edge": 128 * 128})
-    return _save(folder, model, tok, processor, QWEN_TEMPLATE, ids["<|im_end|>"])
+    return _build_qwen(folder, seed, layers, Qwen3VLConfig, Qwen3VLForConditionalGeneration, vision, processor,
+                       rope={**MROPE, "mrope_interleaved": True}, head_dim=16)
 
 
 def _clip_vision(image_size: int) -> dict:
