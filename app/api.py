@@ -43,6 +43,8 @@ from pruning.base import check_speed
 
 MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
 FETCH_DEADLINE_S = 30.0  # a media URL must be fetched within this, however slowly it drips
+MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (data URLs included) is refused with 413
+CHARS_PER_TOKEN_BOUND = 8  # text longer than this many characters per context token cannot fit: refused unread
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -115,9 +117,15 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        raw = bytearray()
+        async for piece in request.stream():  # read with a cap: a huge body never lands in memory whole
+            raw += piece
+            if len(raw) > MAX_BODY_BYTES:
+                counters.record("bad_request")
+                return _error(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
             counters.record("bad_request")
             return _error(400, "the request body is not JSON")
         if not admission.enter():  # the running answer plus --queue-size waiting: refuse, don't pile up
@@ -181,6 +189,18 @@ class Admission:
             self.count -= 1
 
 
+def _text_length(messages: list) -> int:
+    """Characters of text in the (not yet validated) messages."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
+    return total
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -195,6 +215,12 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path, fetcher: "Fetch
     slider promises at it (the calibrated agreement and cost, or that the model is uncalibrated)."""
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty list")
+    if engine.max_length:  # text that cannot fit the context is refused before it is tokenized
+        limit = CHARS_PER_TOKEN_BOUND * engine.max_length
+        text = _text_length(body["messages"])
+        if text > limit:
+            raise BadRequest(f"the messages hold {text:,} characters of text, more than this model's context "
+                             f"({engine.max_length:,} tokens) can take")
     messages = []
     for message in body["messages"]:
         if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):

@@ -368,3 +368,21 @@ def test_a_full_queue_answers_429_and_admits_again_once_there_is_room(server, me
                 break
             time.sleep(0.1)
         assert reply.status_code == 200
+
+
+def test_oversized_bodies_and_text_beyond_the_context_are_refused_before_any_work(server, media):
+    """A body over the cap is 413 before it is parsed; text that cannot fit the model's context is 400
+    before it is tokenized; deeply nested JSON is a 400, not a server error; the server keeps serving."""
+    from app import api
+
+    url = server["url"] + "/v1/chat/completions"
+    too_long = "word " * (api.CHARS_PER_TOKEN_BOUND * server["engine"].max_length // 5 + 10)
+    reply = httpx.post(url, json={"messages": [{"role": "user", "content": too_long}]}, timeout=60)
+    assert reply.status_code == 400 and "context" in reply.json()["error"]["message"]
+    nested = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert httpx.post(url, content=nested, timeout=60).status_code == 400
+    huge = b'{"messages": "' + b"x" * (api.MAX_BODY_BYTES + 10) + b'"}'
+    reply = httpx.post(url, content=huge, timeout=120)
+    assert reply.status_code == 413 and "MiB" in reply.json()["error"]["message"]
+    ok = httpx.post(url, json={"messages": _question(_data_url(media["image"])), "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200
