@@ -295,3 +295,26 @@ def test_a_cancelled_request_stops_before_its_next_step_and_frees_the_model(chec
     assert not engine._lock.locked()
     assert list(engine.stream(messages, policy="none", max_new_tokens=5, cancel=cancel)) == []
     assert not engine._lock.locked()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_eager_kernel_is_the_modeling_files_own(checkpoints, arch):
+    """With attention routed through Glimpse's function, "eager" runs pipeline.attention.eager_attention,
+    for transformers' own forward too: it must compute exactly what each architecture's modeling file's
+    eager_attention_forward computes (grouped-query heads, a mask, float32 softmax)."""
+    import sys
+
+    from pipeline.attention import eager_attention
+
+    engine = load_engine(str(checkpoints[arch]), device="cpu", attn="eager")
+    module = engine.adapter.layers[0].self_attn
+    own = sys.modules[type(module).__module__].eager_attention_forward
+    g = torch.Generator().manual_seed(0)
+    text = engine.adapter.text_config
+    heads, kv_heads, n, d = text.num_attention_heads, text.num_key_value_heads, 7, module.head_dim
+    q, k, v = (torch.randn(1, h, n, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    mask = torch.full((n, n), torch.finfo(q.dtype).min).triu(1)[None, None]
+    module.train(False)
+    expected, expected_weights = own(module, q, k, v, mask, scaling=module.scaling, dropout=0.0)
+    out, weights = eager_attention(module, q, k, v, mask, scaling=module.scaling)
+    assert torch.equal(out, expected) and torch.equal(weights, expected_weights)
