@@ -7,7 +7,9 @@
   ``speed`` (the slider), ``params`` (overrides). Decoding is greedy unless ``temperature`` > 0
   (then ``top_p`` and ``seed`` apply); ``max_tokens`` / ``max_completion_tokens`` default to 256.
   The response's ``usage`` counts tokens, and its ``glimpse`` field carries the policy, its
-  parameters and the timing/memory metrics.
+  parameters and the timing/memory metrics. Any other request field (``stop``, ``tools``,
+  ``response_format``, ``logprobs``, penalties, ``n`` > 1, ...) is refused with 400, never ignored.
+* ``GET /v1/models`` — the one model this server answers with.
 * ``GET /health`` — ``{"status": "ok", "model": ...}``.
 * ``GET /metrics`` — Prometheus text: requests by outcome, tokens, a TTFT histogram, KV bytes.
 
@@ -44,6 +46,9 @@ from pruning.base import check_speed
 MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
 FETCH_DEADLINE_S = 30.0  # a media URL must be fetched within this, however slowly it drips
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (data URLs included) is refused with 413
+# The request fields Glimpse implements; any other is refused with 400 rather than silently ignored.
+FIELDS = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+          "top_p", "seed", "user", "n", "speed", "policy", "params"}
 CHARS_PER_TOKEN_BOUND = 8  # text longer than this many characters per context token cannot fit: refused unread
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -110,6 +115,10 @@ def create_api(engine, *, model_name: str, allowed_root: str | None = None, app:
     @app.get("/health")
     def health():
         return {"status": "ok", "model": model_name, "device": str(engine.device)}
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "glimpse"}]}
 
     @app.get("/metrics")
     def metrics():
@@ -215,6 +224,16 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path, fetcher: "Fetch
     slider promises at it (the calibrated agreement and cost, or that the model is uncalibrated)."""
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty list")
+    unsupported = sorted(set(body) - FIELDS)
+    if unsupported:
+        raise BadRequest(f"unsupported field(s) {', '.join(unsupported)}: Glimpse implements "
+                         f"{', '.join(sorted(FIELDS))}")
+    if body.get("n") not in (None, 1):
+        raise BadRequest("n must be 1: Glimpse answers one choice per request")
+    options_of_stream = body.get("stream_options")
+    if options_of_stream is not None and (not isinstance(options_of_stream, dict)
+                                          or set(options_of_stream) - {"include_usage"}):
+        raise BadRequest("stream_options takes only include_usage (the final chunk always carries usage)")
     if engine.max_length:  # text that cannot fit the context is refused before it is tokenized
         limit = CHARS_PER_TOKEN_BOUND * engine.max_length
         text = _text_length(body["messages"])

@@ -386,3 +386,17 @@ def test_oversized_bodies_and_text_beyond_the_context_are_refused_before_any_wor
     assert reply.status_code == 413 and "MiB" in reply.json()["error"]["message"]
     ok = httpx.post(url, json={"messages": _question(_data_url(media["image"])), "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_fields_glimpse_does_not_implement_are_refused_not_ignored(server, media):
+    """`stop`, `tools`, `response_format`, `logprobs`, penalties and n > 1 get a 400 naming them (an ignored
+    `stop` would silently return text past it); /v1/models lists the served model."""
+    url = server["url"] + "/v1/chat/completions"
+    good = {"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3}
+    for field, value in {"stop": ["\n"], "tools": [], "response_format": {"type": "json_object"}, "logprobs": True,
+                         "presence_penalty": 0.5, "n": 2}.items():
+        reply = httpx.post(url, json={**good, field: value}, timeout=60)
+        assert reply.status_code == 400 and field in reply.json()["error"]["message"], (field, reply.text)
+    assert httpx.post(url, json={**good, "n": 1, "stream_options": {"include_usage": True}}, timeout=60).status_code == 200
+    models = httpx.get(server["url"] + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny-llava"]
