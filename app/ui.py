@@ -196,7 +196,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 history[-1]["content"] = f"⚠️ {error}"
             else:  # Glimpse's bug, not the user's input
                 history[-1]["content"] = f"⚠️ internal error (a bug in Glimpse, not your input): {type(error).__name__}: {error}"
-            history = _drop_bad_files(history)
+            if isinstance(error, MediaError):  # only a file that cannot be used leaves the prompt
+                history = _drop_bad_files(history)
             yield history, gr.skip(), gr.skip()
 
     def regenerate(history):
@@ -245,8 +246,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
 
 
 def _drop_bad_files(history: list[dict]) -> list[dict]:
-    """After an error, the files of the turn that caused it leave the prompt of later turns (earlier
-    turns were answered, so their files are fine); the chat shows a note in their place."""
+    """After a media error, the files of the turn that caused it leave the prompt of later turns (earlier
+    turns were answered, so their files are fine); the chat shows a note in their place. Any other
+    error (a typo in the overrides box) keeps them, so Regenerate answers with them."""
     last_answer = max((i for i, m in enumerate(history[:-1]) if m["role"] == "assistant"), default=-1)
     cleaned = history[:last_answer + 1]
     for message in history[last_answer + 1:-1]:

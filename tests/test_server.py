@@ -400,3 +400,22 @@ def test_fields_glimpse_does_not_implement_are_refused_not_ignored(server, media
     assert httpx.post(url, json={**good, "n": 1, "stream_options": {"include_usage": True}}, timeout=60).status_code == 200
     models = httpx.get(server["url"] + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-llava"]
+
+
+def test_a_typo_in_the_overrides_keeps_the_turns_upload_for_regenerate(server, media):
+    """An error that is not about the file (here an override written without '=') is shown in the chat
+    and leaves the turn's image in place, so answering again uses it; a broken file is what gets dropped."""
+    from gradio_client import Client, handle_file
+
+    client = Client(server["url"] + "/", verbose=False)
+    history = [{"role": "user", "content": [{"type": "file", "file": handle_file(str(media["image"]))}]},
+               {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}]}]
+    chat, _, _ = client.predict(history, "dash", 0.5, "rho 0.5", False, api_name="/chat")
+    assert "⚠️" in str(chat[-1]["content"]) and "name=value" in str(chat[-1]["content"])
+    assert "[file not used]" not in str(chat)
+    files = [p for m in chat if isinstance(m["content"], list) for p in m["content"] if p.get("type") == "file"]
+    assert len(files) == 1  # the upload stayed in the conversation
+    path = files[0]["file"] if isinstance(files[0]["file"], str) else files[0]["file"]["path"]
+    retry = [{"role": "user", "content": [{"type": "file", "file": handle_file(path)}]}, history[1]]
+    chat, metrics, _ = client.predict(retry, "dash", 0.5, "rho=0.5", False, api_name="/chat")
+    assert "⚠️" not in str(chat[-1]["content"]) and "image" in metrics  # answered with the image
