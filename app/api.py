@@ -224,7 +224,8 @@ def _parse(body: dict, engine, root: Path | None, scratch: Path, fetcher: "Fetch
     slider promises at it (the calibrated agreement and cost, or that the model is uncalibrated)."""
     if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
         raise BadRequest("'messages' must be a non-empty list")
-    unsupported = sorted(set(body) - FIELDS)
+    # A field sent with its "off" value (null, false, 0, empty) asks for nothing: accepted, as clients send them.
+    unsupported = sorted(k for k in set(body) - FIELDS if body[k] not in (None, False, 0, [], {}, ""))
     if unsupported:
         raise BadRequest(f"unsupported field(s) {', '.join(unsupported)}: Glimpse implements "
                          f"{', '.join(sorted(FIELDS))}")

@@ -393,11 +393,14 @@ def test_fields_glimpse_does_not_implement_are_refused_not_ignored(server, media
     `stop` would silently return text past it); /v1/models lists the served model."""
     url = server["url"] + "/v1/chat/completions"
     good = {"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3}
-    for field, value in {"stop": ["\n"], "tools": [], "response_format": {"type": "json_object"}, "logprobs": True,
-                         "presence_penalty": 0.5, "n": 2}.items():
+    refused = {"stop": ["\n"], "tools": [{"type": "function", "function": {"name": "f"}}],
+               "response_format": {"type": "json_object"}, "logprobs": True, "presence_penalty": 0.5, "n": 2}
+    for field, value in refused.items():
         reply = httpx.post(url, json={**good, field: value}, timeout=60)
         assert reply.status_code == 400 and field in reply.json()["error"]["message"], (field, reply.text)
     assert httpx.post(url, json={**good, "n": 1, "stream_options": {"include_usage": True}}, timeout=60).status_code == 200
+    off = {"stop": None, "tools": [], "logprobs": False, "presence_penalty": 0, "response_format": None}
+    assert httpx.post(url, json={**good, **off}, timeout=60).status_code == 200  # "off" values ask for nothing
     models = httpx.get(server["url"] + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-llava"]
 
