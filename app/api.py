@@ -8,7 +8,8 @@
   (then ``top_p`` and ``seed`` apply); ``max_tokens`` / ``max_completion_tokens`` default to 256.
   The response's ``usage`` counts tokens, and its ``glimpse`` field carries the policy, its
   parameters and the timing/memory metrics. Any other request field (``stop``, ``tools``,
-  ``response_format``, ``logprobs``, penalties, ``n`` > 1, ...) is refused with 400, never ignored.
+  ``response_format``, ``logprobs``, penalties, ``n`` > 1, ...) is refused with 400, never ignored,
+  unless it is sent with its "off" value (null, false, 0, empty), which asks for nothing.
 * ``GET /v1/models`` — the one model this server answers with.
 * ``GET /health`` — ``{"status": "ok", "model": ...}``.
 * ``GET /metrics`` — Prometheus text: requests by outcome, tokens, a TTFT histogram, KV bytes.

@@ -23,9 +23,9 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from pipeline.random_checkpoint import REAL_PRESETS
 from common import UserError
 from pipeline.prompt import user_message
+from pipeline.random_checkpoint import REAL_PRESETS
 from pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
 from pruning.base import check_speed
 

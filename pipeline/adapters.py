@@ -136,17 +136,19 @@ class Qwen2VLAdapter(Adapter):
                           sample_fps=sampled.sample_fps)
 
     def encode(self, media, kind):
+        return torch.cat(self._vision_output(media, kind).pooler_output, dim=0)
+
+    def _vision_output(self, media, kind):
+        """The model's own encoder call on the items of ``kind``: its output, one entry per item."""
         vm = self.model.model
         items = [m for m in media if m.kind == kind]
         if kind == IMAGE:
             pixels = torch.cat([m.tensors["pixel_values"] for m in items])
             grid = torch.cat([m.tensors["image_grid_thw"] for m in items])
-            out = vm.get_image_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
-        else:
-            pixels = torch.cat([m.tensors["pixel_values_videos"] for m in items])
-            grid = torch.cat([m.tensors["video_grid_thw"] for m in items])
-            out = vm.get_video_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
-        return torch.cat(out.pooler_output, dim=0)
+            return vm.get_image_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
+        pixels = torch.cat([m.tensors["pixel_values_videos"] for m in items])
+        grid = torch.cat([m.tensors["video_grid_thw"] for m in items])
+        return vm.get_video_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
 
     def positions(self, input_ids, modality, media):
         if not media:
@@ -205,16 +207,9 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
                                 "are not written into the prompt); ask about an image")
 
     def encode_with_layers(self, media, kind):
-        vm = self.model.model
-        items = [m for m in media if m.kind == kind]
-        pixels = torch.cat([m.tensors["pixel_values"] for m in items])
-        grid = torch.cat([m.tensors["image_grid_thw"] for m in items])
-        out = vm.get_image_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
+        out = self._vision_output(media, kind)
         layers = [torch.cat(per_item, dim=0) for per_item in out.deepstack_features]
         return torch.cat(out.pooler_output, dim=0), layers
-
-    def encode(self, media, kind):
-        return self.encode_with_layers(media, kind)[0]
 
 
 class LlavaAdapter(Adapter):

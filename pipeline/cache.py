@@ -149,22 +149,19 @@ class KVCache:
         return layer.index[len(layer) - layer.tail_entries():]
 
     def pack(self, layer_idx: int, important: torch.Tensor, important_bits: int, other_bits: int,
-             group: int) -> None:
+             group: int) -> int | None:
         """Quantize the float entries of ``layer_idx``: those of the ``important`` tokens (original
         indices) to ``important_bits``, the others to ``other_bits`` (ZipVL's mixed-precision KV).
-        ``group`` (values per scale) is reduced to divide the head size."""
+        ``group`` (values per scale) is reduced to divide the head size; returns the group used, or
+        None when there was nothing to pack."""
         layer = self.layers[layer_idx]
         if layer.tail_entries() == 0:
-            return
+            return None
         group = math.gcd(group, layer.key.shape[-1])
         tail = self.unpacked_tokens(layer_idx)
         layer.pack(torch.isin(tail, important.cpu()).nonzero().squeeze(1), important_bits, group)
         layer.pack(torch.arange(layer.tail_entries()), other_bits, group)
-
-    def pack_group(self, layer_idx: int, group: int) -> int:
-        """The group size ``pack`` uses on ``layer_idx``."""
-        layer = self.layers[layer_idx]
-        return math.gcd(group, layer.key.shape[-1]) if layer.key is not None else group
+        return group
 
     def visual_entries(self) -> int:
         """Image and video entries over all layers (what ST3's annealing shrinks)."""

@@ -58,8 +58,6 @@ LLAVA_TEMPLATE = (  # llava-hf's LLaVA-1.5 format: "USER: <image>\n{question} AS
 
 LLAVA_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
 
-PIXELS_PER_TOKEN = 28 * 28  # Qwen2-VL: 14-pixel patches merged 2x2 -> one LLM token per 28x28 pixels
-
 # Text shapes of the real checkpoints (config.json of Qwen/Qwen2-VL-2B-Instruct and -7B-Instruct); the
 # vision tower has the real width in both (embed_dim 1280, 16 heads, mlp_ratio 4) and projects to the
 # text hidden size. "tiny" is for tests: the same structure at a width that builds in a second.
@@ -122,7 +120,6 @@ REAL_PRESETS = ["qwen2-vl-2b", "qwen2-vl-7b", "qwen2.5-vl-3b", "qwen2.5-vl-7b", 
 
 # The real Qwen2-VL image processor's budget: max_pixels 12845056 = 16384 tokens, min_pixels 3136.
 DEFAULT_MAX_VISUAL_TOKENS = 16384
-MIN_PIXELS = 56 * 56
 
 
 def make_tokenizer(special: list[str], eos: str, bos: str | None = None, vocab_size: int = 300):
@@ -158,7 +155,8 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
     ``preset`` into ``folder``.
 
     ``layers`` overrides the decoder depth; ``vision_depth`` is the vision tower's depth (real width).
-    The image processor admits images of up to ``max_visual_tokens`` visual tokens (28x28 pixels each)
+    The image processor admits images of up to ``max_visual_tokens`` visual tokens (28x28 pixels each;
+    32x32 for Qwen3-VL's 16-pixel patches)
     without shrinking them. Weights are created and saved in ``dtype`` (bfloat16 for GPU runs keeps a
     7B-width model at half the memory of float32). ``init_device`` ("cuda") makes the random
     initialisation of a large model fast; the files are the same. ``overrides`` replace preset keys
@@ -195,20 +193,20 @@ def build_random_qwen2_vl(folder: str | Path, *, preset: str = "qwen2-vl-2b", la
         # DeepStack blocks of the real tower that this depth has (at least one, so the path is exercised)
         deepstack = [i for i in shape["deepstack"] if i < vision_depth] or [0]
         vision_config = dict(depth=vision_depth, hidden_size=width, intermediate_size=round(width * shape["vision_mlp_ratio"]),
-                             num_heads=shape["vision_num_heads"], out_hidden_size=shape["hidden_size"], patch_size=16,
+                             num_heads=shape["vision_num_heads"], out_hidden_size=shape["hidden_size"], patch_size=patch,
                              spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
                              deepstack_visual_indexes=deepstack)
         config_class, model_class = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
     elif arch == "qwen2_5_vl":
         width = shape["vision_embed_dim"]
         vision_config = dict(depth=vision_depth, hidden_size=width, intermediate_size=round(width * shape["vision_mlp_ratio"]),
-                             num_heads=shape["vision_num_heads"], out_hidden_size=shape["hidden_size"], patch_size=14,
+                             num_heads=shape["vision_num_heads"], out_hidden_size=shape["hidden_size"], patch_size=patch,
                              spatial_merge_size=2, temporal_patch_size=2, window_size=112, tokens_per_second=2,
                              fullatt_block_indexes=[i for i in (7, 15, 23, 31) if i < vision_depth])
         config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
     else:
         vision_config = dict(depth=vision_depth, embed_dim=shape["vision_embed_dim"], hidden_size=shape["hidden_size"],
-                             num_heads=shape["vision_num_heads"], mlp_ratio=shape["vision_mlp_ratio"], patch_size=14,
+                             num_heads=shape["vision_num_heads"], mlp_ratio=shape["vision_mlp_ratio"], patch_size=patch,
                              spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
         config_class, model_class = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
     config = config_class(

@@ -187,8 +187,14 @@ def scores_by_token(ctx, attention: torch.Tensor) -> torch.Tensor:
 def drop_lowest_visual(active: torch.Tensor, ctx, scores: torch.Tensor, count: int) -> torch.Tensor:
     """``active`` without its ``count`` visual tokens of lowest ``scores`` (indexed by original
     index); text tokens are never touched."""
+    return without(active, lowest_visual(active, ctx, scores, count))
+
+
+def lowest_visual(active: torch.Tensor, ctx, scores: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions in ``active`` (sorted) of its ``count`` visual tokens of lowest ``scores`` (indexed
+    by original index)."""
     visual = (ctx.modality[active] != Modality.TEXT).nonzero().squeeze(1)  # positions in active
-    return without(active, visual[lowest(scores[active[visual]], count)])
+    return visual[lowest(scores[active[visual]], count)].sort().values
 
 
 def merge_into_kept(ctx, active: torch.Tensor, pruned: torch.Tensor, sizes: torch.Tensor) -> None:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from common import Modality, UserError
-from pruning.base import ScoreThenCut, check_speed, lowest, lowest_except, merge_into_kept, scaled_layer, without
+from pruning.base import (ScoreThenCut, check_speed, lowest_except, lowest_visual, merge_into_kept, scaled_layer,
+                          without)
 
 
 @dataclass
@@ -52,9 +53,8 @@ class FastV(ScoreThenCut):
             count = math.floor(self.ratio * (active.shape[0] - 1) + 1e-9)
             dropped = lowest_except(self.scores[active], count)
         else:
-            visual = (ctx.modality[active] != Modality.TEXT).nonzero().squeeze(1)  # positions in active
-            count = math.floor(self.ratio * visual.shape[0] + 1e-9)
-            dropped = visual[lowest(self.scores[active[visual]], count)]
+            count = math.floor(self.ratio * int((ctx.modality[active] != Modality.TEXT).sum()) + 1e-9)
+            dropped = lowest_visual(active, ctx, self.scores, count)
         self.resolved["num_dropped"] = count
         if self.merge:
             merge_into_kept(ctx, active, dropped, torch.ones(ctx.modality.shape[0]))

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 
 from common import Modality, UserError
-from pruning.base import (ScoreThenCut, check_speed, lowest, lowest_except, merge_into_kept, new_token_attention,
-                          without)
+from pruning.base import (ScoreThenCut, check_speed, lowest_except, lowest_visual, merge_into_kept,
+                          new_token_attention, without)
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
 PERCENTILES_AT_FULL_SPEED = (0.4, 0.5, 0.6)
@@ -97,13 +97,12 @@ class LazyLLM(ScoreThenCut):
         self.sizes = torch.ones(ctx.modality.shape[0])  # how many tokens each one holds (merge)
 
     def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
-        k = self.schedule[layer_idx]
-        scores = self.scores[active]  # the previous layer's importance of each token still active
+        k = self.schedule[layer_idx]  # the scores are the previous layer's importance, by original index
         if self.prune_text:
-            pruned = lowest_except(scores, math.floor(k * active.shape[0]))
+            pruned = lowest_except(self.scores[active], math.floor(k * active.shape[0]))
         else:
-            visual = (ctx.modality[active] != Modality.TEXT).nonzero().squeeze(1)
-            pruned = visual[lowest(scores[visual], math.floor(k * visual.shape[0]))].sort().values
+            visual = int((ctx.modality[active] != Modality.TEXT).sum())
+            pruned = lowest_visual(active, ctx, self.scores, math.floor(k * visual))
         ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
         if self.merge:
             merge_into_kept(ctx, active, pruned, self.sizes)

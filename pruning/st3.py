@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from common import Modality, UserError
-from pruning.base import ScoreThenCut, check_speed, drop_lowest_visual, last_token_attention
+from pruning.base import ScoreThenCut, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
 
 PAPER_START, PAPER_STRIDE, PAPER_DEPTH = 3, 7, 32
 PAPER_TAU = 50
@@ -105,9 +105,14 @@ class ST3(ScoreThenCut):
         self.kept: dict[int, int] = {}  # layer -> visual KV entries it holds now
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
-        super().score(layer_idx, attn_output, ctx)  # PVTP: the next layer's cut ranks by this layer's attention
+        # One probe of this layer's last-token attention serves both halves: PVTP's next cut and VTA.
+        cuts_next = layer_idx + 1 in self.cut_at
+        if not cuts_next and self.anneal_tau is None:
+            return
+        attention = last_token_attention(ctx)
+        if cuts_next:
+            self.scores = scores_by_token(ctx, attention)
         if self.anneal_tau is not None:  # VTA ranks each layer's visual KV by this layer's attention
-            attention = last_token_attention(ctx)
             visual = (ctx.modality[ctx.active] != Modality.TEXT).nonzero().squeeze(1)
             order = attention[visual].argsort(descending=True, stable=True)
             self.ranking[layer_idx] = ctx.active[visual][order].cpu()

@@ -127,8 +127,9 @@ class ZipVL(Policy):
 
     def _pack(self, ctx, layer_idx: int, important: torch.Tensor) -> None:
         """Pack the layer's float entries: the ``important`` tokens' at high bits, the rest at low."""
-        self.resolved["kv_group"] = ctx.cache.pack_group(layer_idx, self.group)
-        ctx.cache.pack(layer_idx, important, self.important_bits, self.other_bits, self.group)
+        group = ctx.cache.pack(layer_idx, important, self.important_bits, self.other_bits, self.group)
+        if group is not None:
+            self.resolved["kv_group"] = group
 
     def summary(self) -> str:
         parts = ["ZipVL off" if self.resolved["tau"] >= 1.0 else f"ZipVL tau={self.resolved['tau']:.3f}"]
