@@ -114,7 +114,6 @@ class Request:
     generator: torch.Generator | None
     budget: int  # new tokens allowed (max_new_tokens, capped by the context length)
     next_token: int  # chosen, not yet emitted
-    memory: MemoryMeter
     t_request: float
     t_prefill: float
     t_first: float
@@ -126,6 +125,12 @@ class Request:
     t_end: float = 0.0
     first_logits: torch.Tensor | None = None
     cancel: threading.Event | None = None  # set: stop before the next step (the client left)
+    done: bool = False  # ended (``finish`` says why): takes no further step
+    peak_memory: int = 0  # the highest reading of the memory meter after any of this request's steps
+    t_queued: float | None = None  # when the request was submitted, if it waited for the engine (the scheduler)
+
+    def note_memory(self, meter: MemoryMeter) -> None:
+        self.peak_memory = max(self.peak_memory, meter.peak())
 
 
 @dataclass
@@ -277,13 +282,13 @@ class Engine:
         them one by one."""
         sampling = Sampling(do_sample, temperature, top_p, seed)
         with self._lock, torch.inference_mode():
-            memory = MemoryMeter(self.device)
+            meter = MemoryMeter(self.device)
             requests = []
             for messages in conversations:
                 # A Policy object given here is a template: each request gets its own copy.
                 own = copy.deepcopy(policy) if isinstance(policy, Policy) else policy
-                requests.append(self._start(messages, own, speed, max_new_tokens, sampling, memory, ignore_eos))
-            for _ in self._decode_loop(requests):
+                requests.append(self.start(messages, own, speed, max_new_tokens, sampling, ignore_eos))
+            for _ in self._decode_loop(requests, meter):
                 pass
             return [self._result(request, batch_size=len(requests)) for request in requests]
 
@@ -316,23 +321,32 @@ class Engine:
                                f"configuration; as measured: {promise['text']}"}
         return promise
 
+    def kv_bytes_per_token(self) -> int:
+        """What one token's keys and values take over all layers, unpruned and unquantized: the unit of
+        the server's KV budget."""
+        cfg = self.adapter.text_config
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return 2 * len(self.adapter.layers) * kv_heads * head_dim * self.dtype.itemsize
+
     def prepare(self, messages) -> Prompt:
         return build_prompt(self.adapter, messages, self.chat_template, self.max_length)
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()  # on a generator: entered around every resume, not across the caller's code
     def _stream(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos, cancel) -> Iterator[StreamChunk]:
-        request = self._start(messages, policy, speed, max_new_tokens, sampling, MemoryMeter(self.device), ignore_eos)
+        meter = MemoryMeter(self.device)
+        request = self.start(messages, policy, speed, max_new_tokens, sampling, ignore_eos)
         request.cancel = cancel
-        for _, token in self._decode_loop([request]):
+        for _, token in self._decode_loop([request], meter):
             yield StreamChunk(request.detok.push(token), token)
         yield StreamChunk(request.detok.flush(), None, self._result(request))
 
-    def _start(self, messages, policy, speed, max_new_tokens, sampling, memory, ignore_eos=False) -> "Request":
-        """Prefill one request and pick its first token."""
+    def start(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos=False) -> "Request":
+        """Prefill one request and pick its first token. ``messages`` may be a ``Prompt`` already built."""
         t_request = time.perf_counter()
         policy = policy if isinstance(policy, Policy) else self.make_policy(policy, speed)
-        prompt = self.prepare(messages)
+        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages)
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
@@ -344,46 +358,64 @@ class Engine:
         budget = max_new_tokens
         if self.max_length is not None:  # never run past the positions the model knows
             budget = min(budget, self.max_length - int(ctx.positions.max()) - 1)
-        return Request(prompt, policy, ctx, sampling, generator, budget, token, memory, t_request, t_prefill,
+        return Request(prompt, policy, ctx, sampling, generator, budget, token, t_request, t_prefill,
                        t_first, _IncrementalDecoder(self.tokenizer), set() if ignore_eos else self.eos_token_ids,
                        first_logits=logits)
 
-    def _decode_loop(self, requests: list["Request"]) -> Iterator[tuple["Request", int]]:
+    def _decode_loop(self, requests: list["Request"], meter: MemoryMeter) -> Iterator[tuple["Request", int]]:
         """Yield each request's tokens as they are chosen; decode all unfinished requests together."""
         running = list(requests)
         for request in requests:
             request.t_decode = time.perf_counter()  # after every request's prefill
+            request.note_memory(meter)
         while running:
-            stepping = []
             for request in running:
-                if request.cancel is not None and request.cancel.is_set():
-                    request.finish = "cancelled"
-                elif request.next_token in request.stop_ids:
-                    request.finish = "stop"
-                elif len(request.tokens) < request.budget:
-                    request.tokens.append(request.next_token)
-                    yield request, request.next_token
-                    if len(request.tokens) < request.budget:
-                        stepping.append(request)
-                        continue
-                synchronize(self.device)
-                request.t_end = time.perf_counter()
-            running = stepping
-            if not running:
-                break
-            t_step = time.perf_counter()
-            for request in running:
-                ctx = request.ctx
-                request.policy.decode_step(len(request.tokens), ctx)  # evict / pack KV before the step
-                ctx.kv_bytes_per_step.append(ctx.cache.nbytes())  # what this step attends to
-                ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
-            logits = self.decode(running)
-            for request, row in zip(running, logits):
-                request.ctx.generated += 1
-                request.next_token = request.sampling.next(row, request.generator)  # reads the device: synced
-            seconds = time.perf_counter() - t_step
-            for request in running:
-                request.ctx.step_s.append(seconds)
+                token = self.take_token(request)
+                if token is not None:
+                    yield request, token
+            running = [request for request in running if not request.done]
+            if running:
+                self.decode_step(running)
+                for request in running:
+                    request.note_memory(meter)
+
+    def take_token(self, request: "Request") -> int | None:
+        """Append the request's chosen token to its answer and return it, or end the request (cancelled,
+        EOS, out of budget) and return None. A request whose answer reaches its budget ends with it."""
+        if request.cancel is not None and request.cancel.is_set():
+            self.finish(request, "cancelled")
+        elif request.next_token in request.stop_ids:
+            self.finish(request, "stop")
+        elif len(request.tokens) < request.budget:
+            request.tokens.append(request.next_token)
+            if len(request.tokens) >= request.budget:
+                self.finish(request, "length")
+            return request.tokens[-1]
+        else:
+            self.finish(request, "length")
+        return None
+
+    def finish(self, request: "Request", reason: str) -> None:
+        """End ``request`` here ("stop", "length", "cancelled"): it takes no further decode step."""
+        synchronize(self.device)
+        request.finish, request.done, request.t_end = reason, True, time.perf_counter()
+
+    def decode_step(self, running: list["Request"]) -> None:
+        """One decode step of every request in ``running`` together: each policy acts on its own cache
+        first (evict / pack), then one pass through the weights picks each request's next token."""
+        t_step = time.perf_counter()
+        for request in running:
+            ctx = request.ctx
+            request.policy.decode_step(len(request.tokens), ctx)  # evict / pack KV before the step
+            ctx.kv_bytes_per_step.append(ctx.cache.nbytes())  # what this step attends to
+            ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
+        logits = self.decode(running)
+        for request, row in zip(running, logits):
+            request.ctx.generated += 1
+            request.next_token = request.sampling.next(row, request.generator)  # reads the device: synced
+        seconds = time.perf_counter() - t_step
+        for request in running:
+            request.ctx.step_s.append(seconds)
 
     def _result(self, request: "Request", batch_size: int = 1) -> GenerationResult:
         synchronize(self.device)
@@ -551,9 +583,10 @@ class Engine:
         d, m, T = cfg.hidden_size, cfg.intermediate_size, len(prompt)
         t_request, t_prefill, t_first, t_end = request.t_request, request.t_prefill, request.t_first, request.t_end
         decode_s = t_end - request.t_decode
-        memory = request.memory
+        queued = request.t_queued if request.t_queued is not None else t_request
         return Metrics(
-            ttft_s=t_first - t_request,
+            ttft_s=t_first - queued,  # as the user waits for it: the queue included
+            queue_s=t_request - queued,
             prefill_s=t_first - t_prefill,
             vision_encoder_s=ctx.vision_encoder_s,
             vision_wait_s=ctx.vision_wait_s,
@@ -572,7 +605,7 @@ class Engine:
             batch_size=batch_size,
             revived_tokens=ctx.revived,
             aux_cache_bytes=ctx.aux_cache.nbytes(),
-            peak_memory_bytes=memory.peak(),
+            peak_memory_bytes=request.peak_memory,
             keep_map=keep_map(prompt, ctx.active_per_layer, ctx.attention_per_layer),
         )
 

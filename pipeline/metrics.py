@@ -17,7 +17,8 @@ class Metrics(TypedDict):
     types declared here once. The CLI (``ask --json``), the API's ``glimpse`` field, the chat's panel and
     the benchmarks all read these keys; being a plain dict, it serialises as it is."""
 
-    ttft_s: float  # request received -> first token chosen (prompt building, vision, prefill)
+    ttft_s: float  # request received -> first token chosen (waiting for the engine, prompt building, vision, prefill)
+    queue_s: float  # of which waiting for the engine (the server's scheduler; 0 otherwise)
     prefill_s: float  # prefill alone (the wait for the vision encoder included)
     vision_encoder_s: float  # the vision encoder + projector's own time
     vision_wait_s: float  # how long the layer loop waited for it
@@ -36,7 +37,7 @@ class Metrics(TypedDict):
     batch_size: int
     revived_tokens: int  # prompt-token computations added by revival in decode (LazyLLM)
     aux_cache_bytes: int
-    peak_memory_bytes: int
+    peak_memory_bytes: int  # the process's peak while this request ran (``MemoryMeter``)
     keep_map: dict  # how deep every visual token went (``keep_map``), for the chat's heatmap
 
 
@@ -98,18 +99,42 @@ def synchronize(device: torch.device) -> None:
 
 
 class MemoryMeter:
-    """Peak memory of a request: CUDA peak allocated on GPU, process peak RSS on CPU.
+    """The process's peak memory since the meter was made: CUDA peak allocated on GPU, peak resident set
+    on CPU. Making a meter resets the peak (on Linux through ``/proc/self/clear_refs``), so a request's
+    reading is its own, not the process's lifetime peak; elsewhere the CPU reading is that lifetime peak.
 
-    On CPU the kernel only reports the process's lifetime peak, so that is what we give.
+    The peak is process-wide: a request answered beside others (a batch, the server's scheduler) reads
+    the peak of the steps it shared with them.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        else:
+            _reset_peak_rss()
 
     def peak(self) -> int:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+        return _peak_rss()
+
+
+def _reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5": reset the peak resident set size to the current one (Linux >= 4.0)
+    except OSError:
+        pass  # not Linux, or not allowed: peak() reads the lifetime peak
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB

@@ -118,8 +118,8 @@ def test_decoding_after_the_visual_kv_is_gone_equals_a_model_that_hides_vision_f
 def _answer(engine, messages, policy, new):
     """Prefill and decode ``new`` tokens; return the request with its caches (engine internals)."""
     with torch.inference_mode():
-        request = engine._start(messages, policy, 0.0, new, Sampling(), MemoryMeter(engine.device))
-        for _ in engine._decode_loop([request]):
+        request = engine.start(messages, policy, 0.0, new, Sampling())
+        for _ in engine._decode_loop([request], MemoryMeter(engine.device)):
             pass
     return request
 

@@ -1,0 +1,349 @@
+"""The scheduler: one thread owns the engine and answers every request the server gets, together.
+
+Iteration-level batching (Orca, OSDI '22; what vLLM calls continuous batching): between two decode
+steps the scheduler takes in waiting requests — prefills each, on its own, with its own policy — and
+they join the running batch; finished and cancelled requests leave it. Every decode step computes the
+next token of every running request in one pass through the weights (``Engine.decode_step``), each
+request attending over its own cache with its own policy, so a request's answer does not depend on the
+company it keeps.
+
+Admission is bounded three ways: at most ``max_batch`` requests run at once; their KV caches may
+reserve at most ``kv_budget_bytes`` (a request reserves what its prompt and ``max_new_tokens`` would
+take unpruned, an upper bound, so the budget holds whatever the policies keep); at most ``queue_size``
+wait. A request beyond that is refused at once (``QueueFull``, with how long to wait), never queued
+without bound.
+
+Submitters run in their own threads (the API's, the chat's): ``submit`` builds the prompt there (media
+decoding never stalls the running batch), and each ticket's chunks go to its own sink. A ticket's
+``cancel`` (a client that left, Stop, Clear) ends it before its next step — or before its prefill,
+if it was still waiting — and frees its cache at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from common import UserError
+from pipeline.engine import Engine, GenerationResult, Request, Sampling, StreamChunk
+from pipeline.metrics import MemoryMeter
+from pipeline.prompt import Prompt
+from pruning import Policy
+
+
+class QueueFull(Exception):
+    """The server cannot take this request now: ``waiting`` requests already wait; retry in ``retry_s``."""
+
+    def __init__(self, waiting: int, retry_s: float):
+        self.waiting, self.retry_s = waiting, retry_s
+        super().__init__(f"the server is busy: {waiting} requests are waiting; retry in about {retry_s:.0f} s")
+
+
+class Cancelled(Exception):
+    """The request was cancelled before it started: it has no answer."""
+
+
+class StopText:
+    """Stop strings in a streamed answer (OpenAI's ``stop``): text is released only once no stop string
+    can start in it, and the answer ends before the first stop string, which is not returned."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        """The text that can be shown now, given ``text`` new. Sets ``hit`` at a stop string."""
+        if not self.stops:
+            return text
+        self.pending += text
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit = True
+            shown, self.pending = self.pending[:cut], ""
+            return shown
+        keep = len(self.pending) - self.hold
+        shown, self.pending = (self.pending[:keep], self.pending[keep:]) if keep > 0 else ("", self.pending)
+        return shown
+
+    def flush(self) -> str:
+        shown, self.pending = self.pending, ""
+        return shown
+
+
+@dataclass
+class Ticket:
+    """A submitted request, as its submitter holds it: ``cancel`` it, read its ``chunks()`` (or give a
+    ``sink`` that receives each ``StreamChunk``, then the final one with the result; or an exception;
+    or ``None`` for a request cancelled before it started, which has no result)."""
+
+    prompt: Prompt
+    policy: Policy
+    max_new_tokens: int
+    sampling: Sampling
+    ignore_eos: bool
+    stop: StopText
+    reserved_bytes: int  # the KV this request may grow to (its admission reserves it)
+    sink: Callable[[object], None]
+    submitted: float = field(default_factory=time.perf_counter)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    request: Request | None = None
+    text: str = ""  # what was sent so far
+    batch: int = 1  # the largest batch it decoded in
+    ended: bool = False
+    _queue: queue.Queue | None = None
+
+    def chunks(self, timeout: float | None = None) -> Iterator[StreamChunk]:
+        """The answer's chunks as they come (only for tickets submitted without a sink). Closing this
+        iterator early cancels the request."""
+        try:
+            while True:
+                item = self._queue.get(timeout=timeout)
+                if item is None:  # cancelled before it started
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.result is not None:
+                    return
+        finally:
+            self.cancel.set()  # a no-op once the answer ended
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        for chunk in self.chunks(timeout):
+            if chunk.result is not None:
+                return chunk.result
+        raise Cancelled("the request was cancelled before it started")
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, max_batch: int = 8, queue_size: int = 32,
+                 kv_budget_bytes: int | None = None):
+        if max_batch < 1 or queue_size < 0:
+            raise UserError("the batch size must be at least 1 and the queue size at least 0")
+        self.engine, self.max_batch, self.queue_size = engine, max_batch, queue_size
+        self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None else default_kv_budget(engine.device)
+        self.waiting: collections.deque[Ticket] = collections.deque()
+        self.running: list[Ticket] = []
+        self.condition = threading.Condition()
+        self.prepare_lock = threading.Lock()  # one prompt built at a time (the tokenizer is shared)
+        self.busy_since: float | None = None  # when the loop began its current iteration, while it works
+        self.service_s = 10.0  # a running average of how long a request takes, for the wait estimates
+        self.closed = False
+        self.error: BaseException | None = None  # what stopped the loop, if anything did
+        self.on_finish: list[Callable[[Ticket, GenerationResult | None, BaseException | None], None]] = []
+        self.thread = threading.Thread(target=self._loop, name="glimpse-scheduler", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ submitters' side
+    def submit(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
+               do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+               ignore_eos: bool = False, stop: tuple[str, ...] = (),
+               sink: Callable[[object], None] | None = None) -> Ticket:
+        """Queue a request; raises ``QueueFull`` when the queue is full, ``UserError`` for a bad prompt or
+        one that could never fit the KV budget. The prompt (media decoding included) is built here, in the
+        caller's thread."""
+        with self.condition:  # refuse before the work of building the prompt
+            self._check_room()
+        # A Policy object given here is a template: the request gets its own copy (policies keep state).
+        policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
+        with self.prepare_lock:
+            prompt = messages if isinstance(messages, Prompt) else self.engine.prepare(messages)
+        reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
+        if reserved > self.kv_budget_bytes:
+            raise UserError(f"this request may need {reserved / 2**20:,.0f} MiB of KV cache, more than the server's "
+                            f"budget of {self.kv_budget_bytes / 2**20:,.0f} MiB: shorten the prompt, send fewer "
+                            "frames or ask for fewer tokens")
+        own_queue = None
+        if sink is None:
+            own_queue = queue.Queue()
+            sink = own_queue.put
+        ticket = Ticket(prompt, policy, max_new_tokens, Sampling(do_sample, temperature, top_p, seed), ignore_eos,
+                        StopText(tuple(stop)), reserved, sink, _queue=own_queue)
+        with self.condition:
+            self._check_room()
+            self.waiting.append(ticket)
+            self.condition.notify()
+        return ticket
+
+    def _check_room(self) -> None:
+        if self.closed or self.error is not None:
+            raise RuntimeError(f"the scheduler stopped: {self.error!r}")
+        if len(self.waiting) >= self.queue_size:
+            raise QueueFull(len(self.waiting), self.wait_estimate(len(self.waiting)))
+
+    def generate(self, messages, **options) -> GenerationResult:
+        return self.submit(messages, **options).result()
+
+    def stream(self, messages, **options) -> Iterator[StreamChunk]:
+        return self.submit(messages, **options).chunks()
+
+    def position(self, ticket: Ticket) -> int:
+        """0 once the request runs (or ended); otherwise how many requests wait ahead of it, plus one."""
+        with self.condition:
+            try:
+                return self.waiting.index(ticket) + 1
+            except ValueError:
+                return 0
+
+    def wait_estimate(self, position: int) -> float:
+        """Seconds until a request at queue ``position`` starts, from the average request time: requests
+        ahead of it leave the batch about ``max_batch`` at a time."""
+        return math.ceil(position / self.max_batch) * self.service_s
+
+    def state(self) -> dict:
+        """What ``/health`` and ``/metrics`` report. ``stalled_s``: how long the current iteration has run
+        (a wedged scheduler shows here); ``kv_bytes``: the running requests' caches now."""
+        with self.condition:
+            running = list(self.running)
+            waiting = len(self.waiting)
+            busy = self.busy_since
+        kv = sum(_cache_bytes(t.request) for t in running)
+        return {"running": len(running), "waiting": waiting, "kv_bytes": kv,
+                "kv_reserved_bytes": sum(t.reserved_bytes for t in running),
+                "kv_budget_bytes": self.kv_budget_bytes, "max_batch": self.max_batch, "queue_size": self.queue_size,
+                "stalled_s": 0.0 if busy is None else time.perf_counter() - busy,
+                "alive": self.thread.is_alive() and self.error is None}
+
+    def close(self) -> None:
+        with self.condition:
+            self.closed = True
+            for ticket in self.waiting:
+                ticket.cancel.set()
+            self.condition.notify()
+        self.thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the loop (the scheduler's thread)
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self.condition:
+                    while not self.closed and not self.waiting and not self.running:
+                        self.condition.wait()
+                    if self.closed and not self.running:
+                        break
+                    self.busy_since = time.perf_counter()
+                    joining = self._admit()
+                self._iteration(joining)
+                with self.condition:
+                    self.busy_since = None
+        except BaseException as error:  # a bug: every request still here learns it, and /health reports it
+            self.error = error
+            with self.condition:
+                tickets = list(self.running) + list(self.waiting)
+                self.running.clear()
+                self.waiting.clear()
+            for ticket in tickets:
+                self._end(ticket, None, error)
+            raise
+
+    def _admit(self) -> list[Ticket]:
+        """Waiting requests that fit beside the running ones, oldest first (under the condition)."""
+        joining = []
+        reserved = sum(t.reserved_bytes for t in self.running)
+        while self.waiting and len(self.running) + len(joining) < self.max_batch:
+            ticket = self.waiting[0]
+            if ticket.cancel.is_set():  # gave up while waiting: nothing was computed
+                self.waiting.popleft()
+                self._end(ticket, None, None)
+                continue
+            if reserved + ticket.reserved_bytes > self.kv_budget_bytes:
+                break  # first come, first served: it waits until enough of the budget is free
+            self.waiting.popleft()
+            joining.append(ticket)
+            reserved += ticket.reserved_bytes
+        return joining
+
+    def _iteration(self, joining: list[Ticket]) -> None:
+        engine = self.engine
+        with engine._lock, torch.inference_mode():
+            meter = MemoryMeter(engine.device)
+            for ticket in joining:
+                if ticket.cancel.is_set():
+                    self._end(ticket, None, None)
+                    continue
+                try:
+                    request = engine.start(ticket.prompt, ticket.policy, 0.0, ticket.max_new_tokens, ticket.sampling,
+                                           ticket.ignore_eos)
+                except Exception as error:  # this request's own failure (a policy parameter, memory): it alone ends
+                    self._end(ticket, None, error)
+                    continue
+                request.cancel, request.t_queued, request.t_decode = ticket.cancel, ticket.submitted, time.perf_counter()
+                ticket.request = request
+                with self.condition:
+                    self.running.append(ticket)
+            with self.condition:
+                running = list(self.running)
+            for ticket in running:
+                request = ticket.request
+                request.note_memory(meter)
+                token = engine.take_token(request)
+                if token is not None:
+                    text = ticket.stop.feed(request.detok.push(token))
+                    if ticket.stop.hit:
+                        engine.finish(request, "stop")
+                    if text:
+                        ticket.text += text
+                        ticket.sink(StreamChunk(text, token))
+                if request.done:
+                    self._end(ticket, request, None)
+            with self.condition:
+                self.running = [t for t in self.running if not t.ended]
+                stepping = [t.request for t in self.running]
+            if stepping:
+                for ticket in self.running:
+                    ticket.batch = max(ticket.batch, len(stepping))
+                engine.decode_step(stepping)
+                for request in stepping:
+                    request.note_memory(meter)
+
+    def _end(self, ticket: Ticket, request: Request | None, error: BaseException | None) -> None:
+        """Hand the ticket its last chunk (the result) or its error; free its cache."""
+        ticket.ended = True
+        result = None
+        if request is not None:
+            tail = "" if ticket.stop.hit else ticket.stop.feed(request.detok.flush()) + ticket.stop.flush()
+            ticket.text += tail
+            try:
+                result = self.engine._result(request, batch_size=ticket.batch)
+            except Exception as failure:  # noqa: BLE001 — reported to this request alone
+                error = failure
+            else:
+                if ticket.stop.stops:
+                    result.text = ticket.text  # the answer before its stop string
+                service = time.perf_counter() - ticket.submitted
+                self.service_s = 0.8 * self.service_s + 0.2 * service
+            request.ctx.cache = None  # the KV cache goes now, not when the submitter drops the ticket
+            ticket.sink(error if error is not None else StreamChunk(tail, None, result))
+        else:
+            # Never started: cancelled while waiting, or its prefill failed.
+            ticket.sink(error)
+        for hook in self.on_finish:
+            hook(ticket, result, error)
+
+
+def _cache_bytes(request: Request | None) -> int:
+    cache = request.ctx.cache if request is not None else None  # None once the request ended
+    return cache.nbytes() if cache is not None else 0
+
+
+def default_kv_budget(device: torch.device) -> int:
+    """Half the GPU memory free now (the weights are loaded), or on CPU a quarter of the machine's RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.5)
+    try:
+        import os
+
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.25)
+    except (ValueError, OSError, AttributeError):
+        return 4 * 2**30

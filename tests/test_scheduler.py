@@ -1,0 +1,173 @@
+"""The server's scheduler: iteration-level batching that changes nothing in any answer, admission
+bounded by batch size, KV budget and queue, cancellation that frees the model at once, stop strings."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common import UserError
+from pipeline import load_engine
+from pipeline.scheduler import Cancelled, QueueFull, Scheduler, StopText
+
+
+@pytest.fixture(scope="module")
+def engine(deep_checkpoints):
+    return load_engine(str(deep_checkpoints["qwen2_vl"]), device="cpu")
+
+
+def _conversations(media):
+    image = str(media["image"])
+    return [
+        [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe it."}]}],
+        [{"role": "user", "content": "Write one line about the sea."}],
+        [{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                      {"type": "text", "text": "What happens?"}]}],
+        [{"role": "user", "content": [{"type": "image", "image": image},
+                                      {"type": "text", "text": "What colours? Answer in a long sentence please."}]}],
+    ]
+
+
+# Every policy, at speeds that make it prune, mixed in one batch.
+MIX = [("none", 0.0), ("auto", 1.0), ("lazyllm", 0.7), ("zipvl", 1.0), ("st3", 1.0), ("dash", 0.6),
+       ("fastv", 0.8), ("hidivdrop", 1.0), ("auto", 0.5)]
+
+
+def test_answers_with_company_equal_answers_alone_for_every_policy(engine, media):
+    """Requests join a running batch between its decode steps and leave it when done: each greedy answer
+    is token for token what the engine gives the request alone, whatever policies and speeds share it."""
+    conversations = _conversations(media)
+    cases = [(conversations[i % len(conversations)], name, speed, 6 + 3 * (i % 3)) for i, (name, speed) in enumerate(MIX)]
+    alone = [engine.generate(c, policy=name, speed=speed, max_new_tokens=n) for c, name, speed, n in cases]
+    scheduler = Scheduler(engine, max_batch=4, queue_size=16)
+    try:
+        first = scheduler.submit(cases[0][0], policy=cases[0][1], speed=cases[0][2], max_new_tokens=cases[0][3])
+        stream = first.chunks(timeout=60)
+        next(stream)  # the first request is decoding: the others join it mid-answer
+        tickets = [first] + [scheduler.submit(c, policy=name, speed=speed, max_new_tokens=n)
+                             for c, name, speed, n in cases[1:]]
+        results = [next(chunk.result for chunk in stream if chunk.result is not None)]
+        results += [t.result(timeout=120) for t in tickets[1:]]
+    finally:
+        scheduler.close()
+    assert max(r.metrics["batch_size"] for r in results) == 4  # they did share steps
+    for (_, name, speed, _), together, single in zip(cases, results, alone):
+        assert together.policy == single.policy
+        assert together.token_ids == single.token_ids, (name, speed)
+        assert together.finish_reason == single.finish_reason
+        assert together.metrics["active_tokens_per_layer"] == single.metrics["active_tokens_per_layer"]
+        assert together.metrics["kv_bytes"] == single.metrics["kv_bytes"]
+
+
+def test_a_request_cancelled_while_streaming_ends_at_the_next_step_and_the_others_go_on(engine, media):
+    conversations = _conversations(media)
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        leaving = scheduler.submit(conversations[0], policy="none", max_new_tokens=40, ignore_eos=True)
+        staying = scheduler.submit(conversations[1], policy="none", max_new_tokens=12, ignore_eos=True)
+        chunks = leaving.chunks(timeout=60)
+        next(chunks), next(chunks)
+        leaving.cancel.set()
+        last = [c for c in chunks][-1].result
+        assert last.finish_reason == "cancelled" and 2 <= len(last.token_ids) < 40
+        assert leaving.request.ctx.cache is None  # its KV went with it
+        assert staying.result(timeout=60).token_ids == engine.generate(
+            conversations[1], policy="none", max_new_tokens=12, ignore_eos=True).token_ids
+        _wait(lambda: scheduler.state()["running"] == 0)
+        assert not engine._lock.locked()
+    finally:
+        scheduler.close()
+
+
+def test_a_request_cancelled_while_queued_is_never_computed_and_frees_its_place(engine, media):
+    conversations = _conversations(media)
+    scheduler = Scheduler(engine, max_batch=1, queue_size=1)
+    started = []
+    scheduler.on_finish.append(lambda ticket, result, error: started.append(ticket.request is not None))
+    try:
+        running = scheduler.submit(conversations[1], policy="none", max_new_tokens=30, ignore_eos=True)
+        next(running.chunks(timeout=60))  # running: the next one waits
+        queued = scheduler.submit(conversations[0], policy="none", max_new_tokens=5)
+        assert scheduler.position(queued) == 1
+        with pytest.raises(QueueFull) as full:  # queue_size=1: no room for a third
+            scheduler.submit(conversations[0], policy="none", max_new_tokens=5)
+        assert full.value.retry_s > 0
+        queued.cancel.set()
+        with pytest.raises(Cancelled):
+            queued.result(timeout=60)
+        _wait(lambda: scheduler.state()["running"] == 0)
+        assert started == [True, False]  # the cancelled one never reached the model
+    finally:
+        scheduler.close()
+
+
+def test_admission_keeps_the_kv_reservations_within_the_budget(engine, media):
+    conversations = _conversations(media)
+    per_token = engine.kv_bytes_per_token()
+    prompt = len(engine.prepare(conversations[1]))
+    # Room for exactly one request of this prompt and 8 new tokens at a time.
+    scheduler = Scheduler(engine, max_batch=8, kv_budget_bytes=per_token * (prompt + 8) * 3 // 2)
+    peaks = []
+    scheduler.on_finish.append(lambda ticket, result, error: peaks.append(result.metrics["batch_size"]))
+    try:
+        with pytest.raises(Exception, match="budget"):  # could never fit: refused at once
+            scheduler.submit(conversations[1], policy="none", max_new_tokens=10 * prompt)
+        tickets = [scheduler.submit(conversations[1], policy="none", max_new_tokens=8, ignore_eos=True)
+                   for _ in range(3)]
+        results = [t.result(timeout=60) for t in tickets]
+    finally:
+        scheduler.close()
+    assert peaks == [1, 1, 1]  # one at a time: two would exceed the budget
+    assert all(len(r.token_ids) == 8 for r in results)
+
+
+def test_stop_strings_end_the_answer_before_them(engine, media):
+    conversation = _conversations(media)[1]
+    alone = engine.generate(conversation, policy="none", max_new_tokens=16, ignore_eos=True)
+    stop = alone.text[len(alone.text) // 2:len(alone.text) // 2 + 3]
+    assert stop.strip(), alone.text
+    expected = alone.text[:alone.text.find(stop)]
+    scheduler = Scheduler(engine)
+    try:
+        ticket = scheduler.submit(conversation, policy="none", max_new_tokens=16, ignore_eos=True, stop=(stop,))
+        chunks = list(ticket.chunks(timeout=60))
+    finally:
+        scheduler.close()
+    result = chunks[-1].result
+    assert result.finish_reason == "stop"
+    assert result.text == expected == "".join(c.text for c in chunks)
+
+
+def test_stop_text_holds_back_only_what_could_start_a_stop_string():
+    stop = StopText(("END", "##"))
+    assert stop.feed("hello E") == "hello"  # " E" could still start "END": held back
+    assert stop.feed("N") == " "
+    assert stop.feed("D and more") == "" and stop.hit
+    partial = StopText(("END",))
+    assert partial.feed("the E") == "the" and partial.flush() == " E"  # the answer ended before any stop
+    plain = StopText(())
+    assert plain.feed("anything") == "anything" and not plain.hit
+
+
+def _wait(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_failing_request_ends_alone_and_the_scheduler_keeps_serving(engine, media):
+    conversations = _conversations(media)
+    scheduler = Scheduler(engine)
+    try:
+        policy = engine.make_policy("fastv", 0.5)
+        policy.layer = 10_000  # a parameter only prefill finds wrong
+        bad = scheduler.submit(conversations[1], policy=policy, max_new_tokens=4)
+        with pytest.raises(UserError):
+            bad.result(timeout=60)
+        good = scheduler.submit(conversations[1], policy="none", max_new_tokens=4)
+        assert len(good.result(timeout=60).token_ids) >= 1
+        assert scheduler.state()["alive"]
+    finally:
+        scheduler.close()
