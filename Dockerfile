@@ -1,7 +1,8 @@
 # Glimpse on a CUDA GPU box.
 #   docker build -t glimpse .                 (add --build-arg FLASH_ATTN=1 to build flash-attention 2)
-#   docker run --gpus all -p 7860:7860 -v glimpse-cache:/home/glimpse/.cache glimpse \
+#   docker run --gpus all -p 7860:7860 -e GLIMPSE_API_KEY=... -v glimpse-cache:/home/glimpse/.cache glimpse \
 #       glimpse serve --host 0.0.0.0 --model Qwen/Qwen2-VL-7B-Instruct
+#   (--host 0.0.0.0 needs an API key: GLIMPSE_API_KEY, or --no-api-key when only this host can reach the port)
 #   (docs/docker.md; compose.yaml does the same)
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
 
@@ -39,4 +40,5 @@ EXPOSE 7860
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
     CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/health', timeout=4)"
 # The model loads at start (first run: downloads into the cache volume), then the chat and API serve.
+# Reachable from outside the container, so it refuses to start without GLIMPSE_API_KEY (or --no-api-key).
 CMD ["glimpse", "serve", "--host", "0.0.0.0", "--port", "7860"]

@@ -3,23 +3,31 @@
 * ``POST /v1/chat/completions`` — OpenAI-compatible. Messages hold text and ``image_url`` parts
   (``data:`` URLs, ``http(s)`` URLs, or local paths / ``file://`` URLs under ``--allowed-root`` only),
   plus Glimpse's ``video_url`` parts (same sources). ``stream: true`` answers with server-sent events
-  (``chat.completion.chunk`` objects, then ``data: [DONE]``). Extra request fields: ``policy`` and
-  ``speed`` (the slider), ``params`` (overrides). Decoding is greedy unless ``temperature`` > 0
-  (then ``top_p`` and ``seed`` apply); ``max_tokens`` / ``max_completion_tokens`` default to 256.
-  The response's ``usage`` counts tokens, and its ``glimpse`` field carries the policy, its
-  parameters and the timing/memory metrics. Any other request field (``stop``, ``tools``,
-  ``response_format``, ``logprobs``, penalties, ``n`` > 1, ...) is refused with 400, never ignored,
-  unless it is sent with its "off" value (null, false, 0, empty), which asks for nothing.
+  (``chat.completion.chunk`` objects, then ``data: [DONE]``; with ``stream_options.include_usage`` a
+  last chunk carries ``usage``). Extra request fields: ``policy`` and ``speed`` (the slider), ``params``
+  (overrides). Decoding is greedy unless ``temperature`` > 0 (then ``top_p`` and ``seed`` apply);
+  ``max_tokens`` / ``max_completion_tokens`` default to 256 and are capped by ``--max-new-tokens``;
+  ``stop`` takes up to 4 strings, and the answer ends before the first one. The response's ``usage``
+  counts tokens, and its ``glimpse`` field carries the policy, its parameters and the timing/memory
+  metrics. Any other request field (``tools``, ``response_format``, ``logprobs``, penalties, ``n`` > 1,
+  ...) is refused with 400, never ignored, unless it is sent with its "off" value (null, false, 0,
+  empty), which asks for nothing.
 * ``GET /v1/models`` — the one model this server answers with.
-* ``GET /health`` — ``{"status": "ok", "model": ...}``.
-* ``GET /metrics`` — Prometheus text: requests by outcome, tokens, a TTFT histogram, KV bytes.
+* ``GET /health`` — ``{"status": "ok", ...}`` with the scheduler's state; 503 when the scheduler has
+  stopped or one of its iterations has run longer than ``STALL_S`` (wedged).
+* ``GET /metrics`` — Prometheus (``app/telemetry.py``).
 
-A bad request gets a 400 with an OpenAI-style ``{"error": {...}}`` body and changes nothing; the
-engine answers one request at a time (its lock), so concurrent requests queue. A client that leaves
-— a dropped stream, or a request given up while waiting — cancels its request at the next decode step
-and frees the model. Parsing a request and fetching its media never run on the event loop, and a
-media URL gets ``FETCH_DEADLINE_S`` in all, no redirect to another host, and no private, loopback or
-link-local address unless the server allows them (``--allow-private-urls``).
+Requests are validated by declared models (``ChatRequest``): a bad one gets a 400 with an OpenAI-style
+``{"error": {...}}`` body naming the field, and changes nothing. Only ``application/json`` bodies are
+read: ``text/plain`` and form bodies, which a cross-origin page can send without asking, get 415. With ``--api-key``,
+``/v1/*`` requires ``Authorization: Bearer <key>``.
+
+Requests go to the scheduler (``pipeline/scheduler.py``), shared with the chat: a full queue answers
+429 with Retry-After. A client that leaves — a dropped stream, or a request given up while waiting —
+cancels its request at the next decode step. Parsing a request and fetching its media never run on
+the event loop, and a media URL gets ``FETCH_DEADLINE_S`` in all, no redirect to another host, and no
+private, loopback or link-local address unless the server allows them (``--allow-private-urls``);
+the address checked is the address connected to (no second DNS lookup to rebind).
 """
 
 from __future__ import annotations
@@ -27,276 +35,279 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hmac
 import ipaddress
 import json
 import socket
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urljoin, urlsplit
+from typing import Annotated, Any, Literal
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from app.telemetry import CONTENT_TYPE, Telemetry
 from common import UserError
-from pruning.base import check_speed
+from pipeline.scheduler import QueueFull, Scheduler
 
 MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
 FETCH_DEADLINE_S = 30.0  # a media URL must be fetched within this, however slowly it drips
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (data URLs included) is refused with 413
-# The request fields Glimpse implements; any other is refused with 400 rather than silently ignored.
-FIELDS = {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
-          "top_p", "seed", "user", "n", "speed", "policy", "params"}
 CHARS_PER_TOKEN_BOUND = 8  # text longer than this many characters per context token cannot fit: refused unread
-TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STALL_S = 300.0  # /health reports the scheduler wedged when one iteration (a prefill, a step) runs this long
+OFF_VALUES = (None, False, 0, [], {}, "")
+# The body types a browser sends cross-origin without a CORS preflight: refused, so that a web page a user
+# visits cannot make the user's browser drive a local server.
+SIMPLE_CONTENT_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 
 
 class BadRequest(Exception):
     pass
 
 
-class Counters:
-    """What ``/metrics`` reports; updated after every request."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.requests = {"ok": 0, "bad_request": 0, "error": 0, "cancelled": 0, "rejected": 0}
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.kv_bytes_last = 0
-        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
-        self.ttft_sum = 0.0
-
-    def record(self, outcome: str, result=None) -> None:
-        with self.lock:
-            self.requests[outcome] += 1
-            if result is None:
-                return
-            m = result.metrics
-            self.prompt_tokens += sum(m["prompt_tokens"].values())
-            self.completion_tokens += m["new_tokens"]
-            self.kv_bytes_last = m["kv_bytes"]
-            ttft = m["ttft_s"]
-            self.ttft_sum += ttft
-            bucket = next((i for i, edge in enumerate(TTFT_BUCKETS) if ttft <= edge), len(TTFT_BUCKETS))
-            self.ttft_counts[bucket] += 1
-
-    def prometheus(self) -> str:
-        with self.lock:
-            lines = ["# HELP glimpse_requests_total Chat completion requests by outcome.",
-                     "# TYPE glimpse_requests_total counter"]
-            lines += [f'glimpse_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
-            lines += ["# HELP glimpse_tokens_total Tokens processed.", "# TYPE glimpse_tokens_total counter",
-                      f'glimpse_tokens_total{{kind="prompt"}} {self.prompt_tokens}',
-                      f'glimpse_tokens_total{{kind="completion"}} {self.completion_tokens}',
-                      "# HELP glimpse_kv_bytes KV cache bytes of the last request at its end.",
-                      "# TYPE glimpse_kv_bytes gauge", f"glimpse_kv_bytes {self.kv_bytes_last}",
-                      "# HELP glimpse_ttft_seconds Time to first token.", "# TYPE glimpse_ttft_seconds histogram"]
-            cumulative = 0
-            for edge, count in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts):
-                cumulative += count
-                lines.append(f'glimpse_ttft_seconds_bucket{{le="{edge}"}} {cumulative}')
-            lines += [f"glimpse_ttft_seconds_sum {self.ttft_sum}", f"glimpse_ttft_seconds_count {cumulative}"]
-        return "\n".join(lines) + "\n"
+# ---------------------------------------------------------------------------- the request, declared
+Number = Annotated[float, Field(strict=True)]  # a JSON number; strings and booleans are refused
 
 
-def create_api(engine, *, model_name: str, allowed_root: str | None = None, app: FastAPI | None = None,
-               allow_private_urls: bool = False, fetch_deadline_s: float = FETCH_DEADLINE_S,
-               max_new_tokens: int = 4096, queue_size: int = 32) -> FastAPI:
+class MediaURL(BaseModel):
+    url: StrictStr = Field(min_length=1)
+    detail: StrictStr | None = None  # OpenAI's image detail hint: accepted, the model's processor decides
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: MediaURL | Annotated[str, Field(strict=True, min_length=1)]
+
+
+class VideoPart(BaseModel):
+    type: Literal["video_url"]
+    video_url: MediaURL | Annotated[str, Field(strict=True, min_length=1)]
+
+
+Part = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr | list[Part]
+    name: StrictStr | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+
+
+class ChatRequest(BaseModel):
+    """``POST /v1/chat/completions``: what Glimpse implements of OpenAI's request, plus the slider."""
+
+    model_config = ConfigDict(extra="allow")  # checked below: only "off" values pass
+    model: StrictStr | None = None
+    messages: list[Message] = Field(min_length=1)
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = Field(None, ge=0, le=2)
+    top_p: Number | None = Field(None, gt=0, le=1)
+    seed: StrictInt | None = None
+    n: StrictInt | None = Field(None, ge=1, le=1)  # one choice per request
+    stop: StrictStr | list[StrictStr] | None = Field(None, max_length=4)
+    user: StrictStr | None = None
+    speed: Number = Field(0.0, ge=0, le=1)
+    policy: StrictStr = "auto"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def refuse_unimplemented(self) -> "ChatRequest":
+        asked = sorted(k for k, v in (self.model_extra or {}).items() if v not in OFF_VALUES)
+        if asked:
+            raise ValueError(f"unsupported field(s) {', '.join(asked)}: Glimpse implements "
+                             f"{', '.join(sorted(ChatRequest.model_fields))}")
+        return self
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+def _validation_message(error: ValidationError) -> str:
+    """The first problem, naming its field (``messages.0.content``), in words a client can act on."""
+    # Of a union's alternatives, the one that got furthest (``content`` as a list of parts rather than a string).
+    problem = max(error.errors(include_url=False), key=lambda e: len(e["loc"]))
+    where = ".".join(str(p) for p in problem["loc"] if not _is_type_name(p))
+    if problem["type"] == "union_tag_invalid":
+        return f"{where}: unsupported content part type {problem['input'].get('type')!r} (text, image_url, video_url)"
+    if problem["type"] == "value_error":
+        return problem["msg"].removeprefix("Value error, ")
+    if where == "n":
+        return "n must be 1: Glimpse answers one choice per request"
+    return f"{where or 'body'}: {problem['msg']}"
+
+
+def _is_type_name(loc) -> bool:
+    """Pydantic names the union member tried in an error's location ("str", "list[...]", "function-after[...]")."""
+    return isinstance(loc, str) and ("[" in loc or loc in ("str", "int", "float", "bool", "dict", "list"))
+
+
+# ---------------------------------------------------------------------------- the app
+def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, allowed_root: str | None = None,
+               app: FastAPI | None = None, allow_private_urls: bool = False, fetch_deadline_s: float = FETCH_DEADLINE_S,
+               max_new_tokens: int = 4096, queue_size: int = 32, api_key: str | None = None,
+               telemetry: Telemetry | None = None) -> FastAPI:
     app = app or FastAPI(title="Glimpse")
-    counters = Counters()
+    scheduler = scheduler or Scheduler(engine, queue_size=queue_size)
+    telemetry = telemetry or Telemetry(scheduler, model_name)
     root = Path(allowed_root).resolve() if allowed_root else None
     fetcher = Fetcher(allow_private_urls, fetch_deadline_s)
-    admission = Admission(queue_size + 1)
-    app.state.counters = counters
+    app.state.scheduler, app.state.telemetry = scheduler, telemetry
+
+    def unauthorized(request: Request) -> JSONResponse | None:
+        if api_key is None:
+            return None
+        given = request.headers.get("authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return None
+        return _error(401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_request_error",
+                      code="invalid_api_key")
 
     @app.get("/health")
     def health():
-        return {"status": "ok", "model": model_name, "device": str(engine.device)}
+        state = scheduler.state()
+        wedged = not state["alive"] or state["stalled_s"] > STALL_S
+        body = {"status": "wedged" if wedged else "ok", "model": model_name, "device": str(engine.device), **state}
+        return JSONResponse(body, status_code=503 if wedged else 200)
 
     @app.get("/v1/models")
-    def models():
+    def models(request: Request):
+        if (refusal := unauthorized(request)) is not None:
+            return refusal
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "glimpse"}]}
 
     @app.get("/metrics")
     def metrics():
-        return PlainTextResponse(counters.prometheus(), media_type="text/plain; version=0.0.4")
+        return Response(telemetry.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        if (refusal := unauthorized(request)) is not None:
+            return refusal
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() in SIMPLE_CONTENT_TYPES:
+            # A page on another origin can make a browser POST these without asking (no CORS preflight).
+            telemetry.refused("bad_request")
+            return _error(415, "the request body must be JSON, sent as Content-Type: application/json")
         raw = bytearray()
         async for piece in request.stream():  # read with a cap: a huge body never lands in memory whole
             raw += piece
             if len(raw) > MAX_BODY_BYTES:
-                counters.record("bad_request")
+                telemetry.refused("bad_request")
                 return _error(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            counters.record("bad_request")
+            body = ChatRequest.model_validate(json.loads(raw))
+        except (ValueError, UnicodeDecodeError, RecursionError) as error:
+            telemetry.refused("bad_request")
+            if isinstance(error, ValidationError):
+                return _error(400, _validation_message(error))
             return _error(400, "the request body is not JSON")
-        if not admission.enter():  # the running answer plus --queue-size waiting: refuse, don't pile up
-            counters.record("rejected")
-            return _error(429, f"the server is busy ({admission.limit - 1} requests are waiting); retry shortly",
-                          "rate_limit_exceeded", headers={"Retry-After": "5"})
         scratch = tempfile.TemporaryDirectory(prefix="glimpse-api-")
-        streaming = False
+        channel = Channel(asyncio.get_running_loop())
         try:
+            scheduler.check_room()  # refuse a full server before fetching anything
             # Off the event loop: fetching a slow media URL must not stall /health or other requests.
-            messages, options, speed, promise = await run_in_threadpool(_parse, body, engine, root,
-                                                                        Path(scratch.name), fetcher, max_new_tokens)
-            if body.get("stream"):
-                job = StreamJob(engine, messages, options, scratch, on_done=admission.leave)
-                streaming = True  # the job cleans up and leaves the queue when it ends
-                return StreamingResponse(_stream(job, speed, promise, model_name, counters),
-                                         media_type="text/event-stream")
-            cancel = threading.Event()
-            result = await _until_disconnected(request, cancel, run_in_threadpool(
-                engine.generate, messages, cancel=cancel, **options))
-            if result is None:  # the client left before its answer: nobody to answer
-                counters.record("cancelled")
-                return _error(499, "the client closed the request", "cancelled")
+            messages, options, promise = await run_in_threadpool(_parse, body, engine, root, Path(scratch.name),
+                                                                 fetcher, max_new_tokens)
+            ticket = await run_in_threadpool(scheduler.submit, messages, sink=channel.put, **options)
+        except QueueFull as full:
+            telemetry.refused("rejected")
+            return _error(429, str(full), "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(full.retry_s)))})
         except (BadRequest, UserError) as error:
-            counters.record("bad_request")
+            telemetry.refused("bad_request")
             return _error(400, str(error))
         except Exception as error:  # the server keeps serving; the client learns what happened
-            counters.record("error")
+            telemetry.refused("error")
             return _error(500, f"{type(error).__name__}: {error}", "server_error")
         finally:
-            if not streaming:
-                scratch.cleanup()
-                admission.leave()
-        counters.record("ok", result)
-        return _completion(result, model_name, speed, promise)
+            scratch.cleanup()  # the prompt is built: its media are decoded into it
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_events(ticket, channel, body.speed, promise, model_name, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            result = await _answer(request, ticket, channel)
+        except UserError as error:  # found when its prefill started (a policy parameter the model cannot take)
+            return _error(400, str(error))
+        except Exception as error:
+            return _error(500, f"{type(error).__name__}: {error}", "server_error")
+        if result is None:  # the client left before its answer: nobody to answer
+            return _error(499, "the client closed the request", "cancelled")
+        return _completion(result, model_name, body.speed, promise)
 
     return app
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
-                        headers=headers)
-
-
-class Admission:
-    """How many API requests may be in the server at once (the one the model answers and those
-    waiting for it): ``limit``. One more is refused with 429 instead of queueing without bound."""
-
-    def __init__(self, limit: int):
-        self.limit, self.count, self.lock = limit, 0, threading.Lock()
-
-    def enter(self) -> bool:
-        with self.lock:
-            if self.count >= self.limit:
-                return False
-            self.count += 1
-            return True
-
-    def leave(self) -> None:
-        with self.lock:
-            self.count -= 1
+def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None,
+           code: str | int | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code if code is not None else status}},
+                        status_code=status, headers=headers)
 
 
 def _text_length(messages: list) -> int:
-    """Characters of text in the (not yet validated) messages."""
     total = 0
     for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
+        if isinstance(message.content, str):
+            total += len(message.content)
+        else:
+            total += sum(len(part.text) for part in message.content if isinstance(part, TextPart))
     return total
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _parse(body: dict, engine, root: Path | None, scratch: Path, fetcher: "Fetcher", max_new_tokens: int
-           ) -> tuple[list[dict], dict, float, dict]:
-    """The engine's messages, the generate options, the requested speed (reported back) and what the
-    slider promises at it (the calibrated agreement and cost, or that the model is uncalibrated)."""
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
-        raise BadRequest("'messages' must be a non-empty list")
-    # A field sent with its "off" value (null, false, 0, empty) asks for nothing: accepted, as clients send them.
-    unsupported = sorted(k for k in set(body) - FIELDS if body[k] not in (None, False, 0, [], {}, ""))
-    if unsupported:
-        raise BadRequest(f"unsupported field(s) {', '.join(unsupported)}: Glimpse implements "
-                         f"{', '.join(sorted(FIELDS))}")
-    if body.get("n") not in (None, 1):
-        raise BadRequest("n must be 1: Glimpse answers one choice per request")
-    options_of_stream = body.get("stream_options")
-    if options_of_stream is not None and (not isinstance(options_of_stream, dict)
-                                          or set(options_of_stream) - {"include_usage"}):
-        raise BadRequest("stream_options takes only include_usage (the final chunk always carries usage)")
+def _parse(body: ChatRequest, engine, root: Path | None, scratch: Path, fetcher: "Fetcher", max_new_tokens: int
+           ) -> tuple[list[dict], dict, dict]:
+    """The engine's messages, the scheduler's options, and what the slider promises at the requested speed
+    (the calibrated agreement and cost, or that the model is uncalibrated)."""
     if engine.max_length:  # text that cannot fit the context is refused before it is tokenized
         limit = CHARS_PER_TOKEN_BOUND * engine.max_length
-        text = _text_length(body["messages"])
+        text = _text_length(body.messages)
         if text > limit:
             raise BadRequest(f"the messages hold {text:,} characters of text, more than this model's context "
                              f"({engine.max_length:,} tokens) can take")
-    messages = []
-    for message in body["messages"]:
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
-            raise BadRequest("every message needs a role: system, user or assistant")
-        content = message.get("content")
-        if isinstance(content, str):
-            messages.append({"role": message["role"], "content": content})
-            continue
-        if not isinstance(content, list):
-            raise BadRequest("message content must be a string or a list of parts")
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                parts.append({"type": "text", "text": str(part.get("text", ""))})
-            elif kind in ("image_url", "video_url"):
-                spec = part.get(kind)
-                url = spec.get("url") if isinstance(spec, dict) else spec
-                if not isinstance(url, str) or not url:
-                    raise BadRequest(f"a {kind} part needs a url")
-                media = "image" if kind == "image_url" else "video"
-                parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher)})
-            else:
-                raise BadRequest(f"unsupported content part type {kind!r} (text, image_url, video_url)")
-        messages.append({"role": message["role"], "content": parts})
-
-    speed = body.get("speed", 0.0)
-    if not _is_number(speed):
-        raise BadRequest(f"speed must be a number in [0, 1], got {speed!r}")
-    check_speed(speed)
-    policy_name = body.get("policy", "auto")
-    params = body.get("params") or {}
-    if not isinstance(params, dict):
-        raise BadRequest("params must be an object of parameter overrides")
     try:
-        policy = engine.make_policy(str(policy_name), float(speed), params)
+        policy = engine.make_policy(body.policy, body.speed, body.params)
     except (UserError, KeyError, TypeError) as error:  # the request's own policy, params or their values
         raise BadRequest(f"policy: {error}") from None
-    promise = engine.promise(str(policy_name), float(speed), params)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or min(256, max_new_tokens)
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise BadRequest("max_tokens must be a positive integer")
+    promise = engine.promise(body.policy, body.speed, body.params)
+    max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_new_tokens)
     if max_tokens > max_new_tokens:
         raise BadRequest(f"max_tokens must be at most {max_new_tokens} on this server (--max-new-tokens)")
-    temperature, top_p, seed = body.get("temperature", 0.0), body.get("top_p", 1.0), body.get("seed")
-    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
-        raise BadRequest(f"temperature must be a number in [0, 2], got {temperature!r}")
-    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
-        raise BadRequest(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if seed is not None and not _is_int(seed):
-        raise BadRequest(f"seed must be an integer, got {seed!r}")
-    options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": bool(temperature and temperature > 0),
-               "temperature": float(temperature or 1.0), "top_p": float(1.0 if top_p is None else top_p),
-               "seed": seed}
-    return messages, options, float(speed), promise
+    messages = []
+    for message in body.messages:
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        parts = []
+        for part in message.content:
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+                continue
+            media = "image" if isinstance(part, ImagePart) else "video"
+            spec = part.image_url if media == "image" else part.video_url
+            url = spec.url if isinstance(spec, MediaURL) else spec
+            parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher)})
+        messages.append({"role": message.role, "content": parts})
+    temperature = body.temperature or 0.0
+    options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": temperature > 0,
+               "temperature": float(temperature or 1.0), "top_p": float(1.0 if body.top_p is None else body.top_p),
+               "seed": body.seed, "stop": body.stops()}
+    return messages, options, promise
 
 
 def _media_source(url: str, kind: str, root: Path | None, scratch: Path, fetcher: "Fetcher"):
@@ -344,9 +355,10 @@ class Fetcher:
         host = urlsplit(url).hostname
         try:
             for _ in range(5):  # redirects, on the same host only
-                self._check_address(url)
+                pinned, headers, extensions = self._pin(url)
                 timeout = httpx.Timeout(min(10.0, self.deadline_s))
-                with httpx.stream("GET", url, timeout=timeout, follow_redirects=False) as response:
+                with httpx.Client(timeout=timeout, follow_redirects=False) as client, \
+                        client.stream("GET", pinned, headers=headers, extensions=extensions) as response:
                     if response.is_redirect:
                         target = urljoin(url, response.headers.get("location", ""))
                         if urlsplit(target).hostname != host:
@@ -367,22 +379,31 @@ class Fetcher:
         except httpx.HTTPError:
             raise BadRequest(f"{url}: could not be fetched") from None  # no detail: it would map the network
 
-    def _check_address(self, url: str) -> None:
+    def _pin(self, url: str) -> tuple[str, dict, dict]:
+        """The URL with its host replaced by the address checked here, the Host header and TLS name of the
+        original: the connection goes to the address that was checked, so a DNS answer that changes
+        between the check and the connection (rebinding) cannot reach the server's own network."""
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise BadRequest(f"{url}: only http(s) URLs with a host are fetched")
-        if self.allow_private:
-            return
+        port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
-            infos = socket.getaddrinfo(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+            infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError):
             raise BadRequest(f"{url}: could not be fetched") from None
-        for info in infos:
-            address = ipaddress.ip_address(info[4][0].split("%")[0])
-            if (address.is_private or address.is_loopback or address.is_link_local or address.is_reserved
-                    or address.is_multicast or address.is_unspecified):
-                raise BadRequest(f"{url}: private, loopback and link-local addresses are not fetched "
-                                 "(start the server with --allow-private-urls to allow them)")
+        address = ipaddress.ip_address(infos[0][4][0].split("%")[0])
+        if not self.allow_private:
+            for info in infos:
+                candidate = ipaddress.ip_address(info[4][0].split("%")[0])
+                if (candidate.is_private or candidate.is_loopback or candidate.is_link_local or candidate.is_reserved
+                        or candidate.is_multicast or candidate.is_unspecified):
+                    raise BadRequest(f"{url}: private, loopback and link-local addresses are not fetched "
+                                     "(start the server with --allow-private-urls to allow them)")
+        literal = f"[{address}]" if address.version == 6 else str(address)
+        netloc = f"{literal}:{port}"
+        host_header = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
+        pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
+        return pinned, {"Host": host_header}, {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
 
 
 def _usage(result) -> dict:
@@ -392,7 +413,7 @@ def _usage(result) -> dict:
 
 
 def _glimpse(result, speed: float, promise: dict) -> dict:
-    keys = ("ttft_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
+    keys = ("ttft_s", "queue_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
             "prefill_flops", "prefill_flops_baseline")
     return {"policy": result.policy, "speed": speed, "params": result.params, "summary": result.summary,
             "promise": promise, "metrics": {k: result.metrics[k] for k in keys}}
@@ -406,93 +427,74 @@ def _completion(result, model_name: str, speed: float, promise: dict) -> dict:
             "usage": _usage(result), "glimpse": _glimpse(result, speed, promise)}
 
 
-async def _until_disconnected(request: Request, cancel: threading.Event, work):
-    """Await ``work`` (an engine call given ``cancel``), setting ``cancel`` if the client disconnects
-    first: the engine stops at its next step (or before prefill, if it is still queued) and the model
-    is free. Returns the work's result, or None once cancelled."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if not done and await request.is_disconnected():
-            cancel.set()
-    try:
-        result = task.result()
-    except Exception:
-        if cancel.is_set():  # e.g. cancelled while queued: no answer was made, and nobody is waiting for one
-            return None
-        raise
-    return None if cancel.is_set() else result
+class Channel:
+    """Hands a ticket's chunks from the scheduler's thread to the event loop (``put`` is its sink)."""
 
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items = loop, asyncio.Queue()
 
-class StreamJob:
-    """One streamed answer: the engine runs in a worker thread, started at once, that hands chunks to
-    the event loop over a queue. ``cancel`` stops it before its next step; when it ends it closes the
-    engine's generator (releasing the model), deletes the request's fetched media, and calls ``on_done``
-    — whether or not anybody is still reading."""
-
-    def __init__(self, engine, messages, options, scratch, on_done):
-        self.loop = asyncio.get_running_loop()
-        self.chunks: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
-        self.engine, self.messages, self.options, self.scratch, self.on_done = engine, messages, options, scratch, on_done
-        threading.Thread(target=self._work, name="glimpse-api-stream", daemon=True).start()
-
-    def _hand_over(self, item) -> None:
+    def put(self, item) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.chunks.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
         except RuntimeError:  # the event loop is gone (server shutting down)
             pass
 
-    def _work(self) -> None:
-        stream = self.engine.stream(self.messages, cancel=self.cancel, **self.options)
+    async def get(self):
+        return await self.items.get()
+
+
+async def _answer(request: Request, ticket, channel: Channel):
+    """The ticket's result, or None when the client disconnects first (the ticket is then cancelled: it
+    stops before its next step, or never starts if it was still waiting)."""
+    while True:
         try:
-            for chunk in stream:
-                self._hand_over(("chunk", chunk))
-        except BaseException as error:  # reported to the client by the event loop's side
-            self._hand_over(("error", error))
-        finally:
-            stream.close()  # releases the model if the loop above stopped early
-            self.scratch.cleanup()  # only now: the engine may still have been reading a fetched video
-            self.on_done()
-            self._hand_over(("end", None))
+            item = await asyncio.wait_for(channel.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                ticket.cancel.set()
+                return None
+            continue
+        if item is None:  # ended before it started (cancelled)
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        if item.result is not None:
+            return item.result
 
 
-async def _stream(job: StreamJob, speed, promise, model_name, counters):
-    """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with usage. When
-    the client disconnects, the server stops iterating this generator, whose ``finally`` cancels the
-    job: the engine stops before its next step and releases the model."""
+async def _events(ticket, channel: Channel, speed, promise, model_name, include_usage: bool):
+    """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with the finish reason
+    (and ``glimpse``), then with ``include_usage`` a chunk with ``usage`` and no choices. When the client
+    disconnects, the server stops iterating this generator, whose ``finally`` cancels the ticket: it stops
+    before its next step and frees its cache."""
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def event(delta: dict, finish=None, **extra) -> str:
+    def event(choices: list, **extra) -> str:
         chunk = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+                 "choices": choices, **extra}
         return f"data: {json.dumps(chunk)}\n\n"
 
-    finished = False
+    def delta(content: dict, finish=None) -> list:
+        return [{"index": 0, "delta": content, "finish_reason": finish}]
+
     try:
-        yield event({"role": "assistant", "content": ""})
+        yield event(delta({"role": "assistant", "content": ""}))
         while True:
-            kind, item = await job.chunks.get()
-            if kind == "end":
-                finished = True
+            item = await channel.get()
+            if item is None:
                 break
-            if kind == "error":
-                if isinstance(item, UserError):
-                    counters.record("bad_request")
-                    yield f"data: {json.dumps({'error': {'message': str(item), 'type': 'invalid_request_error'}})}\n\n"
-                else:
-                    counters.record("error")
-                    message = f"{type(item).__name__}: {item}"
-                    yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
-                continue
+            if isinstance(item, BaseException):
+                kind = "invalid_request_error" if isinstance(item, UserError) else "server_error"
+                message = str(item) if isinstance(item, UserError) else f"{type(item).__name__}: {item}"
+                yield f"data: {json.dumps({'error': {'message': message, 'type': kind}})}\n\n"
+                break
             if item.text:
-                yield event({"content": item.text})
+                yield event(delta({"content": item.text}))
             if item.result is not None:
-                counters.record("ok", item.result)
-                yield event({}, item.result.finish_reason, usage=_usage(item.result),
-                            glimpse=_glimpse(item.result, speed, promise))
+                yield event(delta({}, item.result.finish_reason), glimpse=_glimpse(item.result, speed, promise))
+                if include_usage:
+                    yield event([], usage=_usage(item.result))
+                break
         yield "data: [DONE]\n\n"
     finally:
-        if not finished and not job.cancel.is_set():
-            job.cancel.set()  # the client left mid-answer (or the server stopped): free the model
-            counters.record("cancelled")
+        ticket.cancel.set()  # a no-op once it ended; the client left mid-answer otherwise

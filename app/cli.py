@@ -7,6 +7,7 @@
     glimpse calibrate hidivdrop --model M --images DIR [--window N] [--top-k K] [--max-images N] [--out FILE]
     glimpse eval agreement|passkey|visual [--model M] [--policies P,Q] [--speeds S,T] [--json] [--plot FILE.png]
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
+                  [--max-batch N] [--queue-size N] [--kv-budget-mb N] [--api-key KEY | --no-api-key]
     glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
                     [--batch-size N] [--max-new-tokens N]
 
@@ -182,7 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-upload-mb", type=int, default=200, help="largest upload accepted by the chat")
     serve.add_argument("--queue-size", type=int, default=32,
                        help="requests waiting for the model beyond this are refused (the API answers 429)")
-    serve.add_argument("--max-new-tokens", type=int, default=256)
+    serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together at most")
+    serve.add_argument("--kv-budget-mb", type=int, default=None,
+                       help="KV cache the running requests may reserve in all (default: half the free GPU "
+                            "memory, or a quarter of the RAM on CPU)")
+    serve.add_argument("--max-new-tokens", type=int, default=256, help="the most tokens one answer may have")
+    serve.add_argument("--api-key", default=os.environ.get("GLIMPSE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/* and a login (password KEY) for the "
+                            "chat (default: $GLIMPSE_API_KEY); required with a non-loopback --host")
+    serve.add_argument("--no-api-key", action="store_true",
+                       help="serve a non-loopback --host without a key (anyone who reaches it can use the model)")
     _add_device_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -304,19 +314,38 @@ def run_eval(args) -> int:
 
 
 def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=200, queue_size=32,
-                 max_new_tokens=256, allow_private_urls=False):
-    """The FastAPI app `glimpse serve` runs: the API routes, with the Gradio chat mounted at /."""
+                 max_new_tokens=256, allow_private_urls=False, max_batch=8, kv_budget_bytes=None, api_key=None):
+    """The FastAPI app `glimpse serve` runs: one scheduler owning the engine, the API routes on it, and the
+    Gradio chat on it, mounted at /."""
     import gradio as gr
 
     from app.api import create_api
+    from app.telemetry import Telemetry
     from app.ui import build_ui
+    from pipeline.scheduler import Scheduler
 
-    app = create_api(engine, model_name=model_name, allowed_root=allowed_root, allow_private_urls=allow_private_urls,
-                     max_new_tokens=max_new_tokens, queue_size=queue_size)
-    # One answer at a time (the engine's lock serialises anyway); others wait in the queue.
-    demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root).queue(
-        default_concurrency_limit=1, max_size=queue_size)
-    return gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb")
+    scheduler = Scheduler(engine, max_batch=max_batch, queue_size=queue_size, kv_budget_bytes=kv_budget_bytes)
+    telemetry = Telemetry(scheduler, model_name)
+    app = create_api(engine, model_name=model_name, scheduler=scheduler, telemetry=telemetry, allowed_root=allowed_root,
+                     allow_private_urls=allow_private_urls, max_new_tokens=max_new_tokens, api_key=api_key)
+    # Every chat turn goes straight to the scheduler, which batches them and shows each its queue position;
+    # Gradio's own queue only bounds how many event handlers run at once.
+    demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root, scheduler=scheduler).queue(
+        default_concurrency_limit=max_batch + queue_size, max_size=queue_size)
+    auth = (lambda _user, password: password == api_key) if api_key else None
+    return gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth,
+                               auth_message="Log in with any user name and the server's API key as the password.")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def run_serve(args) -> int:
@@ -324,13 +353,20 @@ def run_serve(args) -> int:
 
     from pipeline import load_engine
 
+    if args.max_batch < 1 or args.queue_size < 0 or args.max_new_tokens < 1:
+        raise UserError("--max-batch and --max-new-tokens must be at least 1, --queue-size at least 0")
+    if not _loopback(args.host) and not args.api_key and not args.no_api_key:
+        raise UserError(f"--host {args.host} is reachable from other machines: give --api-key KEY (or set "
+                        "GLIMPSE_API_KEY), or --no-api-key to serve it open")
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     if not engine.grounded:
         _log(NOT_GROUNDED)
+    budget = args.kv_budget_mb * 2**20 if args.kv_budget_mb is not None else None
     app = build_server(engine, args.model, allowed_root=args.allowed_root, max_upload_mb=args.max_upload_mb,
                        queue_size=args.queue_size, max_new_tokens=args.max_new_tokens,
-                       allow_private_urls=args.allow_private_urls)
+                       allow_private_urls=args.allow_private_urls, max_batch=args.max_batch,
+                       kv_budget_bytes=budget, api_key=args.api_key)
     _log(f"serving on http://{args.host}:{args.port} (chat at /, API at /v1/chat/completions)")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -1,11 +1,13 @@
-"""The web chat `glimpse serve` shows: Gradio Blocks around one engine.
+"""The web chat `glimpse serve` shows: ``gr.ChatInterface`` on the server's scheduler.
 
 Chat in the messages format with a multimodal input (several images/videos per turn, multi-turn
-history), streamed answers, Stop / Regenerate / Clear; the speed slider and the policy selector,
-with an advanced panel showing the parameters the slider chose and taking overrides; a metrics panel
-per answer (optionally beside an unpruned run of the same question); the keep map over the image
-(or a strip of sampled frames) showing how deep each patch went. Errors appear in the chat; the
-server keeps serving.
+history, uploads shown as thumbnails and players), streamed answers, Stop / Retry / Undo / Clear (Clear
+and Stop end the request at once), examples from ``assets/``; the speed slider, the policy selector and
+a max-tokens control, with an advanced panel showing the parameters the slider chose and taking
+overrides; the queue position while a turn waits; a metrics panel per answer (optionally beside an
+unpruned run of the same question) with that request's own peak memory; the keep map over the image
+(or a strip of sampled frames) showing how deep each patch went. Errors appear in the chat; a file that
+cannot be decoded leaves the conversation, anything else keeps it; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -73,13 +75,15 @@ def metrics_markdown(result, baseline=None) -> str:
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     head = "| | this answer |" + (" unpruned |" if baseline else "")
     lines = [f"**{result.policy}**: {result.summary}", "", head, "|---|---|" + ("---|" if baseline else ""),
+             row("answer tokens", lambda m: m["new_tokens"], str),
              row("time to first token", lambda m: m["ttft_s"], lambda v: f"{v:.2f} s"),
+             row("of which queued", lambda m: m["queue_s"], lambda v: f"{v:.2f} s"),
              row("prefill", lambda m: m["prefill_s"], lambda v: f"{v:.2f} s"),
              row("decode", lambda m: m["decode_tokens_per_s"], lambda v: f"{v:.1f} tok/s" if v else "—"),
              row("prompt tokens", lambda m: m["prompt_tokens"],
                  lambda v: ", ".join(f"{k} {n}" for k, n in v.items() if n)),
              row("KV cache", lambda m: m["kv_bytes"], mib),
-             row("peak memory", lambda m: m["peak_memory_bytes"], mib),
+             row("peak memory (this request)", lambda m: m["peak_memory_bytes"], mib),
              row("prefill FLOPs", lambda m: m["prefill_flops_baseline"] / m["prefill_flops"],
                  lambda v: f"{v:.2f}x fewer")]
     if baseline is not None:
@@ -144,13 +148,28 @@ def _frame_strip(path, groups: int, height: int, width: int) -> Image.Image | No
     return strip
 
 
-def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: str | None = None):
-    import gradio as gr
+EMBEDDED_NOTE = ("**About this model:** the embedded demo model (135M parameters) answers short questions about "
+                 "simple synthetic scenes — up to four flat shapes (circle, square, triangle, star) in six colours, and "
+                 "short clips in which one moves, appears or changes colour; the examples below are such scenes. On "
+                 "photos it answers in the same words (a colour, a shape, a count), rarely rightly. Start the server "
+                 "with `--model` and a Qwen2-VL or LLaVA checkpoint for real pictures.")
+EXAMPLES = [("sample.png", "What colour is the biggest shape?"), ("sample.mp4", "What moves in this clip?")]
 
+
+def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: str | None = None, scheduler=None):
+    """The chat, on ``gr.ChatInterface`` (multimodal input, streaming, Stop, Retry, Undo, Clear, examples);
+    the slider, policy, max-tokens and overrides are its additional inputs, the metrics panel and the keep
+    map its additional outputs. Every turn goes to ``scheduler`` (the server's, shared with the API)."""
+    import gradio as gr
     from gradio.utils import get_upload_folder
 
+    from pipeline.scheduler import QueueFull, Scheduler
+
+    scheduler = scheduler or Scheduler(engine)
     # The only files a chat turn may name: what was uploaded to this chat, and --allowed-root.
     allowed = tuple(Path(p).resolve() for p in (get_upload_folder(), allowed_root) if p)
+    unusable: set[str] = set()  # uploads that could not be decoded: later turns leave them out
+    assets = Path(__file__).resolve().parents[1] / "assets"
 
     def chosen_params(policy, speed, overrides):
         try:
@@ -166,94 +185,172 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             return f"⚠️ {error}"
         return f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] else " *(uncalibrated)*")
 
-    def add_turn(message, history):
-        history = list(history or [])
-        for path in message.get("files", []):
-            history.append({"role": "user", "content": [{"type": "file", "file": {"path": path}}]})
-        if message.get("text"):
-            history.append({"role": "user", "content": message["text"]})
-        return gr.MultimodalTextbox(value=None, interactive=False), history
-
-    def answer(history, policy, speed, overrides, compare):
-        history = list(history or [])
-        if not history or history[-1]["role"] != "user":
-            yield history, gr.skip(), gr.skip()
-            return
-        history.append({"role": "assistant", "content": ""})
+    def respond(message, history, policy, speed, max_tokens, overrides, compare):
+        """One turn: check this turn's files, queue the conversation, show the queue position while it
+        waits, stream the answer, then the metrics (beside an unpruned run if asked) and the keep map."""
+        files = [f if isinstance(f, str) else f.get("path") for f in (message.get("files") or [])]
+        turn = [{"role": "user", "content": [{"type": "file", "file": {"path": p}} for p in files]
+                 + ([{"type": "text", "text": message["text"]}] if message.get("text") else [])}]
         try:
-            messages = history_to_messages(history[:-1], allowed)
+            for path in files:
+                _check_upload(path, allowed, unusable)
+            messages = history_to_messages(_usable(history, unusable) + turn, allowed)
             options = dict(policy=engine.make_policy(policy, speed, parse_overrides(overrides)),
-                           max_new_tokens=max_new_tokens)
-            result = None
-            for chunk in engine.stream(messages, **options):
-                history[-1]["content"] += chunk.text
-                result = chunk.result or result
-                yield history, gr.skip(), gr.skip()
-            baseline = engine.generate(messages, policy="none", max_new_tokens=max_new_tokens) if compare else None
-            yield history, metrics_markdown(result, baseline), keep_map_image(messages, result.metrics["keep_map"])
+                           max_new_tokens=_token_limit(max_tokens, max_new_tokens))
+            ticket = scheduler.submit(messages, **options)
+        except QueueFull as full:
+            yield f"⚠️ {full}", gr.skip(), gr.skip()
+            return
         except Exception as error:  # shown in the chat; the server keeps serving
-            if isinstance(error, UserError):
-                history[-1]["content"] = f"⚠️ {error}"
-            else:  # Glimpse's bug, not the user's input
-                history[-1]["content"] = f"⚠️ internal error (a bug in Glimpse, not your input): {type(error).__name__}: {error}"
-            if isinstance(error, MediaError):  # only a file that cannot be used leaves the prompt
-                history = _drop_bad_files(history)
-            yield history, gr.skip(), gr.skip()
+            yield _error_text(error), gr.skip(), gr.skip()
+            return
+        answer, result = "", None
+        try:
+            for chunk in ticket.chunks(heartbeat=0.5):
+                if chunk is None:  # still waiting for the model: say where it stands
+                    position = scheduler.position(ticket)
+                    if position and not answer:
+                        yield (f"⏳ waiting for the model: {position} ahead in the queue, about "
+                               f"{scheduler.wait_estimate(position):.0f} s"), gr.skip(), gr.skip()
+                    continue
+                answer += chunk.text
+                result = chunk.result or result
+                yield answer, gr.skip(), gr.skip()
+            baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"]) \
+                if compare else None
+        except Exception as error:
+            yield (answer + "\n\n" if answer else "") + _error_text(error), gr.skip(), gr.skip()
+            return
+        finally:
+            ticket.cancel.set()  # Stop, Clear or a closed tab close this generator: the request ends at once
+        if result is None:
+            return
+        if result.finish_reason == "length":
+            answer += f"\n\n*(cut at {len(result.token_ids)} tokens: raise max answer tokens for more)*"
+        yield answer, metrics_markdown(result, baseline), keep_map_image(messages, result.metrics["keep_map"])
 
-    def regenerate(history):
+    def mark_stopped(history):
         history = list(history or [])
-        while history and history[-1]["role"] == "assistant":
-            history.pop()
+        if history and history[-1]["role"] == "assistant":
+            history[-1] = {**history[-1], "content": f"{_text_of(history[-1])}\n\n*(stopped)*"}
         return history
 
     with gr.Blocks(title="Glimpse") as demo:
-        note = ("" if engine.grounded else "\n\n*The embedded model's vision projector is not trained yet: its answers "
-                "about images and videos are not grounded in them. Start with `--model` and a Qwen2-VL or LLaVA "
-                "checkpoint for real answers.*")
-        gr.Markdown(f"## Glimpse — {model_name}\nAsk about images and videos; move the slider for speed.{note}")
+        note = EMBEDDED_NOTE if model_name == "embedded" else (
+            "" if engine.grounded else "*This model's vision projector is not trained: its answers about images "
+                                      "and videos are not grounded in them.*")
+        gr.Markdown(f"## Glimpse — {model_name}\nAsk about images and videos; move the slider for speed.")
+        if note:
+            gr.Markdown(note, elem_id="model-note")
+        speed = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="speed (0 = exact)", elem_id="speed", render=False)
+        policy = gr.Dropdown(POLICIES, value="auto", label="policy", elem_id="policy", render=False)
+        max_tokens = gr.Slider(1, max_new_tokens, value=min(256, max_new_tokens), step=1, label="max answer tokens",
+                               elem_id="max-tokens", render=False)
+        overrides = gr.Textbox(label="overrides, name=value per line (auto: dash.rho=0.6)", lines=2,
+                               elem_id="overrides", render=False)
+        compare = gr.Checkbox(False, label="also run unpruned, to compare", elem_id="compare", render=False)
+        metrics = gr.Markdown("metrics appear after an answer", elem_id="metrics", render=False)
+        keep = gr.Image(label="keep map (green: reached the last layer)", type="pil", elem_id="keepmap", render=False)
         with gr.Row():
-            with gr.Column(scale=3):
-                chat = gr.Chatbot(label="chat", height=480, elem_id="chat")
-                box = gr.MultimodalTextbox(file_types=["image", "video"], file_count="multiple",
-                                           placeholder="Ask about an image or a video…", elem_id="input")
-                with gr.Row():
-                    stop = gr.Button("Stop", elem_id="stop")
-                    again = gr.Button("Regenerate", elem_id="regenerate")
-                    clear = gr.ClearButton([chat], value="Clear", elem_id="clear")
+            left = gr.Column(scale=3)  # filled below: the chat's additional inputs must be rendered first
             with gr.Column(scale=2):
-                speed = gr.Slider(0.0, 1.0, value=0.0, step=0.05, label="speed (0 = exact)", elem_id="speed")
+                speed.render()
                 promise = gr.Markdown(promise_markdown("auto", 0.0, ""), elem_id="promise")
-                policy = gr.Dropdown(POLICIES, value="auto", label="policy", elem_id="policy")
-                compare = gr.Checkbox(False, label="also run unpruned, to compare", elem_id="compare")
+                policy.render()
+                max_tokens.render()
+                compare.render()
                 with gr.Accordion("advanced: parameters", open=False):
                     params = gr.JSON(chosen_params("auto", 0.0, ""), label="chosen by the slider", elem_id="params")
-                    overrides = gr.Textbox(label="overrides, name=value per line (auto: dash.rho=0.6)", lines=2,
-                                           elem_id="overrides")
-                metrics = gr.Markdown("metrics appear after an answer", elem_id="metrics")
-                keep = gr.Image(label="keep map (green: reached the last layer)", type="pil", elem_id="keepmap")
+                    overrides.render()
+                metrics.render()
+                keep.render()
+            with left:
+                chat = _clear_cancels_chat()(
+                    respond, multimodal=True, api_name="chat", fill_height=False,
+                    chatbot=gr.Chatbot(label="chat", height=480, elem_id="chat"),
+                    textbox=gr.MultimodalTextbox(file_types=["image", "video"], file_count="multiple",
+                                                 label="your question", placeholder="Ask about an image or a video…",
+                                                 elem_id="input"),
+                    additional_inputs=[policy, speed, max_tokens, overrides, compare],
+                    additional_outputs=[metrics, keep],
+                    examples=[[{"text": text, "files": [str(assets / name)]}] for name, text in EXAMPLES
+                              if (assets / name).is_file()] or None)
 
         for control in (speed, policy, overrides):
             control.change(chosen_params, [policy, speed, overrides], params, api_name=False)
             control.change(promise_markdown, [policy, speed, overrides], promise, api_name=False)
-        submitted = box.submit(add_turn, [box, chat], [box, chat], api_name=False).then(
-            answer, [chat, policy, speed, overrides, compare], [chat, metrics, keep], api_name="chat")
-        submitted.then(lambda: gr.MultimodalTextbox(interactive=True), None, box)
-        regenerated = again.click(regenerate, chat, chat, api_name=False).then(
-            answer, [chat, policy, speed, overrides, compare], [chat, metrics, keep], api_name=False)
-        stop.click(None, None, None, cancels=[submitted, regenerated])
-        clear.click(lambda: ("metrics appear after an answer", None), None, [metrics, keep])
+        chat.textbox.stop(mark_stopped, chat.chatbot, chat.chatbot, api_name=False)
+        chat.chatbot.clear(lambda: ("metrics appear after an answer", None), None, [metrics, keep], api_name=False)
     return demo
 
 
-def _drop_bad_files(history: list[dict]) -> list[dict]:
-    """After a media error, the files of the turn that caused it leave the prompt of later turns (earlier
-    turns were answered, so their files are fine); the chat shows a note in their place. Any other
-    error (a typo in the overrides box) keeps them, so Regenerate answers with them."""
-    last_answer = max((i for i, m in enumerate(history[:-1]) if m["role"] == "assistant"), default=-1)
-    cleaned = history[:last_answer + 1]
-    for message in history[last_answer + 1:-1]:
-        parts = message["content"] if isinstance(message["content"], list) else [message["content"]]
-        kept = [p if isinstance(p, str) or p.get("type") == "text" else
-                {"type": "text", "text": "[file not used]"} for p in parts]
-        cleaned.append({**message, "content": kept})
-    return cleaned + history[-1:]
+def _clear_cancels_chat():
+    import gradio as gr  # only when the chat is built
+
+    class ClearCancelsChat(gr.ChatInterface):
+        """``gr.ChatInterface`` whose Clear also cancels the answer being streamed. Gradio's cancels it on Stop
+        only, so after Clear the stream's next update brought the old conversation back, and the next question
+        was sent with it."""
+
+        def _setup_stop_events(self, event_triggers, events_to_cancel, after_success):
+            super()._setup_stop_events(event_triggers, events_to_cancel, after_success)
+            self.chatbot.clear(None, None, None, cancels=events_to_cancel, api_visibility="undocumented")
+
+    return ClearCancelsChat
+
+
+def _check_upload(path, allowed: tuple[Path, ...], unusable: set[str]) -> None:
+    """This turn's file: under ``allowed`` and decodable (an image opens, a video has frames). One that is not
+    is remembered, so that later turns leave it out rather than fail on it again."""
+    if not _inside(path, allowed):
+        raise MediaError(f"{Path(str(path)).name}: only files uploaded to this chat can be used")
+    try:
+        kind = detect_kind(path)
+        load_image(path) if kind == "image" else probe_video(path)
+    except MediaError:
+        unusable.add(str(path))
+        raise
+
+
+def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
+    """The earlier turns as the model should see them: files that failed to decode and the error notes the chat
+    showed for them (and for any other failed turn) left out."""
+    kept = []
+    for message in history:
+        content = message.get("content")
+        if message.get("role") == "assistant" and _text_of(message).startswith("⚠️"):
+            continue
+        parts = content if isinstance(content, list) else [content]
+        parts = [p for p in parts if not (isinstance(p, dict) and _path_of(p) in unusable)]
+        if parts:
+            kept.append({**message, "content": parts if isinstance(content, list) else parts[0]})
+    return kept
+
+
+def _path_of(part: dict) -> str | None:
+    file = part.get("file") if isinstance(part.get("file"), dict) else part
+    return str(file.get("path")) if file.get("path") else None
+
+
+def _text_of(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else [content]
+    return "".join(p if isinstance(p, str) else p.get("text", "") for p in parts if isinstance(p, (str, dict)))
+
+
+def _token_limit(value, ceiling: int) -> int:
+    try:
+        limit = int(value)
+    except (TypeError, ValueError):
+        raise UserError("max answer tokens must be a whole number") from None
+    if not 1 <= limit <= ceiling:
+        raise UserError(f"max answer tokens must be between 1 and {ceiling} on this server")
+    return limit
+
+
+def _error_text(error: Exception) -> str:
+    if isinstance(error, UserError):
+        return f"⚠️ {error}"
+    return f"⚠️ internal error (a bug in Glimpse, not your input): {type(error).__name__}: {error}"

@@ -102,12 +102,20 @@ class Ticket:
     ended: bool = False
     _queue: queue.Queue | None = None
 
-    def chunks(self, timeout: float | None = None) -> Iterator[StreamChunk]:
-        """The answer's chunks as they come (only for tickets submitted without a sink). Closing this
-        iterator early cancels the request."""
+    def chunks(self, timeout: float | None = None, heartbeat: float | None = None) -> Iterator[StreamChunk | None]:
+        """The answer's chunks as they come (for tickets submitted without a sink); ``TimeoutError`` after
+        ``timeout`` seconds without one. With ``heartbeat``, yields None instead whenever that many seconds
+        pass without a chunk (a waiting submitter shows its queue position). Closing this iterator early
+        cancels the request."""
         try:
             while True:
-                item = self._queue.get(timeout=timeout)
+                try:
+                    item = self._queue.get(timeout=heartbeat or timeout)
+                except queue.Empty:
+                    if heartbeat is None:
+                        raise TimeoutError(f"no answer within {timeout} s") from None
+                    yield None
+                    continue
                 if item is None:  # cancelled before it started
                     return
                 if isinstance(item, BaseException):
@@ -152,8 +160,7 @@ class Scheduler:
         """Queue a request; raises ``QueueFull`` when the queue is full, ``UserError`` for a bad prompt or
         one that could never fit the KV budget. The prompt (media decoding included) is built here, in the
         caller's thread."""
-        with self.condition:  # refuse before the work of building the prompt
-            self._check_room()
+        self.check_room()  # refuse before the work of building the prompt
         # A Policy object given here is a template: the request gets its own copy (policies keep state).
         policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
         with self.prepare_lock:
@@ -170,15 +177,21 @@ class Scheduler:
         ticket = Ticket(prompt, policy, max_new_tokens, Sampling(do_sample, temperature, top_p, seed), ignore_eos,
                         StopText(tuple(stop)), reserved, sink, _queue=own_queue)
         with self.condition:
-            self._check_room()
+            self._refuse_if_full()
             self.waiting.append(ticket)
             self.condition.notify()
         return ticket
 
-    def _check_room(self) -> None:
+    def check_room(self) -> None:
+        """Raise ``QueueFull`` if a request submitted now would be refused."""
+        with self.condition:
+            self._refuse_if_full()
+
+    def _refuse_if_full(self) -> None:
         if self.closed or self.error is not None:
             raise RuntimeError(f"the scheduler stopped: {self.error!r}")
-        if len(self.waiting) >= self.queue_size:
+        would_wait = len(self.running) + len(self.waiting) >= self.max_batch
+        if would_wait and len(self.waiting) >= self.queue_size:
             raise QueueFull(len(self.waiting), self.wait_estimate(len(self.waiting)))
 
     def generate(self, messages, **options) -> GenerationResult:

@@ -4,6 +4,7 @@ Gradio app through gradio_client, and bad requests that change nothing."""
 from __future__ import annotations
 
 import base64
+import json
 import socket
 import threading
 import time
@@ -147,38 +148,61 @@ def test_concurrent_requests_are_all_answered(server):
     assert [r.status_code for r in results] == [200] * 4
 
 
-def test_prometheus_metrics_count_requests_and_ttft(server):
-    text = httpx.get(server["url"] + "/metrics").text
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    ok = values['glimpse_requests_total{outcome="ok"}']
-    assert ok >= 1 and values["glimpse_ttft_seconds_count"] == ok
-    assert values['glimpse_ttft_seconds_bucket{le="+Inf"}'] == ok
-    assert values['glimpse_tokens_total{kind="completion"}'] >= ok
+def test_prometheus_metrics_count_requests_tokens_and_latencies(server, media):
+    url = server["url"]
+    before = _metrics(url)
+    question = _question(_data_url(media["image"]))
+    for policy in ("none", "fastv"):
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           json={"messages": question, "max_tokens": 4, "policy": policy, "speed": 1.0})
+        assert reply.status_code == 200
+    assert httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=60).status_code == 400
+    after = _metrics(url)
+
+    def grew(name, **labels):
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert grew("glimpse_requests_total", outcome="ok") == 2 and grew("glimpse_requests_total", outcome="bad_request") == 1
+    for policy in ("none", "fastv"):
+        for histogram in ("glimpse_time_to_first_token_seconds", "glimpse_e2e_request_latency_seconds",
+                          "glimpse_queue_wait_seconds"):
+            assert grew(histogram + "_count", policy=policy) == 1, (histogram, policy)
+    assert grew("glimpse_generation_tokens_total", policy="none") >= 1
+    assert grew("glimpse_prompt_tokens_total", modality="image") > 0
+    # fastv at speed 1 prunes visual tokens after its layer; none prunes nothing.
+    assert grew("glimpse_visual_token_layers_pruned_share_sum", policy="none") == 0
+    assert grew("glimpse_visual_token_layers_pruned_share_sum", policy="fastv") > 0
+    assert _value(after, "glimpse_requests_running") == 0 and _value(after, "glimpse_kv_cache_bytes") == 0
+    assert _value(after, "glimpse_kv_cache_budget_bytes") > 0
+
+
+def _metrics(url: str) -> list:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [sample for family in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+            for sample in family.samples]
+
+
+def _value(samples, name: str, **labels) -> float:
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def test_the_chat_answers_through_gradio_client_and_shows_errors_in_the_chat(server, media, tmp_path):
     from gradio_client import Client, handle_file
 
     client = Client(server["url"] + "/", verbose=False)
-    history = [{"role": "user", "content": [{"type": "file", "file": handle_file(str(media["image"]))}]},
-               {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}]}]
-    chat, metrics, _ = client.predict(history, "auto", 0.5, "", False, api_name="/chat")
-    assert chat[-1]["role"] == "assistant" and chat[-1]["content"]
-    assert "time to first token" in metrics
+    question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
+    answer, metrics, _ = client.predict(question, "auto", 0.5, 8, "", False, api_name="/chat")
+    assert answer and "⚠️" not in answer
+    assert "time to first token" in metrics and "answer tokens" in metrics
 
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"\x89PNG\r\n\x1a\n broken")
-    history = [{"role": "user", "content": [{"type": "file", "file": handle_file(str(broken))}]},
-               {"role": "user", "content": [{"type": "text", "text": "And this one?"}]}]
-    chat, _, _ = client.predict(history, "auto", 0.0, "", False, api_name="/chat")
-    assert "⚠️" in str(chat[-1]["content"])
-    chat, metrics, _ = client.predict([{"role": "user", "content": [{"type": "text", "text": "Still there?"}]}],
-                                      "none", 0.0, "", False, api_name="/chat")
-    assert chat[-1]["role"] == "assistant" and "⚠️" not in str(chat[-1]["content"])
+    answer, _, _ = client.predict({"text": "And this one?", "files": [handle_file(str(broken))]},
+                                  "auto", 0.0, 8, "", False, api_name="/chat")
+    assert "⚠️" in answer and "broken.png" in answer
+    answer, _, _ = client.predict({"text": "Still there?", "files": []}, "none", 0.0, 8, "", False, api_name="/chat")
+    assert "⚠️" not in answer  # the broken file left the conversation; the next turn is answered
 
 
 def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(checkpoints, media):
@@ -216,12 +240,13 @@ def test_a_streaming_client_that_disconnects_frees_the_model(server, media, monk
 
     engine = server["engine"]
     monkeypatch.setattr(engine, "eos_token_ids", set())
-    for url in _serve(create_api(engine, model_name="tiny-llava", max_new_tokens=3000)):
-        _drop_a_stream_and_check(url, engine, media, monkeypatch)
+    app = create_api(engine, model_name="tiny-llava", max_new_tokens=3000)
+    for url in _serve(app):
+        _drop_a_stream_and_check(url, app.state.scheduler, media, monkeypatch)
 
 
-def _drop_a_stream_and_check(url, engine, media, monkeypatch):
-    before = httpx.get(url + "/metrics").text
+def _drop_a_stream_and_check(url, scheduler, media, monkeypatch):
+    before = _metrics(url)
     body = {"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3000,
             "stream": True}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
@@ -229,23 +254,20 @@ def _drop_a_stream_and_check(url, engine, media, monkeypatch):
         assert next(lines).startswith("data: ")  # the role chunk
         while '"content": "' not in next(lines):  # until tokens flow
             pass
-    # The connection is closed: within a generous liveness bound the model is released.
+    # The connection is closed: within a generous liveness bound the request leaves the batch.
     deadline = time.monotonic() + 60
-    while engine._lock.locked() and time.monotonic() < deadline:
+    while scheduler.state()["running"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not engine._lock.locked()
-    metrics = httpx.get(url + "/metrics").text
-    assert _count(metrics, "cancelled") == _count(before, "cancelled") + 1
-    assert _count(metrics, "ok") == _count(before, "ok")  # it never ran to the end
+    assert scheduler.state()["running"] == 0 and scheduler.state()["kv_bytes"] == 0
+    metrics = _metrics(url)
+    assert _value(metrics, "glimpse_requests_total", outcome="cancelled") == \
+        _value(before, "glimpse_requests_total", outcome="cancelled") + 1
+    assert _value(metrics, "glimpse_requests_total", outcome="ok") == \
+        _value(before, "glimpse_requests_total", outcome="ok")  # it never ran to the end
     monkeypatch.undo()
     reply = httpx.post(url + "/v1/chat/completions", timeout=60,
                        json={"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3})
     assert reply.status_code == 200
-
-
-def _count(metrics: str, outcome: str) -> int:
-    line = next(l for l in metrics.splitlines() if l.startswith(f'glimpse_requests_total{{outcome="{outcome}"}}'))
-    return int(float(line.split()[-1]))
 
 
 def test_a_media_url_that_drips_does_not_stall_the_server_and_is_refused_at_the_deadline(server, media):
@@ -346,10 +368,13 @@ def test_a_full_queue_answers_429_and_admits_again_once_there_is_room(server, me
     answered gets 429 with Retry-After at once; when the first leaves, requests are admitted again."""
     from app.api import create_api
 
+    from pipeline.scheduler import Scheduler
+
     engine = server["engine"]
     monkeypatch.setattr(engine, "eos_token_ids", set())
     question = _question(_data_url(media["image"]))
-    for url in _serve(create_api(engine, model_name="tiny-llava", max_new_tokens=3000, queue_size=0)):
+    scheduler = Scheduler(engine, max_batch=1, queue_size=0)
+    for url in _serve(create_api(engine, model_name="tiny-llava", max_new_tokens=3000, scheduler=scheduler)):
         body = {"model": "tiny-llava", "messages": question, "max_tokens": 3000, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
@@ -389,11 +414,11 @@ def test_oversized_bodies_and_text_beyond_the_context_are_refused_before_any_wor
 
 
 def test_fields_glimpse_does_not_implement_are_refused_not_ignored(server, media):
-    """`stop`, `tools`, `response_format`, `logprobs`, penalties and n > 1 get a 400 naming them (an ignored
-    `stop` would silently return text past it); /v1/models lists the served model."""
+    """`tools`, `response_format`, `logprobs`, penalties and n > 1 get a 400 naming them; /v1/models lists
+    the served model."""
     url = server["url"] + "/v1/chat/completions"
     good = {"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3}
-    refused = {"stop": ["\n"], "tools": [{"type": "function", "function": {"name": "f"}}],
+    refused = {"tools": [{"type": "function", "function": {"name": "f"}}],
                "response_format": {"type": "json_object"}, "logprobs": True, "presence_penalty": 0.5, "n": 2}
     for field, value in refused.items():
         reply = httpx.post(url, json={**good, field: value}, timeout=60)
@@ -405,20 +430,131 @@ def test_fields_glimpse_does_not_implement_are_refused_not_ignored(server, media
     assert [m["id"] for m in models["data"]] == ["tiny-llava"]
 
 
-def test_a_typo_in_the_overrides_keeps_the_turns_upload_for_regenerate(server, media):
-    """An error that is not about the file (here an override written without '=') is shown in the chat
-    and leaves the turn's image in place, so answering again uses it; a broken file is what gets dropped."""
+def test_chat_settings_are_checked_and_a_bad_value_is_a_message_not_a_crash(server, media):
+    """An override written without '=', a parameter of the wrong type, a layer the model does not have,
+    or a max-tokens value outside the server's range: each is a ⚠️ message naming it."""
     from gradio_client import Client, handle_file
 
     client = Client(server["url"] + "/", verbose=False)
-    history = [{"role": "user", "content": [{"type": "file", "file": handle_file(str(media["image"]))}]},
-               {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}]}]
-    chat, _, _ = client.predict(history, "dash", 0.5, "rho 0.5", False, api_name="/chat")
-    assert "⚠️" in str(chat[-1]["content"]) and "name=value" in str(chat[-1]["content"])
-    assert "[file not used]" not in str(chat)
-    files = [p for m in chat if isinstance(m["content"], list) for p in m["content"] if p.get("type") == "file"]
-    assert len(files) == 1  # the upload stayed in the conversation
-    path = files[0]["file"] if isinstance(files[0]["file"], str) else files[0]["file"]["path"]
-    retry = [{"role": "user", "content": [{"type": "file", "file": handle_file(path)}]}, history[1]]
-    chat, metrics, _ = client.predict(retry, "dash", 0.5, "rho=0.5", False, api_name="/chat")
-    assert "⚠️" not in str(chat[-1]["content"]) and "image" in metrics  # answered with the image
+    question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
+    for policy, overrides, word in (("dash", "rho 0.5", "name=value"), ("dash", "rho=abc", "rho"),
+                                    ("fastv", "layer=100", "layer")):
+        answer, _, _ = client.predict(question, policy, 0.5, 8, overrides, False, api_name="/chat")
+        assert answer.startswith("⚠️") and word in answer and "internal error" not in answer, (overrides, answer)
+    with pytest.raises(Exception, match="maximum value 12"):  # the server's --max-new-tokens bounds the control
+        client.predict(question, "none", 0.0, 13, "", False, api_name="/chat")
+
+
+def test_stop_strings_end_the_answer_before_them_streamed_or_not(server, media):
+    client = _client(server)
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=12,
+                                           extra_body={"policy": "none"}).choices[0].message.content
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    assert stop.strip()
+    cut = client.chat.completions.create(model="m", messages=messages, max_tokens=12, stop=[stop],
+                                         extra_body={"policy": "none"})
+    assert cut.choices[0].message.content == whole[:whole.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=12, stop=stop, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"policy": "none"}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole[:whole.find(stop)]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1  # include_usage: a usage chunk
+
+
+def test_an_api_key_guards_the_api_and_cross_origin_text_posts_are_refused(server, media):
+    from openai import AuthenticationError, OpenAI
+
+    from app.cli import build_server
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    # A page on another origin can POST text/plain without a preflight: such bodies are not read.
+    simple = httpx.post(server["url"] + "/v1/chat/completions", content=json.dumps(body),
+                        headers={"Content-Type": "text/plain"}, timeout=30)
+    assert simple.status_code == 415
+    app = build_server(server["engine"], "tiny-llava", max_new_tokens=4, api_key="s3cret")
+    for url in _serve(app):
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=url + "/v1", api_key="wrong").chat.completions.create(model="m", **body)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        reply = OpenAI(base_url=url + "/v1", api_key="s3cret").chat.completions.create(model="m", **body)
+        assert reply.choices[0].message.content is not None
+        assert httpx.get(url + "/health").status_code == 200  # health checks need no key
+        assert httpx.get(url + "/config", timeout=30).status_code in (401, 403) or \
+            "login" in httpx.get(url + "/", timeout=30).text.lower()  # the chat asks for a login
+
+
+def test_serving_a_public_address_requires_a_key_or_an_explicit_waiver(capsys):
+    from app.cli import main
+
+    assert main(["serve", "--host", "0.0.0.0", "--model", "embedded"]) == 1
+    assert "--api-key" in capsys.readouterr().err
+
+
+def test_a_client_that_gives_up_on_a_plain_request_cancels_it_queued_or_running(server, media, monkeypatch):
+    """Not streamed: a client that closes the connection while its request waits, or while it is being
+    answered, cancels it; the batch empties and the server answers the next request."""
+    from app.api import create_api
+    from pipeline.scheduler import Scheduler
+
+    class Slow(NoPruning):  # 20 steps a second: the answer would take minutes unless cancelled
+        def decode_step(self, step, ctx):
+            time.sleep(0.05)
+
+    engine = server["engine"]
+    monkeypatch.setattr(engine, "eos_token_ids", set())
+    monkeypatch.setattr(engine, "make_policy", lambda *args, **kwargs: Slow())
+    scheduler = Scheduler(engine, max_batch=1, queue_size=4)
+    app = create_api(engine, model_name="tiny-llava", max_new_tokens=3000, scheduler=scheduler)
+    body = {"messages": _question(_data_url(media["image"])), "max_tokens": 3000}
+    for url in _serve(app):
+        before = _metrics(url)
+        threads = [threading.Thread(target=_give_up_after, args=(url, body, 3.0)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.5)  # the first runs, the second waits behind it (max_batch=1)
+        for thread in threads:
+            thread.join()
+        deadline = time.monotonic() + 60
+        while (scheduler.state()["running"] or scheduler.state()["waiting"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert scheduler.state()["running"] == scheduler.state()["waiting"] == 0
+        after = _metrics(url)
+        assert _value(after, "glimpse_requests_total", outcome="cancelled") == \
+            _value(before, "glimpse_requests_total", outcome="cancelled") + 2
+        monkeypatch.undo()
+        reply = httpx.post(url + "/v1/chat/completions", json={**body, "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200
+
+
+def _give_up_after(url, body, seconds):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=seconds))
+
+
+def test_health_reports_a_wedged_scheduler(server, media, monkeypatch):
+    """A step that never returns (here a policy blocked in its decode step) makes /health answer 503 once the
+    iteration has run past the stall limit; when it returns, /health is ok again."""
+    from app import api
+    from pipeline.scheduler import Scheduler
+    from pruning import NoPruning
+
+    class Blocking(NoPruning):
+        def decode_step(self, step, ctx):
+            release.wait(timeout=60)
+
+    release = threading.Event()
+    monkeypatch.setattr(api, "STALL_S", 0.5)
+    scheduler = Scheduler(server["engine"])
+    app = api.create_api(server["engine"], model_name="tiny-llava", scheduler=scheduler)
+    for url in _serve(app):
+        assert httpx.get(url + "/health").status_code == 200
+        ticket = scheduler.submit([{"role": "user", "content": "hi"}], policy=Blocking(), max_new_tokens=3,
+                                  ignore_eos=True)
+        time.sleep(1.0)
+        wedged = httpx.get(url + "/health")
+        assert wedged.status_code == 503 and wedged.json()["status"] == "wedged"
+        release.set()
+        ticket.result(timeout=60)
+        assert httpx.get(url + "/health").status_code == 200
