@@ -12,6 +12,7 @@ cannot be decoded leaves the conversation, anything else keeps it; the server ke
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +112,11 @@ def keep_map_image(messages: list[dict], keep_map: dict, cell: int = 24) -> Imag
         else _first_image(messages)
     if picture is None:
         return overlay
+    if span["kind"] == "image":
+        # Drawn at the picture's own proportions: the model may have squeezed it into its grid (the embedded
+        # model's 16x16, LLaVA's 24x24), but a tall photo should still look tall.
+        size = (overlay.width, max(1, round(overlay.width * picture.height / picture.width)))
+        overlay = overlay.resize(size, Image.NEAREST)
     return Image.blend(picture.convert("RGB").resize(overlay.size), overlay, 0.45)
 
 
@@ -210,7 +216,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 if chunk is None:  # still waiting for the model: say where it stands
                     position = scheduler.position(ticket)
                     if position and not answer:
-                        yield (f"⏳ waiting for the model: {position} ahead in the queue, about "
+                        yield (f"⏳ waiting for the model: number {position} in the queue, about "
                                f"{scheduler.wait_estimate(position):.0f} s"), gr.skip(), gr.skip()
                     continue
                 answer += chunk.text
@@ -230,6 +236,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         yield answer, metrics_markdown(result, baseline), keep_map_image(messages, result.metrics["keep_map"])
 
     def mark_stopped(history):
+        # Stop cancels the answer's event in the same click; an update it sent just before may still be on its
+        # way to the page. Marking a moment later keeps the mark from being overwritten by it.
+        time.sleep(0.5)
         history = list(history or [])
         if history and history[-1]["role"] == "assistant":
             history[-1] = {**history[-1], "content": f"{_text_of(history[-1])}\n\n*(stopped)*"}
@@ -270,7 +279,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                     chatbot=gr.Chatbot(label="chat", height=480, elem_id="chat"),
                     textbox=gr.MultimodalTextbox(file_types=["image", "video"], file_count="multiple",
                                                  label="your question", placeholder="Ask about an image or a video…",
-                                                 elem_id="input"),
+                                                 submit_btn=True, stop_btn=True, elem_id="input"),
                     additional_inputs=[policy, speed, max_tokens, overrides, compare],
                     additional_outputs=[metrics, keep],
                     examples=[[{"text": text, "files": [str(assets / name)]}] for name, text in EXAMPLES

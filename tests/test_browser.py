@@ -1,8 +1,8 @@
 """The web chat in a real browser: Debian's chromium driven by Playwright (no browser downloads;
 `.ci/run` installs chromium). `glimpse serve` runs on the embedded model in a subprocess, exactly as
-a user starts it; the test uploads an image, asks, watches the streamed answer and the metrics panel,
-moves the slider and sees what it selects and its measured promise, uploads a corrupt file and sees the error in the
-chat, then asks again and gets an answer."""
+a user starts it (one request decoded at a time, so that a second tab queues); the tests upload, ask,
+watch the streamed answer and the metrics panel, move the slider, press Clear and Stop mid-answer,
+retry after a mistake, use the examples, and ask from two tabs at once."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def served(embedded_cache):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "GLIMPSE_CACHE": str(embedded_cache), "PYTHONPATH": str(REPO)}
-    server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--max-new-tokens", "24"],
+    server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--max-new-tokens", "256",
+                               "--max-batch", "1"],
                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240
@@ -50,32 +51,76 @@ def served(embedded_cache):
 
 
 @pytest.fixture(scope="module")
-def page(served):
+def browser(served):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.goto(served + "/")
-        page.wait_for_selector("#input textarea", timeout=60_000)
-        yield page
+        yield browser
         browser.close()
 
 
-def _ask(page, text: str, upload: Path | None = None) -> None:
-    answers = page.locator("#chat .message.bot").count()
+def _open(browser, served):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(served + "/")
+    page.wait_for_selector("#input textarea", timeout=60_000)
+    return page
+
+
+@pytest.fixture
+def page(browser, served):
+    """A fresh tab per test: each starts with an empty chat."""
+    page = _open(browser, served)
+    yield page
+    page.close()
+
+
+STORY = "Write a long story about a dragon who lives by the sea."  # an answer of many tokens
+
+
+def _send(page, text: str, upload: Path | None = None) -> None:
+    """Type (and attach), press Enter, and wait until the question shows in the chat."""
+    questions = page.locator("#chat .message.user").count()
     if upload is not None:
         page.locator("#input input[type=file]").set_input_files(str(upload))
         page.wait_for_selector("#input .thumbnail-item", timeout=30_000)  # uploaded
     page.locator("#input textarea").fill(text)
     page.locator("#input textarea").press("Enter")
+    page.wait_for_function("n => document.querySelectorAll('#chat .message.user').length > n", arg=questions,
+                           timeout=30_000)
+
+
+def _streaming(page) -> None:
+    """Wait until the answer's first words are on screen."""
+    page.wait_for_function("""() => {
+        const bots = document.querySelectorAll('#chat .message.bot:not(.pending)');  // not the loading dots
+        const last = bots.length ? bots[bots.length - 1].innerText.trim() : '';
+        return last.length > 0 && !last.startsWith('⏳');
+    }""", timeout=120_000)
+
+
+def _idle(served) -> None:
+    """Wait until the server has nothing running or waiting."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = httpx.get(served + "/health", timeout=10).json()
+        if state["running"] == 0 and state["waiting"] == 0:
+            return
+        time.sleep(0.1)
+    pytest.fail("the server did not become idle")
+
+
+def _ask(page, text: str, upload: Path | None = None) -> None:
+    answers = page.locator("#chat .message.bot").count()
+    _send(page, text, upload)
     page.wait_for_function("n => document.querySelectorAll('#chat .message.bot').length > n", arg=answers, timeout=120_000)
     # Done when the input is enabled again (the chain re-enables it after the answer) and the last
     # answer is rendered (Gradio shows "Loading content" while it re-renders the history).
     page.wait_for_function("""() => {
         const bots = document.querySelectorAll('#chat .message.bot');
         const last = bots[bots.length - 1].innerText.trim();
-        return !document.querySelector('#input textarea').disabled && last && !last.includes('Loading content');
+        return !document.querySelector('#input textarea').disabled && last && !last.includes('Loading content')
+            && !last.startsWith('⏳');
     }""", timeout=120_000)
 
 
@@ -125,3 +170,88 @@ def test_a_corrupt_upload_shows_an_error_in_the_chat_and_the_next_question_still
     _ask(page, "What is the capital of France?")
     answer = page.locator("#chat .message.bot").last.inner_text()
     assert answer.strip() and "⚠️" not in answer
+
+
+def test_uploads_show_as_a_picture_and_a_video_player_not_as_links(page):
+    _ask(page, "What colour is the biggest shape?", upload=REPO / "assets" / "sample.png")
+    assert page.locator("#chat .message.user img").count() >= 1
+    _ask(page, "What moves?", upload=REPO / "assets" / "sample.mp4")
+    assert page.locator("#chat .message.user video").count() >= 1
+
+
+def test_clear_while_an_answer_streams_clears_for_good_and_ends_the_request(page, served):
+    _send(page, STORY)
+    _streaming(page)
+    page.locator("#chat button[aria-label='Clear']").click()
+    _idle(served)  # Clear cancelled the request: the server is free long before the story would end
+    time.sleep(1.0)
+    assert page.locator("#chat .message").count() == 0  # the old conversation did not come back
+    _ask(page, "What is the capital of France?")
+    assert page.locator("#chat .message.user").count() == 1  # sent alone, without the cleared turns
+
+
+def test_stop_ends_the_answer_marks_it_and_frees_the_model(page, served):
+    _send(page, STORY)
+    _streaming(page)
+    page.locator("#input button.stop-button").click()
+    _idle(served)
+    page.wait_for_function("""() => {
+        const bots = document.querySelectorAll('#chat .message.bot');
+        return bots.length && bots[bots.length - 1].innerText.includes('(stopped)');
+    }""", timeout=30_000)
+
+
+def test_a_mistyped_override_is_explained_and_retry_answers_with_the_same_upload(page):
+    page.get_by_text("advanced: parameters").click()
+    page.locator("#overrides textarea").fill("dash.rho=abc")
+    _ask(page, "What colour is the biggest shape?", upload=REPO / "assets" / "sample.png")
+    error = page.locator("#chat .message.bot").last.inner_text()
+    assert "⚠️" in error and "rho" in error and "internal error" not in error
+    page.locator("#overrides textarea").fill("")
+    page.locator("#chat button[aria-label='Retry']").last.click()
+    page.wait_for_function("""() => {
+        const bots = document.querySelectorAll('#chat .message.bot');
+        const last = bots.length ? bots[bots.length - 1].innerText.trim() : '';
+        return last && !last.startsWith('⚠️') && !last.startsWith('⏳')
+            && document.querySelector('#metrics').innerText.includes('image 256');
+    }""", timeout=120_000)  # answered, and the prompt held the image
+
+
+def test_max_answer_tokens_caps_the_answer_and_says_so(page):
+    number = page.locator("#max-tokens input[type=number]")
+    number.fill("3")
+    number.press("Enter")
+    _ask(page, STORY)
+    assert "cut at 3 tokens" in page.locator("#chat .message.bot").last.inner_text()
+    metrics = page.locator("#metrics").inner_text()
+    assert "answer tokens\t3" in metrics or "answer tokens 3" in metrics.replace("\t", " ")
+    assert "peak memory (this request)" in metrics
+
+
+def test_the_model_note_and_an_example_to_click(page):
+    assert "About this model" in page.locator("#model-note").inner_text()
+    page.get_by_text("What colour is the biggest shape?").first.click()
+    page.wait_for_function("""() => {
+        const bots = document.querySelectorAll('#chat .message.bot');
+        const last = bots.length ? bots[bots.length - 1].innerText.trim() : '';
+        return last && !last.startsWith('⏳') && document.querySelector('#metrics').innerText.includes('image 256');
+    }""", timeout=120_000)
+    assert page.locator("#chat .message.user img").count() >= 1
+
+
+def test_two_tabs_at_once_the_second_sees_its_place_in_the_queue_then_its_answer(browser, served):
+    first, second = _open(browser, served), _open(browser, served)
+    try:
+        _send(first, STORY)
+        _streaming(first)
+        _send(second, "What is the capital of France?")
+        second.wait_for_function("""() => {
+            const bots = document.querySelectorAll('#chat .message.bot');
+            return bots.length && bots[bots.length - 1].innerText.includes('number 1 in the queue');
+        }""", timeout=30_000)
+        _streaming(second)
+        answer = second.locator("#chat .message.bot").last.inner_text()
+        assert "⚠️" not in answer and "⏳" not in answer
+    finally:
+        first.close()
+        second.close()

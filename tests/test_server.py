@@ -232,6 +232,23 @@ def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(check
         assert not np.array_equal(np.asarray(bare), np.asarray(drawn))
 
 
+def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, tmp_path):
+    """LLaVA squeezes every image into a square grid; the map over a tall picture is drawn tall all the same."""
+    from PIL import Image
+
+    from app.ui import keep_map_image
+
+    tall = tmp_path / "tall.png"
+    Image.new("RGB", (120, 360), (200, 30, 30)).save(tall)
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(tall)}, {"type": "text", "text": "x"}]}]
+    keep_map = engine.generate(messages, policy="fastv", speed=1.0, max_new_tokens=1).metrics["keep_map"]
+    _, h, w = keep_map["media"][0]["grid"]
+    assert h == w  # the model's grid is square
+    drawn = keep_map_image(messages, keep_map, cell=8)
+    assert drawn.height == 3 * drawn.width
+
+
 def test_a_streaming_client_that_disconnects_frees_the_model(server, media, monkeypatch):
     """A client that drops its stream mid-answer cancels the request at the next decode step: the
     model is free again (the next request is answered) and /metrics counts the request as cancelled.
