@@ -1,6 +1,7 @@
 """The `glimpse` command.
 
     glimpse ask [--model M] [--image P | --video P] [--policy P] [--speed S] [--max-new-tokens N] [--json] QUESTION
+    glimpse bench serve [--url URL | --model M] [--clients K] [--requests N] [--max-tokens N] [--burst N] [--json]
     glimpse bench [--model M | --random-model PRESET] [--layers N] [--image P] [--video P] [--image-tokens N]
                   [--video-tokens N] [--policies P,Q] [--speeds S,T] [--runs N] [--warmup N] [--json] [--out FILE]
     glimpse calibrate slider --model M [--images DIR] [--videos DIR] [--prompts FILE] [--budget-minutes N] [--out FILE]
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "speedup, realised fraction, KV bytes and peak memory. By default a random-weights Qwen2-VL "
                     "with the 2B model's text shapes is built in a temporary folder, with a synthesized image and "
                     "video (--random-model picks another size, or LLaVA-1.5-7B). Progress goes to stderr.")
+    bench.add_argument("target", nargs="?", choices=["policies", "serve"], default="policies",
+                       help="policies (default): each policy against the unpruned baseline; serve: a server under "
+                            "concurrent clients against the same requests one at a time (options below)")
     source = bench.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="hub id or local checkpoint folder to benchmark")
     source.add_argument("--random-model", choices=REAL_PRESETS, default=None,
@@ -107,6 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT speedup over speed, per policy")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bench.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
+    served = bench.add_argument_group("bench serve", "a running server (--url) or one started here (--model, "
+                                                      "default embedded) under concurrent clients")
+    served.add_argument("--url", default=None, help="the server to measure (default: start glimpse serve here)")
+    served.add_argument("--workload", choices=["images", "text"], default="images",
+                        help="images (default): questions about an image (--image, default assets/sample.png); "
+                             "text: requests for stories, long answers")
+    served.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
+    served.add_argument("--requests", type=int, default=32, help="requests per phase (default 32)")
+    served.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default 32)")
+    served.add_argument("--policy", default="auto", help="the policy every request asks for (default auto)")
+    served.add_argument("--speed", type=float, default=0.0, help="the speed every request asks for (default 0)")
+    served.add_argument("--burst", type=int, default=0,
+                        help="then send this many requests at once and count admitted and refused (default 0: none)")
+    served.add_argument("--api-key", default=os.environ.get("GLIMPSE_API_KEY"), help="the server's key, if any")
+    served.add_argument("--max-batch", type=int, default=8, help="of the server started here (default 8)")
+    served.add_argument("--queue-size", type=int, default=32, help="of the server started here (default 32)")
+    served.add_argument("--kv-budget-mb", type=int, default=None, help="of the server started here")
     bench.set_defaults(run=run_bench)
 
     calibrate = commands.add_parser(
@@ -403,7 +424,24 @@ def run_caption(args) -> int:
     return 1 if report.failed else 0
 
 
+def run_bench_serve(args) -> int:
+    from app import bench_serve
+
+    if args.clients < 1 or args.requests < args.clients or args.max_tokens < 1 or args.burst < 0:
+        raise UserError("--clients and --max-tokens must be at least 1, --requests at least --clients, --burst >= 0")
+    check_speed(args.speed)
+    if args.image and not Path(args.image[0]).is_file():
+        raise UserError(f"{args.image[0]}: no such file")
+    report = bench_serve.run(args, _log)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report) if args.json else bench_serve.format_report(report))
+    return 0
+
+
 def run_bench(args) -> int:
+    if args.target == "serve":
+        return run_bench_serve(args)
     from app import bench
     from pipeline import load_engine
 

@@ -575,3 +575,32 @@ def test_health_reports_a_wedged_scheduler(server, media, monkeypatch):
         release.set()
         ticket.result(timeout=60)
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_bench_serve_measures_serial_and_concurrent_clients_and_a_burst(server, media):
+    """`glimpse bench serve --url`: every request of both phases is answered and counted, the percentiles
+    are ordered, and a burst beyond the queue is partly refused with 429 while the KV reservations stay
+    within the budget."""
+    import argparse
+
+    from app import bench_serve
+    from app.api import create_api
+    from pipeline.scheduler import Scheduler
+
+    scheduler = Scheduler(server["engine"], max_batch=2, queue_size=2)
+    app = create_api(server["engine"], model_name="tiny-llava", scheduler=scheduler, max_new_tokens=8)
+    for url in _serve(app):
+        args = argparse.Namespace(url=url, image=[str(media["image"])], workload="images", requests=6, clients=3,
+                                  max_tokens=4, policy="auto", speed=0.5, burst=12, api_key=None)
+        report = bench_serve.run(args, lambda _: None)
+    for phase in ("serial", "concurrent"):
+        p = report[phase]
+        assert p["requests"] == 6 and p["failures"] == 0
+        assert p["ttft_p50_s"] <= p["ttft_p95_s"] and p["e2e_p50_s"] <= p["e2e_p95_s"]
+        assert p["peak_memory_bytes"] > 0
+    assert report["concurrent"]["clients"] == 3 and report["goal"]["throughput_ratio"] > 0
+    burst = report["burst"]
+    assert burst["answered"] + burst["refused_429"] == 12 and burst["other"] == 0
+    assert burst["answered"] >= 3 and burst["refused_429"] >= 1  # 2 running + 2 waiting fit; the rest do not
+    assert burst["kv_reserved_max_bytes"] <= burst["kv_budget_bytes"]
+    assert "8 clients" not in bench_serve.format_report(report) and "3 clients" in bench_serve.format_report(report)
