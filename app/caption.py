@@ -11,7 +11,12 @@ folder, ``#`` comments). Each input gets one caption:
 
 Resuming: inputs already captioned (a line with their path in the JSONL, or an existing sidecar)
 are skipped unless ``--overwrite``; a JSONL line cut short by a killed run is dropped before
-appending. A killed run, rerun, therefore captions every input exactly once.
+appending. A killed run, rerun, therefore captions every input exactly once. Inputs are matched by
+resolved path (each line also carries it as ``key``), so the same folder given as a relative or an
+absolute path, or through a symlink, is not captioned again. One process at a time writes a JSONL
+output: it holds an exclusive lock on it (released by the system when the process ends, however it
+ends), and a second ``glimpse caption`` on the same output is refused before it loads the model, as
+is an output that cannot be written.
 
 Inputs are decoded together in batches (``Engine.generate_batch``, each with its own policy state).
 An input that cannot be read (corrupt, truncated, empty, unsupported) is logged and skipped; a batch
@@ -21,10 +26,9 @@ lists the failures at the end.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-import sys
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,8 +91,53 @@ def sidecar(path: Path) -> Path:
     return path.with_suffix(".txt")
 
 
+def input_key(path: Path) -> str:
+    """What identifies an input across runs: its resolved path."""
+    return str(path.resolve())
+
+
+class CaptionOutput:
+    """The JSONL output, opened for appending and locked for this process alone (``flock``): a second
+    writer is refused with a clear error, and an unwritable path fails here, before any model loads."""
+
+    def __init__(self, out: Path):
+        self.path = out
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(out, "a+b")
+        except OSError as error:
+            raise UserError(f"cannot write {out}: {error.strerror or error}") from None
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise UserError(f"{out} is being written by another glimpse caption; wait for it to finish "
+                            "or choose another --out") from None
+
+    def clear(self) -> None:
+        """``--overwrite``: start the output afresh (only once captioning starts: a failed model load loses nothing)."""
+        self.file.truncate(0)
+
+    def done(self) -> set[str]:
+        return done_in_jsonl(self.path)
+
+    def write(self, record: dict) -> None:
+        self.file.write((json.dumps(record) + "\n").encode())
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()  # releases the lock
+
+    def __enter__(self) -> "CaptionOutput":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def done_in_jsonl(out: Path) -> set[str]:
-    """Paths already captioned in ``out``; a last line cut short by a kill is removed from the file."""
+    """Keys (resolved paths) of the inputs already captioned in ``out``; a last line cut short by a kill
+    is removed from the file. Lines written before keys existed are matched by their path, resolved."""
     if not out.exists():
         return set()
     data = out.read_bytes()
@@ -99,8 +148,9 @@ def done_in_jsonl(out: Path) -> set[str]:
     done = set()
     for line in data.decode("utf-8", errors="replace").splitlines():
         try:
-            done.add(json.loads(line)["path"])
-        except (ValueError, KeyError, TypeError):
+            record = json.loads(line)
+            done.add(record.get("key") or input_key(Path(record["path"])))
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
             continue  # not one of ours: leave it alone, it never matches a path
     return done
 
@@ -112,11 +162,12 @@ def write_sidecar(path: Path, caption: str) -> None:
     os.replace(tmp, target)  # atomic: a kill never leaves half a caption
 
 
-def caption_inputs(engine, inputs: list[Path], *, out: Path | None, fmt: str, overwrite: bool, policy: str,
-                   speed: float, prompt: str | None, max_new_tokens: int, batch_size: int,
+def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | None, fmt: str, overwrite: bool,
+                   policy: str, speed: float, prompt: str | None, max_new_tokens: int, batch_size: int,
                    progress: Callable[[int, int, int], None] | None = None,
                    log: Callable[[str], None] = lambda message: None) -> CaptionReport:
-    """Caption ``inputs``; ``progress(done, total, failed)`` after every batch."""
+    """Caption ``inputs`` into ``out`` (a path, or a ``CaptionOutput`` already opened and locked);
+    ``progress(done, total, failed)`` after every batch."""
     report = CaptionReport()
     sidecars = {}
     if fmt == "txt":
@@ -124,37 +175,43 @@ def caption_inputs(engine, inputs: list[Path], *, out: Path | None, fmt: str, ov
             clash = sidecars.setdefault(sidecar(path).resolve(), path)
             if clash != path:
                 raise UserError(f"{clash} and {path} would share the caption file {sidecar(path)}")
-    if fmt == "jsonl" and overwrite and out.exists():
-        out.unlink()
-    done = done_in_jsonl(out) if fmt == "jsonl" else set()
+    sink = None
+    if fmt == "jsonl":
+        sink = out if isinstance(out, CaptionOutput) else CaptionOutput(out)
+    try:
+        return _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size,
+                        progress, log, report)
+    finally:
+        if sink is not None and sink is not out:
+            sink.close()
+
+
+def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size, progress,
+             log, report) -> CaptionReport:
+    if sink is not None and overwrite:
+        sink.clear()
+    done = sink.done() if sink is not None else set()
     pending = []
     for path in inputs:
-        finished = sidecar(path).exists() if fmt == "txt" else str(path) in done
+        finished = sidecar(path).exists() if fmt == "txt" else input_key(path) in done
         if finished and not overwrite:
             report.skipped += 1
         else:
             pending.append(path)
 
-    sink = open(out, "a", encoding="utf-8") if fmt == "jsonl" else None
-    try:
-        for start in range(0, len(pending), batch_size):
-            batch = pending[start:start + batch_size]
-            for path, result in _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
-                caption = result.text.strip()
-                if fmt == "txt":
-                    write_sidecar(path, caption)
-                else:
-                    metrics = {k: result.metrics[k] for k in KEPT_METRICS}
-                    record = {"path": str(path), "caption": caption, "policy": result.policy, "speed": speed,
-                              "params": result.params, "metrics": metrics}
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                report.captioned += 1
-            if progress:
-                progress(min(start + batch_size, len(pending)), len(pending), len(report.failed))
-    finally:
-        if sink:
-            sink.close()
+    for start in range(0, len(pending), batch_size):
+        batch = pending[start:start + batch_size]
+        for path, result in _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
+            caption = result.text.strip()
+            if fmt == "txt":
+                write_sidecar(path, caption)
+            else:
+                metrics = {k: result.metrics[k] for k in KEPT_METRICS}
+                sink.write({"path": str(path), "key": input_key(path), "caption": caption, "policy": result.policy,
+                            "speed": speed, "params": result.params, "metrics": metrics})
+            report.captioned += 1
+        if progress:
+            progress(min(start + batch_size, len(pending)), len(pending), len(report.failed))
     return report
 
 
@@ -182,21 +239,19 @@ def _messages(path: Path, prompt: str | None) -> list[dict]:
 
 
 class ProgressBar:
-    """A one-line progress bar with ETA on stderr (plain lines when stderr is not a terminal)."""
+    """Progress through tqdm on stderr: inputs done of those pending, failures, rate and ETA."""
 
     def __init__(self, stream=None):
-        self.stream = stream or sys.stderr  # looked up now, not at import (tests swap sys.stderr)
-        self.start = time.perf_counter()
+        self.stream = stream  # None: tqdm's default, stderr (looked up now: tests swap sys.stderr)
+        self.bar = None
 
     def __call__(self, done: int, total: int, failed: int) -> None:
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / done * (total - done) if done else 0.0
-        width = 30
-        filled = int(width * done / total) if total else width
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}"
-                f"{f', {failed} failed' if failed else ''}, {elapsed:.0f}s elapsed, ETA {eta:.0f}s")
-        if self.stream.isatty():
-            self.stream.write("\r" + line + ("\n" if done >= total else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, unit="input", desc="captioning", file=self.stream, dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+        if failed:
+            self.bar.set_postfix(failed=failed)
+        if done >= total:
+            self.bar.close()

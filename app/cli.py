@@ -394,7 +394,7 @@ def run_serve(args) -> int:
 
 
 def run_caption(args) -> int:
-    from app.caption import ProgressBar, caption_inputs, collect_inputs
+    from app.caption import CaptionOutput, ProgressBar, caption_inputs, collect_inputs
     from pipeline import load_engine
     from pruning import make_policy
 
@@ -409,14 +409,20 @@ def run_caption(args) -> int:
     if not inputs:
         raise UserError("no image or video files found in the inputs")
     out = Path(args.out or "captions.jsonl")
-    _log(f"{len(inputs)} inputs; loading {args.model} ...")
-    engine = load_engine(args.model, device=args.device, attn=args.attn)
-    if not engine.grounded:
-        _log(NOT_GROUNDED)
-    report = caption_inputs(engine, inputs, out=out if args.format == "jsonl" else None, fmt=args.format,
-                            overwrite=args.overwrite, policy=args.policy, speed=args.speed, prompt=args.prompt,
-                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                            progress=ProgressBar(), log=_log)
+    # Opened and locked before the model loads: an unwritable output or a second writer is refused at once.
+    output = CaptionOutput(out) if args.format == "jsonl" else None
+    try:
+        _log(f"{len(inputs)} inputs; loading {args.model} ...")
+        engine = load_engine(args.model, device=args.device, attn=args.attn)
+        if not engine.grounded:
+            _log(NOT_GROUNDED)
+        report = caption_inputs(engine, inputs, out=output, fmt=args.format, overwrite=args.overwrite,
+                                policy=args.policy, speed=args.speed, prompt=args.prompt,
+                                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                progress=ProgressBar(), log=_log)
+    finally:
+        if output is not None:
+            output.close()
     where = out if args.format == "jsonl" else ".txt sidecars"
     _log(f"captioned {report.captioned}, already done {report.skipped}, failed {len(report.failed)} -> {where}")
     for path, reason in report.failed:

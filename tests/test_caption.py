@@ -53,11 +53,13 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     records = _lines(out)
     assert sorted(r["path"] for r in records) == sorted(str(p) for p in good)
     for r in records:
-        assert set(r) == {"path", "caption", "policy", "speed", "params", "metrics"}
+        assert set(r) == {"path", "key", "caption", "policy", "speed", "params", "metrics"}
+        assert r["key"] == str(Path(r["path"]).resolve())
         assert r["policy"] == "auto" and r["speed"] == 0.5 and r["metrics"]["new_tokens"] >= 1
     assert max(r["metrics"]["batch_size"] for r in records) > 1  # inputs were decoded together
     err = capsys.readouterr().err
-    assert "failed 2" in err and "broken.png" in err and "empty.jpg" in err and "ETA" in err
+    assert "failed 2" in err and "broken.png" in err and "empty.jpg" in err
+    assert "captioning: 100%" in err and "7/7" in err  # the progress bar (tqdm) reached the end
 
 
 def test_batched_captions_equal_captions_made_one_at_a_time(model, tmp_path):
@@ -126,3 +128,33 @@ def test_missing_inputs_and_folders_without_media_are_clear_errors(model, tmp_pa
     (tmp_path / "empty").mkdir()
     assert main(["caption", str(tmp_path / "empty"), "--model", model]) == 1
     assert "no image or video files" in capsys.readouterr().err
+
+
+def test_resuming_matches_inputs_by_resolved_path_however_they_are_named(model, tmp_path, monkeypatch):
+    """The same folder given first as a relative path, then as an absolute one and through a symlink: the
+    second and third runs find every input done."""
+    images = _images(tmp_path / "in", 3)
+    (tmp_path / "link").symlink_to(tmp_path / "in")
+    out = tmp_path / "captions.jsonl"
+    monkeypatch.chdir(tmp_path)
+    assert main(["caption", "in", "--model", model, "--out", str(out), "--max-new-tokens", "4"]) == 0
+    for name in (str(tmp_path / "in"), str(tmp_path / "link")):
+        assert main(["caption", name, "--model", model, "--out", str(out), "--max-new-tokens", "4"]) == 0
+    assert len(_lines(out)) == len(images)
+
+
+def test_a_second_writer_and_an_unwritable_output_are_refused_before_the_model_loads(model, tmp_path, capsys):
+    """While one captioner holds the output, another on the same output stops with a clear message, before
+    loading anything (here a model that does not exist would fail later); the lock goes with its holder."""
+    from app.caption import CaptionOutput
+
+    _images(tmp_path / "in", 1)
+    out = tmp_path / "captions.jsonl"
+    with CaptionOutput(out):
+        assert main(["caption", str(tmp_path / "in"), "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 1
+        assert "being written by another glimpse caption" in capsys.readouterr().err
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "4"]) == 0
+    (tmp_path / "file").write_text("x")
+    assert main(["caption", str(tmp_path / "in"), "--model", str(tmp_path / "no-model"),
+                 "--out", str(tmp_path / "file" / "captions.jsonl")]) == 1
+    assert "cannot write" in capsys.readouterr().err
