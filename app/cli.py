@@ -22,6 +22,8 @@ import json
 import os
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -335,9 +337,10 @@ def run_eval(args) -> int:
 
 
 def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=200, queue_size=32,
-                 max_new_tokens=256, allow_private_urls=False, max_batch=8, kv_budget_bytes=None, api_key=None):
+                 max_new_tokens=256, allow_private_urls=False, max_batch=8, kv_budget_bytes=None, api_key=None,
+                 scheduler_thread=True):
     """The FastAPI app `glimpse serve` runs: one scheduler owning the engine, the API routes on it, and the
-    Gradio chat on it, mounted at /."""
+    Gradio chat on it, mounted at /. ``scheduler_thread=False``: the caller runs ``app.state.scheduler.run()``."""
     import gradio as gr
 
     from app.api import create_api
@@ -345,7 +348,8 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     from app.ui import build_ui
     from pipeline.scheduler import Scheduler
 
-    scheduler = Scheduler(engine, max_batch=max_batch, queue_size=queue_size, kv_budget_bytes=kv_budget_bytes)
+    scheduler = Scheduler(engine, max_batch=max_batch, queue_size=queue_size, kv_budget_bytes=kv_budget_bytes,
+                          start=scheduler_thread)
     telemetry = Telemetry(scheduler, model_name)
     app = create_api(engine, model_name=model_name, scheduler=scheduler, telemetry=telemetry, allowed_root=allowed_root,
                      allow_private_urls=allow_private_urls, max_new_tokens=max_new_tokens, api_key=api_key)
@@ -387,10 +391,32 @@ def run_serve(args) -> int:
     app = build_server(engine, args.model, allowed_root=args.allowed_root, max_upload_mb=args.max_upload_mb,
                        queue_size=args.queue_size, max_new_tokens=args.max_new_tokens,
                        allow_private_urls=args.allow_private_urls, max_batch=args.max_batch,
-                       kv_budget_bytes=budget, api_key=args.api_key)
+                       kv_budget_bytes=budget, api_key=args.api_key, scheduler_thread=False)
+    # The HTTP server in a thread, the scheduler (all model compute) in the main thread, which loaded the
+    # model: on CPU, torch runs about 1.5x slower in any other thread (Scheduler.run).
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    http = threading.Thread(target=server.run, name="glimpse-http", daemon=True)
+    http.start()
+    while not server.started and http.is_alive():
+        time.sleep(0.05)
+    if not http.is_alive():
+        raise UserError(f"could not serve on {args.host}:{args.port} (is the port in use?)")
     _log(f"serving on http://{args.host}:{args.port} (chat at /, API at /v1/chat/completions)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    threading.Thread(target=_stop_scheduler_with, args=(http, app.state.scheduler), daemon=True).start()
+    try:
+        app.state.scheduler.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=30)
     return 0
+
+
+def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
+    """When the HTTP server stops (SIGTERM, SIGINT), stop the scheduler too, so that the process exits."""
+    http.join()
+    scheduler.close()
 
 
 def run_caption(args) -> int:

@@ -135,7 +135,8 @@ class Ticket:
 
 class Scheduler:
     def __init__(self, engine: Engine, *, max_batch: int = 8, queue_size: int = 32,
-                 kv_budget_bytes: int | None = None):
+                 kv_budget_bytes: int | None = None, start: bool = True):
+        """``start=False``: the caller runs the loop itself, in its own thread, with ``run()``."""
         if max_batch < 1 or queue_size < 0:
             raise UserError("the batch size must be at least 1 and the queue size at least 0")
         self.engine, self.max_batch, self.queue_size = engine, max_batch, queue_size
@@ -150,7 +151,15 @@ class Scheduler:
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self.on_finish: list[Callable[[Ticket, GenerationResult | None, BaseException | None], None]] = []
         self.thread = threading.Thread(target=self._loop, name="glimpse-scheduler", daemon=True)
-        self.thread.start()
+        if start:
+            self.thread.start()
+
+    def run(self) -> None:
+        """Run the loop in the calling thread until ``close()``. ``glimpse serve`` runs it in the main thread:
+        on CPU, torch's OpenMP kernels run about 1.5x slower in a thread other than the one that first used
+        them (the one that loaded the model), because a second OpenMP team competes with the first one's."""
+        self.thread = threading.current_thread()
+        self._loop()
 
     # ------------------------------------------------------------------ submitters' side
     def submit(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
@@ -233,7 +242,8 @@ class Scheduler:
             for ticket in self.waiting:
                 ticket.cancel.set()
             self.condition.notify()
-        self.thread.join(timeout=60)
+        if self.thread is not threading.current_thread() and self.thread.is_alive():
+            self.thread.join(timeout=60)
 
     # ------------------------------------------------------------------ the loop (the scheduler's thread)
     def _loop(self) -> None:
