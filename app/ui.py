@@ -12,6 +12,7 @@ cannot be decoded leaves the conversation, anything else keeps it; the server ke
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -191,9 +192,13 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             return f"⚠️ {error}"
         return f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] else " *(uncalibrated)*")
 
-    def respond(message, history, policy, speed, max_tokens, overrides, compare):
+    tabs: dict[str, set] = {}  # per browser session, the tickets it is waiting on: closing the tab cancels them
+    tabs_lock = threading.Lock()
+
+    def respond(message, history, policy, speed, max_tokens, overrides, compare, request=None):
         """One turn: check this turn's files, queue the conversation, show the queue position while it
         waits, stream the answer, then the metrics (beside an unpruned run if asked) and the keep map."""
+        session = getattr(request, "session_hash", None)
         files = [f if isinstance(f, str) else f.get("path") for f in (message.get("files") or [])]
         turn = [{"role": "user", "content": [{"type": "file", "file": {"path": p}} for p in files]
                  + ([{"type": "text", "text": message["text"]}] if message.get("text") else [])}]
@@ -204,6 +209,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             options = dict(policy=engine.make_policy(policy, speed, parse_overrides(overrides)),
                            max_new_tokens=_token_limit(max_tokens, max_new_tokens))
             ticket = scheduler.submit(messages, **options)
+            with tabs_lock:
+                tabs.setdefault(session, set()).add(ticket)
         except QueueFull as full:
             yield f"⚠️ {full}", gr.skip(), gr.skip()
             return
@@ -228,12 +235,24 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             yield (answer + "\n\n" if answer else "") + _error_text(error), gr.skip(), gr.skip()
             return
         finally:
-            ticket.cancel.set()  # Stop, Clear or a closed tab close this generator: the request ends at once
+            ticket.cancel.set()  # Stop and Clear close this generator: the request ends at once
+            with tabs_lock:
+                tabs.get(session, set()).discard(ticket)
         if result is None:
             return
         if result.finish_reason == "length":
             answer += f"\n\n*(cut at {len(result.token_ids)} tokens: raise max answer tokens for more)*"
         yield answer, metrics_markdown(result, baseline), keep_map_image(messages, result.metrics["keep_map"])
+
+    def tab_closed(request):
+        """The tab was closed or reloaded (Gradio does not cancel its running event): end its requests."""
+        with tabs_lock:
+            tickets = tabs.pop(getattr(request, "session_hash", None), set())
+        for ticket in tickets:
+            ticket.cancel.set()
+
+    # Gradio injects the browser session into parameters annotated gr.Request (set here: gradio loads lazily).
+    respond.__annotations__["request"] = tab_closed.__annotations__["request"] = gr.Request
 
     def mark_stopped(history):
         # Stop cancels the answer's event in the same click; an update it sent just before may still be on its
@@ -290,6 +309,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             control.change(promise_markdown, [policy, speed, overrides], promise, api_name=False)
         chat.textbox.stop(mark_stopped, chat.chatbot, chat.chatbot, api_name=False)
         chat.chatbot.clear(lambda: ("metrics appear after an answer", None), None, [metrics, keep], api_name=False)
+        demo.unload(tab_closed)
     return demo
 
 

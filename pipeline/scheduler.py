@@ -80,7 +80,7 @@ class StopText:
         return shown
 
 
-@dataclass
+@dataclass(eq=False)  # a ticket is itself: compared and hashed by identity
 class Ticket:
     """A submitted request, as its submitter holds it: ``cancel`` it, read its ``chunks()`` (or give a
     ``sink`` that receives each ``StreamChunk``, then the final one with the result; or an exception;

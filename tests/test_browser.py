@@ -180,10 +180,12 @@ def test_uploads_show_as_a_picture_and_a_video_player_not_as_links(page):
 
 
 def test_clear_while_an_answer_streams_clears_for_good_and_ends_the_request(page, served):
+    before = _cancelled(served)
     _send(page, STORY)
     _streaming(page)
     page.locator("#chat button[aria-label='Clear']").click()
-    _idle(served)  # Clear cancelled the request: the server is free long before the story would end
+    _idle(served)
+    assert _cancelled(served) == before + 1  # Clear ended the request, not the end of its story
     time.sleep(1.0)
     assert page.locator("#chat .message").count() == 0  # the old conversation did not come back
     _ask(page, "What is the capital of France?")
@@ -191,10 +193,12 @@ def test_clear_while_an_answer_streams_clears_for_good_and_ends_the_request(page
 
 
 def test_stop_ends_the_answer_marks_it_and_frees_the_model(page, served):
+    before = _cancelled(served)
     _send(page, STORY)
     _streaming(page)
     page.locator("#input button.stop-button").click()
     _idle(served)
+    assert _cancelled(served) == before + 1
     page.wait_for_function("""() => {
         const bots = document.querySelectorAll('#chat .message.bot');
         return bots.length && bots[bots.length - 1].innerText.includes('(stopped)');
@@ -255,3 +259,21 @@ def test_two_tabs_at_once_the_second_sees_its_place_in_the_queue_then_its_answer
     finally:
         first.close()
         second.close()
+
+
+def test_closing_the_tab_mid_answer_frees_the_model(browser, served):
+    page = _open(browser, served)
+    before = _cancelled(served)
+    _send(page, STORY)
+    _streaming(page)
+    page.close()
+    _idle(served)
+    assert _cancelled(served) == before + 1  # the request ended with the tab, not with its story
+
+
+def _cancelled(served) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(httpx.get(served + "/metrics").text)
+               for sample in family.samples
+               if sample.name == "glimpse_requests_total" and sample.labels["outcome"] == "cancelled")
