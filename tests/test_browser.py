@@ -179,13 +179,19 @@ def test_uploads_show_as_a_picture_and_a_video_player_not_as_links(page):
     assert page.locator("#chat .message.user video").count() >= 1
 
 
-def test_clear_while_an_answer_streams_clears_for_good_and_ends_the_request(page, served):
+def _interrupt_a_story(page, served, button: str) -> None:
+    """Ask for a long answer, press ``button`` while it streams, and check that this ended the request
+    (counted as cancelled) rather than the end of its story."""
     before = _cancelled(served)
     _send(page, STORY)
     _streaming(page)
-    page.locator("#chat button[aria-label='Clear']").click()
+    page.locator(button).click()
     _idle(served)
-    assert _cancelled(served) == before + 1  # Clear ended the request, not the end of its story
+    assert _cancelled(served) == before + 1
+
+
+def test_clear_while_an_answer_streams_clears_for_good_and_ends_the_request(page, served):
+    _interrupt_a_story(page, served, "#chat button[aria-label='Clear']")
     time.sleep(1.0)
     assert page.locator("#chat .message").count() == 0  # the old conversation did not come back
     _ask(page, "What is the capital of France?")
@@ -193,12 +199,7 @@ def test_clear_while_an_answer_streams_clears_for_good_and_ends_the_request(page
 
 
 def test_stop_ends_the_answer_marks_it_and_frees_the_model(page, served):
-    before = _cancelled(served)
-    _send(page, STORY)
-    _streaming(page)
-    page.locator("#input button.stop-button").click()
-    _idle(served)
-    assert _cancelled(served) == before + 1
+    _interrupt_a_story(page, served, "#input button.stop-button")
     page.wait_for_function("""() => {
         const bots = document.querySelectorAll('#chat .message.bot');
         return bots.length && bots[bots.length - 1].innerText.includes('(stopped)');
