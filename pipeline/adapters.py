@@ -40,6 +40,15 @@ class MediaInput:
     frames: list[Image.Image] = field(default_factory=list)
     grid: tuple[int, int, int] | None = None  # (t, h, w) of the visual tokens, for the keep-map
     sample_fps: float | None = None  # a video's frames per second as sampled
+    timestamps_s: list[float] | None = None  # a video's time per temporal patch, where the prompt writes it
+
+
+def patch_times(indices: list[int], source_fps: float, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal patch of a sampled video: the mean time of its first and last frame, the
+    last frame repeated to fill the final patch (``Qwen3VLProcessor``'s timestamps)."""
+    indices = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
+    seconds = [index / source_fps for index in indices]
+    return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size)]
 
 
 class Adapter:
@@ -71,9 +80,20 @@ class Adapter:
     def video_token_id(self) -> int | None:
         return getattr(self.config, "video_token_id", None)
 
+    # Modalities whose placeholders ``expand_text`` writes out in full (one token per feature) before
+    # tokenization, rather than the prompt builder repeating the one placeholder token.
+    expands_in_text: frozenset = frozenset()
+
     def placeholder(self, kind: Modality) -> str:
         """The text a chat template writes for one image/video item, when it writes nothing itself."""
+        return self.placeholder_token(kind)
+
+    def placeholder_token(self, kind: Modality) -> str:
         return self.tokenizer.convert_ids_to_tokens(self.image_token_id if kind == IMAGE else self.video_token_id)
+
+    def expand_text(self, text: str, media: list["MediaInput"]) -> str:
+        """The rendered chat text with the placeholders of ``expands_in_text`` modalities written out."""
+        return text
 
     # -- media --------------------------------------------------------------------------------
     def prepare_image(self, image: Image.Image) -> MediaInput:
@@ -195,16 +215,47 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     """Qwen3-VL (dense; the MoE variant loads through the same code): the decoder layer's own forward
     adds q/k norms and the model's rotary embedding interleaves M-RoPE, so only the encoder differs
     here: ``get_image_features`` also returns DeepStack features, which the engine adds to the visual
-    tokens after the first decoder layers (only to those still active there). Video is not supported
-    yet: Qwen3-VL writes a timestamp before each frame's tokens, which Glimpse's prompt builder does not."""
+    tokens after the first decoder layers (only to those still active there).
+
+    Video: frames sampled and resized as qwen-vl-utils does for Qwen3-VL (32-pixel tokens: 16-pixel
+    patches merged 2x2), and each temporal patch of the video written into the prompt as its processor
+    writes it: ``<t seconds><|vision_start|>`` + that patch's tokens + ``<|vision_end|>``, ``t`` the mean
+    time of the patch's two frames, in place of the template's ``<|video_pad|>`` (the template's own
+    ``<|vision_start|>``/``<|vision_end|>`` around it stay, as in ``Qwen3VLProcessor``). The model's
+    ``get_rope_index`` splits the video grid per temporal patch to match."""
 
     name = "qwen3-vl"
     model_class = "Qwen3VLForConditionalGeneration"
-    supports_video = False
+    expands_in_text = frozenset({VIDEO})
 
     def prepare_video(self, path):
-        raise vision.MediaError(f"{path}: Glimpse does not run Qwen3-VL on video yet (its per-frame timestamps "
-                                "are not written into the prompt); ask about an image")
+        ip = self.image_processor
+        factor = ip.patch_size * ip.merge_size
+        sampled = vision.sample_video_qwen(path, factor=factor, min_pixels=128 * factor**2,
+                                           total_pixels=int(128000 * factor**2 * 0.9))
+        tensors = vision.qwen2vl_video_inputs(
+            sampled.frames, patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
+            merge_size=ip.merge_size, image_mean=ip.image_mean, image_std=ip.image_std, resize=False,
+        )
+        t, h, w = (int(x) for x in tensors["video_grid_thw"][0])
+        m = self.merge_size
+        frames = [Image.fromarray(f) for f in sampled.frames[:: ip.temporal_patch_size]]
+        return MediaInput(VIDEO, t * h * w // m**2, tensors, frames=frames, grid=(t, h // m, w // m),
+                          sample_fps=sampled.sample_fps,
+                          timestamps_s=patch_times(sampled.indices, sampled.source_fps, ip.temporal_patch_size))
+
+    def expand_text(self, text: str, media: list[MediaInput]) -> str:
+        pad = self.placeholder_token(VIDEO)
+        pieces = text.split(pad)
+        videos = [m for m in media if m.kind == VIDEO]
+        if len(pieces) - 1 != len(videos):
+            return text  # the prompt builder reports the mismatch
+        out = pieces[0]
+        for item, rest in zip(videos, pieces[1:]):
+            per_patch = item.num_tokens // len(item.timestamps_s)
+            out += "".join(f"<{seconds:.1f} seconds><|vision_start|>{pad * per_patch}<|vision_end|>"
+                           for seconds in item.timestamps_s) + rest
+        return out
 
     def encode_with_layers(self, media, kind):
         out = self._vision_output(media, kind)

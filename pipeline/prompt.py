@@ -111,11 +111,12 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
     tok = adapter.tokenizer
     # A template that writes BOS itself must not get a second one from the tokenizer.
     add_special = not (tok.bos_token and text.startswith(tok.bos_token))
-    ids = tok(text, add_special_tokens=add_special)["input_ids"]
+    ids = tok(adapter.expand_text(text, media), add_special_tokens=add_special)["input_ids"]
 
     placeholder = {IMAGE: adapter.image_token_id, VIDEO: adapter.video_token_id}
     queues = {k: [m for m in media if m.kind == k] for k in (IMAGE, VIDEO)}
     expanded, modality = [], []
+    written: dict = {}  # tokens of the current item seen so far, for modalities written out in text
     for token in ids:
         kind = next((k for k, p in placeholder.items() if p is not None and token == p), TEXT)
         if kind == TEXT:
@@ -124,6 +125,14 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
             continue
         if not queues[kind]:
             raise PromptError(f"the prompt has more {MODALITY_NAMES[kind]} placeholders than {MODALITY_NAMES[kind]}s")
+        if kind in adapter.expands_in_text:  # written out already: one token per feature
+            expanded.append(token)
+            modality.append(kind)
+            written[kind] = written.get(kind, 0) + 1
+            if written[kind] == queues[kind][0].num_tokens:
+                queues[kind].pop(0)
+                written[kind] = 0
+            continue
         item = queues[kind].pop(0)
         expanded += [token] * item.num_tokens
         modality += [kind] * item.num_tokens

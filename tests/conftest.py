@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import BUILDERS  # noqa: E402
 
 ARCHS = list(BUILDERS)
-VIDEO_ARCHS = ["qwen2_vl", "qwen2_5_vl", "longva"]
+VIDEO_ARCHS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "longva"]
 DEEP_LAYERS = 12
 
 

@@ -334,3 +334,44 @@ def test_peak_memory_is_the_requests_own_not_the_process_lifetime_peak(checkpoin
     lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = engine.generate([{"role": "user", "content": "hi"}], policy="none", max_new_tokens=2)
     assert 0 < result.metrics["peak_memory_bytes"] < lifetime - 400 * 2**20
+
+
+def test_qwen3_vl_video_prompt_is_written_as_its_processor_writes_it(checkpoints, media):
+    """Qwen3-VL's video tokens: per temporal patch a ``<t seconds>`` marker and the patch's tokens between
+    vision start/end, in place of the template's video placeholder — the text ``Qwen3VLProcessor`` writes
+    for the same sampled frames (here with qwen-vl-utils' sampling for 32-pixel tokens) — and every
+    policy answers on it, exactly at speed 0."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    import vision
+
+    engine = load_engine(str(checkpoints["qwen3_vl"]), device="cpu")
+    messages = _messages("video", media)
+    prompt = engine.prepare(messages)
+    [item] = prompt.media
+    sampled = vision.sample_video_qwen(str(media["video"]), factor=32, min_pixels=128 * 32 * 32,
+                                       total_pixels=int(128000 * 32 * 32 * 0.9))
+    assert torch.equal(item.tensors["video_grid_thw"][0, 1:] * 16, torch.tensor(sampled.frames.shape[1:3]))
+    # The processor's own method (building the whole processor needs torchvision for its video half).
+    processor = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+                                video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
+                                vision_end_token="<|vision_end|>",
+                                _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a))
+    metadata = VideoMetadata(total_num_frames=len(sampled.indices), fps=sampled.source_fps,
+                             frames_indices=sampled.indices)
+    written = Qwen3VLProcessor.replace_video_token(processor, {"video_grid_thw": item.tensors["video_grid_thw"],
+                                                               "video_metadata": [metadata]}, 0)
+    assert "seconds>" in written and written.count("<|vision_start|>") == int(item.tensors["video_grid_thw"][0, 0])
+    expected = engine.tokenizer(prompt.text.replace("<|video_pad|>", written, 1))["input_ids"]
+    assert prompt.input_ids.tolist() == expected
+
+    from pruning import NAMES
+
+    unpruned = engine.generate(messages, policy="none", max_new_tokens=3)
+    for name in NAMES:
+        assert engine.generate(messages, policy=name, speed=0.0, max_new_tokens=3).token_ids == unpruned.token_ids
+        pruned = engine.generate(messages, policy=name, speed=1.0, max_new_tokens=3)
+        assert pruned.token_ids and pruned.metrics["prefill_flops"] <= unpruned.metrics["prefill_flops"], name

@@ -114,11 +114,14 @@ def video_frame_max_pixels(
     min_pixels: float = VIDEO_MIN_PIXELS,
     total_pixels: float = VIDEO_TOTAL_PIXELS,
     max_pixels: float | None = None,
+    factor: int = IMAGE_FACTOR,
 ) -> float:
     """Per-frame pixel cap for a video of `nframes` frames: the total budget shared by the frame pairs,
-    at most VIDEO_MAX_PIXELS, at least 5% above `min_pixels` (so smart_resize always has room), and no
+    at most 768 tokens' worth of pixels (VIDEO_MAX_PIXELS for 28-pixel tokens; qwen-vl-utils counts
+    tokens of `factor` pixels), at least 5% above `min_pixels` (so smart_resize always has room), and no
     more than a caller's own `max_pixels`."""
-    cap = max(min(VIDEO_MAX_PIXELS, total_pixels / nframes * FRAME_FACTOR), int(min_pixels * 1.05))
+    frame_max = VIDEO_MAX_PIXELS * factor**2 // IMAGE_FACTOR**2
+    cap = max(min(frame_max, total_pixels / nframes * FRAME_FACTOR), int(min_pixels * 1.05))
     return cap if max_pixels is None else min(max_pixels, cap)
 
 
@@ -220,7 +223,7 @@ def sample_video_qwen(
 
     info, total_frames, indices, frames = _read_sampled(path, pick_indices, backend, timeout_s)
     if resize:
-        frame_cap = video_frame_max_pixels(len(indices), min_pixels, total_pixels, max_pixels)
+        frame_cap = video_frame_max_pixels(len(indices), min_pixels, total_pixels, max_pixels, factor)
         try:
             height, width = smart_resize(frames.shape[1], frames.shape[2], factor, min_pixels, frame_cap)
         except ValueError as error:  # aspect ratio above MAX_RATIO
