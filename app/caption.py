@@ -232,10 +232,13 @@ def _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
     return answered
 
 
+def instruction(path: Path, prompt: str | None) -> str:
+    """What each input is asked: ``--prompt``, or the default for its kind."""
+    return prompt or DEFAULT_PROMPT.format(kind=kind_of(path))
+
+
 def _messages(path: Path, prompt: str | None) -> list[dict]:
-    kind = kind_of(path)
-    text = prompt or DEFAULT_PROMPT.format(kind=kind)
-    return user_message(text, [(kind, str(path))])
+    return user_message(instruction(path, prompt), [(kind_of(path), str(path))])
 
 
 class ProgressBar:

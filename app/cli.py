@@ -225,11 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "of paths). Results go to a JSONL file (one object per input, flushed per line) or to "
                     ".txt sidecars. Inputs already captioned are skipped unless --overwrite, so a killed run "
                     "resumes where it stopped; unreadable inputs are logged, skipped and summarised.")
-    caption.add_argument("inputs", nargs="+", metavar="INPUT", help="image/video files, folders or list files")
-    target = caption.add_mutually_exclusive_group()
-    target.add_argument("--out", default=None, metavar="FILE.jsonl", help="JSONL output (default: captions.jsonl)")
-    target.add_argument("--format", choices=["jsonl", "txt"], default="jsonl",
-                        help="txt: a <name>.txt sidecar next to each input instead of JSONL")
+    caption.add_argument("inputs", nargs="+", metavar="INPUT",
+                         help="image/video files, folders or list files (with --ray also .parquet/.jsonl manifests)")
+    caption.add_argument("--out", default=None, metavar="FILE.jsonl | DIR",
+                         help="JSONL output (default: captions.jsonl); with --ray, a folder of Parquet shards "
+                              "(default: captions/)")
+    caption.add_argument("--format", choices=["jsonl", "txt"], default=None,
+                         help="txt: a <name>.txt sidecar next to each input instead of JSONL; with --ray, jsonl "
+                              "also writes DIR/captions.jsonl beside the shards")
     caption.add_argument("--overwrite", action="store_true", help="caption again what is already captioned")
     caption.add_argument("--model", default="embedded", help="as for ask")
     caption.add_argument("--policy", default="auto", choices=NAMES)
@@ -239,6 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--max-new-tokens", type=int, default=64)
     caption.add_argument("--batch-size", type=int, default=8, help="inputs decoded together (default 8)")
     _add_device_options(caption)
+    spread = caption.add_argument_group("on Ray (docs/scale.md)")
+    spread.add_argument("--ray", action="store_true", help="run as a Ray Data pipeline: decode tasks and a pool of "
+                                                          "model actors (pip install -e '.[ray]')")
+    spread.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                        help="the cluster to join (e.g. ray://head:10001 or auto); default: start a local one")
+    spread.add_argument("--actors", type=int, default=1, help="model actors, one Engine each (default 1)")
+    spread.add_argument("--gpus-per-actor", type=float, default=None,
+                        help="GPUs per actor (default: 1 on a cluster with GPUs, else 0: CPU actors)")
+    spread.add_argument("--column", default="path", help="the manifest column of paths or URIs (default: path)")
     caption.set_defaults(run=run_caption)
     return parser
 
@@ -428,6 +440,11 @@ def run_caption(args) -> int:
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--batch-size and --max-new-tokens must be at least 1")
     make_policy(args.policy, args.speed)
+    if args.ray:
+        return run_caption_on_ray(args)
+    args.format = args.format or "jsonl"
+    if args.format == "txt" and args.out:
+        raise UserError("--format txt writes sidecars next to the inputs: leave out --out")
     try:
         inputs = collect_inputs(args.inputs)
     except FileNotFoundError as error:
@@ -453,6 +470,30 @@ def run_caption(args) -> int:
     _log(f"captioned {report.captioned}, already done {report.skipped}, failed {len(report.failed)} -> {where}")
     for path, reason in report.failed:
         _log(f"  failed: {path}: {reason}")
+    return 1 if report.failed else 0
+
+
+def run_caption_on_ray(args) -> int:
+    from app.caption_ray import caption_on_ray
+
+    if args.format == "txt":
+        raise UserError("--ray writes Parquet shards (and JSONL with --format jsonl), not sidecars")
+    if args.actors < 1 or (args.gpus_per_actor is not None and args.gpus_per_actor < 0):
+        raise UserError("--actors must be at least 1 and --gpus-per-actor at least 0")
+    if args.overwrite:
+        raise UserError("--ray resumes from the shards in --out; to start afresh, give a new --out")
+    out = Path(args.out or "captions")
+    gpus = 0.0 if args.device == "cpu" else args.gpus_per_actor  # None: 1 if the cluster has GPUs
+    report = caption_on_ray(args.inputs, out=out, model=args.model, policy=args.policy, speed=args.speed,
+                            prompt=args.prompt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                            actors=args.actors, gpus_per_actor=gpus, address=args.ray_address, column=args.column,
+                            jsonl=args.format == "jsonl", device=args.device, log=_log)
+    rate = (f"{report.captioned / report.seconds:.2f} inputs/s, {report.answer_tokens / report.seconds:.1f} answer "
+            f"tokens/s" if report.seconds else "nothing to do")
+    _log(f"done {report.captioned}, skipped {report.skipped}, failed {len(report.failed)} -> {out} ({rate})"
+         + (f"; Ray dashboard: {report.dashboard}" if report.dashboard else ""))
+    for key, reason in report.failed:
+        _log(f"  failed: {key}: {reason}")
     return 1 if report.failed else 0
 
 

@@ -15,6 +15,7 @@ from pipeline.adapters import ADAPTERS
 from pipeline.engine import Engine
 from pipeline.calibrate_slider import SHIPPED_FRONTIER
 from pipeline.profiles import load_profile
+from pipeline.prompt import Prompt, build_prompt
 from pruning.frontier import Frontier, uncalibrated_frontier
 
 
@@ -50,8 +51,45 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto",
                 dtype: str | torch.dtype = "auto") -> Engine:
     """Load a Qwen2-VL, LLaVA-1.5, LLaVA-NeXT or LongVA checkpoint (hub id or folder) as an Engine."""
-    import transformers
-    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+    source, grounded, config = _checkpoint(model)
+    torch_device = resolve_device(device)
+    attn_implementation = resolve_attn(attn, torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    adapter = _adapter(model, source, config, lambda cls: cls.from_pretrained(
+        source, dtype=torch_dtype, attn_implementation=attn_implementation).to(torch_device).eval())
+    engine = Engine(adapter, model_id=str(model), chat_template=_chat_template(source), grounded=grounded)
+    profile = load_profile(str(model))
+    if profile and profile.get("num_layers") == len(adapter.layers):
+        engine.profiles["hidivdrop"] = {"filter_layers": tuple(profile["filter_layers"])}
+    engine.frontier = slider_frontier(str(model), len(adapter.layers))
+    return engine
+
+
+class Preprocessor:
+    """The half of an engine that turns messages into a ``Prompt`` — tokenizer, chat template, image
+    processor, frame sampling — with the model's modules on the meta device: no weights are read and no
+    memory is taken. Batch captioning runs it in CPU tasks, apart from the model actors, and the actors'
+    engines take the prompts as they are (``Engine.start`` accepts a ``Prompt``)."""
+
+    def __init__(self, model: str = "embedded"):
+        source, _, config = _checkpoint(model)
+
+        def on_meta(cls):
+            with torch.device("meta"):
+                return cls._from_config(config).eval()
+
+        self.adapter = _adapter(model, source, config, on_meta)
+        self.chat_template = _chat_template(source)
+        self.max_length = getattr(self.adapter.text_config, "max_position_embeddings", None)
+
+    def prepare(self, messages) -> Prompt:
+        return build_prompt(self.adapter, messages, self.chat_template, self.max_length)
+
+
+def _checkpoint(model: str):
+    """(the checkpoint's folder or hub id, whether its answers are grounded, its config); the embedded model
+    is converted into the cache on first use."""
+    from transformers import AutoConfig
 
     grounded = True
     source = str(model)
@@ -61,10 +99,6 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
         # Progress goes to stderr: stdout may carry `glimpse ask --json`'s one JSON object.
         source = str(embedded.embedded_checkpoint(progress=lambda line: print(line, file=sys.stderr, flush=True)))
         grounded = embedded.EMBEDDED_GROUNDED
-    torch_device = resolve_device(device)
-    attn_implementation = resolve_attn(attn, torch_device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
-
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as error:
@@ -73,23 +107,23 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     if config.model_type not in ADAPTERS:
         raise ModelLoadError(f"model {model!r} is a {config.model_type!r} checkpoint; Glimpse supports "
                              f"{', '.join(sorted(ADAPTERS))} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT, LongVA)")
+    return source, grounded, config
+
+
+def _adapter(model: str, source: str, config, build):
+    """The architecture's adapter around ``build(model class)``, with the checkpoint's tokenizer and image
+    processor."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
     try:
-        model_class = getattr(transformers, ADAPTERS[config.model_type].model_class)
-        vlm = model_class.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation)
-        vlm = vlm.to(torch_device).eval()
+        vlm = build(getattr(transformers, ADAPTERS[config.model_type].model_class))
         tokenizer = AutoTokenizer.from_pretrained(source)
         # PIL image processors everywhere: the reference behaviour, and torchvision-free.
         image_processor = AutoImageProcessor.from_pretrained(source, backend="pil")
     except (OSError, ValueError, ImportError) as error:
         raise ModelLoadError(f"cannot load model {model!r}: {_first_line(error)}") from None
-
-    adapter = ADAPTERS[config.model_type](vlm, tokenizer, image_processor)
-    engine = Engine(adapter, model_id=str(model), chat_template=_chat_template(source), grounded=grounded)
-    profile = load_profile(str(model))
-    if profile and profile.get("num_layers") == len(adapter.layers):
-        engine.profiles["hidivdrop"] = {"filter_layers": tuple(profile["filter_layers"])}
-    engine.frontier = slider_frontier(str(model), len(adapter.layers))
-    return engine
+    return ADAPTERS[config.model_type](vlm, tokenizer, image_processor)
 
 
 def slider_frontier(model: str, num_layers: int) -> Frontier:

@@ -1,0 +1,331 @@
+"""`glimpse caption INPUT... --ray --out DIR`: batch captioning as a Ray Data pipeline.
+
+    inputs (keys) --> decode: CPU tasks, a pool that grows with the cluster --> caption: a pool of model
+    actors, one Engine each (one GPU each on a GPU cluster) --> the driver writes Parquet shards
+
+* **Keys.** Every input is one key: a local file's resolved path, or a URI with a scheme that a pyarrow
+  filesystem reads (``s3://``, ``gs://``, ``hdfs://`` — as the cluster is configured). Inputs are
+  folders (recursive), list files (``.txt``/``.lst``, one path per line) and manifests (``.parquet``,
+  ``.jsonl``) with a column of paths or URIs (``--column``, default ``path``).
+* **Decode** (``DecodeStage``) builds each input's whole prompt in a CPU task: the file read, the image
+  decoded, a video's frames sampled and resized, the chat template and the tokens — with the model's
+  ``Preprocessor`` (its modules on the meta device: no weights). Actors get prompts ready to prefill.
+  An input that cannot be read becomes a row with ``error`` set, never a failed job.
+* **Caption** (``CaptionStage``) decodes its batch together (``Engine.generate_batch``, the local
+  captioner's batched decode: results equal captioning one by one); a batch that fails is retried one
+  input at a time, so one bad input never costs its neighbours. Actors that die are restarted and their
+  batches retried (``max_restarts``, ``max_task_retries``).
+* **Output.** The driver writes each finished batch as one Parquet shard, atomically (a temporary name,
+  then a rename), under ``DIR``: ``part-<n>-<id>.parquet`` with ``key``, ``caption``, ``error``,
+  ``policy``, ``speed``, ``prompt``, ``prompt_tokens``, ``answer_tokens``, ``ttft_s`` (and a
+  ``captions.jsonl`` beside them with ``--format jsonl``). One driver at a time holds ``DIR/.lock``.
+* **Resuming.** A rerun reads the keys of the shards present and sends only the others; since a shard
+  exists whole or not at all, a driver killed at any point and rerun gives every input exactly once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import os
+import pickle
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import UserError
+from pipeline.prompt import user_message
+
+RAY_INSTALL = 'batch captioning on Ray needs Ray Data: pip install -e ".[ray]" (or pip install "ray[data]")'
+MANIFEST_EXTENSIONS = (".parquet", ".jsonl")
+SHARD_GLOB = "part-*.parquet"
+COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s")
+
+
+def _require_ray():
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise UserError(RAY_INSTALL) from None
+    return ray
+
+
+# ---------------------------------------------------------------------------- inputs and resuming
+def collect_keys(items: list[str], column: str = "path") -> list[str]:
+    """The keys of the inputs, in a stable order, once each: files, folders and list files as the local
+    captioner reads them (resolved paths), and manifests' ``column`` (paths resolved, URIs as they are)."""
+    from app.caption import collect_inputs
+
+    keys, seen, local = [], set(), []
+
+    def add(key: str) -> None:
+        if key not in seen:
+            seen.add(key)
+            keys.append(key)
+
+    for item in items:
+        if item.endswith(MANIFEST_EXTENSIONS) and (_is_uri(item) or Path(item).is_file()):
+            for value in _manifest_column(item, column):
+                add(value if _is_uri(value) else str(_under(item, value).resolve()))
+        else:
+            local.append(item)
+    try:
+        for path in collect_inputs(local):
+            add(str(path.resolve()))
+    except FileNotFoundError as error:
+        raise UserError(str(error)) from None
+    return keys
+
+
+def _is_uri(value: str) -> bool:
+    return "://" in value and not value.startswith("file://")
+
+
+def _under(manifest: str, value: str) -> Path:
+    path = Path(value.removeprefix("file://"))
+    return path if path.is_absolute() else Path(manifest).parent / path
+
+
+def _manifest_column(manifest: str, column: str) -> list[str]:
+    import pyarrow.json
+    import pyarrow.parquet
+
+    try:
+        table = (pyarrow.parquet.read_table(manifest, columns=[column]) if manifest.endswith(".parquet")
+                 else pyarrow.json.read_json(manifest))
+    except (OSError, ValueError, KeyError) as error:  # pyarrow's errors derive from these
+        raise UserError(f"{manifest}: cannot read the manifest ({error})") from None
+    if column not in table.column_names:
+        raise UserError(f"{manifest}: no column {column!r} (it has {', '.join(table.column_names)}); use --column")
+    return [str(v) for v in table.column(column).to_pylist() if v]
+
+
+def done_keys(out: Path) -> set[str]:
+    """Keys already in ``out``'s shards. Leftover temporary files of a killed driver are removed: their
+    inputs were never counted as done."""
+    import pyarrow.parquet
+
+    for stale in out.glob(".part-*.tmp"):
+        stale.unlink(missing_ok=True)
+    keys: set[str] = set()
+    for shard in sorted(out.glob(SHARD_GLOB)):
+        keys.update(pyarrow.parquet.read_table(shard, columns=["key"]).column("key").to_pylist())
+    return keys
+
+
+class OutputDir:
+    """The output folder, locked for one driver at a time; shards are written atomically."""
+
+    def __init__(self, out: Path, jsonl: bool):
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            self.lock = open(out / ".lock", "a")
+        except OSError as error:
+            raise UserError(f"cannot write {out}: {error.strerror or error}") from None
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock.close()
+            raise UserError(f"{out} is being written by another glimpse caption; wait for it or choose another --out") \
+                from None
+        self.out, self.jsonl = out, out / "captions.jsonl" if jsonl else None
+        self.count = len(list(out.glob(SHARD_GLOB)))
+
+    def write(self, rows: list[dict]) -> None:
+        import pyarrow
+        import pyarrow.parquet
+
+        if not rows:
+            return
+        table = pyarrow.Table.from_pylist([{c: row.get(c) for c in COLUMNS} for row in rows], schema=_schema())
+        name = f"part-{self.count:06d}-{uuid.uuid4().hex[:8]}.parquet"
+        tmp = self.out / f".{name}.tmp"
+        pyarrow.parquet.write_table(table, tmp)
+        os.replace(tmp, self.out / name)  # a shard is there whole, or not at all
+        self.count += 1
+        if self.jsonl is not None:  # a convenience copy; the shards are what resuming reads
+            with open(self.jsonl, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps({c: row.get(c) for c in COLUMNS}) + "\n" for row in rows)
+
+    def close(self) -> None:
+        self.lock.close()
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema([("key", pa.string()), ("caption", pa.string()), ("error", pa.string()), ("policy", pa.string()),
+                      ("speed", pa.float64()), ("prompt", pa.string()), ("prompt_tokens", pa.int64()),
+                      ("answer_tokens", pa.int64()), ("ttft_s", pa.float64())])
+
+
+# ---------------------------------------------------------------------------- the two stages
+def read_input(key: str):
+    """A local path as it is; a URI's bytes through its pyarrow filesystem, into a temporary file (videos
+    need a file to seek in) that the caller removes."""
+    if not _is_uri(key):
+        return key, None
+    import tempfile
+
+    import pyarrow.fs
+
+    filesystem, path = pyarrow.fs.FileSystem.from_uri(key)
+    with filesystem.open_input_stream(path) as stream:
+        data = stream.read()
+    handle, tmp = tempfile.mkstemp(suffix=Path(path).suffix)
+    with os.fdopen(handle, "wb") as f:
+        f.write(data)
+    return tmp, tmp
+
+
+@functools.cache
+def _preprocessor(model: str):
+    from pipeline import Preprocessor
+
+    return Preprocessor(model)  # once per worker process: Ray reuses workers between tasks
+
+
+def decode_input(row: dict, model: str, prompt: str | None) -> dict:
+    """The decode stage, a CPU task: one input's key -> its prompt (pickled) and instruction, or its error."""
+    from app.caption import instruction, kind_of
+
+    key, tmp = row["key"], None
+    try:
+        source, tmp = read_input(key)
+        text = instruction(Path(key), prompt)
+        built = _preprocessor(model).prepare(user_message(text, [(kind_of(Path(key)), source)]))
+        return {"key": key, "prompt_bytes": pickle.dumps(built), "instruction": text, "error": ""}
+    except Exception as error:  # noqa: BLE001 — any input that cannot become a prompt is an error row
+        return {"key": key, "prompt_bytes": b"", "instruction": "", "error": f"{type(error).__name__}: {error}"}
+    finally:
+        if tmp is not None:
+            os.unlink(tmp)
+
+
+class CaptionStage:
+    """A model actor: one Engine, batches of prompts decoded together."""
+
+    def __init__(self, model: str, policy: str, speed: float, max_new_tokens: int, device: str):
+        from pipeline import load_engine
+
+        self.engine = load_engine(model, device=device)
+        self.policy, self.speed, self.max_new_tokens = policy, speed, max_new_tokens
+        # Fault injection for the tests: the first actor to see this file missing creates it and dies.
+        self.crash_marker = os.environ.get("GLIMPSE_RAY_CRASH_ONCE")
+
+    def __call__(self, batch: dict) -> dict:
+        if self.crash_marker and not os.path.exists(self.crash_marker):
+            Path(self.crash_marker).touch()
+            os._exit(1)
+        rows = [{"key": k, "prompt_bytes": p, "prompt": i, "error": e}
+                for k, p, i, e in zip(batch["key"], batch["prompt_bytes"], batch["instruction"], batch["error"])]
+        ready = [r for r in rows if not r["error"]]
+        answers = self._answer([pickle.loads(r["prompt_bytes"]) for r in ready])
+        for row, answer in zip(ready, answers):
+            row.update(answer)
+        out = [self._row(r) for r in rows]
+        return {c: [r[c] for r in out] for c in COLUMNS}
+
+    def _answer(self, prompts: list) -> list[dict]:
+        if not prompts:
+            return []
+        options = dict(policy=self.policy, speed=self.speed, max_new_tokens=self.max_new_tokens)
+        try:
+            results = self.engine.generate_batch(prompts, **options)
+        except Exception as error:  # noqa: BLE001 — find the input that failed; keep the others
+            if len(prompts) == 1:
+                return [{"error": f"{type(error).__name__}: {error}"}]
+            return [answer for p in prompts for answer in self._answer([p])]
+        return [{"caption": r.text.strip(), "policy": r.policy, "speed": self.speed,
+                 "prompt_tokens": sum(r.metrics["prompt_tokens"].values()), "answer_tokens": r.metrics["new_tokens"],
+                 "ttft_s": r.metrics["ttft_s"], "error": ""} for r in results]
+
+    def _row(self, row: dict) -> dict:
+        out = {c: row.get(c) for c in COLUMNS}
+        out["error"] = out["error"] or None
+        out["speed"] = self.speed
+        return out
+
+
+# ---------------------------------------------------------------------------- the driver
+@dataclass
+class RayReport:
+    captioned: int = 0
+    skipped: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    answer_tokens: int = 0
+    seconds: float = 0.0
+    dashboard: str | None = None
+
+
+def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, speed: float, prompt: str | None,
+                   max_new_tokens: int, batch_size: int, actors: int, gpus_per_actor: float | None, address: str | None,
+                   column: str = "path", jsonl: bool = False, device: str = "auto", num_cpus: int | None = None,
+                   log: Callable[[str], None] = lambda message: None) -> RayReport:
+    ray = _require_ray()
+    keys = collect_keys(inputs, column)
+    if not keys:
+        raise UserError("no image or video files found in the inputs")
+    output = OutputDir(out, jsonl)
+    report = RayReport()
+    try:
+        done = done_keys(out)
+        pending = [k for k in keys if k not in done]
+        report.skipped = len(keys) - len(pending)
+        log(f"{len(keys)} inputs: {report.skipped} already in {out}, {len(pending)} to caption")
+        if not pending:
+            return report
+        started_here = not ray.is_initialized()
+        if started_here:
+            context = ray.init(address=address, num_cpus=(num_cpus or local_cpus()) if address is None else None,
+                               log_to_driver=False, include_dashboard=False if address is None else None)
+            report.dashboard = getattr(context, "dashboard_url", None) or None
+        try:
+            start = time.perf_counter()
+            for rows in _pipeline(ray, pending, model, policy, speed, prompt, max_new_tokens, batch_size, actors,
+                                  gpus_per_actor, device):
+                output.write(rows)
+                for row in rows:
+                    if row["error"]:
+                        report.failed.append((row["key"], row["error"]))
+                    else:
+                        report.captioned += 1
+                        report.answer_tokens += row["answer_tokens"] or 0
+            report.seconds = time.perf_counter() - start
+        finally:
+            if started_here:
+                ray.shutdown()
+    finally:
+        output.close()
+    return report
+
+
+def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, batch_size, actors, gpus_per_actor, device):
+    """The finished rows, one list per caption batch, as the pipeline streams them out."""
+    # Small blocks keep work flowing to the actors and each shard small: what a killed driver loses is
+    # only what was in flight.
+    dataset = ray.data.from_items([{"key": k} for k in keys], override_num_blocks=max(1, -(-len(keys) // batch_size)))
+    decoded = dataset.map(decode_input, fn_kwargs={"model": model, "prompt": prompt}, num_cpus=1)
+    if gpus_per_actor is None:  # one GPU per actor on a cluster that has GPUs
+        gpus_per_actor = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
+    if gpus_per_actor:
+        placement = {"num_gpus": gpus_per_actor, "num_cpus": 1}
+    else:  # CPU actors share the machine's cores (Ray sets each actor's torch threads to its CPUs)
+        placement = {"num_cpus": max(1, int(ray.cluster_resources().get("CPU", 2) - 1) // actors)}
+    captioned = decoded.map_batches(
+        CaptionStage, batch_size=batch_size, concurrency=actors,
+        fn_constructor_kwargs={"model": model, "policy": policy, "speed": speed, "max_new_tokens": max_new_tokens,
+                               "device": device},
+        max_restarts=-1, max_task_retries=-1, **placement)
+    for batch in captioned.iter_batches(batch_size=None, batch_format="pyarrow"):
+        yield batch.to_pylist()
+
+
+def local_cpus() -> int:
+    """Logical CPUs of a local cluster: the machine's cores plus one, so that the decode stage has a slot
+    beside CPU actors that take every core."""
+    return (os.cpu_count() or 1) + 1

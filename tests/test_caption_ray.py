@@ -1,0 +1,168 @@
+"""`glimpse caption --ray`: the Ray Data pipeline gives the local captioner's captions, turns bad inputs
+into error rows, survives an actor that dies, and a driver killed midway then rerun gives every input
+exactly once. One small local Ray cluster serves the in-process runs; the killed drivers start their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ray = pytest.importorskip("ray")  # in the test install (README); the base install does without it
+
+from app.caption_ray import caption_on_ray  # noqa: E402
+from conftest import write_video  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return str(checkpoints["qwen2_vl"])  # takes images and video
+
+
+def _inputs(folder: Path, images: int, video: bool = True) -> list[Path]:
+    (folder / "nested").mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(images):
+        pixels = (np.random.RandomState(i).rand(40 + i % 5, 56, 3) * 255).astype("uint8")
+        path = folder / ("nested" if i % 2 else "") / f"img{i:02d}.png"
+        Image.fromarray(pixels).save(path)
+        paths.append(path)
+    if video:
+        paths.append(write_video(folder / "nested" / "clip.mp4", frames=8, fps=4, size=(56, 56)))
+    return paths
+
+
+def _rows(out: Path) -> list[dict]:
+    import pyarrow.parquet
+
+    return [row for shard in sorted(out.glob("part-*.parquet")) for row in pyarrow.parquet.read_table(shard).to_pylist()]
+
+
+def _ray_caption(inputs, out, model, **extra):
+    options = dict(out=out, model=model, policy="auto", speed=0.5, prompt=None, max_new_tokens=6, batch_size=3,
+                   actors=1, gpus_per_actor=0.0, address=None, device="cpu")
+    return caption_on_ray([str(i) for i in inputs], **{**options, **extra})
+
+
+def test_the_ray_pipeline_gives_the_local_captioners_captions(cluster, model, tmp_path):
+    from app.caption import caption_inputs, collect_inputs
+    from pipeline import load_engine
+
+    paths = _inputs(tmp_path / "in", 5)
+    report = _ray_caption([tmp_path / "in"], tmp_path / "out", model, jsonl=True)
+    assert report.captioned == len(paths) and not report.failed
+    rows = {r["key"]: r for r in _rows(tmp_path / "out")}
+    assert set(rows) == {str(p.resolve()) for p in paths}
+
+    local = tmp_path / "local.jsonl"
+    caption_inputs(load_engine(model, device="cpu"), collect_inputs([str(tmp_path / "in")]), out=local, fmt="jsonl",
+                   overwrite=False, policy="auto", speed=0.5, prompt=None, max_new_tokens=6, batch_size=3)
+    for line in local.read_text().splitlines():
+        record = json.loads(line)
+        row = rows[record["key"]]
+        assert row["caption"] == record["caption"] and row["error"] is None
+        assert row["answer_tokens"] == record["metrics"]["new_tokens"] and row["policy"] == "auto"
+        assert row["prompt"].startswith("Describe this video" if record["key"].endswith(".mp4") else "Describe this image")
+    jsonl = [json.loads(line) for line in (tmp_path / "out" / "captions.jsonl").read_text().splitlines()]
+    assert sorted(r["key"] for r in jsonl) == sorted(rows)
+
+    again = _ray_caption([tmp_path / "in"], tmp_path / "out", model)  # a rerun finds everything done
+    assert again.skipped == len(paths) and again.captioned == 0 and len(_rows(tmp_path / "out")) == len(paths)
+
+
+def test_corrupt_empty_missing_and_non_media_inputs_are_error_rows(cluster, model, tmp_path):
+    good = _inputs(tmp_path / "in", 2, video=False)
+    (tmp_path / "in" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    (tmp_path / "in" / "empty.jpg").write_bytes(b"")
+    (tmp_path / "notes.md").write_text("not media")
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join([*(str(p) for p in good), "in/broken.png", "in/empty.jpg", "notes.md",
+                                  str(tmp_path / "gone.png")]))
+    import pyarrow.parquet
+
+    # The same inputs through a Parquet manifest with another column name.
+    import pyarrow as pa
+
+    manifest = tmp_path / "manifest.parquet"
+    pyarrow.parquet.write_table(pa.table({"file": listing.read_text().splitlines()}), manifest)
+    for source, extra in ((listing, {}), (manifest, {"column": "file"})):
+        out = tmp_path / f"out-{source.suffix[1:]}"
+        report = _ray_caption([source], out, model, **extra)
+        rows = {Path(r["key"]).name: r for r in _rows(out)}
+        assert report.captioned == 2 and len(report.failed) == 4
+        assert set(rows) == {"img00.png", "img01.png", "broken.png", "empty.jpg", "notes.md", "gone.png"}
+        for name in ("broken.png", "empty.jpg", "notes.md", "gone.png"):
+            assert rows[name]["error"] and rows[name]["caption"] is None, name
+        assert "empty" in rows["empty.jpg"]["error"]
+
+
+def _driver(inputs: Path, out: Path, model: str, env: dict | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "app.cli", "caption", str(inputs), "--ray", "--out", str(out), "--model", model,
+               "--max-new-tokens", "6", "--batch-size", "2", "--device", "cpu"]
+    return subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def test_a_driver_killed_midway_then_rerun_gives_every_input_exactly_once(cluster, model, tmp_path):
+    paths = _inputs(tmp_path / "in", 12, video=False)
+    out = tmp_path / "out"
+    for _ in range(2):  # killed twice, at the first and at a later shard
+        shards = len(list(out.glob("part-*.parquet")))
+        run = _driver(tmp_path / "in", out, model)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and run.poll() is None and len(list(out.glob("part-*.parquet"))) <= shards:
+            time.sleep(0.02)
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        assert run.returncode == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
+    assert 0 < len(_rows(out)) < len(paths)  # the kills came midway
+    report = _ray_caption([tmp_path / "in"], out, model, batch_size=2)
+    keys = [r["key"] for r in _rows(out)]
+    assert sorted(keys) == sorted(str(p.resolve()) for p in paths)  # every input, none twice
+    assert report.skipped + report.captioned == len(paths)
+
+
+def test_an_actor_that_dies_is_replaced_and_its_batch_retried(model, tmp_path):
+    paths = _inputs(tmp_path / "in", 4, video=False)
+    marker = tmp_path / "crashed"
+    run = _driver(tmp_path / "in", tmp_path / "out", model, env={"GLIMPSE_RAY_CRASH_ONCE": str(marker)})
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err.decode()[-3000:]
+    assert marker.exists()  # an actor did die mid-batch
+    assert sorted(r["key"] for r in _rows(tmp_path / "out")) == sorted(str(p.resolve()) for p in paths)
+    assert "done 4, skipped 0, failed 0" in err.decode()
+
+
+def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    import builtins
+
+    from app.cli import main
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    _inputs(tmp_path / "in", 1, video=False)
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    assert main(["caption", str(tmp_path / "in"), "--ray", "--out", str(tmp_path / "out")]) == 1
+    assert 'pip install -e ".[ray]"' in capsys.readouterr().err
