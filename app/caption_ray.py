@@ -15,8 +15,8 @@
   captioner's batched decode: results equal captioning one by one); a batch that fails is retried one
   input at a time, so one bad input never costs its neighbours. Actors that die are restarted and their
   batches retried (``max_restarts``, ``max_task_retries``).
-* **Output.** The driver writes each finished batch as one Parquet shard, atomically (a temporary name,
-  then a rename), under ``DIR``: ``part-<n>-<id>.parquet`` with ``key``, ``caption``, ``error``,
+* **Output.** The driver writes finished rows as Parquet shards (every ``SHARD_ROWS`` rows or
+  ``SHARD_SECONDS``), atomically (a temporary name, then a rename), under ``DIR``: ``part-<n>-<id>.parquet`` with ``key``, ``caption``, ``error``,
   ``policy``, ``speed``, ``prompt``, ``prompt_tokens``, ``answer_tokens``, ``ttft_s`` (and a
   ``captions.jsonl`` beside them with ``--format jsonl``). One driver at a time holds ``DIR/.lock``.
 * **Resuming.** A rerun reads the keys of the shards present and sends only the others; since a shard
@@ -42,6 +42,7 @@ from pipeline.prompt import user_message
 RAY_INSTALL = 'batch captioning on Ray needs Ray Data: pip install -e ".[ray]" (or pip install "ray[data]")'
 MANIFEST_EXTENSIONS = (".parquet", ".jsonl")
 SHARD_GLOB = "part-*.parquet"
+SHARD_ROWS, SHARD_SECONDS = 512, 30.0
 COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s")
 
 
@@ -210,9 +211,7 @@ class CaptionStage:
     """A model actor: one Engine, batches of prompts decoded together."""
 
     def __init__(self, model: str, policy: str, speed: float, max_new_tokens: int, device: str):
-        from pipeline import load_engine
-
-        self.engine = load_engine(model, device=device)
+        self.model, self.device, self.engine = model, device, None
         self.policy, self.speed, self.max_new_tokens = policy, speed, max_new_tokens
         # Fault injection for the tests: the first actor to see this file missing creates it and dies.
         self.crash_marker = os.environ.get("GLIMPSE_RAY_CRASH_ONCE")
@@ -224,6 +223,13 @@ class CaptionStage:
         rows = [{"key": k, "prompt_bytes": p, "prompt": i, "error": e}
                 for k, p, i, e in zip(batch["key"], batch["prompt_bytes"], batch["instruction"], batch["error"])]
         ready = [r for r in rows if not r["error"]]
+        if self.engine is None:
+            # Loaded here, not in __init__: Ray runs __init__ in the actor's main thread and the batches in an
+            # executor thread, and on CPU torch runs ~1.8x slower in a thread other than the first to use it
+            # (a second OpenMP team; docs/benchmarks.md).
+            from pipeline import load_engine
+
+            self.engine = load_engine(self.model, device=self.device)
         answers = self._answer([pickle.loads(r["prompt_bytes"]) for r in ready])
         for row, answer in zip(ready, answers):
             row.update(answer)
@@ -265,7 +271,7 @@ class RayReport:
 def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, speed: float, prompt: str | None,
                    max_new_tokens: int, batch_size: int, actors: int, gpus_per_actor: float | None, address: str | None,
                    column: str = "path", jsonl: bool = False, device: str = "auto", num_cpus: int | None = None,
-                   log: Callable[[str], None] = lambda message: None) -> RayReport:
+                   shard_rows: int = SHARD_ROWS, log: Callable[[str], None] = lambda message: None) -> RayReport:
     ray = _require_ray()
     keys = collect_keys(inputs, column)
     if not keys:
@@ -285,16 +291,22 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                                log_to_driver=False, include_dashboard=False if address is None else None)
             report.dashboard = getattr(context, "dashboard_url", None) or None
         try:
-            start = time.perf_counter()
+            start = last_write = time.perf_counter()
+            buffered: list[dict] = []
             for rows in _pipeline(ray, pending, model, policy, speed, prompt, max_new_tokens, batch_size, actors,
                                   gpus_per_actor, device):
-                output.write(rows)
+                buffered += rows
+                # A shard every shard_rows rows or SHARD_SECONDS: few files on big runs, little lost to a kill.
+                if len(buffered) >= shard_rows or time.perf_counter() - last_write >= SHARD_SECONDS:
+                    output.write(buffered)
+                    buffered, last_write = [], time.perf_counter()
                 for row in rows:
                     if row["error"]:
                         report.failed.append((row["key"], row["error"]))
                     else:
                         report.captioned += 1
                         report.answer_tokens += row["answer_tokens"] or 0
+            output.write(buffered)
             report.seconds = time.perf_counter() - start
         finally:
             if started_here:

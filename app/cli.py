@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     spread.add_argument("--gpus-per-actor", type=float, default=None,
                         help="GPUs per actor (default: 1 on a cluster with GPUs, else 0: CPU actors)")
     spread.add_argument("--column", default="path", help="the manifest column of paths or URIs (default: path)")
+    spread.add_argument("--shard-rows", type=int, default=512,
+                        help="rows per Parquet shard (default 512; a shard is also written every 30 s)")
     caption.set_defaults(run=run_caption)
     return parser
 
@@ -478,8 +480,8 @@ def run_caption_on_ray(args) -> int:
 
     if args.format == "txt":
         raise UserError("--ray writes Parquet shards (and JSONL with --format jsonl), not sidecars")
-    if args.actors < 1 or (args.gpus_per_actor is not None and args.gpus_per_actor < 0):
-        raise UserError("--actors must be at least 1 and --gpus-per-actor at least 0")
+    if args.actors < 1 or args.shard_rows < 1 or (args.gpus_per_actor is not None and args.gpus_per_actor < 0):
+        raise UserError("--actors and --shard-rows must be at least 1, --gpus-per-actor at least 0")
     if args.overwrite:
         raise UserError("--ray resumes from the shards in --out; to start afresh, give a new --out")
     out = Path(args.out or "captions")
@@ -487,7 +489,7 @@ def run_caption_on_ray(args) -> int:
     report = caption_on_ray(args.inputs, out=out, model=args.model, policy=args.policy, speed=args.speed,
                             prompt=args.prompt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                             actors=args.actors, gpus_per_actor=gpus, address=args.ray_address, column=args.column,
-                            jsonl=args.format == "jsonl", device=args.device, log=_log)
+                            jsonl=args.format == "jsonl", device=args.device, shard_rows=args.shard_rows, log=_log)
     rate = (f"{report.captioned / report.seconds:.2f} inputs/s, {report.answer_tokens / report.seconds:.1f} answer "
             f"tokens/s" if report.seconds else "nothing to do")
     _log(f"done {report.captioned}, skipped {report.skipped}, failed {len(report.failed)} -> {out} ({rate})"

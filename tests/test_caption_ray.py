@@ -115,9 +115,11 @@ def test_corrupt_empty_missing_and_non_media_inputs_are_error_rows(cluster, mode
 
 def _driver(inputs: Path, out: Path, model: str, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "app.cli", "caption", str(inputs), "--ray", "--out", str(out), "--model", model,
-               "--max-new-tokens", "6", "--batch-size", "2", "--device", "cpu"]
+               "--max-new-tokens", "6", "--batch-size", "2", "--shard-rows", "2", "--device", "cpu"]
+    # Its own session: killing the group kills the driver and the local cluster it started, as a terminal's
+    # Ctrl-C or a lost machine would, and leaves no Ray process behind.
     return subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def test_a_driver_killed_midway_then_rerun_gives_every_input_exactly_once(cluster, model, tmp_path):
@@ -129,7 +131,7 @@ def test_a_driver_killed_midway_then_rerun_gives_every_input_exactly_once(cluste
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and run.poll() is None and len(list(out.glob("part-*.parquet"))) <= shards:
             time.sleep(0.02)
-        run.send_signal(signal.SIGKILL)
+        os.killpg(run.pid, signal.SIGKILL)
         run.wait()
         assert run.returncode == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
     assert 0 < len(_rows(out)) < len(paths)  # the kills came midway
