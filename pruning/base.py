@@ -100,7 +100,7 @@ class Policy:
 
 @dataclass
 class ScoreThenCut(Policy):
-    """The pattern FastV, ST3, LazyLLM and HiDivDrop share: a score read in layer l - 1 decides which
+    """The pattern FastV, ST3, LazyLLM, HiDivDrop and DASH share: a score read in layer l - 1 decides which
     tokens layer l (and every deeper one) drops. A subclass's ``plan`` sets ``cut_at`` (the layers that
     cut); ``cut`` says what a cut keeps, given ``scores``. The score is the last prompt token's
     attention (one probe query) unless ``token_scores`` says otherwise.

@@ -26,13 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from common import UserError
-from pruning.base import Policy, check_speed, lowest, without
+from pruning.base import ScoreThenCut, check_speed, lowest
 
 RHO_AT_FULL_SPEED = 0.8  # rho = 0.8 * speed: 0.4 at speed 0.5, the paper's 0.667 at speed ~0.83
 
 
 @dataclass
-class DASH(Policy):
+class DASH(ScoreThenCut):
+    """Scores in layer ``l_s - 1`` (the attention output's norm), cuts once at ``l_s``."""
+
     rho: float = 0.0  # pruning ratio: share of the eligible tokens halted at l_s
     start_layer: int | None = None  # l_s; None: floor(0.4 L), at least 1
     keep_first: int = 64
@@ -50,30 +52,25 @@ class DASH(Policy):
         l_s = self.start_layer if self.start_layer is not None else max(1, math.floor(0.4 * ctx.num_layers))
         self.resolved = {"start_layer": l_s, "num_halted": 0,
                          "paper": {"rho": self.rho, "l_s": l_s, "n_first": self.keep_first, "n_last": self.keep_last}}
-        self.kept: torch.Tensor | None = None  # original indices kept from l_s on
+        self.cut_at = frozenset({l_s}) if self.rho > 0.0 else frozenset()
+        self.scores = None
+        self.halted = torch.empty(0, dtype=torch.long)  # original indices halted at l_s (for tests and the UI)
 
-    def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
-        l_s = self.resolved["start_layer"]
-        if layer_idx != l_s - 1 or self.rho == 0.0:
-            return
-        active = ctx.active
-        n = active.shape[0]
-        first, last = min(self.keep_first, n), max(1, min(self.keep_last, n))  # the last token never halts
-        eligible = n - first - last
-        if eligible <= 0:
-            return
-        delta = attn_output[0].float().norm(dim=-1)  # ||U_t||_2, one per active token
-        halt_count = int(round(self.rho * eligible))
-        halted = first + lowest(delta[first:n - last], halt_count)
-        self.kept = without(active, halted)
+    def token_scores(self, attn_output: torch.Tensor, ctx) -> torch.Tensor:
+        return attn_output[0].float().norm(dim=-1)  # ||U_t||_2, one per active token
+
+    def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        # The tokens scored are layer l_s - 1's, in original order: the first keep_first and the last
+        # keep_last of them never halt (the last prompt token always stays).
+        scored = torch.isfinite(self.scores).nonzero().squeeze(1)
+        n = scored.numel()
+        first, last = min(self.keep_first, n), max(1, min(self.keep_last, n))
+        eligible = scored[first:n - last] if n - first - last > 0 else scored[:0]
+        halt_count = int(round(self.rho * eligible.numel()))
+        self.halted = eligible[lowest(self.scores[eligible], halt_count)].sort().values
         self.resolved["num_halted"] = halt_count
-        self.halted = active[halted].sort().values  # for tests and the UI
-
-    def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
-        if layer_idx != self.resolved["start_layer"] or self.kept is None:
-            return active
-        # Single shot: from l_s on the kept set never changes, so later layers just pass it on.
-        return active[torch.isin(active, self.kept)]
+        self.scores = None  # single shot: from l_s on the kept set never changes
+        return active[~torch.isin(active, self.halted)]
 
     def summary(self) -> str:
         if self.rho == 0.0:
