@@ -12,7 +12,6 @@ visual tokens.
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,6 +41,15 @@ class DashVariant(DASH):
     text_guard: bool = False
     seed: int = 0
     name = "dash_variant"
+
+    def plan(self, ctx):
+        super().plan(ctx)
+        self.kept = None  # original indices kept from l_s on, chosen by this variant's own score
+
+    def select(self, layer_idx, active, ctx):
+        if layer_idx != self.resolved["start_layer"] or self.kept is None:
+            return active
+        return active[torch.isin(active, self.kept)]
 
     def score(self, layer_idx, attn_output, ctx):
         l_s = self.resolved["start_layer"]
