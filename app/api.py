@@ -237,19 +237,21 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             return _error(500, f"{type(error).__name__}: {error}", "server_error")
         finally:
             scratch.cleanup()  # the prompt is built: its media are decoded into it
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_events(ticket, channel, body.speed, promise, model_name, include_usage),
-                                     media_type="text/event-stream")
         try:
-            result = await _answer(request, ticket, channel)
-        except UserError as error:  # found when its prefill started (a policy parameter the model cannot take)
+            # Streamed or not, nothing is sent before the first token (or the answer): a request that fails
+            # at its prefill (a policy parameter this model cannot take) is a plain 400, not a stream of one error.
+            first = await _first(request, ticket, channel, whole=not body.stream)
+        except UserError as error:
             return _error(400, str(error))
         except Exception as error:
             return _error(500, f"{type(error).__name__}: {error}", "server_error")
-        if result is None:  # the client left before its answer: nobody to answer
+        if first is None:  # the client left before its answer: nobody to answer
             return _error(499, "the client closed the request", "cancelled")
-        return _completion(result, model_name, body.speed, promise)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_events(ticket, channel, first, body.speed, promise, model_name, include_usage),
+                                     media_type="text/event-stream")
+        return _completion(first.result, model_name, body.speed, promise)
 
     return app
 
@@ -443,9 +445,10 @@ class Channel:
         return await self.items.get()
 
 
-async def _answer(request: Request, ticket, channel: Channel):
-    """The ticket's result, or None when the client disconnects first (the ticket is then cancelled: it
-    stops before its next step, or never starts if it was still waiting)."""
+async def _first(request: Request, ticket, channel: Channel, whole: bool):
+    """The ticket's first chunk (``whole``: its last, with the result), or None when the client disconnects
+    first — the ticket is then cancelled: it stops before its next step, or never starts if still waiting.
+    Raises the ticket's error."""
     while True:
         try:
             item = await asyncio.wait_for(channel.get(), timeout=0.25)
@@ -458,11 +461,11 @@ async def _answer(request: Request, ticket, channel: Channel):
             return None
         if isinstance(item, BaseException):
             raise item
-        if item.result is not None:
-            return item.result
+        if not whole or item.result is not None:
+            return item
 
 
-async def _events(ticket, channel: Channel, speed, promise, model_name, include_usage: bool):
+async def _events(ticket, channel: Channel, first, speed, promise, model_name, include_usage: bool):
     """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with the finish reason
     (and ``glimpse``), then with ``include_usage`` a chunk with ``usage`` and no choices. When the client
     disconnects, the server stops iterating this generator, whose ``finally`` cancels the ticket: it stops
@@ -479,8 +482,8 @@ async def _events(ticket, channel: Channel, speed, promise, model_name, include_
 
     try:
         yield event(delta({"role": "assistant", "content": ""}))
+        item = first
         while True:
-            item = await channel.get()
             if item is None:
                 break
             if isinstance(item, BaseException):
@@ -495,6 +498,7 @@ async def _events(ticket, channel: Channel, speed, promise, model_name, include_
                 if include_usage:
                     yield event([], usage=_usage(item.result))
                 break
+            item = await channel.get()
         yield "data: [DONE]\n\n"
     finally:
         ticket.cancel.set()  # a no-op once it ended; the client left mid-answer otherwise

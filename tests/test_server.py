@@ -604,3 +604,14 @@ def test_bench_serve_measures_serial_and_concurrent_clients_and_a_burst(server, 
     assert burst["answered"] >= 3 and burst["refused_429"] >= 1  # 2 running + 2 waiting fit; the rest do not
     assert burst["kv_reserved_max_bytes"] <= burst["kv_budget_bytes"]
     assert "8 clients" not in bench_serve.format_report(report) and "3 clients" in bench_serve.format_report(report)
+
+
+def test_a_request_that_fails_at_its_prefill_is_a_400_streamed_or_not(server, media):
+    """A policy parameter only the model's depth rules out (fastv at layer 100 of a 4-layer model) is found
+    when the prefill starts; the client still gets a 400 naming it, not an HTTP 200 stream of one error."""
+    url = server["url"] + "/v1/chat/completions"
+    body = {"messages": _question(_data_url(media["image"])), "max_tokens": 3, "policy": "fastv", "params": {"layer": 100}}
+    for stream in (False, True):
+        reply = httpx.post(url, json={**body, "stream": stream}, timeout=60)
+        assert reply.status_code == 400 and "layer" in reply.json()["error"]["message"], reply.text
+    assert httpx.post(url, json={**body, "params": {}, "stream": True}, timeout=60).status_code == 200
