@@ -55,7 +55,7 @@ class DashVariant(DASH):
         l_s = self.resolved["start_layer"]
         if layer_idx != l_s - 1 or self.rho == 0.0:
             return
-        active = ctx.active
+        active = ctx.layer.active
         n = active.shape[0]
         if self.text_guard:
             elig = ((ctx.modality[active] != 0).nonzero().squeeze(1))

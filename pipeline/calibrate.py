@@ -36,12 +36,12 @@ class VisionAttentionRecorder(Policy):
     name = "ilvas-recorder"
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
-        visual = (ctx.modality[ctx.active] != Modality.TEXT).nonzero().squeeze(1)
+        visual = (ctx.layer.modality != Modality.TEXT).nonzero().squeeze(1)
         if visual.numel() == 0:
             return
-        last = torch.tensor([ctx.active.shape[0] - 1], device=ctx.active.device)
-        per_head = probe_attention(ctx.queries, ctx.keys, last, ctx.scaling)[:, 0]  # (heads, n)
-        self.records[layer_idx] = (ctx.active[visual].cpu(), per_head[:, visual].cpu())
+        last = torch.tensor([ctx.layer.active.shape[0] - 1], device=ctx.layer.active.device)
+        per_head = probe_attention(ctx.layer.queries, ctx.layer.keys, last, ctx.layer.scaling)[:, 0]  # (heads, n)
+        self.records[layer_idx] = (ctx.layer.active[visual].cpu(), per_head[:, visual].cpu())
 
 
 def ilvas(first: torch.Tensor, later: torch.Tensor, top_k: int) -> float:

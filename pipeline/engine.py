@@ -52,6 +52,24 @@ class StreamChunk:
     result: GenerationResult | None = None  # set on the last chunk only
 
 
+@dataclass(frozen=True)
+class LayerView:
+    """What a policy's callbacks see of the layer they act on, valid during that layer only.
+
+    Prefill: ``active`` the sorted original indices the layer computes, ``queries`` (1, heads, n, head_dim)
+    and ``keys`` (1, kv_heads, n, head_dim) after RoPE, in the order of ``active``. Decode: ``active`` the
+    step's rows (revived prompt tokens, then the new token), ``queries`` the new token's alone, ``keys``
+    what it attended to and ``key_index`` their original indices."""
+
+    index: int
+    active: torch.Tensor
+    modality: torch.Tensor  # of ``active``
+    queries: torch.Tensor
+    keys: torch.Tensor
+    scaling: float
+    key_index: torch.Tensor | None = None
+
+
 @dataclass
 class PrefillContext:
     """What policies may look at during prefill (and decode)."""
@@ -79,16 +97,8 @@ class PrefillContext:
     # Per decoder layer 0, 1, ...: (visual rows, features) the architecture adds to those tokens after
     # that layer (Qwen3-VL's DeepStack); empty for most.
     layer_features: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    # Valid while a layer runs, for the policy callbacks of that layer: its index, its active set,
-    # and its queries (1, heads, n, head_dim) and keys (1, kv_heads, n, head_dim), after RoPE.
-    # In decode, ``queries`` is the new token's alone and ``keys`` what it attended to, whose
-    # original indices are ``key_index``.
-    layer_idx: int = -1
-    active: torch.Tensor | None = None
-    queries: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
-    key_index: torch.Tensor | None = None
-    scaling: float = 1.0
+    # The layer the current callbacks act on (``LayerView``); None between layers.
+    layer: "LayerView | None" = None
     next_position: torch.Tensor | None = None  # (P, 1): the first generated token's position; token g: + g
 
 
@@ -183,9 +193,10 @@ class PrefillLayer:
     def attend(self, module, query, key, value, kernel) -> torch.Tensor:
         ctx, engine = self.ctx, self.engine
         key, value = ctx.cache.update(key, value, self.layer_idx)
-        ctx.queries, ctx.keys, ctx.scaling = query, key, module.scaling
+        active = ctx.active_per_layer[self.layer_idx]
+        ctx.layer = LayerView(self.layer_idx, active, ctx.modality[active], query, key, module.scaling)
         rows = self.policy.attention_rows(self.layer_idx, ctx)
-        ctx.attention_per_layer.append(None if rows is None else ctx.active[rows])
+        ctx.attention_per_layer.append(None if rows is None else active[rows])
         n = query.shape[2]
         if rows is None:
             return kernel(query, key, value, engine._causal_mask(n, query.dtype))
@@ -482,11 +493,11 @@ class Engine:
                 hidden = ctx.hidden = _add_layer_features(hidden, ctx, joining, range(layer_idx))
             fresh[active] = False
             ctx.active_per_layer.append(active)
-            ctx.layer_idx, ctx.active = layer_idx, active
             full = active.shape[0] == T  # nothing pruned: skip the gather/scatter copies
             h = hidden if full else hidden[:, active]
             pe = (cos, sin) if full else (cos[:, active], sin[:, active])
             out = self.run_layer(layer, h, pe, PrefillLayer(self, policy, ctx, layer_idx))
+            ctx.layer = None  # the layer's view ends with it
             ctx.cache.record(layer_idx, active, ctx.modality[active])
             if full:
                 hidden = out
@@ -495,7 +506,6 @@ class Engine:
             if layer_idx < len(ctx.layer_features):  # DeepStack: only into the visual tokens active here
                 hidden = _add_layer_features(hidden, ctx, active, [layer_idx])
             ctx.hidden = hidden
-        ctx.queries = ctx.keys = None  # let the last layer's tensors go
         if vision is not None:  # no layer used the visual tokens (a policy dropped them all)
             vision.join(hidden, ctx)
         # Only the last prompt position needs the final norm and the lm_head.
@@ -526,13 +536,13 @@ class Engine:
             hidden = torch.cat([rows.hidden for rows in batch], dim=1)
             cos, sin = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
             hidden = self.run_layer(layer, hidden, (cos, sin), DecodeLayer(self, requests, batch, layer_idx))
+            for request in requests:
+                request.ctx.layer = None  # the layer's view ends with it
             start = 0
             for rows in batch:
                 rows.hidden = hidden[:, start:start + rows.count]
                 start += rows.count
         last = torch.cat([rows.hidden[:, -1:] for rows in batch], dim=1)  # each request's new token
-        for request in requests:
-            request.ctx.queries = request.ctx.keys = None
         return self.adapter.lm_head(self.adapter.norm(last))[0].float()
 
     def decode_attention(self, layer_idx, attn, query, key, value, rows: "DecodeRows", request, kernel) -> torch.Tensor:
@@ -560,8 +570,7 @@ class Engine:
             mask = torch.zeros(n, seen + n, dtype=query.dtype, device=self.device)
             mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
         out = kernel(query, keys, values, mask)
-        ctx.layer_idx, ctx.queries, ctx.keys, ctx.key_index, ctx.scaling = layer_idx, query[:, :, -1:], keys, \
-            key_index, attn.scaling
+        ctx.layer = LayerView(layer_idx, rows.index, rows.modality, query[:, :, -1:], keys, attn.scaling, key_index)
         policy.decode_score(layer_idx, ctx)
         return out
 

@@ -14,13 +14,15 @@ The engine calls, in this order:
   decode_rows(layer_idx, rows, ctx)  before each layer of a decode step: the rows it computes — the
                                      new token, plus prompt tokens revived into it (LazyLLM)
   decode_attend(layer_idx, ctx)      which entries of the layer's cache the rows attend to (None: all)
-  decode_score(layer_idx, ctx)       after the layer's decode attention: ``ctx.queries`` is the new
-                                     token's query, ``ctx.keys`` / ``ctx.key_index`` what it attended to
+  decode_score(layer_idx, ctx)       after the layer's decode attention: ``ctx.layer.queries`` is the new
+                                     token's query, ``ctx.layer.keys`` / ``ctx.layer.key_index`` what it attended to
 
 ``active`` is always a sorted 1-D LongTensor of original prompt indices. A policy may only shrink
 it (never re-add a token whose hidden state went stale) and must keep the last prompt token; the
-engine checks both. During a layer's callbacks ``ctx.active``, ``ctx.queries`` and ``ctx.keys``
-describe that layer (see ``pipeline.engine.PrefillContext``).
+engine checks both. From ``attention_rows`` to ``score`` (and in ``decode_score``), ``ctx.layer`` is a
+``pipeline.engine.LayerView`` of the layer acting: its index, active tokens and their modalities, its
+queries and keys after RoPE (in decode, the new token's query and the keys it attended to, with their
+original indices); it is gone once the layer is done, so no callback can read another layer's by mistake.
 
 A policy object carries its parameters (dataclass fields) and, between ``plan`` and the end of the
 request, its per-request state; ``make_policy`` builds a fresh one per request. Policies know
@@ -163,16 +165,16 @@ def last_token_attention(ctx) -> torch.Tensor:
 
     The signal of FastV, ST3 and LazyLLM (Eq. 1 of LazyLLM), from one probe query.
     """
-    last = torch.tensor([ctx.queries.shape[2] - 1], device=ctx.queries.device)
-    return probe_attention(ctx.queries, ctx.keys, last, ctx.scaling).mean(dim=0)[0]
+    last = torch.tensor([ctx.layer.queries.shape[2] - 1], device=ctx.layer.queries.device)
+    return probe_attention(ctx.layer.queries, ctx.layer.keys, last, ctx.layer.scaling).mean(dim=0)[0]
 
 
 def new_token_attention(ctx) -> torch.Tensor:
     """In decode: the new token's attention over the keys it attended to (original indices in
-    ``ctx.key_index``), mean over heads, float32: (n,)."""
-    kv_heads, n, head_dim = ctx.keys.shape[1:]
-    q = ctx.queries[0, :, -1].float().reshape(kv_heads, -1, head_dim)  # query head h reads kv head h // groups
-    scores = (q @ ctx.keys[0].float().transpose(1, 2)) * ctx.scaling  # (kv_heads, groups, n)
+    ``ctx.layer.key_index``), mean over heads, float32: (n,)."""
+    kv_heads, n, head_dim = ctx.layer.keys.shape[1:]
+    q = ctx.layer.queries[0, :, -1].float().reshape(kv_heads, -1, head_dim)  # query head h reads kv head h // groups
+    scores = (q @ ctx.layer.keys[0].float().transpose(1, 2)) * ctx.layer.scaling  # (kv_heads, groups, n)
     return scores.softmax(dim=-1).reshape(-1, n).mean(dim=0)
 
 
@@ -180,7 +182,7 @@ def scores_by_token(ctx, attention: torch.Tensor) -> torch.Tensor:
     """A layer's per-token scores laid over the whole prompt (-inf for tokens not in the layer),
     so a later layer can look them up by original index."""
     scores = torch.full_like(ctx.modality, float("-inf"), dtype=torch.float32)
-    scores[ctx.active] = attention
+    scores[ctx.layer.active] = attention
     return scores
 
 

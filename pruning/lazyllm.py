@@ -141,7 +141,7 @@ class LazyLLM(ScoreThenCut):
 
     def decode_score(self, layer_idx: int, ctx) -> None:
         if layer_idx + 1 in self.schedule and self.decode_reselect:
-            self.decode_scores = (ctx.key_index.clone(), new_token_attention(ctx))
+            self.decode_scores = (ctx.layer.key_index.clone(), new_token_attention(ctx))
 
     def summary(self) -> str:
         if not any(self.schedule.values()):

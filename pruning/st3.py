@@ -113,9 +113,9 @@ class ST3(ScoreThenCut):
         if cuts_next:
             self.scores = scores_by_token(ctx, attention)
         if self.anneal_tau is not None:  # VTA ranks each layer's visual KV by this layer's attention
-            visual = (ctx.modality[ctx.active] != Modality.TEXT).nonzero().squeeze(1)
+            visual = (ctx.layer.modality != Modality.TEXT).nonzero().squeeze(1)
             order = attention[visual].argsort(descending=True, stable=True)
-            self.ranking[layer_idx] = ctx.active[visual][order].cpu()
+            self.ranking[layer_idx] = ctx.layer.active[visual][order].cpu()
             self.kept[layer_idx] = visual.shape[0]
 
     def decode_step(self, step: int, ctx) -> None:

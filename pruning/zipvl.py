@@ -83,13 +83,13 @@ class ZipVL(Policy):
         return torch.cat([random.sort().values, recent]).to(device)
 
     def attention_rows(self, layer_idx: int, ctx) -> torch.Tensor | None:
-        n = ctx.active.shape[0]
+        n = ctx.layer.active.shape[0]
         tau = self.resolved["tau"]
         if tau >= 1.0:
             self.resolved["important_per_layer"].append(n)
             return None
-        rows = self.probe_rows(layer_idx, n, ctx.queries.device)
-        probs = probe_attention(ctx.queries, ctx.keys, rows, ctx.scaling).mean(dim=0)  # (r, n)
+        rows = self.probe_rows(layer_idx, n, ctx.layer.queries.device)
+        probs = probe_attention(ctx.layer.queries, ctx.layer.keys, rows, ctx.layer.scaling).mean(dim=0)  # (r, n)
         p = important_count(probs, tau)
         self.resolved["important_per_layer"].append(p)
         if p >= n:
@@ -117,8 +117,8 @@ class ZipVL(Policy):
             return
         # The new token's attention to the window (the float tail), as a distribution over it.
         attention = new_token_attention(ctx)
-        lookup = torch.full((int(ctx.key_index.max()) + 1,), -1, dtype=torch.long)
-        lookup[ctx.key_index] = torch.arange(ctx.key_index.shape[0])
+        lookup = torch.full((int(ctx.layer.key_index.max()) + 1,), -1, dtype=torch.long)
+        lookup[ctx.layer.key_index] = torch.arange(ctx.layer.key_index.shape[0])
         where = lookup[window_tokens]  # -1: not attended (another policy hid it)
         scores = torch.where(where >= 0, attention[where.clamp(min=0).to(attention.device)].cpu(), torch.tensor(0.0))
         probs = (scores / scores.sum().clamp(min=1e-12))[None]

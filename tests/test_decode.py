@@ -15,7 +15,7 @@ from pipeline.cache import KVCache, LayerKV
 from pipeline.engine import Sampling
 from pipeline.metrics import MemoryMeter
 from pipeline.quant import dequantize, quantize
-from pruning import ST3, LazyLLM, NoPruning, ZipVL, make_policy
+from pruning import ST3, LazyLLM, NoPruning, ZipVL
 from pruning.st3 import anneal_share
 from tiny_models import build_llava, reference_inputs
 
@@ -167,7 +167,10 @@ def test_zipvl_packs_each_layers_prefill_kv_by_its_important_split(llava, media)
 def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention():
     """Algorithm 1, decode: once ``requantize_every`` new entries sit in float, the new token's
     attention over them picks the high-bit ones (Eq. 6-8 with tau); all of them get packed."""
+    from dataclasses import replace
     from types import SimpleNamespace
+
+    from pipeline.engine import LayerView
 
     g = torch.Generator().manual_seed(0)
     head_dim, window = 16, 10
@@ -181,8 +184,9 @@ def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention():
     query = torch.full((1, 1, 1, head_dim), 3.0)
     cache = KVCache(1)
     cache.layers[0] = layer
-    ctx = SimpleNamespace(cache=cache, queries=query, keys=keys,
-                          key_index=layer.index.clone(), scaling=head_dim ** -0.5)
+    new = torch.tensor([100 + window])
+    ctx = SimpleNamespace(cache=cache, layer=LayerView(0, new, torch.zeros(1, dtype=torch.long), query, keys,
+                                                       head_dim ** -0.5, layer.index.clone()))
     policy.decode_score(0, ctx)
     assert layer.tail_entries() == 0
     assert [k.bits for k, _ in layer.packed] == [4, 2]
@@ -191,7 +195,7 @@ def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention():
 
     layer.append(keys[:, :, :3], keys[:, :, :3])  # fewer than a window: they stay float
     layer.index = torch.cat([layer.index, torch.arange(200, 203)])
-    ctx.keys, ctx.key_index = layer.keys_values()[0], layer.index.clone()
+    ctx.layer = replace(ctx.layer, keys=layer.keys_values()[0], key_index=layer.index.clone())
     policy.decode_score(0, ctx)
     assert layer.tail_entries() == 3
 
@@ -252,7 +256,7 @@ class _Watching(LazyLLM):
     def decode_score(self, layer_idx, ctx):
         if layer_idx == 0:
             self.seen.append({})
-        self.seen[-1][layer_idx] = sorted(ctx.key_index.tolist())
+        self.seen[-1][layer_idx] = sorted(ctx.layer.key_index.tolist())
         super().decode_score(layer_idx, ctx)
 
 
