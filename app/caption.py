@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from common import UserError
-from pipeline import PromptError
-from pipeline.prompt import user_message
-from vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
+from glimpse.common import UserError
+from glimpse.pipeline import PromptError
+from glimpse.pipeline.prompt import user_message
+from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
 LIST_EXTENSIONS = (".txt", ".lst")
 DEFAULT_PROMPT = "Describe this {kind} in one or two sentences."

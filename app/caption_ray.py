@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import UserError
-from pipeline.prompt import user_message
+from glimpse.common import UserError
+from glimpse.pipeline.prompt import user_message
 
 RAY_INSTALL = 'batch captioning on Ray needs Ray Data: pip install -e ".[ray]" (or pip install "ray[data]")'
 MANIFEST_EXTENSIONS = (".parquet", ".jsonl")
@@ -59,7 +59,7 @@ def _require_ray():
 def collect_keys(items: list[str], column: str = "path") -> list[str]:
     """The keys of the inputs, in a stable order, once each: files, folders and list files as the local
     captioner reads them (resolved paths), and manifests' ``column`` (paths resolved, URIs as they are)."""
-    from app.caption import collect_inputs
+    from glimpse.caption import collect_inputs
 
     keys, seen, local = [], set(), []
 
@@ -185,14 +185,14 @@ def read_input(key: str):
 
 @functools.cache
 def _preprocessor(model: str):
-    from pipeline import Preprocessor
+    from glimpse.pipeline import Preprocessor
 
     return Preprocessor(model)  # once per worker process: Ray reuses workers between tasks
 
 
 def decode_input(row: dict, model: str, prompt: str | None) -> dict:
     """The decode stage, a CPU task: one input's key -> its prompt (pickled) and instruction, or its error."""
-    from app.caption import instruction, kind_of
+    from glimpse.caption import instruction, kind_of
 
     key, tmp = row["key"], None
     try:
@@ -227,7 +227,7 @@ class CaptionStage:
             # Loaded here, not in __init__: Ray runs __init__ in the actor's main thread and the batches in an
             # executor thread, and on CPU torch runs ~1.8x slower in a thread other than the first to use it
             # (a second OpenMP team; docs/benchmarks.md).
-            from pipeline import load_engine
+            from glimpse.pipeline import load_engine
 
             self.engine = load_engine(self.model, device=self.device)
         answers = self._answer([pickle.loads(r["prompt_bytes"]) for r in ready])

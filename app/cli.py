@@ -27,11 +27,11 @@ import time
 import traceback
 from pathlib import Path
 
-from common import UserError
-from pipeline.prompt import user_message
-from pipeline.random_checkpoint import REAL_PRESETS
-from pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
-from pruning.base import check_speed
+from glimpse.common import UserError
+from glimpse.pipeline.prompt import user_message
+from glimpse.pipeline.random_checkpoint import REAL_PRESETS
+from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
+from glimpse.pruning.base import check_speed
 
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
 NOT_GROUNDED = ("note: the embedded model's vision projector is not trained yet, so its answers about "
@@ -258,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_ask(args) -> int:
-    from pipeline import load_engine
-    from pruning import make_policy
+    from glimpse.pipeline import load_engine
+    from glimpse.pruning import make_policy
 
     check_speed(args.speed)
     overrides = parse_params(args.param)
@@ -301,9 +301,9 @@ def run_ask(args) -> int:
 
 
 def run_eval(args) -> int:
-    from app import eval as evaluation
-    from pipeline import load_engine
-    from pruning import make_policy
+    from glimpse import eval as evaluation
+    from glimpse.pipeline import load_engine
+    from glimpse.pruning import make_policy
 
     try:
         speeds = [float(x) for x in args.speeds.split(",") if x.strip()]
@@ -357,10 +357,10 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     Gradio chat on it, mounted at /. ``scheduler_thread=False``: the caller runs ``app.state.scheduler.run()``."""
     import gradio as gr
 
-    from app.api import create_api
-    from app.telemetry import Telemetry
-    from app.ui import build_ui
-    from pipeline.scheduler import Scheduler
+    from glimpse.api import create_api
+    from glimpse.telemetry import Telemetry
+    from glimpse.ui import build_ui
+    from glimpse.pipeline.scheduler import Scheduler
 
     scheduler = Scheduler(engine, max_batch=max_batch, queue_size=queue_size, kv_budget_bytes=kv_budget_bytes,
                           start=scheduler_thread)
@@ -390,7 +390,7 @@ def _loopback(host: str) -> bool:
 def run_serve(args) -> int:
     import uvicorn
 
-    from pipeline import load_engine
+    from glimpse.pipeline import load_engine
 
     if args.max_batch < 1 or args.queue_size < 0 or args.max_new_tokens < 1:
         raise UserError("--max-batch and --max-new-tokens must be at least 1, --queue-size at least 0")
@@ -434,9 +434,9 @@ def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
 
 
 def run_caption(args) -> int:
-    from app.caption import CaptionOutput, ProgressBar, caption_inputs, collect_inputs
-    from pipeline import load_engine
-    from pruning import make_policy
+    from glimpse.caption import CaptionOutput, ProgressBar, caption_inputs, collect_inputs
+    from glimpse.pipeline import load_engine
+    from glimpse.pruning import make_policy
 
     check_speed(args.speed)
     if args.batch_size < 1 or args.max_new_tokens < 1:
@@ -476,7 +476,7 @@ def run_caption(args) -> int:
 
 
 def run_caption_on_ray(args) -> int:
-    from app.caption_ray import caption_on_ray
+    from glimpse.caption_ray import caption_on_ray
 
     if args.format == "txt":
         raise UserError("--ray writes Parquet shards (and JSONL with --format jsonl), not sidecars")
@@ -500,7 +500,7 @@ def run_caption_on_ray(args) -> int:
 
 
 def run_bench_serve(args) -> int:
-    from app import bench_serve
+    from glimpse import bench_serve
 
     if args.clients < 1 or args.requests < args.clients or args.max_tokens < 1 or args.burst < 0:
         raise UserError("--clients and --max-tokens must be at least 1, --requests at least --clients, --burst >= 0")
@@ -517,8 +517,8 @@ def run_bench_serve(args) -> int:
 def run_bench(args) -> int:
     if args.target == "serve":
         return run_bench_serve(args)
-    from app import bench
-    from pipeline import load_engine
+    from glimpse import bench
+    from glimpse.pipeline import load_engine
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
@@ -550,8 +550,8 @@ def run_bench(args) -> int:
             engine = load_engine(args.model, device=args.device, attn=args.attn, dtype=args.dtype)
             label = args.model
         else:
-            from pipeline.loading import resolve_device, resolve_dtype
-            from pipeline.random_checkpoint import (DEFAULT_MAX_VISUAL_TOKENS, LLAVA_PRESETS, build_random,
+            from glimpse.pipeline.loading import resolve_device, resolve_dtype
+            from glimpse.pipeline.random_checkpoint import (DEFAULT_MAX_VISUAL_TOKENS, LLAVA_PRESETS, build_random,
                                                     preset_family)
 
             preset, layers = args.random_model or "qwen2-vl-2b", args.layers or 8
@@ -601,9 +601,9 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".ti
 
 
 def run_calibrate(args) -> int:
-    from pipeline import load_engine
-    from pipeline.calibrate import calibrate_hidivdrop
-    from pipeline.profiles import save_profile
+    from glimpse.pipeline import load_engine
+    from glimpse.pipeline.calibrate import calibrate_hidivdrop
+    from glimpse.pipeline.profiles import save_profile
 
     if args.policy == "slider":
         return run_calibrate_slider(args)
@@ -628,10 +628,10 @@ def run_calibrate(args) -> int:
 
 
 def run_calibrate_slider(args) -> int:
-    from pipeline import load_engine
-    from pipeline.calibrate_slider import calibrate_slider, folder_prompts, shipped_prompts
-    from pipeline.profiles import profile_path, save_profile
-    from pruning.frontier import DEFAULT_FLOOR, candidates
+    from glimpse.pipeline import load_engine
+    from glimpse.pipeline.calibrate_slider import calibrate_slider, folder_prompts, shipped_prompts
+    from glimpse.pipeline.profiles import profile_path, save_profile
+    from glimpse.pruning.frontier import DEFAULT_FLOOR, candidates
 
     floor = DEFAULT_FLOOR if args.floor is None else args.floor
     if not 0.0 < floor <= 1.0:

@@ -15,7 +15,7 @@ Three tasks:
   prune text: DASH, ZipVL, LazyLLM and FastV's text adaptation (``text=True``).
 
 * ``visual`` (the embedded model, or any model that reads the shapes): the held-out split of the generated
-  visual task set (``training/tasks.py``; seed 1 unless ``--seed`` says otherwise, never the training
+  visual task set (``app/tasks.py``; seed 1 unless ``--seed`` says otherwise, never the training
   seed 0): ``--samples`` questions per category — colour, shape, count, position, size, exists, word on
   images; motion, appear, change on clips — each image written as a PNG and each clip as an .mp4 and asked
   through the ordinary chat path. Accuracy per category, plus the measured visual-token reduction (the
@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from app.bench import FILLER, device_name, synthesize_prompts
-from pipeline.calibrate_slider import normalised
-from pipeline.prompt import user_message
-from training import tasks
+from glimpse.bench import FILLER, device_name, synthesize_prompts
+from glimpse.pipeline.calibrate_slider import normalised
+from glimpse.pipeline.prompt import user_message
+from glimpse import tasks
 
 TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
                   "Write a short story about a lighthouse keeper and a storm."]
@@ -259,7 +259,7 @@ def format_table(report: dict) -> str:
 def plot(report: dict, path: str | Path) -> None:
     """TTFT speedup on x, match rate (agreement) or accuracy (pass-key: mean over lengths; visual: all
     categories) on y; the unpruned model is the single point "none" at 1x, the level to keep."""
-    from app.plot import line_plot
+    from glimpse.plot import line_plot
 
     quality = "match_rate" if report["task"] == "agreement" else "accuracy"
     points: dict[tuple[str, float], list[dict]] = {}

@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from common import UserError
-from pruning import NAMES, parse_params
-from vision.media import MediaError, detect_kind, load_image, probe_video, read_frames
+from glimpse.assets import ASSETS
+from glimpse.common import UserError
+from glimpse.pruning import NAMES, parse_params
+from glimpse.vision.media import MediaError, detect_kind, load_image, probe_video, read_frames
 
 POLICIES = ["auto", *[n for n in NAMES if n != "none"], "none"]
 
@@ -170,13 +171,13 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
     import gradio as gr
     from gradio.utils import get_upload_folder
 
-    from pipeline.scheduler import QueueFull, Scheduler
+    from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
     scheduler = scheduler or Scheduler(engine)
     # The only files a chat turn may name: what was uploaded to this chat, and --allowed-root.
     allowed = tuple(Path(p).resolve() for p in (get_upload_folder(), allowed_root) if p)
     unusable: set[str] = set()  # uploads that could not be decoded: later turns leave them out
-    assets = Path(__file__).resolve().parents[1] / "assets"
+    assets = ASSETS
 
     def chosen_params(policy, speed, overrides):
         try:

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def make_images(folder: Path, count: int) -> list[Path]:
     import random
 
-    from training.tasks import render, sample_scene  # the embedded model's kind of picture
+    from glimpse.tasks import render, sample_scene  # the embedded model's kind of picture
 
     folder.mkdir(parents=True)
     rng = random.Random(0)
@@ -45,9 +42,9 @@ def main() -> None:
 
     import ray
 
-    from app.caption import caption_inputs, collect_inputs
-    from app.caption_ray import caption_on_ray, local_cpus
-    from pipeline import load_engine
+    from glimpse.caption import caption_inputs, collect_inputs
+    from glimpse.caption_ray import caption_on_ray, local_cpus
+    from glimpse.pipeline import load_engine
 
     work = Path(tempfile.mkdtemp(prefix="glimpse-ray-bench-"))
     try:

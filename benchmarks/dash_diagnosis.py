@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from app.eval import visual_cases
-from pipeline import load_engine
-from pruning.base import lowest, without, last_token_attention
-from pruning.dash import DASH
-from training import tasks
+from glimpse.eval import visual_cases
+from glimpse.pipeline import load_engine
+from glimpse.pruning.base import lowest, without, last_token_attention
+from glimpse.pruning.dash import DASH
+from glimpse import tasks
 
 
 # ----------------------------------------------------------------------------- variant policies

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from app.bench import device_name
-from pipeline import load_engine
-from pipeline.random_checkpoint import build_random, random_image
+from glimpse.bench import device_name
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.random_checkpoint import build_random, random_image
 
 COLOURS = ["#444444", "#d62728", "#1f77b4", "#2ca02c", "#9467bd"]
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.random_checkpoint import build_random_qwen2_vl
+from glimpse.pipeline.random_checkpoint import build_random_qwen2_vl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -41,11 +41,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from pipeline import load_engine
-    from pipeline.metrics import synchronize
-    from pruning import NoPruning
+    from glimpse.pipeline import load_engine
+    from glimpse.pipeline.metrics import synchronize
+    from glimpse.pruning import NoPruning
 
-    from pipeline.loading import resolve_device, resolve_dtype
+    from glimpse.pipeline.loading import resolve_device, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from app.bench import device_name
-from pipeline import load_engine
-from pipeline.random_checkpoint import build_random, random_image
-from pruning import HiDivDrop, NoPruning
+from glimpse.bench import device_name
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.random_checkpoint import build_random, random_image
+from glimpse.pruning import HiDivDrop, NoPruning
 
 QUESTIONS = ["What is in this picture?", "Describe the image in detail.", "What colours do you see?"]
 

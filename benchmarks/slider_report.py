@@ -15,9 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
-from app.plot import line_plot
-from pipeline.calibrate_slider import SHIPPED_FRONTIER
-from pruning import Frontier
+from glimpse.plot import line_plot
+from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
+from glimpse.pruning import Frontier
 
 SPEEDS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-import vision
-from common import Modality
-from pipeline.visual_codes import position_axes, position_code
+from glimpse import vision
+from glimpse.common import Modality
+from glimpse.pipeline.visual_codes import position_axes, position_code
 
 TEXT, IMAGE, VIDEO = Modality.TEXT, Modality.IMAGE, Modality.VIDEO
 MODALITY_NAMES = {m: m.name.lower() for m in Modality}

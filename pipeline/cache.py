@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from common import Modality
-from pipeline.quant import QuantizedTensor, dequantize, quantize
+from glimpse.common import Modality
+from glimpse.pipeline.quant import QuantizedTensor, dequantize, quantize
 
 
 class LayerKV:
@@ -29,9 +29,16 @@ class LayerKV:
     the tail into a new segment just moves those entries ahead of the tail.
     """
 
+    # Decode appends one entry per step. Re-concatenating the tail at every step would copy the whole
+    # cache per token; instead the tail lives in a buffer with room for GROW more entries, so a step writes
+    # its entry in place and the buffer is copied once every GROW steps. (A fixed chunk, not doubling: the
+    # prompt's entries dominate, and doubling would reserve as much memory again.)
+    GROW = 256
+
     def __init__(self):
-        self.key: torch.Tensor | None = None  # float tail (B, kv_heads, n, head_dim), after RoPE
-        self.value: torch.Tensor | None = None
+        self._key: torch.Tensor | None = None  # tail buffer (B, kv_heads, capacity, head_dim), after RoPE
+        self._value: torch.Tensor | None = None
+        self._tail = 0  # entries of the buffers in use
         self.packed: list[tuple[QuantizedTensor, QuantizedTensor]] = []  # (key, value) segments
         self.index = torch.empty(0, dtype=torch.long)  # (n,) original token index
         self.modality = torch.empty(0, dtype=torch.long)  # (n,)
@@ -39,18 +46,38 @@ class LayerKV:
     def __len__(self) -> int:
         return self.packed_entries() + self.tail_entries()
 
+    @property
+    def key(self) -> torch.Tensor | None:
+        """The float tail's keys (B, kv_heads, n, head_dim): a view of the buffer, no copy."""
+        return None if self._key is None else self._key[..., :self._tail, :]
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return None if self._value is None else self._value[..., :self._tail, :]
+
+    def _set_tail(self, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
+        self._key, self._value = key, value
+        self._tail = 0 if key is None else key.shape[-2]
+
     def tail_entries(self) -> int:
-        return 0 if self.key is None else self.key.shape[-2]
+        return self._tail
 
     def packed_entries(self) -> int:
         return sum(k.tokens for k, _ in self.packed)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        if self.key is None:
-            self.key, self.value = key, value
-        else:
-            self.key = torch.cat([self.key, key], dim=-2)
-            self.value = torch.cat([self.value, value], dim=-2)
+        if self._key is None:  # the prompt's entries: kept as they come, no copy
+            self._set_tail(key, value)
+            return
+        n, new = self._tail, key.shape[-2]
+        if n + new > self._key.shape[-2]:  # full: one copy into a buffer with room for GROW more
+            shape = (*self._key.shape[:-2], n + new + self.GROW, self._key.shape[-1])
+            grown_key, grown_value = self._key.new_empty(shape), self._value.new_empty(shape)
+            grown_key[..., :n, :], grown_value[..., :n, :] = self.key, self.value
+            self._key, self._value = grown_key, grown_value
+        self._key[..., n:n + new, :] = key
+        self._value[..., n:n + new, :] = value
+        self._tail = n + new
 
     def keys_values(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values in float — packed segments dequantized on the fly — for all entries, or
@@ -82,10 +109,9 @@ class LayerKV:
                 packed.append((key.select(local), value.select(local)))
             start += key.tokens
         self.packed = packed
-        if self.key is not None:
-            local = (rows[rows >= start] - start).to(self.key.device)
-            self.key = self.key.index_select(-2, local).contiguous()
-            self.value = self.value.index_select(-2, local).contiguous()
+        if self._key is not None:
+            local = (rows[rows >= start] - start).to(self._key.device)
+            self._set_tail(self.key.index_select(-2, local), self.value.index_select(-2, local))
         self.index, self.modality = self.index[rows], self.modality[rows]
 
     def pack(self, tail_rows: torch.Tensor, bits: int, group: int) -> None:
@@ -99,16 +125,16 @@ class LayerKV:
         rest = (~chosen).nonzero().squeeze(1)
         self.packed.append((quantize(self.key.index_select(-2, tail_rows), bits, group),
                             quantize(self.value.index_select(-2, tail_rows), bits, group)))
-        self.key = self.key.index_select(-2, rest).contiguous()
-        self.value = self.value.index_select(-2, rest).contiguous()
+        self._set_tail(self.key.index_select(-2, rest), self.value.index_select(-2, rest))
         start = self.packed_entries() - tail_rows.numel()  # where the tail began before packing
         order = torch.cat([torch.arange(start), start + tail_rows.cpu(), start + rest.cpu()])
         self.index, self.modality = self.index[order], self.modality[order]
 
     def nbytes(self) -> int:
         packed = sum(k.nbytes() + v.nbytes() for k, v in self.packed)
-        if self.key is None:
+        if self._key is None:
             return packed
+        # The entries held, not the buffer's spare room (at most GROW entries per layer).
         return packed + self.key.numel() * self.key.element_size() + self.value.numel() * self.value.element_size()
 
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import Modality, UserError
-from pipeline.prompt import user_message
-from pruning import HiDivDrop, Pipeline, Policy
-from pruning.base import probe_attention
-from vision import MediaError
+from glimpse.common import Modality, UserError
+from glimpse.pipeline.prompt import user_message
+from glimpse.pruning import HiDivDrop, Pipeline, Policy
+from glimpse.pruning.base import probe_attention
+from glimpse.vision import MediaError
 
 
 @dataclass

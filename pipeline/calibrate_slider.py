@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from common import UserError
-from pipeline.prompt import user_message
-from pruning.frontier import DEFAULT_FLOOR, Frontier, Member, Point, configuration_name, pareto_frontier
-from vision import MediaError
-from vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+from glimpse.assets import ASSETS
+from glimpse.common import UserError
+from glimpse.pipeline.prompt import user_message
+from glimpse.pruning.frontier import DEFAULT_FLOOR, Frontier, Member, Point, configuration_name, pareto_frontier
+from glimpse.vision import MediaError
+from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CALIBRATION_DIR = ASSETS / "calibration"  # the label-free set that ships (training/make_calibration_set.py)
 SHIPPED_FRONTIER = ASSETS / "embedded_frontier.json"  # the embedded model's calibrated frontier
 DEFAULT_QUESTIONS = {"image": "Describe the image in one sentence.", "video": "Describe the video in one sentence."}

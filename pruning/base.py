@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from common import Modality, UserError
+from glimpse.common import Modality, UserError
 
 def check_speed(speed: float) -> float:
     if not 0.0 <= speed <= 1.0:

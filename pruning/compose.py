@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pruning.base import Policy
+from glimpse.pruning.base import Policy
 
 
 @dataclass

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common import UserError
-from pruning.base import ScoreThenCut, check_speed, lowest
+from glimpse.common import UserError
+from glimpse.pruning.base import ScoreThenCut, check_speed, lowest
 
 RHO_AT_FULL_SPEED = 0.8  # rho = 0.8 * speed: 0.4 at speed 0.5, the paper's 0.667 at speed ~0.83
 

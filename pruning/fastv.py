@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common import Modality, UserError
-from pruning.base import (ScoreThenCut, check_speed, lowest_except, lowest_visual, merge_into_kept, scaled_layer,
+from glimpse.common import Modality, UserError
+from glimpse.pruning.base import (ScoreThenCut, check_speed, lowest_except, lowest_visual, merge_into_kept, scaled_layer,
                           without)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pruning.base import check_speed
+from glimpse.pruning.base import check_speed
 
 # The agreement speed 1 may fall to, judged by its lower bound (``Point.agreement_bound``): 75% of
 # the answers stay exactly the unpruned model's on the calibration prompts, within one standard

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common import Modality, UserError
-from pruning.base import ScoreThenCut, check_speed, drop_lowest_visual
+from glimpse.common import Modality, UserError
+from glimpse.pruning.base import ScoreThenCut, check_speed, drop_lowest_visual
 
 PAPER_DEPTH = 32
 PAPER_INJECT, PAPER_EXIT = 9, 25

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common import Modality, UserError
-from pruning.base import (ScoreThenCut, check_speed, lowest_except, lowest_visual, merge_into_kept,
+from glimpse.common import Modality, UserError
+from glimpse.pruning.base import (ScoreThenCut, check_speed, lowest_except, lowest_visual, merge_into_kept,
                           new_token_attention, without)
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)

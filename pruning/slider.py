@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import torch
 
-from common import Modality
-from pruning import NAMES, make_policy
+from glimpse.common import Modality
+from glimpse.pruning import NAMES, make_policy
 
 SPEEDS = (0.0, 0.25, 0.5, 0.75, 1.0)
 

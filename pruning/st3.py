@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common import Modality, UserError
-from pruning.base import ScoreThenCut, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
+from glimpse.common import Modality, UserError
+from glimpse.pruning.base import ScoreThenCut, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
 
 PAPER_START, PAPER_STRIDE, PAPER_DEPTH = 3, 7, 32
 PAPER_TAU = 50

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common import Modality, UserError
-from pruning.base import Policy, check_speed, new_token_attention, probe_attention
+from glimpse.common import Modality, UserError
+from glimpse.pruning.base import Policy, check_speed, new_token_attention, probe_attention
 
 TAU_DROP_AT_FULL_SPEED = {"image": 0.08, "video": 0.05}  # tau = 1 - drop * speed: paper values at 0.5
 # KV bits (important, other) for speed 0, speed in (0, 0.5), speed >= 0.5 (the paper's 4 and 2 bits).

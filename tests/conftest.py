@@ -47,7 +47,7 @@ def media(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def embedded_cache(tmp_path_factory) -> Path:
     """A cache folder holding the embedded model, converted once per test session."""
-    from pipeline.embedded import embedded_checkpoint
+    from glimpse.pipeline.embedded import embedded_checkpoint
 
     root = tmp_path_factory.mktemp("glimpse-cache")
     embedded_checkpoint(root, progress=lambda line: None)

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-import pruning
-from app import bench
-from app.cli import main
-from pipeline import load_engine
-from pipeline.random_checkpoint import (LLAVA_PRESETS, PRESETS, REAL_PRESETS, build_random, build_random_qwen2_vl,
+from glimpse import pruning
+from glimpse import bench
+from glimpse.cli import main
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.random_checkpoint import (LLAVA_PRESETS, PRESETS, REAL_PRESETS, build_random, build_random_qwen2_vl,
                                        random_image)
 
 SPEEDS = [0.5, 0.8]
@@ -162,7 +162,7 @@ def test_random_checkpoint_loads_and_gives_the_requested_tokens(tmp_path):
 
 
 def test_presets_have_the_real_text_shapes():
-    from app import cli
+    from glimpse import cli
 
     assert cli.REAL_PRESETS == REAL_PRESETS
     two, seven = PRESETS["qwen2-vl-2b"], PRESETS["qwen2-vl-7b"]
@@ -206,7 +206,7 @@ def test_llava_preset_has_the_real_shapes():
     import torch
     from transformers import LlavaForConditionalGeneration
 
-    from pipeline.random_checkpoint import llava_config
+    from glimpse.pipeline.random_checkpoint import llava_config
 
     assert "llava-1.5-7b" in REAL_PRESETS and not set(LLAVA_PRESETS) & set(PRESETS)
     seven = LLAVA_PRESETS["llava-1.5-7b"]
@@ -226,8 +226,8 @@ def test_cli_bench_random_llava(monkeypatch, capsys):
     """--random-model llava-1.5-7b, built at the tiny preset's width: 576 -> 16 fixed image tokens, no video."""
     import argparse
 
-    from app.cli import build_parser
-    from pipeline import random_checkpoint
+    from glimpse.cli import build_parser
+    from glimpse.pipeline import random_checkpoint
 
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     bench_parser = commands.choices["bench"]
@@ -282,7 +282,7 @@ def test_random_qwen2_5_vl_checkpoint_is_a_qwen2_5_vl_that_glimpse_loads(tmp_pat
     """The Qwen2.5-VL presets build Qwen2_5_VLForConditionalGeneration (window-attention tower, absolute-time
     M-RoPE); at a test width it loads through load_engine with the Qwen2.5-VL adapter and answers an image and
     a video exactly as transformers' forward scores them."""
-    from pipeline.adapters import Qwen25VLAdapter
+    from glimpse.pipeline.adapters import Qwen25VLAdapter
     from tiny_models import reference_inputs
 
     assert {"qwen2.5-vl-3b", "qwen2.5-vl-7b"} <= set(REAL_PRESETS)
@@ -309,7 +309,7 @@ def test_random_qwen3_vl_checkpoint_is_a_qwen3_vl_that_glimpse_loads(tmp_path, m
     """The Qwen3-VL presets build Qwen3VLForConditionalGeneration (head_dim 128 whatever the width, interleaved
     M-RoPE, 16-pixel patches, DeepStack); at a test width it loads with the Qwen3-VL adapter and prefills an
     image exactly as transformers' forward scores it."""
-    from pipeline.adapters import Qwen3VLAdapter
+    from glimpse.pipeline.adapters import Qwen3VLAdapter
     from tiny_models import reference_inputs
 
     assert {"qwen3-vl-4b", "qwen3-vl-8b"} <= set(REAL_PRESETS)

@@ -29,7 +29,7 @@ def served(embedded_cache):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "GLIMPSE_CACHE": str(embedded_cache), "PYTHONPATH": str(REPO)}
-    server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--max-new-tokens", "256",
+    server = subprocess.Popen([sys.executable, "-m", "glimpse.cli", "serve", "--port", str(port), "--max-new-tokens", "256",
                                "--max-batch", "1"],
                               cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -128,8 +128,8 @@ def _shipped_choice(speed: float) -> str:
     """The configuration the embedded model's shipped frontier selects at ``speed``."""
     import json
 
-    from pipeline.calibrate_slider import SHIPPED_FRONTIER
-    from pruning import Frontier
+    from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
+    from glimpse.pruning import Frontier
 
     return Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text())).promise(speed)["configuration"]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.cli import main
+from glimpse.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_a_line_cut_short_by_a_kill_is_dropped_and_its_input_captioned_again(mod
 def test_a_run_killed_midway_then_rerun_captions_every_input_exactly_once(model, tmp_path):
     images = _images(tmp_path / "in", 24)
     out = tmp_path / "captions.jsonl"
-    command = [sys.executable, "-m", "app.cli", "caption", str(tmp_path / "in"), "--model", model, "--out", str(out),
+    command = [sys.executable, "-m", "glimpse.cli", "caption", str(tmp_path / "in"), "--model", model, "--out", str(out),
                "--max-new-tokens", "48", "--batch-size", "2"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -146,7 +146,7 @@ def test_resuming_matches_inputs_by_resolved_path_however_they_are_named(model, 
 def test_a_second_writer_and_an_unwritable_output_are_refused_before_the_model_loads(model, tmp_path, capsys):
     """While one captioner holds the output, another on the same output stops with a clear message, before
     loading anything (here a model that does not exist would fail later); the lock goes with its holder."""
-    from app.caption import CaptionOutput
+    from glimpse.caption import CaptionOutput
 
     _images(tmp_path / "in", 1)
     out = tmp_path / "captions.jsonl"

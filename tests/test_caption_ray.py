@@ -18,7 +18,7 @@ from PIL import Image
 
 ray = pytest.importorskip("ray")  # in the test install (README); the base install does without it
 
-from app.caption_ray import caption_on_ray  # noqa: E402
+from glimpse.caption_ray import caption_on_ray  # noqa: E402
 from conftest import write_video  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,8 +62,8 @@ def _ray_caption(inputs, out, model, **extra):
 
 
 def test_the_ray_pipeline_gives_the_local_captioners_captions(cluster, model, tmp_path):
-    from app.caption import caption_inputs, collect_inputs
-    from pipeline import load_engine
+    from glimpse.caption import caption_inputs, collect_inputs
+    from glimpse.pipeline import load_engine
 
     paths = _inputs(tmp_path / "in", 5)
     report = _ray_caption([tmp_path / "in"], tmp_path / "out", model, jsonl=True)
@@ -114,7 +114,7 @@ def test_corrupt_empty_missing_and_non_media_inputs_are_error_rows(cluster, mode
 
 
 def _driver(inputs: Path, out: Path, model: str, env: dict | None = None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "app.cli", "caption", str(inputs), "--ray", "--out", str(out), "--model", model,
+    command = [sys.executable, "-m", "glimpse.cli", "caption", str(inputs), "--ray", "--out", str(out), "--model", model,
                "--max-new-tokens", "6", "--batch-size", "2", "--shard-rows", "2", "--device", "cpu"]
     # Its own session: killing the group kills the driver and the local cluster it started, as a terminal's
     # Ctrl-C or a lost machine would, and leaves no Ray process behind.
@@ -155,7 +155,7 @@ def test_an_actor_that_dies_is_replaced_and_its_batch_retried(model, tmp_path):
 def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, capsys):
     import builtins
 
-    from app.cli import main
+    from glimpse.cli import main
 
     real_import = builtins.__import__
 

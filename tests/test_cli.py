@@ -16,7 +16,7 @@ METRIC_KEYS = {"ttft_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "a
 
 def glimpse(*args, cache: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     exe = Path(sys.executable).with_name("glimpse")
-    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "app.cli"]
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "glimpse.cli"]
     env = dict(os.environ)
     if cache is not None:
         env["GLIMPSE_CACHE"] = str(cache)
@@ -52,8 +52,8 @@ def test_ask_embedded_answers_a_text_question(embedded_cache):
 
 def test_ask_embedded_about_the_sample_image(embedded_cache):
     """README's first question. Without a trained projector in assets/ the answer is not grounded and says so."""
-    from pipeline.embedded import EMBEDDED_GROUNDED
-    from training.tasks import COLOURS
+    from glimpse.pipeline.embedded import EMBEDDED_GROUNDED
+    from glimpse.tasks import COLOURS
 
     sample = Path(__file__).resolve().parents[1] / "assets" / "sample.png"
     proc = glimpse("ask", "--image", str(sample), "--max-new-tokens", "8", "--json", "What colour is the circle?",
@@ -103,7 +103,7 @@ def test_ask_unknown_model(tmp_path):
 
 
 def test_ask_json_reports_policy_parameters_active_tokens_flops_and_keep_map(checkpoints, media):
-    from pipeline.metrics import prefill_flops
+    from glimpse.pipeline.metrics import prefill_flops
 
     proc = glimpse("ask", "--model", str(checkpoints["llava_next"]), "--image", str(media["image"]),
                    "--policy", "dash", "--speed", "0.5", "--param", "keep_first=4", "--param", "keep_last=2",
@@ -134,8 +134,8 @@ def test_ask_rejects_an_unknown_policy_parameter_before_loading(checkpoints, med
 
 def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cache, checkpoints, media):
     """The embedded model's shipped frontier: auto at speed 1 runs, and promises, what calibration measured."""
-    import pruning
-    from pipeline.calibrate_slider import SHIPPED_FRONTIER
+    from glimpse import pruning
+    from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
 
     shipped = pruning.Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()))
     sample = Path(__file__).resolve().parents[1] / "assets" / "sample.png"

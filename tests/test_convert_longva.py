@@ -7,8 +7,8 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from pipeline import load_engine
-from pipeline.convert_longva import convert
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.convert_longva import convert
 
 
 def _runtime_state(folder) -> dict[str, torch.Tensor]:

@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 
-from pipeline import load_engine
-from pipeline.adapters import TEXT
-from pipeline.cache import KVCache, LayerKV
-from pipeline.engine import Sampling
-from pipeline.metrics import MemoryMeter
-from pipeline.quant import dequantize, quantize
-from pruning import ST3, LazyLLM, NoPruning, ZipVL
-from pruning.st3 import anneal_share
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.adapters import TEXT
+from glimpse.pipeline.cache import KVCache, LayerKV
+from glimpse.pipeline.engine import Sampling
+from glimpse.pipeline.metrics import MemoryMeter
+from glimpse.pipeline.quant import dequantize, quantize
+from glimpse.pruning import ST3, LazyLLM, NoPruning, ZipVL
+from glimpse.pruning.st3 import anneal_share
 from tiny_models import build_llava, reference_inputs
 
 LAYERS = 6
@@ -170,7 +170,7 @@ def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention():
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from pipeline.engine import LayerView
+    from glimpse.pipeline.engine import LayerView
 
     g = torch.Generator().manual_seed(0)
     head_dim, window = 16, 10
@@ -243,6 +243,29 @@ def test_evicting_entries_works_across_packed_segments_and_the_float_tail():
     assert layer.nbytes() == (quantize(key[:, :, :2], 4).nbytes() * 2 + quantize(key[:, :, :1], 2).nbytes() * 2
                               + 2 * 2 * 2 * 32 * 4)
     assert torch.equal(dequantize(layer.packed[0][0]), dequantize(quantize(key[:, :, [1, 9]], 4)))
+
+
+def test_decode_appends_write_in_place_and_copy_the_tail_once_per_grow_steps():
+    """The cache is not re-concatenated per token: a step's entry goes into spare room of the tail buffer,
+    which is reallocated (one copy) only when GROW steps have filled it, with every entry kept."""
+    g = torch.Generator().manual_seed(3)
+    prompt_key, prompt_value = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    layer = LayerKV()
+    layer.append(prompt_key, prompt_value)
+    assert layer.key.data_ptr() == prompt_key.data_ptr()  # the prompt's entries are kept as they come
+    steps = [(torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g))
+             for _ in range(2 * LayerKV.GROW + 3)]
+    storages = []
+    for key, value in steps:
+        layer.append(key, value)
+        storages.append(layer.key.untyped_storage().data_ptr())
+    reallocations = sum(a != b for a, b in zip(storages, storages[1:])) + 1  # the first step reallocates
+    assert reallocations == math.ceil(len(steps) / (LayerKV.GROW + 1))
+    keys, values = layer.keys_values()
+    assert torch.equal(keys, torch.cat([prompt_key, *[k for k, _ in steps]], dim=-2))
+    assert torch.equal(values, torch.cat([prompt_value, *[v for _, v in steps]], dim=-2))
+    # nbytes counts the entries held, not the buffer's spare room
+    assert layer.nbytes() == 2 * keys.numel() * keys.element_size()
 
 
 # ---------------------------------------------------------------------------- LazyLLM revival
@@ -371,8 +394,8 @@ def test_streamed_deltas_join_to_the_whole_answer_and_decoding_stays_linear():
     """The streaming detokenizer never emits half a character (byte-level tokens split 日本語 and é),
     its deltas join to exactly what decoding the whole answer gives (special tokens skipped), and the
     tokens it decodes over a long answer grow linearly with its length, not quadratically."""
-    from pipeline.engine import _IncrementalDecoder
-    from pipeline.random_checkpoint import QWEN_SPECIAL_TOKENS, make_tokenizer
+    from glimpse.pipeline.engine import _IncrementalDecoder
+    from glimpse.pipeline.random_checkpoint import QWEN_SPECIAL_TOKENS, make_tokenizer
 
     tok = make_tokenizer(QWEN_SPECIAL_TOKENS, eos="<|im_end|>")
     ids = tok("A red circle, 日本語 and émigré, then a blue square. " * 30)["input_ids"]

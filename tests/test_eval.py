@@ -8,9 +8,9 @@ import json
 import pytest
 from PIL import Image
 
-from app.cli import main
-from app.eval import passkey_prompt, run_agreement, run_passkey
-from pipeline import load_engine
+from glimpse.cli import main
+from glimpse.eval import passkey_prompt, run_agreement, run_passkey
+from glimpse.pipeline import load_engine
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_visual_task_report_is_consistent(checkpoints, tmp_path, capsys):
                  "--samples", "1", "--json", "--plot", str(plot)])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    from training import tasks
+    from glimpse import tasks
 
     assert report["task"] == "visual" and report["seed"] == tasks.HELDOUT_SEED
     assert report["categories"] == list(tasks.IMAGE_CATEGORIES)  # the tiny LLaVA takes no video
@@ -109,7 +109,7 @@ def test_visual_task_report_is_consistent(checkpoints, tmp_path, capsys):
 def test_visual_task_asks_only_the_categories_named(checkpoints, capsys):
     """`--categories` restricts the questions (the goal categories on a fresh draw); an unknown category, or a
     clip category for a model without video, is refused with a message."""
-    from training import tasks
+    from glimpse import tasks
 
     args = ["eval", "visual", "--model", str(checkpoints["llava"]), "--policies", "none", "--samples", "2", "--json"]
     assert main(args + ["--categories", "colour,count", "--seed", "7"]) == 0

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from app.cli import main as glimpse
-from pipeline import load_engine
-from pipeline.adapters import TEXT
-from pipeline.calibrate import ilvas, local_maxima
-from pruning import HiDivDrop, NoPruning, Pipeline, Policy
+from glimpse.cli import main as glimpse
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.adapters import TEXT
+from glimpse.pipeline.calibrate import ilvas, local_maxima
+from glimpse.pruning import HiDivDrop, NoPruning, Pipeline, Policy
 from conftest import DEEP_LAYERS
 from tiny_models import masked_reference
 
@@ -189,7 +189,7 @@ def test_calibrate_writes_a_profile_the_engine_then_uses(deep, media, tmp_path, 
     assert policy.filter_layers == tuple(profile["filter_layers"])
     assert engine.make_policy("hidivdrop", 1.0, {"filter_layers": [5]}).filter_layers == (5,)  # overrides win
     # calibration measures a configuration with the same profile applied
-    from pruning import Member
+    from glimpse.pruning import Member
 
     assert engine.configuration((Member.of("hidivdrop", 1.0),)).policies[0].filter_layers == policy.filter_layers
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import ARCHS, DEEP_LAYERS
-from pipeline import load_engine
-from pipeline.adapters import TEXT
-from pruning import DASH, POLICIES, FastV, Frontier, LazyLLM, NoPruning, Pipeline, Point, ST3, ZipVL, make_policy
-from pruning.frontier import design_pipeline_members
-from pruning.zipvl import important_count
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.adapters import TEXT
+from glimpse.pruning import DASH, POLICIES, FastV, Frontier, LazyLLM, NoPruning, Pipeline, Point, ST3, ZipVL, make_policy
+from glimpse.pruning.frontier import design_pipeline_members
+from glimpse.pruning.zipvl import important_count
 from tiny_models import masked_reference, reference_inputs
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_st3_keeps_the_eq9_share_of_visual_tokens_never_prunes_text_or_before_la
 
 
 def test_st3_paper_setting_ends_at_one_percent_on_32_layers():
-    from pruning.st3 import default_stride
+    from glimpse.pruning.st3 import default_stride
 
     assert default_stride(32, 3) == 7
     policy = ST3.from_speed(1.0)
@@ -293,7 +293,7 @@ def test_a_token_merged_twice_is_the_plain_mean_of_everything_it_holds():
     """Two merge stages (LazyLLM prunes at several layers): sizes carry over, so the last kept token
     is the mean of all three originals, not a mean of means."""
     from types import SimpleNamespace
-    from pruning.base import merge_into_kept
+    from glimpse.pruning.base import merge_into_kept
     a, b, c = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.2]), torch.tensor([1.0, 0.4])
     ctx = SimpleNamespace(hidden=torch.stack([a, b, c, torch.tensor([0.0, 1.0])])[None],
                           modality=torch.tensor([1, 1, 1, 0]))
@@ -402,7 +402,7 @@ def test_physical_dropping_equals_masking_for_each_policy(deep, media, arch, nam
 def test_docs_slider_tables_are_what_the_code_maps():
     from pathlib import Path
 
-    from pruning.slider import table
+    from glimpse.pruning.slider import table
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "slider.md").read_text()
     assert table(28) in doc and table(32) in doc and table(36) in doc  # regenerate with `python -m pruning.slider --layers N`
@@ -424,7 +424,7 @@ def test_each_policy_gives_the_same_logits_with_sdpa_and_eager(deep, media, name
 
 def design_pipeline_with_guards(speed: float, guard: int) -> Pipeline:
     """The design card's pipeline with DASH's first/last guards small enough for a tiny prompt."""
-    from pruning import design_pipeline
+    from glimpse.pruning import design_pipeline
 
     pipeline = design_pipeline(speed)
     for member in pipeline.policies:
@@ -442,8 +442,8 @@ def test_the_worked_example_of_a_policy_runs(deep, media, monkeypatch):
     import types
     from pathlib import Path
 
-    import pruning
-    from common import UserError
+    from glimpse import pruning
+    from glimpse.common import UserError
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "pruning.md").read_text()
     code = re.search(r"```python\n# pruning/every_other.py\n(.*?)```", doc, re.S).group(1)
@@ -472,7 +472,7 @@ def test_the_worked_example_of_a_policy_runs(deep, media, monkeypatch):
 def test_every_policy_at_full_speed_answers_on_the_new_qwen_generations(checkpoints, media, arch):
     """Qwen2.5-VL and Qwen3-VL: every registered policy at speed 1 answers an image question end to end,
     never computing more prefill than the unpruned model."""
-    from pruning import NAMES
+    from glimpse.pruning import NAMES
 
     engine = load_engine(str(checkpoints[arch]), device="cpu")
     messages = _image_messages(media)

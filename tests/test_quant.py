@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.quant import dequantize, quantize
+from glimpse.pipeline.quant import dequantize, quantize
 
 
 @pytest.mark.parametrize("bits", [2, 4])

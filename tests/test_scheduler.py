@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from common import UserError
-from pipeline import load_engine
-from pipeline.scheduler import Cancelled, QueueFull, Scheduler, StopText
+from glimpse.common import UserError
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.scheduler import Cancelled, QueueFull, Scheduler, StopText
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import uvicorn
 
-from app.cli import build_server
-from pipeline import load_engine
-from pruning import NoPruning
+from glimpse.cli import build_server
+from glimpse.pipeline import load_engine
+from glimpse.pruning import NoPruning
 
 
 def _serve(app):
@@ -208,7 +208,7 @@ def test_the_chat_answers_through_gradio_client_and_shows_errors_in_the_chat(ser
 def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(checkpoints, media):
     import numpy as np
 
-    from app.ui import keep_map_image
+    from glimpse.ui import keep_map_image
 
     engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
     for kind in ("image", "video"):
@@ -236,7 +236,7 @@ def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, tmp_path):
     """LLaVA squeezes every image into a square grid; the map over a tall picture is drawn tall all the same."""
     from PIL import Image
 
-    from app.ui import keep_map_image
+    from glimpse.ui import keep_map_image
 
     tall = tmp_path / "tall.png"
     Image.new("RGB", (120, 360), (200, 30, 30)).save(tall)
@@ -253,7 +253,7 @@ def test_a_streaming_client_that_disconnects_frees_the_model(server, media, monk
     """A client that drops its stream mid-answer cancels the request at the next decode step: the
     model is free again (the next request is answered) and /metrics counts the request as cancelled.
     EOS is ignored here so that the answer would otherwise run for thousands of steps."""
-    from app.api import create_api
+    from glimpse.api import create_api
 
     engine = server["engine"]
     monkeypatch.setattr(engine, "eos_token_ids", set())
@@ -292,7 +292,7 @@ def test_a_media_url_that_drips_does_not_stall_the_server_and_is_refused_at_the_
     fetch runs off the event loop), and the request is refused once the fetch deadline passes."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from app.api import create_api
+    from glimpse.api import create_api
 
     class Drip(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -344,8 +344,8 @@ def test_the_chat_uses_only_files_uploaded_to_it(tmp_path):
     """The Gradio chat endpoint names files by server path: only paths under the upload folder (or
     --allowed-root) are used, a symlink out of it included, and the refusal is the same whether or not
     the named file exists."""
-    from app.ui import history_to_messages
-    from vision import MediaError
+    from glimpse.ui import history_to_messages
+    from glimpse.vision import MediaError
 
     uploads, outside = tmp_path / "uploads", tmp_path / "secret"
     uploads.mkdir()
@@ -383,9 +383,9 @@ def test_client_mistakes_get_400_with_what_to_fix_never_a_server_error(server, m
 def test_a_full_queue_answers_429_and_admits_again_once_there_is_room(server, media, monkeypatch):
     """--queue-size bounds the API: with no waiting room, a request that arrives while another is being
     answered gets 429 with Retry-After at once; when the first leaves, requests are admitted again."""
-    from app.api import create_api
+    from glimpse.api import create_api
 
-    from pipeline.scheduler import Scheduler
+    from glimpse.pipeline.scheduler import Scheduler
 
     engine = server["engine"]
     monkeypatch.setattr(engine, "eos_token_ids", set())
@@ -415,7 +415,7 @@ def test_a_full_queue_answers_429_and_admits_again_once_there_is_room(server, me
 def test_oversized_bodies_and_text_beyond_the_context_are_refused_before_any_work(server, media):
     """A body over the cap is 413 before it is parsed; text that cannot fit the model's context is 400
     before it is tokenized; deeply nested JSON is a 400, not a server error; the server keeps serving."""
-    from app import api
+    from glimpse import api
 
     url = server["url"] + "/v1/chat/completions"
     too_long = "word " * (api.CHARS_PER_TOKEN_BOUND * server["engine"].max_length // 5 + 10)
@@ -483,7 +483,7 @@ def test_stop_strings_end_the_answer_before_them_streamed_or_not(server, media):
 def test_an_api_key_guards_the_api_and_cross_origin_text_posts_are_refused(server, media):
     from openai import AuthenticationError, OpenAI
 
-    from app.cli import build_server
+    from glimpse.cli import build_server
 
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     # A page on another origin can POST text/plain without a preflight: such bodies are not read.
@@ -503,7 +503,7 @@ def test_an_api_key_guards_the_api_and_cross_origin_text_posts_are_refused(serve
 
 
 def test_serving_a_public_address_requires_a_key_or_an_explicit_waiver(capsys):
-    from app.cli import main
+    from glimpse.cli import main
 
     assert main(["serve", "--host", "0.0.0.0", "--model", "embedded"]) == 1
     assert "--api-key" in capsys.readouterr().err
@@ -512,8 +512,8 @@ def test_serving_a_public_address_requires_a_key_or_an_explicit_waiver(capsys):
 def test_a_client_that_gives_up_on_a_plain_request_cancels_it_queued_or_running(server, media, monkeypatch):
     """Not streamed: a client that closes the connection while its request waits, or while it is being
     answered, cancels it; the batch empties and the server answers the next request."""
-    from app.api import create_api
-    from pipeline.scheduler import Scheduler
+    from glimpse.api import create_api
+    from glimpse.pipeline.scheduler import Scheduler
 
     class Slow(NoPruning):  # 20 steps a second: the answer would take minutes unless cancelled
         def decode_step(self, step, ctx):
@@ -553,9 +553,9 @@ def _give_up_after(url, body, seconds):
 def test_health_reports_a_wedged_scheduler(server, media, monkeypatch):
     """A step that never returns (here a policy blocked in its decode step) makes /health answer 503 once the
     iteration has run past the stall limit; when it returns, /health is ok again."""
-    from app import api
-    from pipeline.scheduler import Scheduler
-    from pruning import NoPruning
+    from glimpse import api
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.pruning import NoPruning
 
     class Blocking(NoPruning):
         def decode_step(self, step, ctx):
@@ -583,9 +583,9 @@ def test_bench_serve_measures_serial_and_concurrent_clients_and_a_burst(server, 
     within the budget."""
     import argparse
 
-    from app import bench_serve
-    from app.api import create_api
-    from pipeline.scheduler import Scheduler
+    from glimpse import bench_serve
+    from glimpse.api import create_api
+    from glimpse.pipeline.scheduler import Scheduler
 
     scheduler = Scheduler(server["engine"], max_batch=2, queue_size=2)
     app = create_api(server["engine"], model_name="tiny-llava", scheduler=scheduler, max_new_tokens=8)

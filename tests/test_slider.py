@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from pipeline import load_engine
-from pipeline.calibrate_slider import SHIPPED_FRONTIER, calibrate_slider, folder_prompts, shipped_prompts
-from pipeline.profiles import profile_path, save_profile
-from pruning import Frontier, Member, Point, make_policy
-from pruning.frontier import (DEFAULT_FLOOR, candidates, design_pipeline_members, pareto_frontier,
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER, calibrate_slider, folder_prompts, shipped_prompts
+from glimpse.pipeline.profiles import profile_path, save_profile
+from glimpse.pruning import Frontier, Member, Point, make_policy
+from glimpse.pruning.frontier import (DEFAULT_FLOOR, candidates, design_pipeline_members, pareto_frontier,
                               required_agreement, uncalibrated_frontier)
 
 SPEEDS = [i / 20 for i in range(21)]
@@ -196,7 +196,7 @@ def test_the_shipped_calibration_set_and_frontier_are_usable():
 
 
 def test_calibrate_slider_from_the_command_line_refuses_bad_input_before_loading(tmp_path, capsys):
-    from app.cli import main
+    from glimpse.cli import main
 
     assert main(["calibrate", "slider", "--model", "embedded", "--floor", "1.5"]) == 1
     assert "--floor" in capsys.readouterr().err
@@ -208,7 +208,7 @@ def test_calibrate_slider_from_the_command_line_refuses_bad_input_before_loading
 
 def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budget_and_resumes(
         deep_checkpoints, media, tmp_path, capsys):
-    from app.cli import main
+    from glimpse.cli import main
 
     images = tmp_path / "images"
     images.mkdir()

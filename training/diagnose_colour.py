@@ -27,8 +27,8 @@ import collections
 import numpy as np
 import torch
 
-from pipeline import load_engine
-from training import tasks
+from glimpse.pipeline import load_engine
+from glimpse import tasks
 from training.train_projector import inference_projector, item_colours, patch_words, precompute
 
 GRID = 16

@@ -20,9 +20,9 @@ import random
 
 import torch
 
-from pipeline import load_engine
-from pipeline.visual_codes import position_code
-from training import tasks
+from glimpse.pipeline import load_engine
+from glimpse.pipeline.visual_codes import position_code
+from glimpse import tasks
 from training.train_projector import precompute, single_turn_chat, tokenize
 
 GRID = 16

@@ -1,7 +1,7 @@
 """The label-free calibration set that ships with Glimpse (assets/calibration/).
 
 `glimpse calibrate slider` without --images/--videos uses it: 4 images per image category and 4
-clips per clip category of the generated shapes task (training/tasks.py), drawn from seed 100 —
+clips per clip category of the generated shapes task (app/tasks.py), drawn from seed 100 —
 neither the training seed 0, the validation seed 2, nor the held-out seeds 1 and 3-7 that the
 reported accuracy uses — each with one question. No answers are stored: calibration compares the
 pruned model with the unpruned one, so it needs none.
@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from training import tasks
+from glimpse import tasks
 
 CALIBRATION_SEED = 100
 OUT = Path(__file__).resolve().parent.parent / "assets" / "calibration"

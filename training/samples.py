@@ -1,6 +1,6 @@
 """Write the README's sample inputs: `python -m training.samples` -> assets/sample.png, assets/sample.mp4.
 
-Both are drawn by the task generator (training/tasks.py) with fixed contents, not from a training seed:
+Both are drawn by the task generator (app/tasks.py) with fixed contents, not from a training seed:
 a scene with a big red circle, and a clip in which a blue square moves right.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from training import tasks
+from glimpse import tasks
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 

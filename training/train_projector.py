@@ -51,9 +51,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from pipeline import embedded, visual_codes
-from pipeline.adapters import LlavaAdapter
-from training import tasks
+from glimpse.pipeline import embedded, visual_codes
+from glimpse.pipeline.adapters import LlavaAdapter
+from glimpse import tasks
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(__file__).resolve().parent / "cache"
@@ -600,7 +600,7 @@ def main(argv=None) -> int:
             "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps,
             "passes": round(steps * args.batch / len(examples), 2), "precision": args.precision,
             "embedded_recipe": embedded.RECIPE,
-            "data": "training/tasks.py: training_items(seed, images, clips), every object of a scene asked about; "
+            "data": "app/tasks.py: training_items(seed, images, clips), every object of a scene asked about; "
                     "every question a single-turn chat, packed per item",
             "validation": f"heldout_set({tasks.VALIDATION_SEED}, {args.validate_per_category}) every {args.validate_every} steps"
                           if args.validate_every else "none during training (--validate-every 0)",

@@ -23,9 +23,9 @@ import time
 import torch
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-from pipeline import embedded
-from pipeline.adapters import LlavaAdapter
-from training import tasks
+from glimpse.pipeline import embedded
+from glimpse.pipeline.adapters import LlavaAdapter
+from glimpse import tasks
 from training import train_projector as tp
 
 BATCH = 8

@@ -36,7 +36,7 @@ import av
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from common import UserError
+from glimpse.common import UserError
 
 
 logger = logging.getLogger(__name__)

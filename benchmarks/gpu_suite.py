@@ -1,0 +1,470 @@
+"""Glimpse on a GPU, proven by one command: exactness, engine overhead, every policy at its paper's operating
+point, decode speed and HiDivDrop's encoder overlap, with a JSON and a markdown report.
+
+    python benchmarks/gpu_suite.py --out gpu-report            # on a CUDA GPU: real shapes, about 9 min on an H100
+    python benchmarks/gpu_suite.py --out smoke --smoke         # anywhere (the test suite runs it on CPU): tiny shapes
+
+Writes DIR/gpu_suite.json (every measurement) and DIR/gpu_suite.md (the tables, for docs/benchmarks.md).
+docs/gpu.md says how to run it on a lent GPU. The sections, in the order they run:
+
+1. exactness: the test suite's tiny model of every supported architecture, engine (policy none) against
+   transformers' ``generate`` and forward, in float32 and bfloat16, sdpa and (when importable, on CUDA)
+   flash-attention 2: greedy tokens identical in float32, first-step logits within bfloat16 tolerance.
+2. overhead: random weights of Qwen2-VL-7B's shapes (28 decoder layers, the real 32-block vision tower),
+   an 8K- and a 16K-token video prompt: the engine's prefill against transformers' own forward, alternating.
+3. overlap: HiDivDrop with the vision encoder run first against run on its own CUDA stream beside the
+   text-only layers (``Engine.parallel_vision``), on the 8K-token video.
+4. policies: each policy at its paper's operating point on its paper's shape — DASH, ZipVL, LazyLLM and
+   auto on the Qwen2-VL-7B video prompts (LongVA-7B's decoder is Qwen2-7B, the same shapes as this one),
+   HiDivDrop, ST3 and auto on LLaVA-1.5-7B with a 576-token image — against the baseline, alternating
+   (``glimpse bench``'s runner): TTFT and decoder-prefill speedup, FLOPs speedup, realised fraction, KV
+   bytes, peak memory; beside each paper's headline figure.
+5. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none, ST3, ZipVL's packed KV) against
+   transformers' ``generate`` on the same model; ST3's KV after 64 answer tokens against the baseline's.
+
+Whatever could not run is listed with the reason; a section that fails is reported and the others go on.
+Ratios are measured side by side in this one run (medians after a warm-up); absolute times only mean
+something on the GPU named in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the test suite's tiny checkpoints of every architecture
+
+from tiny_models import (build_llava, build_llava_next, build_longva, build_qwen2_5_vl,  # noqa: E402
+                         build_qwen2_vl, build_qwen3_vl, reference_inputs)
+
+from glimpse.assets import ASSETS  # noqa: E402
+from glimpse.bench import run_bench, synthesize_prompts  # noqa: E402
+from glimpse.pipeline import load_engine  # noqa: E402
+from glimpse.pipeline.metrics import synchronize  # noqa: E402
+from glimpse.pipeline.prompt import user_message  # noqa: E402
+from glimpse.pipeline.random_checkpoint import build_random, random_image  # noqa: E402
+from glimpse.pruning import HiDivDrop, NoPruning  # noqa: E402
+
+TINY_ARCHS = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl, "qwen3_vl": build_qwen3_vl,
+              "llava": build_llava, "llava_next": build_llava_next, "longva": build_longva}
+
+# Each paper's operating point as a slider speed (docs/pruning.md gives the mapping) and its headline figure.
+PAPERS = {
+    "dash": (0.8333, "1.74x faster at comparable accuracy (rho 0.667; the slider's rho = 0.8 x speed)"),
+    "zipvl": (0.5, "prefill 2.6x faster, GPU memory -50% (tau 0.96 image / 0.975 video, KV 4/2 bits)"),
+    "lazyllm": (1.0, "TTFT 2.34x on Llama-2-7B multi-document QA"),
+    "hidivdrop": (1.0, "prefill 63.6 ms -> 32.6 ms (1.95x) on LLaVA-1.5-7B"),
+    "st3": (1.0, "about 2x faster inference with about 30% of the KV cache, LLaVA-1.5-7B"),
+    "auto": (1.0, "no paper: the composed pipeline at full speed (goal: 3x TTFT on a 16K-token video)"),
+}
+QWEN_POLICIES = ["dash", "zipvl", "lazyllm", "auto"]
+LLAVA_POLICIES = ["hidivdrop", "st3", "auto"]
+DECODE_POLICIES = [("none", 0.0), ("st3", 1.0), ("zipvl", 0.5)]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    qwen_preset: str
+    qwen_vision_depth: int
+    llava_preset: str
+    llava_vision_depth: int
+    video_tokens: tuple[int, ...]
+    exact_new_tokens: int
+    decode_new_tokens: int
+    decode_batch: int
+    runs: int
+
+
+REAL = Shapes("qwen2-vl-7b", 32, "llava-1.5-7b", 24, (8192, 16384), 16, 64, 16, 3)
+SMOKE = Shapes("tiny", 1, "llava-tiny", 1, (256, 512), 4, 4, 2, 1)
+
+
+class Suite:
+    def __init__(self, out: Path, smoke: bool, device: str, budget_s: float, progress):
+        self.out, self.smoke, self.budget_s, self.progress = out, smoke, budget_s, progress
+        self.shapes = SMOKE if smoke else REAL
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.t0 = time.monotonic()
+        self.tmp = tempfile.TemporaryDirectory(prefix="glimpse-gpu-suite-")
+        self._engines: dict[str, object] = {}
+        self.report = {"device": _device_name(self.device), "torch": torch.__version__, "smoke": smoke,
+                       "shapes": asdict(self.shapes), "dtype": str(self.dtype).replace("torch.", ""),
+                       "flash_attn": _flash_attn_version(), "sections": {}, "skipped": []}
+        import transformers
+
+        self.report["transformers"] = transformers.__version__
+
+    def skip(self, what: str, why: str) -> None:
+        self.report["skipped"].append({"what": what, "why": why})
+        self.progress(f"skipped: {what} ({why})")
+
+    def run(self, name: str, section) -> None:
+        elapsed = time.monotonic() - self.t0
+        if elapsed > self.budget_s:
+            self.skip(name, f"the run's time budget ({self.budget_s:.0f} s) was spent before it")
+            return
+        self.progress(f"== {name} (at {elapsed:.0f} s)")
+        start = time.monotonic()
+        try:
+            result = section(self)
+        except Exception as error:  # one broken section must not cost the others' evidence
+            result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
+            self.progress(f"{name} failed: {result['error']}")
+        result["seconds"] = round(time.monotonic() - start, 1)
+        self.report["sections"][name] = result
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def engine(self, family: str):
+        """The random-weights Qwen2-VL-7B-shaped ("qwen") or LLaVA-1.5-7B-shaped ("llava") engine, built once
+        (weights initialised on the GPU, saved and loaded like a real checkpoint)."""
+        if family not in self._engines:
+            self._engines.pop("qwen" if family == "llava" else "llava", None)  # one 7B model in memory at a time
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
+            s = self.shapes
+            preset, depth = (s.qwen_preset, s.qwen_vision_depth) if family == "qwen" else (s.llava_preset,
+                                                                                             s.llava_vision_depth)
+            folder = Path(self.tmp.name) / family
+            kwargs = {"max_visual_tokens": max(s.video_tokens) * 2} if family == "qwen" else {}
+            started = time.monotonic()
+            build_random(folder, preset=preset, vision_depth=depth, dtype=self.dtype,
+                         init_device=self.device if self.cuda else None, **kwargs)
+            engine = load_engine(str(folder), device=str(self.device), attn="sdpa", dtype=self.dtype)
+            for file in folder.glob("*.safetensors"):
+                file.unlink()  # loaded: the disk copy is not needed any more
+            self.progress(f"built and loaded {preset} ({time.monotonic() - started:.0f} s)")
+            self._engines[family] = engine
+        return self._engines[family]
+
+    def video_prompts(self, engine) -> dict[str, list]:
+        prompts = {}
+        for tokens in self.shapes.video_tokens:
+            made = synthesize_prompts(engine, Path(self.tmp.name) / f"video-{tokens}", 0, tokens,
+                                      progress=self.progress)
+            count = engine.prepare(made["video"]).token_counts()["video"]  # named by what it realised
+            prompts[f"video {count / 1024:.0f}K" if count >= 1024 else f"video {count}"] = made["video"]
+        return prompts
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def _flash_attn_version() -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        import flash_attn
+
+        return flash_attn.__version__
+    except Exception as error:  # installed but broken (built for another torch): say so, do not crash
+        return f"unusable: {type(error).__name__}: {error}"
+
+
+def _to(inputs: dict, device) -> dict:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+
+
+def _timed(fn, device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _alternate(fns: dict, runs: int, device) -> dict[str, list[float]]:
+    """One warm-up of each, then ``runs`` rounds that time each in turn."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(runs):
+        for name, fn in fns.items():
+            times[name].append(_timed(fn, device))
+    return times
+
+
+# ------------------------------------------------------------------------------------------ sections
+def exactness(suite: Suite) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 must mean float32 (conv too: the patch embedding)
+    torch.backends.cudnn.allow_tf32 = False
+    attns = ["sdpa"]
+    flash = suite.report["flash_attn"]
+    if not suite.cuda:
+        suite.skip("exactness with flash-attention 2", "no CUDA device")
+    elif flash is None or flash.startswith("unusable"):
+        suite.skip("exactness with flash-attention 2", f"flash_attn is {flash or 'not installed'}")
+    else:
+        attns.append("flash_attention_2")
+    dtypes = [torch.float32, torch.bfloat16]
+    image = str(ASSETS / "sample.png")
+    messages = user_message("Describe the picture.", [("image", image)])
+    rows = []
+    for arch, build in TINY_ARCHS.items():
+        folder = build(Path(suite.tmp.name) / "tiny" / arch)
+        for dtype in dtypes:
+            for attn in attns:
+                if attn == "flash_attention_2" and dtype == torch.float32:
+                    continue  # flash-attention runs in half precision only
+                rows.append(_exact_row(suite, arch, folder, dtype, attn, messages))
+                suite.progress(f"  {arch} {rows[-1]['dtype']} {attn}: tokens identical {rows[-1]['tokens_identical']}, "
+                               f"logits max diff {rows[-1]['logits_max_abs_diff']:.2e}")
+    float32 = [r for r in rows if r["dtype"] == "float32"]
+    half = [r for r in rows if r["dtype"] != "float32"]
+    return {"rows": rows, "float32_tokens_identical": all(r["tokens_identical"] for r in float32),
+            "float32_logits_close": all(r["logits_close"] for r in float32),
+            "bfloat16_logits_close": all(r["logits_close"] for r in half)}
+
+
+def _exact_row(suite, arch, folder, dtype, attn, messages) -> dict:
+    engine = load_engine(str(folder), device=str(suite.device), attn=attn, dtype=dtype)
+    n = suite.shapes.exact_new_tokens
+    prompt = engine.prepare(messages)
+    inputs = _to(reference_inputs(engine, prompt), engine.device)
+    with torch.inference_mode():
+        expected = engine.model.generate(**inputs, max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+        reference = engine.model(**inputs).logits[0, -1].float()
+        logits, _ = engine.prefill(prompt, NoPruning())
+    if expected and expected[-1] in engine.eos_token_ids:
+        expected = expected[:-1]  # the engine reports the answer without its EOS token
+    got = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
+    same = sum(1 for _ in zip(got, expected))
+    agree = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), same)
+    diff = float((logits.float() - reference).abs().max())
+    scale = float(reference.abs().max())
+    # float32: the same arithmetic up to reduction order; bfloat16 keeps 8 significant bits, so differences
+    # in the order of 1% of the logits' range are rounding, not a different computation.
+    tolerance = (1e-3 if suite.cuda else 1e-4) if dtype == torch.float32 else 2e-2 * max(scale, 1.0)
+    return {"arch": arch, "dtype": str(dtype).replace("torch.", ""), "attn": attn, "new_tokens": len(expected),
+            "tokens_identical": got == expected, "agreeing_prefix": agree, "logits_max_abs_diff": diff,
+            "logits_scale": scale, "tolerance": tolerance, "logits_close": diff <= tolerance,
+            "first_token_same": bool(logits.argmax() == reference.argmax())}
+
+
+def overhead(suite: Suite) -> dict:
+    engine = suite.engine("qwen")
+    rows = []
+    for name, messages in suite.video_prompts(engine).items():
+        prompt = engine.prepare(messages)
+        inputs = _to(reference_inputs(engine, prompt), engine.device)
+        with torch.inference_mode():
+            times = _alternate({"transformers": lambda: engine.model(**inputs, logits_to_keep=1, use_cache=True),
+                                "engine": lambda: engine.prefill(prompt, NoPruning())},
+                               suite.shapes.runs, engine.device)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows.append({"prompt": name, "prompt_tokens": prompt.token_counts(), "median_s": med,
+                     "min_s": {k: min(v) for k, v in times.items()}, "max_s": {k: max(v) for k, v in times.items()},
+                     "engine_over_transformers": med["engine"] / med["transformers"]})
+        suite.progress(f"  {name}: engine / transformers = {rows[-1]['engine_over_transformers']:.3f}")
+        del inputs
+    return {"model": f"random {suite.shapes.qwen_preset}", "attn": engine.attn_implementation,
+            "dtype": str(engine.dtype), "runs": suite.shapes.runs, "rows": rows}
+
+
+def policies(suite: Suite) -> dict:
+    rows = []
+
+    def bench(engine, prompts, names):
+        for name in names:
+            speed, headline = PAPERS[name]
+            report = run_bench(engine, prompts, [name], [speed], runs=suite.shapes.runs, warmup=1,
+                               progress=lambda line: None, model=engine.model_id)
+            for row in report["rows"]:
+                row.pop("active_tokens_per_layer", None)
+                rows.append({**row, "paper": headline, "model": shape})
+                suite.progress(f"  {shape} {row['prompt']} {name}@{speed:g}: TTFT x{row['ttft_speedup']:.2f}, "
+                               f"FLOPs x{row['flops_speedup']:.2f}, realised {row['realised_fraction'] or 0:.2f}")
+
+    shape = suite.shapes.qwen_preset
+    engine = suite.engine("qwen")
+    bench(engine, suite.video_prompts(engine), QWEN_POLICIES)
+    shape = suite.shapes.llava_preset
+    engine = suite.engine("llava")
+    messages = user_message("Describe the image in detail.", [("image", random_image(576))])
+    bench(engine, {f"image {engine.prepare(messages).token_counts()['image']}": messages}, LLAVA_POLICIES)
+    return {"runs": suite.shapes.runs, "rows": rows}
+
+
+def decode(suite: Suite) -> dict:
+    engine = suite.engine("llava")
+    messages = user_message("Describe the image in detail.", [("image", random_image(576))])
+    prompt = engine.prepare(messages)
+    n = suite.shapes.decode_new_tokens
+    rows = []
+    for batch in (1, suite.shapes.decode_batch):
+        inputs = _to(reference_inputs(engine, prompt), engine.device)
+        inputs = {k: v.expand(batch, *v.shape[1:]).contiguous() if k != "pixel_values" else v.repeat(batch, 1, 1, 1)
+                  for k, v in inputs.items()}
+
+        def hf(tokens):
+            return lambda: engine.model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens,
+                                                 do_sample=False)
+
+        def ours(policy, speed, tokens):
+            if batch == 1:
+                return lambda: engine.generate(messages, policy=policy, speed=speed, max_new_tokens=tokens,
+                                               ignore_eos=True)
+            return lambda: engine.generate_batch([messages] * batch, policy=policy, speed=speed,
+                                                 max_new_tokens=tokens, ignore_eos=True)
+
+        # Decode time = (n + 1 tokens) - (1 token): the prefill and first token cancel, on both sides.
+        fns = {"generate": hf(n + 1), "generate first": hf(1)}
+        for policy, speed in DECODE_POLICIES:
+            fns[policy] = ours(policy, speed, n + 1)
+            fns[f"{policy} first"] = ours(policy, speed, 1)
+        with torch.inference_mode():
+            times = _alternate(fns, suite.shapes.runs, engine.device)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rate = {k: batch * n / max(med[k] - med[f"{k} first"], 1e-9) for k in ["generate", *dict(DECODE_POLICIES)]}
+        kv = {}
+        for policy, speed in DECODE_POLICIES:  # the cache after n answer tokens, summed over the batch
+            results = ours(policy, speed, n + 1)()
+            results = results if isinstance(results, list) else [results]
+            kv[policy] = sum(r.metrics["kv_bytes"] for r in results)
+        for name in rate:
+            rows.append({"batch": batch, "decoder": name, "new_tokens": n, "decode_tokens_per_s": rate[name],
+                         "vs_generate": rate[name] / rate["generate"],
+                         "kv_bytes": kv.get(name), "kv_vs_baseline": kv[name] / kv["none"] if name in kv else None})
+            suite.progress(f"  batch {batch} {name}: {rate[name]:.1f} tokens/s ({rows[-1]['vs_generate']:.2f}x generate)")
+    return {"model": f"random {suite.shapes.llava_preset}", "prompt_tokens": prompt.token_counts(),
+            "runs": suite.shapes.runs, "rows": rows}
+
+
+def overlap(suite: Suite) -> dict:
+    if not suite.cuda:
+        suite.skip("HiDivDrop's encoder on its own CUDA stream", "no CUDA device: on CPU the encoder runs in a "
+                   "thread beside the layers, which the CPU benchmarks measure (docs/benchmarks.md)")
+    engine = suite.engine("qwen")
+    name, messages = next(iter(suite.video_prompts(engine).items()))
+    prompt = engine.prepare(messages)
+    policy = HiDivDrop.from_speed(1.0)
+
+    def run(parallel):
+        def go():
+            engine.parallel_vision = parallel
+            return engine.generate(messages, policy=policy, max_new_tokens=1)
+        return go
+
+    with torch.inference_mode():
+        times = _alternate({"sequential": run(False), "parallel": run(True)}, suite.shapes.runs, engine.device)
+    engine.parallel_vision = True
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"prompt": name, "prompt_tokens": prompt.token_counts(), "policy": "hidivdrop@1",
+            "median_ttft_s": med, "sequential_over_parallel": med["sequential"] / med["parallel"],
+            "stream": "CUDA side stream" if suite.cuda else "thread (CPU)"}
+
+
+# overlap runs beside overhead (both on the Qwen-shaped model) so that each 7B model is built once.
+SECTIONS = {"exactness": exactness, "overhead": overhead, "overlap": overlap, "policies": policies, "decode": decode}
+
+
+# -------------------------------------------------------------------------------------------- report
+def _f(value, digits=2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"Device: {report['device']}; torch {report['torch']}, transformers {report['transformers']}; "
+             f"{report['dtype']}; flash-attn {report['flash_attn'] or 'not installed'}"
+             + ("; SMOKE RUN (tiny shapes: not a measurement)" if report["smoke"] else ""), ""]
+    sections = report["sections"]
+    for name, section in sections.items():
+        lines.append(f"### {name} ({section.get('seconds', 0):.0f} s)")
+        lines.append("")
+        if "error" in section:
+            lines += [f"Failed: `{section['error']}`", ""]
+            continue
+        if name == "exactness":
+            lines += ["| arch | dtype | attention | tokens identical | agreeing prefix | logits max diff | tolerance |",
+                      "|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['arch']} | {r['dtype']} | {r['attn']} | {r['tokens_identical']} | {r['agreeing_prefix']}"
+                      f"/{r['new_tokens']} | {r['logits_max_abs_diff']:.2e} | {r['tolerance']:.1e} |"
+                      for r in section["rows"]]
+        elif name == "overhead":
+            lines += [f"{section['model']}, {section['attn']}, {section['dtype']}, median of {section['runs']}", "",
+                      "| prompt | tokens | transformers forward (s) | engine prefill (s) | engine / transformers |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {r['prompt']} | {sum(r['prompt_tokens'].values())} | {r['median_s']['transformers']:.3f} | "
+                      f"{r['median_s']['engine']:.3f} | {r['engine_over_transformers']:.3f} |" for r in section["rows"]]
+        elif name == "policies":
+            lines += ["| model | prompt | policy@speed | TTFT speedup | decoder-prefill speedup | FLOPs speedup | "
+                      "realised | KV ratio | peak memory ratio | paper's headline |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['model']} | {r['prompt']} | {r['policy']}@{r['speed']:g} | {_f(r['ttft_speedup'])} | "
+                      f"{_f(r['decoder_prefill_speedup'])} | {_f(r['flops_speedup'])} | {_f(r['realised_fraction'])} | "
+                      f"{_f(r['kv_ratio'])} | {_f(r['peak_memory_ratio'])} | {r['paper']} |" for r in section["rows"]]
+        elif name == "decode":
+            lines += [f"{section['model']}, prompt {section['prompt_tokens']}, median of {section['runs']}", "",
+                      "| batch | decoder | tokens/s | vs generate | KV after the answer / baseline |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {r['batch']} | {r['decoder']} | {r['decode_tokens_per_s']:.1f} | {r['vs_generate']:.2f} | "
+                      f"{_f(r['kv_vs_baseline'])} |" for r in section["rows"]]
+        elif name == "overlap":
+            med = section["median_ttft_s"]
+            lines += [f"{section['policy']} on {section['prompt']} ({section['stream']}): TTFT sequential "
+                      f"{med['sequential']:.3f} s, parallel {med['parallel']:.3f} s, sequential / parallel "
+                      f"{section['sequential_over_parallel']:.3f}"]
+        lines.append("")
+    lines.append("### not run")
+    lines.append("")
+    lines += [f"- {s['what']}: {s['why']}" for s in report["skipped"]] or ["- nothing"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for gpu_suite.json and gpu_suite.md")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks that every section runs")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="start no new section after this many seconds (default 480: done within 9 minutes)")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; available: {', '.join(SECTIONS)}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    if not device.startswith("cuda") and not args.smoke:
+        print("note: no CUDA device; the real shapes (7B models) on a CPU take hours — use --smoke for a check",
+              file=sys.stderr)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    suite = Suite(out, args.smoke, device, args.budget_s, progress)
+    with suite.tmp:
+        for name in args.sections.split(","):
+            suite.run(name, SECTIONS[name])
+            # written after every section, so a run stopped by its time limit still leaves its evidence
+            (out / "gpu_suite.json").write_text(json.dumps(suite.report, indent=1, default=str))
+            (out / "gpu_suite.md").write_text(markdown(suite.report))
+    progress(f"wrote {out / 'gpu_suite.json'} and {out / 'gpu_suite.md'} ({time.monotonic() - suite.t0:.0f} s)")
+    return 1 if any("error" in s for s in suite.report["sections"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""benchmarks/gpu_suite.py, the one command a lent GPU runs, in its CPU smoke mode: every section runs at
+tiny shapes, the report says what it could not run and why, and the exactness it reports is real."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--smoke", "--device", "cpu",
+                           "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "gpu_suite.json").read_text())
+    sections = report["sections"]
+    assert list(sections) == ["exactness", "overhead", "overlap", "policies", "decode"]
+    assert not [name for name, s in sections.items() if "error" in s]
+
+    exact = sections["exactness"]["rows"]
+    assert {r["arch"] for r in exact} == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next", "longva"}
+    assert {r["dtype"] for r in exact} == {"float32", "bfloat16"}
+    # On CPU in float32 the engine is transformers' generate, token for token.
+    assert sections["exactness"]["float32_tokens_identical"] and sections["exactness"]["float32_logits_close"]
+
+    policies = {(r["policy"], r["model"]) for r in sections["policies"]["rows"]}
+    assert policies == {("dash", "tiny"), ("zipvl", "tiny"), ("lazyllm", "tiny"), ("auto", "tiny"),
+                        ("hidivdrop", "llava-tiny"), ("st3", "llava-tiny"), ("auto", "llava-tiny")}
+    for row in sections["policies"]["rows"]:
+        assert row["flops_speedup"] > 1.0 and row["paper"]  # each pruned something, beside its paper's figure
+    decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}
+    assert decoders == {(b, d) for b in (1, 2) for d in ("generate", "none", "st3", "zipvl")}
+
+    skipped = " ".join(s["what"] + ": " + s["why"] for s in report["skipped"])
+    assert "flash-attention 2: no CUDA device" in skipped and "CUDA stream" in skipped
+    markdown = (out / "gpu_suite.md").read_text()
+    for name in sections:
+        assert f"### {name}" in markdown
+    assert "SMOKE RUN" in markdown and "### not run" in markdown
