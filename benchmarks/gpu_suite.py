@@ -276,7 +276,6 @@ def overhead(suite: Suite) -> dict:
                      "min_s": {k: min(v) for k, v in times.items()}, "max_s": {k: max(v) for k, v in times.items()},
                      "engine_over_transformers": med["engine"] / med["transformers"]})
         suite.progress(f"  {name}: engine / transformers = {rows[-1]['engine_over_transformers']:.3f}")
-        del inputs
     return {"model": f"random {suite.shapes.qwen_preset}", "attn": engine.attn_implementation,
             "dtype": str(engine.dtype), "runs": suite.shapes.runs, "rows": rows}
 
