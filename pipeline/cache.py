@@ -81,22 +81,53 @@ class LayerKV:
 
     def keys_values(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values in float — packed segments dequantized on the fly — for all entries, or
-        for the entries at ``rows`` (positions in storage order)."""
+        for the entries at ``rows`` (positions in storage order), in the order of ``rows``."""
         if not self.packed:
             if rows is None:
                 return self.key, self.value
             rows = rows.to(self.key.device)
             return self.key.index_select(-2, rows), self.value.index_select(-2, rows)
-        keys = [dequantize(k) for k, _ in self.packed]
-        values = [dequantize(v) for _, v in self.packed]
-        if self.key is not None:
-            keys.append(self.key)
-            values.append(self.value)
-        key, value = torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
-        if rows is not None:
-            rows = rows.to(key.device)
-            key, value = key.index_select(-2, rows), value.index_select(-2, rows)
-        return key, value
+        # Each part (packed segment or float tail) is written straight into one output buffer, and only the
+        # rows asked for are dequantized: no dequantize-everything-then-concatenate copies per step.
+        parts, start = [], 0
+        for key, value in self.packed:
+            parts.append((key, value, start, key.tokens))
+            start += key.tokens
+        if self._key is not None:
+            parts.append((self.key, self.value, start, self._tail))
+        wanted = torch.arange(len(self)) if rows is None else rows.cpu()
+        sample_key, sample_value = self.packed[0]
+        device = sample_key.packed.device
+        shape = (*sample_key.packed.shape[:-2], wanted.numel(), sample_key.packed.shape[-1] * (8 // sample_key.bits))
+        keys = torch.empty(shape, dtype=sample_key.dtype, device=device)
+        values = torch.empty(shape, dtype=sample_value.dtype, device=device)
+        for key, value, begin, count in parts:
+            inside = (wanted >= begin) & (wanted < begin + count)
+            if not inside.any():
+                continue
+            local = wanted[inside] - begin  # rows of this part, in the order they are wanted
+            positions = inside.nonzero().squeeze(1)  # where they go in the output
+            in_order = int(positions[-1] - positions[0]) + 1 == positions.numel() and bool((local.diff() > 0).all())
+            target = slice(int(positions[0]), int(positions[-1]) + 1)
+            if isinstance(key, torch.Tensor):  # the float tail
+                if in_order and local.numel() == count:
+                    picked_key, picked_value = key, value
+                else:
+                    local = local.to(device)
+                    picked_key, picked_value = key.index_select(-2, local), value.index_select(-2, local)
+            elif in_order:  # straight into the output buffer
+                whole = local.numel() == count
+                dequantize(key if whole else key.select(local), out=keys[..., target, :])
+                dequantize(value if whole else value.select(local), out=values[..., target, :])
+                continue
+            else:
+                picked_key, picked_value = dequantize(key.select(local)), dequantize(value.select(local))
+            if in_order:
+                keys[..., target, :], values[..., target, :] = picked_key, picked_value
+            else:
+                keys.index_copy_(-2, positions.to(device), picked_key)
+                values.index_copy_(-2, positions.to(device), picked_value)
+        return keys, values
 
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only entries ``rows`` (sorted positions in storage order); the tensors — packed

@@ -61,12 +61,18 @@ def quantize(x: torch.Tensor, bits: int, group: int = 32) -> QuantizedTensor:
     return QuantizedTensor(packed, scale16.squeeze(-1), minimum16.squeeze(-1), bits, group, x.dtype)
 
 
-def dequantize(q: QuantizedTensor) -> torch.Tensor:
+def dequantize(q: QuantizedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The float values (``q.dtype``). With ``out`` (a tensor of that shape and dtype, e.g. a slice of a
+    bigger buffer) they are written there, so a reader of several segments assembles them in one buffer
+    instead of concatenating copies."""
     per_byte = 8 // q.bits
     shifts = torch.arange(per_byte, device=q.packed.device, dtype=torch.uint8) * q.bits
     codes = (q.packed.unsqueeze(-1) >> shifts) & (2**q.bits - 1)  # (..., n, dim / per_byte, per_byte)
     *lead, packed_dim = q.packed.shape
     dim = packed_dim * per_byte
     codes = codes.reshape(*lead, dim // q.group, q.group).float()
-    values = codes * q.scale.float().unsqueeze(-1) + q.minimum.float().unsqueeze(-1)
-    return values.reshape(*lead, dim).to(q.dtype)
+    values = torch.addcmul(q.minimum.float().unsqueeze(-1), codes, q.scale.float().unsqueeze(-1))
+    if out is None:
+        return values.reshape(*lead, dim).to(q.dtype)
+    out.copy_(values.reshape(*lead, dim))
+    return out
