@@ -60,10 +60,12 @@ FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     HF_HOME=/home/glimpse/.cache/huggingface GLIMPSE_CACHE=/home/glimpse/.cache/glimpse
 
-# The same python3 the venv was made with; ffmpeg's libraries are bundled in the PyAV wheel.
+# The same python3 the venv was made with; ffmpeg's libraries are bundled in the PyAV wheel. Ubuntu 24.04
+# images ship a user `ubuntu` with uid 1000: it gives way to `glimpse`, so volumes keep the usual owner.
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends python3 \
     && rm -rf /var/lib/apt/lists/* \
+    && if id ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
     && useradd --create-home --uid 1000 glimpse \
     && mkdir -p /home/glimpse/.cache && chown 1000:1000 /home/glimpse/.cache
 

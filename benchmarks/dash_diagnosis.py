@@ -78,7 +78,7 @@ class DashVariant(DASH):
             raise ValueError(self.rank)
         halted = elig[lowest(s[elig], halt_count)]
         self.kept = without(active, halted)
-        self.resolved["num_halted"] = halt_count
+        self.telemetry["num_halted"] = halt_count
         self.halted = active[halted].sort().values
 
 

@@ -616,6 +616,7 @@ class Engine:
             aux_cache_bytes=ctx.aux_cache.nbytes(),
             peak_memory_bytes=request.peak_memory,
             keep_map=keep_map(prompt, ctx.active_per_layer, ctx.attention_per_layer),
+            policy_telemetry=request.policy.observed(),
         )
 
 

@@ -39,6 +39,7 @@ class Metrics(TypedDict):
     aux_cache_bytes: int
     peak_memory_bytes: int  # the process's peak while this request ran (``MemoryMeter``)
     keep_map: dict  # how deep every visual token went (``keep_map``), for the chat's heatmap
+    policy_telemetry: dict  # what the policy observed (DASH's num_halted, ZipVL's important_per_layer, ...)
 
 
 def keep_map(prompt, active_per_layer: list[torch.Tensor],

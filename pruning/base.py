@@ -55,6 +55,9 @@ class Policy:
     prunes_text = False
     # Layer numbers and other values only known once the model's depth and the prompt are (set by plan).
     resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # What the policy observed on this request (tokens halted, important tokens per layer, ...): reported as
+    # ``metrics["policy_telemetry"]``, kept apart from the parameters it ran with (``params()``).
+    telemetry: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_speed(cls, speed: float) -> "Policy":
@@ -67,6 +70,10 @@ class Policy:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         out.update(self.resolved)
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+    def observed(self) -> dict:
+        """This request's telemetry (``telemetry``), as the metrics report it."""
+        return dict(self.telemetry)
 
     def plan(self, ctx) -> None:
         pass

@@ -27,6 +27,9 @@ class Pipeline(Policy):
     def params(self) -> dict:
         return {p.name: p.params() for p in self.policies}
 
+    def observed(self) -> dict:
+        return {p.name: p.observed() for p in self.policies if p.observed()}
+
     def plan(self, ctx) -> None:
         for p in self.policies:
             p.plan(ctx)

@@ -50,8 +50,9 @@ class DASH(ScoreThenCut):
         if not 0.0 <= self.rho < 1.0:
             raise UserError(f"DASH rho must be in [0, 1), got {self.rho}")
         l_s = self.start_layer if self.start_layer is not None else max(1, math.floor(0.4 * ctx.num_layers))
-        self.resolved = {"start_layer": l_s, "num_halted": 0,
+        self.resolved = {"start_layer": l_s,
                          "paper": {"rho": self.rho, "l_s": l_s, "n_first": self.keep_first, "n_last": self.keep_last}}
+        self.telemetry = {"num_halted": 0}
         self.cut_at = frozenset({l_s}) if self.rho > 0.0 else frozenset()
         self.scores = None
         self.halted = torch.empty(0, dtype=torch.long)  # original indices halted at l_s (for tests and the UI)
@@ -68,7 +69,7 @@ class DASH(ScoreThenCut):
         eligible = scored[first:n - last] if n - first - last > 0 else scored[:0]
         halt_count = int(round(self.rho * eligible.numel()))
         self.halted = eligible[lowest(self.scores[eligible], halt_count)].sort().values
-        self.resolved["num_halted"] = halt_count
+        self.telemetry["num_halted"] = halt_count
         self.scores = None  # single shot: from l_s on the kept set never changes
         return active[~torch.isin(active, self.halted)]
 

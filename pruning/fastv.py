@@ -45,7 +45,8 @@ class FastV(ScoreThenCut):
         if not 1 <= K < ctx.num_layers:
             raise UserError(f"FastV layer must be in [1, {ctx.num_layers - 1}] on this {ctx.num_layers}-layer model, "
                             f"got {K}")
-        self.resolved = {"layer": K, "num_dropped": 0, "paper": {"K": K, "R": self.ratio}}
+        self.resolved = {"layer": K, "paper": {"K": K, "R": self.ratio}}
+        self.telemetry = {"num_dropped": 0}
         self.cut_at, self.scores = (frozenset({K}) if self.ratio > 0 else frozenset()), None
 
     def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
@@ -55,7 +56,7 @@ class FastV(ScoreThenCut):
         else:
             count = math.floor(self.ratio * int((ctx.modality[active] != Modality.TEXT).sum()) + 1e-9)
             dropped = lowest_visual(active, ctx, self.scores, count)
-        self.resolved["num_dropped"] = count
+        self.telemetry["num_dropped"] = count
         if self.merge:
             merge_into_kept(ctx, active, dropped, torch.ones(ctx.modality.shape[0]))
         return without(active, dropped)

@@ -66,8 +66,8 @@ class ZipVL(Policy):
         tau = self.tau_video if has_video else self.tau_image
         if not 0.0 < tau <= 1.0:
             raise UserError(f"ZipVL tau must be in (0, 1], got {tau}")
-        self.resolved = {"tau": tau, "important_per_layer": []}
-        self.resolved["paper"] = {"tau": tau, "p": self.resolved["important_per_layer"]}  # p filled per layer
+        self.resolved = {"tau": tau, "paper": {"tau": tau}}
+        self.telemetry = {"important_per_layer": []}  # the paper's p, one per prefill layer
         if (self.important_bits is None) != (self.other_bits is None):
             raise UserError("ZipVL: set both important_bits and other_bits, or neither")
         if self.important_bits is not None:
@@ -86,12 +86,12 @@ class ZipVL(Policy):
         n = ctx.layer.active.shape[0]
         tau = self.resolved["tau"]
         if tau >= 1.0:
-            self.resolved["important_per_layer"].append(n)
+            self.telemetry["important_per_layer"].append(n)
             return None
         rows = self.probe_rows(layer_idx, n, ctx.layer.queries.device)
         probs = probe_attention(ctx.layer.queries, ctx.layer.keys, rows, ctx.layer.scaling).mean(dim=0)  # (r, n)
         p = important_count(probs, tau)
-        self.resolved["important_per_layer"].append(p)
+        self.telemetry["important_per_layer"].append(p)
         if p >= n:
             return None
         visible = (torch.arange(n, device=rows.device)[None, :] <= rows[:, None]).sum(dim=0)  # nnz per column

@@ -102,3 +102,12 @@ def test_the_installed_wheel_answers_from_outside_the_checkout(wheel, tmp_path, 
     # The trained projector was found in the installed package data (an ungrounded answer would say so).
     assert out["grounded"] is EMBEDDED_GROUNDED is True
     assert out["metrics"]["prompt_tokens"]["image"] == 256 and out["text"].strip()
+
+
+def test_the_design_briefs_import_still_works_from_the_checkouts_root():
+    """SPEC's `from pipeline import load_engine`, in a script run from the repository's root, is the
+    installed `glimpse.pipeline.load_engine` itself (the folder re-exports it), not a second copy."""
+    check = ("from pipeline import load_engine\nimport glimpse.pipeline\n"
+             "assert load_engine is glimpse.pipeline.load_engine\n")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -126,7 +126,7 @@ def test_zipvl_skips_attention_of_unimportant_tokens_while_their_ffn_runs(checkp
     finally:
         for hook in hooks:
             hook.remove()
-    important = policy.params()["important_per_layer"]
+    important = policy.telemetry["important_per_layer"]
     assert len(important) == len(layers) and min(important) < T
     assert seen["q"] == [T] * len(layers)  # queries/keys/values for every token (the cache holds them all)
     assert seen["mlp"] == [T] * len(layers)  # the FFN stays dense
@@ -369,7 +369,7 @@ def test_the_design_pipeline_and_a_hand_built_pipeline_run_end_to_end(deep, medi
         assert torch.isin(after, before).all()
     visual = len(_visual(prompt))
     assert len(active[K]) == len(prompt) - visual // 2  # FastV's drop first ...
-    assert len(active[l_s]) == len(active[l_s - 1]) - dash.params()["num_halted"]  # ... then DASH on the rest
+    assert len(active[l_s]) == len(active[l_s - 1]) - dash.telemetry["num_halted"]  # ... then DASH on the rest
 
 
 # ---------------------------------------------------------------------------------------- masking
@@ -462,6 +462,10 @@ def test_the_worked_example_of_a_policy_runs(deep, media, monkeypatch):
     T = len(prompt)
     assert [len(a) for a in ctx.active_per_layer] == [T] * 5 + [T - len(visual) // 2] * (DEEP_LAYERS - 5)
     assert set(ctx.active_per_layer[5].tolist()) == set(range(T)) - set(visual[1::2].tolist())
+    # what it observed is reported apart from what it was told
+    pruned = engine.generate(messages, policy=make_policy("every_other", 1.0, {"layer": 5}), max_new_tokens=1)
+    assert pruned.metrics["policy_telemetry"] == {"num_dropped": len(visual) // 2}
+    assert pruned.params == {"layer": 5, "enabled": True}
     exact = engine.generate(messages, policy=make_policy("every_other", 0.0), max_new_tokens=6)
     assert exact.token_ids == engine.generate(messages, policy="none", max_new_tokens=6).token_ids
     with pytest.raises(UserError, match="layer"):
