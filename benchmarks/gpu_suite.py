@@ -206,8 +206,16 @@ def _alternate(fns: dict, runs: int, device) -> dict[str, list[float]]:
 
 # ------------------------------------------------------------------------------------------ sections
 def exactness(suite: Suite) -> dict:
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 must mean float32 (conv too: the patch embedding)
-    torch.backends.cudnn.allow_tf32 = False
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    # float32 must mean float32 (convolutions too: the patch embedding); restored for the later sections
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _exactness(suite)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+def _exactness(suite: Suite) -> dict:
     attns = ["sdpa"]
     flash = suite.report["flash_attn"]
     if not suite.cuda:
@@ -331,8 +339,9 @@ def decode(suite: Suite) -> dict:
         for policy, speed in DECODE_POLICIES:
             fns[policy] = ours(policy, speed, n + 1)
             fns[f"{policy} first"] = ours(policy, speed, 1)
+        runs = max(1, suite.shapes.runs - 1)  # decode runs are long (64 tokens, 8 sides): one fewer round
         with torch.inference_mode():
-            times = _alternate(fns, suite.shapes.runs, engine.device)
+            times = _alternate(fns, runs, engine.device)
         med = {k: statistics.median(v) for k, v in times.items()}
         rate = {k: batch * n / max(med[k] - med[f"{k} first"], 1e-9) for k in ["generate", *dict(DECODE_POLICIES)]}
         kv = {}
@@ -346,7 +355,7 @@ def decode(suite: Suite) -> dict:
                          "kv_bytes": kv.get(name), "kv_vs_baseline": kv[name] / kv["none"] if name in kv else None})
             suite.progress(f"  batch {batch} {name}: {rate[name]:.1f} tokens/s ({rows[-1]['vs_generate']:.2f}x generate)")
     return {"model": f"random {suite.shapes.llava_preset}", "prompt_tokens": prompt.token_counts(),
-            "runs": suite.shapes.runs, "rows": rows}
+            "runs": max(1, suite.shapes.runs - 1), "rows": rows}
 
 
 def overlap(suite: Suite) -> dict:
@@ -382,6 +391,11 @@ def _f(value, digits=2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _table(headers: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)] + [
+        "| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
 def markdown(report: dict) -> str:
     lines = [f"Device: {report['device']}; torch {report['torch']}, transformers {report['transformers']}; "
              f"{report['dtype']}; flash-attn {report['flash_attn'] or 'not installed'}"
@@ -394,30 +408,29 @@ def markdown(report: dict) -> str:
             lines += [f"Failed: `{section['error']}`", ""]
             continue
         if name == "exactness":
-            lines += ["| arch | dtype | attention | tokens identical | agreeing prefix | logits max diff | tolerance |",
-                      "|---|---|---|---|---|---|---|"]
-            lines += [f"| {r['arch']} | {r['dtype']} | {r['attn']} | {r['tokens_identical']} | {r['agreeing_prefix']}"
-                      f"/{r['new_tokens']} | {r['logits_max_abs_diff']:.2e} | {r['tolerance']:.1e} |"
-                      for r in section["rows"]]
+            lines += _table(["arch", "dtype", "attention", "tokens identical", "agreeing prefix", "logits max diff",
+                             "tolerance"],
+                            [[r["arch"], r["dtype"], r["attn"], r["tokens_identical"],
+                              f"{r['agreeing_prefix']}/{r['new_tokens']}", f"{r['logits_max_abs_diff']:.2e}",
+                              f"{r['tolerance']:.1e}"] for r in section["rows"]])
         elif name == "overhead":
-            lines += [f"{section['model']}, {section['attn']}, {section['dtype']}, median of {section['runs']}", "",
-                      "| prompt | tokens | transformers forward (s) | engine prefill (s) | engine / transformers |",
-                      "|---|---|---|---|---|"]
-            lines += [f"| {r['prompt']} | {sum(r['prompt_tokens'].values())} | {r['median_s']['transformers']:.3f} | "
-                      f"{r['median_s']['engine']:.3f} | {r['engine_over_transformers']:.3f} |" for r in section["rows"]]
+            lines += [f"{section['model']}, {section['attn']}, {section['dtype']}, median of {section['runs']}", ""]
+            lines += _table(["prompt", "tokens", "transformers forward (s)", "engine prefill (s)",
+                             "engine / transformers"],
+                            [[r["prompt"], sum(r["prompt_tokens"].values()), f"{r['median_s']['transformers']:.3f}",
+                              f"{r['median_s']['engine']:.3f}", f"{r['engine_over_transformers']:.3f}"]
+                             for r in section["rows"]])
         elif name == "policies":
-            lines += ["| model | prompt | policy@speed | TTFT speedup | decoder-prefill speedup | FLOPs speedup | "
-                      "realised | KV ratio | peak memory ratio | paper's headline |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {r['model']} | {r['prompt']} | {r['policy']}@{r['speed']:g} | {_f(r['ttft_speedup'])} | "
-                      f"{_f(r['decoder_prefill_speedup'])} | {_f(r['flops_speedup'])} | {_f(r['realised_fraction'])} | "
-                      f"{_f(r['kv_ratio'])} | {_f(r['peak_memory_ratio'])} | {r['paper']} |" for r in section["rows"]]
+            lines += _table(["model", "prompt", "policy@speed", "TTFT speedup", "decoder-prefill speedup",
+                             "FLOPs speedup", "realised", "KV ratio", "peak memory ratio", "paper's headline"],
+                            [[r["model"], r["prompt"], f"{r['policy']}@{r['speed']:g}", _f(r["ttft_speedup"]),
+                              _f(r["decoder_prefill_speedup"]), _f(r["flops_speedup"]), _f(r["realised_fraction"]),
+                              _f(r["kv_ratio"]), _f(r["peak_memory_ratio"]), r["paper"]] for r in section["rows"]])
         elif name == "decode":
-            lines += [f"{section['model']}, prompt {section['prompt_tokens']}, median of {section['runs']}", "",
-                      "| batch | decoder | tokens/s | vs generate | KV after the answer / baseline |",
-                      "|---|---|---|---|---|"]
-            lines += [f"| {r['batch']} | {r['decoder']} | {r['decode_tokens_per_s']:.1f} | {r['vs_generate']:.2f} | "
-                      f"{_f(r['kv_vs_baseline'])} |" for r in section["rows"]]
+            lines += [f"{section['model']}, prompt {section['prompt_tokens']}, median of {section['runs']}", ""]
+            lines += _table(["batch", "decoder", "tokens/s", "vs generate", "KV after the answer / baseline"],
+                            [[r["batch"], r["decoder"], f"{r['decode_tokens_per_s']:.1f}", f"{r['vs_generate']:.2f}",
+                              _f(r["kv_vs_baseline"])] for r in section["rows"]])
         elif name == "overlap":
             med = section["median_ttft_s"]
             lines += [f"{section['policy']} on {section['prompt']} ({section['stream']}): TTFT sequential "
