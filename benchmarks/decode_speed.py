@@ -1,6 +1,6 @@
 """Decode speed: the engine against transformers' ``generate`` on the same model and prompt, and the engine's
 KV tail growing in place against re-concatenating the whole tail at every step (what the engine did before;
-``LayerKV.GROW = 0`` reproduces it exactly: every append allocates n + 1 entries and copies the n before).
+``Growing.GROW = 0`` reproduces it exactly: every append allocates n + 1 entries and copies the n before).
 
 A random Qwen2-VL with the 2B model's text width (default 4 decoder layers), text prompts of 2K and 8K
 tokens, N answer tokens (EOS ignored); also the engine with ZipVL's packed KV (speed 0.5), which reads
@@ -25,7 +25,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from glimpse.bench import device_name, text_prompt
 from glimpse.pipeline import load_engine
-from glimpse.pipeline.cache import LayerKV
+from glimpse.pipeline.cache import Growing
 from glimpse.pipeline.random_checkpoint import build_random
 
 
@@ -58,7 +58,7 @@ def main() -> None:
         folder = build_random(Path(tmp) / "model", preset=args.preset, layers=args.layers, dtype=dtype,
                               init_device=args.device if args.device.startswith("cuda") else None)
         engine = load_engine(str(folder), device=args.device, attn="sdpa", dtype=dtype)
-    grow = LayerKV.GROW
+    grow = Growing.GROW
     n = args.new_tokens
     report = {"device": device_name(engine), "layers": args.layers, "new_tokens": n, "runs": args.runs, "rows": []}
     for index, tokens in enumerate(int(t) for t in args.tokens.split(",")):
@@ -74,7 +74,7 @@ def main() -> None:
 
         def ours(chunk, policy="none", speed=0.0):
             def run():
-                LayerKV.GROW = chunk
+                Growing.GROW = chunk
                 result = engine.generate(messages, policy=policy, speed=speed, max_new_tokens=n, ignore_eos=True)
                 return result.metrics["decode_tokens_per_s"]
             return run
@@ -89,7 +89,7 @@ def main() -> None:
                     rate = side()
                     if index or round_index:
                         rates[name].append(rate)
-        LayerKV.GROW = grow
+        Growing.GROW = grow
         median = {name: statistics.median(values) for name, values in rates.items()}
         row = {"prompt_tokens": len(prompt), "tokens_per_s": median, "runs": rates,
                "in_place_over_before": median["engine, in place"] / median["engine, re-concatenated (before)"],

@@ -20,64 +20,106 @@ from glimpse.common import Modality
 from glimpse.pipeline.quant import QuantizedTensor, dequantize, quantize
 
 
+class Growing:
+    """A tensor that grows along ``dim`` by writing into spare room after its last entry.
+
+    Decode appends one entry per step. Re-concatenating at every step would copy the whole tensor per
+    token; here a step writes in place, and only when the room is used up is the tensor copied into a
+    buffer with room for ``GROW`` more entries. (A fixed chunk, not doubling: the prompt's entries
+    dominate, and doubling would reserve as much memory again.)
+    """
+
+    GROW = 256
+
+    def __init__(self, dim: int, tensor: torch.Tensor | None = None):
+        self.dim = dim
+        self.replace(tensor)
+
+    def replace(self, tensor: torch.Tensor | None) -> None:
+        """Hold ``tensor`` as it is (no copy), with no spare room."""
+        self.buffer = tensor
+        self.length = 0 if tensor is None else tensor.shape[self.dim]
+
+    def view(self) -> torch.Tensor | None:
+        """The entries (a view of the buffer, no copy)."""
+        return None if self.buffer is None else self.buffer.narrow(self.dim, 0, self.length)
+
+    def extend(self, tensor: torch.Tensor) -> None:
+        if self.buffer is None:  # the first entries are kept as they come
+            self.replace(tensor)
+            return
+        n, new = self.length, tensor.shape[self.dim]
+        if n + new > self.buffer.shape[self.dim]:  # full: one copy into a buffer with room for GROW more
+            shape = list(self.buffer.shape)
+            shape[self.dim] = n + new + self.GROW
+            grown = self.buffer.new_empty(shape)
+            grown.narrow(self.dim, 0, n).copy_(self.view())
+            self.buffer = grown
+        self.buffer.narrow(self.dim, n, new).copy_(tensor)
+        self.length = n + new
+
+
 class LayerKV:
     """One layer's KV entries in storage order: zero or more packed (quantized) segments, then a
     float tail where new entries are appended. ``index`` and ``modality`` follow the same order.
 
     Order along the token axis does not matter to attention once RoPE is applied (decode queries
     see every entry they are given; prefill ran before anything was packed), so packing a subset of
-    the tail into a new segment just moves those entries ahead of the tail.
+    the tail into a new segment just moves those entries ahead of the tail. The tail and the records
+    grow in place (``Growing``): a decode step writes its entry, it does not copy the cache.
     """
 
-    # Decode appends one entry per step. Re-concatenating the tail at every step would copy the whole
-    # cache per token; instead the tail lives in a buffer with room for GROW more entries, so a step writes
-    # its entry in place and the buffer is copied once every GROW steps. (A fixed chunk, not doubling: the
-    # prompt's entries dominate, and doubling would reserve as much memory again.)
-    GROW = 256
-
     def __init__(self):
-        self._key: torch.Tensor | None = None  # tail buffer (B, kv_heads, capacity, head_dim), after RoPE
-        self._value: torch.Tensor | None = None
-        self._tail = 0  # entries of the buffers in use
+        self._key, self._value = Growing(-2), Growing(-2)  # the float tail (B, kv_heads, n, head_dim), after RoPE
         self.packed: list[tuple[QuantizedTensor, QuantizedTensor]] = []  # (key, value) segments
-        self.index = torch.empty(0, dtype=torch.long)  # (n,) original token index
-        self.modality = torch.empty(0, dtype=torch.long)  # (n,)
+        self._index = Growing(0, torch.empty(0, dtype=torch.long))  # (n,) original token index
+        self._modality = Growing(0, torch.empty(0, dtype=torch.long))  # (n,)
 
     def __len__(self) -> int:
         return self.packed_entries() + self.tail_entries()
 
     @property
     def key(self) -> torch.Tensor | None:
-        """The float tail's keys (B, kv_heads, n, head_dim): a view of the buffer, no copy."""
-        return None if self._key is None else self._key[..., :self._tail, :]
+        return self._key.view()
 
     @property
     def value(self) -> torch.Tensor | None:
-        return None if self._value is None else self._value[..., :self._tail, :]
+        return self._value.view()
 
-    def _set_tail(self, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
-        self._key, self._value = key, value
-        self._tail = 0 if key is None else key.shape[-2]
+    @property
+    def index(self) -> torch.Tensor:
+        return self._index.view()
+
+    @index.setter
+    def index(self, index: torch.Tensor) -> None:
+        self._index.replace(index)
+
+    @property
+    def modality(self) -> torch.Tensor:
+        return self._modality.view()
+
+    @modality.setter
+    def modality(self, modality: torch.Tensor) -> None:
+        self._modality.replace(modality)
+
+    def _set_tail(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._key.replace(key)
+        self._value.replace(value)
 
     def tail_entries(self) -> int:
-        return self._tail
+        return self._key.length
 
     def packed_entries(self) -> int:
         return sum(k.tokens for k, _ in self.packed)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        if self._key is None:  # the prompt's entries: kept as they come, no copy
-            self._set_tail(key, value)
-            return
-        n, new = self._tail, key.shape[-2]
-        if n + new > self._key.shape[-2]:  # full: one copy into a buffer with room for GROW more
-            shape = (*self._key.shape[:-2], n + new + self.GROW, self._key.shape[-1])
-            grown_key, grown_value = self._key.new_empty(shape), self._value.new_empty(shape)
-            grown_key[..., :n, :], grown_value[..., :n, :] = self.key, self.value
-            self._key, self._value = grown_key, grown_value
-        self._key[..., n:n + new, :] = key
-        self._value[..., n:n + new, :] = value
-        self._tail = n + new
+        self._key.extend(key)
+        self._value.extend(value)
+
+    def add_records(self, index: torch.Tensor, modality: torch.Tensor) -> None:
+        """Which tokens the entries just appended belong to."""
+        self._index.extend(index.cpu())
+        self._modality.extend(modality.cpu())
 
     def keys_values(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values in float — packed segments dequantized on the fly — for all entries, or
@@ -93,8 +135,8 @@ class LayerKV:
         for key, value in self.packed:
             parts.append((key, value, start, key.tokens))
             start += key.tokens
-        if self._key is not None:
-            parts.append((self.key, self.value, start, self._tail))
+        if self.key is not None:
+            parts.append((self.key, self.value, start, self.tail_entries()))
         wanted = torch.arange(len(self)) if rows is None else rows.cpu()
         sample_key, sample_value = self.packed[0]
         device = sample_key.packed.device
@@ -140,8 +182,8 @@ class LayerKV:
                 packed.append((key.select(local), value.select(local)))
             start += key.tokens
         self.packed = packed
-        if self._key is not None:
-            local = (rows[rows >= start] - start).to(self._key.device)
+        if self.key is not None:
+            local = (rows[rows >= start] - start).to(self.key.device)
             self._set_tail(self.key.index_select(-2, local), self.value.index_select(-2, local))
         self.index, self.modality = self.index[rows], self.modality[rows]
 
@@ -163,7 +205,7 @@ class LayerKV:
 
     def nbytes(self) -> int:
         packed = sum(k.nbytes() + v.nbytes() for k, v in self.packed)
-        if self._key is None:
+        if self.key is None:
             return packed
         # The entries held, not the buffer's spare room (at most GROW entries per layer).
         return packed + self.key.numel() * self.key.element_size() + self.value.numel() * self.value.element_size()
@@ -181,8 +223,7 @@ class KVCache:
     def record(self, layer_idx: int, index: torch.Tensor, modality: torch.Tensor) -> None:
         """Remember which tokens the entries just added to ``layer_idx`` belong to."""
         layer = self.layers[layer_idx]
-        layer.index = torch.cat([layer.index, index.cpu()])
-        layer.modality = torch.cat([layer.modality, modality.cpu()])
+        layer.add_records(index, modality)
         assert len(layer.index) == len(layer), "KV entries and their token records out of step"
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.adapters import TEXT
-from glimpse.pipeline.cache import KVCache, LayerKV
+from glimpse.pipeline.cache import Growing, KVCache, LayerKV
 from glimpse.pipeline.engine import Sampling
 from glimpse.pipeline.metrics import MemoryMeter
 from glimpse.pipeline.quant import dequantize, quantize
@@ -274,13 +274,18 @@ def test_decode_appends_write_in_place_and_copy_the_tail_once_per_grow_steps():
     layer.append(prompt_key, prompt_value)
     assert layer.key.data_ptr() == prompt_key.data_ptr()  # the prompt's entries are kept as they come
     steps = [(torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g))
-             for _ in range(2 * LayerKV.GROW + 3)]
-    storages = []
-    for key, value in steps:
+             for _ in range(2 * Growing.GROW + 3)]
+    layer.add_records(torch.arange(40), torch.zeros(40, dtype=torch.long))
+    storages, record_storages = [], set()
+    for i, (key, value) in enumerate(steps):
         layer.append(key, value)
+        layer.add_records(torch.tensor([40 + i]), torch.tensor([0]))
         storages.append(layer.key.untyped_storage().data_ptr())
+        record_storages.add(layer.index.untyped_storage().data_ptr())
     reallocations = sum(a != b for a, b in zip(storages, storages[1:])) + 1  # the first step reallocates
-    assert reallocations == math.ceil(len(steps) / (LayerKV.GROW + 1))
+    assert reallocations == math.ceil(len(steps) / (Growing.GROW + 1))
+    # the token records (original index, modality) grow the same way, every entry kept
+    assert len(record_storages) <= 3 and torch.equal(layer.index, torch.arange(40 + len(steps)))
     keys, values = layer.keys_values()
     assert torch.equal(keys, torch.cat([prompt_key, *[k for k, _ in steps]], dim=-2))
     assert torch.equal(values, torch.cat([prompt_value, *[v for _, v in steps]], dim=-2))
