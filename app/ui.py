@@ -89,9 +89,27 @@ def metrics_markdown(result, baseline=None) -> str:
              row("peak memory (this request)", lambda m: m["peak_memory_bytes"], mib),
              row("prefill FLOPs", lambda m: m["prefill_flops_baseline"] / m["prefill_flops"],
                  lambda v: f"{v:.2f}x fewer")]
+    observed = telemetry_text(result.metrics.get("policy_telemetry") or {})
+    if observed:
+        lines += ["", f"observed: {observed}"]
     if baseline is not None:
         lines += ["", f"TTFT speedup **{baseline.metrics['ttft_s'] / result.metrics['ttft_s']:.2f}x**"]
     return "\n".join(lines)
+
+
+def telemetry_text(telemetry: dict, prefix: str = "") -> str:
+    """What the policy observed, one short phrase per value: ``dash num_halted 83``; a list per layer
+    as its range (``zipvl important_per_layer 12-294 over 30 layers``)."""
+    parts = []
+    for name, value in telemetry.items():
+        label = f"{prefix}{name}"
+        if isinstance(value, dict):  # a composed policy: each member's under its name
+            parts.append(telemetry_text(value, f"{label} "))
+        elif isinstance(value, (list, tuple)) and value:
+            parts.append(f"{label} {min(value)}-{max(value)} over {len(value)} layers")
+        elif not isinstance(value, (list, tuple)):
+            parts.append(f"{label} {value}")
+    return "; ".join(p for p in parts if p)
 
 
 def keep_map_image(messages: list[dict], keep_map: dict, cell: int = 24) -> Image.Image | None:

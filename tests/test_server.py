@@ -232,6 +232,26 @@ def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(check
         assert not np.array_equal(np.asarray(bare), np.asarray(drawn))
 
 
+def test_the_metrics_panel_says_what_the_policy_observed(checkpoints, media):
+    """DASH's halted count and ZipVL's important tokens per layer, as the engine reported them, are in the
+    chat's metrics panel (a composition's under each member's name); an unpruned answer shows none."""
+    from glimpse.ui import metrics_markdown
+
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                             {"type": "text", "text": "What is it?"}]}]
+    # (the tiny image has fewer tokens than DASH's default guards: none of its first or last few is kept aside)
+    dash = engine.generate(messages, policy=engine.make_policy("dash", 1.0, {"keep_first": 0, "keep_last": 1}),
+                           max_new_tokens=2)
+    halted = dash.metrics["policy_telemetry"]["num_halted"]
+    assert halted > 0 and f"observed: num_halted {halted}" in metrics_markdown(dash)
+    zipvl = engine.generate(messages, policy="zipvl", speed=1.0, max_new_tokens=2)
+    important = zipvl.metrics["policy_telemetry"]["important_per_layer"]
+    assert (f"important_per_layer {min(important)}-{max(important)} over {len(engine.adapter.layers)} layers"
+            in metrics_markdown(zipvl))
+    plain = engine.generate(messages, policy="none", max_new_tokens=2)
+    assert plain.metrics["policy_telemetry"] == {} and "observed" not in metrics_markdown(plain)
+
 def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, tmp_path):
     """LLaVA squeezes every image into a square grid; the map over a tall picture is drawn tall all the same."""
     from PIL import Image
