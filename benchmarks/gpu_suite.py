@@ -47,8 +47,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the test suite's tiny checkpoints of every architecture
 
-from tiny_models import (build_llava, build_llava_next, build_longva, build_qwen2_5_vl,  # noqa: E402
-                         build_qwen2_vl, build_qwen3_vl, reference_inputs)
+from tiny_models import BUILDERS, reference_inputs  # noqa: E402
 
 from glimpse.assets import ASSETS  # noqa: E402
 from glimpse.bench import run_bench, synthesize_prompts  # noqa: E402
@@ -58,8 +57,7 @@ from glimpse.pipeline.prompt import user_message  # noqa: E402
 from glimpse.pipeline.random_checkpoint import build_random, random_image  # noqa: E402
 from glimpse.pruning import HiDivDrop, NoPruning  # noqa: E402
 
-TINY_ARCHS = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl, "qwen3_vl": build_qwen3_vl,
-              "llava": build_llava, "llava_next": build_llava_next, "longva": build_longva}
+TINY_ARCHS = BUILDERS  # every supported architecture, as the test suite builds it
 
 # Each paper's operating point as a slider speed (docs/pruning.md gives the mapping) and its headline figure.
 PAPERS = {
