@@ -96,23 +96,31 @@ def input_key(path: Path) -> str:
     return str(path.resolve())
 
 
+def open_locked(path: Path, mode: str, out: Path):
+    """``path`` (its folder made if need be) opened in ``mode`` and locked for this process alone (``flock``),
+    for writing the captions output ``out``: a second writer, or a path that cannot be written, is a
+    ``UserError`` naming ``out``, raised before any model loads."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = open(path, mode)
+    except OSError as error:
+        raise UserError(f"cannot write {out}: {error.strerror or error}") from None
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.close()
+        raise UserError(f"{out} is being written by another glimpse caption; wait for it to finish "
+                        "or choose another --out") from None
+    return file
+
+
 class CaptionOutput:
     """The JSONL output, opened for appending and locked for this process alone (``flock``): a second
     writer is refused with a clear error, and an unwritable path fails here, before any model loads."""
 
     def __init__(self, out: Path):
         self.path = out
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(out, "a+b")
-        except OSError as error:
-            raise UserError(f"cannot write {out}: {error.strerror or error}") from None
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.close()
-            raise UserError(f"{out} is being written by another glimpse caption; wait for it to finish "
-                            "or choose another --out") from None
+        self.file = open_locked(out, "a+b", out)
 
     def clear(self) -> None:
         """``--overwrite``: start the output afresh (only once captioning starts: a failed model load loses nothing)."""

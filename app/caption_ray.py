@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import json
 import os
@@ -122,17 +121,9 @@ class OutputDir:
     """The output folder, locked for one driver at a time; shards are written atomically."""
 
     def __init__(self, out: Path, jsonl: bool):
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            self.lock = open(out / ".lock", "a")
-        except OSError as error:
-            raise UserError(f"cannot write {out}: {error.strerror or error}") from None
-        try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.lock.close()
-            raise UserError(f"{out} is being written by another glimpse caption; wait for it or choose another --out") \
-                from None
+        from glimpse.caption import open_locked
+
+        self.lock = open_locked(out / ".lock", "a", out)
         self.out, self.jsonl = out, out / "captions.jsonl" if jsonl else None
         self.count = len(list(out.glob(SHARD_GLOB)))
 
