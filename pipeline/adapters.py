@@ -142,9 +142,15 @@ class Qwen2VLAdapter(Adapter):
         return MediaInput(IMAGE, t * h * w // m**2, {"pixel_values": out["pixel_values"], "image_grid_thw": grid},
                           frames=[image], grid=(t, h // m, w // m))
 
+    def sample_video(self, path):
+        """Frames sampled and resized as qwen-vl-utils does for this generation."""
+        return vision.sample_video_qwen(path)
+
     def prepare_video(self, path):
+        return self._video_input(self.sample_video(path))
+
+    def _video_input(self, sampled) -> MediaInput:
         ip = self.image_processor
-        sampled = vision.sample_video_qwen(path)
         tensors = vision.qwen2vl_video_inputs(
             sampled.frames, patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
             merge_size=ip.merge_size, image_mean=ip.image_mean, image_std=ip.image_std, resize=False,
@@ -228,21 +234,16 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     model_class = "Qwen3VLForConditionalGeneration"
     expands_in_text = frozenset({VIDEO})
 
+    def sample_video(self, path):
+        factor = self.image_processor.patch_size * self.image_processor.merge_size  # 32-pixel tokens
+        return vision.sample_video_qwen(path, factor=factor, min_pixels=128 * factor**2,
+                                        total_pixels=int(128000 * factor**2 * 0.9))
+
     def prepare_video(self, path):
-        ip = self.image_processor
-        factor = ip.patch_size * ip.merge_size
-        sampled = vision.sample_video_qwen(path, factor=factor, min_pixels=128 * factor**2,
-                                           total_pixels=int(128000 * factor**2 * 0.9))
-        tensors = vision.qwen2vl_video_inputs(
-            sampled.frames, patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
-            merge_size=ip.merge_size, image_mean=ip.image_mean, image_std=ip.image_std, resize=False,
-        )
-        t, h, w = (int(x) for x in tensors["video_grid_thw"][0])
-        m = self.merge_size
-        frames = [Image.fromarray(f) for f in sampled.frames[:: ip.temporal_patch_size]]
-        return MediaInput(VIDEO, t * h * w // m**2, tensors, frames=frames, grid=(t, h // m, w // m),
-                          sample_fps=sampled.sample_fps,
-                          timestamps_s=patch_times(sampled.indices, sampled.source_fps, ip.temporal_patch_size))
+        sampled = self.sample_video(path)
+        item = self._video_input(sampled)
+        item.timestamps_s = patch_times(sampled.indices, sampled.source_fps, self.image_processor.temporal_patch_size)
+        return item
 
     def expand_text(self, text: str, media: list[MediaInput]) -> str:
         pad = self.placeholder_token(VIDEO)
