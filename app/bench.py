@@ -34,6 +34,7 @@ import gc
 import math
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -345,6 +346,29 @@ def plot(report: dict, path: str | Path) -> None:
             series.setdefault(name, []).append((row["speed"], row["ttft_speedup"]))
     line_plot(series, path, title=f"glimpse bench: {report['model']}, {report['device']}", xlabel="speed",
               ylabel="TTFT speedup")
+
+
+def generate_decode_rate(model, inputs: dict, new_tokens: int) -> float:
+    """Decode tokens/s of transformers' own ``generate`` on ``inputs`` (a batch counts every row), from the
+    first answer token to the last, as the engine's ``decode_tokens_per_s`` counts: a logits processor
+    notes when each step's logits are ready, so the prefill is out of it. EOS ignored."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            if scores.is_cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            return scores
+
+    clock = StepClock()
+    model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   logits_processor=LogitsProcessorList([clock]))
+    rows = inputs["input_ids"].shape[0]
+    return rows * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
 
 
 def text_prompt(tokenizer, tokens: int) -> list[dict]:

@@ -17,29 +17,14 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
-from glimpse.bench import device_name, text_prompt
+from glimpse.bench import device_name, generate_decode_rate, text_prompt
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.cache import Growing
 from glimpse.pipeline.random_checkpoint import build_random
-
-
-class StepClock(LogitsProcessor):
-    """Notes the time at each of generate's steps (called once per token, as its logits are ready)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores):
-        if scores.is_cuda:
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-        return scores
 
 
 def main() -> None:
@@ -67,10 +52,7 @@ def main() -> None:
         ids = prompt.input_ids[None].to(engine.device)
 
         def hf():
-            clock = StepClock()
-            engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, logits_processor=LogitsProcessorList([clock]))
-            return (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
+            return generate_decode_rate(engine.model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, n)
 
         def ours(chunk, policy="none", speed=0.0):
             def run():

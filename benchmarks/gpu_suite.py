@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the test suite's tiny checkpoints of 
 from tiny_models import BUILDERS, reference_inputs  # noqa: E402
 
 from glimpse.assets import ASSETS  # noqa: E402
-from glimpse.bench import run_bench, synthesize_prompts  # noqa: E402
+from glimpse.bench import generate_decode_rate, run_bench, synthesize_prompts  # noqa: E402
 from glimpse.pipeline import load_engine  # noqa: E402
 from glimpse.pipeline.metrics import synchronize  # noqa: E402
 from glimpse.pipeline.prompt import user_message  # noqa: E402
@@ -321,39 +321,32 @@ def decode(suite: Suite) -> dict:
         inputs = {k: v.expand(batch, *v.shape[1:]).contiguous() if k != "pixel_values" else v.repeat(batch, 1, 1, 1)
                   for k, v in inputs.items()}
 
-        def hf(tokens):
-            return lambda: engine.model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens,
-                                                 do_sample=False)
+        def ours(policy, speed):
+            """The engine's decode rate (a batch counts every request) and its KV after the answer."""
+            results = engine.generate_batch([messages] * batch, policy=policy, speed=speed, max_new_tokens=n,
+                                            ignore_eos=True)
+            return (sum(r.metrics["decode_tokens_per_s"] for r in results),
+                    sum(r.metrics["kv_bytes"] for r in results))
 
-        def ours(policy, speed, tokens):
-            if batch == 1:
-                return lambda: engine.generate(messages, policy=policy, speed=speed, max_new_tokens=tokens,
-                                               ignore_eos=True)
-            return lambda: engine.generate_batch([messages] * batch, policy=policy, speed=speed,
-                                                 max_new_tokens=tokens, ignore_eos=True)
-
-        # Decode time = (n + 1 tokens) - (1 token): the prefill and first token cancel, on both sides.
-        fns = {"generate": hf(n + 1), "generate first": hf(1)}
-        for policy, speed in DECODE_POLICIES:
-            fns[policy] = ours(policy, speed, n + 1)
-            fns[f"{policy} first"] = ours(policy, speed, 1)
-        runs = max(1, suite.shapes.runs - 1)  # decode runs are long (64 tokens, 8 sides): one fewer round
+        # Every side counts from the first answer token to the last, so the prefill is out of it.
+        sides = {"generate": lambda: (generate_decode_rate(engine.model, inputs, n), None)}
+        sides.update({policy: (lambda p=policy, s=speed: ours(p, s)) for policy, speed in DECODE_POLICIES})
+        measured = {name: [] for name in sides}
         with torch.inference_mode():
-            times = _alternate(fns, runs, engine.device)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        rate = {k: batch * n / max(med[k] - med[f"{k} first"], 1e-9) for k in ["generate", *dict(DECODE_POLICIES)]}
-        kv = {}
-        for policy, speed in DECODE_POLICIES:  # the cache after n answer tokens, summed over the batch
-            results = ours(policy, speed, n + 1)()
-            results = results if isinstance(results, list) else [results]
-            kv[policy] = sum(r.metrics["kv_bytes"] for r in results)
+            for round_index in range(suite.shapes.runs + 1):  # round 0 warms up
+                for name, side in sides.items():
+                    result = side()
+                    if round_index:
+                        measured[name].append(result)
+        rate = {name: statistics.median(r for r, _ in runs) for name, runs in measured.items()}
+        kv = {name: runs[-1][1] for name, runs in measured.items() if runs[-1][1] is not None}
         for name in rate:
             rows.append({"batch": batch, "decoder": name, "new_tokens": n, "decode_tokens_per_s": rate[name],
                          "vs_generate": rate[name] / rate["generate"],
                          "kv_bytes": kv.get(name), "kv_vs_baseline": kv[name] / kv["none"] if name in kv else None})
             suite.progress(f"  batch {batch} {name}: {rate[name]:.1f} tokens/s ({rows[-1]['vs_generate']:.2f}x generate)")
     return {"model": f"random {suite.shapes.llava_preset}", "prompt_tokens": prompt.token_counts(),
-            "runs": max(1, suite.shapes.runs - 1), "rows": rows}
+            "runs": suite.shapes.runs, "rows": rows}
 
 
 def overlap(suite: Suite) -> dict:
