@@ -252,6 +252,62 @@ def test_training_moves_the_projector_and_adapters_only(engine):
         p.requires_grad_(False)
 
 
+@pytest.mark.parametrize("speed", [0.0, 0.5, 1.0])
+def test_training_under_a_hidivdrop_schedule_computes_what_the_engine_runs(engine, media, speed):
+    """HiDivDrop in the training loop (late injection, the pyramid's own ranking, the early exit, written as one
+    attention mask per layer) gives the first-token logits the engine computes when it runs HiDivDrop at that
+    speed, by dropping tokens: the model is trained on what inference will do."""
+    from glimpse.pipeline.adapters import TEXT
+    from training import pruned_forward
+
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                             {"type": "text", "text": "What colour is the circle?"}]}]
+    result = engine.generate(messages, policy="hidivdrop", speed=speed, max_new_tokens=1)
+    prompt = engine.prepare(messages)
+    language_model = engine.adapter.model.model.language_model
+    implementation = language_model.config._attn_implementation
+    visual = prompt.modality != TEXT
+    schedule = pruned_forward.hidivdrop_schedule(speed, len(language_model.layers), int(visual.sum()))
+    assert (schedule.inject > 0) == (speed >= 0.5) and (schedule.exit < len(language_model.layers)) == (speed > 0)
+    T = len(prompt.input_ids)
+    try:
+        language_model.set_attn_implementation("eager")  # as training runs it: the probe reads its probabilities
+        with torch.no_grad():
+            hidden = pruned_forward.pruned_forward(
+                language_model, engine.embed_prompt(prompt), torch.ones(T, T, dtype=torch.bool).tril(),
+                torch.arange(T)[None], torch.ones(T, dtype=torch.long), visual, {1: T - 1}, schedule)
+            logits = engine.adapter.model.lm_head(hidden[0, -1])
+    finally:
+        language_model.set_attn_implementation(implementation)
+    torch.testing.assert_close(logits, result.first_logits.flatten().to(logits.dtype), atol=2e-3, rtol=1e-3)
+
+
+def test_each_packed_chat_ranks_its_own_vision_tokens_with_its_own_probe():
+    from training.pruned_forward import probe_rows
+
+    # prefix (segment 0), then two chats; labels mark the answers
+    segments = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
+    labels = torch.tensor([-100, -100, -100, -100, -100, 7, 8, -100, 9, 10])
+    assert probe_rows(labels, segments) == {1: 4, 2: 7}  # each chat's token right before its first answer token
+
+
+def test_fine_tuning_starts_from_the_shipped_adapters_exactly():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from training.train_projector import adapter_state, add_adapters, load_adapters
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    shipped = add_adapters(LlamaForCausalLM(config).model, rank=4, alpha=8.0, seed=0)
+    for module in shipped.values():
+        torch.nn.init.normal_(module.lora_B, std=0.1)
+    resumed = add_adapters(LlamaForCausalLM(config).model, rank=4, alpha=8.0, seed=1)
+    load_adapters(resumed, adapter_state(shipped))
+    for key, module in resumed.items():
+        torch.testing.assert_close(module.lora_A, shipped[key].lora_A)
+        torch.testing.assert_close(module.lora_B, shipped[key].lora_B)
+
+
 def test_shipped_adapters_merge_to_what_training_computed():
     """W + B A in the converted checkpoint gives the same outputs as the LoRA-wrapped model it was trained as."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -49,11 +49,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from glimpse.pipeline import embedded, visual_codes
 from glimpse.pipeline.adapters import LlavaAdapter
 from glimpse import tasks
+from training import pruned_forward
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(__file__).resolve().parent / "cache"
@@ -118,6 +119,14 @@ def adapter_state(adapters: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
         state[f"{key}.lora_A"] = module.lora_A.detach().clone().contiguous()
         state[f"{key}.lora_B"] = (module.lora_B.detach() * module.scale).contiguous()
     return state
+
+
+def load_adapters(adapters: dict[str, LoRALinear], state: dict[str, torch.Tensor]) -> None:
+    """The inverse of `adapter_state`: shipped A and B (scale folded into B) into the wrapped projections."""
+    with torch.no_grad():
+        for key, module in adapters.items():
+            module.lora_A.copy_(state[f"{key}.lora_A"])
+            module.lora_B.copy_(state[f"{key}.lora_B"] / module.scale)
 
 
 def clip_frame_indices(total: int, count: int) -> list[int]:
@@ -363,10 +372,12 @@ def packed_chats(item: tasks.Item, tokenizer, config, media_tokens: int, rng: ra
     return pack([tokenize(chat, tokenizer, token, media_tokens) for chat in chats(item, rng, caption_share)])
 
 
-def answer_logits(model, projector, batch: list[dict], features, image_token, video_token, codes=None):
+def answer_logits(model, projector, batch: list[dict], features, image_token, video_token, codes=None,
+                  schedule: pruned_forward.Schedule | None = None):
     """The language model's logits at every position whose next token is an answer token, the answer tokens,
     and the row each belongs to. `codes`: each example's position code (`visual_code`), added to its projected
-    tokens as inference adds it; None: no code."""
+    tokens as inference adds it; None: no code. `schedule`: run the one example under this HiDivDrop schedule
+    (`pruned_forward`) instead of with every token in every layer."""
     lm = model.model.language_model
     length = max(len(example["ids"]) for example in batch)
     pad = model.config.text_config.pad_token_id or 0
@@ -392,7 +403,12 @@ def answer_logits(model, projector, batch: list[dict], features, image_token, vi
     if codes is not None:
         projected = projected + torch.stack(codes)
     embeds = embeds.masked_scatter(media[..., None], projected.reshape(-1, projected.shape[-1]).to(embeds.dtype))
-    hidden = lm(inputs_embeds=embeds, attention_mask=mask[:, None], position_ids=positions).last_hidden_state
+    if schedule is None:
+        hidden = lm(inputs_embeds=embeds, attention_mask=mask[:, None], position_ids=positions).last_hidden_state
+    else:
+        assert len(batch) == 1, "a HiDivDrop schedule runs one example at a time"
+        hidden = pruned_forward.pruned_forward(lm, embeds, allowed[0], positions, segments[0], media[0],
+                                               pruned_forward.probe_rows(labels[0], segments[0]), schedule)
     # position t predicts token t+1 of its own segment: score only the positions whose next token is an
     # answer token (a segment never starts with one, so no prediction crosses a segment boundary)
     targets = labels[:, 1:]
@@ -413,20 +429,21 @@ def answer_tokens(example: dict) -> int:
 
 
 def accumulate_gradient(model, projector, batch: list[dict], features, image_token, video_token, codes=None,
-                        bf16: bool = True) -> tuple[float, int]:
+                        bf16: bool = True, schedules=None) -> tuple[float, int]:
     """Backpropagate the batch's mean answer-token cross-entropy one example at a time and return it with the
     answer-token count: the gradient of `batch_loss` on the whole batch, without its padding.
 
     Packed items run from 299 to 661 tokens: padded to its longest, a batch of 8 computes 30% more tokens
     than it holds (over the default run's 320 batches); alone, each example runs at its own length. Each
     example's summed loss is divided by the batch's answer-token count, so the accumulated gradient is the
-    batched one (up to rounding, tested)."""
+    batched one (up to rounding, tested). `schedules`: each example's HiDivDrop schedule or None."""
     count = sum(answer_tokens(example) for example in batch)
     total = 0.0
     for i, example in enumerate(batch):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits, targets, _ = answer_logits(model, projector, [example], [features[i]], image_token, video_token,
-                                               None if codes is None else [codes[i]])
+                                               None if codes is None else [codes[i]],
+                                               None if schedules is None else schedules[i])
             loss = torch.nn.functional.cross_entropy(logits, targets, reduction="sum") / count
         loss.backward()
         total += loss.item()
@@ -504,7 +521,16 @@ def main(argv=None) -> int:
                         help="log accuracy on the validation split every N steps (0, the default: never; each check "
                              "takes ~25 s and changes no weight)")
     parser.add_argument("--validate-per-category", type=int, default=4)
+    parser.add_argument("--from-assets", action="store_true",
+                        help="fine-tune: start from the shipped projector, colour map and adapters (assets/) instead of "
+                             "the seeded initial projector and zero adapters; skips the alignment stage")
+    parser.add_argument("--hidivdrop-share", type=float, default=0.0,
+                        help="share of the items trained under a HiDivDrop schedule (late injection, pyramid, early "
+                             "exit; training/pruned_forward.py) instead of with every token in every layer")
+    parser.add_argument("--hidivdrop-speeds", default="0.5,1",
+                        help="the slider range those schedules are drawn from, uniformly: LOW,HIGH")
     args = parser.parse_args(argv)
+    speed_low, speed_high = (float(x) for x in args.hidivdrop_speeds.split(","))
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -559,16 +585,26 @@ def main(argv=None) -> int:
     say(f"{len(examples)} conversations, {mean_len:.0f} tokens on average")
 
     llava_projector = model.model.multi_modal_projector
-    reset_projector(llava_projector, config)
+    if args.from_assets:
+        llava_projector.load_state_dict(load_file(embedded.PROJECTOR_FILE))
+        args.align_epochs = 0  # the shipped projector is aligned and trained already
+        say(f"fine-tuning from {embedded.PROJECTOR_FILE.name}, {embedded.ADAPTER_FILE.name}, {embedded.COLOUR_FILE.name}")
+    else:
+        reset_projector(llava_projector, config)
     for p in llava_projector.parameters():
         p.requires_grad_(True)
     # what maps a feature row to a visual token: the projector, or the projector beside the colour map
     projector = ColourInput(llava_projector, config.text_config.hidden_size) if args.colour_input else llava_projector
+    if args.from_assets and args.colour_input:
+        with torch.no_grad():
+            projector.colour_map.weight.copy_(load_file(embedded.COLOUR_FILE)["weight"])
     if args.align_epochs:
         align(projector, items, features, model.model.language_model.embed_tokens, processor.tokenizer,
               args.align_epochs, args.lr, say, position_weight=args.align_position)
     adapters = add_adapters(model.model.language_model, args.adapter_rank, 2.0 * args.adapter_rank, args.seed) \
         if args.adapter_rank else {}
+    if args.from_assets and adapters:
+        load_adapters(adapters, load_file(embedded.ADAPTER_FILE))
     groups = [{"params": list(projector.parameters()), "lr": args.lr}]
     if adapters:
         groups.append({"params": [p for m in adapters.values() for p in (m.lora_A, m.lora_B)], "lr": args.adapter_lr})
@@ -596,6 +632,8 @@ def main(argv=None) -> int:
             "caption_share": args.caption_share, "align_epochs": args.align_epochs,
             "align_position": args.align_position, "position_scale": args.position_scale,
             "colour_input": args.colour_input,
+            "init": "the shipped assets (fine-tune)" if args.from_assets else "seeded initial projector, zero adapters",
+            "hidivdrop_share": args.hidivdrop_share, "hidivdrop_speeds": [speed_low, speed_high],
             "adapter_rank": args.adapter_rank, "adapter_alpha": 2.0 * args.adapter_rank, "adapter_lr": args.adapter_lr,
             "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps,
             "passes": round(steps * args.batch / len(examples), 2), "precision": args.precision,
@@ -613,13 +651,22 @@ def main(argv=None) -> int:
     trained = sum(p.numel() for g in groups for p in g["params"])
     say(f"training {trained} parameters (projector and adapters), {steps} steps of {args.batch}")
     order = shuffled_passes(len(examples), steps * args.batch, rng)
+    pruning = random.Random(args.seed + 1)  # its own stream: the item order stays that of a run without it
+    num_layers = config.text_config.num_hidden_layers
+
+    def pruning_schedule() -> pruned_forward.Schedule | None:
+        if pruning.random() >= args.hidivdrop_share:
+            return None
+        return pruned_forward.hidivdrop_schedule(pruning.uniform(speed_low, speed_high), num_layers, media_tokens)
+
     running = None
     for step in range(steps):
         chunk = [examples[i] for i in order[step * args.batch: (step + 1) * args.batch]]
         loss, count = accumulate_gradient(model, projector, [e for e, _, _ in chunk], [f for _, f, _ in chunk],
                                           config.image_token_id, config.video_token_id,
                                           [c for *_, c in chunk] if axes is not None else None,
-                                          bf16=args.precision == "bf16")
+                                          bf16=args.precision == "bf16",
+                                          schedules=[pruning_schedule() for _ in chunk] if args.hidivdrop_share else None)
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         optimizer.step()
         schedule.step()
