@@ -151,6 +151,21 @@ def test_an_interrupted_calibration_resumes_without_measuring_again(engine, medi
     assert any("starting afresh" in line for line in lines)
     kept = state.with_name(state.name + ".previous")  # the old measurements are moved aside, not lost
     assert json.loads(kept.read_text().splitlines()[1])["point"] == first
+    # retrained weights under the same model name (the embedded model's cache entry changes with its trained
+    # files): measured afresh, never resumed from the old weights' points
+    config = engine.adapter.model.config
+    lines.clear()
+    calibrate_slider(engine, prompts, todo[:1], state_path=state, answer_tokens=5, timing_prompts=1,
+                     timing_tokens=3, progress=lines.append)
+    assert any(line.startswith("resuming") for line in lines)  # same weights: resumed
+    path, config._name_or_path = config._name_or_path, str(config._name_or_path) + "-retrained"
+    try:
+        lines.clear()
+        calibrate_slider(engine, prompts, todo[:1], state_path=state, answer_tokens=5, timing_prompts=1,
+                         timing_tokens=3, progress=lines.append)
+    finally:
+        config._name_or_path = path
+    assert any("starting afresh" in line for line in lines) and not any(line.startswith("resuming") for line in lines)
 
 
 def test_a_candidate_the_model_cannot_run_is_skipped_with_its_reason_and_the_rest_are_measured(engine, media,

@@ -289,6 +289,8 @@ def test_each_packed_chat_ranks_its_own_vision_tokens_with_its_own_probe():
     segments = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2])
     labels = torch.tensor([-100, -100, -100, -100, -100, 7, 8, -100, 9, 10])
     assert probe_rows(labels, segments) == {1: 4, 2: 7}  # each chat's token right before its first answer token
+    # one chat alone is packed as all prefix: segment 0 is then the chat
+    assert probe_rows(torch.tensor([-100, -100, -100, 5, 6]), torch.zeros(5, dtype=torch.long)) == {0: 2}
 
 
 def test_fine_tuning_starts_from_the_shipped_adapters_exactly():

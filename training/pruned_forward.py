@@ -51,11 +51,12 @@ def hidivdrop_schedule(speed: float, num_layers: int, visual: int) -> Schedule:
 
 
 def probe_rows(labels: torch.Tensor, segments: torch.Tensor) -> dict[int, int]:
-    """Each chat's last prompt token (segment -> position): the one whose next token is its answer's first."""
+    """Each chat's last prompt token (segment -> position): the one whose next token is its answer's first. An
+    item of one chat is all shared prefix (segment 0, `pack`): then segment 0 is that chat."""
     probes = {}
     for position in range(len(labels) - 1):
         segment = int(segments[position])
-        if segment > 0 and segment not in probes and labels[position + 1] != -100:
+        if segment >= 0 and segment not in probes and labels[position + 1] != -100:
             probes[segment] = position
     return probes
 

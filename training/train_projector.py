@@ -26,6 +26,12 @@ Three stages:
    passes, each freshly shuffled. A scene's questions cover every object in it (binding an
    attribute to the right object is the hard part; see docs/embedded.md).
 
+With `--hidivdrop-share P` a share P of the items is trained under a HiDivDrop schedule drawn from
+`--hidivdrop-speeds` (late injection, the pyramid, the early exit, exactly as the engine runs them; see
+training/pruned_forward.py), the rest with every token in every layer, so the model answers both ways.
+`--from-assets` fine-tunes the shipped weights instead of starting from the seeded projector (the shipped
+run 11 is run 10 fine-tuned so; its record keeps run 10's under "fine_tuned_from").
+
 Every `--validate-every` steps the log shows per-category accuracy on a validation split (`tasks.VALIDATION_SEED`,
 never the reported held-out seed), scored as greedy decoding would score it (`validate`).
 
@@ -585,7 +591,9 @@ def main(argv=None) -> int:
     say(f"{len(examples)} conversations, {mean_len:.0f} tokens on average")
 
     llava_projector = model.model.multi_modal_projector
+    parent = None  # the shipped weights' own record, when this run fine-tunes them
     if args.from_assets:
+        parent = json.loads(embedded.PROJECTOR_RECORD.read_text())
         llava_projector.load_state_dict(load_file(embedded.PROJECTOR_FILE))
         args.align_epochs = 0  # the shipped projector is aligned and trained already
         say(f"fine-tuning from {embedded.PROJECTOR_FILE.name}, {embedded.ADAPTER_FILE.name}, {embedded.COLOUR_FILE.name}")
@@ -646,6 +654,8 @@ def main(argv=None) -> int:
             "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
             "torch": torch.__version__, "complete": final, "log": log,
         }
+        if parent is not None:
+            record["fine_tuned_from"] = parent  # what this run started from, and how that was trained
         Path(f"{path_stem}.json").write_text(json.dumps(record, indent=1) + "\n")
 
     trained = sum(p.numel() for g in groups for p in g["params"])
