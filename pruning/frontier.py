@@ -250,10 +250,10 @@ def candidates() -> list[tuple[Member, ...]]:
         out += [(Member.of("lazyllm", speed),), (Member.of("st3", speed),), (Member.of("fastv", speed),)]
     out += [(Member.of("dash", s),) for s in (0.25, 0.5, 1.0)]
     out += [(Member.of("zipvl", s),) for s in (0.5, 1.0)]
-    out += [(Member.of("hidivdrop", s),) for s in (0.25, 0.5, 0.75, 1.0)]
+    out += [(Member.of("hidivdrop", s),) for s in (0.25, 0.5, 1.0)]
     # HiDivDrop without its late injection (pyramid and early exit only): which part loses answers
     out += [(Member.of("hidivdrop", s, inject_fraction=0.0),) for s in (0.5, 1.0)]
-    out += [design_pipeline_members(s) for s in (0.25, 0.5, 0.75, 1.0)]
+    out += [design_pipeline_members(s) for s in (0.25, 0.5, 1.0)]
     out += [
         (Member.of("lazyllm", 1.0, decode_reselect=True),),  # the paper's decode, for comparison
         (Member.of("lazyllm", 1.0, percentiles=[0.5, 0.65, 0.8]),),

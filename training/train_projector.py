@@ -29,8 +29,8 @@ Three stages:
 With `--hidivdrop-share P` a share P of the items is trained under a HiDivDrop schedule drawn from
 `--hidivdrop-speeds` (late injection, the pyramid, the early exit, exactly as the engine runs them; see
 training/pruned_forward.py), the rest with every token in every layer, so the model answers both ways.
-`--from-assets` fine-tunes the shipped weights instead of starting from the seeded projector (the shipped
-run 11 is run 10 fine-tuned so; its record keeps run 10's under "fine_tuned_from").
+`--from-assets` fine-tunes the weights in assets/ instead of starting from the seeded projector (the record
+keeps theirs under "fine_tuned_from"). Runs 11 and 12 fine-tuned run 10 so; not shipped (docs/pruning.md).
 
 Every `--validate-every` steps the log shows per-category accuracy on a validation split (`tasks.VALIDATION_SEED`,
 never the reported held-out seed), scored as greedy decoding would score it (`validate`).
