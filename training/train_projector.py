@@ -536,7 +536,15 @@ def main(argv=None) -> int:
     parser.add_argument("--hidivdrop-speeds", default="0.5,1",
                         help="the slider range those schedules are drawn from, uniformly: LOW,HIGH")
     args = parser.parse_args(argv)
-    speed_low, speed_high = (float(x) for x in args.hidivdrop_speeds.split(","))
+    try:
+        speed_low, speed_high = (float(x) for x in args.hidivdrop_speeds.split(","))
+    except ValueError:
+        parser.error(f"--hidivdrop-speeds takes LOW,HIGH, got {args.hidivdrop_speeds!r}")
+    if not 0.0 <= speed_low <= speed_high <= 1.0 or not 0.0 <= args.hidivdrop_share <= 1.0:
+        parser.error("--hidivdrop-speeds needs 0 <= LOW <= HIGH <= 1 and --hidivdrop-share a share in [0, 1]")
+    if args.from_assets and not all(f.is_file() for f in (embedded.PROJECTOR_FILE, embedded.PROJECTOR_RECORD,
+                                                          embedded.ADAPTER_FILE)):
+        parser.error("--from-assets needs the trained projector, its record and the adapters in assets/")
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
