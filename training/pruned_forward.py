@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from glimpse.common import Modality
+from glimpse.pruning.base import lowest
 from glimpse.pruning.hidivdrop import HiDivDrop
 
 
@@ -70,7 +71,7 @@ def pruned_forward(language_model, embeds: torch.Tensor, allowed: torch.Tensor, 
     vision tokens; `probes` maps each chat (segment) to its last prompt token."""
     vis = visual.nonzero().squeeze(1)
     chats = sorted(probes)
-    row_chat = {k: segments == k for k in chats}
+    chat_rows = {k: (segments == k).nonzero() for k in chats}  # (rows, 1): each chat's rows, for the mask
     # keeps[k]: which vision tokens chat k still sees (over vis), narrowed at each cut
     keeps = {k: torch.ones(len(vis), dtype=torch.bool) for k in chats}
     scores: dict[int, torch.Tensor] = {}
@@ -90,8 +91,8 @@ def pruned_forward(language_model, embeds: torch.Tensor, allowed: torch.Tensor, 
             for k in chats:
                 excess = int(keeps[k].sum()) - schedule.cuts[layer_idx]
                 if excess > 0:
-                    ranked = scores[k].masked_fill(~keeps[k], float("inf"))
-                    keeps[k][torch.sort(ranked, stable=True).indices[:excess]] = False
+                    # the engine's rule (drop_lowest_visual): lowest scores first, ties to earlier tokens
+                    keeps[k][lowest(scores[k].masked_fill(~keeps[k], float("inf")), excess)] = False
         sees = allowed.clone()
         if schedule.inject <= layer_idx < schedule.exit:
             union = torch.stack([keeps[k] for k in chats]).any(0)
@@ -99,7 +100,7 @@ def pruned_forward(language_model, embeds: torch.Tensor, allowed: torch.Tensor, 
             sees[:, gone] = False  # rows of the shared prefix: keys some chat still keeps
             for k in chats:
                 dropped = vis[~keeps[k]]
-                sees[row_chat[k].nonzero()[:, None], dropped[None, :]] = False
+                sees[chat_rows[k], dropped[None, :]] = False
         else:
             sees[:, vis] = False  # no vision KV below the injection and from the exit on
             sees[vis, vis] = True  # a vision row sees itself: no row without a key (its output is unused)
