@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="slider: start no new candidate after this long; the frontier of what was measured "
                                 "is stored, rerun to measure the rest")
     calibrate.add_argument("--floor", type=float, default=None,
-                           help="slider: the answer agreement speed 1 may fall to (default 0.85)")
+                           help="slider: the answer agreement speed 1 may fall to, less one standard error (default 0.75)")
     calibrate.add_argument("--max-images", type=int, default=None,
                            help="use at most this many images/prompts (hidivdrop default 32, slider: all)")
     calibrate.add_argument("--window", type=int, default=4, help="hidivdrop: ILVAS layer distance n (default 4)")

@@ -306,12 +306,17 @@ class Engine:
     def make_policy(self, name: str, speed: float = 0.0, overrides: dict | None = None) -> Policy:
         """A registry policy for this model (``auto``: the configuration its frontier selects at
         ``speed``): its calibration profile, then ``overrides``, which win."""
-        return self._with_profiles(make_policy(name, speed, overrides, frontier=self.frontier), overrides or {})
+        explicit = dict(overrides or {})
+        if name == "auto":  # the chosen configuration's own parameters are as explicit as overrides
+            point = self.frontier.choose(speed)
+            explicit.update(_member_params(point.members if point else ()))
+        return self._with_profiles(make_policy(name, speed, overrides, frontier=self.frontier), explicit)
 
     def configuration(self, members) -> Policy:
         """A frontier configuration (``pruning.frontier.Member`` list) for this model, with its
-        calibration profile applied as ``auto`` applies it: calibration measures what ``auto`` runs."""
-        return self._with_profiles(configuration(members), {})
+        calibration profile applied as ``auto`` applies it: calibration measures what ``auto`` runs.
+        A parameter a member sets itself wins over the profile."""
+        return self._with_profiles(configuration(members), _member_params(members))
 
     def _with_profiles(self, policy: Policy, overrides: dict) -> Policy:
         """``policy`` (or each member of a pipeline) with this model's calibrated parameters (HiDivDrop's
@@ -771,3 +776,8 @@ class _IncrementalDecoder:
         after = self._decode(self.tokens[self.prefix:])
         self.prefix = self.shown = len(self.tokens)
         return after[len(before):]
+
+
+def _member_params(members) -> dict:
+    """The parameters a configuration's members set themselves, as ``member.param`` overrides."""
+    return {f"{member.policy}.{param}": value for member in members for param, value in member.params}

@@ -192,6 +192,8 @@ def test_calibrate_writes_a_profile_the_engine_then_uses(deep, media, tmp_path, 
     from glimpse.pruning import Member
 
     assert engine.configuration((Member.of("hidivdrop", 1.0),)).policies[0].filter_layers == policy.filter_layers
+    # ... except a layer set a member sets itself, which calibration then measures as written
+    assert engine.configuration((Member.of("hidivdrop", 1.0, filter_layers=[2, 4]),)).policies[0].filter_layers == (2, 4)
 
 
 def test_speed_zero_is_exact_and_no_pruning_is_unchanged(deep, media):

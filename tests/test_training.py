@@ -252,23 +252,32 @@ def test_training_moves_the_projector_and_adapters_only(engine):
         p.requires_grad_(False)
 
 
-@pytest.mark.parametrize("speed", [0.0, 0.5, 1.0])
-def test_training_under_a_hidivdrop_schedule_computes_what_the_engine_runs(engine, media, speed):
+# An early, steep pyramid with no late injection and no exit (`--hidivdrop-param`, run 13)
+STEEP = {"inject_fraction": 0.0, "exit_fraction": 0.0, "filter_layers": [3, 6, 9, 12], "keep": [0.35, 0.2, 0.12, 0.08]}
+
+
+@pytest.mark.parametrize("speed, params", [(0.0, None), (0.5, None), (1.0, None), (1.0, STEEP)])
+def test_training_under_a_hidivdrop_schedule_computes_what_the_engine_runs(engine, media, speed, params):
     """HiDivDrop in the training loop (late injection, the pyramid's own ranking, the early exit, written as one
     attention mask per layer) gives the first-token logits the engine computes when it runs HiDivDrop at that
-    speed, by dropping tokens: the model is trained on what inference will do."""
+    speed, with the same parameter overrides, by dropping tokens: the model is trained on what inference will do."""
     from glimpse.pipeline.adapters import TEXT
     from training import pruned_forward
 
     messages = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
                                              {"type": "text", "text": "What colour is the circle?"}]}]
-    result = engine.generate(messages, policy="hidivdrop", speed=speed, max_new_tokens=1)
+    result = engine.generate(messages, policy=engine.make_policy("hidivdrop", speed, params), max_new_tokens=1)
     prompt = engine.prepare(messages)
     language_model = engine.adapter.model.model.language_model
     implementation = language_model.config._attn_implementation
     visual = prompt.modality != TEXT
-    schedule = pruned_forward.hidivdrop_schedule(speed, len(language_model.layers), int(visual.sum()))
-    assert (schedule.inject > 0) == (speed >= 0.5) and (schedule.exit < len(language_model.layers)) == (speed > 0)
+    schedule = pruned_forward.hidivdrop_schedule(speed, len(language_model.layers), int(visual.sum()), params)
+    if params is None:
+        assert (schedule.inject > 0) == (speed >= 0.5) and (schedule.exit < len(language_model.layers)) == (speed > 0)
+    else:
+        assert schedule.inject == 0 and schedule.exit == len(language_model.layers)
+        assert schedule.cuts == {f + 1: round(k * int(visual.sum())) for f, k in zip(params["filter_layers"],
+                                                                                   params["keep"])}
     T = len(prompt.input_ids)
     try:
         language_model.set_attn_implementation("eager")  # as training runs it: the probe reads its probabilities

@@ -28,8 +28,8 @@ from types import SimpleNamespace
 import torch
 
 from glimpse.common import Modality
+from glimpse.pruning import make_policy
 from glimpse.pruning.base import lowest
-from glimpse.pruning.hidivdrop import HiDivDrop
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,10 @@ class Schedule:
     cuts: dict[int, int]
 
 
-def hidivdrop_schedule(speed: float, num_layers: int, visual: int) -> Schedule:
-    """The schedule HiDivDrop at `speed` runs on a prompt with `visual` vision tokens (no ILVAS profile)."""
-    policy = HiDivDrop.from_speed(speed)
+def hidivdrop_schedule(speed: float, num_layers: int, visual: int, params: dict | None = None) -> Schedule:
+    """The schedule HiDivDrop at `speed`, with the parameter overrides `params` (as `--param` gives them to
+    inference), runs on a prompt with `visual` vision tokens (no ILVAS profile)."""
+    policy = make_policy("hidivdrop", speed, params)
     modality = torch.cat([torch.zeros(1, dtype=torch.long), torch.full((visual,), int(Modality.IMAGE)),
                           torch.zeros(1, dtype=torch.long)])
     policy.plan(SimpleNamespace(num_layers=num_layers, modality=modality))

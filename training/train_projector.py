@@ -29,6 +29,8 @@ Three stages:
 With `--hidivdrop-share P` a share P of the items is trained under a HiDivDrop schedule drawn from
 `--hidivdrop-speeds` (late injection, the pyramid, the early exit, exactly as the engine runs them; see
 training/pruned_forward.py), the rest with every token in every layer, so the model answers both ways.
+`--hidivdrop-param NAME=VALUE` sets the schedule's parameters as inference's `--param` does (e.g. no late
+injection, no exit and an early, steep pyramid: run 13).
 `--from-assets` fine-tunes the weights in assets/ instead of starting from the seeded projector (the record
 keeps theirs under "fine_tuned_from"). Runs 11 and 12 fine-tuned run 10 so; not shipped (docs/pruning.md).
 
@@ -60,6 +62,8 @@ from safetensors.torch import load_file, save_file
 from glimpse.pipeline import embedded, visual_codes
 from glimpse.pipeline.adapters import LlavaAdapter
 from glimpse import tasks
+from glimpse.common import UserError
+from glimpse.pruning import make_policy, parse_params
 from training import pruned_forward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -535,6 +539,9 @@ def main(argv=None) -> int:
                              "exit; training/pruned_forward.py) instead of with every token in every layer")
     parser.add_argument("--hidivdrop-speeds", default="0.5,1",
                         help="the slider range those schedules are drawn from, uniformly: LOW,HIGH")
+    parser.add_argument("--hidivdrop-param", action="append", default=[], metavar="NAME=VALUE",
+                        help="a HiDivDrop parameter for those schedules, as inference's --param takes it (repeat): "
+                             "e.g. inject_fraction=0 exit_fraction=0 filter_layers=[3,6,9,12] keep=[0.35,0.2,0.12,0.08]")
     args = parser.parse_args(argv)
     try:
         speed_low, speed_high = (float(x) for x in args.hidivdrop_speeds.split(","))
@@ -542,6 +549,11 @@ def main(argv=None) -> int:
         parser.error(f"--hidivdrop-speeds takes LOW,HIGH, got {args.hidivdrop_speeds!r}")
     if not 0.0 <= speed_low <= speed_high <= 1.0 or not 0.0 <= args.hidivdrop_share <= 1.0:
         parser.error("--hidivdrop-speeds needs 0 <= LOW <= HIGH <= 1 and --hidivdrop-share a share in [0, 1]")
+    try:
+        hidivdrop_params = parse_params(args.hidivdrop_param)
+        make_policy("hidivdrop", speed_high, hidivdrop_params)
+    except UserError as error:
+        parser.error(f"--hidivdrop-param: {error}")
     if args.from_assets and not all(f.is_file() for f in (embedded.PROJECTOR_FILE, embedded.PROJECTOR_RECORD,
                                                           embedded.ADAPTER_FILE)):
         parser.error("--from-assets needs the trained projector, its record and the adapters in assets/")
@@ -650,6 +662,7 @@ def main(argv=None) -> int:
             "colour_input": args.colour_input,
             "init": "the shipped assets (fine-tune)" if args.from_assets else "seeded initial projector, zero adapters",
             "hidivdrop_share": args.hidivdrop_share, "hidivdrop_speeds": [speed_low, speed_high],
+            "hidivdrop_params": hidivdrop_params,
             "adapter_rank": args.adapter_rank, "adapter_alpha": 2.0 * args.adapter_rank, "adapter_lr": args.adapter_lr,
             "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps,
             "passes": round(steps * args.batch / len(examples), 2), "precision": args.precision,
@@ -675,7 +688,8 @@ def main(argv=None) -> int:
     def pruning_schedule() -> pruned_forward.Schedule | None:
         if pruning.random() >= args.hidivdrop_share:
             return None
-        return pruned_forward.hidivdrop_schedule(pruning.uniform(speed_low, speed_high), num_layers, media_tokens)
+        return pruned_forward.hidivdrop_schedule(pruning.uniform(speed_low, speed_high), num_layers, media_tokens,
+                                                 hidivdrop_params)
 
     running = None
     for step in range(steps):
