@@ -619,6 +619,7 @@ def run_calibrate(args) -> int:
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     profile = calibrate_hidivdrop(engine, images, question=args.question, window=args.window, top_k=args.top_k,
                                   progress=_log)
+    profile["checkpoint"] = engine.checkpoint  # applies to these weights only (profiles.checkpoint_identity)
     path = save_profile(args.model, profile, path=args.out)
     curve = ", ".join(f"{layer}: {value:.3f}" for layer, value in profile["ilvas"].items())
     _log(f"ILVAS (n={args.window}, K={args.top_k}) over layers {curve}")
@@ -654,7 +655,12 @@ def run_calibrate_slider(args) -> int:
     state = path.with_name(path.name + ".partial.jsonl")
     frontier = calibrate_slider(engine, prompts, candidates(), state_path=state, floor=floor, progress=_log,
                                 budget_s=args.budget_minutes * 60 if args.budget_minutes else None)
-    profile = {**frontier.to_json(), "model": args.model, "num_layers": len(engine.adapter.layers)}
+    profile = {**frontier.to_json(), "model": args.model, "num_layers": len(engine.adapter.layers),
+               "checkpoint": engine.checkpoint}
+    if args.model == "embedded":  # which trained files it was measured on, the same on every machine
+        from glimpse.pipeline import embedded
+
+        profile["weights"] = embedded.checkpoint_name()
     save_profile(args.model, profile, path=path)
     _log(f"frontier ({len(frontier.points)} points) -> {path}")
     for speed in (0.0, 0.25, 0.5, 0.75, 1.0):

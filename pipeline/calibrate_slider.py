@@ -110,10 +110,10 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
                      progress: Callable[[str], None] = lambda line: None) -> Frontier:
     start = time.perf_counter()
     # What the measurements depend on (the floor only decides which far-off candidates stop early and
-    # how the frontier is read, so a new floor reuses them). The checkpoint's path as well as its name:
-    # retrained weights under the same name (the embedded model's cache entry is named by a hash of its
-    # trained files) must not resume from the old weights' measurements.
-    settings = {"model": engine.model_id, "checkpoint": str(engine.adapter.model.config._name_or_path),
+    # how the frontier is read, so a new floor reuses them). The weights' identity as well as the model's
+    # name (profiles.checkpoint_identity): retrained weights under the same name must not resume from the
+    # old weights' measurements.
+    settings = {"model": engine.model_id, "checkpoint": engine.checkpoint,
                 "answer_tokens": answer_tokens,
                 "timing_prompts": timing_prompts, "timing_tokens": timing_tokens, "typical_answer": typical_answer,
                 "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True, default=str).encode()).hexdigest()}

@@ -160,7 +160,7 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
     for one build and an interrupted build is never used.
     """
     root = Path(cache_dir or os.environ.get("GLIMPSE_CACHE") or Path.home() / ".cache" / "glimpse").expanduser()
-    target = root / _checkpoint_name(trained)
+    target = root / checkpoint_name(trained)
     if target.is_dir():
         return target
 
@@ -192,7 +192,7 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
     return target
 
 
-def _checkpoint_name(trained: bool = True) -> str:
+def checkpoint_name(trained: bool = True) -> str:
     # Trained weights change the model, so they get their own directory: shipping new ones never reuses an
     # older cache. `trained=False` is the plain conversion (seeded random projector, no adapters) that the
     # projector's training starts from.

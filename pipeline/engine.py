@@ -259,6 +259,9 @@ class Engine:
         # Calibrated parameters per policy name (HiDivDrop's filtering layers from an ILVAS profile),
         # applied to every policy this engine builds by name; explicit overrides win.
         self.profiles: dict[str, dict] = {}
+        # The identity of the weights (``profiles.checkpoint_identity``; ``load_engine`` sets it):
+        # what a stored profile must have been measured on to apply.
+        self.checkpoint: str = model_id
         # What ``auto`` runs at each speed: this model's calibrated frontier (``glimpse calibrate
         # slider``), the shipped one for the embedded model, or the uncalibrated default.
         self.frontier: Frontier = uncalibrated_frontier()

@@ -14,7 +14,7 @@ from glimpse.common import UserError
 from glimpse.pipeline.adapters import ADAPTERS
 from glimpse.pipeline.engine import Engine
 from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
-from glimpse.pipeline.profiles import load_profile
+from glimpse.pipeline.profiles import checkpoint_identity, load_profile, profile_matches
 from glimpse.pipeline.prompt import Prompt, build_prompt
 from glimpse.pruning.frontier import Frontier, uncalibrated_frontier
 
@@ -58,10 +58,11 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     adapter = _adapter(model, source, config, lambda cls: cls.from_pretrained(
         source, dtype=torch_dtype, attn_implementation=attn_implementation).to(torch_device).eval())
     engine = Engine(adapter, model_id=str(model), chat_template=_chat_template(source), grounded=grounded)
+    engine.checkpoint = checkpoint_identity(source)
     profile = load_profile(str(model))
-    if profile and profile.get("num_layers") == len(adapter.layers):
+    if profile_matches(profile, engine.checkpoint, len(adapter.layers)):
         engine.profiles["hidivdrop"] = {"filter_layers": tuple(profile["filter_layers"])}
-    engine.frontier = slider_frontier(str(model), len(adapter.layers))
+    engine.frontier = slider_frontier(str(model), len(adapter.layers), engine.checkpoint)
     return engine
 
 
@@ -126,17 +127,23 @@ def _adapter(model: str, source: str, config, build):
     return ADAPTERS[config.model_type](vlm, tokenizer, image_processor)
 
 
-def slider_frontier(model: str, num_layers: int) -> Frontier:
-    """What ``auto`` runs on this model: its own calibrated frontier (``glimpse calibrate slider``),
-    else for the embedded model the frontier that ships with Glimpse, else the uncalibrated default."""
+def slider_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier:
+    """What ``auto`` runs on this model: its own calibrated frontier (``glimpse calibrate slider``) when
+    it was measured on these weights (``checkpoint``, see ``profiles.checkpoint_identity``), else for the
+    embedded model the frontier that ships with Glimpse when it was measured on the trained files that
+    ship beside it, else the uncalibrated default."""
     profile = load_profile(model, "slider")
-    if profile and profile.get("num_layers") == num_layers and profile.get("frontier") is not None:
+    if profile_matches(profile, checkpoint, num_layers) and profile.get("frontier") is not None:
         try:
             return Frontier.from_json(profile, calibrated=True)
         except (KeyError, TypeError, ValueError):
             pass  # a damaged profile: fall back as if there were none
     if model == "embedded" and SHIPPED_FRONTIER.exists():
-        return Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()), calibrated=True)
+        from glimpse.pipeline import embedded
+
+        shipped = json.loads(SHIPPED_FRONTIER.read_text())
+        if shipped.get("weights") == embedded.checkpoint_name():
+            return Frontier.from_json(shipped, calibrated=True)
     return uncalibrated_frontier()
 
 

@@ -1,9 +1,13 @@
-"""Per-model calibration profiles (HiDivDrop's ILVAS filtering layers), kept in the Glimpse cache.
+"""Per-model calibration profiles (HiDivDrop's ILVAS filtering layers, the slider's frontier), kept in
+the Glimpse cache.
 
 A profile is a small JSON file under ``$GLIMPSE_CACHE/profiles`` (default ``~/.cache/glimpse``),
-named after the model: a hub id as given, a local folder by its absolute path. ``load_engine``
-reads the profile of the model it loads; the engine applies it to the policies it builds (an
-explicit parameter override still wins).
+named after the model: a hub id as given, a local folder by its absolute path. It records the
+identity of the weights it was measured on (``checkpoint_identity``): ``load_engine`` reads the
+profile of the model it loads only when that identity and the depth match, so new weights under
+the same name (a fine-tune saved over its folder, a new hub revision, the embedded model's retrained
+files) run uncalibrated until they are calibrated, never under another model's measurements. The
+engine applies the profile to the policies it builds (an explicit parameter override still wins).
 """
 
 from __future__ import annotations
@@ -23,6 +27,36 @@ def model_key(model: str) -> str:
     """What identifies a model across runs: a local folder's absolute path, else the hub id."""
     path = Path(model).expanduser()
     return str(path.resolve()) if path.exists() else str(model)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def checkpoint_identity(source: str) -> str:
+    """What changes when a checkpoint's weights do: its folder (a hub download's snapshot folder, which
+    names the revision) and the name, size and modification time of each weight file in it. A hub id
+    not in the local cache is its own identity."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        from transformers.utils import cached_file
+
+        try:
+            config = cached_file(source, "config.json", _raise_exceptions_for_missing_entries=False,
+                                 _raise_exceptions_for_connection_errors=False)
+        except OSError:
+            config = None
+        if not config:
+            return str(source)
+        folder = Path(config).parent
+    weights = sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]
+    return f"{folder.resolve()}#{hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:12]}"
+
+
+def profile_matches(profile: dict | None, checkpoint: str, num_layers: int) -> bool:
+    """Whether a stored profile was measured on these weights (a profile from before identities were
+    recorded was not, as far as anyone can tell)."""
+    return bool(profile) and profile.get("checkpoint") == checkpoint and profile.get("num_layers") == num_layers
 
 
 def profile_path(model: str, policy: str = "hidivdrop") -> Path:

@@ -147,7 +147,7 @@ def test_second_call_reuses_the_cache(checkpoint, monkeypatch):
     assert embedded_checkpoint(progress=lines.append) == checkpoint
     assert time.perf_counter() - start < 1.0
     assert lines == [] and weights.stat().st_mtime_ns == mtime
-    assert checkpoint.name == embedded._checkpoint_name()
+    assert checkpoint.name == embedded.checkpoint_name()
     assert checkpoint.name.startswith(embedded.RECIPE) and (checkpoint.name != embedded.RECIPE) is embedded.EMBEDDED_GROUNDED
 
 
@@ -169,7 +169,7 @@ def test_trained_projector_is_loaded_into_its_own_cache_entry(tmp_path, monkeypa
     }
     save_file(trained, tmp_path / "embedded_projector.safetensors")
     monkeypatch.setattr(embedded, "PROJECTOR_FILE", tmp_path / "embedded_projector.safetensors")
-    assert embedded._checkpoint_name().startswith(f"{embedded.RECIPE}-")
+    assert embedded.checkpoint_name().startswith(f"{embedded.RECIPE}-")
     loaded = embedded._projector_state(384, 576, std=0.02)
     assert all(torch.equal(loaded[k], v) for k, v in trained.items())
     # the position code's scale is the trained weights' property, read from their training record
@@ -179,9 +179,9 @@ def test_trained_projector_is_loaded_into_its_own_cache_entry(tmp_path, monkeypa
     assert embedded._position_scale() == 0.75
     # so is the colour input: a colour map beside the projector goes into the config and names a new entry
     monkeypatch.setattr(embedded, "COLOUR_FILE", tmp_path / "embedded_colour.safetensors")
-    without_colour = embedded._checkpoint_name()
+    without_colour = embedded.checkpoint_name()
     assert embedded._colour_map() is None
     colour_map = torch.randn(576, 3)
     save_file({"weight": colour_map}, embedded.COLOUR_FILE)
-    assert embedded._checkpoint_name() != without_colour
+    assert embedded.checkpoint_name() != without_colour
     assert torch.equal(torch.tensor(json.loads(json.dumps(embedded._colour_map()))), colour_map)

@@ -4,12 +4,15 @@ label-free per model (`glimpse calibrate slider`, pipeline/calibrate_slider.py).
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
-from glimpse.pipeline import load_engine
+from glimpse.pipeline import embedded, load_engine
 from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER, calibrate_slider, folder_prompts, shipped_prompts
-from glimpse.pipeline.profiles import profile_path, save_profile
+from glimpse.pipeline.profiles import checkpoint_identity, profile_path, save_profile
 from glimpse.pruning import Frontier, Member, Point, make_policy
 from glimpse.pruning.frontier import (DEFAULT_FLOOR, candidates, design_pipeline_members, pareto_frontier,
                               required_agreement, uncalibrated_frontier)
@@ -151,20 +154,19 @@ def test_an_interrupted_calibration_resumes_without_measuring_again(engine, medi
     assert any("starting afresh" in line for line in lines)
     kept = state.with_name(state.name + ".previous")  # the old measurements are moved aside, not lost
     assert json.loads(kept.read_text().splitlines()[1])["point"] == first
-    # retrained weights under the same model name (the embedded model's cache entry changes with its trained
-    # files): measured afresh, never resumed from the old weights' points
-    config = engine.adapter.model.config
+    # retrained weights under the same model name (another checkpoint identity): measured afresh, never
+    # resumed from the old weights' points
     lines.clear()
     calibrate_slider(engine, prompts, todo[:1], state_path=state, answer_tokens=5, timing_prompts=1,
                      timing_tokens=3, progress=lines.append)
     assert any(line.startswith("resuming") for line in lines)  # same weights: resumed
-    path, config._name_or_path = config._name_or_path, str(config._name_or_path) + "-retrained"
+    identity, engine.checkpoint = engine.checkpoint, engine.checkpoint + "-retrained"
     try:
         lines.clear()
         calibrate_slider(engine, prompts, todo[:1], state_path=state, answer_tokens=5, timing_prompts=1,
                          timing_tokens=3, progress=lines.append)
     finally:
-        config._name_or_path = path
+        engine.checkpoint = identity
     assert any("starting afresh" in line for line in lines) and not any(line.startswith("resuming") for line in lines)
 
 
@@ -182,11 +184,13 @@ def test_a_candidate_the_model_cannot_run_is_skipped_with_its_reason_and_the_res
 
 def test_a_stored_profile_is_what_auto_runs_and_promises(deep_checkpoints, media, tmp_path, monkeypatch):
     monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path))
-    model = str(deep_checkpoints["llava"])
+    model = str(tmp_path / "llava")
+    shutil.copytree(deep_checkpoints["llava"], model)  # its weights are rewritten below
     assert not load_engine(model, device="cpu").promise("auto", 1.0)["calibrated"]
     point = Point((Member.of("fastv", 0.5),), agreement=0.9, flops_ratio=0.5, e2e_ratio=0.7, prompts=12)
     frontier = Frontier([point], calibrated=True, source="test calibration")
-    save_profile(model, {**frontier.to_json(), "num_layers": 12}, policy="slider")
+    checkpoint = checkpoint_identity(model)
+    save_profile(model, {**frontier.to_json(), "num_layers": 12, "checkpoint": checkpoint}, policy="slider")
     assert profile_path(model, "slider").exists()
     engine = load_engine(model, device="cpu")
     policy = engine.make_policy("auto", 1.0)
@@ -195,7 +199,19 @@ def test_a_stored_profile_is_what_auto_runs_and_promises(deep_checkpoints, media
     assert promise["calibrated"] and promise["configuration"] == "fastv@0.5" and "12 prompts" in promise["text"]
     assert engine.make_policy("auto", 0.0).policies == ()
     # a profile of another depth (another model at the same path) is not used
-    save_profile(model, {**frontier.to_json(), "num_layers": 7}, policy="slider")
+    save_profile(model, {**frontier.to_json(), "num_layers": 7, "checkpoint": checkpoint}, policy="slider")
+    assert not load_engine(model, device="cpu").promise("auto", 1.0)["calibrated"]
+    # nor one measured on other weights: the checkpoint fine-tuned and saved over its folder
+    save_profile(model, {**frontier.to_json(), "num_layers": 12, "checkpoint": checkpoint}, policy="slider")
+    assert load_engine(model, device="cpu").promise("auto", 1.0)["calibrated"]
+    weights = next(Path(model).glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors = {k: v + 0.01 if v.is_floating_point() else v for k, v in tensors.items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert checkpoint_identity(model) != checkpoint
+    assert not load_engine(model, device="cpu").promise("auto", 1.0)["calibrated"]
+    # a profile from before identities were recorded: not known to be of these weights, not used
+    save_profile(model, {**frontier.to_json(), "num_layers": 12}, policy="slider")
     assert not load_engine(model, device="cpu").promise("auto", 1.0)["calibrated"]
 
 
@@ -203,7 +219,9 @@ def test_the_shipped_calibration_set_and_frontier_are_usable():
     prompts = shipped_prompts(video=True)
     assert len(prompts) >= 40 and {part["type"] for p in prompts for part in p[0]["content"]} == {"image", "video", "text"}
     assert all("video" not in part for p in shipped_prompts(video=False) for part in p[0]["content"])
-    frontier = Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()))
+    shipped = json.loads(SHIPPED_FRONTIER.read_text())
+    assert shipped["weights"] == embedded.checkpoint_name()  # measured on the trained files that ship with it
+    frontier = Frontier.from_json(shipped)
     assert frontier.calibrated and frontier.points and frontier.choose(0.0) is None
     for point in frontier.points:  # every frontier point was measured, and is faster than the unpruned model
         assert point.e2e_ratio < 1.0 and point.flops_ratio < 1.0 and point in frontier.measured
