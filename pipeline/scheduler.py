@@ -304,21 +304,14 @@ class Scheduler:
                 ticket.request = request
                 with self.condition:
                     self.running.append(ticket)
+                # Its first token goes out now, not after the prefills of the others that arrived with it:
+                # with eight arrivals at once the last one's first token still waits for eight prefills,
+                # the first one's no longer does.
+                self._take(ticket, meter)
             with self.condition:
-                running = list(self.running)
+                running = [t for t in self.running if not any(t is j for j in joining)]
             for ticket in running:
-                request = ticket.request
-                request.note_memory(meter)
-                token = engine.take_token(request)
-                if token is not None:
-                    text = ticket.stop.feed(request.detok.push(token))
-                    if ticket.stop.hit:
-                        engine.finish(request, "stop")
-                    if text:
-                        ticket.text += text
-                        ticket.sink(StreamChunk(text, token))
-                if request.done:
-                    self._end(ticket, request, None)
+                self._take(ticket, meter)
             with self.condition:
                 self.running = [t for t in self.running if not t.ended]
                 stepping = [t.request for t in self.running]
@@ -328,6 +321,21 @@ class Scheduler:
                 engine.decode_step(stepping)
                 for request in stepping:
                     request.note_memory(meter)
+
+    def _take(self, ticket: Ticket, meter: MemoryMeter) -> None:
+        """Hand the ticket its request's newest token (the prefill's, or the last decode step's)."""
+        request, engine = ticket.request, self.engine
+        request.note_memory(meter)
+        token = engine.take_token(request)
+        if token is not None:
+            text = ticket.stop.feed(request.detok.push(token))
+            if ticket.stop.hit:
+                engine.finish(request, "stop")
+            if text:
+                ticket.text += text
+                ticket.sink(StreamChunk(text, token))
+        if request.done:
+            self._end(ticket, request, None)
 
     def _end(self, ticket: Ticket, request: Request | None, error: BaseException | None) -> None:
         """Hand the ticket its last chunk (the result) or its error; free its cache."""

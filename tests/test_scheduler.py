@@ -3,6 +3,7 @@ bounded by batch size, KV budget and queue, cancellation that frees the model at
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -78,6 +79,45 @@ def test_a_request_cancelled_while_streaming_ends_at_the_next_step_and_the_other
         assert not engine._lock.locked()
     finally:
         scheduler.close()
+
+
+def test_requests_arriving_together_each_get_their_first_token_right_after_their_own_prefill(engine, media,
+                                                                                               monkeypatch):
+    """Arrivals are prefilled one after another between decode steps; each one's first token goes out as
+    soon as its own prefill is done, not after the prefills of those that arrived with it (time to first
+    token under a burst), and the answers are still the ones given alone."""
+    conversations = _conversations(media)[:3]
+    alone = [engine.generate(c, policy="none", max_new_tokens=4) for c in conversations]
+    events, names = [], {}
+    start, take_token = engine.start, engine.take_token
+
+    def recording_start(prompt, *args, **kwargs):
+        request = start(prompt, *args, **kwargs)
+        names[id(request)] = names_by_prompt[id(prompt)]
+        events.append(("prefill", names[id(request)]))
+        return request
+
+    def recording_take(request):
+        if ("first token", names[id(request)]) not in events:
+            events.append(("first token", names[id(request)]))
+        return take_token(request)
+
+    monkeypatch.setattr(engine, "start", recording_start)
+    monkeypatch.setattr(engine, "take_token", recording_take)
+    scheduler = Scheduler(engine, max_batch=4, queue_size=8, start=False)  # all three queued before the loop runs
+    tickets = [scheduler.submit(c, policy="none", max_new_tokens=4) for c in conversations]
+    names_by_prompt = {id(t.prompt): i for i, t in enumerate(tickets)}
+    loop = threading.Thread(target=scheduler.run, daemon=True)
+    loop.start()
+    try:
+        results = [t.result(timeout=120) for t in tickets]
+    finally:
+        scheduler.close()
+        loop.join(timeout=60)
+    assert events[:6] == [("prefill", 0), ("first token", 0), ("prefill", 1), ("first token", 1),
+                          ("prefill", 2), ("first token", 2)]
+    assert max(r.metrics["batch_size"] for r in results) == 3  # then they decoded together
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]
 
 
 def test_a_request_cancelled_while_queued_is_never_computed_and_frees_its_place(engine, media):
