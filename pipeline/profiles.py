@@ -41,7 +41,9 @@ def checkpoint_identity(source: str) -> str:
         from transformers.utils import cached_file
 
         try:
-            config = cached_file(source, "config.json", _raise_exceptions_for_missing_entries=False,
+            # the download load_engine just read: no second trip to the hub on every load
+            config = cached_file(source, "config.json", local_files_only=True,
+                                 _raise_exceptions_for_missing_entries=False,
                                  _raise_exceptions_for_connection_errors=False)
         except OSError:
             config = None
