@@ -270,17 +270,34 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         for ticket in tickets:
             ticket.cancel.set()
 
-    # Gradio injects the browser session into parameters annotated gr.Request (set here: gradio loads lazily).
-    respond.__annotations__["request"] = tab_closed.__annotations__["request"] = gr.Request
+    def wait_for_answers_to_end(request, limit: float = 10.0) -> None:
+        """Until this tab's streamed answer has ended (Stop and Clear cancel it; its ``finally`` drops the
+        ticket). Its last update is then already on the session's stream, so what is sent after this reaches
+        the page after it instead of being overwritten by it."""
+        session = getattr(request, "session_hash", None)
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            with tabs_lock:
+                if not tabs.get(session):
+                    return
+            time.sleep(0.05)
 
-    def mark_stopped(history):
-        # Stop cancels the answer's event in the same click; an update it sent just before may still be on its
-        # way to the page. Marking a moment later keeps the mark from being overwritten by it.
-        time.sleep(0.5)
+    def mark_stopped(history, request=None):
+        wait_for_answers_to_end(request)
         history = list(history or [])
         if history and history[-1]["role"] == "assistant":
             history[-1] = {**history[-1], "content": f"{_text_of(history[-1])}\n\n*(stopped)*"}
         return history
+
+    def cleared(request=None):
+        """After Clear: an empty chat and chat state (a streamed update that was on its way when Clear was
+        pressed would otherwise bring the old conversation back, and the next question would carry it)."""
+        wait_for_answers_to_end(request)
+        return [], [], "metrics appear after an answer", None
+
+    # Gradio injects the browser session into parameters annotated gr.Request (set here: gradio loads lazily).
+    for fn in (respond, tab_closed, mark_stopped, cleared):
+        fn.__annotations__["request"] = gr.Request
 
     with gr.Blocks(title="Glimpse") as demo:
         note = EMBEDDED_NOTE if model_name == "embedded" else (
@@ -327,7 +344,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             control.change(chosen_params, [policy, speed, overrides], params, api_name=False)
             control.change(promise_markdown, [policy, speed, overrides], promise, api_name=False)
         chat.textbox.stop(mark_stopped, chat.chatbot, chat.chatbot, api_name=False)
-        chat.chatbot.clear(lambda: ("metrics appear after an answer", None), None, [metrics, keep], api_name=False)
+        chat.chatbot.clear(cleared, None, [chat.chatbot, chat.chatbot_state, metrics, keep], api_name=False)
         demo.unload(tab_closed)
     return demo
 
