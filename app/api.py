@@ -19,7 +19,7 @@
 
 Requests are validated by declared models (``ChatRequest``): a bad one gets a 400 with an OpenAI-style
 ``{"error": {...}}`` body naming the field, and changes nothing. Only ``application/json`` bodies are
-read: ``text/plain`` and form bodies, which a cross-origin page can send without asking, get 415. With ``--api-key``,
+read: ``text/plain``, form and untyped bodies, which a cross-origin page can send without asking, get 415. With ``--api-key``,
 ``/v1/*`` requires ``Authorization: Bearer <key>``.
 
 Requests go to the scheduler (``pipeline/scheduler.py``), shared with the chat: a full queue answers
@@ -61,9 +61,6 @@ MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (data URLs includ
 CHARS_PER_TOKEN_BOUND = 8  # text longer than this many characters per context token cannot fit: refused unread
 STALL_S = 300.0  # /health reports the scheduler wedged when one iteration (a prefill, a step) runs this long
 OFF_VALUES = (None, False, 0, [], {}, "")
-# The body types a browser sends cross-origin without a CORS preflight: refused, so that a web page a user
-# visits cannot make the user's browser drive a local server.
-SIMPLE_CONTENT_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 
 
 class BadRequest(Exception):
@@ -120,7 +117,7 @@ class ChatRequest(BaseModel):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, gt=0, le=1)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-2**63, lt=2**64)  # what torch's generator takes
     n: StrictInt | None = Field(None, ge=1, le=1)  # one choice per request
     stop: StrictStr | list[StrictStr] | None = Field(None, max_length=4)
     user: StrictStr | None = None
@@ -134,6 +131,9 @@ class ChatRequest(BaseModel):
         if asked:
             raise ValueError(f"unsupported field(s) {', '.join(asked)}: Glimpse implements "
                              f"{', '.join(sorted(ChatRequest.model_fields))}")
+        if self.stream_options is not None and self.stream_options.include_usage and not self.stream:
+            raise ValueError("stream_options.include_usage asks for a usage chunk: only with stream: true "
+                             "(a response that is not streamed carries usage anyway)")
         return self
 
     def stops(self) -> tuple[str, ...]:
@@ -201,8 +201,9 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
     async def chat_completions(request: Request):
         if (refusal := unauthorized(request)) is not None:
             return refusal
-        if request.headers.get("content-type", "").split(";")[0].strip().lower() in SIMPLE_CONTENT_TYPES:
-            # A page on another origin can make a browser POST these without asking (no CORS preflight).
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            # A page on another origin can make a browser POST a body with no content type, or with one of the
+            # "simple" types, without asking (no CORS preflight); only JSON is read.
             telemetry.refused("bad_request")
             return _error(415, "the request body must be JSON, sent as Content-Type: application/json")
         raw = bytearray()
@@ -322,6 +323,8 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: Path, fetcher
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise BadRequest("the data URL is not valid base64") from None
+        if not data:
+            raise BadRequest("the data URL holds no data (data:<type>;base64,<data>)")
     elif url.startswith(("http://", "https://")):
         data = fetcher.fetch(url)
     else:

@@ -62,8 +62,30 @@ def normalise_messages(messages) -> list[dict]:
         for item in content:
             if item.get("type") not in ("text", "image", "video"):
                 raise PromptError(f"unsupported content item type {item.get('type')!r} (text, image or video)")
+            if item["type"] == "text":
+                _check_text(item.get("text"))
+            else:
+                _media_of(item)  # names its image or video
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def _check_text(text) -> None:
+    if not isinstance(text, str):
+        raise PromptError(f"a text item needs a string 'text', got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\\ud800" in JSON): no tokenizer can take it
+        raise PromptError("the text is not valid Unicode (it holds a lone surrogate)") from None
+
+
+def _media_of(item: dict):
+    """An image or video item's source: its ``image``/``video``, ``url`` or ``path`` (bytes, a path, a PIL
+    image). Present but empty (``b""``) is kept, so that it fails as an empty file, not as a missing key."""
+    for key in (item["type"], "url", "path"):
+        if item.get(key) is not None:
+            return item[key]
+    raise PromptError(f"{item['type']} items need '{item['type']}', 'url' or 'path'")
 
 
 def load_media(adapter: Adapter, messages: list[dict]) -> list[MediaInput]:
@@ -71,12 +93,11 @@ def load_media(adapter: Adapter, messages: list[dict]) -> list[MediaInput]:
     for m in messages:
         for item in m["content"]:
             if item["type"] == "image":
-                image = vision.load_image(item.get("image") or item.get("url") or item.get("path"))
-                media.append(adapter.prepare_image(image))
+                media.append(adapter.prepare_image(vision.load_image(_media_of(item))))
             elif item["type"] == "video":
                 if not adapter.supports_video:
                     raise vision.MediaError(f"this model ({adapter.name}) does not take video; send frames as images")
-                media.append(adapter.prepare_video(item.get("video") or item.get("path")))
+                media.append(adapter.prepare_video(_media_of(item)))
     return media
 
 
