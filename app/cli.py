@@ -8,7 +8,7 @@
     glimpse calibrate hidivdrop --model M --images DIR [--window N] [--top-k K] [--max-images N] [--out FILE]
     glimpse eval agreement|passkey|visual [--model M] [--policies P,Q] [--speeds S,T] [--json] [--plot FILE.png]
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
-                  [--max-batch N] [--queue-size N] [--kv-budget-mb N] [--api-key KEY | --no-api-key]
+                  [--max-uploads-gb G] [--max-batch N] [--queue-size N] [--kv-budget-mb N] [--api-key KEY | --no-api-key]
     glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
                     [--batch-size N] [--max-new-tokens N]
 
@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-root", default=None, metavar="DIR",
                        help="API requests may name local files under DIR (default: none)")
     serve.add_argument("--max-upload-mb", type=int, default=200, help="largest upload accepted by the chat")
+    serve.add_argument("--max-uploads-gb", type=float, default=20.0,
+                       help="disk the chat's uploads may take in all (default 20); past it, uploads older than a "
+                            "day are deleted, and if that is not enough an upload is refused")
     serve.add_argument("--queue-size", type=int, default=32,
                        help="requests waiting for the model beyond this are refused (the API answers 429)")
     serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together at most")
@@ -350,15 +353,18 @@ def run_eval(args) -> int:
     return 0
 
 
-def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=200, queue_size=32,
+def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=200, max_uploads_gb=20.0, queue_size=32,
                  max_new_tokens=256, allow_private_urls=False, max_batch=8, kv_budget_bytes=None, api_key=None,
                  scheduler_thread=True):
     """The FastAPI app `glimpse serve` runs: one scheduler owning the engine, the API routes on it, and the
     Gradio chat on it, mounted at /. ``scheduler_thread=False``: the caller runs ``app.state.scheduler.run()``."""
     import gradio as gr
 
+    from gradio.utils import get_upload_folder
+
     from glimpse.api import create_api
     from glimpse.telemetry import Telemetry
+    from glimpse.uploads import UploadQuota
     from glimpse.ui import build_ui
     from glimpse.pipeline.scheduler import Scheduler
 
@@ -372,8 +378,10 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root, scheduler=scheduler).queue(
         default_concurrency_limit=max_batch + queue_size, max_size=queue_size)
     auth = (lambda _user, password: password == api_key) if api_key else None
-    return gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth,
-                               auth_message="Log in with any user name and the server's API key as the password.")
+    app = gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth,
+                              auth_message="Log in with any user name and the server's API key as the password.")
+    app.add_middleware(UploadQuota, folder=get_upload_folder(), quota_bytes=int(max_uploads_gb * 2**30))
+    return app
 
 
 def _loopback(host: str) -> bool:
@@ -403,6 +411,7 @@ def run_serve(args) -> int:
         _log(NOT_GROUNDED)
     budget = args.kv_budget_mb * 2**20 if args.kv_budget_mb is not None else None
     app = build_server(engine, args.model, allowed_root=args.allowed_root, max_upload_mb=args.max_upload_mb,
+                       max_uploads_gb=args.max_uploads_gb,
                        queue_size=args.queue_size, max_new_tokens=args.max_new_tokens,
                        allow_private_urls=args.allow_private_urls, max_batch=args.max_batch,
                        kv_budget_bytes=budget, api_key=args.api_key, scheduler_thread=False)

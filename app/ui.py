@@ -378,15 +378,17 @@ def _check_upload(path, allowed: tuple[Path, ...], unusable: set[str]) -> None:
 
 
 def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
-    """The earlier turns as the model should see them: files that failed to decode and the error notes the chat
-    showed for them (and for any other failed turn) left out."""
+    """The earlier turns as the model should see them: files that failed to decode, files no longer on disk (old
+    uploads the upload quota deleted, ``glimpse.uploads``) and the error notes the chat showed for failed turns
+    left out."""
     kept = []
     for message in history:
         content = message.get("content")
         if message.get("role") == "assistant" and _text_of(message).startswith("⚠️"):
             continue
         parts = content if isinstance(content, list) else [content]
-        parts = [p for p in parts if not (isinstance(p, dict) and _path_of(p) in unusable)]
+        parts = [p for p in parts if not (isinstance(p, dict) and _path_of(p) is not None
+                                          and (_path_of(p) in unusable or not Path(_path_of(p)).is_file()))]
         if parts:
             kept.append({**message, "content": parts if isinstance(content, list) else parts[0]})
     return kept

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -393,6 +395,42 @@ def test_the_chat_uses_only_files_uploaded_to_it(tmp_path):
             history_to_messages(turn(path), (uploads.resolve(),))
         refusals.append(str(error.value).split(": ", 1)[1])
     assert len(set(refusals)) == 1 and "only files uploaded to this chat" in refusals[0]
+
+
+def test_uploads_past_the_quota_are_refused_old_ones_make_room_and_the_chat_goes_on_without_them(
+        server, media, tmp_path, monkeypatch):
+    """A client uploading in a loop cannot fill the disk: past --max-uploads-gb the upload route answers 507
+    (before reading the body), unless uploads older than a day can be deleted to make room; an upload that
+    does not state its length is 411. An earlier turn whose file was deleted is left out, not an error."""
+    from glimpse.ui import _usable
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    app = build_server(server["engine"], "tiny-llava", max_uploads_gb=1.5 * 2**20 / 2**30)  # 1.5 MiB
+    blob = os.urandom(2**20)  # 1 MiB: one fits, two do not
+
+    def upload(name):
+        return httpx.post(url + "/gradio_api/upload", files={"files": (name, blob, "image/png")}, timeout=30)
+
+    for url in _serve(app):
+        first = upload("a.png")
+        assert first.status_code == 200, first.text
+        kept = Path(first.json()[0])
+        assert kept.is_file() and kept.is_relative_to(tmp_path / "uploads")
+        refused = upload("b.png")
+        assert refused.status_code == 507 and "uploads is full" in refused.json()["error"]["message"]
+        assert kept.is_file()  # a recent upload is never deleted to make room
+        unstated = httpx.post(url + "/gradio_api/upload", timeout=30, headers={"Content-Type": "multipart/form-data"},
+                              content=(piece for piece in [b"--x\r\n"]))  # chunked: no Content-Length
+        assert unstated.status_code == 411
+        two_days_ago = time.time() - 2 * 24 * 3600
+        os.utime(kept, (two_days_ago, two_days_ago))
+        again = upload("c.png")
+        assert again.status_code == 200 and Path(again.json()[0]).is_file()
+        assert not kept.exists()  # the expired upload made room
+        assert httpx.get(url + "/health").status_code == 200
+    history = [{"role": "user", "content": [{"type": "file", "file": {"path": str(kept)}}, {"type": "text", "text": "hi"}]},
+               {"role": "assistant", "content": "hello"}]
+    assert _usable(history, set())[0]["content"] == [{"type": "text", "text": "hi"}]
 
 
 def test_client_mistakes_get_400_with_what_to_fix_never_a_server_error(server, media):
