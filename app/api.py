@@ -53,12 +53,12 @@ from starlette.concurrency import run_in_threadpool
 
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.common import UserError
+from glimpse.pipeline.prompt import CHARS_PER_TOKEN_BOUND
 from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
 MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
 FETCH_DEADLINE_S = 30.0  # a media URL must be fetched within this, however slowly it drips
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (data URLs included) is refused with 413
-CHARS_PER_TOKEN_BOUND = 8  # text longer than this many characters per context token cannot fit: refused unread
 STALL_S = 300.0  # /health reports the scheduler wedged when one iteration (a prefill, a step) runs this long
 OFF_VALUES = (None, False, 0, [], {}, "")
 
@@ -277,7 +277,7 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: Path, fetcher:
            ) -> tuple[list[dict], dict, dict]:
     """The engine's messages, the scheduler's options, and what the slider promises at the requested speed
     (the calibrated agreement and cost, or that the model is uncalibrated)."""
-    if engine.max_length:  # text that cannot fit the context is refused before it is tokenized
+    if engine.max_length:  # text that cannot fit the context is refused before its media are fetched
         limit = CHARS_PER_TOKEN_BOUND * engine.max_length
         text = _text_length(body.messages)
         if text > limit:

@@ -20,6 +20,11 @@ from glimpse import vision
 from glimpse.common import UserError
 from glimpse.pipeline.adapters import IMAGE, MODALITY_NAMES, TEXT, VIDEO, Adapter, MediaInput
 
+# No tokenizer makes fewer than one token of this many characters of text: a prompt with more text than this
+# many characters per context token cannot fit, and is refused before it is tokenized (which takes seconds
+# for megabytes) or its media are decoded.
+CHARS_PER_TOKEN_BOUND = 8
+
 
 def user_message(text: str, media=()) -> list[dict]:
     """A one-turn chat as every part of Glimpse builds it: the media first (``(kind, source)`` pairs:
@@ -124,6 +129,11 @@ def render(tokenizer, chat_template: str | None, messages: list[dict], placehold
 def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
                  max_length: int | None = None) -> Prompt:
     messages = normalise_messages(messages)
+    if max_length:
+        text = sum(len(item["text"]) for m in messages for item in m["content"] if item["type"] == "text")
+        if text > CHARS_PER_TOKEN_BOUND * max_length:
+            raise PromptError(f"the messages hold {text:,} characters of text, more than this model's context "
+                              f"({max_length:,} tokens) can take")
     media = load_media(adapter, messages)
     placeholders = {"image": adapter.placeholder(IMAGE)}
     if adapter.supports_video:

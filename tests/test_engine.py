@@ -192,6 +192,12 @@ def test_prompt_over_context_length_is_a_clear_error(checkpoints, media):
     engine.max_length = 40
     with pytest.raises(PromptError, match="context length"):
         engine.generate(_messages("image", media), max_new_tokens=2)
+    # Text that cannot fit whatever the tokenizer does is refused before anything is decoded or tokenized:
+    # the corrupt image beside it is never opened (the chat has no body cap; megabytes take seconds to tokenize).
+    too_long = [{"role": "user", "content": [{"type": "image", "image": b"not an image"},
+                                             {"type": "text", "text": "x" * (8 * 40 + 1)}]}]
+    with pytest.raises(PromptError, match="characters of text"):
+        engine.generate(too_long, max_new_tokens=2)
 
 
 def test_checkpoint_without_chat_template_still_matches_transformers(checkpoints, media, tmp_path):
