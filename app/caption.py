@@ -68,7 +68,10 @@ def collect_inputs(items: Iterable[str]) -> list[Path]:
         path = Path(item)
         if path.is_dir():
             for child in sorted(path.rglob("*")):
-                if child.is_file() and child.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
+                # A broken link is listed too, to become an error row: an input that went missing is reported.
+                # FIFOs and other special files are not media (and reading one could block for ever).
+                if (child.is_file() or (child.is_symlink() and not child.exists())) \
+                        and child.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
                     add(child)
         elif path.suffix.lower() in LIST_EXTENSIONS and path.is_file():
             for line in path.read_text().splitlines():

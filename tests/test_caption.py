@@ -46,6 +46,8 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     (tmp_path / "in" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     (tmp_path / "in" / "empty.jpg").write_bytes(b"")
     (tmp_path / "in" / "notes.md").write_text("not media: ignored")
+    (tmp_path / "in" / "gone.png").symlink_to(tmp_path / "deleted.png")  # an input that went missing: reported
+    os.mkfifo(tmp_path / "in" / "pipe.png")  # not a file: ignored, never opened (reading it would block)
     out = tmp_path / "captions.jsonl"
     code = main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "6",
                  "--batch-size", "3", "--speed", "0.5"])
@@ -58,8 +60,9 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
         assert r["policy"] == "auto" and r["speed"] == 0.5 and r["metrics"]["new_tokens"] >= 1
     assert max(r["metrics"]["batch_size"] for r in records) > 1  # inputs were decoded together
     err = capsys.readouterr().err
-    assert "failed 2" in err and "broken.png" in err and "empty.jpg" in err
-    assert "captioning: 100%" in err and "7/7" in err  # the progress bar (tqdm) reached the end
+    assert "failed 3" in err and "broken.png" in err and "empty.jpg" in err and "gone.png" in err
+    assert "pipe.png" not in err
+    assert "captioning: 100%" in err and "8/8" in err  # the progress bar (tqdm) reached the end
 
 
 def test_batched_captions_equal_captions_made_one_at_a_time(model, tmp_path):
