@@ -173,6 +173,10 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image(tmp_path / "missing.jpg")
     with pytest.raises(vision.MediaError, match=r"noise\.png: not an image Glimpse can read"):
         vision.load_image(tmp_path / "noise.png")
+    with pytest.raises(vision.MediaError, match="a folder, not an image or video file"):
+        vision.load_image(tmp_path)
+    with pytest.raises(vision.MediaError, match="a URL, not a local file"):
+        vision.load_image("https://example.com/cat.png")
 
 
 def test_media_error_is_a_value_error():

@@ -87,7 +87,11 @@ def _check_file(path: str | os.PathLike) -> Path:
     """Missing and empty files get their own clear messages instead of a decoder's complaint."""
     if isinstance(path, str) and path.startswith("file://"):  # the chat format allows file:// URLs
         path = path[len("file://") :]
+    if isinstance(path, str) and "://" in path:
+        raise MediaError(f"{path}: a URL, not a local file (download it first; the server's API fetches http(s) URLs)")
     path = Path(path)
+    if path.is_dir():
+        raise MediaError(f"{_display_name(path)}: a folder, not an image or video file")
     if not path.is_file():
         raise MediaError(f"{_display_name(path)}: file not found")
     if path.stat().st_size == 0:
