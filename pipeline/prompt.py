@@ -20,9 +20,10 @@ from glimpse import vision
 from glimpse.common import UserError
 from glimpse.pipeline.adapters import IMAGE, MODALITY_NAMES, TEXT, VIDEO, Adapter, MediaInput
 
-# No tokenizer makes fewer than one token of this many characters of text: a prompt with more text than this
-# many characters per context token cannot fit, and is refused before it is tokenized (which takes seconds
-# for megabytes) or its media are decoded.
+# Tokenizers average well under this many characters per token on real text (about 4 on English, fewer on
+# code and other scripts): a prompt with more text than this many characters per context token cannot fit,
+# and is refused before it is tokenized (which takes seconds for megabytes) or its media are decoded. Only
+# text made of very long tokens (pages of spaces) could be refused although it would fit.
 CHARS_PER_TOKEN_BOUND = 8
 
 
