@@ -213,6 +213,8 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
                "--max-new-tokens", str(max(args.max_tokens, 16)), "--device", args.device]
     if args.kv_budget_mb is not None:
         command += ["--kv-budget-mb", str(args.kv_budget_mb)]
+    if args.encoder_cache_mb is not None:
+        command += ["--encoder-cache-mb", str(args.encoder_cache_mb)]
     progress(f"starting: {' '.join(command[2:])}")
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"

@@ -26,6 +26,7 @@ from glimpse.common import UserError
 from glimpse.pipeline import attention
 from glimpse.pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
 from glimpse.pipeline.cache import AuxCache, KVCache
+from glimpse.pipeline.encoder_cache import EncoderCache, media_key
 from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
 from glimpse.pipeline.prompt import Prompt, build_prompt
 from glimpse.pruning import Frontier, Policy, configuration, make_policy
@@ -265,6 +266,9 @@ class Engine:
         # What ``auto`` runs at each speed: this model's calibrated frontier (``glimpse calibrate
         # slider``), the shipped one for the embedded model, or the uncalibrated default.
         self.frontier: Frontier = uncalibrated_frontier()
+        # The vision encoder's outputs for recent media (pipeline/encoder_cache.py): off unless given a size
+        # (``glimpse serve`` gives one), so that measurements always pay for the encoder.
+        self.encoder_cache = EncoderCache(max_bytes=0)
 
     # ------------------------------------------------------------------ public API
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -453,16 +457,26 @@ class Engine:
 
     def encode_media(self, prompt: Prompt) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
         """The vision encoder + projector, per modality: the placeholder rows, one feature row each,
-        and per decoder layer what the architecture adds to those rows after it (DeepStack; usually none)."""
+        and per decoder layer what the architecture adds to those rows after it (DeepStack; usually none).
+        Media encoded before are taken from ``encoder_cache`` when it is on (a chat's follow-up turns)."""
         out = []
         for kind in (IMAGE, VIDEO):
-            if any(m.kind == kind for m in prompt.media):
+            items = [m for m in prompt.media if m.kind == kind]
+            if not items:
+                continue
+            key = media_key(items) if self.encoder_cache.max_bytes else None
+            cached = self.encoder_cache.get(key) if key is not None else None
+            if cached is None:
                 features, layers = self.adapter.encode_with_layers(prompt.media, kind)
-                features = features.to(self.device, self.dtype)
-                rows = (prompt.modality == kind).nonzero().squeeze(1).to(self.device)
-                if features.shape[0] != rows.shape[0]:
-                    raise RuntimeError(f"encoder gave {features.shape[0]} features for {rows.shape[0]} placeholders")
-                out.append((rows, features, [f.to(self.device, self.dtype) for f in layers]))
+                features, layers = features.to(self.device, self.dtype), [f.to(self.device, self.dtype) for f in layers]
+                if key is not None:
+                    self.encoder_cache.put(key, (features, layers))
+            else:
+                features, layers = cached
+            rows = (prompt.modality == kind).nonzero().squeeze(1).to(self.device)
+            if features.shape[0] != rows.shape[0]:
+                raise RuntimeError(f"encoder gave {features.shape[0]} features for {rows.shape[0]} placeholders")
+            out.append((rows, features, layers))
         return out
 
     def prefill(self, prompt: Prompt, policy: Policy) -> tuple[torch.Tensor, PrefillContext]:

@@ -381,3 +381,36 @@ def test_qwen3_vl_video_prompt_is_written_as_its_processor_writes_it(checkpoints
         assert engine.generate(messages, policy=name, speed=0.0, max_new_tokens=3).token_ids == unpruned.token_ids
         pruned = engine.generate(messages, policy=name, speed=1.0, max_new_tokens=3)
         assert pruned.token_ids and pruned.metrics["prefill_flops"] <= unpruned.metrics["prefill_flops"], name
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])  # qwen3_vl: its DeepStack features are cached too
+def test_the_encoder_cache_answers_a_follow_up_exactly_without_encoding_its_picture_again(checkpoints, media, arch):
+    """With the cache on (glimpse serve), a chat's second turn — which sends the first turn's picture again —
+    takes the encoder's output from the cache, and every answer is token for token what the engine gives with
+    the cache off; a different picture is encoded; an entry larger than the cache is not kept."""
+    engine = load_engine(str(checkpoints[arch]), device="cpu")
+    image, follow_up, video = _messages("image", media), _messages("chat", media), _messages("video", media)
+    policy = {"policy": "hidivdrop", "speed": 0.5}  # the encoder in its own thread, joined late
+    expected = [engine.generate(m, max_new_tokens=MAX_NEW, **policy).token_ids for m in (image, follow_up, video)]
+    engine.encoder_cache.max_bytes = 64 * 2**20
+    answers = [engine.generate(m, max_new_tokens=MAX_NEW, **policy) for m in (image, follow_up, video)]
+    assert [a.token_ids for a in answers] == expected
+    cache = engine.encoder_cache
+    assert (cache.misses, cache.hits) == (2, 1)  # the image, then the video; the follow-up hit
+    assert len(cache.entries) == 2 and cache.bytes <= cache.max_bytes
+    cache.entries.clear()
+    cache.bytes, cache.max_bytes = 0, 16  # smaller than any entry: nothing is kept, answers unchanged
+    assert engine.generate(image, max_new_tokens=MAX_NEW, **policy).token_ids == expected[0]
+    assert not cache.entries
+
+
+def test_the_encoder_cache_drops_the_least_recently_used_entry_first():
+    from glimpse.pipeline.encoder_cache import EncoderCache
+
+    entry = lambda: (torch.zeros(10, 4), [])  # noqa: E731 — 160 bytes
+    cache = EncoderCache(max_bytes=2 * 160)
+    cache.put("a", entry())
+    cache.put("b", entry())
+    assert cache.get("a") is not None  # a is now the most recently used
+    cache.put("c", entry())
+    assert set(cache.entries) == {"a", "c"} and cache.bytes == 320

@@ -1,0 +1,69 @@
+"""The vision encoder's outputs for recently seen media.
+
+A chat sends the whole conversation every turn, so a follow-up question about the same picture would run
+the vision encoder on it again. ``EncoderCache`` keeps what the encoder + projector gave for each recent set
+of media, keyed by a digest of the encoder's *inputs* (the preprocessed tensors): the same kernels on the same
+inputs give the same features, so a hit is exactly what encoding again would give. It is bounded in bytes,
+least recently used out first, and off (``max_bytes=0``) unless asked for: ``glimpse serve`` turns it on
+(``--encoder-cache-mb``); benchmarks, calibration and evaluation leave it off, so that every measured
+prefill pays for its encoder.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+
+import torch
+
+from glimpse.pipeline.adapters import MediaInput
+
+Features = tuple[torch.Tensor, list[torch.Tensor]]  # encode_with_layers' output: features, DeepStack layers
+
+
+def media_key(items: list[MediaInput]) -> str:
+    """A digest of what the encoder reads for ``items``: each tensor's name, dtype, shape and bytes."""
+    digest = hashlib.blake2b(digest_size=20)
+    for item in items:
+        digest.update(f"{int(item.kind)}:{item.num_tokens}".encode())
+        for name in sorted(item.tensors):
+            tensor = item.tensors[name].detach().cpu().contiguous()
+            digest.update(f"|{name}:{tensor.dtype}:{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class EncoderCache:
+    def __init__(self, max_bytes: int = 0):
+        self.max_bytes = max_bytes
+        self.entries: collections.OrderedDict[str, Features] = collections.OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+        self.lock = threading.Lock()  # the vision encoder runs in its own thread (engine.VisionJob)
+
+    def get(self, key: str) -> Features | None:
+        with self.lock:
+            found = self.entries.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return found
+
+    def put(self, key: str, value: Features) -> None:
+        size = _nbytes(value)
+        with self.lock:
+            if size > self.max_bytes or key in self.entries:
+                return
+            self.entries[key] = value
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, dropped = self.entries.popitem(last=False)
+                self.bytes -= _nbytes(dropped)
+
+
+def _nbytes(value: Features) -> int:
+    features, layers = value
+    return sum(t.numel() * t.element_size() for t in [features, *layers])
