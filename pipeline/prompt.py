@@ -94,8 +94,10 @@ def _media_of(item: dict):
     raise PromptError(f"{item['type']} items need '{item['type']}', 'url' or 'path'")
 
 
-def load_media(adapter: Adapter, messages: list[dict]) -> list[MediaInput]:
-    media = []
+def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = None) -> list[MediaInput]:
+    """Each image and video decoded and preprocessed, in prompt order. Once their tokens alone pass
+    ``max_length``, the rest are not decoded: the prompt cannot fit whatever they hold."""
+    media, tokens = [], 0
     for m in messages:
         for item in m["content"]:
             if item["type"] == "image":
@@ -104,6 +106,12 @@ def load_media(adapter: Adapter, messages: list[dict]) -> list[MediaInput]:
                 if not adapter.supports_video:
                     raise vision.MediaError(f"this model ({adapter.name}) does not take video; send frames as images")
                 media.append(adapter.prepare_video(_media_of(item)))
+            else:
+                continue
+            tokens += media[-1].num_tokens
+            if max_length and tokens > max_length:
+                raise PromptError(f"the images and videos alone take {tokens} tokens or more, over this model's "
+                                  f"context length of {max_length}; send fewer or smaller images, or fewer video frames")
     return media
 
 
@@ -135,7 +143,7 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
         if text > CHARS_PER_TOKEN_BOUND * max_length:
             raise PromptError(f"the messages hold {text:,} characters of text, more than this model's context "
                               f"({max_length:,} tokens) can take")
-    media = load_media(adapter, messages)
+    media = load_media(adapter, messages, max_length)
     placeholders = {"image": adapter.placeholder(IMAGE)}
     if adapter.supports_video:
         placeholders["video"] = adapter.placeholder(VIDEO)

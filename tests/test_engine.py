@@ -198,6 +198,11 @@ def test_prompt_over_context_length_is_a_clear_error(checkpoints, media):
                                              {"type": "text", "text": "x" * (8 * 40 + 1)}]}]
     with pytest.raises(PromptError, match="characters of text"):
         engine.generate(too_long, max_new_tokens=2)
+    # Likewise pictures: once they alone pass the context, the rest are not decoded (the corrupt one last).
+    many = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])}] * 50
+             + [{"type": "image", "image": b"not an image"}, {"type": "text", "text": "hi"}]}]
+    with pytest.raises(PromptError, match="images and videos alone"):
+        engine.generate(many, max_new_tokens=2)
 
 
 def test_checkpoint_without_chat_template_still_matches_transformers(checkpoints, media, tmp_path):
