@@ -21,6 +21,7 @@ from PIL import Image
 
 from glimpse.assets import ASSETS
 from glimpse.common import UserError
+from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pruning import NAMES, parse_params
 from glimpse.vision.media import MediaError, detect_kind, load_image, probe_video, read_frames
 
@@ -224,10 +225,18 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         try:
             for path in files:
                 _check_upload(path, allowed, unusable)
-            messages = history_to_messages(_usable(history, unusable) + turn, allowed)
             options = dict(policy=engine.make_policy(policy, speed, parse_overrides(overrides)),
                            max_new_tokens=_token_limit(max_tokens, max_new_tokens))
-            ticket = scheduler.submit(messages, **options)
+            earlier, left_out = _usable(history, unusable), 0
+            while True:  # a conversation longer than the context goes on without its oldest turns
+                messages = history_to_messages(earlier + turn, allowed)
+                try:
+                    ticket = scheduler.submit(messages, **options)
+                    break
+                except ContextOverflow:
+                    if not earlier:
+                        raise  # this turn alone does not fit
+                    earlier, left_out = _without_oldest_turn(earlier), left_out + 1
             with tabs_lock:
                 tabs.setdefault(session, set()).add(ticket)
         except QueueFull as full:
@@ -260,7 +269,10 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         if result is None:
             return
         if result.finish_reason == "length":
-            answer += f"\n\n*(cut at {len(result.token_ids)} tokens: raise max answer tokens for more)*"
+            answer += _note(f"cut at {len(result.token_ids)} tokens: raise max answer tokens for more")
+        if left_out:
+            answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
+                            f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")
         yield answer, metrics_markdown(result, baseline), keep_map_image(messages, result.metrics["keep_map"])
 
     def tab_closed(request):
@@ -286,7 +298,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         wait_for_answers_to_end(request)
         history = list(history or [])
         if history and history[-1]["role"] == "assistant":
-            history[-1] = {**history[-1], "content": f"{_text_of(history[-1])}\n\n*(stopped)*"}
+            history[-1] = {**history[-1], "content": _text_of(history[-1]) + _note("stopped")}
         return history
 
     def cleared(request=None):
@@ -379,19 +391,57 @@ def _check_upload(path, allowed: tuple[Path, ...], unusable: set[str]) -> None:
 
 def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
     """The earlier turns as the model should see them: files that failed to decode, files no longer on disk (old
-    uploads the upload quota deleted, ``glimpse.uploads``) and the error notes the chat showed for failed turns
-    left out."""
+    uploads the upload quota deleted, ``glimpse.uploads``), the error notes the chat showed for failed turns and
+    the notes it adds under answers (cut, stopped, turns left out) left out."""
     kept = []
     for message in history:
         content = message.get("content")
         if message.get("role") == "assistant" and _text_of(message).startswith("⚠️"):
             continue
+        if message.get("role") == "assistant":
+            content = _without_notes_in(content)  # the chat's own notes under an answer are not the model's words
         parts = content if isinstance(content, list) else [content]
         parts = [p for p in parts if not (isinstance(p, dict) and _path_of(p) is not None
                                           and (_path_of(p) in unusable or not Path(_path_of(p)).is_file()))]
         if parts:
             kept.append({**message, "content": parts if isinstance(content, list) else parts[0]})
     return kept
+
+
+def _note(text: str) -> str:
+    """What the chat adds under an answer (cut, stopped, turns left out): shown, never sent back to the model."""
+    return f"{NOTE_START}{text}{NOTE_END}"
+
+
+NOTE_START, NOTE_END = "\n\n*(", ")*"
+
+
+def _without_notes(text: str) -> str:
+    while text.endswith(NOTE_END) and NOTE_START in text:
+        text = text[:text.rindex(NOTE_START)]
+    return text
+
+
+def _without_notes_in(content):
+    """A message's content (a string, or Gradio's list of parts) with the chat's notes taken off its text."""
+    if isinstance(content, str):
+        return _without_notes(content)
+    if isinstance(content, list):
+        return [_without_notes(p) if isinstance(p, str) else
+                {**p, "text": _without_notes(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+                for p in content]
+    return content
+
+
+def _without_oldest_turn(history: list[dict]) -> list[dict]:
+    """``history`` from its second question on: the first question (Gradio gives its files and its text as
+    separate messages) and the answers to it left out."""
+    start = 0
+    while start < len(history) and history[start].get("role") == "user":
+        start += 1
+    while start < len(history) and history[start].get("role") != "user":
+        start += 1
+    return history[start:]
 
 
 def _path_of(part: dict) -> str | None:

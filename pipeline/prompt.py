@@ -38,6 +38,10 @@ class PromptError(UserError):
     """The request cannot become a prompt (bad message format, too long for the model, ...)."""
 
 
+class ContextOverflow(PromptError):
+    """The prompt does not fit the model's context (a chat can leave out its oldest turns and try again)."""
+
+
 @dataclass
 class Prompt:
     input_ids: torch.Tensor  # (T,)
@@ -110,7 +114,7 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
                 continue
             tokens += media[-1].num_tokens
             if max_length and tokens > max_length:
-                raise PromptError(f"the images and videos alone take {tokens} tokens or more, over this model's "
+                raise ContextOverflow(f"the images and videos alone take {tokens} tokens or more, over this model's "
                                   f"context length of {max_length}; send fewer or smaller images, or fewer video frames")
     return media
 
@@ -141,7 +145,7 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
     if max_length:
         text = sum(len(item["text"]) for m in messages for item in m["content"] if item["type"] == "text")
         if text > CHARS_PER_TOKEN_BOUND * max_length:
-            raise PromptError(f"the messages hold {text:,} characters of text, more than this model's context "
+            raise ContextOverflow(f"the messages hold {text:,} characters of text, more than this model's context "
                               f"({max_length:,} tokens) can take")
     media = load_media(adapter, messages, max_length)
     placeholders = {"image": adapter.placeholder(IMAGE)}
@@ -181,6 +185,6 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
         raise PromptError(f"the chat template wrote no placeholder for {leftover} image/video item(s)")
 
     if max_length is not None and len(expanded) >= max_length:
-        raise PromptError(f"the prompt is {len(expanded)} tokens, over this model's context length of "
+        raise ContextOverflow(f"the prompt is {len(expanded)} tokens, over this model's context length of "
                           f"{max_length}; use a shorter text, fewer or smaller images, or fewer video frames")
     return Prompt(torch.tensor(expanded, dtype=torch.long), torch.tensor(modality, dtype=torch.long), media, text)

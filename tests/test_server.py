@@ -218,6 +218,45 @@ def test_the_chat_answers_through_gradio_client_and_shows_errors_in_the_chat(ser
     assert "⚠️" not in answer  # the broken file left the conversation; the next turn is answered
 
 
+def test_a_chat_longer_than_the_context_goes_on_without_its_oldest_turns_and_says_so(checkpoints):
+    """Each chat turn sends the whole conversation: once it no longer fits the model's context, the oldest turns
+    are left out (the answer says how many) instead of every later question failing; a question that alone
+    does not fit is still an error in the chat."""
+    from gradio_client import Client
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    question = "Tell me about " + "the sea and the sky, " * 12  # about 80 tokens
+    two = [{"role": "user", "content": question}, {"role": "assistant", "content": "one two three four five"},
+           {"role": "user", "content": question}]
+    engine.max_length = len(engine.prepare(two)) + 16  # two such questions fit (with a short answer), three do not
+    app = build_server(engine, "tiny-llava", max_new_tokens=4)
+    for url in _serve(app):
+        client = Client(url + "/", verbose=False)
+        answers = [client.predict({"text": question, "files": []}, "none", 0.0, 4, "", False, api_name="/chat")[0]
+                   for _ in range(3)]
+        assert all("⚠️" not in a for a in answers), answers
+        assert "left out" not in answers[0] and "left out" not in answers[1]
+        assert "1 oldest turn was left out" in answers[2]
+        alone, _, _ = client.predict({"text": question * 3, "files": []}, "none", 0.0, 4, "", False, api_name="/chat")
+        assert "⚠️" in alone and "context" in alone
+
+
+def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
+    """"(cut at N tokens ...)", "(stopped)" and "(... left out ...)" are shown under answers; the next turn sends
+    the answer without them (a string, or Gradio's list of parts), and leaving out the oldest turn drops the
+    first question with its files and its answers."""
+    from glimpse.ui import _usable, _without_oldest_turn
+
+    history = [{"role": "user", "content": [{"type": "file", "file": {"path": "/nowhere.png"}}]},
+               {"role": "user", "content": "What colour?"},
+               {"role": "assistant", "content": "Red.\n\n*(cut at 2 tokens: raise max answer tokens for more)*"},
+               {"role": "user", "content": "And now?"},
+               {"role": "assistant", "content": [{"type": "text", "text": "Blue, and\n\n*(stopped)*"}]}]
+    usable = _usable(history, set())
+    assert usable[1]["content"] == "Red." and usable[3]["content"] == [{"type": "text", "text": "Blue, and"}]
+    assert _without_oldest_turn(history) == history[3:]
+
+
 def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(checkpoints, media):
     import numpy as np
 
