@@ -4,7 +4,7 @@ Gradio keeps every file uploaded to the chat in its upload folder, for as long a
 upload route takes files from anyone who can reach the chat (``--max-upload-mb`` bounds one file, not their
 sum). Left alone, a client that uploads in a loop fills the disk of the GPU box. ``UploadQuota`` sits in
 front of the upload route: an upload is taken only if the folder stays within ``quota_bytes`` and the disk
-keeps ``reserve_bytes`` free; when it would not, uploads older than ``max_age_s`` are deleted first (an old
+keeps ``RESERVE_BYTES`` free; when it would not, uploads older than ``max_age_s`` are deleted first (an old
 chat's earlier pictures: later turns go on without them, ``ui._usable``), and if that is not enough the upload
 is refused with 507 and a message that says so. The check runs before the body is read.
 """
@@ -16,6 +16,9 @@ import os
 import shutil
 import time
 from pathlib import Path
+
+
+RESERVE_BYTES = 2**30  # what uploads must leave free on the disk, whatever the quota
 
 
 def folder_bytes(folder: Path) -> int:
@@ -54,13 +57,12 @@ def delete_older_than(folder: Path, max_age_s: float) -> int:
 
 class UploadQuota:
     """ASGI middleware: POSTs to a path ending in ``/upload`` (Gradio's upload route) are refused with 507 when
-    the upload folder would grow past ``quota_bytes`` or the disk would keep less than ``reserve_bytes``; 411
+    the upload folder would grow past ``quota_bytes`` or the disk would keep less than ``RESERVE_BYTES``; 411
     when they do not say their length (a browser always does)."""
 
-    def __init__(self, app, folder: str | Path, quota_bytes: int, reserve_bytes: int = 2**30,
-                 max_age_s: float = 24 * 3600):
+    def __init__(self, app, folder: str | Path, quota_bytes: int, max_age_s: float = 24 * 3600):
         self.app, self.folder = app, Path(folder)
-        self.quota_bytes, self.reserve_bytes, self.max_age_s = quota_bytes, reserve_bytes, max_age_s
+        self.quota_bytes, self.max_age_s = quota_bytes, max_age_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/").endswith("/upload"):
@@ -85,7 +87,7 @@ class UploadQuota:
     def _fits(self, length: int) -> bool:
         self.folder.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.folder).free
-        return folder_bytes(self.folder) + length <= self.quota_bytes and free - length >= self.reserve_bytes
+        return folder_bytes(self.folder) + length <= self.quota_bytes and free - length >= RESERVE_BYTES
 
 
 async def _refuse(send, status: int, message: str) -> None:
