@@ -98,6 +98,17 @@ def _media_of(item: dict):
     raise PromptError(f"{item['type']} items need '{item['type']}', 'url' or 'path'")
 
 
+def _prepared(prepare, source, kind: str) -> MediaInput:
+    """``prepare(source)``, with what the model's own processor refuses about the input (Qwen's: an aspect
+    ratio over 200) reported as a bad picture, not as a failure of the server."""
+    try:
+        return prepare(source)
+    except vision.MediaError:
+        raise
+    except ValueError as error:
+        raise vision.MediaError(f"this model's processor cannot take this {kind}: {error}") from error
+
+
 def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = None) -> list[MediaInput]:
     """Each image and video decoded and preprocessed, in prompt order. Once their tokens alone pass
     ``max_length``, the rest are not decoded: the prompt cannot fit whatever they hold."""
@@ -105,11 +116,11 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
     for m in messages:
         for item in m["content"]:
             if item["type"] == "image":
-                media.append(adapter.prepare_image(vision.load_image(_media_of(item))))
+                media.append(_prepared(adapter.prepare_image, vision.load_image(_media_of(item)), "image"))
             elif item["type"] == "video":
                 if not adapter.supports_video:
                     raise vision.MediaError(f"this model ({adapter.name}) does not take video; send frames as images")
-                media.append(adapter.prepare_video(_media_of(item)))
+                media.append(_prepared(adapter.prepare_video, _media_of(item), "video"))
             else:
                 continue
             tokens += media[-1].num_tokens

@@ -419,3 +419,20 @@ def test_the_encoder_cache_drops_the_least_recently_used_entry_first():
     assert cache.get("a") is not None  # a is now the most recently used
     cache.put("c", entry())
     assert set(cache.entries) == {"a", "c"} and cache.bytes == 320
+
+
+def test_a_picture_the_models_own_processor_refuses_is_a_media_error_not_a_crash(checkpoints):
+    """Qwen's processor refuses aspect ratios over 200 with a ValueError: the user gets a MediaError (the API's
+    400, a message in the chat) that names the reason."""
+    import io
+
+    from PIL import Image
+
+    from glimpse.vision import MediaError
+
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    strip = io.BytesIO()
+    Image.new("RGB", (1, 5000), "red").save(strip, "PNG")
+    with pytest.raises(MediaError, match="processor cannot take this image: .*aspect ratio"):
+        engine.generate([{"role": "user", "content": [{"type": "image", "image": strip.getvalue()},
+                                                      {"type": "text", "text": "What colour?"}]}], max_new_tokens=2)
