@@ -124,9 +124,10 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
             else:
                 continue
             tokens += media[-1].num_tokens
-            if max_length and tokens > max_length:
+            if max_length and tokens >= max_length:
                 raise ContextOverflow(f"the images and videos alone take {tokens} tokens or more, over this model's "
-                                  f"context length of {max_length}; send fewer or smaller images, or fewer video frames")
+                                      f"context length of {max_length}; send fewer or smaller images, or fewer video "
+                                      "frames")
     return media
 
 
@@ -157,7 +158,7 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
         text = sum(len(item["text"]) for m in messages for item in m["content"] if item["type"] == "text")
         if text > CHARS_PER_TOKEN_BOUND * max_length:
             raise ContextOverflow(f"the messages hold {text:,} characters of text, more than this model's context "
-                              f"({max_length:,} tokens) can take")
+                                  f"({max_length:,} tokens) can take")
     media = load_media(adapter, messages, max_length)
     placeholders = {"image": adapter.placeholder(IMAGE)}
     if adapter.supports_video:
@@ -197,5 +198,5 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
 
     if max_length is not None and len(expanded) >= max_length:
         raise ContextOverflow(f"the prompt is {len(expanded)} tokens, over this model's context length of "
-                          f"{max_length}; use a shorter text, fewer or smaller images, or fewer video frames")
+                              f"{max_length}; use a shorter text, fewer or smaller images, or fewer video frames")
     return Prompt(torch.tensor(expanded, dtype=torch.long), torch.tensor(modality, dtype=torch.long), media, text)
