@@ -1,0 +1,177 @@
+"""A corpus of malformed and hostile requests against a running `glimpse serve`: each is sent, its status and the
+start of its answer printed, and at the end the count of 2xx, 4xx and 5xx answers and whether the server still
+answers /health. Nothing here should be a 5xx. The 2xx are odd but valid requests: a system or assistant message
+last (OpenAI answers those too), a bare string as `image_url`, a data URL whose declared type is wrong (the bytes
+are read for what they are), a negative seed, an empty or long stop string, a NUL in the text, any `model` name
+(the server has one), `user`, `max_completion_tokens`, a still image sent as a video (a one-frame clip), the
+picture under --allowed-root, and the CORS preflight (answered without Access-Control-Allow-Origin, so a browser
+does not send the request).
+
+    glimpse serve --port 7861 --allowed-root /tmp/glimpse-allowed &
+    python benchmarks/hostile_api.py --url http://127.0.0.1:7861 --allowed-root /tmp/glimpse-allowed
+
+``--allowed-root`` must be the server's: the script puts a picture, a symlink out of it and a symlink to a
+picture outside it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def corpus(ROOT: str, PORT: str) -> tuple[dict, dict]:  # noqa: N803 — spelled as they read in the URLs below
+    png = base64.b64encode((ASSETS / "sample.png").read_bytes()).decode()
+
+    def msg(content):
+        return {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+    def img(url):
+        return msg([{"type": "text", "text": "colour?"}, {"type": "image_url", "image_url": {"url": url}}])
+
+    cases = {
+        "messages dict": {"messages": {"role": "user", "content": "hi"}},
+        "messages empty": {"messages": []},
+        "content number": msg(5),
+        "content null": msg(None),
+        "role tool": {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
+        "role missing": {"messages": [{"content": "x"}]},
+        "only system": {"messages": [{"role": "system", "content": "x"}]},
+        "last is assistant": {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "max_tokens": 3},
+        "part type unknown": msg([{"type": "audio", "audio": "x"}]),
+        "part text missing": msg([{"type": "text"}]),
+        "image_url string": msg([{"type": "image_url", "image_url": "data:image/png;base64," + png}]),
+        "data url not base64": img("data:image/png;base64,@@@@"),
+        "data url whitespace": img("data:image/png;base64," + png[:100] + "\n" + png[100:]),
+        "data url wrong mime": img("data:text/html;base64," + png),
+        "data url no comma": img("data:image/png;base64"),
+        "data url gif1x1": img("data:image/gif;base64,R0lGODlhAQABAAAAACw="),
+        "file passwd": img("file:///etc/passwd"),
+        "file localhost": img("file://localhost/etc/passwd"),
+        "proc environ": img("/proc/self/environ"),
+        "traversal": img(ROOT + "/../../../etc/passwd"),
+        "encoded traversal": img("file://" + ROOT + "/%2e%2e/%2e%2e/etc/passwd"),
+        "symlink out": img(ROOT + "/link.png"),
+        "symlink to outside picture": img(ROOT + "/good_link.png"),
+        "allowed ok": img(ROOT + "/sample.png"),
+        "dir": img(ROOT + "/"),
+        "0.0.0.0": img("http://0.0.0.0:" + PORT + "/health"),
+        "::1": img("http://[::1]:" + PORT + "/health"),
+        "hex ip": img("http://0x7f000001:" + PORT + "/health"),
+        "int ip": img("http://2130706433:" + PORT + "/health"),
+        "127.1": img("http://127.1:" + PORT + "/health"),
+        "v4mapped": img("http://[::ffff:127.0.0.1]:" + PORT + "/health"),
+        "localhost.": img("http://localhost.:" + PORT + "/health"),
+        "userinfo": img("http://user:pw@127.0.0.1:" + PORT + "/health"),
+        "gopher": img("gopher://127.0.0.1:" + PORT + "/"),
+        "ftp": img("ftp://example.com/x.png"),
+        "upper scheme": img("HTTP://127.0.0.1:" + PORT + "/health"),
+        "metadata": img("http://169.254.169.254/latest/meta-data/"),
+        "speed NaN": {**msg("hi"), "speed": float("nan")},
+        "speed inf": {**msg("hi"), "speed": float("inf")},
+        "speed -1": {**msg("hi"), "speed": -1},
+        "speed 2": {**msg("hi"), "speed": 2},
+        "max_tokens 0": {**msg("hi"), "max_tokens": 0},
+        "max_tokens -1": {**msg("hi"), "max_tokens": -1},
+        "max_tokens 2^63": {**msg("hi"), "max_tokens": 2**63},
+        "max_tokens 1.0": {**msg("hi"), "max_tokens": 1.0},
+        "temperature nan": {**msg("hi"), "temperature": float("nan")},
+        "temperature inf": {**msg("hi"), "temperature": float("inf")},
+        "temperature -1": {**msg("hi"), "temperature": -1},
+        "temperature 1e308": {**msg("hi"), "temperature": 1e308},
+        "top_p 0": {**msg("hi"), "temperature": 1, "top_p": 0},
+        "top_p 2": {**msg("hi"), "temperature": 1, "top_p": 2},
+        "top_p nan": {**msg("hi"), "temperature": 1, "top_p": float("nan")},
+        "seed neg": {**msg("hi"), "temperature": 1, "seed": -5},
+        "seed 2^70": {**msg("hi"), "temperature": 1, "seed": 2**70},
+        "stop empty": {**msg("hi"), "stop": [""]},
+        "stop 5": {**msg("hi"), "stop": ["a","b","c","d","e"]},
+        "stop long": {**msg("hi"), "stop": ["x"*10000]},
+        "stop number": {**msg("hi"), "stop": 5},
+        "params huge": {**msg("hi"), "policy": "dash", "speed": 0.5, "params": {"rho": 1e308}},
+        "params nan": {**msg("hi"), "policy": "dash", "speed": 0.5, "params": {"rho": float("nan")}},
+        "params nested": {**msg("hi"), "policy": "dash", "params": {"rho": {"a": 1}}},
+        "params unknown member": {**msg("hi"), "policy": "auto", "params": {"nosuch.x": 1}},
+        "params list": {**msg("hi"), "policy": "dash", "params": [1, 2]},
+        "policy path": {**msg("hi"), "policy": "../../etc"},
+        "policy space": {**msg("hi"), "policy": "auto "},
+        "policy int": {**msg("hi"), "policy": 3},
+        "NUL text": msg("hi\u0000there"),
+        "stream_options no stream": {**msg("hi"), "stream_options": {"include_usage": True}},
+        "stream string": {**msg("hi"), "stream": "yes"},
+        "model other": {**msg("hi"), "model": "gpt-4"},
+        "n 2": {**msg("hi"), "n": 2},
+        "n 0": {**msg("hi"), "n": 0},
+        "many messages": {"messages": [{"role": "user", "content": ""}] * 100000, "max_tokens": 2},
+        "user field": {**msg("hi"), "user": "bob"},
+        "max_completion and max": {**msg("hi"), "max_completion_tokens": 3},
+        "video as image": img("data:video/mp4;base64," + base64.b64encode((ASSETS / "sample.mp4").read_bytes()).decode()),
+        "image as video": msg([{"type": "video_url", "video_url": {"url": "data:image/png;base64," + png}}]),
+    }
+    raw = {
+        "not json": (b"{not json", "application/json"),
+        "json array": (b"[1,2]", "application/json"),
+        "json string": (b'"hi"', "application/json"),
+        "deep array": (b"[" * 50000 + b"]" * 50000, "application/json"),
+        "latin1": ('{"messages":[{"role":"user","content":"caf\xe9"}],"max_tokens":2}'.encode("latin-1"), "application/json; charset=latin-1"),
+        "bad utf8": (b'{"messages":[{"role":"user","content":"\xff\xfe"}]}', "application/json"),
+        "dup keys": (b'{"messages":[{"role":"user","content":"a"}],"max_tokens":2,"max_tokens":99999999}', "application/json"),
+        "empty body": (b"", "application/json"),
+        "text/plain": (json.dumps(msg("hi")).encode(), "text/plain"),
+        "no ctype": (json.dumps(msg("hi")).encode(), None),
+        "xml ctype": (json.dumps(msg("hi")).encode(), "application/xml"),
+        "lone surrogate escaped": (b'{"messages":[{"role":"user","content":"\\ud800"}],"max_tokens":2}', "application/json"),
+        "NaN literal": (b'{"messages":[{"role":"user","content":"a"}],"speed":NaN}', "application/json"),
+        "huge int literal": (b'{"messages":[{"role":"user","content":"a"}],"max_tokens":' + b"9"*5000 + b"}", "application/json"),
+    }
+    return cases, raw
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", default="http://127.0.0.1:7861")
+    parser.add_argument("--allowed-root", required=True, help="the server's --allowed-root")
+    args = parser.parse_args()
+    root = Path(args.allowed_root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sample.png").write_bytes((ASSETS / "sample.png").read_bytes())
+    for name, target in (("link.png", Path("/etc/passwd")), ("good_link.png", ASSETS / "sample.png")):
+        if not (root / name).is_symlink():
+            os.symlink(target, root / name)
+    cases, raw = corpus(str(root), str(urlsplit(args.url).port or 80))
+    counts = {"2xx": 0, "4xx": 0, "5xx": 0}
+    client = httpx.Client(timeout=120)
+    endpoint = args.url + "/v1/chat/completions"
+
+    def show(name, response):
+        kind = f"{response.status_code // 100}xx"
+        counts[kind] = counts.get(kind, 0) + 1
+        print(f"{response.status_code} {name:26s} {response.text[:150].replace(chr(10), ' ')}"
+              + ("   <-- server error" if response.status_code >= 500 else ""))
+
+    for name, body in cases.items():
+        show(name, client.post(endpoint, content=json.dumps(body, allow_nan=True),
+                               headers={"content-type": "application/json"}))
+    for name, (data, content_type) in raw.items():
+        show(name, client.post(endpoint, content=data, headers={"content-type": content_type} if content_type else {}))
+    for method in ("GET", "PUT", "DELETE", "OPTIONS"):
+        show(method, client.request(method, endpoint, headers={"Origin": "http://evil.example",
+                                                               "Access-Control-Request-Method": "POST"}))
+    for path in ("/gradio_api/file=/etc/passwd", "/file=/etc/passwd", "/gradio_api/file=../../../etc/passwd",
+                 "/v1/models/../../etc/passwd", "/static/../../etc/passwd"):
+        show(path, client.get(args.url + path))
+    health = client.get(args.url + "/health")
+    print(f"\n{sum(counts.values())} requests: " + ", ".join(f"{n} {k}" for k, n in counts.items())
+          + f"; /health afterwards: {health.status_code} {health.json().get('status')}")
+
+
+if __name__ == "__main__":
+    main()
