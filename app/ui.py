@@ -283,10 +283,13 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             ticket.cancel.set()
 
     def wait_for_answers_to_end(request, limit: float = 10.0) -> None:
-        """Until this tab's streamed answer has ended (Stop and Clear cancel it; its ``finally`` drops the
-        ticket). Its last update is then already on the session's stream, so what is sent after this reaches
-        the page after it instead of being overwritten by it."""
+        """End this tab's answer and wait until its stream has ended (its ``finally`` drops the ticket). Its
+        last update is then already on the session's stream, so what is sent after this reaches the page after
+        it instead of being overwritten by it."""
         session = getattr(request, "session_hash", None)
+        with tabs_lock:
+            for ticket in tabs.get(session, ()):
+                ticket.cancel.set()  # Gradio cancels the event too; this ends the request at the scheduler at once
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             with tabs_lock:
