@@ -366,7 +366,6 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     """The FastAPI app `glimpse serve` runs: one scheduler owning the engine, the API routes on it, and the
     Gradio chat on it, mounted at /. ``scheduler_thread=False``: the caller runs ``app.state.scheduler.run()``."""
     import gradio as gr
-
     from gradio.utils import get_upload_folder
 
     from glimpse.api import create_api
