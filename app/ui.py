@@ -417,11 +417,15 @@ def _note(text: str) -> str:
 
 
 NOTE_START, NOTE_END = "\n\n*(", ")*"
+NOTE_KINDS = ("cut at ", "stopped", "the conversation no longer fits")  # only these: a model may end on "*(...)*" too
 
 
 def _without_notes(text: str) -> str:
     while text.endswith(NOTE_END) and NOTE_START in text:
-        text = text[:text.rindex(NOTE_START)]
+        start = text.rindex(NOTE_START)
+        if not text[start + len(NOTE_START):].startswith(NOTE_KINDS):
+            break
+        text = text[:start]
     return text
 
 

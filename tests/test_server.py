@@ -255,6 +255,8 @@ def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
     usable = _usable(history, set())
     assert usable[1]["content"] == "Red." and usable[3]["content"] == [{"type": "text", "text": "Blue, and"}]
     assert _without_oldest_turn(history) == history[3:]
+    own = [{"role": "assistant", "content": "A poem.\n\n*(the end)*"}]  # the model's own italics stay
+    assert _usable(own, set()) == own
 
 
 def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(checkpoints, media):
