@@ -19,8 +19,8 @@
 
 Requests are validated by declared models (``ChatRequest``): a bad one gets a 400 with an OpenAI-style
 ``{"error": {...}}`` body naming the field, and changes nothing. Only ``application/json`` bodies are
-read: ``text/plain``, form and untyped bodies, which a cross-origin page can send without asking, get 415. With ``--api-key``,
-``/v1/*`` requires ``Authorization: Bearer <key>``.
+read: ``text/plain``, form and untyped bodies, which a cross-origin page can send without asking, get 415.
+With ``--api-key``, ``/v1/*`` requires ``Authorization: Bearer <key>``.
 
 Requests go to the scheduler (``pipeline/scheduler.py``), shared with the chat: a full queue answers
 429 with Retry-After. A client that leaves — a dropped stream, or a request given up while waiting —
@@ -53,7 +53,7 @@ from starlette.concurrency import run_in_threadpool
 
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.common import UserError
-from glimpse.pipeline.prompt import CHARS_PER_TOKEN_BOUND
+from glimpse.pipeline.prompt import check_text_length
 from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
 MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
@@ -277,12 +277,9 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: Path, fetcher:
            ) -> tuple[list[dict], dict, dict]:
     """The engine's messages, the scheduler's options, and what the slider promises at the requested speed
     (the calibrated agreement and cost, or that the model is uncalibrated)."""
-    if engine.max_length:  # text that cannot fit the context is refused before its media are fetched
-        limit = CHARS_PER_TOKEN_BOUND * engine.max_length
-        text = _text_length(body.messages)
-        if text > limit:
-            raise BadRequest(f"the messages hold {text:,} characters of text, more than this model's context "
-                             f"({engine.max_length:,} tokens) can take")
+    # Text that cannot fit the context is refused before its media are fetched (build_prompt checks it again,
+    # for every other entry point).
+    check_text_length(_text_length(body.messages), engine.max_length)
     try:
         policy = engine.make_policy(body.policy, body.speed, body.params)
     except (UserError, KeyError, TypeError) as error:  # the request's own policy, params or their values

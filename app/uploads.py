@@ -33,26 +33,22 @@ def folder_bytes(folder: Path) -> int:
     return total
 
 
-def delete_older_than(folder: Path, max_age_s: float) -> int:
-    """Delete the files under ``folder`` last modified more than ``max_age_s`` ago, and the folders this
-    empties; return how many bytes that freed."""
-    freed, cutoff = 0, time.time() - max_age_s
-    for root, dirs, files in os.walk(folder, topdown=False):
+def delete_older_than(folder: Path, max_age_s: float) -> None:
+    """Delete the files under ``folder`` last modified more than ``max_age_s`` ago, and the folders this empties."""
+    cutoff = time.time() - max_age_s
+    for root, _, files in os.walk(folder, topdown=False):
         for name in files:
             path = os.path.join(root, name)
             try:
-                stat = os.lstat(path)
-                if stat.st_mtime < cutoff:
+                if os.lstat(path).st_mtime < cutoff:
                     os.unlink(path)
-                    freed += stat.st_size
-            except OSError:
+            except OSError:  # deleted while we looked
                 pass
         if Path(root) != Path(folder):
             try:
                 os.rmdir(root)  # only if now empty
             except OSError:
                 pass
-    return freed
 
 
 class UploadQuota:

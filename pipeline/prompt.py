@@ -151,14 +151,19 @@ def render(tokenizer, chat_template: str | None, messages: list[dict], placehold
                                          add_generation_prompt=True)
 
 
+def check_text_length(characters: int, max_length: int | None) -> None:
+    """Raise ``ContextOverflow`` if ``characters`` of text cannot fit ``max_length`` tokens, whatever the
+    tokenizer (``CHARS_PER_TOKEN_BOUND``)."""
+    if max_length and characters > CHARS_PER_TOKEN_BOUND * max_length:
+        raise ContextOverflow(f"the messages hold {characters:,} characters of text, more than this model's context "
+                              f"({max_length:,} tokens) can take")
+
+
 def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
                  max_length: int | None = None) -> Prompt:
     messages = normalise_messages(messages)
-    if max_length:
-        text = sum(len(item["text"]) for m in messages for item in m["content"] if item["type"] == "text")
-        if text > CHARS_PER_TOKEN_BOUND * max_length:
-            raise ContextOverflow(f"the messages hold {text:,} characters of text, more than this model's context "
-                                  f"({max_length:,} tokens) can take")
+    check_text_length(sum(len(item["text"]) for m in messages for item in m["content"] if item["type"] == "text"),
+                      max_length)
     media = load_media(adapter, messages, max_length)
     placeholders = {"image": adapter.placeholder(IMAGE)}
     if adapter.supports_video:

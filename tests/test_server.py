@@ -528,9 +528,10 @@ def test_oversized_bodies_and_text_beyond_the_context_are_refused_before_any_wor
     """A body over the cap is 413 before it is parsed; text that cannot fit the model's context is 400
     before it is tokenized; deeply nested JSON is a 400, not a server error; the server keeps serving."""
     from glimpse import api
+    from glimpse.pipeline.prompt import CHARS_PER_TOKEN_BOUND
 
     url = server["url"] + "/v1/chat/completions"
-    too_long = "word " * (api.CHARS_PER_TOKEN_BOUND * server["engine"].max_length // 5 + 10)
+    too_long = "word " * (CHARS_PER_TOKEN_BOUND * server["engine"].max_length // 5 + 10)
     reply = httpx.post(url, json={"messages": [{"role": "user", "content": too_long}]}, timeout=60)
     assert reply.status_code == 400 and "context" in reply.json()["error"]["message"]
     nested = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
