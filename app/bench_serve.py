@@ -143,19 +143,27 @@ def send(client: httpx.Client, url: str, body: dict) -> Outcome:
 def run_phase(url: str, bodies: list[dict], clients: int, api_key: str | None, progress) -> Phase:
     phase = Phase("serial" if clients == 1 else f"{clients} clients", clients)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    shares = [bodies[c::clients] for c in range(clients)]
+    # One list of requests that every client takes its next one from, as it finishes the last (vLLM's
+    # --max-concurrency): K requests are in flight until the list runs out. Fixed shares per client would
+    # not be K clients for long: with 8 topics and 8 clients each client always got the same story, and the
+    # clients with short ones were done early while the batch ran at 4 for the last quarter of the run.
+    pending = iter(bodies)
     lock = threading.Lock()
 
-    def client_loop(share):
+    def next_body():
+        with lock:
+            return next(pending, None)
+
+    def client_loop():
         with httpx.Client(timeout=600, headers=headers) as client:
-            for body in share:
+            while (body := next_body()) is not None:
                 outcome = send(client, url, {**body, "stream_options": {"include_usage": True}} if body["stream"] else body)
                 with lock:
                     phase.outcomes.append(outcome)
                     progress(f"{phase.name}: {len(phase.outcomes)}/{len(bodies)}")
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=client_loop, args=(share,)) for share in shares]
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -215,6 +223,8 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
         command += ["--kv-budget-mb", str(args.kv_budget_mb)]
     if args.encoder_cache_mb is not None:
         command += ["--encoder-cache-mb", str(args.encoder_cache_mb)]
+    if getattr(args, "prefix_cache_mb", None) is not None:
+        command += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     progress(f"starting: {' '.join(command[2:])}")
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"

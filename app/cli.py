@@ -9,6 +9,7 @@
     glimpse eval agreement|passkey|visual [--model M] [--policies P,Q] [--speeds S,T] [--json] [--plot FILE.png]
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
                   [--max-uploads-gb G] [--max-batch N] [--queue-size N] [--kv-budget-mb N] [--encoder-cache-mb N]
+                  [--prefix-cache-mb N]
                   [--api-key KEY | --no-api-key]
     glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
                     [--batch-size N] [--max-new-tokens N]
@@ -131,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     served.add_argument("--max-batch", type=int, default=8, help="of the server started here (default 8)")
     served.add_argument("--queue-size", type=int, default=32, help="of the server started here (default 32)")
     served.add_argument("--kv-budget-mb", type=int, default=None, help="of the server started here")
+    served.add_argument("--prefix-cache-mb", type=int, default=None,
+                        help="of the server started here (default: serve's, 1024; 0 measures every prompt "
+                             "prefilled whole)")
     served.add_argument("--encoder-cache-mb", type=int, default=None,
                         help="of the server started here (default: serve's, 256; the image workload asks about one "
                              "picture, so with the cache on the encoder runs once)")
@@ -221,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--encoder-cache-mb", type=int, default=256,
                        help="keep the vision encoder's outputs of recent images and videos, up to this much "
                             "(default 256; 0: off): a chat's follow-up questions do not encode its pictures again")
+    serve.add_argument("--prefix-cache-mb", type=int, default=1024,
+                       help="keep the keys and values of recent unpruned prompts, up to this much (default 1024; "
+                            "0: off): a prompt that starts like one of them (a chat's next turn, another question "
+                            "about the same picture) computes only the rest; docs/serving.md")
     serve.add_argument("--api-key", default=os.environ.get("GLIMPSE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1/* and a login (password KEY) for the "
                             "chat (default: $GLIMPSE_API_KEY); required with a non-loopback --host")
@@ -416,6 +424,7 @@ def run_serve(args) -> int:
     if not engine.grounded:
         _log(NOT_GROUNDED)
     engine.encoder_cache.max_bytes = max(0, args.encoder_cache_mb) * 2**20
+    engine.prefix_cache.max_bytes = max(0, args.prefix_cache_mb) * 2**20
     budget = args.kv_budget_mb * 2**20 if args.kv_budget_mb is not None else None
     app = build_server(engine, args.model, allowed_root=args.allowed_root, max_upload_mb=args.max_upload_mb,
                        max_uploads_gb=args.max_uploads_gb,

@@ -41,6 +41,10 @@ class Telemetry:
                                      registry=registry)
         self.generation_tokens = Counter("glimpse_generation_tokens", "Generated tokens.", by_policy,
                                          registry=registry)
+        self.reused_tokens = Counter("glimpse_prefix_cache_reused_tokens",
+                                     "Prompt tokens taken from the prefix cache instead of computed.", ["model"],
+                                     registry=registry)
+        self.reused_tokens.labels(model_name)
         for outcome in OUTCOMES:  # every outcome present from the start, at 0
             self.requests.labels(model_name, outcome)
         for modality in ("text", "image", "video"):
@@ -53,6 +57,9 @@ class Telemetry:
                   "glimpse_kv_cache_budget_bytes": ("The KV budget admission keeps within.", "kv_budget_bytes")}
         for name, (help_text, key) in gauges.items():
             Gauge(name, help_text, registry=registry).set_function(lambda key=key: state()[key])
+        prefixes = scheduler.engine.prefix_cache
+        Gauge("glimpse_prefix_cache_bytes", "Keys and values the prefix cache holds.",
+              registry=registry).set_function(lambda: prefixes.bytes)
         scheduler.on_finish.append(self.finished)
 
     def refused(self, outcome: str) -> None:
@@ -78,6 +85,7 @@ class Telemetry:
         for modality, count in m["prompt_tokens"].items():
             self.prompt_tokens.labels(self.model, modality).inc(count)
         self.generation_tokens.labels(*labels).inc(m["new_tokens"])
+        self.reused_tokens.labels(self.model).inc(m["prefix_reused_tokens"])
         depth = m["keep_map"]["depth"]
         if depth:
             layers = m["keep_map"]["num_layers"]

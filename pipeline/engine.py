@@ -28,8 +28,9 @@ from glimpse.pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
 from glimpse.pipeline.cache import AuxCache, KVCache
 from glimpse.pipeline.encoder_cache import EncoderCache, media_key
 from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
+from glimpse.pipeline.prefix_cache import PrefixCache, media_spans
 from glimpse.pipeline.prompt import Prompt, build_prompt
-from glimpse.pruning import Frontier, Policy, configuration, make_policy
+from glimpse.pruning import Frontier, Policy, configuration, make_policy, prunes_nothing
 from glimpse.pruning.frontier import uncalibrated_frontier
 
 
@@ -101,6 +102,9 @@ class PrefillContext:
     # The layer the current callbacks act on (``LayerView``); None between layers.
     layer: "LayerView | None" = None
     next_position: torch.Tensor | None = None  # (P, 1): the first generated token's position; token g: + g
+    # Leading prompt tokens whose keys and values came from the prefix cache (pipeline/prefix_cache.py):
+    # no layer computed them for this request; ``active_per_layer`` holds the tokens after them.
+    reused_tokens: int = 0
 
 
 @dataclass
@@ -199,8 +203,8 @@ class PrefillLayer:
         rows = self.policy.attention_rows(self.layer_idx, ctx)
         ctx.attention_per_layer.append(None if rows is None else active[rows])
         n = query.shape[2]
-        if rows is None:
-            return kernel(query, key, value, engine._causal_mask(n, query.dtype))
+        if rows is None:  # ``key`` may begin with a reused prefix's entries, which every row sees
+            return kernel(query, key, value, engine._causal_mask(n, query.dtype, past=key.shape[2] - n))
         # Only ``rows`` attend, and only to each other; the other tokens get no attention update
         # (their FFN still runs). Their keys and values are in the cache all the same.
         out = query.new_zeros(1, n, query.shape[1], query.shape[3])
@@ -269,6 +273,9 @@ class Engine:
         # The vision encoder's outputs for recent media (pipeline/encoder_cache.py): off unless given a size
         # (``glimpse serve`` gives one), so that measurements always pay for the encoder.
         self.encoder_cache = EncoderCache(max_bytes=0)
+        # Keys and values of recent unpruned prompts (pipeline/prefix_cache.py): an unpruned prompt that starts
+        # like one of them prefills only the rest. Off unless given a size (``glimpse serve`` gives one).
+        self.prefix_cache = PrefixCache(max_bytes=0)
 
     # ------------------------------------------------------------------ public API
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -488,21 +495,47 @@ class Engine:
                              KVCache(num_layers), num_layers,
                              next_position=positions.max(dim=1, keepdim=True).values + 1)
         policy.plan(ctx)  # a bad parameter fails here, before any work starts
+        spans = None
+        if self.prefix_cache.max_bytes and prunes_nothing(policy):
+            spans = media_spans(prompt)
+            self._reuse_prefix(prompt, spans, ctx)
 
         # The vision encoder starts now, beside the layer loop; the loop joins it before the first
-        # layer that computes a visual token (layer 0 unless a policy injects vision late).
-        vision = VisionJob(self, prompt, parallel=self.parallel_vision) if prompt.media else None
+        # layer that computes a visual token (layer 0 unless a policy injects vision late). Media wholly
+        # inside a reused prefix are not encoded again.
+        start = ctx.reused_tokens
+        needs_vision = bool(prompt.media) and (start == 0 or any(span.end > start for span in spans))
+        vision = VisionJob(self, prompt, parallel=self.parallel_vision) if needs_vision else None
         try:
-            logits = self._layers(hidden, cos, sin, policy, ctx, vision)
+            logits = self._layers(hidden, cos, sin, policy, ctx, vision, start)
         finally:
             if vision is not None and vision.thread is not None:
                 vision.thread.join()  # never leave the encoder running on a failed request
+        if spans is not None:
+            self.prefix_cache.put(prompt.input_ids, spans, ctx.cache)
         return logits, ctx
 
-    def _layers(self, hidden, cos, sin, policy, ctx, vision) -> torch.Tensor:
+    def _reuse_prefix(self, prompt: Prompt, spans, ctx: PrefillContext) -> None:
+        """Seed the request's cache with the entries of the longest prefix it shares with a cached prompt."""
+        found = self.prefix_cache.lookup(prompt.input_ids, spans)
+        if found is None:
+            return
+        entry, shared = found
+        records = torch.arange(shared)
+        for layer, key, value in zip(ctx.cache.layers, entry.keys, entry.values):
+            # Views of the entry: the request's first new entries are written into a copy (cache.Growing),
+            # never into the entry itself.
+            layer.append(key.narrow(-2, 0, shared), value.narrow(-2, 0, shared))
+            layer.add_records(records, prompt.modality[:shared])
+        ctx.reused_tokens = shared
+
+    def _layers(self, hidden, cos, sin, policy, ctx, vision, start: int = 0) -> torch.Tensor:
+        """The decoder layers over the prompt from token ``start`` on (the tokens before it come from the
+        prefix cache, already in every layer's cache)."""
         T = hidden.shape[1]
-        active = torch.arange(T, device=self.device)
+        active = torch.arange(start, T, device=self.device)
         fresh = torch.ones(T, dtype=torch.bool, device=self.device)  # not computed by any layer yet
+        fresh[:start] = False
         for layer_idx, layer in enumerate(self.adapter.layers):
             active = _checked(policy.select(layer_idx, active, ctx), active, fresh)
             hidden = ctx.hidden  # a merging policy folds pruned tokens into kept ones (pruning.base.merge_into_kept)
@@ -596,13 +629,15 @@ class Engine:
         policy.decode_score(layer_idx, ctx)
         return out
 
-    def _causal_mask(self, n: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def _causal_mask(self, n: int, dtype: torch.dtype, past: int = 0) -> torch.Tensor | None:
         # Active tokens are sorted by original index, so plain causal order over the gathered
         # sequence is causal order by original position. sdpa and flash-attention apply it
-        # themselves (is_causal) when no mask is given; eager needs it spelled out.
-        if self.attn_implementation != "eager":
+        # themselves (is_causal) when no mask is given; eager needs it spelled out, and so do
+        # ``past`` keys before the rows (a reused prefix): is_causal would align the rows with the
+        # first keys, not the last.
+        if self.attn_implementation != "eager" and past == 0:
             return None
-        mask = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=self.device).triu(1)
+        mask = torch.full((n, past + n), torch.finfo(dtype).min, dtype=dtype, device=self.device).triu(past + 1)
         return mask[None, None]
 
     def _metrics(self, request: "Request", batch_size: int) -> Metrics:
@@ -626,7 +661,7 @@ class Engine:
             prompt_tokens=prompt.token_counts(),
             active_tokens_per_layer=counts,
             attention_tokens_per_layer=attending,
-            prefill_flops=prefill_flops(counts, d, m, attending),
+            prefill_flops=prefill_flops(counts, d, m, attending, past=ctx.reused_tokens),
             prefill_flops_baseline=prefill_flops([T] * len(counts), d, m),
             kv_bytes=ctx.cache.nbytes(),
             kv_bytes_per_step=ctx.kv_bytes_per_step,
@@ -635,9 +670,10 @@ class Engine:
             decode_tokens_per_s_per_step=[batch_size / s if s > 0 else None for s in ctx.step_s],
             batch_size=batch_size,
             revived_tokens=ctx.revived,
+            prefix_reused_tokens=ctx.reused_tokens,
             aux_cache_bytes=ctx.aux_cache.nbytes(),
             peak_memory_bytes=request.peak_memory,
-            keep_map=keep_map(prompt, ctx.active_per_layer, ctx.attention_per_layer),
+            keep_map=keep_map(prompt, ctx.active_per_layer, ctx.attention_per_layer, reused=ctx.reused_tokens),
             policy_telemetry=request.policy.observed(),
         )
 

@@ -36,6 +36,7 @@ class Metrics(TypedDict):
     decode_tokens_per_s_per_step: list[float | None]  # batch size / step time
     batch_size: int
     revived_tokens: int  # prompt-token computations added by revival in decode (LazyLLM)
+    prefix_reused_tokens: int  # leading prompt tokens taken from the prefix cache, not computed (0: none)
     aux_cache_bytes: int
     peak_memory_bytes: int  # the process's peak while this request ran (``MemoryMeter``)
     keep_map: dict  # how deep every visual token went (``keep_map``), for the chat's heatmap
@@ -43,14 +44,15 @@ class Metrics(TypedDict):
 
 
 def keep_map(prompt, active_per_layer: list[torch.Tensor],
-             attention_per_layer: list[torch.Tensor | None] | None = None) -> dict:
+             attention_per_layer: list[torch.Tensor | None] | None = None, reused: int = 0) -> dict:
     """How deep every visual token went: ``depth`` counts the layers it was active in — a window
     of consecutive layers starting at ``entered`` (0, or the injection layer under late injection).
 
     ``attended`` counts, per visual token, the layers in which it took part in attention (equal to
     ``depth`` unless a policy such as ZipVL made attention sparse while the FFN stayed dense).
     ``media`` lists each image/video with its token span and (t, h, w) grid so the UI can draw a
-    heatmap of ``depth`` over the picture or the frame strip.
+    heatmap of ``depth`` over the picture or the frame strip. The first ``reused`` tokens (a prefix whose
+    keys and values came from the prefix cache) count as in every layer: their entries are.
     """
     visual = (prompt.modality != Modality.TEXT).nonzero().squeeze(1)
     depth = torch.zeros(prompt.modality.shape[0], dtype=torch.long)
@@ -60,6 +62,7 @@ def keep_map(prompt, active_per_layer: list[torch.Tensor],
     for layer_idx, (active, rows) in enumerate(zip(active_per_layer, attention_per_layer)):
         present = torch.zeros_like(depth, dtype=torch.bool)
         present[active.cpu()] = True
+        present[:reused] = True
         entered[present & (entered < 0)] = layer_idx
         depth += present  # a token that left never comes back, so its layers are consecutive
         attended += present if rows is None else torch.zeros_like(present).index_fill_(0, rows.cpu(), True)
@@ -88,9 +91,12 @@ def layer_flops(n: int, d: int, m: int, cache: int | None = None, attending: int
     return 4 * n * d * d + 2 * n * c * d + 3 * n * d * m
 
 
-def prefill_flops(active_per_layer: list[int], d: int, m: int, attending_per_layer: list[int] | None = None) -> int:
+def prefill_flops(active_per_layer: list[int], d: int, m: int, attending_per_layer: list[int] | None = None,
+                  past: int = 0) -> int:
+    """``past``: keys of a reused prefix before the computed tokens, which each of them attends to."""
     attending = attending_per_layer or [None] * len(active_per_layer)
-    return sum(layer_flops(n, d, m, attending=p) for n, p in zip(active_per_layer, attending))
+    return sum(layer_flops(n, d, m, cache=n + past if past else None, attending=p)
+               for n, p in zip(active_per_layer, attending))
 
 
 def synchronize(device: torch.device) -> None:

@@ -33,6 +33,16 @@ PRUNING_NAMES = [name for name in POLICIES if name != "none"]  # the policies a 
 TEXT_PRUNING_NAMES = [name for name, policy in POLICIES.items() if policy.prunes_text]  # ... on text-only prompts
 
 
+def prunes_nothing(policy: Policy) -> bool:
+    """No pruning at all, so every layer computes every prompt token exactly as an unpruned model does:
+    ``none``, or ``auto`` where the frontier selects nothing (speed 0). Such a prefill may reuse another
+    unpruned prompt's keys and values (pipeline/prefix_cache.py). A policy that merely happens to prune
+    nothing at its parameters is not counted: its callbacks still run."""
+    if isinstance(policy, Pipeline):
+        return all(prunes_nothing(member) for member in policy.policies)
+    return type(policy) is NoPruning
+
+
 def configuration(members: tuple[Member, ...], label: str = "") -> Pipeline:
     """A configuration (``pruning.frontier``) as one policy: its members from the slider, then
     their overrides, run in order."""

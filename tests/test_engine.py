@@ -436,3 +436,85 @@ def test_a_picture_the_models_own_processor_refuses_is_a_media_error_not_a_crash
     with pytest.raises(MediaError, match="processor cannot take this image: .*aspect ratio"):
         engine.generate([{"role": "user", "content": [{"type": "image", "image": strip.getvalue()},
                                                       {"type": "text", "text": "What colour?"}]}], max_new_tokens=2)
+
+
+def _shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many leading tokens prompt ``b`` shares with prompt ``a`` (at most all of ``b`` but its last)."""
+    n = 0
+    while n < min(len(a), len(b) - 1) and int(a[n]) == int(b[n]):
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen3_vl"])  # 1D RoPE, M-RoPE, DeepStack
+def test_the_prefix_cache_answers_exactly_and_computes_only_what_is_new(checkpoints, media, arch, tmp_path):
+    """With the prefix cache on (glimpse serve), another question about the same picture and a chat's next turn
+    prefill only the tokens after what they share with an earlier prompt, without encoding the picture again,
+    and every answer is token for token what the engine gives with the cache off. Another picture behind the
+    same text is computed from its first visual token on; a pruning policy neither reuses nor stores."""
+    from PIL import Image
+
+    engine = load_engine(str(checkpoints[arch]), device="cpu")
+    other_image = tmp_path / "other.png"
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(other_image)
+    first = _messages("image", media)
+    again = [{"role": "user", "content": [first[0]["content"][0], {"type": "text", "text": "Any text in it?"}]}]
+    follow_up = _messages("chat", media)
+    elsewhere = [{"role": "user", "content": [{"type": "image", "image": str(other_image)}, first[0]["content"][1]]}]
+    conversations = [first, again, follow_up, elsewhere]
+    expected = [engine.generate(m, policy="none", max_new_tokens=MAX_NEW) for m in conversations]
+    engine.prefix_cache.max_bytes = 64 * 2**20
+    answers = [engine.generate(m, policy="auto", speed=0.0, max_new_tokens=MAX_NEW) for m in conversations]
+    assert [a.token_ids for a in answers] == [e.token_ids for e in expected]
+
+    prompts = [engine.prepare(m).input_ids for m in conversations]
+    reused = [a.metrics["prefix_reused_tokens"] for a in answers]
+    image_rows = (engine.prepare(first).modality != TEXT).nonzero().squeeze(1)
+    assert reused[0] == 0
+    assert reused[1] == _shared_prefix(prompts[0], prompts[1]) > int(image_rows[-1])  # past the whole picture
+    assert reused[2] == _shared_prefix(prompts[0], prompts[2]) == len(prompts[0])  # the first turn, all of it
+    assert reused[3] == int(image_rows[0])  # the same ids up to here, then another picture
+    for answer, plain, prompt in zip(answers, expected, prompts):
+        assert answer.metrics["active_tokens_per_layer"] == [len(prompt) - answer.metrics["prefix_reused_tokens"]] * len(engine.adapter.layers)
+        assert (answer.metrics["prefill_flops"] < plain.metrics["prefill_flops"]) == (answer.metrics["prefix_reused_tokens"] > 0)
+        assert answer.metrics["keep_map"]["depth"] == plain.metrics["keep_map"]["depth"]  # every entry is there
+    assert answers[1].metrics["vision_encoder_s"] == 0.0 and answers[2].metrics["vision_encoder_s"] == 0.0
+    assert answers[3].metrics["vision_encoder_s"] > 0.0
+
+    cache = engine.prefix_cache
+    hits, count = cache.hits, len(cache.entries)
+    pruned = engine.generate(again, policy="fastv", speed=0.5, max_new_tokens=MAX_NEW)
+    assert pruned.metrics["prefix_reused_tokens"] == 0 and (cache.hits, len(cache.entries)) == (hits, count)
+    assert cache.bytes <= cache.max_bytes
+
+
+def test_the_prefix_cache_keeps_the_longest_prompts_within_its_bytes():
+    """A prompt that contains an earlier one (the next turn of a chat) replaces it; the longest shared prefix
+    wins a lookup; the same ids with another picture share only the tokens before it; past the byte bound the
+    least recently used entry goes first."""
+    from glimpse.pipeline.cache import KVCache
+    from glimpse.pipeline.prefix_cache import MediaSpan, PrefixCache
+
+    def kv(n: int) -> KVCache:
+        cache = KVCache(2)
+        for layer in cache.layers:
+            layer.append(torch.randn(1, 1, n, 4), torch.randn(1, 1, n, 4))
+        return cache
+
+    ids = lambda *values: torch.tensor(values)  # noqa: E731
+    per_token = 2 * 2 * 4 * 4  # two layers, keys and values, 4 floats of 4 bytes
+    cache = PrefixCache(max_bytes=12 * per_token)
+    cache.put(ids(1, 2, 3), [], kv(3))
+    cache.put(ids(1, 2, 3, 4, 5), [], kv(5))  # contains the first: it replaces it
+    assert [len(e.input_ids) for e in cache.entries.values()] == [5] and cache.bytes == 5 * per_token
+    entry, shared = cache.lookup(ids(1, 2, 3, 9, 9, 9), [])
+    assert shared == 3 and len(entry.input_ids) == 5
+    assert cache.lookup(ids(1, 2, 3, 4, 5), [])[1] == 4  # the last token is always computed
+    assert cache.lookup(ids(7, 8), []) is None
+
+    picture = [MediaSpan(1, 3, "a")]
+    cache.put(ids(6, 0, 0, 8), picture, kv(4))
+    assert cache.lookup(ids(6, 0, 0, 8, 9), picture)[1] == 4
+    assert cache.lookup(ids(6, 0, 0, 8, 9), [MediaSpan(1, 3, "b")])[1] == 1  # another picture: only token 0
+    cache.put(ids(5, 5, 5, 5), [], kv(4))  # 13 tokens held > 12: the least recently used (the first) goes
+    assert sorted(len(e.input_ids) for e in cache.entries.values()) == [4, 4] and cache.bytes == 8 * per_token

@@ -731,3 +731,25 @@ def test_a_request_that_fails_at_its_prefill_is_a_400_streamed_or_not(server, me
         reply = httpx.post(url, json={**body, "stream": stream}, timeout=60)
         assert reply.status_code == 400 and "layer" in reply.json()["error"]["message"], reply.text
     assert httpx.post(url, json={**body, "params": {}, "stream": True}, timeout=60).status_code == 200
+
+
+def test_bench_serve_clients_take_the_next_request_from_one_list(monkeypatch):
+    """K clients stay K requests in flight until the work runs out: a client that finishes takes the next
+    request, so one slow request does not hold back the ones that would have been its client's share."""
+    import threading
+    import time
+
+    from glimpse import bench_serve
+
+    senders = {}
+
+    def send(client, url, body):
+        senders[body["id"]] = threading.current_thread().name
+        time.sleep(0.6 if body["id"] == 0 else 0.02)
+        return bench_serve.Outcome(True, 200, 0.01, 0.02, 1, 1)
+
+    monkeypatch.setattr(bench_serve, "send", send)
+    bodies = [{"id": i, "stream": False} for i in range(9)]
+    phase = bench_serve.run_phase("http://unused", bodies, 3, None, lambda _: None)
+    assert len(phase.outcomes) == 9 and sorted(senders) == list(range(9))
+    assert list(senders.values()).count(senders[0]) == 1  # the slow request's client took nothing else
