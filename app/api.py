@@ -411,12 +411,14 @@ class Fetcher:
 def _usage(result) -> dict:
     prompt = sum(result.metrics["prompt_tokens"].values())
     return {"prompt_tokens": prompt, "completion_tokens": result.metrics["new_tokens"],
-            "total_tokens": prompt + result.metrics["new_tokens"]}
+            "total_tokens": prompt + result.metrics["new_tokens"],
+            # OpenAI's field for prompt tokens served from a cache of earlier prompts (the prefix cache)
+            "prompt_tokens_details": {"cached_tokens": result.metrics["prefix_reused_tokens"]}}
 
 
 def _glimpse(result, speed: float, promise: dict) -> dict:
     keys = ("ttft_s", "queue_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
-            "prefill_flops", "prefill_flops_baseline")
+            "prefill_flops", "prefill_flops_baseline", "prefix_reused_tokens")
     return {"policy": result.policy, "speed": speed, "params": result.params, "summary": result.summary,
             "promise": promise, "metrics": {k: result.metrics[k] for k in keys}}
 

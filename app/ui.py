@@ -84,8 +84,9 @@ def metrics_markdown(result, baseline=None) -> str:
              row("of which queued", lambda m: m["queue_s"], lambda v: f"{v:.2f} s"),
              row("prefill", lambda m: m["prefill_s"], lambda v: f"{v:.2f} s"),
              row("decode", lambda m: m["decode_tokens_per_s"], lambda v: f"{v:.1f} tok/s" if v else "—"),
-             row("prompt tokens", lambda m: m["prompt_tokens"],
-                 lambda v: ", ".join(f"{k} {n}" for k, n in v.items() if n)),
+             row("prompt tokens", lambda m: (m["prompt_tokens"], m.get("prefix_reused_tokens", 0)),
+                 lambda v: ", ".join(f"{k} {n}" for k, n in v[0].items() if n)
+                 + (f" ({v[1]} taken from the prefix cache)" if v[1] else "")),
              row("KV cache", lambda m: m["kv_bytes"], mib),
              row("peak memory (this request)", lambda m: m["peak_memory_bytes"], mib),
              row("prefill FLOPs", lambda m: m["prefill_flops_baseline"] / m["prefill_flops"],
@@ -257,7 +258,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 answer += chunk.text
                 result = chunk.result or result
                 yield answer, gr.skip(), gr.skip()
-            baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"]) \
+            # The unpruned column computes the whole prompt, as the pruned answer does (no prefix cache).
+            baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"],
+                                          reuse_prefix=False) \
                 if compare else None
         except Exception as error:
             yield (answer + "\n\n" if answer else "") + _error_text(error), gr.skip(), gr.skip()

@@ -372,8 +372,11 @@ class Engine:
             yield StreamChunk(request.detok.push(token), token)
         yield StreamChunk(request.detok.flush(), None, self._result(request))
 
-    def start(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos=False) -> "Request":
-        """Prefill one request and pick its first token. ``messages`` may be a ``Prompt`` already built."""
+    def start(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos=False,
+              reuse_prefix: bool = True) -> "Request":
+        """Prefill one request and pick its first token. ``messages`` may be a ``Prompt`` already built.
+        ``reuse_prefix=False``: the prefix cache is neither read nor written (an unpruned answer that is
+        measured against a pruned one computes its whole prompt, as the pruned one does)."""
         t_request = time.perf_counter()
         policy = policy if isinstance(policy, Policy) else self.make_policy(policy, speed)
         prompt = messages if isinstance(messages, Prompt) else self.prepare(messages)
@@ -381,7 +384,7 @@ class Engine:
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         t_prefill = time.perf_counter()
-        logits, ctx = self.prefill(prompt, policy)
+        logits, ctx = self.prefill(prompt, policy, reuse_prefix)
         token = sampling.next(logits, generator)
         synchronize(self.device)
         t_first = time.perf_counter()
@@ -486,7 +489,7 @@ class Engine:
             out.append((rows, features, layers))
         return out
 
-    def prefill(self, prompt: Prompt, policy: Policy) -> tuple[torch.Tensor, PrefillContext]:
+    def prefill(self, prompt: Prompt, policy: Policy, reuse_prefix: bool = True) -> tuple[torch.Tensor, PrefillContext]:
         hidden = self.adapter.embed_tokens(prompt.input_ids.to(self.device))[None]  # (1, T, d)
         positions = self.adapter.positions(prompt.input_ids.to(self.device), prompt.modality, prompt.media)
         cos, sin = self.adapter.rotary(hidden, positions)
@@ -496,7 +499,7 @@ class Engine:
                              next_position=positions.max(dim=1, keepdim=True).values + 1)
         policy.plan(ctx)  # a bad parameter fails here, before any work starts
         spans = None
-        if self.prefix_cache.max_bytes and prunes_nothing(policy):
+        if reuse_prefix and self.prefix_cache.max_bytes and prunes_nothing(policy):
             spans = media_spans(prompt)
             self._reuse_prefix(prompt, spans, ctx)
 

@@ -753,3 +753,42 @@ def test_bench_serve_clients_take_the_next_request_from_one_list(monkeypatch):
     phase = bench_serve.run_phase("http://unused", bodies, 3, None, lambda _: None)
     assert len(phase.outcomes) == 9 and sorted(senders) == list(range(9))
     assert list(senders.values()).count(senders[0]) == 1  # the slow request's client took nothing else
+
+
+def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compare_column_stays_whole(
+        checkpoints, media):
+    """glimpse serve's prefix cache: an API client's second question about the same picture computes only what is
+    new, with the answer the engine gives without the cache, and /metrics counts the reused tokens. In the chat,
+    the unpruned column of "compare" computes the whole prompt, as the pruned answer beside it does; unpruned
+    turns reuse what the turn before computed."""
+    from gradio_client import Client, handle_file
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    first, second = _question(_data_url(media["image"])), _question(_data_url(media["image"]), "Any text in it?")
+    own = [[{"role": "user", "content": [{"type": "image", "image": str(media["image"])}, {"type": "text", "text": text}]}]
+           for text in ("What is in the picture?", "Any text in it?")]
+    plain = [engine.generate(m, policy="none", max_new_tokens=6).text for m in own]
+    engine.prefix_cache.max_bytes = 64 * 2**20
+    app = build_server(engine, "tiny-llava", max_new_tokens=6)
+    for url in _serve(app):
+        replies = [httpx.post(url + "/v1/chat/completions", json={"messages": m, "max_tokens": 6}, timeout=120).json()
+                   for m in (first, second)]
+        assert [r["choices"][0]["message"]["content"] for r in replies] == plain
+        reused = [r["glimpse"]["metrics"]["prefix_reused_tokens"] for r in replies]
+        image_tokens = replies[0]["glimpse"]["metrics"]["prompt_tokens"]["image"]
+        assert reused[0] == 0 and reused[1] > image_tokens
+        assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies] == reused  # OpenAI's field
+        assert _value(_metrics(url), "glimpse_prefix_cache_reused_tokens_total") == reused[1]
+
+        client = Client(url + "/", verbose=False)
+        question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
+        for _ in range(2):  # fastv beside the unpruned column: neither takes anything from the cache
+            answer, metrics, _ = client.predict(question, "fastv", 0.5, 4, "", True, api_name="/chat")
+            assert "⚠️" not in answer and "unpruned" in metrics and "prefix cache" not in metrics
+            flops = next(line for line in metrics.splitlines() if line.startswith("| prefill FLOPs"))
+            assert flops.split("|")[3].strip() == "1.00x fewer"  # the unpruned column computed every token
+        client = Client(url + "/", verbose=False)  # a new chat, unpruned: its second turn reuses the first
+        turns = [client.predict(question, "none", 0.0, 4, "", False, api_name="/chat")[1],
+                 client.predict({"text": "And the colours?", "files": []}, "none", 0.0, 4, "", False,
+                                api_name="/chat")[1]]
+        assert "taken from the prefix cache" in turns[1]
