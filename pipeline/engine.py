@@ -515,12 +515,12 @@ class Engine:
             if vision is not None and vision.thread is not None:
                 vision.thread.join()  # never leave the encoder running on a failed request
         if spans is not None:
-            self.prefix_cache.put(prompt.input_ids, spans, ctx.cache)
+            self.prefix_cache.put(prompt.input_ids, positions, spans, ctx.cache)
         return logits, ctx
 
     def _reuse_prefix(self, prompt: Prompt, spans, ctx: PrefillContext) -> None:
         """Seed the request's cache with the entries of the longest prefix it shares with a cached prompt."""
-        found = self.prefix_cache.lookup(prompt.input_ids, spans)
+        found = self.prefix_cache.lookup(prompt.input_ids, ctx.positions, spans)
         if found is None:
             return
         entry, shared = found

@@ -51,6 +51,7 @@ def media_spans(prompt: Prompt) -> list[MediaSpan]:
 @dataclass
 class PrefixEntry:
     input_ids: torch.Tensor  # (T,) on CPU
+    positions: torch.Tensor  # (P, T) on CPU: the RoPE positions its keys were rotated with
     spans: list[MediaSpan]
     keys: list[torch.Tensor]  # per layer, (1, kv_heads, T, head_dim), after RoPE
     values: list[torch.Tensor]
@@ -59,12 +60,14 @@ class PrefixEntry:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
 
-    def shared_with(self, input_ids: torch.Tensor, spans: list[MediaSpan]) -> int:
-        """How many leading tokens of a prompt (``input_ids``, ``spans``) are this entry's: the same ids,
-        and the same media wherever a media item starts before that point. At most ``len - 1``: the prompt's
-        last token is always computed, its output is the first token's logits."""
+    def shared_with(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[MediaSpan]) -> int:
+        """How many leading tokens of a prompt (``input_ids``, ``positions``, ``spans``) are this entry's: the
+        same ids at the same positions (M-RoPE's depend on the media's grids and frame times), and the same
+        media wherever a media item starts before that point. At most ``len - 1``: the prompt's last token is
+        always computed, its output is the first token's logits."""
         n = min(len(self.input_ids), len(input_ids) - 1)
-        differs = (self.input_ids[:n] != input_ids[:n]).nonzero()
+        same = (self.input_ids[:n] == input_ids[:n]) & (self.positions[:, :n] == positions[:, :n]).all(dim=0)
+        differs = (~same).nonzero()
         shared = int(differs[0]) if differs.numel() else n
         for mine, theirs in zip(self.spans, spans):
             if min(mine.start, theirs.start) >= shared:
@@ -73,11 +76,11 @@ class PrefixEntry:
                 return min(shared, mine.start, theirs.start)
         return shared
 
-    def is_prefix_of(self, input_ids: torch.Tensor, spans: list[MediaSpan]) -> bool:
+    def is_prefix_of(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[MediaSpan]) -> bool:
         """Whether a prompt begins with this entry's whole prompt (so it serves everything this one does)."""
         n = len(self.input_ids)
         return (n <= len(input_ids) and torch.equal(self.input_ids, input_ids[:n])
-                and self.spans == [s for s in spans if s.start < n])
+                and torch.equal(self.positions, positions[:, :n]) and self.spans == [s for s in spans if s.start < n])
 
 
 class PrefixCache:
@@ -90,13 +93,14 @@ class PrefixCache:
         self._next_id = 0
         self.lock = threading.Lock()
 
-    def lookup(self, input_ids: torch.Tensor, spans: list[MediaSpan]) -> tuple[PrefixEntry, int] | None:
+    def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               spans: list[MediaSpan]) -> tuple[PrefixEntry, int] | None:
         """The entry sharing the longest prefix with the prompt, and that length; None if none shares any."""
-        input_ids = input_ids.cpu()
+        input_ids, positions = input_ids.cpu(), positions.cpu()
         with self.lock:
             best, best_id, shared = None, None, 0
             for entry_id, entry in self.entries.items():
-                n = entry.shared_with(input_ids, spans)
+                n = entry.shared_with(input_ids, positions, spans)
                 if n > shared:
                     best, best_id, shared = entry, entry_id, n
             if best is None:
@@ -107,24 +111,24 @@ class PrefixCache:
             self.reused_tokens += shared
             return best, shared
 
-    def put(self, input_ids: torch.Tensor, spans: list[MediaSpan], cache: KVCache) -> None:
+    def put(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[MediaSpan], cache: KVCache) -> None:
         """Keep the prompt's entries (a private copy: the request goes on writing to its own cache). Entries
         this one contains (an earlier turn of the same chat) are dropped: this one serves their prompts too."""
         if not self.max_bytes:
             return
-        input_ids = input_ids.cpu()
+        input_ids, positions = input_ids.cpu(), positions.cpu()
         T = len(input_ids)
         layers = cache.layers
         if any(layer.packed or layer.key is None or layer.key.shape[-2] != T for layer in layers):
             return  # not a whole unpruned prompt
-        entry = PrefixEntry(input_ids, spans, [layer.key.clone() for layer in layers],
+        entry = PrefixEntry(input_ids, positions, spans, [layer.key.clone() for layer in layers],
                             [layer.value.clone() for layer in layers])
         size = entry.nbytes
         with self.lock:
             if size > self.max_bytes:
                 return
             for entry_id, other in list(self.entries.items()):
-                if other.is_prefix_of(input_ids, spans):
+                if other.is_prefix_of(input_ids, positions, spans):
                     del self.entries[entry_id]
                     self.bytes -= other.nbytes
             self.entries[self._next_id] = entry

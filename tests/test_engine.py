@@ -502,19 +502,23 @@ def test_the_prefix_cache_keeps_the_longest_prompts_within_its_bytes():
         return cache
 
     ids = lambda *values: torch.tensor(values)  # noqa: E731
+    at = lambda n: torch.arange(n)[None]  # noqa: E731 — 1-D positions 0..n-1
     per_token = 2 * 2 * 4 * 4  # two layers, keys and values, 4 floats of 4 bytes
     cache = PrefixCache(max_bytes=12 * per_token)
-    cache.put(ids(1, 2, 3), [], kv(3))
-    cache.put(ids(1, 2, 3, 4, 5), [], kv(5))  # contains the first: it replaces it
+    cache.put(ids(1, 2, 3), at(3), [], kv(3))
+    cache.put(ids(1, 2, 3, 4, 5), at(5), [], kv(5))  # contains the first: it replaces it
     assert [len(e.input_ids) for e in cache.entries.values()] == [5] and cache.bytes == 5 * per_token
-    entry, shared = cache.lookup(ids(1, 2, 3, 9, 9, 9), [])
+    entry, shared = cache.lookup(ids(1, 2, 3, 9, 9, 9), at(6), [])
     assert shared == 3 and len(entry.input_ids) == 5
-    assert cache.lookup(ids(1, 2, 3, 4, 5), [])[1] == 4  # the last token is always computed
-    assert cache.lookup(ids(7, 8), []) is None
+    assert cache.lookup(ids(1, 2, 3, 4, 5), at(5), [])[1] == 4  # the last token is always computed
+    assert cache.lookup(ids(7, 8), at(2), []) is None
 
     picture = [MediaSpan(1, 3, "a")]
-    cache.put(ids(6, 0, 0, 8), picture, kv(4))
-    assert cache.lookup(ids(6, 0, 0, 8, 9), picture)[1] == 4
-    assert cache.lookup(ids(6, 0, 0, 8, 9), [MediaSpan(1, 3, "b")])[1] == 1  # another picture: only token 0
-    cache.put(ids(5, 5, 5, 5), [], kv(4))  # 13 tokens held > 12: the least recently used (the first) goes
+    cache.put(ids(6, 0, 0, 8), at(4), picture, kv(4))
+    assert cache.lookup(ids(6, 0, 0, 8, 9), at(5), picture)[1] == 4
+    assert cache.lookup(ids(6, 0, 0, 8, 9), at(5), [MediaSpan(1, 3, "b")])[1] == 1  # another picture: only token 0
+    shifted = at(5).clone()
+    shifted[0, 3:] += 2  # the same ids and picture, later positions after it (another grid or frame times)
+    assert cache.lookup(ids(6, 0, 0, 8, 9), shifted, picture)[1] == 3
+    cache.put(ids(5, 5, 5, 5), at(4), [], kv(4))  # 13 tokens held > 12: the least recently used (the first) goes
     assert sorted(len(e.input_ids) for e in cache.entries.values()) == [4, 4] and cache.bytes == 8 * per_token
