@@ -128,7 +128,7 @@ class Request:
     sampling: Sampling
     generator: torch.Generator | None
     budget: int  # new tokens allowed (max_new_tokens, capped by the context length)
-    next_token: int  # chosen, not yet emitted
+    next_token: int | None  # chosen, not yet emitted (None while ``pending``)
     t_request: float
     t_prefill: float
     t_first: float
@@ -143,6 +143,9 @@ class Request:
     done: bool = False  # ended (``finish`` says why): takes no further step
     peak_memory: int = 0  # the highest reading of the memory meter after any of this request's steps
     t_queued: float | None = None  # when the request was submitted, if it waited for the engine (the scheduler)
+    # The end of the prompt, not computed yet: the few tokens after a reused prefix, which the next decode step
+    # computes beside the running batch (``Engine.start(defer=True)``); None once its first token is chosen.
+    pending: "DecodeRows | None" = None
 
     def note_memory(self, meter: MemoryMeter) -> None:
         self.peak_memory = max(self.peak_memory, meter.peak())
@@ -373,10 +376,13 @@ class Engine:
         yield StreamChunk(request.detok.flush(), None, self._result(request))
 
     def start(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos=False,
-              reuse_prefix: bool = True) -> "Request":
+              reuse_prefix: bool = True, defer: bool = False) -> "Request":
         """Prefill one request and pick its first token. ``messages`` may be a ``Prompt`` already built.
         ``reuse_prefix=False``: the prefix cache is neither read nor written (an unpruned answer that is
-        measured against a pruned one computes its whole prompt, as the pruned one does)."""
+        measured against a pruned one computes its whole prompt, as the pruned one does).
+        ``defer=True`` (the scheduler): when all but a few text tokens of an unpruned prompt are in the prefix
+        cache, those few are not prefilled here, in a pass of their own, but by the next ``decode_step``, in the
+        pass it makes for the running batch anyway; the request has no first token until then."""
         t_request = time.perf_counter()
         policy = policy if isinstance(policy, Policy) else self.make_policy(policy, speed)
         prompt = messages if isinstance(messages, Prompt) else self.prepare(messages)
@@ -384,16 +390,60 @@ class Engine:
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         t_prefill = time.perf_counter()
+        stop_ids = set() if ignore_eos else self.eos_token_ids
+        if defer and reuse_prefix and (deferred := self._deferred_prefill(prompt, policy)) is not None:
+            ctx, rows = deferred
+            return Request(prompt, policy, ctx, sampling, generator, self._budget(max_new_tokens, ctx), None,
+                           t_request, t_prefill, 0.0, _IncrementalDecoder(self.tokenizer), stop_ids, pending=rows)
         logits, ctx = self.prefill(prompt, policy, reuse_prefix)
         token = sampling.next(logits, generator)
         synchronize(self.device)
         t_first = time.perf_counter()
-        budget = max_new_tokens
-        if self.max_length is not None:  # never run past the positions the model knows
-            budget = min(budget, self.max_length - int(ctx.positions.max()) - 1)
-        return Request(prompt, policy, ctx, sampling, generator, budget, token, t_request, t_prefill,
-                       t_first, _IncrementalDecoder(self.tokenizer), set() if ignore_eos else self.eos_token_ids,
-                       first_logits=logits)
+        return Request(prompt, policy, ctx, sampling, generator, self._budget(max_new_tokens, ctx), token, t_request,
+                       t_prefill, t_first, _IncrementalDecoder(self.tokenizer), stop_ids, first_logits=logits)
+
+    def _budget(self, max_new_tokens: int, ctx: PrefillContext) -> int:
+        if self.max_length is None:
+            return max_new_tokens
+        return min(max_new_tokens, self.max_length - int(ctx.positions.max()) - 1)  # positions the model knows
+
+    # A prompt's end computed in a decode step: at most this many tokens, so that a step stays a step.
+    DEFERRED_TOKENS = 64
+
+    def _deferred_prefill(self, prompt: Prompt, policy: Policy) -> tuple[PrefillContext, "DecodeRows"] | None:
+        """The request's context with its cache seeded from the prefix cache, and the rest of its prompt as
+        decode rows — when that rest is at most ``DEFERRED_TOKENS`` tokens, all text; otherwise None."""
+        if not (self.prefix_cache.max_bytes and prunes_nothing(policy)):
+            return None
+        input_ids = prompt.input_ids.to(self.device)
+        positions = self.adapter.positions(input_ids, prompt.modality, prompt.media)
+        spans = media_spans(prompt)
+        found = self.prefix_cache.find(prompt.input_ids, positions, spans)
+        T = len(prompt)
+        if found is None or T - found[1] > self.DEFERRED_TOKENS or any(span.end > found[1] for span in spans):
+            return None
+        hidden = self.adapter.embed_tokens(input_ids)[None]
+        num_layers = len(self.adapter.layers)
+        ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
+                             KVCache(num_layers), num_layers,
+                             next_position=positions.max(dim=1, keepdim=True).values + 1)
+        policy.plan(ctx)
+        self._reuse_prefix(prompt, spans, ctx)
+        start = ctx.reused_tokens
+        rest = torch.arange(start, T)
+        ctx.active_per_layer = [rest.to(self.device)] * num_layers  # what the step will compute in each layer
+        rows = DecodeRows(rest, prompt.modality[start:].cpu(), positions[:, start:], hidden[:, start:])
+        return ctx, rows
+
+    def _prompt_done(self, request: "Request", logits: torch.Tensor) -> None:
+        """A deferred prompt's end was computed by this decode step: its first token, clocks and cache entry."""
+        request.pending = None
+        request.next_token = request.sampling.next(logits, request.generator)
+        request.first_logits = logits
+        synchronize(self.device)
+        request.t_first = request.t_decode = time.perf_counter()
+        self.prefix_cache.put(request.prompt.input_ids, request.ctx.positions, media_spans(request.prompt),
+                              request.ctx.cache)
 
     def _decode_loop(self, requests: list["Request"], meter: MemoryMeter) -> Iterator[tuple["Request", int]]:
         """Yield each request's tokens as they are chosen; decode all unfinished requests together."""
@@ -417,6 +467,8 @@ class Engine:
         EOS, out of budget) and return None. A request whose answer reaches its budget ends with it."""
         if request.cancel is not None and request.cancel.is_set():
             self.finish(request, "cancelled")
+        elif request.pending is not None:  # its prompt's end is computed in the next step: no token yet
+            return None
         elif request.next_token in request.stop_ids:
             self.finish(request, "stop")
         elif len(request.tokens) < request.budget:
@@ -437,18 +489,24 @@ class Engine:
         """One decode step of every request in ``running`` together: each policy acts on its own cache
         first (evict / pack), then one pass through the weights picks each request's next token."""
         t_step = time.perf_counter()
-        for request in running:
+        decoding = [request.pending is None for request in running]  # the others compute their prompt's end
+        for request, decodes in zip(running, decoding):
             ctx = request.ctx
-            request.policy.decode_step(len(request.tokens), ctx)  # evict / pack KV before the step
-            ctx.kv_bytes_per_step.append(ctx.cache.nbytes())  # what this step attends to
-            ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
+            if decodes:
+                request.policy.decode_step(len(request.tokens), ctx)  # evict / pack KV before the step
+                ctx.kv_bytes_per_step.append(ctx.cache.nbytes())  # what this step attends to
+                ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
         logits = self.decode(running)
-        for request, row in zip(running, logits):
+        for request, row, decodes in zip(running, logits, decoding):
+            if not decodes:
+                self._prompt_done(request, row)
+                continue
             request.ctx.generated += 1
             request.next_token = request.sampling.next(row, request.generator)  # reads the device: synced
         seconds = time.perf_counter() - t_step
-        for request in running:
-            request.ctx.step_s.append(seconds)
+        for request, decodes in zip(running, decoding):
+            if decodes:
+                request.ctx.step_s.append(seconds)
 
     def _result(self, request: "Request", batch_size: int = 1) -> GenerationResult:
         synchronize(self.device)
@@ -584,13 +642,16 @@ class Engine:
         batch. Attention runs per request, over that request's own cache (whatever each layer
         kept, packed or evicted): no padding, and each request's policy acts on its own cache.
         """
-        tokens = torch.tensor([[r.next_token for r in requests]], device=self.device)
-        embeds = self.adapter.embed_tokens(tokens)  # (1, B, d)
-        batch = [DecodeRows.new_token(embeds[:, b:b + 1], r.ctx) for b, r in enumerate(requests)]
+        new = [r for r in requests if r.pending is None]
+        tokens = torch.tensor([[r.next_token for r in new]], device=self.device, dtype=torch.long)
+        embeds = iter(self.adapter.embed_tokens(tokens).split(1, dim=1))  # (1, 1, d) each
+        # A request whose prompt's end is still to compute brings those tokens instead of a new one.
+        batch = [r.pending if r.pending is not None else DecodeRows.new_token(next(embeds), r.ctx) for r in requests]
         for layer_idx, layer in enumerate(self.adapter.layers):
             batch = [r.policy.decode_rows(layer_idx, rows, r.ctx) for r, rows in zip(requests, batch)]
             for request, rows in zip(requests, batch):
-                request.ctx.revived += rows.count - 1  # prompt tokens computed here in decode
+                if request.pending is None:
+                    request.ctx.revived += rows.count - 1  # prompt tokens computed here in decode
             hidden = torch.cat([rows.hidden for rows in batch], dim=1)
             cos, sin = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
             hidden = self.run_layer(layer, hidden, (cos, sin), DecodeLayer(self, requests, batch, layer_idx))

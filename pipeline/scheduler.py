@@ -297,7 +297,7 @@ class Scheduler:
                     continue
                 try:
                     request = engine.start(ticket.prompt, ticket.policy, 0.0, ticket.max_new_tokens, ticket.sampling,
-                                           ticket.ignore_eos, ticket.reuse_prefix)
+                                           ticket.ignore_eos, ticket.reuse_prefix, defer=True)
                 except Exception as error:  # this request's own failure (a policy parameter, memory): it alone ends
                     self._end(ticket, None, error)
                     continue

@@ -63,24 +63,30 @@ def test_answers_with_company_equal_answers_alone_for_every_policy(engine, media
 
 def test_prefix_cache_hits_in_a_running_batch_answer_as_requests_alone_without_it(engine, media):
     """With the prefix cache on, unpruned requests about a picture or video seen before prefill only what is new
-    while other requests, pruned or not, decode beside them: every greedy answer is still token for token the
-    engine's answer to the request alone with the cache off."""
+    — a few text tokens in the decode step the running batch takes anyway — while other requests, pruned or
+    not, decode beside them: every greedy answer is still token for token the engine's answer to the request
+    alone with the cache off."""
     conversations = _conversations(media)
     mix = [("none", 0.0), ("fastv", 0.8), ("auto", 0.0), ("none", 0.0), ("lazyllm", 0.7), ("none", 0.0)]
     cases = [(conversations[i % len(conversations)], name, speed, 5 + 2 * (i % 3)) for i, (name, speed) in enumerate(mix * 2)]
     alone = [engine.generate(c, policy=name, speed=speed, max_new_tokens=n) for c, name, speed, n in cases]
     engine.prefix_cache.max_bytes = 256 * 2**20
+    in_step = []  # requests whose prompt's end a decode step computed
+    done = engine._prompt_done
+    engine._prompt_done = lambda request, logits: (in_step.append(request), done(request, logits))
     scheduler = Scheduler(engine, max_batch=4, queue_size=16)
     try:
         tickets = [scheduler.submit(c, policy=name, speed=speed, max_new_tokens=n) for c, name, speed, n in cases]
         results = [t.result(timeout=120) for t in tickets]
     finally:
         scheduler.close()
+        del engine._prompt_done
         engine.prefix_cache.max_bytes = 0
         engine.prefix_cache.entries.clear()
         engine.prefix_cache.bytes = 0
     reused = [r.metrics["prefix_reused_tokens"] for r in results]
     assert sum(1 for r in reused if r) >= 4 and max(r.metrics["batch_size"] for r in results) > 1
+    assert len(in_step) >= 2 and {id(t.request) for t in tickets} >= {id(r) for r in in_step}
     for (_, name, speed, _), together, single, n in zip(cases, results, alone, reused):
         assert together.token_ids == single.token_ids, (name, speed, n)
         assert n == 0 or name in ("none", "auto")
