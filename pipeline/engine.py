@@ -484,6 +484,8 @@ class Engine:
         """End ``request`` here ("stop", "length", "cancelled"): it takes no further decode step."""
         synchronize(self.device)
         request.finish, request.done, request.t_end = reason, True, time.perf_counter()
+        if request.pending is not None:  # ended before the step that was to compute its prompt's end
+            request.pending, request.t_first = None, request.t_end
 
     def decode_step(self, running: list["Request"]) -> None:
         """One decode step of every request in ``running`` together: each policy acts on its own cache

@@ -522,3 +522,35 @@ def test_the_prefix_cache_keeps_the_longest_prompts_within_its_bytes():
     assert cache.lookup(ids(6, 0, 0, 8, 9), shifted, picture)[1] == 3
     cache.put(ids(5, 5, 5, 5), at(4), [], kv(4))  # 13 tokens held > 12: the least recently used (the first) goes
     assert sorted(len(e.input_ids) for e in cache.entries.values()) == [4, 4] and cache.bytes == 8 * per_token
+
+
+def test_a_deferred_prompt_end_is_computed_by_the_next_decode_step_or_ends_cleanly_when_cancelled(checkpoints, media):
+    """Engine.start(defer=True) with most of the prompt in the prefix cache: the request has no first token until a
+    decode step computes the rest of its prompt, and then answers as prefilled whole; cancelled before that
+    step, it ends with no token and a time to first token that is not negative."""
+    import threading
+
+    from glimpse.pipeline.engine import Sampling
+    from glimpse.pipeline.metrics import MemoryMeter
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    first = _messages("image", media)
+    again = [{"role": "user", "content": [first[0]["content"][0], {"type": "text", "text": "Any text in it?"}]}]
+    expected = engine.generate(again, policy="none", max_new_tokens=MAX_NEW)
+    engine.prefix_cache.max_bytes = 64 * 2**20
+    engine.generate(first, policy="none", max_new_tokens=1)  # the picture's prompt, now in the cache
+    with torch.inference_mode():
+        request = engine.start(again, "none", 0.0, MAX_NEW, Sampling(), defer=True)
+        assert request.pending is not None and request.next_token is None
+        assert engine.take_token(request) is None and not request.done
+        tokens = [token for _, token in engine._decode_loop([request], MemoryMeter(engine.device))]
+        assert tokens == expected.token_ids and request.pending is None
+        result = engine._result(request)
+        assert result.metrics["prefix_reused_tokens"] > 0 and result.metrics["ttft_s"] > 0
+
+        cancelled = engine.start(again, "none", 0.0, MAX_NEW, Sampling(), defer=True)
+        cancelled.cancel = threading.Event()
+        cancelled.cancel.set()
+        assert engine.take_token(cancelled) is None and cancelled.done and cancelled.finish == "cancelled"
+        ended = engine._result(cancelled)
+        assert ended.token_ids == [] and ended.metrics["ttft_s"] >= 0
