@@ -214,6 +214,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         return f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] else " *(uncalibrated)*")
 
     tabs: dict[str, set] = {}  # per browser session, the tickets it is waiting on: closing the tab cancels them
+    cleared_sessions: set = set()  # browser sessions whose next question starts a new conversation (Clear)
     tabs_lock = threading.Lock()
 
     def respond(message, history, policy, speed, max_tokens, overrides, compare, request=None):
@@ -309,7 +310,10 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
 
     def cleared(request=None):
         """After Clear: an empty chat and chat state (a streamed update that was on its way when Clear was
-        pressed would otherwise bring the old conversation back, and the next question would carry it)."""
+        pressed would otherwise bring the old conversation back, and the next question would carry it). The
+        next question also starts afresh whatever the state says by then (``ClearCancelsChat._stream_fn``)."""
+        with tabs_lock:
+            cleared_sessions.add(getattr(request, "session_hash", None))
         wait_for_answers_to_end(request)
         return [], [], "metrics appear after an answer", None
 
@@ -347,7 +351,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 metrics.render()
                 keep.render()
             with left:
-                chat = _clear_cancels_chat()(
+                chat = _clear_cancels_chat(cleared_sessions, tabs_lock)(
                     respond, multimodal=True, api_name="chat", fill_height=False,
                     chatbot=gr.Chatbot(label="chat", height=480, elem_id="chat"),
                     textbox=gr.MultimodalTextbox(file_types=["image", "video"], file_count="multiple",
@@ -364,20 +368,36 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         chat.textbox.stop(mark_stopped, chat.chatbot, chat.chatbot, api_name=False)
         chat.chatbot.clear(cleared, None, [chat.chatbot, chat.chatbot_state, metrics, keep], api_name=False)
         demo.unload(tab_closed)
+    demo.chat_interface = chat  # the chat's own handlers, for tests that drive them without a browser
     return demo
 
 
-def _clear_cancels_chat():
+def _clear_cancels_chat(cleared_sessions: set, lock):
     import gradio as gr  # only when the chat is built
 
     class ClearCancelsChat(gr.ChatInterface):
         """``gr.ChatInterface`` whose Clear also cancels the answer being streamed. Gradio's cancels it on Stop
         only, so after Clear the stream's next update brought the old conversation back, and the next question
-        was sent with it."""
+        was sent with it.
+
+        And the first question after a Clear starts a new conversation whatever the chat's state holds: when
+        the cancelled answer's event ends, Gradio copies the page's conversation into that state
+        (``synchronize_chat_state``), and that copy, taken before the page was cleared, can land after the
+        clear (seen in CI: the next question was shown and sent with the cleared turn)."""
 
         def _setup_stop_events(self, event_triggers, events_to_cancel, after_success):
             super()._setup_stop_events(event_triggers, events_to_cancel, after_success)
             self.chatbot.clear(None, None, None, cancels=events_to_cancel, api_visibility="undocumented")
+
+        async def _stream_fn(self, message, history, *args):
+            request = next((a for a in args if isinstance(a, gr.Request)), None)
+            session = getattr(request, "session_hash", None)
+            with lock:
+                if session is not None and session in cleared_sessions:
+                    cleared_sessions.discard(session)
+                    history = []
+            async for update in super()._stream_fn(message, history, *args):
+                yield update
 
     return ClearCancelsChat
 

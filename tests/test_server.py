@@ -792,3 +792,39 @@ def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compa
                  client.predict({"text": "And the colours?", "files": []}, "none", 0.0, 4, "", False,
                                 api_name="/chat")[1]]
         assert "taken from the prefix cache" in turns[1]
+
+
+def test_the_first_question_after_clear_starts_a_new_conversation_whatever_the_chat_state_says(server):
+    """When Clear cancels a streaming answer, Gradio copies the page's conversation into the chat's state as that
+    event ends, and the copy can land after the clear (the browser test caught it in CI now and then). The next
+    question must be answered, and shown, without the cleared turns; later questions keep their history."""
+    import asyncio
+
+    import gradio as gr
+
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import build_ui
+
+    scheduler = Scheduler(server["engine"], max_batch=2, queue_size=4)
+    try:
+        demo = build_ui(server["engine"], "tiny-llava", max_new_tokens=4, scheduler=scheduler)
+        chat = demo.chat_interface
+        cleared = next(f.fn for f in demo.fns.values() if getattr(f.fn, "__name__", "") == "cleared")
+        request = gr.Request(session_hash="tab-1")
+        stale = [{"role": "user", "content": "an old question"}, {"role": "assistant", "content": "an old answer"}]
+
+        def history_shown(history):
+            async def run():
+                return [update async for update in chat._stream_fn(
+                    {"text": "What now?", "files": []}, history, "none", 0.0, 3, "", False, request)]
+            return asyncio.run(run())[-1][1]
+
+        def questions(history):
+            return [" ".join(m["content"]) if isinstance(m["content"], list) else m["content"]
+                    for m in history if m["role"] == "user"]
+
+        cleared(request)
+        assert questions(history_shown(stale)) == ["What now?"]
+        assert questions(history_shown(stale)) == ["an old question", "What now?"]  # no Clear in between
+    finally:
+        scheduler.close()
