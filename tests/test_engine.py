@@ -446,7 +446,7 @@ def _shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return n
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen3_vl"])  # 1D RoPE, M-RoPE, DeepStack
+@pytest.mark.parametrize("arch", ARCHS)  # 1D RoPE, M-RoPE, DeepStack, anyres, LongVA
 def test_the_prefix_cache_answers_exactly_and_computes_only_what_is_new(checkpoints, media, arch, tmp_path):
     """With the prefix cache on (glimpse serve), another question about the same picture and a chat's next turn
     prefill only the tokens after what they share with an earlier prompt, without encoding the picture again,
