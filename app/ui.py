@@ -283,6 +283,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         """The tab was closed or reloaded (Gradio does not cancel its running event): end its requests."""
         with tabs_lock:
             tickets = tabs.pop(getattr(request, "session_hash", None), set())
+            cleared_sessions.discard(getattr(request, "session_hash", None))
         for ticket in tickets:
             ticket.cancel.set()
 
@@ -312,8 +313,10 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         """After Clear: an empty chat and chat state (a streamed update that was on its way when Clear was
         pressed would otherwise bring the old conversation back, and the next question would carry it). The
         next question also starts afresh whatever the state says by then (``ClearCancelsChat._stream_fn``)."""
-        with tabs_lock:
-            cleared_sessions.add(getattr(request, "session_hash", None))
+        session = getattr(request, "session_hash", None)
+        if session is not None:
+            with tabs_lock:
+                cleared_sessions.add(session)
         wait_for_answers_to_end(request)
         return [], [], "metrics appear after an answer", None
 
