@@ -391,11 +391,11 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         t_prefill = time.perf_counter()
         stop_ids = set() if ignore_eos else self.eos_token_ids
-        if defer and reuse_prefix and (deferred := self._deferred_prefill(prompt, policy)) is not None:
-            ctx, rows = deferred
+        ctx, spans = self._prefill_context(prompt, policy, reuse_prefix)
+        if defer and (rows := self._deferred_rows(ctx, spans)) is not None:
             return Request(prompt, policy, ctx, sampling, generator, self._budget(max_new_tokens, ctx), None,
                            t_request, t_prefill, 0.0, _IncrementalDecoder(self.tokenizer), stop_ids, pending=rows)
-        logits, ctx = self.prefill(prompt, policy, reuse_prefix)
+        logits = self._prefill_layers(prompt, policy, ctx, spans)
         token = sampling.next(logits, generator)
         synchronize(self.device)
         t_first = time.perf_counter()
@@ -410,30 +410,15 @@ class Engine:
     # A prompt's end computed in a decode step: at most this many tokens, so that a step stays a step.
     DEFERRED_TOKENS = 64
 
-    def _deferred_prefill(self, prompt: Prompt, policy: Policy) -> tuple[PrefillContext, "DecodeRows"] | None:
-        """The request's context with its cache seeded from the prefix cache, and the rest of its prompt as
-        decode rows — when that rest is at most ``DEFERRED_TOKENS`` tokens, all text; otherwise None."""
-        if not (self.prefix_cache.max_bytes and prunes_nothing(policy)):
+    def _deferred_rows(self, ctx: PrefillContext, spans) -> "DecodeRows | None":
+        """The rest of a prompt whose prefix came from the prefix cache, as decode rows, when it is at most
+        ``DEFERRED_TOKENS`` tokens, all text; otherwise None (the layer loop prefills it)."""
+        start, T = ctx.reused_tokens, len(ctx.prompt)
+        if start == 0 or T - start > self.DEFERRED_TOKENS or any(span.end > start for span in spans):
             return None
-        input_ids = prompt.input_ids.to(self.device)
-        positions = self.adapter.positions(input_ids, prompt.modality, prompt.media)
-        spans = media_spans(prompt)
-        found = self.prefix_cache.find(prompt.input_ids, positions, spans)
-        T = len(prompt)
-        if found is None or T - found[1] > self.DEFERRED_TOKENS or any(span.end > found[1] for span in spans):
-            return None
-        hidden = self.adapter.embed_tokens(input_ids)[None]
-        num_layers = len(self.adapter.layers)
-        ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
-                             KVCache(num_layers), num_layers,
-                             next_position=positions.max(dim=1, keepdim=True).values + 1)
-        policy.plan(ctx)
-        self._reuse_prefix(prompt, spans, ctx)
-        start = ctx.reused_tokens
         rest = torch.arange(start, T)
-        ctx.active_per_layer = [rest.to(self.device)] * num_layers  # what the step will compute in each layer
-        rows = DecodeRows(rest, prompt.modality[start:].cpu(), positions[:, start:], hidden[:, start:])
-        return ctx, rows
+        ctx.active_per_layer = [rest.to(self.device)] * ctx.num_layers  # what the step will compute in each layer
+        return DecodeRows(rest, ctx.prompt.modality[start:].cpu(), ctx.positions[:, start:], ctx.hidden[:, start:])
 
     def _prompt_done(self, request: "Request", logits: torch.Tensor) -> None:
         """A deferred prompt's end was computed by this decode step: its first token, clocks and cache entry."""
@@ -550,9 +535,15 @@ class Engine:
         return out
 
     def prefill(self, prompt: Prompt, policy: Policy, reuse_prefix: bool = True) -> tuple[torch.Tensor, PrefillContext]:
-        hidden = self.adapter.embed_tokens(prompt.input_ids.to(self.device))[None]  # (1, T, d)
-        positions = self.adapter.positions(prompt.input_ids.to(self.device), prompt.modality, prompt.media)
-        cos, sin = self.adapter.rotary(hidden, positions)
+        ctx, spans = self._prefill_context(prompt, policy, reuse_prefix)
+        return self._prefill_layers(prompt, policy, ctx, spans), ctx
+
+    def _prefill_context(self, prompt: Prompt, policy: Policy, reuse_prefix: bool) -> tuple[PrefillContext, list | None]:
+        """The request's context (embeddings, positions, an empty cache, the policy's plan) and, where the
+        prefix cache applies, its media spans, with the cache seeded from the longest cached prefix."""
+        input_ids = prompt.input_ids.to(self.device)
+        hidden = self.adapter.embed_tokens(input_ids)[None]  # (1, T, d)
+        positions = self.adapter.positions(input_ids, prompt.modality, prompt.media)
         num_layers = len(self.adapter.layers)
         ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
                              KVCache(num_layers), num_layers,
@@ -562,7 +553,11 @@ class Engine:
         if reuse_prefix and self.prefix_cache.max_bytes and prunes_nothing(policy):
             spans = media_spans(prompt)
             self._reuse_prefix(prompt, spans, ctx)
+        return ctx, spans
 
+    def _prefill_layers(self, prompt: Prompt, policy: Policy, ctx: PrefillContext, spans) -> torch.Tensor:
+        """The decoder layers over the prompt from the first token not reused; the next-token logits."""
+        cos, sin = self.adapter.rotary(ctx.hidden, ctx.positions)
         # The vision encoder starts now, beside the layer loop; the loop joins it before the first
         # layer that computes a visual token (layer 0 unless a policy injects vision late). Media wholly
         # inside a reused prefix are not encoded again.
@@ -570,13 +565,13 @@ class Engine:
         needs_vision = bool(prompt.media) and (start == 0 or any(span.end > start for span in spans))
         vision = VisionJob(self, prompt, parallel=self.parallel_vision) if needs_vision else None
         try:
-            logits = self._layers(hidden, cos, sin, policy, ctx, vision, start)
+            logits = self._layers(ctx.hidden, cos, sin, policy, ctx, vision, start)
         finally:
             if vision is not None and vision.thread is not None:
                 vision.thread.join()  # never leave the encoder running on a failed request
         if spans is not None:
-            self.prefix_cache.put(prompt.input_ids, positions, spans, ctx.cache)
-        return logits, ctx
+            self.prefix_cache.put(prompt.input_ids, ctx.positions, spans, ctx.cache)
+        return logits
 
     def _reuse_prefix(self, prompt: Prompt, spans, ctx: PrefillContext) -> None:
         """Seed the request's cache with the entries of the longest prefix it shares with a cached prompt."""

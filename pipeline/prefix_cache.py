@@ -93,35 +93,24 @@ class PrefixCache:
         self._next_id = 0
         self.lock = threading.Lock()
 
-    def find(self, input_ids: torch.Tensor, positions: torch.Tensor,
-             spans: list[MediaSpan]) -> tuple[PrefixEntry, int] | None:
-        """The entry sharing the longest prefix with the prompt, and that length; None if none shares any.
-        A look only: ``lookup`` is what uses an entry."""
-        with self.lock:
-            found = self._best(input_ids.cpu(), positions.cpu(), spans)
-        return None if found is None else found[1:]
-
     def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor,
                spans: list[MediaSpan]) -> tuple[PrefixEntry, int] | None:
-        """``find``, counted, and the entry becomes the most recently used."""
+        """The entry sharing the longest prefix with the prompt, and that length (it becomes the most recently
+        used); None if none shares any."""
+        input_ids, positions = input_ids.cpu(), positions.cpu()
         with self.lock:
-            found = self._best(input_ids.cpu(), positions.cpu(), spans)
-            if found is None:
+            best, best_id, shared = None, None, 0
+            for entry_id, entry in self.entries.items():
+                n = entry.shared_with(input_ids, positions, spans)
+                if n > shared:
+                    best, best_id, shared = entry, entry_id, n
+            if best is None:
                 self.misses += 1
                 return None
-            entry_id, entry, shared = found
-            self.entries.move_to_end(entry_id)
+            self.entries.move_to_end(best_id)
             self.hits += 1
             self.reused_tokens += shared
-            return entry, shared
-
-    def _best(self, input_ids, positions, spans) -> tuple[int, PrefixEntry, int] | None:
-        best = None
-        for entry_id, entry in self.entries.items():
-            n = entry.shared_with(input_ids, positions, spans)
-            if n > (best[2] if best else 0):
-                best = (entry_id, entry, n)
-        return best
+            return best, shared
 
     def put(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[MediaSpan], cache: KVCache) -> None:
         """Keep the prompt's entries (a private copy: the request goes on writing to its own cache). Entries
