@@ -41,6 +41,9 @@ class MediaInput:
     grid: tuple[int, int, int] | None = None  # (t, h, w) of the visual tokens, for the keep-map
     sample_fps: float | None = None  # a video's frames per second as sampled
     timestamps_s: list[float] | None = None  # a video's time per temporal patch, where the prompt writes it
+    # A digest of ``tensors`` (``encoder_cache.item_key``), computed the first time a cache asks for it: the
+    # encoder cache and the prefix cache key the same item by it, so its pixels are hashed once.
+    key: str | None = field(default=None, repr=False, compare=False)
 
 
 def patch_times(indices: list[int], source_fps: float, temporal_patch_size: int) -> list[float]:

@@ -22,16 +22,23 @@ from glimpse.pipeline.adapters import MediaInput
 Features = tuple[torch.Tensor, list[torch.Tensor]]  # encode_with_layers' output: features, DeepStack layers
 
 
-def media_key(items: list[MediaInput]) -> str:
-    """A digest of what the encoder reads for ``items``: each tensor's name, dtype, shape and bytes."""
-    digest = hashlib.blake2b(digest_size=20)
-    for item in items:
+def item_key(item: MediaInput) -> str:
+    """A digest of what the encoder reads for one item: its kind, token count, and each tensor's name, dtype,
+    shape and bytes. Kept on the item, so that the caches that key it hash its pixels once."""
+    if item.key is None:
+        digest = hashlib.blake2b(digest_size=20)
         digest.update(f"{int(item.kind)}:{item.num_tokens}".encode())
         for name in sorted(item.tensors):
             tensor = item.tensors[name].detach().cpu().contiguous()
             digest.update(f"|{name}:{tensor.dtype}:{tuple(tensor.shape)}|".encode())
             digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        item.key = digest.hexdigest()
+    return item.key
+
+
+def media_key(items: list[MediaInput]) -> str:
+    """A digest of what the encoder reads for ``items``, in order."""
+    return hashlib.blake2b("+".join(item_key(item) for item in items).encode(), digest_size=20).hexdigest()
 
 
 class EncoderCache:

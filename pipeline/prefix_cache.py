@@ -26,7 +26,7 @@ import torch
 
 from glimpse.common import Modality
 from glimpse.pipeline.cache import KVCache
-from glimpse.pipeline.encoder_cache import media_key
+from glimpse.pipeline.encoder_cache import item_key
 from glimpse.pipeline.prompt import Prompt
 
 
@@ -34,7 +34,7 @@ from glimpse.pipeline.prompt import Prompt
 class MediaSpan:
     start: int  # the first placeholder token of the item in the prompt
     end: int  # one past its last
-    key: str  # what the encoder reads for it (``encoder_cache.media_key``)
+    key: str  # what the encoder reads for it (``encoder_cache.item_key``)
 
 
 def media_spans(prompt: Prompt) -> list[MediaSpan]:
@@ -43,7 +43,7 @@ def media_spans(prompt: Prompt) -> list[MediaSpan]:
     spans, taken = [], 0
     for item in prompt.media:
         rows = placeholders[taken:taken + item.num_tokens]
-        spans.append(MediaSpan(rows[0], rows[-1] + 1, media_key([item])))
+        spans.append(MediaSpan(rows[0], rows[-1] + 1, item_key(item)))
         taken += item.num_tokens
     return spans
 

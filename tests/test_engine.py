@@ -554,3 +554,18 @@ def test_a_deferred_prompt_end_is_computed_by_the_next_decode_step_or_ends_clean
         assert engine.take_token(cancelled) is None and cancelled.done and cancelled.finish == "cancelled"
         ended = engine._result(cancelled)
         assert ended.token_ids == [] and ended.metrics["ttft_s"] >= 0
+
+
+def test_a_media_items_digest_is_computed_once_and_keys_both_caches():
+    """The encoder cache and the prefix cache key an item by the digest of what the encoder reads: computed the
+    first time, kept on the item (its pixels are hashed once per request), and the same for equal inputs."""
+    from glimpse.pipeline.adapters import IMAGE, MediaInput
+    from glimpse.pipeline.encoder_cache import item_key, media_key
+
+    item = MediaInput(IMAGE, 4, {"pixel_values": torch.arange(12.0).reshape(1, 3, 2, 2)})
+    twin = MediaInput(IMAGE, 4, {"pixel_values": torch.arange(12.0).reshape(1, 3, 2, 2)})
+    other = MediaInput(IMAGE, 4, {"pixel_values": torch.zeros(1, 3, 2, 2)})
+    assert item.key is None and item_key(item) == item.key == item_key(twin) != item_key(other)
+    item.tensors["pixel_values"].zero_()  # not hashed again: the key is the item's, as first computed
+    assert item_key(item) == item_key(twin)
+    assert media_key([item, other]) != media_key([other, item]) and media_key([item]) == media_key([twin])
