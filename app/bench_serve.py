@@ -223,7 +223,7 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
         command += ["--kv-budget-mb", str(args.kv_budget_mb)]
     if args.encoder_cache_mb is not None:
         command += ["--encoder-cache-mb", str(args.encoder_cache_mb)]
-    if getattr(args, "prefix_cache_mb", None) is not None:
+    if args.prefix_cache_mb is not None:
         command += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     progress(f"starting: {' '.join(command[2:])}")
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

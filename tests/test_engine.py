@@ -522,6 +522,8 @@ def test_the_prefix_cache_keeps_the_longest_prompts_within_its_bytes():
     assert cache.lookup(ids(6, 0, 0, 8, 9), shifted, picture)[1] == 3
     cache.put(ids(5, 5, 5, 5), at(4), [], kv(4))  # 13 tokens held > 12: the least recently used (the first) goes
     assert sorted(len(e.input_ids) for e in cache.entries.values()) == [4, 4] and cache.bytes == 8 * per_token
+    cache.put(ids(*range(13)), at(13), [], kv(13))  # one prompt larger than the whole cache: not kept, nothing dropped
+    assert sorted(len(e.input_ids) for e in cache.entries.values()) == [4, 4] and cache.bytes == 8 * per_token
 
 
 def test_a_deferred_prompt_end_is_computed_by_the_next_decode_step_or_ends_cleanly_when_cancelled(checkpoints, media):
