@@ -594,6 +594,9 @@ class Engine:
         active = torch.arange(start, T, device=self.device)
         fresh = torch.ones(T, dtype=torch.bool, device=self.device)  # not computed by any layer yet
         fresh[:start] = False
+        if vision is not None and policy.reads_visual_inputs:  # it selects on them before layer 0 (DivPrune)
+            hidden = ctx.hidden = vision.join(hidden, ctx)
+            vision = None
         for layer_idx, layer in enumerate(self.adapter.layers):
             active = _checked(policy.select(layer_idx, active, ctx), active, fresh)
             hidden = ctx.hidden  # a merging policy folds pruned tokens into kept ones (pruning.base.merge_into_kept)

@@ -12,6 +12,7 @@ from glimpse.common import UserError
 from glimpse.pruning.base import NoPruning, Policy
 from glimpse.pruning.compose import Pipeline
 from glimpse.pruning.dash import DASH
+from glimpse.pruning.divprune import DivPrune
 from glimpse.pruning.fastv import FastV
 from glimpse.pruning.frontier import Frontier, Member, Point, design_pipeline_members, uncalibrated_frontier
 from glimpse.pruning.hidivdrop import HiDivDrop
@@ -27,6 +28,7 @@ POLICIES: dict[str, type[Policy]] = {
     "lazyllm": LazyLLM,
     "fastv": FastV,
     "hidivdrop": HiDivDrop,
+    "divprune": DivPrune,
 }
 NAMES = ["auto", *POLICIES]  # what --policy, the chat's dropdown and the API accept
 PRUNING_NAMES = [name for name in POLICIES if name != "none"]  # the policies a benchmark compares
@@ -140,5 +142,5 @@ def _fits(value, annotation: str) -> bool:
     return False
 
 
-__all__ = ["DASH", "NAMES", "POLICIES", "PRUNING_NAMES", "TEXT_PRUNING_NAMES", "FastV", "Frontier", "HiDivDrop", "LazyLLM", "Member", "NoPruning", "Pipeline",
+__all__ = ["DASH", "DivPrune", "NAMES", "POLICIES", "PRUNING_NAMES", "TEXT_PRUNING_NAMES", "FastV", "Frontier", "HiDivDrop", "LazyLLM", "Member", "NoPruning", "Pipeline",
            "Point", "Policy", "ST3", "ZipVL", "configuration", "design_pipeline", "make_policy", "parse_params"]

@@ -5,7 +5,10 @@ The engine calls, in this order:
                                      are known: resolve layer numbers, reset per-request state
   select(layer_idx, active, ctx)     before each decoder layer: return the token indices it computes;
                                      a policy that merges (``merge_into_kept``) may also replace
-                                     ``ctx.hidden``, which the engine reads back before the layer
+                                     ``ctx.hidden``, which the engine reads back before the layer.
+                                     At layer 0 the visual rows of ``ctx.hidden`` are placeholders
+                                     unless the policy sets ``reads_visual_inputs`` (the engine then
+                                     waits for the vision encoder first, as DivPrune needs)
   attention_rows(layer_idx, ctx)     once the layer's queries and keys exist: which of the active
                                      tokens take part in attention (None: all of them)
   score(layer_idx, attn_output, ctx) after that layer's attention output (after o_proj, before the
@@ -53,6 +56,9 @@ class Policy:
     name = "none"
     # Whether the policy can prune a text-only prompt (the pass-key task); visual-only policies cannot.
     prunes_text = False
+    # Whether ``select`` at layer 0 reads the visual tokens' input embeddings (``ctx.hidden``): the engine
+    # then waits for the vision encoder before layer 0's select instead of after it (DivPrune).
+    reads_visual_inputs = False
     # Layer numbers and other values only known once the model's depth and the prompt are (set by plan).
     resolved: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # What the policy observed on this request (tokens halted, important tokens per layer, ...): reported as

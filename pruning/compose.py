@@ -24,6 +24,10 @@ class Pipeline(Policy):
     def name(self) -> str:
         return self.label or "+".join(p.name for p in self.policies) or "none"
 
+    @property
+    def reads_visual_inputs(self) -> bool:
+        return any(p.reads_visual_inputs for p in self.policies)
+
     def params(self) -> dict:
         return {p.name: p.params() for p in self.policies}
 

@@ -242,7 +242,8 @@ def candidates() -> list[tuple[Member, ...]]:
     the design card's pipeline, and the compositions the embedded model's measurements suggested
     (docs/slider.md): LazyLLM past its slider's end, LazyLLM or ST3 with ST3's decode annealing or
     ZipVL's packed KV, FastV's early cut under LazyLLM, an early vision exit under LazyLLM, and FastV's
-    and LazyLLM's cuts with the pruned visual tokens merged into the kept ones (``merge=True``)."""
+    and LazyLLM's cuts with the pruned visual tokens merged into the kept ones (``merge=True``); and DivPrune's
+    diverse visual tokens chosen before the first layer."""
     anneal = dict(first_drop=0.0, end_keep=1.0)  # ST3's decode half alone
     packed_kv = dict(tau_image=1.0, tau_video=1.0)  # ZipVL's 4/2-bit KV in decode, no sparse prefill
     out: list[tuple[Member, ...]] = []
@@ -290,6 +291,10 @@ def candidates() -> list[tuple[Member, ...]]:
             for p in ([0.4, 0.5, 0.6], [0.5, 0.6, 0.7], [0.6, 0.7, 0.8], [0.7, 0.8, 0.9])]
     out += [(Member.of("lazyllm", 1.0, depth_fractions=[0.15, 0.3, 0.5], percentiles=[0.5, 0.6, 0.7], **visual_only),),
             (Member.of("lazyllm", 1.0, depth_fractions=[0.1, 0.2, 0.4], percentiles=[0.4, 0.5, 0.6], **visual_only),)]
+    # DivPrune (pruning/divprune.py): the most diverse visual tokens of each image or frame, chosen before
+    # layer 0; its slider keeps 1 - 0.8 s of them, and 30% and 25% are the steps between 0.75 and 1.
+    out += [(Member.of("divprune", s),) for s in (0.25, 0.5, 0.75, 1.0)]
+    out += [(Member.of("divprune", 1.0, keep=k),) for k in (0.3, 0.25)]
     return out
 
 

@@ -29,7 +29,8 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
 
     policies = {(r["policy"], r["model"]) for r in sections["policies"]["rows"]}
     assert policies == {("dash", "tiny"), ("zipvl", "tiny"), ("lazyllm", "tiny"), ("auto", "tiny"),
-                        ("hidivdrop", "llava-tiny"), ("st3", "llava-tiny"), ("auto", "llava-tiny")}
+                        ("hidivdrop", "llava-tiny"), ("st3", "llava-tiny"), ("divprune", "llava-tiny"),
+                        ("auto", "llava-tiny")}
     for row in sections["policies"]["rows"]:
         assert row["flops_speedup"] > 1.0 and row["paper"]  # each pruned something, beside its paper's figure
     decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}

@@ -11,7 +11,7 @@ import torch
 from conftest import ARCHS, DEEP_LAYERS
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.adapters import TEXT
-from glimpse.pruning import DASH, POLICIES, FastV, Frontier, LazyLLM, NoPruning, Pipeline, Point, ST3, ZipVL, make_policy
+from glimpse.pruning import DASH, DivPrune, POLICIES, FastV, Frontier, LazyLLM, NoPruning, Pipeline, Point, ST3, ZipVL, make_policy
 from glimpse.pruning.frontier import design_pipeline_members
 from glimpse.pruning.zipvl import important_count
 from tiny_models import masked_reference, reference_inputs
@@ -289,6 +289,82 @@ def test_fastv_merge_folds_each_dropped_token_into_its_most_similar_kept_one(dee
     torch.testing.assert_close(captured["h"], expected[kept], atol=1e-4, rtol=0)
 
 
+# ---------------------------------------------------------------------------------------- DivPrune
+def _greedy_max_min(features: torch.Tensor, count: int) -> list[int]:
+    """DivPrune's rule written out on the whole distance matrix: first the token whose nearest other token
+    is farthest, then each time the token farthest from its nearest chosen one (ties: the earlier)."""
+    unit = torch.nn.functional.normalize(features.float(), dim=-1)
+    n = features.shape[0]
+    others = 1.0 - unit @ unit.T + torch.diag(torch.full((n,), float("inf")))
+    chosen = [int(others.min(dim=1).values.argmax())]
+    # Distances to a chosen token as one vector each, as the policy computes them: equal features (a still
+    # video's repeated frames) then tie exactly in both, not up to the rounding of two different products.
+    to = {chosen[0]: 1.0 - unit @ unit[chosen[0]]}
+    while len(chosen) < count:
+        rest = [i for i in range(n) if i not in chosen]
+        pick = max(rest, key=lambda i: (min(float(to[j][i]) for j in chosen), -i))
+        chosen.append(pick)
+        to[pick] = 1.0 - unit @ unit[pick]
+    return sorted(chosen)
+
+
+def test_divprune_keeps_one_token_of_each_group_of_near_duplicates():
+    """Three objects, each seen by several near-identical cells: keeping three keeps one of each, where a
+    ranking by any per-token score could keep three cells of one object."""
+    from glimpse.pruning.divprune import max_min_diverse
+    torch.manual_seed(0)
+    centres = torch.eye(3, 8)
+    features = torch.cat([centres[i] + 0.01 * torch.randn(5, 8) for i in (0, 1, 2)])  # rows 0-4, 5-9, 10-14
+    chosen = max_min_diverse(features[None], 3)[0]
+    assert sorted(int(i) // 5 for i in chosen) == [0, 1, 2]
+    assert max_min_diverse(features[None], 7)[0].tolist() == _greedy_max_min(features, 7)
+    assert max_min_diverse(features[None], 20)[0].tolist() == list(range(15))
+    # Sets chosen side by side are each chosen as if alone.
+    other = features.flip(0) * 2.0 + 0.05 * torch.randn(15, 8)
+    both = max_min_diverse(torch.stack([features, other]), 4)
+    assert both.tolist() == [_greedy_max_min(features, 4), _greedy_max_min(other, 4)]
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_divprune_keeps_the_most_diverse_visual_inputs_and_the_rest_skip_every_layer(deep, media, arch):
+    """The kept set is DivPrune's greedy max-min selection over the vision encoder's outputs (the decoder's
+    inputs, not the placeholders): round(keep n) of each image enter layer 0, the others are in no layer's
+    computation nor its KV cache, and every text token goes through."""
+    engine = load_engine(str(deep[arch]), device="cpu")
+    prompt = engine.prepare(_image_messages(media))
+    with torch.no_grad():
+        (rows, features, _), = engine.encode_media(prompt)
+        policy = DivPrune(keep=0.3)
+        _, ctx = engine.prefill(prompt, policy)
+    kept = rows[_greedy_max_min(features, round(0.3 * rows.shape[0]))]
+    text = (prompt.modality == TEXT).nonzero().squeeze(1)
+    expected = torch.cat([text, kept]).sort().values
+    for layer_idx in range(DEEP_LAYERS):
+        assert torch.equal(ctx.active_per_layer[layer_idx], expected), layer_idx
+        assert not torch.isin(ctx.cache.layers[layer_idx].index, rows[~torch.isin(rows, kept)]).any()
+    assert policy.observed()["num_dropped"] == rows.shape[0] - kept.shape[0]
+
+
+def test_divprune_selects_each_video_frame_on_its_own(deep, media):
+    """Each frame keeps its own share (the test clip's flat frames have equal features, whose ties the greedy
+    rule may break either way, so the rule itself is checked on the image above)."""
+    engine = load_engine(str(deep["qwen2_vl"]), device="cpu")
+    prompt = engine.prepare([{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                                          {"type": "text", "text": "What happens?"}]}])
+    item = prompt.media[0]
+    frames, per_frame = item.grid[0], item.num_tokens // item.grid[0]
+    assert frames > 1 and per_frame * frames == item.num_tokens
+    rows = _visual(prompt)
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, DivPrune(keep=0.25))
+        _, whole = engine.prefill(prompt, DivPrune(keep=0.25, per_frame=False))
+    kept = [int(torch.isin(rows[f * per_frame:(f + 1) * per_frame], ctx.active_per_layer[0]).sum()) for f in range(frames)]
+    assert kept == [round(0.25 * per_frame)] * frames
+    assert int(torch.isin(rows, whole.active_per_layer[0]).sum()) == round(0.25 * len(rows))
+    text = (prompt.modality == TEXT).nonzero().squeeze(1)
+    assert torch.isin(text, ctx.active_per_layer[-1]).all()
+
+
 def test_a_token_merged_twice_is_the_plain_mean_of_everything_it_holds():
     """Two merge stages (LazyLLM prunes at several layers): sizes carry over, so the last kept token
     is the mean of all three originals, not a mean of means."""
@@ -379,6 +455,7 @@ MASKING_CASES = {
     "st3": lambda: ST3(first_drop=0.5, end_keep=0.1),
     "lazyllm": lambda: LazyLLM(percentiles=(0.3, 0.4, 0.5)),
     "fastv": lambda: FastV(ratio=0.6),
+    "divprune": lambda: DivPrune(keep=0.4),
     "design pipeline": lambda: design_pipeline_with_guards(0.8, 2),
 }
 
