@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from glimpse.common import Modality
 from glimpse.pipeline.cache import KVCache
 from glimpse.pipeline.encoder_cache import item_key
 from glimpse.pipeline.prompt import Prompt
@@ -38,14 +37,8 @@ class MediaSpan:
 
 
 def media_spans(prompt: Prompt) -> list[MediaSpan]:
-    """Each media item's placeholder span, in prompt order (the items fill the non-text tokens in turn)."""
-    placeholders = (prompt.modality != Modality.TEXT).nonzero().squeeze(1).tolist()
-    spans, taken = [], 0
-    for item in prompt.media:
-        rows = placeholders[taken:taken + item.num_tokens]
-        spans.append(MediaSpan(rows[0], rows[-1] + 1, item_key(item)))
-        taken += item.num_tokens
-    return spans
+    """Each media item's placeholder span, in prompt order."""
+    return [MediaSpan(int(rows[0]), int(rows[-1]) + 1, item_key(item)) for item, rows in prompt.media_rows()]
 
 
 @dataclass

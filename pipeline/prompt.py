@@ -55,6 +55,16 @@ class Prompt:
     def token_counts(self) -> dict[str, int]:
         return {name: int((self.modality == k).sum()) for k, name in MODALITY_NAMES.items()}
 
+    def media_rows(self) -> list[tuple[MediaInput, torch.Tensor]]:
+        """Each media item with its placeholder rows (original indices), in prompt order: the items fill the
+        non-text tokens in turn."""
+        placeholders = (self.modality != TEXT).nonzero().squeeze(1)
+        out, taken = [], 0
+        for item in self.media:
+            out.append((item, placeholders[taken:taken + item.num_tokens]))
+            taken += item.num_tokens
+        return out
+
 
 def normalise_messages(messages) -> list[dict]:
     """Accept a plain string or string contents; always return list-of-items contents."""

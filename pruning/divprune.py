@@ -75,11 +75,8 @@ class DivPrune(Policy):
 def visual_groups(prompt, per_frame: bool) -> list[torch.Tensor]:
     """Original indices of each media item's visual tokens (each video frame's, with ``per_frame``), in prompt
     order. A video's tokens are split into frames only where its grid says how (``MediaInput.grid``)."""
-    visual = (prompt.modality != Modality.TEXT).nonzero().squeeze(1)
-    groups, start = [], 0
-    for item in prompt.media:
-        tokens = visual[start:start + item.num_tokens]
-        start += item.num_tokens
+    groups = []
+    for item, tokens in prompt.media_rows():
         frames = item.grid[0] if (per_frame and item.kind == Modality.VIDEO and item.grid) else 1
         if frames > 1 and tokens.shape[0] % frames == 0:
             groups.extend(tokens.chunk(frames))
