@@ -325,6 +325,15 @@ def test_divprune_keeps_one_token_of_each_group_of_near_duplicates():
     assert both.tolist() == [_greedy_max_min(features, 4), _greedy_max_min(other, 4)]
 
 
+def test_divprune_refuses_a_share_outside_zero_one_or_of_the_wrong_type_before_any_work(checkpoints, media):
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    for keep in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match=r"DivPrune keep must be in \(0, 1\]"):
+            engine.generate(_image_messages(media), policy=DivPrune(keep=keep), max_new_tokens=1)
+    with pytest.raises(ValueError, match="keep must be float"):
+        make_policy("divprune", 1.0, {"keep": "most"})
+
+
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
 def test_divprune_keeps_the_most_diverse_visual_inputs_and_the_rest_skip_every_layer(deep, media, arch):
     """The kept set is DivPrune's greedy max-min selection over the vision encoder's outputs (the decoder's
