@@ -291,6 +291,38 @@ def test_training_under_a_hidivdrop_schedule_computes_what_the_engine_runs(engin
     torch.testing.assert_close(logits, result.first_logits.flatten().to(logits.dtype), atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("kind, keep", [("image", 0.25), ("image", 0.6), ("video", 0.25)])
+def test_training_under_divprune_computes_what_the_engine_runs(engine, kind, keep):
+    """DivPrune in the training loop (`--divprune-share`: the most diverse vision tokens of each image, or of each
+    clip frame, kept; the others masked from every row) gives the first-token logits the engine computes when it
+    runs DivPrune at that keep by dropping tokens, and masks exactly the tokens it drops."""
+    from glimpse.pipeline.adapters import TEXT
+    from training import pruned_forward
+
+    path = REPO / "assets" / ("sample.png" if kind == "image" else "sample.mp4")
+    messages = [{"role": "user", "content": [{"type": kind, kind: str(path)},
+                                             {"type": "text", "text": "What colour is the circle?"}]}]
+    policy = engine.make_policy("divprune", 1.0, {"keep": keep})
+    result = engine.generate(messages, policy=policy, max_new_tokens=1)
+    prompt = engine.prepare(messages)
+    visual = prompt.modality != TEXT
+    frames = prompt.media[0].grid[0] if kind == "video" else 1
+    T = len(prompt.input_ids)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    with torch.no_grad():
+        embeds = engine.embed_prompt(prompt)
+        allowed = pruned_forward.divprune_allowed(causal, embeds[0], visual,
+                                                  pruned_forward.DivPruneSchedule(keep, frames))
+        masked = visual & ~allowed[-1]  # the vision tokens the last prompt token no longer sees
+        per_frame = int(visual.sum()) // frames
+        assert int(masked.sum()) == policy.telemetry["num_dropped"] == frames * (per_frame - round(keep * per_frame))
+        mask = torch.zeros(T, T).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+        language_model = engine.adapter.model.model.language_model
+        hidden = language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=torch.arange(T)[None])
+        logits = engine.adapter.model.lm_head(hidden.last_hidden_state[0, -1])
+    torch.testing.assert_close(logits, result.first_logits.flatten().to(logits.dtype), atol=2e-3, rtol=1e-3)
+
+
 def test_each_packed_chat_ranks_its_own_vision_tokens_with_its_own_probe():
     from training.pruned_forward import probe_rows
 

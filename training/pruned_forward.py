@@ -1,4 +1,4 @@
-"""HiDivDrop in the training loop: the language model's forward pass as the engine runs it under a HiDivDrop
+"""Pruning in the training loop. HiDivDrop: the language model's forward pass as the engine runs it under a HiDivDrop
 schedule, written as one attention mask per layer, so that the embedded model learns to answer with late
 injection, the concave pyramid and the early exit (`python -m training.train_projector --hidivdrop-share`).
 
@@ -18,6 +18,10 @@ mask), so each chat's answer is trained on what inference will compute. One appr
 each chat ranks and drops its own vision tokens (its probe is its own last prompt token), but the shared
 prefix's rows (the vision tokens themselves) are computed once for all chats, so among themselves they see
 every vision token that some chat still keeps. A single-chat item is exact.
+
+DivPrune (`--divprune-share`): each image's (each clip frame's) most diverse share `keep` of its vision tokens,
+chosen by the engine's own `max_min_diverse` over the vision tokens' inputs; the rest are masked from every row.
+The selection does not depend on the question, so packed items are exact too.
 """
 
 from __future__ import annotations
@@ -50,6 +54,33 @@ def hidivdrop_schedule(speed: float, num_layers: int, visual: int, params: dict 
                           torch.zeros(1, dtype=torch.long)])
     policy.plan(SimpleNamespace(num_layers=num_layers, modality=modality))
     return Schedule(speed, policy.inject, policy.exit, dict(policy.cuts))
+
+
+@dataclass(frozen=True)
+class DivPruneSchedule:
+    """DivPrune at `keep` on an item whose vision tokens are `frames` equal frames (1: an image); each frame is
+    selected on its own, as inference does (`DivPrune.per_frame`)."""
+    keep: float
+    frames: int = 1
+
+
+def divprune_allowed(allowed: torch.Tensor, embeds: torch.Tensor, visual: torch.Tensor,
+                     schedule: DivPruneSchedule) -> torch.Tensor:
+    """`allowed` (T, T) with the vision tokens DivPrune leaves out masked from every row: no row sees their keys
+    (each still sees itself, so that no row is without a key; those rows' outputs are never read). `embeds`
+    (T, hidden): the language model's inputs, which DivPrune's cosine distances are taken over."""
+    from glimpse.pruning.divprune import max_min_diverse
+
+    frames = visual.nonzero().squeeze(1).chunk(schedule.frames)
+    size = frames[0].shape[0]
+    same = torch.stack(frames)  # (frames, size): the engine selects equal frames side by side, as here
+    with torch.autocast(embeds.device.type, enabled=False):  # chosen in float32, as inference chooses
+        chosen = max_min_diverse(embeds.detach().float()[same], max(1, round(schedule.keep * size)))
+    dropped = same[~torch.zeros_like(same, dtype=torch.bool).scatter(1, chosen, True)]
+    allowed = allowed.clone()
+    allowed[:, dropped] = False
+    allowed[dropped, dropped] = True
+    return allowed
 
 
 def probe_rows(labels: torch.Tensor, segments: torch.Tensor) -> dict[int, int]:

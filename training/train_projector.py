@@ -31,6 +31,10 @@ With `--hidivdrop-share P` a share P of the items is trained under a HiDivDrop s
 training/pruned_forward.py), the rest with every token in every layer, so the model answers both ways.
 `--hidivdrop-param NAME=VALUE` sets the schedule's parameters as inference's `--param` does (e.g. no late
 injection, no exit and an early, steep pyramid: run 13).
+With `--divprune-share P` a share P of the items (drawn after HiDivDrop's share, never both on one item) is
+trained seeing only DivPrune's most diverse `keep` of each image's (each clip frame's) vision tokens, `keep`
+drawn uniformly from `--divprune-keep LOW,HIGH`: the others are masked from every row, which is what the engine's
+dropping computes (tested). Run 14 fine-tuned run 10 so (docs/pruning.md, "Training with DivPrune in the loop").
 `--from-assets` fine-tunes the weights in assets/ instead of starting from the seeded projector (the record
 keeps theirs under "fine_tuned_from"). Runs 11 and 12 fine-tuned run 10 so; not shipped (docs/pruning.md).
 
@@ -383,11 +387,11 @@ def packed_chats(item: tasks.Item, tokenizer, config, media_tokens: int, rng: ra
 
 
 def answer_logits(model, projector, batch: list[dict], features, image_token, video_token, codes=None,
-                  schedule: pruned_forward.Schedule | None = None):
+                  schedule: pruned_forward.Schedule | pruned_forward.DivPruneSchedule | None = None):
     """The language model's logits at every position whose next token is an answer token, the answer tokens,
     and the row each belongs to. `codes`: each example's position code (`visual_code`), added to its projected
     tokens as inference adds it; None: no code. `schedule`: run the one example under this HiDivDrop schedule
-    (`pruned_forward`) instead of with every token in every layer."""
+    (`pruned_forward`), or DivPrune's selection (`DivPruneSchedule`), instead of with every token in every layer."""
     lm = model.model.language_model
     length = max(len(example["ids"]) for example in batch)
     pad = model.config.text_config.pad_token_id or 0
@@ -413,6 +417,11 @@ def answer_logits(model, projector, batch: list[dict], features, image_token, vi
     if codes is not None:
         projected = projected + torch.stack(codes)
     embeds = embeds.masked_scatter(media[..., None], projected.reshape(-1, projected.shape[-1]).to(embeds.dtype))
+    if isinstance(schedule, pruned_forward.DivPruneSchedule):
+        assert len(batch) == 1, "a DivPrune schedule runs one example at a time"
+        allowed = pruned_forward.divprune_allowed(allowed[0], embeds[0], media[0], schedule)[None]
+        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        schedule = None
     if schedule is None:
         hidden = lm(inputs_embeds=embeds, attention_mask=mask[:, None], position_ids=positions).last_hidden_state
     else:
@@ -446,7 +455,7 @@ def accumulate_gradient(model, projector, batch: list[dict], features, image_tok
     Packed items run from 299 to 661 tokens: padded to its longest, a batch of 8 computes 30% more tokens
     than it holds (over the default run's 320 batches); alone, each example runs at its own length. Each
     example's summed loss is divided by the batch's answer-token count, so the accumulated gradient is the
-    batched one (up to rounding, tested). `schedules`: each example's HiDivDrop schedule or None."""
+    batched one (up to rounding, tested). `schedules`: each example's HiDivDrop or DivPrune schedule, or None."""
     count = sum(answer_tokens(example) for example in batch)
     total = 0.0
     for i, example in enumerate(batch):
@@ -542,7 +551,19 @@ def main(argv=None) -> int:
     parser.add_argument("--hidivdrop-param", action="append", default=[], metavar="NAME=VALUE",
                         help="a HiDivDrop parameter for those schedules, as inference's --param takes it (repeat): "
                              "e.g. inject_fraction=0 exit_fraction=0 filter_layers=[3,6,9,12] keep=[0.35,0.2,0.12,0.08]")
+    parser.add_argument("--divprune-share", type=float, default=0.0,
+                        help="share of the items trained with only DivPrune's most diverse vision tokens "
+                             "(training/pruned_forward.py); drawn after --hidivdrop-share's, never both on one item")
+    parser.add_argument("--divprune-keep", default="0.2,0.6",
+                        help="the share of vision tokens those items keep, drawn uniformly from LOW,HIGH")
     args = parser.parse_args(argv)
+    try:
+        keep_low, keep_high = (float(x) for x in args.divprune_keep.split(","))
+    except ValueError:
+        parser.error(f"--divprune-keep takes LOW,HIGH, got {args.divprune_keep!r}")
+    if not 0.0 < keep_low <= keep_high <= 1.0 or not 0.0 <= args.divprune_share <= 1.0 - args.hidivdrop_share:
+        parser.error("--divprune-keep needs 0 < LOW <= HIGH <= 1 and --divprune-share a share in [0, 1] that, "
+                     "with --hidivdrop-share, sums to at most 1")
     try:
         speed_low, speed_high = (float(x) for x in args.hidivdrop_speeds.split(","))
     except ValueError:
@@ -663,6 +684,7 @@ def main(argv=None) -> int:
             "init": "the shipped assets (fine-tune)" if args.from_assets else "seeded initial projector, zero adapters",
             "hidivdrop_share": args.hidivdrop_share, "hidivdrop_speeds": [speed_low, speed_high],
             "hidivdrop_params": hidivdrop_params,
+            "divprune_share": args.divprune_share, "divprune_keep": [keep_low, keep_high],
             "adapter_rank": args.adapter_rank, "adapter_alpha": 2.0 * args.adapter_rank, "adapter_lr": args.adapter_lr,
             "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps,
             "passes": round(steps * args.batch / len(examples), 2), "precision": args.precision,
@@ -685,11 +707,15 @@ def main(argv=None) -> int:
     pruning = random.Random(args.seed + 1)  # its own stream: the item order stays that of a run without it
     num_layers = config.text_config.num_hidden_layers
 
-    def pruning_schedule() -> pruned_forward.Schedule | None:
-        if pruning.random() >= args.hidivdrop_share:
-            return None
-        return pruned_forward.hidivdrop_schedule(pruning.uniform(speed_low, speed_high), num_layers, media_tokens,
-                                                 hidivdrop_params)
+    def pruning_schedule(example) -> pruned_forward.Schedule | pruned_forward.DivPruneSchedule | None:
+        draw = pruning.random()
+        if draw < args.hidivdrop_share:
+            return pruned_forward.hidivdrop_schedule(pruning.uniform(speed_low, speed_high), num_layers, media_tokens,
+                                                     hidivdrop_params)
+        if draw < args.hidivdrop_share + args.divprune_share:
+            frames = config.video_frames if config.video_token_id in example["ids"] else 1  # a clip: its frames
+            return pruned_forward.DivPruneSchedule(pruning.uniform(keep_low, keep_high), frames)
+        return None
 
     running = None
     for step in range(steps):
@@ -698,7 +724,8 @@ def main(argv=None) -> int:
                                           config.image_token_id, config.video_token_id,
                                           [c for *_, c in chunk] if axes is not None else None,
                                           bf16=args.precision == "bf16",
-                                          schedules=[pruning_schedule() for _ in chunk] if args.hidivdrop_share else None)
+                                          schedules=[pruning_schedule(e) for e, _, _ in chunk]
+                                          if args.hidivdrop_share or args.divprune_share else None)
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
         optimizer.step()
         schedule.step()
