@@ -299,11 +299,13 @@ def candidates() -> list[tuple[Member, ...]]:
 
 
 # ------------------------------------------------------------------------------- uncalibrated
-# LazyLLM's slider settings (prefill only) as the embedded model's calibration measured them
-# (assets/embedded_frontier.json, `glimpse calibrate slider --model embedded`): speed, agreement,
-# prefill FLOPs ratio, end-to-end ratio. LazyLLM is the one policy that kept the unpruned answers at
-# every speed there (docs/benchmarks.md), so it is the conservative choice for a model nobody has
-# calibrated; the promise says the numbers are another model's.
+# LazyLLM's slider settings (prefill only) as the embedded model's calibration measured them on run 10,
+# its weights before they were fine-tuned with DivPrune in the loop (docs/benchmarks.md, "Calibration of
+# run 10's weights"): speed, agreement, prefill FLOPs ratio, end-to-end ratio. A checkpoint nobody has
+# calibrated was not trained with any pruning either, as run 10 was not; LazyLLM is the one policy that
+# kept run 10's answers at every speed, so it is the conservative choice there. (DivPrune, which the
+# shipped run 14 was trained for, is not: training-free on run 10 it kept 75% of the answers at 3x.) The
+# promise says the numbers are another model's.
 UNCALIBRATED_LAZYLLM = ((0.25, 0.9, 0.8318, 0.9801), (0.5, 0.875, 0.6941, 0.9663), (0.75, 0.8, 0.5858, 0.9465),
                         (1.0, 0.825, 0.4994, 0.9237))
 
