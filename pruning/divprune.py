@@ -56,7 +56,7 @@ class DivPrune(Policy):
         # Groups of one size (a video's frames, images of one shape) are chosen together in one batched loop.
         for size in sorted({g.shape[0] for g in groups}):
             same = torch.stack([g for g in groups if g.shape[0] == size]).to(active.device)  # (G, size)
-            chosen = max_min_diverse(ctx.hidden[0, same], max(1, round(self.keep * size)))  # (G, count)
+            chosen = max_min_diverse(ctx.hidden[0, same], kept_count(self.keep, size))  # (G, count)
             kept.append(same.gather(1, chosen).flatten())
         if not kept:
             return active
@@ -83,6 +83,11 @@ def visual_groups(prompt, per_frame: bool) -> list[torch.Tensor]:
         else:
             groups.append(tokens)
     return [g for g in groups if g.numel()]
+
+
+def kept_count(keep: float, n: int) -> int:
+    """How many of a group's ``n`` visual tokens DivPrune keeps at share ``keep``: at least one."""
+    return max(1, round(keep * n))
 
 
 def max_min_diverse(features: torch.Tensor, count: int) -> torch.Tensor:

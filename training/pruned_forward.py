@@ -69,13 +69,13 @@ def divprune_allowed(allowed: torch.Tensor, embeds: torch.Tensor, visual: torch.
     """`allowed` (T, T) with the vision tokens DivPrune leaves out masked from every row: no row sees their keys
     (each still sees itself, so that no row is without a key; those rows' outputs are never read). `embeds`
     (T, hidden): the language model's inputs, which DivPrune's cosine distances are taken over."""
-    from glimpse.pruning.divprune import max_min_diverse
+    from glimpse.pruning.divprune import kept_count, max_min_diverse
 
     frames = visual.nonzero().squeeze(1).chunk(schedule.frames)
     size = frames[0].shape[0]
     same = torch.stack(frames)  # (frames, size): the engine selects equal frames side by side, as here
     with torch.autocast(embeds.device.type, enabled=False):  # chosen in float32, as inference chooses
-        chosen = max_min_diverse(embeds.detach().float()[same], max(1, round(schedule.keep * size)))
+        chosen = max_min_diverse(embeds.detach().float()[same], kept_count(schedule.keep, size))
     dropped = same[~torch.zeros_like(same, dtype=torch.bool).scatter(1, chosen, True)]
     allowed = allowed.clone()
     allowed[:, dropped] = False

@@ -409,7 +409,6 @@ def answer_logits(model, projector, batch: list[dict], features, image_token, vi
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     same = (segments[:, :, None] == segments[:, None, :]) | (segments[:, None, :] == 0)
     allowed = causal & same & (segments[:, None, :] >= 0)
-    mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
     embeds = lm.embed_tokens(ids)
     media = (ids == image_token) | (ids == video_token)
     # the cached features are float16: cast each before stacking (CPU autocast rejects float16 inputs)
@@ -420,14 +419,13 @@ def answer_logits(model, projector, batch: list[dict], features, image_token, vi
     if isinstance(schedule, pruned_forward.DivPruneSchedule):
         assert len(batch) == 1, "a DivPrune schedule runs one example at a time"
         allowed = pruned_forward.divprune_allowed(allowed[0], embeds[0], media[0], schedule)[None]
-        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
-        schedule = None
-    if schedule is None:
-        hidden = lm(inputs_embeds=embeds, attention_mask=mask[:, None], position_ids=positions).last_hidden_state
-    else:
+    if isinstance(schedule, pruned_forward.Schedule):
         assert len(batch) == 1, "a HiDivDrop schedule runs one example at a time"
         hidden = pruned_forward.pruned_forward(lm, embeds, allowed[0], positions, segments[0], media[0],
                                                pruned_forward.probe_rows(labels[0], segments[0]), schedule)
+    else:  # every token, or DivPrune's: one mask for every layer
+        mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        hidden = lm(inputs_embeds=embeds, attention_mask=mask[:, None], position_ids=positions).last_hidden_state
     # position t predicts token t+1 of its own segment: score only the positions whose next token is an
     # answer token (a segment never starts with one, so no prediction crosses a segment boundary)
     targets = labels[:, 1:]
