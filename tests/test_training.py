@@ -410,3 +410,17 @@ def test_the_embedded_model_answers_in_the_tasks_vocabulary(engine):
                                                           {"type": "text", "text": "Which way does the blue square move?"}]}],
                             max_new_tokens=8)
     assert reply.finish_reason == "stop" and reply.text.strip().rstrip(".").lower() in tasks.DIRECTIONS
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--divprune-keep", "most"], "--divprune-keep takes LOW,HIGH"),
+    (["--divprune-keep", "0.6,0.2"], "0 < LOW <= HIGH <= 1"),
+    (["--divprune-keep", "0,0.5"], "0 < LOW <= HIGH <= 1"),
+    (["--divprune-share", "0.7", "--hidivdrop-share", "0.5"], "sums to at most 1"),
+])
+def test_training_refuses_a_bad_divprune_schedule_before_any_work(argv, message, capsys):
+    from training.train_projector import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
