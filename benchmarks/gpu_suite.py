@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -323,16 +323,22 @@ def decode(suite: Suite) -> dict:
         inputs = {k: v.expand(batch, *v.shape[1:]).contiguous() if k != "pixel_values" else v.repeat(batch, 1, 1, 1)
                   for k, v in inputs.items()}
 
-        def ours(policy, speed):
-            """The engine's decode rate (a batch counts every request) and its KV after the answer."""
-            results = engine.generate_batch([messages] * batch, policy=policy, speed=speed, max_new_tokens=n,
-                                            ignore_eos=True)
+        def ours(policy, speed, slots=True):
+            """The engine's decode rate (a batch counts every request) and its KV after the answer; ``slots``
+            False: every request attends over its own cache on its own (the engine before pipeline/batch_kv.py)."""
+            engine.decode_slots = slots
+            try:
+                results = engine.generate_batch([messages] * batch, policy=policy, speed=speed, max_new_tokens=n,
+                                                ignore_eos=True)
+            finally:
+                engine.decode_slots = True
             return (sum(r.metrics["decode_tokens_per_s"] for r in results),
                     sum(r.metrics["kv_bytes"] for r in results))
 
         # Every side counts from the first answer token to the last, so the prefill is out of it.
         sides = {"generate": lambda: (generate_decode_rate(engine.model, inputs, n), None)}
         sides.update({policy: (lambda p=policy, s=speed: ours(p, s)) for policy, speed in DECODE_POLICIES})
+        sides["none, per request"] = lambda: ours("none", 0.0, slots=False)
         measured = {name: [] for name in sides}
         with torch.inference_mode():
             for round_index in range(suite.shapes.runs + 1):  # round 0 warms up
@@ -444,7 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="start no new section after this many seconds (default 480: done within 9 minutes)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="timed runs of each side (after one warm-up); default 3 (1 with --smoke)")
     args = parser.parse_args(argv)
+    if args.runs is not None and args.runs < 1:
+        parser.error("--runs must be at least 1")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
     if unknown:
@@ -461,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
 
     suite = Suite(out, args.smoke, device, args.budget_s, progress)
+    if args.runs is not None:
+        suite.shapes = replace(suite.shapes, runs=args.runs)
+        suite.report["shapes"] = asdict(suite.shapes)
     with suite.tmp:
         for name in args.sections.split(","):
             suite.run(name, SECTIONS[name])

@@ -39,10 +39,33 @@ class Growing:
         """Hold ``tensor`` as it is (no copy), with no spare room."""
         self.buffer = tensor
         self.length = 0 if tensor is None else tensor.shape[self.dim]
+        self.owner = None  # what ``buffer`` is a slot of (a ``BatchKV``), if anything
+
+    def adopt(self, buffer: torch.Tensor, owner) -> None:
+        """Move the entries into ``buffer`` (room for at least as many along ``dim``; one copy) and grow
+        there from now on: ``owner`` (a ``pipeline.batch_kv.BatchKV`` slot) reads them in place."""
+        buffer.narrow(self.dim, 0, self.length).copy_(self.view())
+        self.buffer, self.owner = buffer, owner
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only the entries at ``rows`` (sorted). A slot of a ``BatchKV`` is compacted in place (it stays
+        the owner's); otherwise the kept entries become a tensor of their own and the rest is freed."""
+        kept = self.view().index_select(self.dim, rows.to(self.buffer.device))
+        if self.owner is None:
+            self.replace(kept)
+            return
+        self.buffer.narrow(self.dim, 0, kept.shape[self.dim]).copy_(kept)
+        self.length = kept.shape[self.dim]
 
     def view(self) -> torch.Tensor | None:
         """The entries (a view of the buffer, no copy)."""
         return None if self.buffer is None else self.buffer.narrow(self.dim, 0, self.length)
+
+    def nbytes(self) -> int:
+        """Bytes of the entries held (not of the room after them)."""
+        if self.buffer is None or self.length == 0:
+            return 0
+        return self.length * (self.buffer.numel() // self.buffer.shape[self.dim]) * self.buffer.element_size()
 
     def extend(self, tensor: torch.Tensor) -> None:
         if self.buffer is None:  # the first entries are kept as they come
@@ -54,7 +77,7 @@ class Growing:
             shape[self.dim] = n + new + self.GROW
             grown = self.buffer.new_empty(shape)
             grown.narrow(self.dim, 0, n).copy_(self.view())
-            self.buffer = grown
+            self.buffer, self.owner = grown, None
         self.buffer.narrow(self.dim, n, new).copy_(tensor)
         self.length = n + new
 
@@ -74,6 +97,10 @@ class LayerKV:
         self.packed: list[tuple[QuantizedTensor, QuantizedTensor]] = []  # (key, value) segments
         self._index = Growing(0, torch.empty(0, dtype=torch.long))  # (n,) original token index
         self._modality = Growing(0, torch.empty(0, dtype=torch.long))  # (n,)
+        # Records of entries a batched decode step wrote (``written_in_place``), as plain ints: a step adds no
+        # tensor operation per request for them; they join ``index``/``modality`` when someone reads those.
+        self._unrecorded: list[tuple[int, int]] = []
+        self._visual: int | None = 0  # image and video entries, counted when asked after a change
 
     def __len__(self) -> int:
         return self.packed_entries() + self.tail_entries()
@@ -88,19 +115,36 @@ class LayerKV:
 
     @property
     def index(self) -> torch.Tensor:
+        self._record_written()
         return self._index.view()
 
     @index.setter
     def index(self, index: torch.Tensor) -> None:
+        self._record_written()
+        self._visual = None
         self._index.replace(index)
 
     @property
     def modality(self) -> torch.Tensor:
+        self._record_written()
         return self._modality.view()
 
     @modality.setter
     def modality(self, modality: torch.Tensor) -> None:
+        self._record_written()
+        self._visual = None
         self._modality.replace(modality)
+
+    def visual_entries(self) -> int:
+        if self._visual is None:
+            self._visual = int((self.modality != Modality.TEXT).sum())
+        return self._visual
+
+    def _record_written(self) -> None:
+        if self._unrecorded:
+            index, modality = zip(*self._unrecorded)
+            self._unrecorded = []
+            self.add_records(torch.tensor(index), torch.tensor(modality))
 
     def _set_tail(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self._key.replace(key)
@@ -116,8 +160,32 @@ class LayerKV:
         self._key.extend(key)
         self._value.extend(value)
 
+    # -- a slot of a decode batch's KV (pipeline/batch_kv.py) --------------------------------------------------
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, owner) -> None:
+        """Move the float entries into ``keys``/``values`` (1, kv_heads, room, head_dim), a slot of ``owner``."""
+        self._key.adopt(keys, owner)
+        self._value.adopt(values, owner)
+
+    def all_float(self) -> bool:
+        """Whether the layer holds entries and all of them in float (nothing packed)."""
+        return not self.packed and self._key.buffer is not None
+
+    def slot_of(self, owner) -> bool:
+        """Whether every entry is float and in place in a slot of ``owner`` (nothing packed, not regrown)."""
+        return not self.packed and self._key.owner is owner and self._value.owner is owner
+
+    def written_in_place(self, index: int, modality: int) -> None:
+        """The slot's owner wrote one entry, for token ``index`` of ``modality``, after the last one."""
+        self._key.length += 1
+        self._value.length += 1
+        self._unrecorded.append((index, modality))
+        if self._visual is not None and modality != Modality.TEXT:
+            self._visual += 1
+
     def add_records(self, index: torch.Tensor, modality: torch.Tensor) -> None:
         """Which tokens the entries just appended belong to."""
+        self._record_written()
+        self._visual = None
         self._index.extend(index.cpu())
         self._modality.extend(modality.cpu())
 
@@ -183,8 +251,9 @@ class LayerKV:
             start += key.tokens
         self.packed = packed
         if self.key is not None:
-            local = (rows[rows >= start] - start).to(self.key.device)
-            self._set_tail(self.key.index_select(-2, local), self.value.index_select(-2, local))
+            local = rows[rows >= start] - start
+            self._key.keep(local)
+            self._value.keep(local)
         self.index, self.modality = self.index[rows], self.modality[rows]
 
     def pack(self, tail_rows: torch.Tensor, bits: int, group: int) -> None:
@@ -205,10 +274,10 @@ class LayerKV:
 
     def nbytes(self) -> int:
         packed = sum(k.nbytes() + v.nbytes() for k, v in self.packed)
-        if self.key is None:
+        if self._key.buffer is None:
             return packed
-        # The entries held, not the buffer's spare room (at most GROW entries per layer).
-        return packed + self.key.numel() * self.key.element_size() + self.value.numel() * self.value.element_size()
+        # The entries held, not the buffer's spare room (at most GROW entries per layer, or a decode batch's slot).
+        return packed + self._key.nbytes() + self._value.nbytes()
 
 
 class KVCache:
@@ -263,7 +332,7 @@ class KVCache:
 
     def visual_entries(self) -> int:
         """Image and video entries over all layers (what ST3's annealing shrinks)."""
-        return sum(int((layer.modality != Modality.TEXT).sum()) for layer in self.layers)
+        return sum(layer.visual_entries() for layer in self.layers)
 
     def lengths(self) -> list[int]:
         return [len(layer) for layer in self.layers]

@@ -25,6 +25,7 @@ import torch
 from glimpse.common import UserError
 from glimpse.pipeline import attention
 from glimpse.pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
+from glimpse.pipeline.batch_kv import BatchKV, decodes_plainly
 from glimpse.pipeline.cache import AuxCache, KVCache
 from glimpse.pipeline.encoder_cache import EncoderCache, media_key
 from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
@@ -229,15 +230,23 @@ class DecodeLayer:
     requests: list["Request"]
     batch: list[DecodeRows]
     layer_idx: int
+    slots: BatchKV | None  # the first requests' KV slots (their rows first, one each), if any
 
     def attend(self, module, query, key, value, kernel) -> torch.Tensor:
         outputs, start = [], 0
-        for request, rows in zip(self.requests, self.batch):
+        if self.slots is not None:  # one call for all of them
+            start = len(self.slots.requests)
+            outputs.append(self.slots.attend(self.layer_idx, query[:, :, :start], key[:, :, :start],
+                                             value[:, :, :start], kernel))
+            for i, (request, rows) in enumerate(zip(self.requests[:start], self.batch)):
+                if request.policy.implements("decode_score"):
+                    self.engine.decode_score(self.layer_idx, module, query[:, :, i:i + 1], rows, request)
+        for request, rows in zip(self.requests[start:], self.batch[start:]):
             part = slice(start, start + rows.count)
             outputs.append(self.engine.decode_attention(self.layer_idx, module, query[:, :, part], key[:, :, part],
                                                         value[:, :, part], rows, request, kernel))
             start += rows.count
-        return torch.cat(outputs, dim=1)
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
     def attention_output(self, output: torch.Tensor) -> None:
         pass
@@ -279,6 +288,10 @@ class Engine:
         # Keys and values of recent unpruned prompts (pipeline/prefix_cache.py): an unpruned prompt that starts
         # like one of them prefills only the rest. Off unless given a size (``glimpse serve`` gives one).
         self.prefix_cache = PrefixCache(max_bytes=0)
+        # The KV slots of the requests decoding together (pipeline/batch_kv.py), between the steps of a batch;
+        # False decodes every request on its own cache (for measuring what the slots gain).
+        self.decode_slots = True
+        self.batch_kv: BatchKV | None = None
 
     # ------------------------------------------------------------------ public API
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -446,6 +459,7 @@ class Engine:
                 self.decode_step(running)
                 for request in running:
                     request.note_memory(meter)
+        self.batch_kv = None  # the slots go with the batch
 
     def take_token(self, request: "Request") -> int | None:
         """Append the request's chosen token to its answer and return it, or end the request (cancelled,
@@ -483,7 +497,18 @@ class Engine:
                 request.policy.decode_step(len(request.tokens), ctx)  # evict / pack KV before the step
                 ctx.kv_bytes_per_step.append(ctx.cache.nbytes())  # what this step attends to
                 ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
-        logits = self.decode(running)
+        # Requests that can share one attention call per layer go first, in their slots (pipeline/batch_kv.py).
+        candidates = [request for request in running if self.decode_slots and decodes_plainly(request)]
+        if self.batch_kv is None or not self.batch_kv.still_serves(candidates):
+            self.batch_kv = None  # the old slots go before the new ones are made
+            self.batch_kv = BatchKV.form(candidates) if candidates else None
+        slots = self.batch_kv
+        if slots is not None:
+            members = {id(request) for request in slots.requests}
+            order = slots.requests + [request for request in running if id(request) not in members]
+            decoding = [request.pending is None for request in order]
+            running = order
+        logits = self.decode(running, slots)
         for request, row, decodes in zip(running, logits, decoding):
             if not decodes:
                 self._prompt_done(request, row)
@@ -633,36 +658,47 @@ class Engine:
         MoE), on ``hidden``'s tokens; ``call`` decides what its attention sees (pipeline/attention.py)."""
         return layer(hidden, position_embeddings=position_embeddings, glimpse=call)
 
-    def decode(self, requests: list["Request"]) -> torch.Tensor:
+    def decode(self, requests: list["Request"], slots: BatchKV | None = None) -> torch.Tensor:
         """One decode step of one or more requests: (B, vocab) logits.
 
         Every request's rows (its new token, plus prompt tokens a policy revives on the way) are
         packed side by side into one sequence for the token-wise work — norms, projections, RoPE
         at each row's own position, the FFN — so the weights are read once per step for the whole
-        batch. Attention runs per request, over that request's own cache (whatever each layer
-        kept, packed or evicted): no padding, and each request's policy acts on its own cache.
+        batch. Attention runs over each request's own cache (whatever each layer kept, packed or
+        evicted; each request's policy acts on its own cache): in one call for the requests in
+        ``slots`` (which come first), per request for the others.
         """
         new = [r for r in requests if r.pending is None]
         tokens = torch.tensor([[r.next_token for r in new]], device=self.device, dtype=torch.long)
-        embeds = iter(self.adapter.embed_tokens(tokens).split(1, dim=1))  # (1, 1, d) each
+        hidden = self.adapter.embed_tokens(tokens)  # (1, new, d)
+        embeds = iter(hidden.split(1, dim=1))  # (1, 1, d) each
         # A request whose prompt's end is still to compute brings those tokens instead of a new one.
         batch = [r.pending if r.pending is not None else DecodeRows.new_token(next(embeds), r.ctx) for r in requests]
+        # With no policy that revives prompt tokens (LazyLLM) and no prompt end to compute, every request has one
+        # row in every layer: the rows stay one tensor from layer to layer, with the same RoPE.
+        one_row_each = len(new) == len(requests) and not any(r.policy.implements("decode_rows") for r in requests)
+        if one_row_each:
+            position_embeddings = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
         for layer_idx, layer in enumerate(self.adapter.layers):
-            batch = [r.policy.decode_rows(layer_idx, rows, r.ctx) for r, rows in zip(requests, batch)]
-            for request, rows in zip(requests, batch):
-                if request.pending is None:
-                    request.ctx.revived += rows.count - 1  # prompt tokens computed here in decode
-            hidden = torch.cat([rows.hidden for rows in batch], dim=1)
-            cos, sin = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
-            hidden = self.run_layer(layer, hidden, (cos, sin), DecodeLayer(self, requests, batch, layer_idx))
+            if not one_row_each:
+                batch = [r.policy.decode_rows(layer_idx, rows, r.ctx) for r, rows in zip(requests, batch)]
+                for request, rows in zip(requests, batch):
+                    if request.pending is None:
+                        request.ctx.revived += rows.count - 1  # prompt tokens computed here in decode
+                hidden = torch.cat([rows.hidden for rows in batch], dim=1)
+                position_embeddings = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
+            hidden = self.run_layer(layer, hidden, position_embeddings,
+                                    DecodeLayer(self, requests, batch, layer_idx, slots))
             for request in requests:
                 request.ctx.layer = None  # the layer's view ends with it
-            start = 0
-            for rows in batch:
-                rows.hidden = hidden[:, start:start + rows.count]
-                start += rows.count
-        last = torch.cat([rows.hidden[:, -1:] for rows in batch], dim=1)  # each request's new token
-        return self.adapter.lm_head(self.adapter.norm(last))[0].float()
+            if not one_row_each:
+                start = 0
+                for rows in batch:
+                    rows.hidden = hidden[:, start:start + rows.count]
+                    start += rows.count
+        if not one_row_each:
+            hidden = torch.cat([rows.hidden[:, -1:] for rows in batch], dim=1)  # each request's new token
+        return self.adapter.lm_head(self.adapter.norm(hidden))[0].float()
 
     def decode_attention(self, layer_idx, attn, query, key, value, rows: "DecodeRows", request, kernel) -> torch.Tensor:
         """A request's decode rows attend to the entries of this layer's cache the policy picks
@@ -689,9 +725,19 @@ class Engine:
             mask = torch.zeros(n, seen + n, dtype=query.dtype, device=self.device)
             mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
         out = kernel(query, keys, values, mask)
-        ctx.layer = LayerView(layer_idx, rows.index, rows.modality, query[:, :, -1:], keys, attn.scaling, key_index)
-        policy.decode_score(layer_idx, ctx)
+        if policy.implements("decode_score"):
+            ctx.layer = LayerView(layer_idx, rows.index, rows.modality, query[:, :, -1:], keys, attn.scaling,
+                                  key_index)
+            policy.decode_score(layer_idx, ctx)
         return out
+
+    def decode_score(self, layer_idx, attn, query, rows: "DecodeRows", request) -> None:
+        """Show the policy of a request in ``batch_kv`` the layer its new token just attended in (to every
+        entry the layer holds)."""
+        ctx, layer_kv = request.ctx, request.ctx.cache.layers[layer_idx]
+        keys, _ = layer_kv.keys_values()
+        ctx.layer = LayerView(layer_idx, rows.index, rows.modality, query, keys, attn.scaling, layer_kv.index)
+        request.policy.decode_score(layer_idx, ctx)
 
     def _causal_mask(self, n: int, dtype: torch.dtype, past: int = 0) -> torch.Tensor | None:
         # Active tokens are sorted by original index, so plain causal order over the gathered

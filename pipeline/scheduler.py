@@ -322,6 +322,8 @@ class Scheduler:
                 engine.decode_step(stepping)
                 for request in stepping:
                     request.note_memory(meter)
+            else:
+                engine.batch_kv = None  # no batch left: its KV slots go now, not at the next request
 
     def _take(self, ticket: Ticket, meter: MemoryMeter) -> None:
         """Hand the ticket its request's newest token (the prefill's, or the last decode step's)."""

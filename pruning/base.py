@@ -108,6 +108,11 @@ class Policy:
     def decode_score(self, layer_idx: int, ctx) -> None:
         pass
 
+    def implements(self, callback: str) -> bool:
+        """Whether this policy does something in ``callback`` (e.g. "decode_rows"): the engine skips the
+        per-layer work of a callback that does nothing (a decode step on a GPU is bound by host work)."""
+        return getattr(type(self), callback) is not getattr(Policy, callback)
+
     def summary(self) -> str:
         """One line for the UI, after plan: what this request runs with."""
         return "no pruning"

@@ -76,5 +76,8 @@ class Pipeline(Policy):
         for p in self.policies:
             p.decode_score(layer_idx, ctx)
 
+    def implements(self, callback: str) -> bool:
+        return any(p.implements(callback) for p in self.policies)
+
     def summary(self) -> str:
         return ", ".join(p.summary() for p in self.policies) or "no pruning"

@@ -11,12 +11,14 @@ import torch
 
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.adapters import TEXT
+from glimpse.pipeline.batch_kv import BatchKV, decodes_plainly
 from glimpse.pipeline.cache import Growing, KVCache, LayerKV
 from glimpse.pipeline.engine import Sampling
 from glimpse.pipeline.metrics import MemoryMeter
 from glimpse.pipeline.quant import dequantize, quantize
 from glimpse.pruning import ST3, LazyLLM, NoPruning, ZipVL
 from glimpse.pruning.st3 import anneal_share
+from conftest import DEEP_LAYERS
 from tiny_models import build_llava, reference_inputs
 
 LAYERS = 6
@@ -433,3 +435,79 @@ def test_streamed_deltas_join_to_the_whole_answer_and_decoding_stays_linear():
     assert not any("\ufffd" in piece for piece in pieces)
     assert "".join(pieces) == real_decode(ids, skip_special_tokens=True)
     assert len(ids) > 500 and sum(decoded) < 10 * len(ids)  # re-decoding the answer each step: ~n^2 / 2
+
+
+# ---------------------------------------------------------------------------- KV slots (pipeline/batch_kv.py)
+def _spy_slots(monkeypatch):
+    """Count what the KV slots did: every batch formed (its members and room) and every attention call."""
+    seen = {"formed": [], "calls": 0}
+    init, attend = BatchKV.__init__, BatchKV.attend
+
+    def spy_init(self, requests, candidates):
+        init(self, requests, candidates)
+        seen["formed"].append((len(requests), self._room()))
+
+    def spy_attend(self, *args, **kwargs):
+        seen["calls"] += 1
+        return attend(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchKV, "__init__", spy_init)
+    monkeypatch.setattr(BatchKV, "attend", spy_attend)
+    return seen
+
+
+@pytest.mark.parametrize("policy,speed", [("none", 0.0), ("fastv", 0.8), ("st3", 1.0)])
+def test_requests_in_kv_slots_decode_as_each_on_its_own_cache(deep_checkpoints, media, monkeypatch, policy, speed):
+    """Prompts of different lengths (and, pruned, different lengths per layer) share one attention call per layer
+    over their slots, masked to each one's own entries: the answers and the KV each holds are those of decoding
+    every request over its own cache, and every request of the batch was in the slots."""
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    conversations = [_messages(media), [{"role": "user", "content": "Write one line about the sea."}],
+                     [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                   {"type": "text", "text": "What colours? Answer at length."}]}]]
+    engine.decode_slots = False
+    separate = engine.generate_batch(conversations, policy=policy, speed=speed, max_new_tokens=10, ignore_eos=True)
+    engine.decode_slots = True
+    seen = _spy_slots(monkeypatch)
+    slotted = engine.generate_batch(conversations, policy=policy, speed=speed, max_new_tokens=10, ignore_eos=True)
+    assert seen["formed"] and seen["formed"][0][0] == len(conversations)
+    assert seen["calls"] == 9 * DEEP_LAYERS  # every step after the first token, every layer
+    assert engine.batch_kv is None  # the slots went with the batch
+    for one, other in zip(slotted, separate):
+        assert one.token_ids == other.token_ids
+        assert one.metrics["kv_bytes"] == other.metrics["kv_bytes"]
+        assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
+
+
+def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_checkpoints, media):
+    """A batch is as long as its longest member needs: a prompt many times longer than the others is left to
+    decode on its own cache, and so are LazyLLM (it revives prompt tokens in decode) and ZipVL's packed KV."""
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    short = [{"role": "user", "content": "Say hi."}]
+    long = [{"role": "user", "content": "Read this. " + "The sea is calm and blue today. " * 60}]
+    with torch.inference_mode():
+        started = [engine.start(c, "none", 0.0, 8, Sampling()) for c in (short, short, long)]
+        formed = BatchKV.form(started)
+        assert formed.requests == started[:2]
+        assert all(layer.slot_of(formed) for r in started[:2] for layer in r.ctx.cache.layers)
+        assert not any(layer.slot_of(formed) for layer in started[2].ctx.cache.layers)
+        lazy = engine.start(_messages(media), "lazyllm", 1.0, 8, Sampling())
+        zipvl = engine.start(_messages(media), "zipvl", 1.0, 8, Sampling())
+        zipvl.policy.decode_step(1, zipvl.ctx)  # packs the prefill KV, as the first decode step does
+        assert [decodes_plainly(r) for r in (started[0], lazy, zipvl)] == [True, False, False]
+
+
+def test_st3_evicting_from_kv_slots_gives_the_memory_back(deep_checkpoints, media, monkeypatch):
+    """ST3 anneals the visual KV away during the answer: in slots its evictions compact each slot in place,
+    and once the slots are more than twice what the requests need they are formed again, smaller."""
+    engine = load_engine(str(deep_checkpoints["qwen2_vl"]), device="cpu")
+    seen = _spy_slots(monkeypatch)
+    conversations = [[{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                                   {"type": "text", "text": "What happens?"}]}]] * 2
+    slotted = engine.generate_batch(conversations, policy=ST3(anneal_tau=6.0), max_new_tokens=12, ignore_eos=True)
+    rooms = [room for _, room in seen["formed"]]
+    assert len(rooms) >= 2 and rooms[-1] < rooms[0] / 2
+    alone = engine.generate(conversations[0], policy=ST3(anneal_tau=6.0), max_new_tokens=12, ignore_eos=True)
+    assert slotted[0].token_ids == alone.token_ids
+    assert slotted[0].metrics["visual_kv_per_step"] == alone.metrics["visual_kv_per_step"]
+    assert slotted[0].metrics["visual_kv_per_step"][-1] == 0

@@ -1,0 +1,122 @@
+"""The KV of the requests a decode step computes together: one slot per request in one tensor per layer,
+so that the step attends for all of them with one kernel call per layer.
+
+Why: on a GPU a decode step of a 7B model is bound by host work (kernel launches and Python), not by the
+GPU. Attending request by request costs, per request and layer, a kernel call, two cache writes and the
+bookkeeping around them: at batch 16 the engine decoded at 0.22x of ``generate`` (docs/benchmarks.md, the
+GPU suite). With the slots, a step writes every member's new entries with one indexed write per layer and
+attends with one masked call over the slots; each request still reads its own entries as a view of its
+slot, so policies, eviction (ST3, compacted in place) and metrics see their own cache as before.
+
+A request's float entries *move* into its slot once, when the batch forms (one copy, never per step),
+and a slot has room for the rest of the request's answer, so no step reallocates. Members are the
+requests whose policy does nothing per decode layer (no revival, no choice of keys: not LazyLLM) and
+whose cache is all float (not ZipVL's packed KV); the others decode request by request beside them. The
+batch forms again (one copy of its members' entries) when the requests that could join change (one
+finished, one arrived), when a member's cache left its slot, and when evictions left the slots less
+than half full (so that ST3 gives its memory back). Requests whose sizes differ too much are not put in
+one batch: the slots of a batch are as long as its longest member needs, and a batch takes no member
+that would make it hold more than ``WASTE`` times what its members need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glimpse.common import Modality
+
+WASTE = 1.5  # a batch's slots hold at most this many times the entries (and answer room) its members need
+
+
+def decodes_plainly(request) -> bool:
+    """Whether ``request`` can take a slot: its next step computes its new token alone, attends to every
+    entry it holds, and every entry is float."""
+    policy = request.policy
+    return (request.pending is None and not policy.implements("decode_rows")
+            and not policy.implements("decode_attend")
+            and all(layer.all_float() for layer in request.ctx.cache.layers))
+
+
+def _room(request, layer) -> int:
+    """Entries a slot needs for ``layer`` of ``request``: what it holds and one per step left, plus one."""
+    return len(layer) + request.budget - len(request.tokens) + 1
+
+
+def _need(request) -> int:
+    return sum(_room(request, layer) for layer in request.ctx.cache.layers)
+
+
+class BatchKV:
+    """The slots of ``requests`` (in this order: slot i is ``requests[i]``'s), one tensor pair per layer."""
+
+    def __init__(self, requests: list, candidates: list):
+        self.requests = requests
+        self.candidates = {id(r) for r in candidates}  # what it was formed from: a change forms it again
+        num_layers = len(requests[0].ctx.cache.layers)
+        self.layers = [[r.ctx.cache.layers[i] for r in requests] for i in range(num_layers)]
+        self.keys, self.values = [], []
+        for layer_idx, members in enumerate(self.layers):
+            sample = members[0].key
+            room = max(_room(r, layer) for r, layer in zip(requests, members))
+            shape = (len(requests), sample.shape[1], room, sample.shape[3])
+            # Zeros, not empty: masked entries are multiplied by a zero weight, and 0 * NaN is NaN.
+            keys, values = sample.new_zeros(shape), sample.new_zeros(shape)
+            for slot, layer in enumerate(members):  # layer by layer, so the old tensors go as the slots fill
+                layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self)
+            self.keys.append(keys)
+            self.values.append(values)
+        self.slots = torch.arange(len(requests), device=self.keys[0].device)
+        # Formed again once the slots are more than twice as large as needed (or, if they started larger, half
+        # as large again as at the start: never one formation after another).
+        self.limit = max(2.0, 1.5 * self._room() / sum(_need(r) for r in requests))
+
+    def _room(self) -> int:
+        return sum(keys.shape[0] * keys.shape[2] for keys in self.keys)
+
+    @classmethod
+    def form(cls, candidates: list) -> "BatchKV | None":
+        """A batch of the candidates that fit together (see ``WASTE``), the smallest first; None if none do."""
+        needs = sorted((_need(r), i) for i, r in enumerate(candidates))
+        chosen, total = [], 0
+        for need, i in needs:
+            if chosen and (len(chosen) + 1) * need > WASTE * (total + need):
+                break
+            chosen.append(i)
+            total += need
+        # Slots in the order the requests came: the step's rows stay in that order.
+        return cls([candidates[i] for i in sorted(chosen)], candidates) if chosen else None
+
+    def still_serves(self, candidates: list) -> bool:
+        """Whether this batch can take the next step of ``candidates`` as it is."""
+        if {id(r) for r in candidates} != self.candidates:
+            return False
+        if not all(layer.slot_of(self) for members in self.layers for layer in members):
+            return False
+        # What the members need stays the same step to step (one more entry, one step less) until a policy
+        # evicts: then the slots are larger than needed, and past ``limit``, formed again, smaller.
+        return self._room() <= self.limit * sum(_need(r) for r in self.requests)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               kernel) -> torch.Tensor:
+        """The members' new tokens (``query``/``key``/``value``: (1, heads, members, head_dim), slot order)
+        write their entries into their slots and attend to all their entries: (1, members, heads, head_dim)."""
+        members, keys, values = self.layers[layer_idx], self.keys[layer_idx], self.values[layer_idx]
+        lengths = [layer.tail_entries() for layer in members]
+        new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (members, kv_heads, head_dim)
+        mask = None
+        if min(lengths) == max(lengths):  # the usual case (same prompt size, no pruning): no mask at all
+            keys[:, :, lengths[0]] = new_keys
+            values[:, :, lengths[0]] = new_values
+        else:
+            at = torch.tensor(lengths).to(keys.device, non_blocking=True)
+            keys[self.slots, :, at] = new_keys
+            values[self.slots, :, at] = new_values
+            # Each slot's own entries only: the rest of a shorter slot is masked out.
+            hidden = torch.arange(max(lengths) + 1, device=keys.device)[None, :] > at[:, None]
+            mask = torch.zeros(hidden.shape, dtype=query.dtype, device=keys.device)
+            mask = mask.masked_fill(hidden, torch.finfo(query.dtype).min)[:, None, None, :]
+        for request, layer in zip(self.requests, members):
+            layer.written_in_place(len(request.ctx.prompt) + request.ctx.generated, Modality.TEXT)
+        n = max(lengths) + 1
+        out = kernel(query.transpose(0, 2), keys[:, :, :n], values[:, :, :n], mask)  # (members, 1, heads, head_dim)
+        return out.transpose(0, 1)
