@@ -20,7 +20,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    (``glimpse bench``'s runner): TTFT and decoder-prefill speedup, FLOPs speedup, realised fraction, KV
    bytes, peak memory; beside each paper's headline figure.
 5. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none, ST3, ZipVL's packed KV) against
-   transformers' ``generate`` on the same model; ST3's KV after 64 answer tokens against the baseline's.
+   transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
+   every request attending on its own); ST3's KV after 64 answer tokens against the baseline's.
 
 Whatever could not run is listed with the reason; a section that fails is reported and the others go on.
 Ratios are measured side by side in this one run (medians after a warm-up); absolute times only mean

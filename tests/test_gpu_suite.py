@@ -34,7 +34,7 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     for row in sections["policies"]["rows"]:
         assert row["flops_speedup"] > 1.0 and row["paper"]  # each pruned something, beside its paper's figure
     decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}
-    assert decoders == {(b, d) for b in (1, 2) for d in ("generate", "none", "st3", "zipvl")}
+    assert decoders == {(b, d) for b in (1, 2) for d in ("generate", "none", "st3", "zipvl", "none, per request")}
 
     skipped = " ".join(s["what"] + ": " + s["why"] for s in report["skipped"])
     assert "flash-attention 2: no CUDA device" in skipped and "CUDA stream" in skipped
