@@ -26,6 +26,7 @@ import torch
 from glimpse.common import Modality
 
 WASTE = 1.5  # a batch's slots hold at most this many times the entries (and answer room) its members need
+SLACK = 1.125  # a slot's room beyond its largest member's need, so that a request like it can take a freed slot
 
 
 def decodes_plainly(request) -> bool:
@@ -47,31 +48,44 @@ def _need(request) -> int:
 
 
 class BatchKV:
-    """The slots of ``requests`` (in this order: slot i is ``requests[i]``'s), one tensor pair per layer."""
+    """The slots of a batch, one tensor pair per layer: slot i is ``requests[i]``'s, or free (None) once its
+    request left. Requests come and go between steps (continuous batching): one that leaves frees its slot,
+    one that arrives takes a free slot its entries fit in (a copy of its own entries only), so the batch
+    forms again only when no free slot fits a newcomer."""
 
-    def __init__(self, requests: list, candidates: list):
-        self.requests = requests
-        self.candidates = {id(r) for r in candidates}  # what it was formed from: a change forms it again
+    def __init__(self, requests: list):
+        self.requests: list = list(requests)
+        # What a member's cache knows its slots by: not this object, so that no reference cycle (batch ->
+        # request -> cache -> batch) keeps a finished batch's tensors alive until the garbage collector runs.
+        self.token = object()
         num_layers = len(requests[0].ctx.cache.layers)
-        self.layers = [[r.ctx.cache.layers[i] for r in requests] for i in range(num_layers)]
         self.keys, self.values = [], []
-        for layer_idx, members in enumerate(self.layers):
+        for layer_idx in range(num_layers):
+            members = [r.ctx.cache.layers[layer_idx] for r in requests]
             sample = members[0].key
-            room = max(_room(r, layer) for r, layer in zip(requests, members))
+            # Room for the largest member's answer, and SLACK more: a similar request can take a freed slot.
+            room = int(max(_room(r, layer) for r, layer in zip(requests, members)) * SLACK) + 1
             shape = (len(requests), sample.shape[1], room, sample.shape[3])
             # Zeros, not empty: masked entries are multiplied by a zero weight, and 0 * NaN is NaN.
             keys, values = sample.new_zeros(shape), sample.new_zeros(shape)
             for slot, layer in enumerate(members):  # layer by layer, so the old tensors go as the slots fill
-                layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self)
+                layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self.token)
             self.keys.append(keys)
             self.values.append(values)
-        self.slots = torch.arange(len(requests), device=self.keys[0].device)
+        self._members_changed()
         # Formed again once the slots are more than twice as large as needed (or, if they started larger, half
         # as large again as at the start: never one formation after another).
         self.limit = max(2.0, 1.5 * self._room() / sum(_need(r) for r in requests))
 
     def _room(self) -> int:
         return sum(keys.shape[0] * keys.shape[2] for keys in self.keys)
+
+    def _members_changed(self) -> None:
+        self.members = [r for r in self.requests if r is not None]  # in slot order: the step's first rows
+        taken = [slot for slot, r in enumerate(self.requests) if r is not None]
+        self.slots = torch.tensor(taken, device=self.keys[0].device)
+        self.all_slots = len(taken) == len(self.requests)  # no free slot: no gather, no scatter
+        self.layers = [[r.ctx.cache.layers[i] for r in self.members] for i in range(len(self.keys))]
 
     @classmethod
     def form(cls, candidates: list) -> "BatchKV | None":
@@ -84,17 +98,41 @@ class BatchKV:
             chosen.append(i)
             total += need
         # Slots in the order the requests came: the step's rows stay in that order.
-        return cls([candidates[i] for i in sorted(chosen)], candidates) if chosen else None
+        return cls([candidates[i] for i in sorted(chosen)]) if chosen else None
 
-    def still_serves(self, candidates: list) -> bool:
-        """Whether this batch can take the next step of ``candidates`` as it is."""
-        if {id(r) for r in candidates} != self.candidates:
-            return False
-        if not all(layer.slot_of(self) for members in self.layers for layer in members):
+    def take_step(self, candidates: list) -> bool:
+        """Make this batch the slots of ``candidates``' next step: free the slots of requests no longer among
+        them, give free slots to new ones that fit; False if it cannot serve them (form a new batch)."""
+        wanted = {id(r) for r in candidates}
+        changed = False
+        for slot, request in enumerate(self.requests):
+            if request is not None and (id(request) not in wanted or not all(
+                    self.holds(layer) for layer in request.ctx.cache.layers)):
+                self.requests[slot], changed = None, True
+        held = {id(r) for r in self.requests if r is not None}
+        for request in candidates:
+            if id(request) in held:
+                continue
+            slot = next((i for i, r in enumerate(self.requests) if r is None and self._fits(request)), None)
+            if slot is None:
+                return False
+            for layer, keys, values in zip(request.ctx.cache.layers, self.keys, self.values):
+                layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self.token)
+            self.requests[slot], changed = request, True
+        if changed:
+            self._members_changed()
+        if not self.members:
             return False
         # What the members need stays the same step to step (one more entry, one step less) until a policy
-        # evicts: then the slots are larger than needed, and past ``limit``, formed again, smaller.
-        return self._room() <= self.limit * sum(_need(r) for r in self.requests)
+        # evicts or members leave: then the slots are larger than needed, and past ``limit``, formed again.
+        return self._room() <= self.limit * sum(_need(r) for r in self.members)
+
+    def holds(self, layer) -> bool:
+        """Whether ``layer`` (a member's ``LayerKV``) is all float and in place in one of these slots."""
+        return layer.slot_of(self.token)
+
+    def _fits(self, request) -> bool:
+        return all(_room(request, layer) <= keys.shape[2] for layer, keys in zip(request.ctx.cache.layers, self.keys))
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kernel) -> torch.Tensor:
@@ -103,20 +141,27 @@ class BatchKV:
         members, keys, values = self.layers[layer_idx], self.keys[layer_idx], self.values[layer_idx]
         lengths = [layer.tail_entries() for layer in members]
         new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (members, kv_heads, head_dim)
+        query = query.transpose(0, 2)  # (members, heads, 1, head_dim)
         mask = None
-        if min(lengths) == max(lengths):  # the usual case (same prompt size, no pruning): no mask at all
+        if self.all_slots and min(lengths) == max(lengths):  # the usual case in a fixed batch: no mask at all
             keys[:, :, lengths[0]] = new_keys
             values[:, :, lengths[0]] = new_values
         else:
             at = torch.tensor(lengths).to(keys.device, non_blocking=True)
             keys[self.slots, :, at] = new_keys
             values[self.slots, :, at] = new_values
+            if not self.all_slots:  # free slots take part with a zero query; their rows are dropped after
+                full = query.new_zeros(keys.shape[0], *query.shape[1:])
+                query = full.index_copy(0, self.slots, query)
+                at = torch.zeros(keys.shape[0], dtype=at.dtype, device=at.device).index_copy(0, self.slots, at)
             # Each slot's own entries only: the rest of a shorter slot is masked out.
             hidden = torch.arange(max(lengths) + 1, device=keys.device)[None, :] > at[:, None]
             mask = torch.zeros(hidden.shape, dtype=query.dtype, device=keys.device)
             mask = mask.masked_fill(hidden, torch.finfo(query.dtype).min)[:, None, None, :]
-        for request, layer in zip(self.requests, members):
+        for request, layer in zip(self.members, members):
             layer.written_in_place(len(request.ctx.prompt) + request.ctx.generated, Modality.TEXT)
         n = max(lengths) + 1
-        out = kernel(query.transpose(0, 2), keys[:, :, :n], values[:, :, :n], mask)  # (members, 1, heads, head_dim)
+        out = kernel(query, keys[:, :, :n], values[:, :, :n], mask)  # (slots, 1, heads, head_dim)
+        if not self.all_slots:
+            out = out.index_select(0, self.slots)
         return out.transpose(0, 1)

@@ -39,11 +39,11 @@ class Growing:
         """Hold ``tensor`` as it is (no copy), with no spare room."""
         self.buffer = tensor
         self.length = 0 if tensor is None else tensor.shape[self.dim]
-        self.owner = None  # what ``buffer`` is a slot of (a ``BatchKV``), if anything
+        self.owner = None  # the token of the ``BatchKV`` whose slot ``buffer`` is, if any
 
     def adopt(self, buffer: torch.Tensor, owner) -> None:
         """Move the entries into ``buffer`` (room for at least as many along ``dim``; one copy) and grow
-        there from now on: ``owner`` (a ``pipeline.batch_kv.BatchKV`` slot) reads them in place."""
+        there from now on: ``owner`` (a ``pipeline.batch_kv.BatchKV``'s token) reads them in place."""
         buffer.narrow(self.dim, 0, self.length).copy_(self.view())
         self.buffer, self.owner = buffer, owner
 
@@ -162,7 +162,7 @@ class LayerKV:
 
     # -- a slot of a decode batch's KV (pipeline/batch_kv.py) --------------------------------------------------
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, owner) -> None:
-        """Move the float entries into ``keys``/``values`` (1, kv_heads, room, head_dim), a slot of ``owner``."""
+        """Move the float entries into ``keys``/``values`` (1, kv_heads, room, head_dim), a slot known by ``owner``."""
         self._key.adopt(keys, owner)
         self._value.adopt(values, owner)
 

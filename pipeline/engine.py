@@ -230,12 +230,12 @@ class DecodeLayer:
     requests: list["Request"]
     batch: list[DecodeRows]
     layer_idx: int
-    slots: BatchKV | None  # the first requests' KV slots (their rows first, one each), if any
+    slots: BatchKV | None  # the KV slots of the first requests (``slots.members``, one row each), if any
 
     def attend(self, module, query, key, value, kernel) -> torch.Tensor:
         outputs, start = [], 0
         if self.slots is not None:  # one call for all of them
-            start = len(self.slots.requests)
+            start = len(self.slots.members)
             outputs.append(self.slots.attend(self.layer_idx, query[:, :, :start], key[:, :, :start],
                                              value[:, :, :start], kernel))
             for i, (request, rows) in enumerate(zip(self.requests[:start], self.batch)):
@@ -499,13 +499,13 @@ class Engine:
                 ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
         # Requests that can share one attention call per layer go first, in their slots (pipeline/batch_kv.py).
         candidates = [request for request in running if self.decode_slots and decodes_plainly(request)]
-        if self.batch_kv is None or not self.batch_kv.still_serves(candidates):
+        if self.batch_kv is None or not self.batch_kv.take_step(candidates):
             self.batch_kv = None  # the old slots go before the new ones are made
             self.batch_kv = BatchKV.form(candidates) if candidates else None
         slots = self.batch_kv
         if slots is not None:
-            members = {id(request) for request in slots.requests}
-            order = slots.requests + [request for request in running if id(request) not in members]
+            members = {id(request) for request in slots.members}
+            order = slots.members + [request for request in running if id(request) not in members]
             decoding = [request.pending is None for request in order]
             running = order
         logits = self.decode(running, slots)

@@ -3,8 +3,10 @@ revival from the Aux Cache; batched decode."""
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
+import weakref
 
 import pytest
 import torch
@@ -443,8 +445,8 @@ def _spy_slots(monkeypatch):
     seen = {"formed": [], "calls": 0}
     init, attend = BatchKV.__init__, BatchKV.attend
 
-    def spy_init(self, requests, candidates):
-        init(self, requests, candidates)
+    def spy_init(self, requests):
+        init(self, requests)
         seen["formed"].append((len(requests), self._room()))
 
     def spy_attend(self, *args, **kwargs):
@@ -489,8 +491,8 @@ def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_c
         started = [engine.start(c, "none", 0.0, 8, Sampling()) for c in (short, short, long)]
         formed = BatchKV.form(started)
         assert formed.requests == started[:2]
-        assert all(layer.slot_of(formed) for r in started[:2] for layer in r.ctx.cache.layers)
-        assert not any(layer.slot_of(formed) for layer in started[2].ctx.cache.layers)
+        assert all(formed.holds(layer) for r in started[:2] for layer in r.ctx.cache.layers)
+        assert not any(formed.holds(layer) for layer in started[2].ctx.cache.layers)
         lazy = engine.start(_messages(media), "lazyllm", 1.0, 8, Sampling())
         zipvl = engine.start(_messages(media), "zipvl", 1.0, 8, Sampling())
         zipvl.policy.decode_step(1, zipvl.ctx)  # packs the prefill KV, as the first decode step does
@@ -511,3 +513,39 @@ def test_st3_evicting_from_kv_slots_gives_the_memory_back(deep_checkpoints, medi
     assert slotted[0].token_ids == alone.token_ids
     assert slotted[0].metrics["visual_kv_per_step"] == alone.metrics["visual_kv_per_step"]
     assert slotted[0].metrics["visual_kv_per_step"][-1] == 0
+
+
+def test_a_request_that_arrives_takes_a_freed_slot_and_a_finished_batch_frees_its_slots_at_once(
+        deep_checkpoints, media, monkeypatch):
+    """Continuous batching: a request that leaves frees its slot and one that arrives takes it (a copy of its own
+    entries, not a new batch); the free slot takes no part in the answers. When the batch is done its slots are
+    freed at once, not when the garbage collector next runs (no reference cycle holds them)."""
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    question = [{"role": "user", "content": "Say hi."}]
+    with torch.inference_mode():
+        first, second, third, fourth = (engine.start(question, "none", 0.0, 8, Sampling()) for _ in range(4))
+        batch = BatchKV.form([first, second, third])
+        room = batch._room()
+        assert batch.take_step([first, third])  # the second left: its slot is free, the batch stays
+        assert batch.members == [first, third] and not batch.all_slots
+        assert batch.take_step([first, third, fourth])  # the fourth arrived: it takes the free slot
+        assert batch.members == [first, fourth, third] and batch.all_slots and batch._room() == room
+        assert all(batch.holds(layer) for layer in fourth.ctx.cache.layers)
+        assert not batch.take_step([first])  # two of three left: the slots are too large, form a new batch
+    seen = _spy_slots(monkeypatch)
+    formed = []
+    init = BatchKV.__init__
+
+    def keep_a_weak_reference(self, requests):
+        init(self, requests)
+        formed.append(weakref.ref(self.keys[0]))
+
+    monkeypatch.setattr(BatchKV, "__init__", keep_a_weak_reference)
+    gc.disable()
+    try:
+        results = engine.generate_batch([question, _messages(media)], policy="none", max_new_tokens=6)
+        del results
+        assert formed and all(slot() is None for slot in formed)
+    finally:
+        gc.enable()
+    assert seen["calls"] > 0
