@@ -12,6 +12,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    flash-attention 2: greedy tokens identical in float32, first-step logits within bfloat16 tolerance.
 2. overhead: random weights of Qwen2-VL-7B's shapes (28 decoder layers, the real 32-block vision tower),
    an 8K- and a 16K-token video prompt: the engine's prefill against transformers' own forward, alternating.
+   The engine also with its vision encoder run first in the calling thread (``parallel_vision`` off), since
+   the overhead the first GPU run found is fixed per request and the encoder's own thread is one suspect.
 3. overlap: HiDivDrop with the vision encoder run first against run on its own CUDA stream beside the
    text-only layers (``Engine.parallel_vision``), on the 8K-token video.
 4. policies: each policy at its paper's operating point on its paper's shape — DASH, ZipVL, LazyLLM and
@@ -22,6 +24,9 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
 5. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none, ST3, ZipVL's packed KV) against
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own); ST3's KV after 64 answer tokens against the baseline's.
+6. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
+   over four decode steps at batch 1 and 16 (KV slots and per request): operator calls, host syncs and the
+   heaviest operators on host and device — where the time goes that the sections above only total.
 
 Whatever could not run is listed with the reason; a section that fails is reported and the others go on.
 Ratios are measured side by side in this one run (medians after a warm-up); absolute times only mean
@@ -53,6 +58,7 @@ from tiny_models import BUILDERS, reference_inputs  # noqa: E402
 from glimpse.assets import ASSETS  # noqa: E402
 from glimpse.bench import generate_decode_rate, run_bench, synthesize_prompts  # noqa: E402
 from glimpse.pipeline import load_engine  # noqa: E402
+from glimpse.pipeline.engine import Sampling  # noqa: E402
 from glimpse.pipeline.metrics import synchronize  # noqa: E402
 from glimpse.pipeline.prompt import user_message  # noqa: E402
 from glimpse.pipeline.random_checkpoint import build_random, random_image  # noqa: E402
@@ -278,7 +284,8 @@ def overhead(suite: Suite) -> dict:
         inputs = _to(reference_inputs(engine, prompt), engine.device)
         with torch.inference_mode():
             times = _alternate({"transformers": lambda: engine.model(**inputs, logits_to_keep=1, use_cache=True),
-                                "engine": lambda: engine.prefill(prompt, NoPruning())},
+                                "engine": lambda: engine.prefill(prompt, NoPruning()),
+                                "engine, vision first": lambda: _vision_first(engine, prompt)},
                                suite.shapes.runs, engine.device)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append({"prompt": name, "prompt_tokens": prompt.token_counts(), "median_s": med,
@@ -383,7 +390,92 @@ def overlap(suite: Suite) -> dict:
 
 
 # overlap runs beside overhead (both on the Qwen-shaped model) so that each 7B model is built once.
-SECTIONS = {"exactness": exactness, "overhead": overhead, "overlap": overlap, "policies": policies, "decode": decode}
+# Host work that stalls the GPU: each of these waits for the device (or is the copy a wait is for).
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+def _profiled(fn, device) -> dict:
+    """``fn`` under torch.profiler: operator calls, host time, device waits and the heaviest operators."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    start = time.perf_counter()
+    with torch_profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    ops = [e for e in averages if e.key.startswith("aten::")]
+    device_time = [(getattr(e, "self_device_time_total", 0) or 0, e) for e in averages]
+
+    def top(pairs):
+        return [{"op": e.key, "calls": e.count, "ms": round(t / 1000, 3)} for t, e in sorted(
+            pairs, key=lambda p: -p[0])[:10] if t > 0]
+
+    return {"wall_s": wall, "aten_calls": sum(e.count for e in ops),
+            "syncs": {name: e.count for e in averages for name in SYNCS if e.key == name},
+            "top_host": top([(e.self_cpu_time_total, e) for e in ops]),
+            "top_device": top(device_time) if device.type == "cuda" else []}
+
+
+def _vision_first(engine, prompt):
+    """The engine's prefill with the vision encoder run first, in the calling thread (``parallel_vision``)."""
+    engine.parallel_vision = False
+    try:
+        return engine.prefill(prompt, NoPruning())
+    finally:
+        engine.parallel_vision = True
+
+
+def profile(suite: Suite) -> dict:
+    """Where the time goes that the other sections only total: torch.profiler over (1) one prefill of the
+    smaller video by transformers' forward and by the engine (the engine's overhead), (2) four decode steps of
+    the LLaVA engine at batch 1 and at the decode batch, in KV slots and per request (the host work that keeps
+    decode behind ``generate``). Operator calls, host syncs and the ten heaviest operators on host and device."""
+    rows = []
+    engine = suite.engine("qwen")
+    name, messages = next(iter(suite.video_prompts(engine).items()))
+    prompt = engine.prepare(messages)
+    inputs = _to(reference_inputs(engine, prompt), engine.device)
+    with torch.inference_mode():
+        # The profiler sees the calling thread's operators: the engine's encoder runs in it here (vision
+        # first), as it does in transformers' forward; the wall time of the default (its own thread) beside it.
+        sides = {"transformers forward": lambda: engine.model(**inputs, logits_to_keep=1, use_cache=True),
+                 "engine prefill, vision first": lambda: _vision_first(engine, prompt),
+                 "engine prefill, vision in its thread (wall time only)": lambda: engine.prefill(prompt, NoPruning())}
+        for fn in sides.values():  # warm-up
+            fn()
+        for side, fn in sides.items():
+            rows.append({"what": f"{side}, {name}", **_profiled(fn, engine.device)})
+    engine = suite.engine("llava")
+    messages = user_message("Describe the image in detail.", [("image", random_image(576))])
+    with torch.inference_mode():
+        for batch in (1, suite.shapes.decode_batch):
+            for slots in (True, False):
+                engine.decode_slots = slots
+                try:
+                    requests = [engine.start(messages, "none", 0.0, 64, Sampling(), ignore_eos=True)
+                                for _ in range(batch)]
+                    for _ in range(2):  # warm-up (the slots form here)
+                        engine.decode_step(requests)
+
+                    def steps():
+                        for _ in range(4):
+                            engine.decode_step(requests)
+
+                    rows.append({"what": f"4 decode steps, batch {batch}, {'KV slots' if slots else 'per request'}",
+                                 **_profiled(steps, engine.device)})
+                finally:
+                    engine.decode_slots, engine.batch_kv = True, None
+            suite.progress(f"  profiled decode at batch {batch}")
+    for row in rows:
+        suite.progress(f"  {row['what']}: {row['wall_s']:.3f} s, {row['aten_calls']} aten calls, syncs {row['syncs']}")
+    return {"rows": rows}
+
+
+SECTIONS = {"exactness": exactness, "overhead": overhead, "overlap": overlap, "policies": policies, "decode": decode,
+            "profile": profile}
 
 
 # -------------------------------------------------------------------------------------------- report
@@ -416,9 +508,10 @@ def markdown(report: dict) -> str:
         elif name == "overhead":
             lines += [f"{section['model']}, {section['attn']}, {section['dtype']}, median of {section['runs']}", ""]
             lines += _table(["prompt", "tokens", "transformers forward (s)", "engine prefill (s)",
-                             "engine / transformers"],
+                             "engine / transformers", "engine, vision first (s)"],
                             [[r["prompt"], sum(r["prompt_tokens"].values()), f"{r['median_s']['transformers']:.3f}",
-                              f"{r['median_s']['engine']:.3f}", f"{r['engine_over_transformers']:.3f}"]
+                              f"{r['median_s']['engine']:.3f}", f"{r['engine_over_transformers']:.3f}",
+                              _f(r["median_s"].get("engine, vision first"), 3)]
                              for r in section["rows"]])
         elif name == "policies":
             lines += _table(["model", "prompt", "policy@speed", "TTFT speedup", "decoder-prefill speedup",
@@ -431,6 +524,14 @@ def markdown(report: dict) -> str:
             lines += _table(["batch", "decoder", "tokens/s", "vs generate", "KV after the answer / baseline"],
                             [[r["batch"], r["decoder"], f"{r['decode_tokens_per_s']:.1f}", f"{r['vs_generate']:.2f}",
                               _f(r["kv_vs_baseline"])] for r in section["rows"]])
+        elif name == "profile":
+            lines += _table(["what", "wall (s)", "aten calls", "host syncs", "heaviest on host (ms)",
+                             "heaviest on device (ms)"],
+                            [[r["what"], f"{r['wall_s']:.3f}", r["aten_calls"],
+                              ", ".join(f"{k} {v}" for k, v in r["syncs"].items()) or "-",
+                              "; ".join(f"{t['op']} x{t['calls']} {t['ms']}" for t in r["top_host"][:4]),
+                              "; ".join(f"{t['op'][:40]} x{t['calls']} {t['ms']}" for t in r["top_device"][:4]) or "-"]
+                             for r in section["rows"]])
         elif name == "overlap":
             med = section["median_ttft_s"]
             lines += [f"{section['policy']} on {section['prompt']} ({section['stream']}): TTFT sequential "

@@ -18,7 +18,7 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "gpu_suite.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["exactness", "overhead", "overlap", "policies", "decode"]
+    assert list(sections) == ["exactness", "overhead", "overlap", "policies", "decode", "profile"]
     assert not [name for name, s in sections.items() if "error" in s]
 
     exact = sections["exactness"]["rows"]
@@ -35,6 +35,12 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
         assert row["flops_speedup"] > 1.0 and row["paper"]  # each pruned something, beside its paper's figure
     decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}
     assert decoders == {(b, d) for b in (1, 2) for d in ("generate", "none", "st3", "zipvl", "none, per request")}
+    # The profile counts operators, not time: in KV slots a decode step of two requests runs fewer operators and
+    # waits for the device less often than attending request by request (the host work a GPU step is bound by).
+    profiled = {r["what"]: r for r in sections["profile"]["rows"]}
+    slots, alone = profiled["4 decode steps, batch 2, KV slots"], profiled["4 decode steps, batch 2, per request"]
+    assert slots["aten_calls"] < alone["aten_calls"]
+    assert sum(slots["syncs"].values()) < sum(alone["syncs"].values())
 
     skipped = " ".join(s["what"] + ": " + s["why"] for s in report["skipped"])
     assert "flash-attention 2: no CUDA device" in skipped and "CUDA stream" in skipped
