@@ -18,6 +18,7 @@ import copy
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -273,6 +274,11 @@ class Engine:
         # Run the vision encoder beside the layers that need no visual token (late injection);
         # False runs it first, always (for measuring what the overlap gains).
         self.parallel_vision = True
+        # Where it runs: one worker thread and (on GPU) one side stream for the engine's life, made on first use,
+        # not a thread and a stream per request (each new thread or stream sets up its own library handles and
+        # workspaces on the GPU).
+        self._vision_worker: ThreadPoolExecutor | None = None
+        self._vision_stream = None
         # Calibrated parameters per policy name (HiDivDrop's filtering layers from an ILVAS profile),
         # applied to every policy this engine builds by name; explicit overrides win.
         self.profiles: dict[str, dict] = {}
@@ -332,6 +338,14 @@ class Engine:
             for _ in self._decode_loop(requests, meter):
                 pass
             return [self._result(request, batch_size=len(requests)) for request in requests]
+
+    def vision_worker(self) -> tuple[ThreadPoolExecutor, "torch.cuda.Stream | None"]:
+        """The vision encoder's worker thread and side stream (None on CPU), made on first use."""
+        if self._vision_worker is None:
+            if self.device.type == "cuda":
+                self._vision_stream = torch.cuda.Stream(self.device)
+            self._vision_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glimpse-vision")
+        return self._vision_worker, self._vision_stream
 
     def make_policy(self, name: str, speed: float = 0.0, overrides: dict | None = None) -> Policy:
         """A registry policy for this model (``auto``: the configuration its frontier selects at
@@ -449,17 +463,19 @@ class Engine:
         for request in requests:
             request.t_decode = time.perf_counter()  # after every request's prefill
             request.note_memory(meter)
-        while running:
-            for request in running:
-                token = self.take_token(request)
-                if token is not None:
-                    yield request, token
-            running = [request for request in running if not request.done]
-            if running:
-                self.decode_step(running)
+        try:
+            while running:
                 for request in running:
-                    request.note_memory(meter)
-        self.batch_kv = None  # the slots go with the batch
+                    token = self.take_token(request)
+                    if token is not None:
+                        yield request, token
+                running = [request for request in running if not request.done]
+                if running:
+                    self.decode_step(running)
+                    for request in running:
+                        request.note_memory(meter)
+        finally:  # ended, failed, or its consumer left (a closed stream): the slots go with the batch
+            self.batch_kv = None
 
     def take_token(self, request: "Request") -> int | None:
         """Append the request's chosen token to its answer and return it, or end the request (cancelled,
@@ -592,8 +608,8 @@ class Engine:
         try:
             logits = self._layers(ctx.hidden, cos, sin, policy, ctx, vision, start)
         finally:
-            if vision is not None and vision.thread is not None:
-                vision.thread.join()  # never leave the encoder running on a failed request
+            if vision is not None:
+                vision.wait()  # never leave the encoder running on a failed request
         if spans is not None:
             self.prefix_cache.put(prompt.input_ids, ctx.positions, spans, ctx.cache)
         return logits
@@ -805,8 +821,8 @@ def _checked(active: torch.Tensor, previous: torch.Tensor, fresh: torch.Tensor) 
 
 
 class VisionJob:
-    """The vision encoder + projector of one prompt, run in a worker thread — on its own CUDA
-    stream on GPU — while the decoder layers that need no visual token run (HiDivDrop's parallel
+    """The vision encoder + projector of one prompt, run in the engine's vision worker thread — on its
+    own CUDA stream on GPU — while the decoder layers that need no visual token run (HiDivDrop's parallel
     decoupling). ``join`` waits for it and writes the features over the placeholder rows.
 
     Sequential (``parallel=False``) runs it at once in the caller's thread: the same kernels on the
@@ -818,15 +834,19 @@ class VisionJob:
         self.features: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
         self.error: BaseException | None = None
         self.seconds = 0.0
-        self.thread = None
+        self.running = None  # the worker's future, when parallel
         # Autograd modes are per thread: the worker runs under the caller's.
         self.modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         if parallel:
-            side = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
-            self.thread = threading.Thread(target=self._run, args=(side,), name="glimpse-vision", daemon=True)
-            self.thread.start()
+            worker, side = engine.vision_worker()
+            self.running = worker.submit(self._run, side)
         else:
             self._run(None)
+
+    def wait(self) -> None:
+        """Until the encoder is done (it reports its own errors in ``join``)."""
+        if self.running is not None:
+            self.running.result()
 
     def _run(self, side_stream) -> None:
         start = time.perf_counter()
@@ -846,10 +866,9 @@ class VisionJob:
 
     def join(self, hidden: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
         start = time.perf_counter()
-        if self.thread is not None:
-            self.thread.join()
+        self.wait()
         ctx.vision_encoder_s = self.seconds
-        ctx.vision_wait_s = self.seconds if self.thread is None else time.perf_counter() - start
+        ctx.vision_wait_s = self.seconds if self.running is None else time.perf_counter() - start
         if self.error is not None:
             raise self.error
         for rows, features, layers in self.features:

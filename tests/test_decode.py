@@ -549,3 +549,15 @@ def test_a_request_that_arrives_takes_a_freed_slot_and_a_finished_batch_frees_it
     finally:
         gc.enable()
     assert seen["calls"] > 0
+
+
+def test_a_stream_its_client_leaves_gives_its_slots_back(deep_checkpoints, media):
+    """A client that drops its stream mid-answer closes the generator: the engine lets go of the KV slots then,
+    not at the next request."""
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    stream = engine.stream(_messages(media), policy="none", max_new_tokens=20, ignore_eos=True)
+    next(stream), next(stream), next(stream)  # decoding, in slots
+    assert engine.batch_kv is not None
+    stream.close()
+    assert engine.batch_kv is None
+    assert not engine._lock.locked()

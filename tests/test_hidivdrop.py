@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -120,6 +121,30 @@ def test_an_encoder_failure_in_the_worker_reaches_the_request(deep, media, monke
     monkeypatch.setattr(engine.adapter, "encode", broken)
     with pytest.raises(RuntimeError, match="encoder exploded"):
         engine.prefill(prompt, HiDivDrop.from_speed(0.8))
+
+
+def test_the_encoder_runs_in_one_worker_thread_for_the_engines_life(deep, media, monkeypatch):
+    """Every request's encoder runs in the same worker (a new thread or CUDA stream per request would set up its
+    own library handles on a GPU), never in the caller's thread, and a failure in it does not stop the next one."""
+    engine = load_engine(str(deep["llava"]), device="cpu")
+    prompt = engine.prepare(_messages(media))
+    threads = []
+    encode = engine.adapter.encode
+
+    def watched(media, kind):
+        threads.append(threading.get_ident())
+        if len(threads) == 2:
+            raise RuntimeError("encoder exploded")
+        return encode(media, kind)
+
+    monkeypatch.setattr(engine.adapter, "encode", watched)
+    with torch.no_grad():
+        first, _ = engine.prefill(prompt, HiDivDrop.from_speed(0.8))
+        with pytest.raises(RuntimeError, match="encoder exploded"):
+            engine.prefill(prompt, HiDivDrop.from_speed(0.8))
+        third, _ = engine.prefill(prompt, HiDivDrop.from_speed(0.8))
+    assert len(set(threads)) == 1 and threads[0] != threading.get_ident()
+    assert torch.equal(first, third)
 
 
 def test_speed_moves_injection_later_exit_earlier_and_the_schedule_steeper():
