@@ -8,15 +8,16 @@ GPU suite). With the slots, a step writes every member's new entries with one in
 attends with one masked call over the slots; each request still reads its own entries as a view of its
 slot, so policies, eviction (ST3, compacted in place) and metrics see their own cache as before.
 
-A request's float entries *move* into its slot once, when the batch forms (one copy, never per step),
-and a slot has room for the rest of the request's answer, so no step reallocates. Members are the
-requests whose policy does nothing per decode layer (no revival, no choice of keys: not LazyLLM) and
-whose cache is all float (not ZipVL's packed KV); the others decode request by request beside them. The
-batch forms again (one copy of its members' entries) when the requests that could join change (one
-finished, one arrived), when a member's cache left its slot, and when evictions left the slots less
-than half full (so that ST3 gives its memory back). Requests whose sizes differ too much are not put in
-one batch: the slots of a batch are as long as its longest member needs, and a batch takes no member
-that would make it hold more than ``WASTE`` times what its members need.
+A request's float entries *move* into its slot once, when it joins (one copy of its own entries, never
+per step), and a slot has room for the rest of the request's answer, so no step reallocates. Members are
+the requests whose policy does nothing per decode layer (no revival, no choice of keys: not LazyLLM) and
+whose cache is all float (not ZipVL's packed KV); the others decode request by request beside them.
+Requests come and go between steps (the server's continuous batching): one that leaves frees its slot, one
+that arrives takes a free slot it fits in. The batch forms again (one copy of its members' entries) only
+when no free slot fits a newcomer, when a member's cache left its slot, and when departures or evictions
+left the slots more than twice what the members need (so that ST3 gives its memory back). Requests whose
+sizes differ too much are not put in one batch: the slots of a batch are as long as its longest member
+needs, and a batch takes no member that would make it hold more than ``WASTE`` times what its members need.
 """
 
 from __future__ import annotations

@@ -250,8 +250,8 @@ class LayerKV:
                 packed.append((key.select(local), value.select(local)))
             start += key.tokens
         self.packed = packed
-        if self.key is not None:
-            local = rows[rows >= start] - start
+        if self._key.buffer is not None:
+            local = (rows[rows >= start] - start).to(self._key.buffer.device)  # one copy to the device for both
             self._key.keep(local)
             self._value.keep(local)
         self.index, self.modality = self.index[rows], self.modality[rows]
