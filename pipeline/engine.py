@@ -240,8 +240,10 @@ class DecodeLayer:
             outputs.append(self.slots.attend(self.layer_idx, query[:, :, :start], key[:, :, :start],
                                              value[:, :, :start], kernel))
             for i, (request, rows) in enumerate(zip(self.requests[:start], self.batch)):
-                if request.policy.implements("decode_score"):
-                    self.engine.decode_score(self.layer_idx, module, query[:, :, i:i + 1], rows, request)
+                if request.policy.implements("decode_score"):  # it attended to every entry its layer holds
+                    layer_kv = request.ctx.cache.layers[self.layer_idx]
+                    self.engine.decode_score(self.layer_idx, module, query[:, :, i:i + 1], rows, request,
+                                             layer_kv.keys_values()[0], layer_kv.index)
         for request, rows in zip(self.requests[start:], self.batch[start:]):
             part = slice(start, start + rows.count)
             outputs.append(self.engine.decode_attention(self.layer_idx, module, query[:, :, part], key[:, :, part],
@@ -726,13 +728,8 @@ class Engine:
         past = len(layer_kv)
         layer_kv.append(key, value)
         ctx.cache.record(layer_idx, rows.index, rows.modality)
-        if attend is None:
-            keys, values = layer_kv.keys_values()
-            key_index = layer_kv.index
-        else:
-            picked = torch.cat([attend.cpu(), torch.arange(past, past + rows.count)])
-            keys, values = layer_kv.keys_values(picked)
-            key_index = layer_kv.index[picked]
+        picked = None if attend is None else torch.cat([attend.cpu(), torch.arange(past, past + rows.count)])
+        keys, values = layer_kv.keys_values(picked)
         mask = None
         if rows.count > 1:  # revived prompt tokens then the new token: causal among themselves
             n, seen = rows.count, keys.shape[-2] - rows.count
@@ -742,18 +739,15 @@ class Engine:
             mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
         out = kernel(query, keys, values, mask)
         if policy.implements("decode_score"):
-            ctx.layer = LayerView(layer_idx, rows.index, rows.modality, query[:, :, -1:], keys, attn.scaling,
-                                  key_index)
-            policy.decode_score(layer_idx, ctx)
+            key_index = layer_kv.index if picked is None else layer_kv.index[picked]
+            self.decode_score(layer_idx, attn, query[:, :, -1:], rows, request, keys, key_index)
         return out
 
-    def decode_score(self, layer_idx, attn, query, rows: "DecodeRows", request) -> None:
-        """Show the policy of a request in ``batch_kv`` the layer its new token just attended in (to every
-        entry the layer holds)."""
-        ctx, layer_kv = request.ctx, request.ctx.cache.layers[layer_idx]
-        keys, _ = layer_kv.keys_values()
-        ctx.layer = LayerView(layer_idx, rows.index, rows.modality, query, keys, attn.scaling, layer_kv.index)
-        request.policy.decode_score(layer_idx, ctx)
+    def decode_score(self, layer_idx, attn, query, rows: "DecodeRows", request, keys, key_index) -> None:
+        """Show a request's policy the layer its new token (``query``) just attended in: to ``keys``, the
+        entries of original indices ``key_index``."""
+        request.ctx.layer = LayerView(layer_idx, rows.index, rows.modality, query, keys, attn.scaling, key_index)
+        request.policy.decode_score(layer_idx, request.ctx)
 
     def _causal_mask(self, n: int, dtype: torch.dtype, past: int = 0) -> torch.Tensor | None:
         # Active tokens are sorted by original index, so plain causal order over the gathered
