@@ -9,7 +9,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
 
 1. exactness: the test suite's tiny model of every supported architecture, engine (policy none) against
    transformers' ``generate`` and forward, in float32 and bfloat16, sdpa and (when importable, on CUDA)
-   flash-attention 2: greedy tokens identical in float32, first-step logits within bfloat16 tolerance.
+   flash-attention 2: greedy tokens identical in float32, first-step logits within bfloat16 tolerance; and
+   the engine's decode steps captured as a CUDA graph (``Engine.decode_graphs``) against ``generate`` too.
 2. overhead: random weights of Qwen2-VL-7B's shapes (28 decoder layers, the real 32-block vision tower),
    an 8K- and a 16K-token video prompt: the engine's prefill against transformers' own forward, alternating.
    The engine also with its vision encoder run first in the calling thread (``parallel_vision`` off), since
@@ -23,7 +24,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    bytes, peak memory; beside each paper's headline figure.
 5. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none, ST3, ZipVL's packed KV) against
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
-   every request attending on its own); ST3's KV after 64 answer tokens against the baseline's.
+   every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
+   (``Engine.decode_graphs``, pipeline/decode_graph.py); ST3's KV after 64 answer tokens against the baseline's.
 6. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
    over four decode steps at batch 1 and 16 (KV slots and per request): operator calls, host syncs and the
    heaviest operators on host and device — where the time goes that the sections above only total.
@@ -247,6 +249,7 @@ def _exactness(suite: Suite) -> dict:
     float32 = [r for r in rows if r["dtype"] == "float32"]
     half = [r for r in rows if r["dtype"] != "float32"]
     return {"rows": rows, "float32_tokens_identical": all(r["tokens_identical"] for r in float32),
+            "float32_graph_tokens_identical": all(r["graph_tokens_identical"] for r in float32),
             "float32_logits_close": all(r["logits_close"] for r in float32),
             "bfloat16_logits_close": all(r["logits_close"] for r in half)}
 
@@ -263,6 +266,11 @@ def _exact_row(suite, arch, folder, dtype, attn, messages) -> dict:
     if expected and expected[-1] in engine.eos_token_ids:
         expected = expected[:-1]  # the engine reports the answer without its EOS token
     got = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
+    engine.decode_graphs = True  # the decode steps captured as a CUDA graph (pipeline/decode_graph.py)
+    try:
+        graphed = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
+    finally:
+        engine.decode_graphs = False
     same = sum(1 for _ in zip(got, expected))
     agree = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), same)
     diff = float((logits.float() - reference).abs().max())
@@ -271,7 +279,7 @@ def _exact_row(suite, arch, folder, dtype, attn, messages) -> dict:
     # in the order of 1% of the logits' range are rounding, not a different computation.
     tolerance = (1e-3 if suite.cuda else 1e-4) if dtype == torch.float32 else 2e-2 * max(scale, 1.0)
     return {"arch": arch, "dtype": str(dtype).replace("torch.", ""), "attn": attn, "new_tokens": len(expected),
-            "tokens_identical": got == expected, "agreeing_prefix": agree, "logits_max_abs_diff": diff,
+            "tokens_identical": got == expected, "graph_tokens_identical": graphed == expected, "agreeing_prefix": agree, "logits_max_abs_diff": diff,
             "logits_scale": scale, "tolerance": tolerance, "logits_close": diff <= tolerance,
             "first_token_same": bool(logits.argmax() == reference.argmax())}
 
@@ -331,15 +339,16 @@ def decode(suite: Suite) -> dict:
         inputs = {k: v.expand(batch, *v.shape[1:]).contiguous() if k != "pixel_values" else v.repeat(batch, 1, 1, 1)
                   for k, v in inputs.items()}
 
-        def ours(policy, speed, slots=True):
+        def ours(policy, speed, slots=True, graphs=False):
             """The engine's decode rate (a batch counts every request) and its KV after the answer; ``slots``
-            False: every request attends over its own cache on its own (the engine before pipeline/batch_kv.py)."""
-            engine.decode_slots = slots
+            False: every request attends over its own cache on its own (the engine before pipeline/batch_kv.py);
+            ``graphs``: the slot steps captured as a CUDA graph (pipeline/decode_graph.py)."""
+            engine.decode_slots, engine.decode_graphs = slots, graphs
             try:
                 results = engine.generate_batch([messages] * batch, policy=policy, speed=speed, max_new_tokens=n,
                                                 ignore_eos=True)
             finally:
-                engine.decode_slots = True
+                engine.decode_slots, engine.decode_graphs = True, False
             return (sum(r.metrics["decode_tokens_per_s"] for r in results),
                     sum(r.metrics["kv_bytes"] for r in results))
 
@@ -347,6 +356,7 @@ def decode(suite: Suite) -> dict:
         sides = {"generate": lambda: (generate_decode_rate(engine.model, inputs, n), None)}
         sides.update({policy: (lambda p=policy, s=speed: ours(p, s)) for policy, speed in DECODE_POLICIES})
         sides["none, per request"] = lambda: ours("none", 0.0, slots=False)
+        sides["none, CUDA graph"] = lambda: ours("none", 0.0, graphs=True)
         measured = {name: [] for name in sides}
         with torch.inference_mode():
             for round_index in range(suite.shapes.runs + 1):  # round 0 warms up
@@ -431,8 +441,8 @@ def _vision_first(engine, prompt):
 def profile(suite: Suite) -> dict:
     """Where the time goes that the other sections only total: torch.profiler over (1) one prefill of the
     smaller video by transformers' forward and by the engine (the engine's overhead), (2) four decode steps of
-    the LLaVA engine at batch 1 and at the decode batch, in KV slots and per request (the host work that keeps
-    decode behind ``generate``). Operator calls, host syncs and the ten heaviest operators on host and device."""
+    the LLaVA engine at batch 1 and at the decode batch, in KV slots, as a CUDA graph and per request (the host
+    work that keeps decode behind ``generate``). Operator calls, host syncs and the ten heaviest operators on host and device."""
     rows = []
     engine = suite.engine("qwen")
     name, messages = next(iter(suite.video_prompts(engine).items()))
@@ -452,22 +462,21 @@ def profile(suite: Suite) -> dict:
     messages = user_message("Describe the image in detail.", [("image", random_image(576))])
     with torch.inference_mode():
         for batch in (1, suite.shapes.decode_batch):
-            for slots in (True, False):
-                engine.decode_slots = slots
+            for mode in ("KV slots", "CUDA graph", "per request"):
+                engine.decode_slots, engine.decode_graphs = mode != "per request", mode == "CUDA graph"
                 try:
                     requests = [engine.start(messages, "none", 0.0, 64, Sampling(), ignore_eos=True)
                                 for _ in range(batch)]
-                    for _ in range(2):  # warm-up (the slots form here)
+                    for _ in range(2):  # warm-up (the slots form here, and the graph is captured)
                         engine.decode_step(requests)
 
                     def steps():
                         for _ in range(4):
                             engine.decode_step(requests)
 
-                    rows.append({"what": f"4 decode steps, batch {batch}, {'KV slots' if slots else 'per request'}",
-                                 **_profiled(steps, engine.device)})
+                    rows.append({"what": f"4 decode steps, batch {batch}, {mode}", **_profiled(steps, engine.device)})
                 finally:
-                    engine.decode_slots, engine.batch_kv = True, None
+                    engine.decode_slots, engine.decode_graphs, engine.batch_kv = True, False, None
             suite.progress(f"  profiled decode at batch {batch}")
     for row in rows:
         suite.progress(f"  {row['what']}: {row['wall_s']:.3f} s, {row['aten_calls']} aten calls, syncs {row['syncs']}")
@@ -500,9 +509,9 @@ def markdown(report: dict) -> str:
             lines += [f"Failed: `{section['error']}`", ""]
             continue
         if name == "exactness":
-            lines += _table(["arch", "dtype", "attention", "tokens identical", "agreeing prefix", "logits max diff",
-                             "tolerance"],
-                            [[r["arch"], r["dtype"], r["attn"], r["tokens_identical"],
+            lines += _table(["arch", "dtype", "attention", "tokens identical", "with the CUDA graph",
+                             "agreeing prefix", "logits max diff", "tolerance"],
+                            [[r["arch"], r["dtype"], r["attn"], r["tokens_identical"], r.get("graph_tokens_identical"),
                               f"{r['agreeing_prefix']}/{r['new_tokens']}", f"{r['logits_max_abs_diff']:.2e}",
                               f"{r['tolerance']:.1e}"] for r in section["rows"]])
         elif name == "overhead":

@@ -28,6 +28,7 @@ from glimpse.pipeline import attention
 from glimpse.pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
 from glimpse.pipeline.batch_kv import BatchKV, decodes_plainly
 from glimpse.pipeline.cache import AuxCache, KVCache
+from glimpse.pipeline.decode_graph import SlotStep, fixed_shape_step
 from glimpse.pipeline.encoder_cache import EncoderCache, media_key
 from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
 from glimpse.pipeline.prefix_cache import PrefixCache, media_spans
@@ -148,6 +149,7 @@ class Request:
     # The end of the prompt, not computed yet: the few tokens after a reused prefix, which the next decode step
     # computes beside the running batch (``Engine.start(defer=True)``); None once its first token is chosen.
     pending: "DecodeRows | None" = None
+    host_position: list[int] | None = None  # ``ctx.next_position`` read to the host once (pipeline/decode_graph.py)
 
     def note_memory(self, meter: MemoryMeter) -> None:
         self.peak_memory = max(self.peak_memory, meter.peak())
@@ -300,6 +302,10 @@ class Engine:
         # False decodes every request on its own cache (for measuring what the slots gain).
         self.decode_slots = True
         self.batch_kv: BatchKV | None = None
+        # Slot steps in which no policy acts run as one fixed-shape step (pipeline/decode_graph.py), captured as a
+        # CUDA graph on a GPU. Off until measured on a GPU (benchmarks/gpu_suite.py compares both); on a CPU the
+        # fixed-shape step attends over each slot's whole room, which only the tests want.
+        self.decode_graphs = False
 
     # ------------------------------------------------------------------ public API
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -521,12 +527,18 @@ class Engine:
             self.batch_kv = None  # the old slots go before the new ones are made
             self.batch_kv = BatchKV.form(candidates) if candidates else None
         slots = self.batch_kv
-        if slots is not None:
-            members = {id(request) for request in slots.members}
-            order = slots.members + [request for request in running if id(request) not in members]
-            decoding = [request.pending is None for request in order]
-            running = order
-        logits = self.decode(running, slots)
+        if self.decode_graphs and fixed_shape_step(running, slots):
+            if slots.graph is None:
+                slots.graph = SlotStep(slots, positions_rows=running[0].ctx.next_position.shape[0])
+            running, decoding = slots.members, [True] * len(slots.members)
+            logits = slots.graph.run(self, slots)
+        else:
+            if slots is not None:
+                members = {id(request) for request in slots.members}
+                order = slots.members + [request for request in running if id(request) not in members]
+                decoding = [request.pending is None for request in order]
+                running = order
+            logits = self.decode(running, slots)
         for request, row, decodes in zip(running, logits, decoding):
             if not decodes:
                 self._prompt_done(request, row)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import math
 import sys
+import threading
 import weakref
 
 import pytest
@@ -561,3 +562,61 @@ def test_a_stream_its_client_leaves_gives_its_slots_back(deep_checkpoints, media
     stream.close()
     assert engine.batch_kv is None
     assert not engine._lock.locked()
+
+
+# ---------------------------------------------------------------------------- the fixed-shape step (decode_graph.py)
+@pytest.mark.parametrize("arch,policy,speed", [("llava", "none", 0.0), ("qwen2_vl", "none", 0.0),
+                                               ("qwen2_vl", "divprune", 1.0), ("llava", "st3", 1.0)])
+def test_the_fixed_shape_decode_step_answers_as_the_slots_do(deep_checkpoints, media, monkeypatch, arch, policy, speed):
+    """The step a CUDA graph captures (every slot, whole room, masked; inputs from buffers) gives each request
+    the tokens, logits and KV of the eager slot step, with prompts of different lengths and (Qwen2-VL) 3-row
+    positions. It serves every step in which no policy acts during decode; ST3, which evicts and scores in
+    decode, keeps the eager step."""
+    from glimpse.pipeline.decode_graph import SlotStep
+
+    engine = load_engine(str(deep_checkpoints[arch]), device="cpu")
+    conversations = [_messages(media), [{"role": "user", "content": "Write one line about the sea."}],
+                     [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                   {"type": "text", "text": "What colours? Answer at length."}]}]]
+    eager = engine.generate_batch(conversations, policy=policy, speed=speed, max_new_tokens=8, ignore_eos=True)
+    steps = []
+    forward = SlotStep.forward
+    monkeypatch.setattr(SlotStep, "forward", lambda self, *a: (steps.append(self), forward(self, *a))[1])
+    engine.decode_graphs = True
+    fixed = engine.generate_batch(conversations, policy=policy, speed=speed, max_new_tokens=8, ignore_eos=True)
+    assert len(steps) == (0 if policy == "st3" else 7)  # every step after the first token
+    for one, other in zip(fixed, eager):
+        assert one.token_ids == other.token_ids
+        assert one.metrics["kv_bytes"] == other.metrics["kv_bytes"]
+        assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
+
+
+def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints, media, monkeypatch):
+    """Continuous batching with the fixed-shape step: requests that finish free their slots (whose rows the step
+    then computes and drops) and later ones take them; every answer is the one it gets alone."""
+    from glimpse.pipeline.scheduler import Scheduler
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    question = [{"role": "user", "content": "Say hi."}]
+    cases = [(question, 3), (_messages(media), 9), (question, 5), (question, 7), (_messages(media), 4)]
+    alone = [engine.generate(c, policy="none", max_new_tokens=n, ignore_eos=True) for c, n in cases]
+    from glimpse.pipeline.decode_graph import SlotStep
+
+    full = []  # per fixed-shape step: whether every slot was taken
+    run = SlotStep.run
+    monkeypatch.setattr(SlotStep, "run", lambda self, engine, slots: (full.append(slots.all_slots),
+                                                                      run(self, engine, slots))[1])
+    engine.decode_graphs = True
+    scheduler = Scheduler(engine, max_batch=3, queue_size=8, start=False)  # all queued before the loop runs
+    tickets = [scheduler.submit(c, policy="none", max_new_tokens=n, ignore_eos=True) for c, n in cases]
+    loop = threading.Thread(target=scheduler.run, daemon=True)
+    loop.start()
+    try:
+        results = [t.result(timeout=120) for t in tickets]
+    finally:
+        scheduler.close()
+        loop.join(timeout=60)
+    assert max(r.metrics["batch_size"] for r in results) == 3
+    assert True in full and False in full  # steps with every slot taken, and with a freed one
+    for together, single in zip(results, alone):
+        assert together.token_ids == single.token_ids

@@ -26,6 +26,7 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert {r["dtype"] for r in exact} == {"float32", "bfloat16"}
     # On CPU in float32 the engine is transformers' generate, token for token.
     assert sections["exactness"]["float32_tokens_identical"] and sections["exactness"]["float32_logits_close"]
+    assert sections["exactness"]["float32_graph_tokens_identical"]  # the fixed-shape step, run eagerly on a CPU
 
     policies = {(r["policy"], r["model"]) for r in sections["policies"]["rows"]}
     assert policies == {("dash", "tiny"), ("zipvl", "tiny"), ("lazyllm", "tiny"), ("auto", "tiny"),
@@ -34,7 +35,8 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     for row in sections["policies"]["rows"]:
         assert row["flops_speedup"] > 1.0 and row["paper"]  # each pruned something, beside its paper's figure
     decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}
-    assert decoders == {(b, d) for b in (1, 2) for d in ("generate", "none", "st3", "zipvl", "none, per request")}
+    assert decoders == {(b, d) for b in (1, 2)
+                        for d in ("generate", "none", "st3", "zipvl", "none, per request", "none, CUDA graph")}
     # The profile counts operators, not time: in KV slots a decode step of two requests runs fewer operators and
     # waits for the device less often than attending request by request (the host work a GPU step is bound by).
     profiled = {r["what"]: r for r in sections["profile"]["rows"]}
