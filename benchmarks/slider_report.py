@@ -52,7 +52,8 @@ def predicted_vs_measured(frontier: Frontier, report: dict) -> str:
     did), the same-answer rate and the accuracy measured on the report's held-out questions."""
     measured = {p.name: p for p in frontier.measured}
     base = next(r for r in report["rows"] if r["policy"] == "none")
-    lines = [f"| policy | speed | configuration | calibration agreement (40 prompts) | held-out same answer "
+    prompts = max((p.prompts for p in frontier.measured), default=0)  # the set's size (rejected ones stop at half)
+    lines = [f"| policy | speed | configuration | calibration agreement ({prompts} prompts) | held-out same answer "
              f"({len(report['questions'])} questions) | held-out accuracy | share of unpruned accuracy | FLOPs speedup |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:

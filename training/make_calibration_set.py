@@ -4,7 +4,8 @@
 clips per clip category of the generated shapes task (app/tasks.py), drawn from seed 100 —
 neither the training seed 0, the validation seed 2, nor the held-out seeds 1 and 3-7 that the
 reported accuracy uses — each with one question. No answers are stored: calibration compares the
-pruned model with the unpruned one, so it needs none.
+pruned model with the unpruned one, so it needs none. ``--per-category 8`` (80 prompts) was tried
+on 2026-11-26 to tighten the bound the slider judges on; it did not move speed 0.5 (docs/slider.md).
 
     python -m training.make_calibration_set            # rewrites assets/calibration/
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from glimpse import tasks
@@ -28,6 +30,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    for old in args.out.iterdir():  # a smaller set written over a larger one leaves no stray media behind
+        if re.fullmatch(r"\d{3}\.(png|mp4)", old.name):
+            old.unlink()
     lines = []
     for i, (item, qa) in enumerate(tasks.heldout_set(args.seed, args.per_category)):
         if item.is_video:
