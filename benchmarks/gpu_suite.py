@@ -279,7 +279,8 @@ def _exact_row(suite, arch, folder, dtype, attn, messages) -> dict:
     # in the order of 1% of the logits' range are rounding, not a different computation.
     tolerance = (1e-3 if suite.cuda else 1e-4) if dtype == torch.float32 else 2e-2 * max(scale, 1.0)
     return {"arch": arch, "dtype": str(dtype).replace("torch.", ""), "attn": attn, "new_tokens": len(expected),
-            "tokens_identical": got == expected, "graph_tokens_identical": graphed == expected, "agreeing_prefix": agree, "logits_max_abs_diff": diff,
+            "tokens_identical": got == expected, "graph_tokens_identical": graphed == expected,
+            "graph_error": engine.decode_graph_error, "agreeing_prefix": agree, "logits_max_abs_diff": diff,
             "logits_scale": scale, "tolerance": tolerance, "logits_close": diff <= tolerance,
             "first_token_same": bool(logits.argmax() == reference.argmax())}
 
@@ -371,6 +372,8 @@ def decode(suite: Suite) -> dict:
                          "vs_generate": rate[name] / rate["generate"],
                          "kv_bytes": kv.get(name), "kv_vs_baseline": kv[name] / kv["none"] if name in kv else None})
             suite.progress(f"  batch {batch} {name}: {rate[name]:.1f} tokens/s ({rows[-1]['vs_generate']:.2f}x generate)")
+    if engine.decode_graph_error:  # the "CUDA graph" rows then ran the fixed-shape step eagerly
+        suite.skip("decode as a CUDA graph", f"capture failed: {engine.decode_graph_error}")
     return {"model": f"random {suite.shapes.llava_preset}", "prompt_tokens": prompt.token_counts(),
             "runs": suite.shapes.runs, "rows": rows}
 
@@ -442,7 +445,8 @@ def profile(suite: Suite) -> dict:
     """Where the time goes that the other sections only total: torch.profiler over (1) one prefill of the
     smaller video by transformers' forward and by the engine (the engine's overhead), (2) four decode steps of
     the LLaVA engine at batch 1 and at the decode batch, in KV slots, as a CUDA graph and per request (the host
-    work that keeps decode behind ``generate``). Operator calls, host syncs and the ten heaviest operators on host and device."""
+    work that keeps decode behind ``generate``). Operator calls, host syncs and the ten heaviest operators on host
+    and device."""
     rows = []
     engine = suite.engine("qwen")
     name, messages = next(iter(suite.video_prompts(engine).items()))
@@ -511,7 +515,9 @@ def markdown(report: dict) -> str:
         if name == "exactness":
             lines += _table(["arch", "dtype", "attention", "tokens identical", "with the CUDA graph",
                              "agreeing prefix", "logits max diff", "tolerance"],
-                            [[r["arch"], r["dtype"], r["attn"], r["tokens_identical"], r.get("graph_tokens_identical"),
+                            [[r["arch"], r["dtype"], r["attn"], r["tokens_identical"],
+                              f"capture failed: {r['graph_error']}" if r.get("graph_error")
+                              else r.get("graph_tokens_identical"),
                               f"{r['agreeing_prefix']}/{r['new_tokens']}", f"{r['logits_max_abs_diff']:.2e}",
                               f"{r['tolerance']:.1e}"] for r in section["rows"]])
         elif name == "overhead":

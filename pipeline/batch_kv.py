@@ -74,7 +74,7 @@ class BatchKV:
             self.keys.append(keys)
             self.values.append(values)
         self._members_changed()
-        self.graph = None  # its fixed-shape step (pipeline/decode_graph.py), made on first use
+        self.fixed_step = None  # its fixed-shape step (pipeline/decode_graph.py), made on first use
         # Formed again once the slots are more than twice as large as needed (or, if they started larger, half
         # as large again as at the start: never one formation after another).
         self.limit = max(2.0, 1.5 * self._room() / sum(_need(r) for r in requests))

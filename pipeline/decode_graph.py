@@ -44,7 +44,7 @@ def fixed_shape_step(running: list, slots) -> bool:
 
 
 class SlotStep:
-    """The fixed-shape decode step of one ``BatchKV`` (its ``graph``): input buffers, and on CUDA the
+    """The fixed-shape decode step of one ``BatchKV`` (its ``fixed_step``): input buffers, and on CUDA the
     captured graph and its output."""
 
     def __init__(self, slots, positions_rows: int):
@@ -116,7 +116,7 @@ class SlotStep:
                 self.logits = self.forward(engine, slots)
         except Exception as error:  # noqa: BLE001 — an architecture whose step cannot be captured decodes eagerly
             log.warning("decode graphs off for %s: capture failed (%s)", engine.model_id, error)
-            engine.decode_graphs = False
+            engine.decode_graphs, engine.decode_graph_error = False, f"{type(error).__name__}: {error}"
             self.logits = None
             return logits
         self.graph = graph

@@ -306,6 +306,7 @@ class Engine:
         # CUDA graph on a GPU. Off until measured on a GPU (benchmarks/gpu_suite.py compares both); on a CPU the
         # fixed-shape step attends over each slot's whole room, which only the tests want.
         self.decode_graphs = False
+        self.decode_graph_error: str | None = None  # why a capture failed (and turned the graphs off), if one did
 
     # ------------------------------------------------------------------ public API
     def generate(self, messages, **kwargs) -> GenerationResult:
@@ -528,10 +529,10 @@ class Engine:
             self.batch_kv = BatchKV.form(candidates) if candidates else None
         slots = self.batch_kv
         if self.decode_graphs and fixed_shape_step(running, slots):
-            if slots.graph is None:
-                slots.graph = SlotStep(slots, positions_rows=running[0].ctx.next_position.shape[0])
+            if slots.fixed_step is None:
+                slots.fixed_step = SlotStep(slots, positions_rows=running[0].ctx.next_position.shape[0])
             running, decoding = slots.members, [True] * len(slots.members)
-            logits = slots.graph.run(self, slots)
+            logits = slots.fixed_step.run(self, slots)
         else:
             if slots is not None:
                 members = {id(request) for request in slots.members}
