@@ -592,8 +592,9 @@ def test_the_fixed_shape_decode_step_answers_as_the_slots_do(deep_checkpoints, m
 
 
 def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints, media, monkeypatch):
-    """Continuous batching with the fixed-shape step: requests that finish free their slots (whose rows the step
-    then computes and drops) and later ones take them; every answer is the one it gets alone."""
+    """Continuous batching with the fixed-shape step: requests that finish — or whose client leaves mid-answer —
+    free their slots (whose rows the step then computes and drops) and later ones take them; every answer is
+    the one it gets alone."""
     from glimpse.pipeline.scheduler import Scheduler
 
     engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
@@ -608,14 +609,20 @@ def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints,
                                                                       run(self, engine, slots))[1])
     engine.decode_graphs = True
     scheduler = Scheduler(engine, max_batch=3, queue_size=8, start=False)  # all queued before the loop runs
+    leaving = scheduler.submit(question, policy="none", max_new_tokens=40, ignore_eos=True)
     tickets = [scheduler.submit(c, policy="none", max_new_tokens=n, ignore_eos=True) for c, n in cases]
     loop = threading.Thread(target=scheduler.run, daemon=True)
     loop.start()
     try:
+        chunks = leaving.chunks(timeout=60)
+        next(chunks), next(chunks), next(chunks)
+        leaving.cancel.set()  # its client left
+        left = [c for c in chunks][-1].result
         results = [t.result(timeout=120) for t in tickets]
     finally:
         scheduler.close()
         loop.join(timeout=60)
+    assert left.finish_reason == "cancelled" and len(left.token_ids) < 40
     assert max(r.metrics["batch_size"] for r in results) == 3
     assert True in full and False in full  # steps with every slot taken, and with a freed one
     for together, single in zip(results, alone):
