@@ -10,7 +10,9 @@ For every candidate configuration (``pruning.frontier.candidates``), on the cali
   (exact, summed over the prompts), and the wall time of the first token plus a typical answer of
   ``typical_answer`` tokens, ``ttft + (typical_answer - 1) / decode tokens/s``, from ``timing_prompts``
   prompts each run unpruned then with the candidate (EOS ignored, ``timing_tokens`` decoded), median
-  of the per-prompt ratios. That is the end-to-end time the slider promises never rises.
+  of the per-prompt ratios (a candidate that prunes but times 0-15% slower than unpruned is timed on as
+  many prompts again first: that much is the noise of a shared machine). That is the end-to-end time the
+  slider promises never rises.
 
 A candidate whose agreement is already far below the floor after half of the prompts is stopped
 there (rejected, no timing). The frontier (``pruning.frontier.pareto_frontier``) is stored as the
@@ -189,16 +191,33 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
                   first_token_kl=kl / counted, kv_ratio=kv / base_kv, prompts=counted)
     if counted < len(prompts):
         return Point(members, e2e_ratio=None, **common)
-    e2e, prefill, decode = [], [], []
-    for messages in prompts[:timing_prompts]:
+    ratios = _timed_ratios(engine, members, prompts[:timing_prompts], timing_tokens, typical_answer)
+    if flops < base_flops and 1.0 <= statistics.median(r[0] for r in ratios) < RETIME_BELOW:
+        # It prunes, yet timed a little slower end to end than the unpruned model: on a shared machine a
+        # few-second run moves by that much (a calibration on 2026-11-26 timed DivPrune keeping 60% 6% slower,
+        # decode included). The frontier drops a point slower than unpruned, so be surer first: as many runs
+        # again, on the next prompts, and the median of all.
+        more = prompts[timing_prompts:2 * timing_prompts] or prompts[:timing_prompts]
+        ratios += _timed_ratios(engine, members, more, timing_tokens, typical_answer)
+    e2e, prefill, decode = zip(*ratios)
+    return Point(members, e2e_ratio=statistics.median(e2e), prefill_ratio=statistics.median(prefill),
+                 decode_speedup=statistics.median(decode), **common)
+
+
+RETIME_BELOW = 1.15  # a pruning candidate timed slower than this is slower (ZipVL's dequantising: 1.3-1.6x)
+
+
+def _timed_ratios(engine, members, prompts, timing_tokens, typical_answer) -> list[tuple[float, float, float]]:
+    """Per prompt, the candidate against the unpruned model run just before it: end-to-end time, decoder-prefill
+    time and decode tokens/s ratios."""
+    ratios = []
+    for messages in prompts:
         base = engine.generate(messages, policy="none", max_new_tokens=timing_tokens, ignore_eos=True).metrics
         run = engine.generate(messages, policy=engine.configuration(members), max_new_tokens=timing_tokens,
                               ignore_eos=True).metrics
-        e2e.append(_end_to_end(run, typical_answer) / _end_to_end(base, typical_answer))
-        prefill.append(run["prefill_s"] / base["prefill_s"])
-        decode.append(run["decode_tokens_per_s"] / base["decode_tokens_per_s"])
-    return Point(members, e2e_ratio=statistics.median(e2e), prefill_ratio=statistics.median(prefill),
-                 decode_speedup=statistics.median(decode), **common)
+        ratios.append((_end_to_end(run, typical_answer) / _end_to_end(base, typical_answer),
+                       run["prefill_s"] / base["prefill_s"], run["decode_tokens_per_s"] / base["decode_tokens_per_s"]))
+    return ratios
 
 
 def _end_to_end(metrics: dict, answer: int) -> float:
