@@ -118,6 +118,7 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
     settings = {"model": engine.model_id, "checkpoint": engine.checkpoint,
                 "answer_tokens": answer_tokens,
                 "timing_prompts": timing_prompts, "timing_tokens": timing_tokens, "typical_answer": typical_answer,
+                "retime_below": RETIME_BELOW,
                 "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True, default=str).encode()).hexdigest()}
     done = _load_state(state_path, settings, progress)
 
