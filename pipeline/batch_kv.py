@@ -156,14 +156,22 @@ class BatchKV:
                 full = query.new_zeros(keys.shape[0], *query.shape[1:])
                 query = full.index_copy(0, self.slots, query)
                 at = torch.zeros(keys.shape[0], dtype=at.dtype, device=at.device).index_copy(0, self.slots, at)
-            # Each slot's own entries only: the rest of a shorter slot is masked out.
-            hidden = torch.arange(max(lengths) + 1, device=keys.device)[None, :] > at[:, None]
-            mask = torch.zeros(hidden.shape, dtype=query.dtype, device=keys.device)
-            mask = mask.masked_fill(hidden, torch.finfo(query.dtype).min)[:, None, None, :]
-        for request, layer in zip(self.members, members):
-            layer.written_in_place(len(request.ctx.prompt) + request.ctx.generated, Modality.TEXT)
+            mask = slot_mask(at, max(lengths) + 1, query.dtype)  # the rest of a shorter slot is masked out
+        self.record_written(layer_idx)
         n = max(lengths) + 1
         out = kernel(query, keys[:, :, :n], values[:, :, :n], mask)  # (slots, 1, heads, head_dim)
         if not self.all_slots:
             out = out.index_select(0, self.slots)
         return out.transpose(0, 1)
+
+    def record_written(self, layer_idx: int) -> None:
+        """Each member wrote its new token's entry after its last one in layer ``layer_idx``."""
+        for request, layer in zip(self.members, self.layers[layer_idx]):
+            layer.written_in_place(len(request.ctx.prompt) + request.ctx.generated, Modality.TEXT)
+
+
+def slot_mask(at: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """(slots, 1, 1, length) additive attention mask: slot i sees its entries up to ``at[i]``, its new one."""
+    hidden = torch.arange(length, device=at.device)[None, :] > at[:, None]
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=at.device)
+    return mask.masked_fill(hidden, torch.finfo(dtype).min)[:, None, None, :]

@@ -31,7 +31,7 @@ import logging
 
 import torch
 
-from glimpse.common import Modality
+from glimpse.pipeline.batch_kv import slot_mask
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,8 @@ class SlotStep:
             logits = self._capture(engine, slots)
         else:
             logits = self.forward(engine, slots)
-        for request in slots.members:
-            index = len(request.ctx.prompt) + request.ctx.generated
-            for layer in request.ctx.cache.layers:
-                layer.written_in_place(index, Modality.TEXT)
+        for layer_idx in range(len(slots.keys)):
+            slots.record_written(layer_idx)
         return logits if slots.all_slots else logits.index_select(0, slots.slots)
 
     def _fill(self, slots) -> None:
@@ -143,9 +141,7 @@ class FixedSlotsLayer:
         keys[every, :, at] = key[0].transpose(0, 1)  # (slots, kv_heads, head_dim)
         values[every, :, at] = value[0].transpose(0, 1)
         query = query.transpose(0, 2)  # (slots, heads, 1, head_dim)
-        hidden = torch.arange(keys.shape[2], device=keys.device)[None, :] > at[:, None]  # after the slot's entries
-        mask = torch.zeros(hidden.shape, dtype=query.dtype, device=keys.device)
-        mask = mask.masked_fill(hidden, torch.finfo(query.dtype).min)[:, None, None, :]
+        mask = slot_mask(at, keys.shape[2], query.dtype)  # the whole room, each slot's entries only
         return kernel(query, keys, values, mask).transpose(0, 1)  # (1, slots, heads, head_dim)
 
     def attention_output(self, output: torch.Tensor) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from glimpse.pipeline import embedded, load_engine
@@ -279,9 +281,6 @@ class _TimedEngine:
         return "candidate"
 
     def generate(self, messages, policy, max_new_tokens, ignore_eos=False):
-        import torch
-        from types import SimpleNamespace
-
         pruned = policy != "none"
         slow = 1.0
         if ignore_eos and pruned:  # a timing run of the candidate
@@ -298,8 +297,6 @@ def test_a_pruning_candidate_timed_slightly_slower_than_unpruned_is_timed_again_
     """The frontier drops a candidate timed slower end to end than the unpruned model; a few percent is the noise of
     a shared machine, so a candidate that prunes and times 0-15% slower is timed on as many prompts again and
     judged on the median of all. Clearly slower (ZipVL's dequantising) or faster: timed once."""
-    import torch
-
     from glimpse.pipeline.calibrate_slider import Reference, measure
 
     engine = _TimedEngine(slowdowns)
