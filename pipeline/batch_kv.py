@@ -14,8 +14,10 @@ the requests whose policy does nothing per decode layer (no revival, no choice o
 whose cache is all float (not ZipVL's packed KV); the others decode request by request beside them.
 Requests come and go between steps (the server's continuous batching): one that leaves frees its slot, one
 that arrives takes a free slot it fits in. The batch forms again (one copy of its members' entries) only
-when no free slot fits a newcomer, when a member's cache left its slot, and when departures or evictions
-left the slots more than twice what the members need (so that ST3 gives its memory back). Requests whose
+when no free slot fits a newcomer, when a member's cache left its slot, when evictions left the members' slots
+more than twice what they need (so that ST3 gives its memory back), and when a slot has stayed free for
+``FREE_STEPS_PER_SLOT`` steps per slot (so that a server whose load dropped gives the memory back, while one
+whose clients come and go refills its free slots instead of forming a batch at every departure). Requests whose
 sizes differ too much are not put in one batch: the slots of a batch are as long as its longest member
 needs, and a batch takes no member that would make it hold more than ``WASTE`` times what its members need.
 """
@@ -28,6 +30,12 @@ from glimpse.common import Modality
 
 WASTE = 1.5  # a batch's slots hold at most this many times the entries (and answer room) its members need
 SLACK = 1.125  # a slot's room beyond its largest member's need, so that a request like it can take a freed slot
+# A free slot is given back (the batch formed again) once it has been free this many steps per slot. Rent or
+# buy: keeping it costs reading one slot's room per step (the step attends over every slot), forming again
+# costs copying every member's entries once (a read and a write per slot), so after about two steps per slot
+# the free slot has cost as much as forming again would have. Given back at once, a server whose clients come
+# and go formed a batch every 2-3 requests (44 formations in 128 requests of `glimpse bench serve`).
+FREE_STEPS_PER_SLOT = 2
 
 
 def decodes_plainly(request) -> bool:
@@ -75,12 +83,16 @@ class BatchKV:
             self.values.append(values)
         self._members_changed()
         self.fixed_step = None  # its fixed-shape step (pipeline/decode_graph.py), made on first use
-        # Formed again once the slots are more than twice as large as needed (or, if they started larger, half
-        # as large again as at the start: never one formation after another).
+        self.free_steps = [0] * len(requests)  # per slot: the steps it has been free for
+        # Formed again once the members' slots are more than twice as large as they need (or, if they started
+        # larger, half as large again as at the start: never one formation after another).
         self.limit = max(2.0, 1.5 * self._room() / sum(_need(r) for r in requests))
 
     def _room(self) -> int:
         return sum(keys.shape[0] * keys.shape[2] for keys in self.keys)
+
+    def _members_room(self) -> int:
+        return len(self.members) * sum(keys.shape[2] for keys in self.keys)
 
     def _members_changed(self) -> None:
         self.members = [r for r in self.requests if r is not None]  # in slot order: the step's first rows
@@ -125,9 +137,12 @@ class BatchKV:
             self._members_changed()
         if not self.members:
             return False
+        self.free_steps = [0 if r is not None else steps + 1 for r, steps in zip(self.requests, self.free_steps)]
+        if max(self.free_steps) > FREE_STEPS_PER_SLOT * len(self.requests):
+            return False  # nobody took a free slot for a while: give its memory back
         # What the members need stays the same step to step (one more entry, one step less) until a policy
-        # evicts or members leave: then the slots are larger than needed, and past ``limit``, formed again.
-        return self._room() <= self.limit * sum(_need(r) for r in self.members)
+        # evicts: then their slots are larger than needed, and past ``limit``, formed again.
+        return self._members_room() <= self.limit * sum(_need(r) for r in self.members)
 
     def holds(self, layer) -> bool:
         """Whether ``layer`` (a member's ``LayerKV``) is all float and in place in one of these slots."""

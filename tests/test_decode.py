@@ -14,7 +14,7 @@ import torch
 
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.adapters import TEXT
-from glimpse.pipeline.batch_kv import BatchKV, decodes_plainly
+from glimpse.pipeline.batch_kv import FREE_STEPS_PER_SLOT, BatchKV, decodes_plainly
 from glimpse.pipeline.cache import Growing, KVCache, LayerKV
 from glimpse.pipeline.engine import Sampling
 from glimpse.pipeline.metrics import MemoryMeter
@@ -519,8 +519,9 @@ def test_st3_evicting_from_kv_slots_gives_the_memory_back(deep_checkpoints, medi
 def test_a_request_that_arrives_takes_a_freed_slot_and_a_finished_batch_frees_its_slots_at_once(
         deep_checkpoints, media, monkeypatch):
     """Continuous batching: a request that leaves frees its slot and one that arrives takes it (a copy of its own
-    entries, not a new batch); the free slot takes no part in the answers. When the batch is done its slots are
-    freed at once, not when the garbage collector next runs (no reference cycle holds them)."""
+    entries, not a new batch); the free slot takes no part in the answers, and one nobody takes goes back after two
+    steps per slot. When the batch is done its slots are freed at once, not when the garbage collector next runs
+    (no reference cycle holds them)."""
     engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
     question = [{"role": "user", "content": "Say hi."}]
     with torch.inference_mode():
@@ -532,7 +533,14 @@ def test_a_request_that_arrives_takes_a_freed_slot_and_a_finished_batch_frees_it
         assert batch.take_step([first, third, fourth])  # the fourth arrived: it takes the free slot
         assert batch.members == [first, fourth, third] and batch.all_slots and batch._room() == room
         assert all(batch.holds(layer) for layer in fourth.ctx.cache.layers)
-        assert not batch.take_step([first])  # two of three left: the slots are too large, form a new batch
+        # Two of three left: their slots wait for newcomers (a server's clients come and go) ...
+        for _ in range(FREE_STEPS_PER_SLOT * 3 - 1):
+            assert batch.take_step([first])
+        # ... one that comes in that time takes a slot without a new batch ...
+        fifth = engine.start(question, "none", 0.0, 8, Sampling())
+        assert batch.take_step([first, fifth]) and batch.members == [first, fifth] and batch._room() == room
+        # ... and once the other slot has been free for two steps per slot, its memory goes back: form anew.
+        assert not batch.take_step([first, fifth])
     seen = _spy_slots(monkeypatch)
     formed = []
     init = BatchKV.__init__
