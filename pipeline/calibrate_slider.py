@@ -208,7 +208,6 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
                  decode_speedup=statistics.median(decode), **common)
 
 
-
 def _timed_ratios(engine, members, prompts, timing_tokens, typical_answer) -> list[tuple[float, float, float]]:
     """Per prompt, the candidate against the unpruned model run just before it: end-to-end time, decoder-prefill
     time and decode tokens/s ratios."""
