@@ -256,6 +256,7 @@ class RayReport:
     failed: list[tuple[str, str]] = field(default_factory=list)
     answer_tokens: int = 0
     seconds: float = 0.0
+    first_rows_s: float | None = None  # when the first captions reached the driver: Ray's start-up and one batch
     dashboard: str | None = None
 
 
@@ -286,6 +287,8 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
             buffered: list[dict] = []
             for rows in _pipeline(ray, pending, model, policy, speed, prompt, max_new_tokens, batch_size, actors,
                                   gpus_per_actor, device):
+                if report.first_rows_s is None:
+                    report.first_rows_s = time.perf_counter() - start
                 buffered += rows
                 # A shard every shard_rows rows or SHARD_SECONDS: few files on big runs, little lost to a kill.
                 if len(buffered) >= shard_rows or time.perf_counter() - last_write >= SHARD_SECONDS:

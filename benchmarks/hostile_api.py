@@ -98,6 +98,10 @@ def corpus(ROOT: str, PORT: str) -> tuple[dict, dict]:  # noqa: N803 — spelled
         "stop number": {**msg("hi"), "stop": 5},
         "params huge": {**msg("hi"), "policy": "dash", "speed": 0.5, "params": {"rho": 1e308}},
         "params nan": {**msg("hi"), "policy": "dash", "speed": 0.5, "params": {"rho": float("nan")}},
+        # 2026-11-26: ST3's range check let NaN through, and its decode step then ended the server.
+        "params nan st3": {**msg("hi"), "policy": "st3", "speed": 0.5, "params": {"first_drop": float("nan")}},
+        "params nan st3 tau": {**msg("hi"), "policy": "st3", "speed": 0.5, "params": {"anneal_tau": float("nan")}},
+        "params inf lazyllm": {**msg("hi"), "policy": "lazyllm", "params": {"percentiles": [float("inf")] * 3}},
         "params nested": {**msg("hi"), "policy": "dash", "params": {"rho": {"a": 1}}},
         "params unknown member": {**msg("hi"), "policy": "auto", "params": {"nosuch.x": 1}},
         "params list": {**msg("hi"), "policy": "dash", "params": [1, 2]},

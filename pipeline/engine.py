@@ -150,6 +150,7 @@ class Request:
     # computes beside the running batch (``Engine.start(defer=True)``); None once its first token is chosen.
     pending: "DecodeRows | None" = None
     host_position: list[int] | None = None  # ``ctx.next_position`` read to the host once (pipeline/decode_graph.py)
+    error: Exception | None = None  # what ended it in a decode step (its policy failed); finish is then "error"
 
     def note_memory(self, meter: MemoryMeter) -> None:
         self.peak_memory = max(self.peak_memory, meter.peak())
@@ -488,7 +489,10 @@ class Engine:
 
     def take_token(self, request: "Request") -> int | None:
         """Append the request's chosen token to its answer and return it, or end the request (cancelled,
-        EOS, out of budget) and return None. A request whose answer reaches its budget ends with it."""
+        EOS, out of budget) and return None. A request whose answer reaches its budget ends with it.
+        A request that failed in a decode step raises its error here, to its own caller only."""
+        if request.error is not None:
+            raise request.error
         if request.cancel is not None and request.cancel.is_set():
             self.finish(request, "cancelled")
         elif request.pending is not None:  # its prompt's end is computed in the next step: no token yet
@@ -505,7 +509,7 @@ class Engine:
         return None
 
     def finish(self, request: "Request", reason: str) -> None:
-        """End ``request`` here ("stop", "length", "cancelled"): it takes no further decode step."""
+        """End ``request`` here ("stop", "length", "cancelled", "error"): it takes no further decode step."""
         synchronize(self.device)
         request.finish, request.done, request.t_end = reason, True, time.perf_counter()
         if request.pending is not None:  # ended before the step that was to compute its prompt's end
@@ -515,13 +519,21 @@ class Engine:
         """One decode step of every request in ``running`` together: each policy acts on its own cache
         first (evict / pack), then one pass through the weights picks each request's next token."""
         t_step = time.perf_counter()
+        for request in running:
+            if request.pending is None:
+                try:
+                    request.policy.decode_step(len(request.tokens), request.ctx)  # evict / pack KV before the step
+                except Exception as error:  # noqa: BLE001 — this request's policy failed: it alone ends
+                    request.error = error
+                    self.finish(request, "error")
+        running = [request for request in running if not request.done]
+        if not running:
+            return
         decoding = [request.pending is None for request in running]  # the others compute their prompt's end
         for request, decodes in zip(running, decoding):
-            ctx = request.ctx
             if decodes:
-                request.policy.decode_step(len(request.tokens), ctx)  # evict / pack KV before the step
-                ctx.kv_bytes_per_step.append(ctx.cache.nbytes())  # what this step attends to
-                ctx.visual_kv_per_step.append(ctx.cache.visual_entries())
+                request.ctx.kv_bytes_per_step.append(request.ctx.cache.nbytes())  # what this step attends to
+                request.ctx.visual_kv_per_step.append(request.ctx.cache.visual_entries())
         # Requests that can share one attention call per layer go first, in their slots (pipeline/batch_kv.py).
         candidates = [request for request in running if self.decode_slots and decodes_plainly(request)]
         if self.batch_kv is None or not self.batch_kv.take_step(candidates):

@@ -329,6 +329,9 @@ class Scheduler:
         """Hand the ticket its request's newest token (the prefill's, or the last decode step's)."""
         request, engine = ticket.request, self.engine
         request.note_memory(meter)
+        if request.error is not None:  # its policy failed in the last step: it ends with that error, alone
+            self._end(ticket, request, request.error)
+            return
         token = engine.take_token(request)
         if token is not None:
             text = ticket.stop.feed(request.detok.push(token))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import fields, replace
 
 from glimpse.common import UserError
@@ -115,6 +116,11 @@ def _override(policy: Policy, overrides: dict) -> Policy:
                          f"its parameters: {', '.join(sorted(allowed))}")
     types = {f.name: f.type for f in fields(policy)}
     for name, value in overrides.items():
+        # JSON readers take NaN and Infinity, and NaN passes any range check written as `if x < low: raise`.
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(item, float) and not math.isfinite(item) for item in items):
+            finite = "finite numbers" if isinstance(value, (list, tuple)) else "a finite number"
+            raise UserError(f"{policy.name}.{name} must be {finite}, got {value!r}")
         if not _fits(value, str(types[name])):
             raise UserError(f"{policy.name}.{name} must be {types[name]}, got {value!r}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}

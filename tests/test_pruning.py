@@ -334,6 +334,25 @@ def test_divprune_refuses_a_share_outside_zero_one_or_of_the_wrong_type_before_a
         make_policy("divprune", 1.0, {"keep": "most"})
 
 
+def test_every_numeric_parameter_refuses_nan_and_infinity():
+    """JSON readers (the API's, the overrides box's) take NaN and Infinity; NaN passes a range check written
+    as ``if x < low: raise`` (ST3's first_drop did), so no policy may take a non-finite number."""
+    from dataclasses import fields
+
+    checked = 0
+    for name, policy_class in POLICIES.items():
+        for field in fields(policy_class):
+            kind = str(field.type)
+            if not field.init or "float" not in kind:
+                continue
+            for bad in (math.nan, math.inf, -math.inf):
+                value = [bad] if kind.startswith("tuple") else bad
+                with pytest.raises(ValueError, match=f"{field.name} must be (a finite number|finite numbers)"):
+                    make_policy(name, 0.5, {field.name: value})
+            checked += 1
+    assert checked >= 10  # every policy with a numeric parameter took part
+
+
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
 def test_divprune_keeps_the_most_diverse_visual_inputs_and_the_rest_skip_every_layer(deep, media, arch):
     """The kept set is DivPrune's greedy max-min selection over the vision encoder's outputs (the decoder's

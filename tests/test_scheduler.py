@@ -11,6 +11,7 @@ import pytest
 from glimpse.common import UserError
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.scheduler import Cancelled, QueueFull, Scheduler, StopText
+from glimpse.pruning import NoPruning
 
 
 @pytest.fixture(scope="module")
@@ -242,3 +243,36 @@ def test_a_failing_request_ends_alone_and_the_scheduler_keeps_serving(engine, me
         assert scheduler.state()["alive"]
     finally:
         scheduler.close()
+
+
+class _FailsAtStep(NoPruning):
+    """A policy that fails in its third decode step (as ST3 did on a NaN share, before such values were
+    refused): what any bug of one policy's per-step work looks like from the scheduler."""
+
+    def decode_step(self, step: int, ctx) -> None:
+        if step == 3:
+            raise ValueError("cannot convert float NaN to integer")
+
+
+def test_a_policy_failing_mid_answer_ends_its_request_alone_and_the_batch_goes_on(engine, media):
+    """Found from outside: one request whose policy raised in a decode step ended the scheduler's loop, and
+    with it `glimpse serve`. Now that request gets the error; the others in its batch answer exactly as alone."""
+    conversations = _conversations(media)
+    others = [(conversations[i], name, 8) for i, name in ((0, "none"), (1, "st3"), (3, "none"))]
+    alone = [engine.generate(c, policy=name, speed=1.0, max_new_tokens=n) for c, name, n in others]
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        bad = scheduler.submit(conversations[1], policy=_FailsAtStep(), max_new_tokens=8)
+        tickets = [scheduler.submit(c, policy=name, speed=1.0, max_new_tokens=n) for c, name, n in others]
+        with pytest.raises(ValueError, match="NaN"):
+            bad.result(timeout=60)
+        together = [t.result(timeout=120) for t in tickets]
+        assert max(r.metrics["batch_size"] for r in together) == 4  # the failing request shared their steps
+        assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+        assert scheduler.state()["alive"]
+        assert len(scheduler.submit(conversations[1], max_new_tokens=3).result(timeout=60).token_ids) >= 1
+    finally:
+        scheduler.close()
+    # The engine's own batch path raises the failure to its caller (the captioner then retries one by one).
+    with pytest.raises(ValueError, match="NaN"):
+        engine.generate_batch([conversations[1], conversations[0]], policy=_FailsAtStep(), max_new_tokens=8)

@@ -137,6 +137,13 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, medi
         (json.dumps({"messages": _question("data:image/png;base64")}), "no data"),
         (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": 1, "seed": 2**70}), "seed"),
         ('{"messages": [{"role": "user", "content": "caf\\ud800"}], "max_tokens": 2}', "surrogate"),
+        # JSON's NaN and Infinity (Python's reader takes them) in policy parameters, whose range checks NaN passes.
+        ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "policy": "st3", "speed": 0.5, '
+         '"params": {"first_drop": NaN}}', "finite"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "policy": "lazyllm", '
+         '"params": {"percentiles": [0.1, NaN, 0.3, 0.4]}}', "finite"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "speed": NaN}', "speed"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": Infinity}', "temperature"),
     ]
     for body, word in raw_cases:
         response = httpx.post(url, content=body, headers={"Content-Type": "application/json"}, timeout=60)
