@@ -27,6 +27,7 @@ import math
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -319,7 +320,16 @@ class Scheduler:
             if stepping:
                 for ticket in self.running:
                     ticket.batch = max(ticket.batch, len(stepping))
-                engine.decode_step(stepping)
+                try:
+                    engine.decode_step(stepping)
+                except Exception as error:  # noqa: BLE001 — the step itself failed: its requests end, the server goes on
+                    # (A policy's per-step work that fails is the request's own, in decode_step; this is a failure
+                    # inside the pass through the model, which no single request can be named for.)
+                    traceback.print_exc()
+                    engine.batch_kv = None
+                    for request in stepping:
+                        request.error = error
+                        engine.finish(request, "error")
                 for request in stepping:
                     request.note_memory(meter)
             else:

@@ -276,3 +276,28 @@ def test_a_policy_failing_mid_answer_ends_its_request_alone_and_the_batch_goes_o
     # The engine's own batch path raises the failure to its caller (the captioner then retries one by one).
     with pytest.raises(ValueError, match="NaN"):
         engine.generate_batch([conversations[1], conversations[0]], policy=_FailsAtStep(), max_new_tokens=8)
+
+
+class _FailsInsideTheStep(NoPruning):
+    """A policy whose per-layer decode work fails on its third step: a failure inside the pass through the
+    model, which the scheduler cannot pin on one request of the batch."""
+
+    def decode_rows(self, layer_idx: int, rows, ctx):
+        if ctx.generated == 2 and layer_idx == 1:
+            raise RuntimeError("a bug inside the step")
+        return rows
+
+
+def test_a_step_that_fails_inside_the_model_ends_its_requests_and_the_server_goes_on(engine, media):
+    conversations = _conversations(media)
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        bad = scheduler.submit(conversations[1], policy=_FailsInsideTheStep(), max_new_tokens=8)
+        with pytest.raises(RuntimeError, match="inside the step"):
+            bad.result(timeout=60)
+        assert scheduler.state()["alive"]
+        alone = engine.generate(conversations[0], max_new_tokens=6)
+        after = scheduler.submit(conversations[0], max_new_tokens=6).result(timeout=60)
+        assert after.token_ids == alone.token_ids  # nothing of the failed step is left behind
+    finally:
+        scheduler.close()
