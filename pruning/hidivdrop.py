@@ -64,8 +64,9 @@ class HiDivDrop(ScoreThenCut):
         if not 0 <= inject < exit_ <= L:
             raise UserError(f"HiDivDrop needs 0 <= L_inj < L_exit <= L, got {inject}, {exit_} on {L} layers")
         filters = self.filter_layers or tuple(max(1, round(f * L / PAPER_DEPTH)) for f in PAPER_FILTERS)
-        if any(b > a for a, b in zip(self.keep, self.keep[1:])) or not all(0.0 <= k <= 1.0 for k in self.keep):
-            raise UserError(f"HiDivDrop keep shares must be in [0, 1] and never grow, got {self.keep}")
+        grows = any(b > a for a, b in zip(self.keep, self.keep[1:]))
+        if not self.keep or grows or not all(0.0 <= k <= 1.0 for k in self.keep):
+            raise UserError(f"HiDivDrop keep shares (one or more) must be in [0, 1] and never grow, got {self.keep}")
         keep = resample(self.keep, len(filters))  # a calibration profile may find more or fewer layers
         visual = (ctx.modality != Modality.TEXT).nonzero().squeeze(1)
         V = visual.shape[0]

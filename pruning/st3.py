@@ -76,6 +76,8 @@ class ST3(ScoreThenCut):
 
     def plan(self, ctx) -> None:
         L = ctx.num_layers
+        if self.start_layer < 0 or (self.stride is not None and self.stride < 0):
+            raise UserError(f"ST3 start_layer and stride must be >= 0, got {self.start_layer} and {self.stride}")
         start = min(self.start_layer, L - 1)
         stride = self.stride or default_stride(L, start)
         drops = list(range(start + stride, L, stride))

@@ -68,9 +68,15 @@ class ZipVL(Policy):
             raise UserError(f"ZipVL tau must be in (0, 1], got {tau}")
         self.resolved = {"tau": tau, "paper": {"tau": tau}}
         self.telemetry = {"important_per_layer": []}  # the paper's p, one per prefill layer
+        if self.recent_probes < 1 or self.random_probes < 0:
+            raise UserError(f"ZipVL needs recent_probes >= 1 and random_probes >= 0, got {self.recent_probes} and "
+                            f"{self.random_probes}")
         if (self.important_bits is None) != (self.other_bits is None):
             raise UserError("ZipVL: set both important_bits and other_bits, or neither")
         if self.important_bits is not None:
+            if self.important_bits not in (2, 4, 8) or self.other_bits not in (2, 4, 8):
+                raise UserError(f"ZipVL important_bits and other_bits must be 2, 4 or 8, got {self.important_bits} "
+                                f"and {self.other_bits}")
             if self.requantize_every < 1:
                 raise UserError(f"ZipVL requantize_every must be >= 1, got {self.requantize_every}")
             self.resolved["paper"].update(b_h=self.important_bits, b_l=self.other_bits)

@@ -353,6 +353,34 @@ def test_every_numeric_parameter_refuses_nan_and_infinity():
     assert checked >= 10  # every policy with a numeric parameter took part
 
 
+def test_no_parameter_value_fails_as_anything_but_a_clear_error(deep_checkpoints, media):
+    """Every policy parameter set to values at and past its edges either answers or is refused with a
+    UserError (the API's 400, the chat's warning): found by fuzzing from outside, ZipVL's bit widths and probe
+    counts, an empty HiDivDrop keep and a negative ST3 start layer (which asked for gigabytes) were 500s."""
+    from dataclasses import fields
+
+    from glimpse.common import UserError
+
+    engine = load_engine(str(deep_checkpoints["qwen2_vl"]), device="cpu")
+    edges = {"int": [-1, 0, 10**9, -10**9], "float": [-1.0, 0.0, 2.0, 1e300],
+             "tuple[int": [[], [-1], [10**9]], "tuple[float": [[], [-1.0], [2.0, 2.0, 2.0]]}
+    failures, tried = [], 0
+    for name, policy_class in POLICIES.items():
+        for field in fields(policy_class):
+            kind = str(field.type)
+            values = next((v for k, v in edges.items() if kind.startswith(k) and field.init), [])
+            for value in values:
+                tried += 1
+                try:
+                    engine.generate(_image_messages(media), policy=make_policy(name, 1.0, {field.name: value}),
+                                    max_new_tokens=2)
+                except UserError:
+                    pass
+                except Exception as error:  # noqa: BLE001 — what the test looks for
+                    failures.append(f"{name}.{field.name}={value!r}: {type(error).__name__}: {error}")
+    assert tried >= 100 and not failures, failures
+
+
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
 def test_divprune_keeps_the_most_diverse_visual_inputs_and_the_rest_skip_every_layer(deep, media, arch):
     """The kept set is DivPrune's greedy max-min selection over the vision encoder's outputs (the decoder's
