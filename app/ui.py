@@ -493,7 +493,7 @@ def _text_of(message: dict) -> str:
 def _token_limit(value, ceiling: int) -> int:
     try:
         limit = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # None, "ten", NaN, Infinity
         raise UserError("max answer tokens must be a whole number") from None
     if not 1 <= limit <= ceiling:
         raise UserError(f"max answer tokens must be between 1 and {ceiling} on this server")

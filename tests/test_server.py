@@ -576,7 +576,7 @@ def test_chat_settings_are_checked_and_a_bad_value_is_a_message_not_a_crash(serv
     client = Client(server["url"] + "/", verbose=False)
     question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
     for policy, overrides, word in (("dash", "rho 0.5", "name=value"), ("dash", "rho=abc", "rho"),
-                                    ("fastv", "layer=100", "layer")):
+                                    ("fastv", "layer=100", "layer"), ("st3", "first_drop=NaN", "finite")):
         answer, _, _ = client.predict(question, policy, 0.5, 8, overrides, False, api_name="/chat")
         assert answer.startswith("⚠️") and word in answer and "internal error" not in answer, (overrides, answer)
     with pytest.raises(Exception, match="maximum value 12"):  # the server's --max-new-tokens bounds the control
