@@ -150,7 +150,7 @@ class Request:
     # computes beside the running batch (``Engine.start(defer=True)``); None once its first token is chosen.
     pending: "DecodeRows | None" = None
     host_position: list[int] | None = None  # ``ctx.next_position`` read to the host once (pipeline/decode_graph.py)
-    error: Exception | None = None  # what ended it in a decode step (its policy failed); finish is then "error"
+    error: Exception | None = None  # what ended it in a decode step (its policy's, or the step's); finish "error"
 
     def note_memory(self, meter: MemoryMeter) -> None:
         self.peak_memory = max(self.peak_memory, meter.peak())

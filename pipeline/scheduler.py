@@ -339,7 +339,7 @@ class Scheduler:
         """Hand the ticket its request's newest token (the prefill's, or the last decode step's)."""
         request, engine = ticket.request, self.engine
         request.note_memory(meter)
-        if request.error is not None:  # its policy failed in the last step: it ends with that error, alone
+        if request.error is not None:  # the last step failed for it (its policy, or the step itself): it ends
             self._end(ticket, request, request.error)
             return
         token = engine.take_token(request)
