@@ -22,10 +22,11 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    HiDivDrop, ST3 and auto on LLaVA-1.5-7B with a 576-token image — against the baseline, alternating
    (``glimpse bench``'s runner): TTFT and decoder-prefill speedup, FLOPs speedup, realised fraction, KV
    bytes, peak memory; beside each paper's headline figure.
-5. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none, ST3, ZipVL's packed KV) against
+5. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots, ST3, ZipVL's packed KV) against
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
-   (``Engine.decode_graphs``, pipeline/decode_graph.py); ST3's KV after 64 answer tokens against the baseline's.
+   (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured
+   it); ST3's KV after 64 answer tokens against the baseline's.
 6. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
    over four decode steps at batch 1 and 16 (KV slots and per request): operator calls, host syncs and the
    heaviest operators on host and device — where the time goes that the sections above only total.
@@ -265,12 +266,14 @@ def _exact_row(suite, arch, folder, dtype, attn, messages) -> dict:
         logits, _ = engine.prefill(prompt, NoPruning())
     if expected and expected[-1] in engine.eos_token_ids:
         expected = expected[:-1]  # the engine reports the answer without its EOS token
-    got = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
-    engine.decode_graphs = True  # the decode steps captured as a CUDA graph (pipeline/decode_graph.py)
+    default = engine.decode_graphs  # on by default on CUDA: both sides are run explicitly
     try:
+        engine.decode_graphs = False  # the eager decode step
+        got = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
+        engine.decode_graphs = True  # the decode steps captured as a CUDA graph (pipeline/decode_graph.py)
         graphed = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
     finally:
-        engine.decode_graphs = False
+        engine.decode_graphs = default and engine.decode_graph_error is None
     same = sum(1 for _ in zip(got, expected))
     agree = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), same)
     diff = float((logits.float() - reference).abs().max())
@@ -344,12 +347,13 @@ def decode(suite: Suite) -> dict:
             """The engine's decode rate (a batch counts every request) and its KV after the answer; ``slots``
             False: every request attends over its own cache on its own (the engine before pipeline/batch_kv.py);
             ``graphs``: the slot steps captured as a CUDA graph (pipeline/decode_graph.py)."""
+            default = engine.decode_graphs
             engine.decode_slots, engine.decode_graphs = slots, graphs
             try:
                 results = engine.generate_batch([messages] * batch, policy=policy, speed=speed, max_new_tokens=n,
                                                 ignore_eos=True)
             finally:
-                engine.decode_slots, engine.decode_graphs = True, False
+                engine.decode_slots, engine.decode_graphs = True, default and engine.decode_graph_error is None
             return (sum(r.metrics["decode_tokens_per_s"] for r in results),
                     sum(r.metrics["kv_bytes"] for r in results))
 
@@ -464,6 +468,7 @@ def profile(suite: Suite) -> dict:
             rows.append({"what": f"{side}, {name}", **_profiled(fn, engine.device)})
     engine = suite.engine("llava")
     messages = user_message("Describe the image in detail.", [("image", random_image(576))])
+    default = engine.decode_graphs
     with torch.inference_mode():
         for batch in (1, suite.shapes.decode_batch):
             for mode in ("KV slots", "CUDA graph", "per request"):
@@ -480,7 +485,8 @@ def profile(suite: Suite) -> dict:
 
                     rows.append({"what": f"4 decode steps, batch {batch}, {mode}", **_profiled(steps, engine.device)})
                 finally:
-                    engine.decode_slots, engine.decode_graphs, engine.batch_kv = True, False, None
+                    engine.decode_slots, engine.batch_kv = True, None
+                    engine.decode_graphs = default and engine.decode_graph_error is None
             suite.progress(f"  profiled decode at batch {batch}")
     for row in rows:
         suite.progress(f"  {row['what']}: {row['wall_s']:.3f} s, {row['aten_calls']} aten calls, syncs {row['syncs']}")

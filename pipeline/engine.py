@@ -304,9 +304,10 @@ class Engine:
         self.decode_slots = True
         self.batch_kv: BatchKV | None = None
         # Slot steps in which no policy acts run as one fixed-shape step (pipeline/decode_graph.py), captured as a
-        # CUDA graph on a GPU. Off until measured on a GPU (benchmarks/gpu_suite.py compares both); on a CPU the
-        # fixed-shape step attends over each slot's whole room, which only the tests want.
-        self.decode_graphs = False
+        # CUDA graph. On by default on a GPU: an H100 decoded 2.2x as many tokens/s as ``generate`` at batch 1
+        # with it (1.0x without), the same tokens for every architecture (docs/benchmarks.md). Off on a CPU,
+        # where the fixed-shape step only costs (it attends over each slot's whole room); the tests turn it on.
+        self.decode_graphs = self.device.type == "cuda"
         self.decode_graph_error: str | None = None  # why a capture failed (and turned the graphs off), if one did
 
     # ------------------------------------------------------------------ public API
@@ -660,6 +661,12 @@ class Engine:
         prefix cache, already in every layer's cache)."""
         T = hidden.shape[1]
         active = torch.arange(start, T, device=self.device)
+        # The active set and its modalities on the host too, for the cache's token records and the vision
+        # check: read from the device only when a policy changes the set. A read waits for the GPU to finish
+        # every layer queued before it, so reading at every layer left the GPU idle while the host queued the
+        # next one (an H100 profile of a 7B prefill: twice transformers' host syncs, 3-5% more time).
+        modality = ctx.prompt.modality.cpu()
+        on_host = (active, torch.arange(start, T), modality[start:])
         fresh = torch.ones(T, dtype=torch.bool, device=self.device)  # not computed by any layer yet
         fresh[:start] = False
         if vision is not None and policy.reads_visual_inputs:  # it selects on them before layer 0 (DivPrune)
@@ -667,14 +674,18 @@ class Engine:
             vision = None
         for layer_idx, layer in enumerate(self.adapter.layers):
             active = _checked(policy.select(layer_idx, active, ctx), active, fresh)
+            if active is not on_host[0]:
+                index = active.cpu()
+                on_host = (active, index, modality[index])
             hidden = ctx.hidden  # a merging policy folds pruned tokens into kept ones (pruning.base.merge_into_kept)
-            if vision is not None and bool((ctx.modality[active] != TEXT).any()):
+            if vision is not None and bool((on_host[2] != TEXT).any()):
                 hidden = ctx.hidden = vision.join(hidden, ctx)
                 vision = None  # joined
-            joining = active[fresh[active]]
-            if layer_idx > 0 and joining.numel() and ctx.layer_features:
-                # Tokens injected late (HiDivDrop) get what the earlier layers would have added to them.
-                hidden = ctx.hidden = _add_layer_features(hidden, ctx, joining, range(layer_idx))
+            if layer_idx > 0 and ctx.layer_features:
+                joining = active[fresh[active]]
+                if joining.numel():
+                    # Tokens injected late (HiDivDrop) get what the earlier layers would have added to them.
+                    hidden = ctx.hidden = _add_layer_features(hidden, ctx, joining, range(layer_idx))
             fresh[active] = False
             ctx.active_per_layer.append(active)
             full = active.shape[0] == T  # nothing pruned: skip the gather/scatter copies
@@ -682,7 +693,7 @@ class Engine:
             pe = (cos, sin) if full else (cos[:, active], sin[:, active])
             out = self.run_layer(layer, h, pe, PrefillLayer(self, policy, ctx, layer_idx))
             ctx.layer = None  # the layer's view ends with it
-            ctx.cache.record(layer_idx, active, ctx.modality[active])
+            ctx.cache.record(layer_idx, on_host[1], on_host[2])
             if full:
                 hidden = out
             else:

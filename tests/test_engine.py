@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ARCHS, VIDEO_ARCHS
 from glimpse.pipeline import PromptError, load_engine
@@ -150,6 +151,42 @@ def test_smaller_active_set_really_computes_fewer_tokens(checkpoints, media):
         assert ctx.cache.layers[layer_idx].index.tolist() == list(keep)
         assert ctx.cache.layers[layer_idx].modality.tolist() == prompt.modality[list(keep)].tolist()
     assert [len(a) for a in ctx.active_per_layer] == expected
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the operators that make the host wait for a GPU: a value read on the host (``item``, ``bool``) or a
+    result whose size depends on the data (``nonzero``, indexing with a boolean mask). Copies to the host
+    (``.cpu()``) are not seen on a CPU, where they are no operator at all."""
+
+    READS = {torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default,
+             torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default}
+    INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default, torch.ops.aten.index_put.default}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.count += 1
+        elif func in self.INDEXING and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_prefill_without_pruning_reads_nothing_from_the_device_per_layer(checkpoints, deep_checkpoints, media):
+    # Each read waits for the GPU to finish the layers queued before it, leaving it idle while the host queues
+    # the next: an H100 profile of a 7B prefill counted twice transformers' syncs. A 12-layer model must read
+    # as often as a 4-layer one (the vision encoder's own reads are the same in both).
+    reads = {}
+    for name, folder in (("4 layers", checkpoints["qwen2_vl"]), ("12 layers", deep_checkpoints["qwen2_vl"])):
+        engine = load_engine(str(folder), device="cpu", attn="sdpa")
+        engine.parallel_vision = False  # the encoder's operators in this thread, counted alike in both
+        prompt = engine.prepare(_messages("image", media))
+        with torch.inference_mode(), HostReads() as counter:
+            engine.prefill(prompt, NoPruning())
+        reads[name] = counter.count
+    assert reads["4 layers"] == reads["12 layers"], reads
 
 
 def test_decode_appends_generated_tokens_to_every_layer(checkpoints, media):
