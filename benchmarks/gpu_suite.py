@@ -26,7 +26,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
    (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured
-   it); ST3's KV after 64 answer tokens against the baseline's.
+   it), and the eager steps of none and ST3 with SDPA's cuDNN backend left out; ST3's KV after 64 answer tokens
+   against the baseline's.
 6. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
    over four decode steps at batch 1 and 16 (KV slots and per request): operator calls, host syncs and the
    heaviest operators on host and device — where the time goes that the sections above only total.
@@ -362,6 +363,11 @@ def decode(suite: Suite) -> dict:
         sides.update({policy: (lambda p=policy, s=speed: ours(p, s)) for policy, speed in DECODE_POLICIES})
         sides["none, per request"] = lambda: ours("none", 0.0, slots=False)
         sides["none, CUDA graph"] = lambda: ours("none", 0.0, graphs=True)
+        # The H100 profile of 2026-11-26 found the eager slot step's attention spending 1.1 ms of host time per
+        # call in cuDNN's SDPA (0.04 ms per call on the per-request path): the same steps with cuDNN's backend
+        # left out say whether that is what holds the eager step (and ST3, which decodes in it) back.
+        sides["none, no cuDNN attention"] = lambda: _without_cudnn(lambda: ours("none", 0.0))
+        sides["st3, no cuDNN attention"] = lambda: _without_cudnn(lambda: ours("st3", 1.0))
         measured = {name: [] for name in sides}
         with torch.inference_mode():
             for round_index in range(suite.shapes.runs + 1):  # round 0 warms up
@@ -443,6 +449,14 @@ def _vision_first(engine, prompt):
         return engine.prefill(prompt, NoPruning())
     finally:
         engine.parallel_vision = True
+
+
+def _without_cudnn(run):
+    """``run()`` with SDPA's cuDNN backend left out (flash, memory-efficient or math attention instead)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return run()
 
 
 def profile(suite: Suite) -> dict:

@@ -86,6 +86,10 @@ class HiDivDrop(ScoreThenCut):
 
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         if layer_idx < self.inject or layer_idx >= self.exit:
+            if layer_idx not in (0, self.exit):
+                # Text only already (no policy adds vision tokens but this one, at injection): the same set,
+                # so the engine has nothing to check or copy for this layer.
+                return active
             return active[ctx.modality[active] == Modality.TEXT]  # text only: before injection, after the exit
         if layer_idx == self.inject:  # the vision tokens join, with their original embeddings
             return torch.cat([active, self.visual]).unique(sorted=True) if self.inject > 0 else active

@@ -103,8 +103,11 @@ class ST3(ScoreThenCut):
                 raise UserError(f"ST3 anneal_tau must be > 0, got {self.anneal_tau}")
             self.resolved["paper"]["tau"] = self.anneal_tau
         self.cut_at, self.scores = frozenset(self.schedule), None
-        self.ranking: dict[int, torch.Tensor] = {}  # layer -> its visual tokens, most important first
+        self.ranking: dict[int, torch.Tensor] = {}  # layer -> its visual tokens, most important first (host)
         self.kept: dict[int, int] = {}  # layer -> visual KV entries it holds now
+        # Each layer's prefill ranking on the device, until the first decode step copies them all at once:
+        # (the layer's active tokens, most attended first, and whether each is visual; text sorts last).
+        self.ranked_on_device: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def score(self, layer_idx: int, attn_output: torch.Tensor, ctx) -> None:
         # One probe of this layer's last-token attention serves both halves: PVTP's next cut and VTA.
@@ -115,14 +118,27 @@ class ST3(ScoreThenCut):
         if cuts_next:
             self.scores = scores_by_token(ctx, attention)
         if self.anneal_tau is not None:  # VTA ranks each layer's visual KV by this layer's attention
-            visual = (ctx.layer.modality != Modality.TEXT).nonzero().squeeze(1)
-            order = attention[visual].argsort(descending=True, stable=True)
-            self.ranking[layer_idx] = ctx.layer.active[visual][order].cpu()
-            self.kept[layer_idx] = visual.shape[0]
+            # Nothing read back here: a read per layer would make the host wait for the GPU at every layer.
+            visual = ctx.layer.modality != Modality.TEXT
+            order = attention.masked_fill(~visual, -math.inf).argsort(descending=True, stable=True)
+            self.ranked_on_device[layer_idx] = (ctx.layer.active[order], visual[order])
+
+    def _rankings_to_host(self) -> None:
+        """Every layer's ranking of its visual tokens on the host, in one copy after the prefill."""
+        layers = list(self.ranked_on_device)
+        tokens = torch.cat([self.ranked_on_device[i][0] for i in layers]).cpu()
+        visual = torch.cat([self.ranked_on_device[i][1] for i in layers]).cpu()
+        sizes = [self.ranked_on_device[i][0].shape[0] for i in layers]
+        for layer_idx, layer_tokens, layer_visual in zip(layers, tokens.split(sizes), visual.split(sizes)):
+            self.ranking[layer_idx] = layer_tokens[layer_visual]
+            self.kept[layer_idx] = self.ranking[layer_idx].shape[0]
+        self.ranked_on_device = {}
 
     def decode_step(self, step: int, ctx) -> None:
         if self.anneal_tau is None:
             return
+        if self.ranked_on_device:
+            self._rankings_to_host()
         share = anneal_share(self.anneal, step, self.anneal_tau)
         for layer_idx, ranking in self.ranking.items():
             keep = math.ceil(share * ranking.shape[0] - 1e-9)

@@ -36,7 +36,8 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
         assert row["flops_speedup"] > 1.0 and row["paper"]  # each pruned something, beside its paper's figure
     decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}
     assert decoders == {(b, d) for b in (1, 2)
-                        for d in ("generate", "none", "st3", "zipvl", "none, per request", "none, CUDA graph")}
+                        for d in ("generate", "none", "st3", "zipvl", "none, per request", "none, CUDA graph",
+                                  "none, no cuDNN attention", "st3, no cuDNN attention")}
     # The profile counts operators, not time: in KV slots a decode step of two requests runs fewer operators and
     # waits for the device less often than attending request by request (the host work a GPU step is bound by).
     profiled = {r["what"]: r for r in sections["profile"]["rows"]}
