@@ -197,6 +197,8 @@ class LayerKV:
                 return self.key, self.value
             rows = rows.to(self.key.device)
             return self.key.index_select(-2, rows), self.value.index_select(-2, rows)
+        if rows is None:
+            return self._all_keys_values()
         # Each part (packed segment or float tail) is written straight into one output buffer, and only the
         # rows asked for are dequantized: no dequantize-everything-then-concatenate copies per step.
         parts, start = [], 0
@@ -237,6 +239,24 @@ class LayerKV:
             else:
                 keys.index_copy_(-2, positions.to(device), picked_key)
                 values.index_copy_(-2, positions.to(device), picked_value)
+        return keys, values
+
+    def _all_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every entry in storage order: each packed segment dequantized straight into its place in one buffer,
+        then the float tail. A decode step of a packed cache reads this at every layer, so it does no index
+        arithmetic: a few operations per segment (on a GPU the step is bound by the host's operator count)."""
+        sample = self.packed[0][0]
+        shape = (*sample.packed.shape[:-2], len(self), sample.packed.shape[-1] * (8 // sample.bits))
+        keys = torch.empty(shape, dtype=sample.dtype, device=sample.packed.device)
+        values = torch.empty(shape, dtype=self.packed[0][1].dtype, device=sample.packed.device)
+        start = 0
+        for key, value in self.packed:
+            dequantize(key, out=keys.narrow(-2, start, key.tokens))
+            dequantize(value, out=values.narrow(-2, start, key.tokens))
+            start += key.tokens
+        if self.tail_entries():
+            keys.narrow(-2, start, self.tail_entries()).copy_(self.key)
+            values.narrow(-2, start, self.tail_entries()).copy_(self.value)
         return keys, values
 
     def keep(self, rows: torch.Tensor) -> None:

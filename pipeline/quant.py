@@ -63,16 +63,27 @@ def quantize(x: torch.Tensor, bits: int, group: int = 32) -> QuantizedTensor:
 
 def dequantize(q: QuantizedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The float values (``q.dtype``). With ``out`` (a tensor of that shape and dtype, e.g. a slice of a
-    bigger buffer) they are written there, so a reader of several segments assembles them in one buffer
-    instead of concatenating copies."""
+    bigger buffer whose last axis is contiguous) they are written there, so a reader of several segments
+    assembles them in one buffer instead of concatenating copies. Computed in float32 either way."""
     per_byte = 8 // q.bits
-    shifts = torch.arange(per_byte, device=q.packed.device, dtype=torch.uint8) * q.bits
-    codes = (q.packed.unsqueeze(-1) >> shifts) & (2**q.bits - 1)  # (..., n, dim / per_byte, per_byte)
+    codes = (q.packed.unsqueeze(-1) >> _shifts(q.bits, q.packed.device)) & (2**q.bits - 1)  # (..., n, dim/per_byte, per_byte)
     *lead, packed_dim = q.packed.shape
     dim = packed_dim * per_byte
     codes = codes.reshape(*lead, dim // q.group, q.group).float()
-    values = torch.addcmul(q.minimum.float().unsqueeze(-1), codes, q.scale.float().unsqueeze(-1))
+    minimum, scale = q.minimum.float().unsqueeze(-1), q.scale.float().unsqueeze(-1)
     if out is None:
-        return values.reshape(*lead, dim).to(q.dtype)
-    out.copy_(values.reshape(*lead, dim))
+        return torch.addcmul(minimum, codes, scale).reshape(*lead, dim).to(q.dtype)
+    # Straight into ``out`` (rounded to its dtype as it is stored): no float32 copy of the values first.
+    torch.addcmul(minimum, codes, scale, out=out.view(*lead, dim // q.group, q.group))
     return out
+
+
+_SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    """The bit offsets of the codes in a byte, made once per device (a decode step dequantizes at every layer)."""
+    key = (bits, device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.arange(8 // bits, device=device, dtype=torch.uint8) * bits
+    return _SHIFTS[key]

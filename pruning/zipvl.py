@@ -115,12 +115,10 @@ class ZipVL(Policy):
             self._pack(ctx, layer_idx, important)
 
     def decode_score(self, layer_idx: int, ctx) -> None:
-        if self.important_bits is None:
+        # The window is the layer's float tail; until it is full there is nothing to do (and nothing to read).
+        if self.important_bits is None or ctx.cache.layers[layer_idx].tail_entries() < self.requantize_every:
             return
         window_tokens = ctx.cache.unpacked_tokens(layer_idx)
-        window = window_tokens.shape[0]
-        if window < self.requantize_every:
-            return
         # The new token's attention to the window (the float tail), as a distribution over it.
         attention = new_token_attention(ctx)
         lookup = torch.full((int(ctx.layer.key_index.max()) + 1,), -1, dtype=torch.long)

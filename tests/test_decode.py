@@ -250,18 +250,20 @@ def test_evicting_entries_works_across_packed_segments_and_the_float_tail():
     assert torch.equal(dequantize(layer.packed[0][0]), dequantize(quantize(key[:, :, [1, 9]], 4)))
 
 
-def test_packed_keys_and_values_read_back_as_concatenating_every_part_would_give():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_keys_and_values_read_back_as_concatenating_every_part_would_give(dtype):
     """Reading a cache of packed segments and a float tail writes each part straight into one buffer;
     the result is exactly the dequantized parts concatenated and indexed, for all rows or any subset in
-    any order (the order decides which key_index each key has)."""
+    any order (the order decides which key_index each key has), in float32 and in bfloat16 (the values
+    rounded once, as they are stored)."""
     g = torch.Generator().manual_seed(4)
     key, value = torch.randn(1, 2, 20, 32, generator=g), torch.randn(1, 2, 20, 32, generator=g)
     layer = LayerKV()
-    layer.append(key, value)
+    layer.append(key.to(dtype), value.to(dtype))
     layer.index, layer.modality = torch.arange(20), torch.zeros(20, dtype=torch.long)
     layer.pack(torch.tensor([0, 3, 4, 9]), 4, 32)
     layer.pack(torch.tensor([1, 2, 10]), 2, 32)
-    layer.append(torch.randn(1, 2, 2, 32, generator=g), torch.randn(1, 2, 2, 32, generator=g))
+    layer.append(torch.randn(1, 2, 2, 32, generator=g).to(dtype), torch.randn(1, 2, 2, 32, generator=g).to(dtype))
     keys = torch.cat([*[dequantize(k) for k, _ in layer.packed], layer.key], dim=-2)
     values = torch.cat([*[dequantize(v) for _, v in layer.packed], layer.value], dim=-2)
     for rows in [None, torch.tensor([0, 1, 5, 6, 7, 20, 21]), torch.tensor([21, 2, 8, 0, 15, 5]),
