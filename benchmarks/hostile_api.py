@@ -10,8 +10,8 @@ does not send the request).
     glimpse serve --port 7861 --allowed-root /tmp/glimpse-allowed &
     python benchmarks/hostile_api.py --url http://127.0.0.1:7861 --allowed-root /tmp/glimpse-allowed
 
-``--allowed-root`` must be the server's: the script puts a picture, a symlink out of it and a symlink to a
-picture outside it there.
+``--allowed-root`` must be the server's: the script puts a picture, a symlink out of it, a symlink to a picture
+outside it, and the hostile and odd media of ``media_corpus`` there.
 """
 
 from __future__ import annotations
@@ -139,6 +139,93 @@ def corpus(ROOT: str, PORT: str) -> tuple[dict, dict]:  # noqa: N803 — spelled
     return cases, raw
 
 
+def media_corpus(root: Path) -> dict:
+    """Hostile and odd media written under ``root``, each sent by path (and the still images also as data URLs):
+    decompression bombs (a header claiming 60,000 x 60,000 pixels; a real 20,000 x 20,000 one-bit PNG), truncated
+    JPEG/PNG/MP4, an MP4 of 64 bytes and one of random bytes behind a valid `ftyp`, an audio-only MP4, a video as
+    an image (also misnamed .png), SVG and PDF named .png, empty and one-byte files — all 4xx — and the odd but
+    valid: an animated GIF of 500 frames and an animated WebP (their first frame), 1 x 20,000 and 20,000 x 1
+    pictures, CMYK, 16-bit grey, grey with alpha, palette, BMP, TIFF, ICO, a 4 x 4 video and a one-frame video."""
+    import io
+    import struct
+    import zlib
+
+    import av
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    files: dict[str, bytes] = {}
+
+    def png_claiming(width: int, height: int) -> bytes:
+        def chunk(kind: bytes, data: bytes) -> bytes:
+            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 10))
+                + chunk(b"IEND", b""))
+
+    def encoded(image: Image.Image, fmt: str, **options) -> bytes:
+        out = io.BytesIO()
+        image.save(out, fmt, **options)
+        return out.getvalue()
+
+    def video(width: int, height: int, frames: int) -> bytes:
+        out = io.BytesIO()
+        with av.open(out, "w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=10)
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            for _ in range(frames):
+                frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8), "rgb24")
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode())
+        return out.getvalue()
+
+    picture = Image.open(ASSETS / "sample.png").convert("RGB")
+    noise = [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(500)]
+    clip = (ASSETS / "sample.mp4").read_bytes()
+    audio = io.BytesIO()
+    with av.open(audio, "w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=44100)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), dtype=np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 44100
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    files.update({
+        "bomb_header.png": png_claiming(60000, 60000),
+        "bomb_real.png": encoded(Image.new("1", (20000, 20000)), "PNG", optimize=True),
+        "truncated.jpg": encoded(picture, "JPEG")[:1500],
+        "truncated.png": encoded(picture, "PNG")[:2000],
+        "svg.png": b'<svg xmlns="http://www.w3.org/2000/svg" width="100000" height="100000"></svg>',
+        "pdf.png": b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF",
+        "empty.png": b"",
+        "one_byte.png": b"\x89",
+        "video_named.png": clip,
+        "many_frames.gif": encoded(noise[0], "GIF", save_all=True, append_images=noise[1:], duration=10),
+        "animated.webp": encoded(noise[0], "WEBP", save_all=True, append_images=noise[1:50]),
+        "thin.png": encoded(Image.new("RGB", (1, 20000), "red"), "PNG"),
+        "wide.png": encoded(Image.new("RGB", (20000, 1), "red"), "PNG"),
+        "cmyk.jpg": encoded(picture.convert("CMYK"), "JPEG"),
+        "grey16.png": encoded(Image.fromarray(rng.integers(0, 65535, (64, 64), dtype=np.uint16)), "PNG"),
+        "grey_alpha.png": encoded(picture.convert("LA"), "PNG"),
+        "palette.gif": encoded(picture.convert("P"), "GIF"),
+        "picture.bmp": encoded(picture, "BMP"), "picture.tiff": encoded(picture, "TIFF"),
+        "picture.ico": encoded(picture, "ICO"),
+        "truncated.mp4": clip[: len(clip) // 3], "head.mp4": clip[:64],
+        "garbage.mp4": b"\x00\x00\x00\x18ftypmp42" + rng.bytes(5000), "audio_only.mp4": audio.getvalue(),
+        "tiny.mp4": video(4, 4, 20), "one_frame.mp4": video(320, 240, 1), "clip.mp4": clip,
+    })
+    cases = {}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+        kinds = ("video", "image") if name.endswith(".mp4") else ("image",)
+        for kind in kinds:
+            cases[f"{kind} {name}"] = {"type": f"{kind}_url", f"{kind}_url": {"url": str(root / name)}}
+        if kinds == ("image",) and data:
+            url = "data:image/png;base64," + base64.b64encode(data).decode()
+            cases[f"data {name}"] = {"type": "image_url", "image_url": {"url": url}}
+    return cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:7861")
@@ -164,6 +251,9 @@ def main() -> None:
     for name, body in cases.items():
         show(name, client.post(endpoint, content=json.dumps(body, allow_nan=True),
                                headers={"content-type": "application/json"}))
+    for name, part in media_corpus(root).items():
+        show(name, client.post(endpoint, json={"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, part]}], "max_tokens": 4}))
     for name, (data, content_type) in raw.items():
         show(name, client.post(endpoint, content=data, headers={"content-type": content_type} if content_type else {}))
     for method in ("GET", "PUT", "DELETE", "OPTIONS"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
+import re
 import struct
 import time
 import zlib
@@ -20,6 +21,7 @@ import pytest
 from PIL import Image
 
 from glimpse import vision
+from glimpse.assets import ASSETS
 from glimpse.vision import media as media_module
 from glimpse.vision import sampling
 
@@ -175,6 +177,13 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image(tmp_path / "noise.png")
     with pytest.raises(vision.MediaError, match="a folder, not an image or video file"):
         vision.load_image(tmp_path)
+    # A video given as an image (an API client's image_url part, a caption list): say what it is.
+    video = (ASSETS / "sample.mp4").read_bytes()
+    (tmp_path / "clip.mp4").write_bytes(video)
+    (tmp_path / "clip.png").write_bytes(video)  # misnamed: the content says video
+    for source, name in ((tmp_path / "clip.mp4", "clip.mp4"), (tmp_path / "clip.png", "clip.png"), (video, "image data")):
+        with pytest.raises(vision.MediaError, match=rf"^{re.escape(name)}: this is a video, not an image; pass it as a video$"):
+            vision.load_image(source)
     with pytest.raises(vision.MediaError, match="a URL, not a local file"):
         vision.load_image("https://example.com/cat.png")
 
