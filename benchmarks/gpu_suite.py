@@ -22,7 +22,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    HiDivDrop, ST3 and auto on LLaVA-1.5-7B with a 576-token image — against the baseline, alternating
    (``glimpse bench``'s runner): TTFT and decoder-prefill speedup, FLOPs speedup, realised fraction, KV
    bytes, peak memory; beside each paper's headline figure.
-5. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots, ST3, ZipVL's packed KV) against
+5. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots; ST3 and ZipVL's packed KV as
+   the engine runs them by default, ST3 in the CUDA graph once its annealing is over) against
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
    (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured
@@ -344,12 +345,13 @@ def decode(suite: Suite) -> dict:
         inputs = {k: v.expand(batch, *v.shape[1:]).contiguous() if k != "pixel_values" else v.repeat(batch, 1, 1, 1)
                   for k, v in inputs.items()}
 
-        def ours(policy, speed, slots=True, graphs=False):
+        def ours(policy, speed, slots=True, graphs=None):
             """The engine's decode rate (a batch counts every request) and its KV after the answer; ``slots``
             False: every request attends over its own cache on its own (the engine before pipeline/batch_kv.py);
-            ``graphs``: the slot steps captured as a CUDA graph (pipeline/decode_graph.py)."""
+            ``graphs``: the slot steps captured as a CUDA graph (pipeline/decode_graph.py), or not; None: as the
+            engine does by default (on CUDA: for the steps in which no policy acts, e.g. ST3's after annealing)."""
             default = engine.decode_graphs
-            engine.decode_slots, engine.decode_graphs = slots, graphs
+            engine.decode_slots, engine.decode_graphs = slots, default if graphs is None else graphs
             try:
                 results = engine.generate_batch([messages] * batch, policy=policy, speed=speed, max_new_tokens=n,
                                                 ignore_eos=True)
@@ -361,12 +363,13 @@ def decode(suite: Suite) -> dict:
         # Every side counts from the first answer token to the last, so the prefill is out of it.
         sides = {"generate": lambda: (generate_decode_rate(engine.model, inputs, n), None)}
         sides.update({policy: (lambda p=policy, s=speed: ours(p, s)) for policy, speed in DECODE_POLICIES})
+        sides["none"] = lambda: ours("none", 0.0, graphs=False)  # the eager slot step; the graph is its own row
         sides["none, per request"] = lambda: ours("none", 0.0, slots=False)
         sides["none, CUDA graph"] = lambda: ours("none", 0.0, graphs=True)
         # The H100 profile of 2026-11-26 found the eager slot step's attention spending 1.1 ms of host time per
         # call in cuDNN's SDPA (0.04 ms per call on the per-request path): the same steps with cuDNN's backend
         # left out say whether that is what holds the eager step (and ST3, which decodes in it) back.
-        sides["none, no cuDNN attention"] = lambda: _without_cudnn(lambda: ours("none", 0.0))
+        sides["none, no cuDNN attention"] = lambda: _without_cudnn(lambda: ours("none", 0.0, graphs=False))
         sides["st3, no cuDNN attention"] = lambda: _without_cudnn(lambda: ours("st3", 1.0))
         measured = {name: [] for name in sides}
         with torch.inference_mode():

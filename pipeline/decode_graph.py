@@ -20,7 +20,8 @@ address changes from step to step:
 
 It serves steps in which every running request is a member of the slots and no policy acts during
 decode (``fixed_shape_step``): no unpruned-prompt end to compute, no eviction or scoring per step (ST3
-decodes eagerly, in the slots). On CUDA it is captured on the batch's first such step (after two eager
+decodes eagerly, in the slots, while it anneals; once every layer's visual entries are gone its steps are
+plain, ``Policy.acts_in_decode``). On CUDA it is captured on the batch's first such step (after two eager
 warm-ups on a side stream, which compute that step) and replayed while the batch keeps its slots; a
 new batch (``BatchKV.form``) captures again. Where capture fails the same function runs eagerly; off the GPU
 it runs only when ``Engine.decode_graphs`` is turned on, which is how the tests check it on a CPU.
@@ -39,9 +40,9 @@ log = logging.getLogger(__name__)
 
 def fixed_shape_step(running: list, slots) -> bool:
     """Whether this step can run as the fixed-shape step: every request is in the slots and none has a
-    policy that acts during decode (evicts, packs or scores)."""
+    policy that still acts during decode (evicts, packs or scores; ST3 until its annealing is over)."""
     return (slots is not None and len(slots.members) == len(running)
-            and not any(r.policy.implements("decode_step") or r.policy.implements("decode_score") for r in running))
+            and not any(r.policy.acts_in_decode() for r in running))
 
 
 class SlotStep:

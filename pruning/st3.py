@@ -147,6 +147,10 @@ class ST3(ScoreThenCut):
             ctx.cache.evict(layer_idx, ranking[keep:self.kept[layer_idx]])
             self.kept[layer_idx] = keep
 
+    def acts_in_decode(self) -> bool:
+        # The annealing is over once every layer's visual entries are gone: the steps after it are plain.
+        return self.anneal_tau is not None and (bool(self.ranked_on_device) or any(self.kept.values()))
+
     def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         target = self.visual_total - math.floor(self.schedule[layer_idx] * self.visual_total + 1e-9)
         excess = int((ctx.modality[active] != Modality.TEXT).sum()) - target

@@ -601,6 +601,32 @@ def test_the_fixed_shape_decode_step_answers_as_the_slots_do(deep_checkpoints, m
         assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
 
 
+@pytest.mark.parametrize("make_policy,plain_from", [(lambda: ST3(anneal_tau=3), 3),
+                                                     (lambda: ZipVL(tau_image=0.9, tau_video=0.9), 1)])
+def test_a_policy_whose_decode_work_is_over_decodes_in_the_fixed_shape_step(deep_checkpoints, media, monkeypatch,
+                                                                            make_policy, plain_from):
+    """ST3 evicts visual KV at every step until its annealing has removed all of it (step tau), then decodes
+    plainly; ZipVL without packed KV does nothing in decode at all. From that step on they take the
+    fixed-shape step (a CUDA graph on a GPU), with the tokens and KV of the eager steps."""
+    from glimpse.pipeline.decode_graph import SlotStep
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    conversations = [_messages(media), [{"role": "user", "content": "Write one line about the sea."}]]
+    eager = engine.generate_batch(conversations, policy=make_policy(), max_new_tokens=8, ignore_eos=True)
+    steps = []
+    forward = SlotStep.forward
+    monkeypatch.setattr(SlotStep, "forward", lambda self, *a: (steps.append(self), forward(self, *a))[1])
+    engine.decode_graphs = True
+    fixed = engine.generate_batch(conversations, policy=make_policy(), max_new_tokens=8, ignore_eos=True)
+    assert len(steps) == 8 - plain_from  # decode steps g = plain_from .. 7 (g = 1 .. 7 feed tokens 1 .. 7)
+    for one, other in zip(fixed, eager):
+        assert one.token_ids == other.token_ids
+        assert one.metrics["kv_bytes"] == other.metrics["kv_bytes"]
+        assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
+    if isinstance(make_policy(), ST3):  # the annealing had removed every visual entry by step tau
+        assert fixed[0].metrics["visual_kv_per_step"][plain_from - 1:] == [0] * (8 - plain_from)
+
+
 def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints, media, monkeypatch):
     """Continuous batching with the fixed-shape step: requests that finish — or whose client leaves mid-answer —
     free their slots (whose rows the step then computes and drops) and later ones take them; every answer is
