@@ -664,7 +664,7 @@ class Engine:
         # The active set and its modalities on the host too, for the cache's token records and the vision
         # check: read from the device only when a policy changes the set. A read waits for the GPU to finish
         # every layer queued before it, so reading at every layer left the GPU idle while the host queued the
-        # next one (an H100 profile of a 7B prefill: twice transformers' host syncs, 3-5% more time).
+        # next one (an H100 profile of a 7B prefill counted twice transformers' host syncs; docs/benchmarks.md).
         modality = ctx.prompt.modality.cpu()
         on_host = (active, torch.arange(start, T), modality[start:])
         fresh = torch.ones(T, dtype=torch.bool, device=self.device)  # not computed by any layer yet

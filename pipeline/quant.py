@@ -66,7 +66,8 @@ def dequantize(q: QuantizedTensor, out: torch.Tensor | None = None) -> torch.Ten
     bigger buffer whose last axis is contiguous) they are written there, so a reader of several segments
     assembles them in one buffer instead of concatenating copies. Computed in float32 either way."""
     per_byte = 8 // q.bits
-    codes = (q.packed.unsqueeze(-1) >> _shifts(q.bits, q.packed.device)) & (2**q.bits - 1)  # (..., n, dim/per_byte, per_byte)
+    shifts = _shifts(q.bits, q.packed.device)
+    codes = (q.packed.unsqueeze(-1) >> shifts) & (2**q.bits - 1)  # (..., n, dim / per_byte, per_byte)
     *lead, packed_dim = q.packed.shape
     dim = packed_dim * per_byte
     codes = codes.reshape(*lead, dim // q.group, q.group).float()

@@ -181,8 +181,10 @@ def test_empty_missing_and_unreadable_images(tmp_path):
     video = (ASSETS / "sample.mp4").read_bytes()
     (tmp_path / "clip.mp4").write_bytes(video)
     (tmp_path / "clip.png").write_bytes(video)  # misnamed: the content says video
-    for source, name in ((tmp_path / "clip.mp4", "clip.mp4"), (tmp_path / "clip.png", "clip.png"), (video, "image data")):
-        with pytest.raises(vision.MediaError, match=rf"^{re.escape(name)}: this is a video, not an image; pass it as a video$"):
+    for source, name in ((tmp_path / "clip.mp4", "clip.mp4"), (tmp_path / "clip.png", "clip.png"),
+                         (video, "image data")):
+        message = rf"^{re.escape(name)}: this is a video, not an image; pass it as a video$"
+        with pytest.raises(vision.MediaError, match=message):
             vision.load_image(source)
     with pytest.raises(vision.MediaError, match="a URL, not a local file"):
         vision.load_image("https://example.com/cat.png")

@@ -176,6 +176,7 @@ def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> I
 
 
 def _head(path: Path) -> bytes:
+    """The first bytes of ``path``, for sniffing its kind (none if it cannot be read)."""
     try:
         with open(path, "rb") as file:
             return file.read(32)
