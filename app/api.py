@@ -184,7 +184,10 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
     def health():
         state = scheduler.state()
         wedged = not state["alive"] or state["stalled_s"] > STALL_S
-        body = {"status": "wedged" if wedged else "ok", "model": model_name, "device": str(engine.device), **state}
+        body = {"status": "wedged" if wedged else "ok", "model": model_name, "device": str(engine.device), **state,
+                # Whether plain decode steps replay as a CUDA graph, and why not if a capture failed (an operator
+                # sees at once that a GPU box decodes on the slower eager path).
+                "decode_graphs": engine.decode_graphs, "decode_graph_error": engine.decode_graph_error}
         return JSONResponse(body, status_code=503 if wedged else 200)
 
     @app.get("/v1/models")

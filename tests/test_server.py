@@ -66,7 +66,15 @@ def _question(image_url: str, text: str = "What is in the picture?") -> list[dic
 
 
 def test_health(server):
-    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+    health = httpx.get(server["url"] + "/health").json()
+    assert health["status"] == "ok"
+    assert health["decode_graphs"] is False and health["decode_graph_error"] is None  # CUDA graphs: GPU only
+    engine = server["engine"]
+    engine.decode_graph_error = "RuntimeError: capture failed"  # what a failed capture leaves (decode_graph.py)
+    try:
+        assert httpx.get(server["url"] + "/health").json()["decode_graph_error"] == "RuntimeError: capture failed"
+    finally:
+        engine.decode_graph_error = None
 
 
 def test_an_openai_client_gets_the_engines_answer_with_usage_and_glimpse_metrics(server, media):
