@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -268,14 +269,10 @@ def _exact_row(suite, arch, folder, dtype, attn, messages) -> dict:
         logits, _ = engine.prefill(prompt, NoPruning())
     if expected and expected[-1] in engine.eos_token_ids:
         expected = expected[:-1]  # the engine reports the answer without its EOS token
-    default = engine.decode_graphs  # on by default on CUDA: both sides are run explicitly
-    try:
-        engine.decode_graphs = False  # the eager decode step
+    with _decoding(engine, graphs=False):  # the eager decode step (graphs are on by default on CUDA)
         got = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
-        engine.decode_graphs = True  # the decode steps captured as a CUDA graph (pipeline/decode_graph.py)
+    with _decoding(engine, graphs=True):  # the decode steps captured as a CUDA graph (pipeline/decode_graph.py)
         graphed = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
-    finally:
-        engine.decode_graphs = default and engine.decode_graph_error is None
     same = sum(1 for _ in zip(got, expected))
     agree = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), same)
     diff = float((logits.float() - reference).abs().max())
@@ -350,13 +347,9 @@ def decode(suite: Suite) -> dict:
             False: every request attends over its own cache on its own (the engine before pipeline/batch_kv.py);
             ``graphs``: the slot steps captured as a CUDA graph (pipeline/decode_graph.py), or not; None: as the
             engine does by default (on CUDA: for the steps in which no policy acts, e.g. ST3's after annealing)."""
-            default = engine.decode_graphs
-            engine.decode_slots, engine.decode_graphs = slots, default if graphs is None else graphs
-            try:
+            with _decoding(engine, slots=slots, graphs=graphs):
                 results = engine.generate_batch([messages] * batch, policy=policy, speed=speed, max_new_tokens=n,
                                                 ignore_eos=True)
-            finally:
-                engine.decode_slots, engine.decode_graphs = True, default and engine.decode_graph_error is None
             return (sum(r.metrics["decode_tokens_per_s"] for r in results),
                     sum(r.metrics["kv_bytes"] for r in results))
 
@@ -454,6 +447,20 @@ def _vision_first(engine, prompt):
         engine.parallel_vision = True
 
 
+@contextmanager
+def _decoding(engine, *, slots: bool = True, graphs: bool | None = None):
+    """Decode in KV slots or per request, with or without the CUDA graph (None: the engine's default), for one
+    measurement; afterwards the defaults again, and the slots of the measured requests let go. A capture that
+    failed keeps the graphs off (``Engine.decode_graph_error``)."""
+    default = engine.decode_graphs
+    engine.decode_slots, engine.decode_graphs = slots, default if graphs is None else graphs
+    try:
+        yield
+    finally:
+        engine.decode_slots, engine.batch_kv = True, None
+        engine.decode_graphs = default and engine.decode_graph_error is None
+
+
 def _without_cudnn(run):
     """``run()`` with SDPA's cuDNN backend left out (flash, memory-efficient or math attention instead)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -485,12 +492,10 @@ def profile(suite: Suite) -> dict:
             rows.append({"what": f"{side}, {name}", **_profiled(fn, engine.device)})
     engine = suite.engine("llava")
     messages = user_message("Describe the image in detail.", [("image", random_image(576))])
-    default = engine.decode_graphs
     with torch.inference_mode():
         for batch in (1, suite.shapes.decode_batch):
             for mode in ("KV slots", "CUDA graph", "per request"):
-                engine.decode_slots, engine.decode_graphs = mode != "per request", mode == "CUDA graph"
-                try:
+                with _decoding(engine, slots=mode != "per request", graphs=mode == "CUDA graph"):
                     requests = [engine.start(messages, "none", 0.0, 64, Sampling(), ignore_eos=True)
                                 for _ in range(batch)]
                     for _ in range(2):  # warm-up (the slots form here, and the graph is captured)
@@ -501,9 +506,6 @@ def profile(suite: Suite) -> dict:
                             engine.decode_step(requests)
 
                     rows.append({"what": f"4 decode steps, batch {batch}, {mode}", **_profiled(steps, engine.device)})
-                finally:
-                    engine.decode_slots, engine.batch_kv = True, None
-                    engine.decode_graphs = default and engine.decode_graph_error is None
             suite.progress(f"  profiled decode at batch {batch}")
     for row in rows:
         suite.progress(f"  {row['what']}: {row['wall_s']:.3f} s, {row['aten_calls']} aten calls, syncs {row['syncs']}")

@@ -207,7 +207,7 @@ class LayerKV:
             start += key.tokens
         if self.key is not None:
             parts.append((self.key, self.value, start, self.tail_entries()))
-        wanted = torch.arange(len(self)) if rows is None else rows.cpu()
+        wanted = rows.cpu()
         sample_key, sample_value = self.packed[0]
         device = sample_key.packed.device
         shape = (*sample_key.packed.shape[:-2], wanted.numel(), sample_key.packed.shape[-1] * (8 // sample_key.bits))

@@ -666,7 +666,7 @@ class Engine:
         # every layer queued before it, so reading at every layer left the GPU idle while the host queued the
         # next one (an H100 profile of a 7B prefill counted twice transformers' host syncs; docs/benchmarks.md).
         modality = ctx.prompt.modality.cpu()
-        on_host = (active, torch.arange(start, T), modality[start:])
+        host_copy_of, host_index, host_modality = active, torch.arange(start, T), modality[start:]
         fresh = torch.ones(T, dtype=torch.bool, device=self.device)  # not computed by any layer yet
         fresh[:start] = False
         if vision is not None and policy.reads_visual_inputs:  # it selects on them before layer 0 (DivPrune)
@@ -674,11 +674,11 @@ class Engine:
             vision = None
         for layer_idx, layer in enumerate(self.adapter.layers):
             active = _checked(policy.select(layer_idx, active, ctx), active, fresh)
-            if active is not on_host[0]:
-                index = active.cpu()
-                on_host = (active, index, modality[index])
+            if active is not host_copy_of:
+                host_copy_of, host_index = active, active.cpu()
+                host_modality = modality[host_index]
             hidden = ctx.hidden  # a merging policy folds pruned tokens into kept ones (pruning.base.merge_into_kept)
-            if vision is not None and bool((on_host[2] != TEXT).any()):
+            if vision is not None and bool((host_modality != TEXT).any()):
                 hidden = ctx.hidden = vision.join(hidden, ctx)
                 vision = None  # joined
             if layer_idx > 0 and ctx.layer_features:
@@ -693,7 +693,7 @@ class Engine:
             pe = (cos, sin) if full else (cos[:, active], sin[:, active])
             out = self.run_layer(layer, h, pe, PrefillLayer(self, policy, ctx, layer_idx))
             ctx.layer = None  # the layer's view ends with it
-            ctx.cache.record(layer_idx, on_host[1], on_host[2])
+            ctx.cache.record(layer_idx, host_index, host_modality)
             if full:
                 hidden = out
             else:

@@ -167,21 +167,21 @@ def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> I
         size = f"{int(claimed.group(1)) / 1e6:.0f} MP" if claimed else "over PIL's decompression-bomb limit"
         raise MediaError(f"{name}: image too large ({size}, limit {max_pixels / 1e6:.0f} MP)") from error
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
-        suffix = Path(src).suffix.lower() if not isinstance(src, (bytes, bytearray)) else ""
-        head = bytes(src[:32]) if isinstance(src, (bytes, bytearray)) else _head(fp)
-        if _sniff_kind(head) == "video" or suffix in VIDEO_EXTENSIONS:  # the commonest mix-up: say what it is
+        if _is_video(src):  # the commonest mix-up: say what it is
             raise MediaError(f"{name}: this is a video, not an image; pass it as a video") from error
+        suffix = Path(src).suffix.lower() if not isinstance(src, (bytes, bytearray)) else ""
         detail = f" (unsupported type {suffix})" if suffix and suffix not in IMAGE_EXTENSIONS else ""
         raise MediaError(f"{name}: not an image Glimpse can read{detail}") from error
 
 
-def _head(path: Path) -> bytes:
-    """The first bytes of ``path``, for sniffing its kind (none if it cannot be read)."""
+def _is_video(src: str | os.PathLike | bytes) -> bool:
+    """Whether ``src`` is a video, as ``detect_kind`` judges a file (content first, then extension)."""
+    if isinstance(src, (bytes, bytearray)):
+        return _sniff_kind(bytes(src[:32])) == "video"
     try:
-        with open(path, "rb") as file:
-            return file.read(32)
-    except OSError:
-        return b""
+        return detect_kind(src) == "video"
+    except MediaError:
+        return False
 
 
 def _to_8bit(image: Image.Image) -> Image.Image:
