@@ -2,9 +2,9 @@
 
 * ``POST /v1/chat/completions`` — OpenAI-compatible. Messages hold text and ``image_url`` parts
   (``data:`` URLs, ``http(s)`` URLs, or local paths / ``file://`` URLs under ``--allowed-root`` only),
-  plus Glimpse's ``video_url`` parts (same sources). ``stream: true`` answers with server-sent events
-  (``chat.completion.chunk`` objects, then ``data: [DONE]``; with ``stream_options.include_usage`` a
-  last chunk carries ``usage``). Extra request fields: ``policy`` and ``speed`` (the slider), ``params``
+  plus Glimpse's ``video_url`` parts (same sources); a ``developer`` message is the system message.
+  ``stream: true`` answers with server-sent events (``chat.completion.chunk`` objects, then
+  ``data: [DONE]``; with ``stream_options.include_usage`` a last chunk carries ``usage``). Extra request fields: ``policy`` and ``speed`` (the slider), ``params``
   (overrides). Decoding is greedy unless ``temperature`` > 0 (then ``top_p`` and ``seed`` apply);
   ``max_tokens`` / ``max_completion_tokens`` default to 256 and are capped by ``--max-new-tokens``;
   ``stop`` takes up to 4 strings, and the answer ends before the first one. The response's ``usage``
@@ -95,7 +95,9 @@ Part = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
+    # "developer" is OpenAI's newer name for the system message (its clients send it for some models): the same
+    # instructions, given to the model as its system message.
+    role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | list[Part]
     name: StrictStr | None = None
 
@@ -293,8 +295,9 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: Path, fetcher:
         raise BadRequest(f"max_tokens must be at most {max_new_tokens} on this server (--max-new-tokens)")
     messages = []
     for message in body.messages:
+        role = "system" if message.role == "developer" else message.role
         if isinstance(message.content, str):
-            messages.append({"role": message.role, "content": message.content})
+            messages.append({"role": role, "content": message.content})
             continue
         parts = []
         for part in message.content:
@@ -305,7 +308,7 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: Path, fetcher:
             spec = part.image_url if media == "image" else part.video_url
             url = spec.url if isinstance(spec, MediaURL) else spec
             parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher)})
-        messages.append({"role": message.role, "content": parts})
+        messages.append({"role": role, "content": parts})
     temperature = body.temperature or 0.0
     options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": temperature > 0,
                "temperature": float(temperature or 1.0), "top_p": float(1.0 if body.top_p is None else body.top_p),

@@ -373,6 +373,8 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
                  scheduler_thread=True):
     """The FastAPI app `glimpse serve` runs: one scheduler owning the engine, the API routes on it, and the
     Gradio chat on it, mounted at /. ``scheduler_thread=False``: the caller runs ``app.state.scheduler.run()``."""
+    import hmac
+
     import gradio as gr
     from gradio.utils import get_upload_folder
 
@@ -391,7 +393,8 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     # Gradio's own queue only bounds how many event handlers run at once.
     demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root, scheduler=scheduler).queue(
         default_concurrency_limit=max_batch + queue_size, max_size=queue_size)
-    auth = (lambda _user, password: password == api_key) if api_key else None
+    # Compared in constant time, as the API compares its bearer token.
+    auth = (lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode())) if api_key else None
     app = gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth,
                               auth_message="Log in with any user name and the server's API key as the password.")
     app.add_middleware(UploadQuota, folder=get_upload_folder(), quota_bytes=int(max_uploads_gb * 2**30))

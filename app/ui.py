@@ -22,10 +22,10 @@ from PIL import Image
 from glimpse.assets import ASSETS
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import ContextOverflow
-from glimpse.pruning import NAMES, parse_params
+from glimpse.pruning import PRUNING_NAMES, parse_params
 from glimpse.vision.media import MediaError, detect_kind, load_image, probe_video, read_frames
 
-POLICIES = ["auto", *[n for n in NAMES if n != "none"], "none"]
+POLICIES = ["auto", *PRUNING_NAMES, "none"]  # the dropdown: the default first, no pruning last
 
 
 def history_to_messages(history: list[dict], allowed: tuple[Path, ...]) -> list[dict]:

@@ -100,6 +100,21 @@ def test_an_openai_client_gets_the_engines_answer_with_usage_and_glimpse_metrics
     assert "overridden" in reply.model_extra["glimpse"]["promise"]["text"]
 
 
+def test_a_developer_message_is_the_system_message(server):
+    """OpenAI's clients send instructions as a ``developer`` message for newer models: the model reads it as its
+    system message (the same prompt, so the same answer), not a 400."""
+    client = _client(server)
+
+    def answer(*instructions):
+        return client.chat.completions.create(model="m", max_tokens=6, messages=[
+            *instructions, {"role": "user", "content": "Say something."}])
+
+    as_developer = answer({"role": "developer", "content": "Answer in one word."})
+    as_system = answer({"role": "system", "content": "Answer in one word."})
+    assert as_developer.choices[0].message.content == as_system.choices[0].message.content
+    assert as_developer.usage.prompt_tokens == as_system.usage.prompt_tokens > answer().usage.prompt_tokens
+
+
 def test_streaming_sends_the_same_text_in_server_sent_events(server, media):
     client = _client(server)
     messages = _question(_data_url(media["image"]))
@@ -631,6 +646,9 @@ def test_an_api_key_guards_the_api_and_cross_origin_text_posts_are_refused(serve
         assert httpx.get(url + "/health").status_code == 200  # health checks need no key
         assert httpx.get(url + "/config", timeout=30).status_code in (401, 403) or \
             "login" in httpx.get(url + "/", timeout=30).text.lower()  # the chat asks for a login
+        login = {"username": "anyone", "password": "wrong"}
+        assert httpx.post(url + "/login", data=login, timeout=30).status_code == 400
+        assert httpx.post(url + "/login", data={**login, "password": "s3cret"}, timeout=30).status_code == 200
 
 
 def test_serving_a_public_address_requires_a_key_or_an_explicit_waiver(capsys):
@@ -841,5 +859,24 @@ def test_the_first_question_after_clear_starts_a_new_conversation_whatever_the_c
         cleared(request)
         assert questions(history_shown(stale)) == ["What now?"]
         assert questions(history_shown(stale)) == ["an old question", "What now?"]  # no Clear in between
+    finally:
+        scheduler.close()
+
+
+def test_the_chats_policy_dropdown_offers_every_policy_once_the_default_first(server):
+    """Every name the API accepts is in the dropdown, none twice (``auto`` was listed twice), ``auto`` selected."""
+    import gradio as gr
+
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.pruning import NAMES
+    from glimpse.ui import build_ui
+
+    scheduler = Scheduler(server["engine"], max_batch=1, queue_size=1)
+    try:
+        demo = build_ui(server["engine"], "tiny-llava", max_new_tokens=4, scheduler=scheduler)
+        dropdown = next(b for b in demo.blocks.values() if isinstance(b, gr.Dropdown) and b.elem_id == "policy")
+        offered = [value for _label, value in dropdown.choices]
+        assert sorted(offered) == sorted(NAMES) and len(offered) == len(set(offered))
+        assert offered[0] == dropdown.value == "auto"
     finally:
         scheduler.close()
