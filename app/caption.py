@@ -210,6 +210,8 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
         else:
             pending.append(path)
 
+    if progress:  # the bar from the start: it shows before the first batch ends, and its rate counts that batch
+        progress(0, len(pending), 0)
     for start in range(0, len(pending), batch_size):
         batch = pending[start:start + batch_size]
         for path, result in _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):

@@ -65,6 +65,19 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     assert "captioning: 100%" in err and "8/8" in err  # the progress bar (tqdm) reached the end
 
 
+def test_progress_starts_before_the_first_batch_and_counts_every_batch(model, tmp_path):
+    """The bar appears when captioning starts, not when the first batch ends (which on a large model is
+    minutes, and made tqdm's first rate count only the time after it)."""
+    from glimpse.caption import caption_inputs
+    from glimpse.pipeline import load_engine
+
+    calls = []
+    caption_inputs(load_engine(model, device="cpu"), _images(tmp_path / "in", 5), out=tmp_path / "c.jsonl",
+                   fmt="jsonl", overwrite=False, policy="none", speed=0.0, prompt=None, max_new_tokens=2,
+                   batch_size=2, progress=lambda *call: calls.append(call))
+    assert calls == [(0, 5, 0), (2, 5, 0), (4, 5, 0), (5, 5, 0)]
+
+
 def test_batched_captions_equal_captions_made_one_at_a_time(model, tmp_path):
     images = _images(tmp_path / "in", 4)
     listing = tmp_path / "list.txt"
