@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import math
+import os
 import re
 import struct
 import time
@@ -177,6 +178,12 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image(tmp_path / "noise.png")
     with pytest.raises(vision.MediaError, match="a folder, not an image or video file"):
         vision.load_image(tmp_path)
+    os.mkfifo(tmp_path / "pipe.png")  # opening it would wait for a writer forever
+    for special in (tmp_path / "pipe.png", Path("/dev/zero")):  # ... and /dev/zero never ends
+        with pytest.raises(vision.MediaError, match="not a regular file"):
+            vision.load_image(special)
+        with pytest.raises(vision.MediaError, match="not a regular file"):
+            vision.probe_video(special)
     # A video given as an image (an API client's image_url part, a caption list): say what it is.
     video = (ASSETS / "sample.mp4").read_bytes()
     (tmp_path / "clip.mp4").write_bytes(video)

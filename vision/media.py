@@ -92,8 +92,10 @@ def _check_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.is_dir():
         raise MediaError(f"{_display_name(path)}: a folder, not an image or video file")
-    if not path.is_file():
+    if not path.exists():
         raise MediaError(f"{_display_name(path)}: file not found")
+    if not path.is_file():  # a device, pipe or socket: reading it could block or never end
+        raise MediaError(f"{_display_name(path)}: not a regular file (a device, pipe or socket)")
     if path.stat().st_size == 0:
         raise MediaError(f"{_display_name(path)}: the file is empty")
     return path
