@@ -29,7 +29,13 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured
    it), and the eager steps of none and ST3 with SDPA's cuDNN backend left out; ST3's KV after 64 answer tokens
    against the baseline's.
-6. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
+6. caption: issue 26's pipeline on a GPU, its two stages measured apart (Ray itself is not on the lent machine:
+   its wheel is larger than what a call may carry): the model stage, ``CaptionStage`` — what each Ray actor
+   runs — over batches of decoded JPEG photos on the LLaVA-1.5-7B engine (images/s for one actor, one GPU),
+   and the decode stage, ``decode_input`` on one CPU thread as each Ray task runs it (CPU-seconds per image,
+   and per video for the Qwen2-VL-7B videos when an earlier section made them); from the two, the CPUs of
+   decoding that keep one GPU actor fed, and which stage bounds a node.
+7. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
    over four decode steps at batch 1 and 16 (KV slots and per request): operator calls, host syncs and the
    heaviest operators on host and device — where the time goes that the sections above only total.
 
@@ -44,6 +50,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import pickle
 import platform
 import statistics
 import sys
@@ -99,10 +106,12 @@ class Shapes:
     decode_new_tokens: int
     decode_batch: int
     runs: int
+    caption_images: int  # the caption section's inputs, captioned in batches of glimpse caption's default (8)
 
 
-REAL = Shapes("qwen2-vl-7b", 32, "llava-1.5-7b", 24, (8192, 16384), 16, 64, 16, 3)
-SMOKE = Shapes("tiny", 1, "llava-tiny", 1, (256, 512), 4, 4, 2, 1)
+REAL = Shapes("qwen2-vl-7b", 32, "llava-1.5-7b", 24, (8192, 16384), 16, 64, 16, 3, 48)
+SMOKE = Shapes("tiny", 1, "llava-tiny", 1, (256, 512), 4, 4, 2, 1, 4)
+CAPTION_BATCH, CAPTION_NEW_TOKENS = 8, 64  # glimpse caption's defaults
 
 
 class Suite:
@@ -512,8 +521,85 @@ def profile(suite: Suite) -> dict:
     return {"rows": rows}
 
 
+def caption(suite: Suite) -> dict:
+    """The Ray captioner's model stage (one actor on this GPU) and decode stage (one CPU task) measured apart:
+    the two rates docs/scale.md's arithmetic takes (``r`` and ``d``)."""
+    from PIL import Image
+
+    from glimpse.caption_ray import CaptionStage, decode_input
+
+    engine = suite.engine("llava")
+    model = str(Path(suite.tmp.name) / "llava")  # the checkpoint's folder: config, tokenizer, image processor
+    folder = Path(suite.tmp.name) / "photos"
+    folder.mkdir(exist_ok=True)
+    rng = torch.Generator().manual_seed(0)
+    images = []
+    for i in range(suite.shapes.caption_images):  # 640x480 JPEGs, a typical photo dataset's files
+        pixels = torch.randint(0, 256, (480, 640, 3), dtype=torch.uint8, generator=rng).numpy()
+        images.append(folder / f"photo-{i:03d}.jpg")
+        Image.fromarray(pixels).save(images[-1], quality=90)
+    # The largest of the Qwen2-VL videos an earlier section made (overhead, policies), the file it used.
+    videos = sorted(Path(suite.tmp.name).glob("video-*"), key=lambda f: int(f.name.removeprefix("video-")))[-1:]
+    videos = [max(videos[0].glob("bench-video-*.mp4"))] if videos and (Path(suite.tmp.name) / "qwen").is_dir() else []
+
+    def decode_stage(keys, model=model):
+        """CPU-seconds per input of ``decode_input`` in one thread (Ray runs each decode task with one CPU)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            decode_input({"key": str(keys[0])}, model=model, prompt=None)  # warm-up: the Preprocessor is built once
+            start = time.process_time()
+            rows = [decode_input({"key": str(k)}, model=model, prompt=None) for k in keys]
+            seconds = (time.process_time() - start) / len(keys)
+        finally:
+            torch.set_num_threads(threads)
+        errors = [r["error"] for r in rows if r["error"]]
+        if errors:
+            raise RuntimeError(f"the decode stage failed: {errors[0]}")
+        return seconds, rows
+
+    d_image, rows = decode_stage(images)
+    stage = CaptionStage(model, "auto", 0.0, CAPTION_NEW_TOKENS, str(suite.device))
+    stage.engine = engine  # loaded already (an actor loads it in its first batch)
+    batches = [rows[i:i + CAPTION_BATCH] for i in range(0, len(rows), CAPTION_BATCH)]
+
+    def columns(batch):
+        return {"key": [r["key"] for r in batch], "prompt_bytes": [r["prompt_bytes"] for r in batch],
+                "instruction": [r["instruction"] for r in batch], "error": [r["error"] for r in batch]}
+
+    with torch.inference_mode():
+        stage(columns(batches[0]))  # warm-up
+        synchronize(engine.device)
+        start = time.perf_counter()
+        out = [stage(columns(batch)) for batch in batches]
+        synchronize(engine.device)
+        seconds = time.perf_counter() - start
+    failed = [e for o in out for e in o["error"] if e]
+    if failed:
+        raise RuntimeError(f"the model stage failed: {failed[0]}")
+    r = len(rows) / seconds
+    answer_tokens = sum(t for o in out for t in o["answer_tokens"])
+    result = {"model": f"random {suite.shapes.llava_preset}", "images": len(rows), "batch": CAPTION_BATCH,
+              "max_new_tokens": CAPTION_NEW_TOKENS, "answer_tokens_per_image": answer_tokens / len(rows),
+              "actor_images_per_s": r, "actor_answer_tokens_per_s": answer_tokens / seconds,
+              "decode_cpu_s_per_image": d_image, "decode_images_per_s_per_cpu": 1 / d_image,
+              # docs/scale.md: N actors stay fed while the decode stage has at least N * r * d CPUs
+              "cpus_to_feed_one_actor": r * d_image}
+    suite.progress(f"  one actor: {r:.2f} images/s ({answer_tokens / seconds:.0f} answer tokens/s); decode: "
+                   f"{d_image * 1000:.1f} CPU-ms per image: {r * d_image:.2f} CPUs keep one actor fed")
+    if videos:
+        d_video, (row,) = decode_stage(videos, model=str(Path(suite.tmp.name) / "qwen"))
+        tokens = pickle.loads(row["prompt_bytes"]).token_counts()["video"]
+        result.update({"decode_cpu_s_per_video": d_video,
+                       "video": f"{tokens} visual tokens, {suite.shapes.qwen_preset}'s processor"})
+        suite.progress(f"  decode: {d_video:.2f} CPU-s per {tokens}-token video")
+    else:
+        suite.skip("the decode stage's time per video", "no section before this one made the Qwen2-VL videos")
+    return result
+
+
 SECTIONS = {"exactness": exactness, "overhead": overhead, "overlap": overlap, "policies": policies, "decode": decode,
-            "profile": profile}
+            "caption": caption, "profile": profile}
 
 
 # -------------------------------------------------------------------------------------------- report
@@ -572,6 +658,16 @@ def markdown(report: dict) -> str:
                               "; ".join(f"{t['op']} x{t['calls']} {t['ms']}" for t in r["top_host"][:4]),
                               "; ".join(f"{t['op'][:40]} x{t['calls']} {t['ms']}" for t in r["top_device"][:4]) or "-"]
                              for r in section["rows"]])
+        elif name == "caption":
+            lines += [f"{section['model']}: {section['images']} JPEG photos (640x480), batches of {section['batch']}, "
+                      f"at most {section['max_new_tokens']} answer tokens ({section['answer_tokens_per_image']:.0f} "
+                      "on average)", ""]
+            lines += _table(["one actor (images/s)", "answer tokens/s", "decode (CPU-ms per image)",
+                             "CPUs of decoding that keep one actor fed", "decode (CPU-s per video)"],
+                            [[f"{section['actor_images_per_s']:.2f}", f"{section['actor_answer_tokens_per_s']:.0f}",
+                              f"{section['decode_cpu_s_per_image'] * 1000:.1f}", f"{section['cpus_to_feed_one_actor']:.2f}",
+                              _f(section.get("decode_cpu_s_per_video")) + (f" ({section['video']})" if "video"
+                                                                           in section else "")]])
         elif name == "overlap":
             med = section["median_ttft_s"]
             lines += [f"{section['policy']} on {section['prompt']} ({section['stream']}): TTFT sequential "

@@ -18,7 +18,7 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "gpu_suite.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["exactness", "overhead", "overlap", "policies", "decode", "profile"]
+    assert list(sections) == ["exactness", "overhead", "overlap", "policies", "decode", "caption", "profile"]
     assert not [name for name, s in sections.items() if "error" in s]
 
     exact = sections["exactness"]["rows"]
@@ -38,6 +38,12 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert decoders == {(b, d) for b in (1, 2)
                         for d in ("generate", "none", "st3", "zipvl", "none, per request", "none, CUDA graph",
                                   "none, no cuDNN attention", "st3, no cuDNN attention")}
+    # The Ray captioner's two stages apart: the actor's images/s and the decode stage's CPU time per input, for
+    # photos and for the video an earlier section made (with Qwen2-VL's processor: LLaVA-1.5 takes no video).
+    captioning = sections["caption"]
+    assert captioning["images"] == 4 and captioning["actor_images_per_s"] > 0 and captioning["answer_tokens_per_image"] >= 1
+    assert captioning["decode_cpu_s_per_image"] > 0 and captioning["decode_cpu_s_per_video"] > 0
+    assert captioning["cpus_to_feed_one_actor"] == captioning["actor_images_per_s"] * captioning["decode_cpu_s_per_image"]
     # The profile counts operators, not time: in KV slots a decode step of two requests runs fewer operators and
     # waits for the device less often than attending request by request (the host work a GPU step is bound by).
     profiled = {r["what"]: r for r in sections["profile"]["rows"]}
