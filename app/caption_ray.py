@@ -20,7 +20,8 @@
   ``policy``, ``speed``, ``prompt``, ``prompt_tokens``, ``answer_tokens``, ``ttft_s`` (and a
   ``captions.jsonl`` beside them with ``--format jsonl``). One driver at a time holds ``DIR/.lock``.
 * **Resuming.** A rerun reads the keys of the shards present and sends only the others; since a shard
-  exists whole or not at all, a driver killed at any point and rerun gives every input exactly once.
+  exists whole or not at all, a driver killed at any point and rerun gives every input exactly once. Error
+  rows count as done, unless the rerun is asked to retry them (``retry_errors``: they are removed first).
 """
 
 from __future__ import annotations
@@ -115,6 +116,38 @@ def done_keys(out: Path) -> set[str]:
     for shard in sorted(out.glob(SHARD_GLOB)):
         keys.update(pyarrow.parquet.read_table(shard, columns=["key"]).column("key").to_pylist())
     return keys
+
+
+def drop_error_rows(out: Path) -> int:
+    """Remove the error rows from ``out``'s shards (and its JSONL copy), so that a rerun tries those inputs
+    again (``--retry-errors``: a file fixed since, a storage read that timed out, an actor out of memory).
+    Each shard is replaced whole by its rewritten self (a temporary file, then a rename over it), so a kill
+    at any point leaves every good row once and every error row either kept or dropped. Returns how many
+    rows were dropped."""
+    import pyarrow.compute
+    import pyarrow.parquet
+
+    dropped = 0
+    for shard in sorted(out.glob(SHARD_GLOB)):
+        table = pyarrow.parquet.read_table(shard)
+        kept = table.filter(pyarrow.compute.is_null(table.column("error")))
+        if kept.num_rows == table.num_rows:
+            continue
+        dropped += table.num_rows - kept.num_rows
+        if kept.num_rows == 0:
+            shard.unlink()
+            continue
+        tmp = out / f".{shard.name}.tmp"
+        pyarrow.parquet.write_table(kept, tmp)
+        os.replace(tmp, shard)
+    copy = out / "captions.jsonl"
+    if dropped and copy.exists():
+        lines = [line for line in copy.read_text(encoding="utf-8").splitlines(keepends=True)
+                 if line.strip() and not json.loads(line).get("error")]
+        tmp = out / ".captions.jsonl.tmp"
+        tmp.write_text("".join(lines), encoding="utf-8")
+        os.replace(tmp, copy)
+    return dropped
 
 
 class OutputDir:
@@ -263,7 +296,8 @@ class RayReport:
 def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, speed: float, prompt: str | None,
                    max_new_tokens: int, batch_size: int, actors: int, gpus_per_actor: float | None, address: str | None,
                    column: str = "path", jsonl: bool = False, device: str = "auto", num_cpus: int | None = None,
-                   shard_rows: int = SHARD_ROWS, log: Callable[[str], None] = lambda message: None) -> RayReport:
+                   shard_rows: int = SHARD_ROWS, retry_errors: bool = False,
+                   log: Callable[[str], None] = lambda message: None) -> RayReport:
     ray = _require_ray()
     keys = collect_keys(inputs, column)
     if not keys:
@@ -271,6 +305,8 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
     output = OutputDir(out, jsonl)
     report = RayReport()
     try:
+        if retry_errors and (dropped := drop_error_rows(out)):
+            log(f"{dropped} error rows removed from {out}: their inputs are tried again")
         done = done_keys(out)
         pending = [k for k in keys if k not in done]
         report.skipped = len(keys) - len(pending)

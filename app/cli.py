@@ -269,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     spread.add_argument("--gpus-per-actor", type=float, default=None,
                         help="GPUs per actor (default: 1 on a cluster with GPUs, else 0: CPU actors)")
     spread.add_argument("--column", default="path", help="the manifest column of paths or URIs (default: path)")
+    spread.add_argument("--retry-errors", action="store_true",
+                        help="caption again the inputs that are error rows in --out (fixed files, reads that "
+                             "timed out); their error rows are removed first")
     spread.add_argument("--shard-rows", type=int, default=512,
                         help="rows per Parquet shard (default 512; a shard is also written every 30 s)")
     caption.set_defaults(run=run_caption)
@@ -472,6 +475,9 @@ def run_caption(args) -> int:
     make_policy(args.policy, args.speed)
     if args.ray:
         return run_caption_on_ray(args)
+    if args.retry_errors:
+        raise UserError("--retry-errors is for --ray: the local captioner writes no row for an input that failed, "
+                        "so every rerun tries it again")
     args.format = args.format or "jsonl"
     if args.format == "txt" and args.out:
         raise UserError("--format txt writes sidecars next to the inputs: leave out --out")
@@ -517,7 +523,8 @@ def run_caption_on_ray(args) -> int:
     report = caption_on_ray(args.inputs, out=out, model=args.model, policy=args.policy, speed=args.speed,
                             prompt=args.prompt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                             actors=args.actors, gpus_per_actor=gpus, address=args.ray_address, column=args.column,
-                            jsonl=args.format == "jsonl", device=args.device, shard_rows=args.shard_rows, log=_log)
+                            jsonl=args.format == "jsonl", device=args.device, shard_rows=args.shard_rows,
+                            retry_errors=args.retry_errors, log=_log)
     rate = (f"{report.captioned / report.seconds:.2f} inputs/s, {report.answer_tokens / report.seconds:.1f} answer "
             f"tokens/s" if report.seconds else "nothing to do")
     _log(f"done {report.captioned}, skipped {report.skipped}, failed {len(report.failed)} -> {out} ({rate})"

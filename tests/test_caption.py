@@ -174,3 +174,10 @@ def test_a_second_writer_and_an_unwritable_output_are_refused_before_the_model_l
     assert main(["caption", str(tmp_path / "in"), "--model", str(tmp_path / "no-model"),
                  "--out", str(tmp_path / "file" / "captions.jsonl")]) == 1
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_retry_errors_is_refused_without_ray_where_failed_inputs_are_retried_anyway(tmp_path, capsys):
+    image = _images(tmp_path / "in", 1)[0]
+    assert main(["caption", str(image), "--out", str(tmp_path / "c.jsonl"), "--retry-errors"]) == 1
+    assert "--retry-errors is for --ray" in capsys.readouterr().err
+    assert not (tmp_path / "c.jsonl").exists()  # refused before anything was written

@@ -113,6 +113,25 @@ def test_corrupt_empty_missing_and_non_media_inputs_are_error_rows(cluster, mode
         assert "empty" in rows["empty.jpg"]["error"]
 
 
+def test_error_rows_are_done_until_a_rerun_retries_them_and_then_every_input_is_there_once(cluster, model, tmp_path):
+    good = _inputs(tmp_path / "in", 3, video=False)
+    broken = tmp_path / "in" / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n cut off")
+    out = tmp_path / "out"
+    first = _ray_caption([tmp_path / "in"], out, model, jsonl=True, shard_rows=2)
+    assert first.captioned == 3 and [Path(k).name for k, _ in first.failed] == ["broken.png"]
+    Image.open(good[0]).save(broken)  # the file is replaced by a good one
+    again = _ray_caption([tmp_path / "in"], out, model, jsonl=True)
+    assert again.skipped == 4 and again.captioned == 0  # an error row counts as done ...
+    retried = _ray_caption([tmp_path / "in"], out, model, jsonl=True, retry_errors=True)  # ... until retried
+    assert retried.skipped == 3 and retried.captioned == 1 and not retried.failed
+    rows = _rows(out)
+    assert sorted(r["key"] for r in rows) == sorted(str(p.resolve()) for p in [*good, broken])  # each once
+    assert all(r["error"] is None and r["caption"] is not None for r in rows)
+    copy = [json.loads(line) for line in (out / "captions.jsonl").read_text().splitlines()]
+    assert sorted(r["key"] for r in copy) == sorted(r["key"] for r in rows) and not any(r["error"] for r in copy)
+
+
 def _driver(inputs: Path, out: Path, model: str, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "glimpse.cli", "caption", str(inputs), "--ray", "--out", str(out), "--model", model,
                "--max-new-tokens", "6", "--batch-size", "2", "--shard-rows", "2", "--device", "cpu"]
