@@ -43,6 +43,7 @@ RAY_INSTALL = 'batch captioning on Ray needs Ray Data: pip install -e ".[ray]" (
 MANIFEST_EXTENSIONS = (".parquet", ".jsonl")
 SHARD_GLOB = "part-*.parquet"
 SHARD_ROWS, SHARD_SECONDS = 512, 30.0
+COPY_PIECE_BYTES = 8 * 2**20  # a remote input is copied to a local file this much at a time
 COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s")
 
 
@@ -191,20 +192,28 @@ def _schema():
 # ---------------------------------------------------------------------------- the two stages
 def read_input(key: str):
     """A local path as it is; a URI's bytes through its pyarrow filesystem, into a temporary file (videos
-    need a file to seek in) that the caller removes."""
+    need a file to seek in) that the caller removes. Copied in pieces: a long video never sits in memory whole."""
     if not _is_uri(key):
         return key, None
+    import shutil
     import tempfile
 
+    filesystem, path = _filesystem(key)
+    handle, tmp = tempfile.mkstemp(suffix=Path(path).suffix)
+    try:
+        with filesystem.open_input_stream(path) as stream, os.fdopen(handle, "wb") as f:
+            shutil.copyfileobj(stream, f, COPY_PIECE_BYTES)
+    except BaseException:
+        os.unlink(tmp)  # a read that failed leaves nothing behind
+        raise
+    return tmp, tmp
+
+
+def _filesystem(uri: str):
+    """(the pyarrow file system that reads ``uri``, the path in it): S3, GCS, HDFS, ... as the cluster is configured."""
     import pyarrow.fs
 
-    filesystem, path = pyarrow.fs.FileSystem.from_uri(key)
-    with filesystem.open_input_stream(path) as stream:
-        data = stream.read()
-    handle, tmp = tempfile.mkstemp(suffix=Path(path).suffix)
-    with os.fdopen(handle, "wb") as f:
-        f.write(data)
-    return tmp, tmp
+    return pyarrow.fs.FileSystem.from_uri(uri)
 
 
 @functools.cache

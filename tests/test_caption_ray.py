@@ -187,3 +187,46 @@ def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, caps
     monkeypatch.setattr(builtins, "__import__", no_ray)
     assert main(["caption", str(tmp_path / "in"), "--ray", "--out", str(tmp_path / "out")]) == 1
     assert 'pip install -e ".[ray]"' in capsys.readouterr().err
+
+
+def test_a_remote_input_is_copied_whole_into_a_local_file_in_pieces_and_a_failed_read_leaves_nothing(
+        tmp_path, monkeypatch):
+    """URIs (s3://, gs://, ...) are read through pyarrow's file systems; here a local one stands in for the bucket."""
+    import tempfile
+
+    import pyarrow.fs
+
+    from glimpse import caption_ray
+
+    video = write_video(tmp_path / "clip.mp4", frames=8, fps=4, size=(56, 56))
+    reads = []
+
+    class Recorded:  # a stream that records how much each read asks for
+        def __init__(self, stream):
+            self.stream = stream
+
+        def read(self, n=-1):
+            reads.append(n)
+            return self.stream.read(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.stream.close()
+
+    class Bucket:  # a local file system in a bucket's place
+        def open_input_stream(self, path):
+            return Recorded(pyarrow.fs.LocalFileSystem().open_input_stream(path))
+
+    monkeypatch.setattr(caption_ray, "_filesystem", lambda uri: (Bucket(), uri.removeprefix("s3://bucket")))
+    monkeypatch.setattr(caption_ray, "COPY_PIECE_BYTES", 1000)  # many pieces
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    local, cleanup = caption_ray.read_input(f"s3://bucket{video}")
+    assert local == cleanup and local.endswith(".mp4") and Path(local).read_bytes() == video.read_bytes()
+    assert len(reads) > 2 and set(reads) == {1000}  # never the whole file at once
+    os.unlink(local)
+    with pytest.raises(FileNotFoundError):
+        caption_ray.read_input(f"s3://bucket{tmp_path / 'missing.mp4'}")
+    assert not list((tmp_path / "scratch").iterdir())  # no partial copy left behind
