@@ -36,28 +36,24 @@ import asyncio
 import base64
 import binascii
 import hmac
-import ipaddress
 import json
-import socket
 import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urljoin, urlsplit, urlunsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.common import UserError
+from glimpse.fetch import FETCH_DEADLINE_S, Fetcher
+from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.prompt import check_text_length
 from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
-MAX_FETCH_BYTES = 50 * 2**20  # an http(s) image or video larger than this is refused
-FETCH_DEADLINE_S = 30.0  # a media URL must be fetched within this, however slowly it drips
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (data URLs included) is refused with 413
 STALL_S = 300.0  # /health reports the scheduler wedged when one iteration (a prefill, a step) runs this long
 OFF_VALUES = (None, False, 0, [], {}, "")
@@ -345,73 +341,6 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: Path, fetcher
     target = scratch / f"video-{uuid.uuid4().hex}"
     target.write_bytes(data)
     return str(target)
-
-
-class Fetcher:
-    """Media URLs, fetched with limits: ``MAX_FETCH_BYTES``, ``deadline_s`` for the whole body however slowly
-    it drips, redirects followed only on the same host, and no private, loopback, link-local or reserved
-    address (the server's own network) unless ``allow_private`` — so a request cannot make the server
-    probe its neighbours (server-side request forgery)."""
-
-    def __init__(self, allow_private: bool = False, deadline_s: float = FETCH_DEADLINE_S):
-        self.allow_private, self.deadline_s = allow_private, deadline_s
-
-    def fetch(self, url: str) -> bytes:
-        import httpx
-
-        deadline = time.monotonic() + self.deadline_s
-        host = urlsplit(url).hostname
-        try:
-            for _ in range(5):  # redirects, on the same host only
-                pinned, headers, extensions = self._pin(url)
-                timeout = httpx.Timeout(min(10.0, self.deadline_s))
-                with httpx.Client(timeout=timeout, follow_redirects=False) as client, \
-                        client.stream("GET", pinned, headers=headers, extensions=extensions) as response:
-                    if response.is_redirect:
-                        target = urljoin(url, response.headers.get("location", ""))
-                        if urlsplit(target).hostname != host:
-                            raise BadRequest(f"{url}: redirects to another host ({urlsplit(target).hostname})")
-                        url = target
-                        continue
-                    response.raise_for_status()
-                    chunks, size = [], 0
-                    for chunk in response.iter_bytes():
-                        size += len(chunk)
-                        if size > MAX_FETCH_BYTES:
-                            raise BadRequest(f"{url}: larger than {MAX_FETCH_BYTES // 2**20} MiB")
-                        if time.monotonic() > deadline:
-                            raise BadRequest(f"{url}: not fetched within {self.deadline_s:g} s")
-                        chunks.append(chunk)
-                    return b"".join(chunks)
-            raise BadRequest(f"{url}: too many redirects")
-        except httpx.HTTPError:
-            raise BadRequest(f"{url}: could not be fetched") from None  # no detail: it would map the network
-
-    def _pin(self, url: str) -> tuple[str, dict, dict]:
-        """The URL with its host replaced by the address checked here, the Host header and TLS name of the
-        original: the connection goes to the address that was checked, so a DNS answer that changes
-        between the check and the connection (rebinding) cannot reach the server's own network."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise BadRequest(f"{url}: only http(s) URLs with a host are fetched")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        try:
-            infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError):
-            raise BadRequest(f"{url}: could not be fetched") from None
-        address = ipaddress.ip_address(infos[0][4][0].split("%")[0])
-        if not self.allow_private:
-            for info in infos:
-                candidate = ipaddress.ip_address(info[4][0].split("%")[0])
-                if (candidate.is_private or candidate.is_loopback or candidate.is_link_local or candidate.is_reserved
-                        or candidate.is_multicast or candidate.is_unspecified):
-                    raise BadRequest(f"{url}: private, loopback and link-local addresses are not fetched "
-                                     "(start the server with --allow-private-urls to allow them)")
-        literal = f"[{address}]" if address.version == 6 else str(address)
-        netloc = f"{literal}:{port}"
-        host_header = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
-        pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
-        return pinned, {"Host": host_header}, {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
 
 
 def _usage(result) -> dict:

@@ -3,8 +3,9 @@
     inputs (keys) --> decode: CPU tasks, a pool that grows with the cluster --> caption: a pool of model
     actors, one Engine each (one GPU each on a GPU cluster) --> the driver writes Parquet shards
 
-* **Keys.** Every input is one key: a local file's resolved path, or a URI with a scheme that a pyarrow
-  filesystem reads (``s3://``, ``gs://``, ``hdfs://`` — as the cluster is configured). Inputs are
+* **Keys.** Every input is one key: a local file's resolved path, an http(s) URL (fetched with a size cap
+  and a deadline, ``glimpse.fetch``), or a URI with a scheme that a pyarrow file system reads (``s3://``,
+  ``gs://``, ``hdfs://`` — as the cluster is configured). Inputs are
   folders (recursive), list files (``.txt``/``.lst``, one path per line) and manifests (``.parquet``,
   ``.jsonl``) with a column of paths or URIs (``--column``, default ``path``).
 * **Decode** (``DecodeStage``) builds each input's whole prompt in a CPU task: the file read, the image
@@ -44,6 +45,7 @@ MANIFEST_EXTENSIONS = (".parquet", ".jsonl")
 SHARD_GLOB = "part-*.parquet"
 SHARD_ROWS, SHARD_SECONDS = 512, 30.0
 COPY_PIECE_BYTES = 8 * 2**20  # a remote input is copied to a local file this much at a time
+URL_MAX_BYTES, URL_DEADLINE_S = 4 * 2**30, 600.0  # an http(s) input: at most 4 GiB, fetched within 10 minutes
 COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s")
 
 
@@ -191,18 +193,32 @@ def _schema():
 
 # ---------------------------------------------------------------------------- the two stages
 def read_input(key: str):
-    """A local path as it is; a URI's bytes through its pyarrow filesystem, into a temporary file (videos
-    need a file to seek in) that the caller removes. Copied in pieces: a long video never sits in memory whole."""
+    """A local path as it is; a URL's or URI's bytes — http(s) through ``glimpse.fetch`` (with a size cap and
+    a deadline), others through their pyarrow file system — into a temporary file (videos need a file to seek
+    in) that the caller removes. Copied in pieces: a long video never sits in memory whole."""
     if not _is_uri(key):
         return key, None
     import shutil
     import tempfile
+    from urllib.parse import urlsplit
 
-    filesystem, path = _filesystem(key)
-    handle, tmp = tempfile.mkstemp(suffix=Path(path).suffix)
+    if key.startswith(("http://", "https://")):
+        from glimpse.fetch import Fetcher
+
+        # The manifest is the operator's own: its URLs may name the cluster's own storage (no address refused).
+        fetcher = Fetcher(allow_private=True, deadline_s=URL_DEADLINE_S, max_bytes=URL_MAX_BYTES)
+        suffix = Path(urlsplit(key).path).suffix
+    else:
+        filesystem, path = _filesystem(key)
+        suffix = Path(path).suffix
+    handle, tmp = tempfile.mkstemp(suffix=suffix)
     try:
-        with filesystem.open_input_stream(path) as stream, os.fdopen(handle, "wb") as f:
-            shutil.copyfileobj(stream, f, COPY_PIECE_BYTES)
+        with os.fdopen(handle, "wb") as f:
+            if key.startswith(("http://", "https://")):
+                f.writelines(fetcher.pieces(key))
+            else:
+                with filesystem.open_input_stream(path) as stream:
+                    shutil.copyfileobj(stream, f, COPY_PIECE_BYTES)
     except BaseException:
         os.unlink(tmp)  # a read that failed leaves nothing behind
         raise
@@ -225,13 +241,17 @@ def _preprocessor(model: str):
 
 def decode_input(row: dict, model: str, prompt: str | None) -> dict:
     """The decode stage, a CPU task: one input's key -> its prompt (pickled) and instruction, or its error."""
-    from glimpse.caption import instruction, kind_of
+    from glimpse.caption import DEFAULT_PROMPT, kind_of
+    from glimpse.vision.media import detect_kind
 
     key, tmp = row["key"], None
     try:
         source, tmp = read_input(key)
-        text = instruction(Path(key), prompt)
-        built = _preprocessor(model).prepare(user_message(text, [(kind_of(Path(key)), source)]))
+        # A local file is an image or a video by its extension, as the local captioner decides; a downloaded one
+        # by its content (a URL's path need not end in an extension, and its query is not one).
+        kind = kind_of(Path(key)) if tmp is None else detect_kind(source)
+        text = prompt or DEFAULT_PROMPT.format(kind=kind)
+        built = _preprocessor(model).prepare(user_message(text, [(kind, source)]))
         return {"key": key, "prompt_bytes": pickle.dumps(built), "instruction": text, "error": ""}
     except Exception as error:  # noqa: BLE001 — any input that cannot become a prompt is an error row
         return {"key": key, "prompt_bytes": b"", "instruction": "", "error": f"{type(error).__name__}: {error}"}

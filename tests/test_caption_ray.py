@@ -230,3 +230,39 @@ def test_a_remote_input_is_copied_whole_into_a_local_file_in_pieces_and_a_failed
     with pytest.raises(FileNotFoundError):
         caption_ray.read_input(f"s3://bucket{tmp_path / 'missing.mp4'}")
     assert not list((tmp_path / "scratch").iterdir())  # no partial copy left behind
+
+
+@pytest.fixture()
+def web(tmp_path):
+    """A web server for the files in ``tmp_path / "site"``: a dataset's URLs."""
+    import functools
+    import http.server
+    import threading
+
+    site = tmp_path / "site"
+    site.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield site, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_a_manifest_of_http_urls_is_captioned_each_url_judged_by_its_content(cluster, model, tmp_path, web):
+    """Datasets list their media as URLs: fetched by the decode stage (size cap, deadline), an image or a video
+    by what the bytes are (a URL need not end in an extension, and a query is not one); a dead URL is an error row."""
+    site, base = web
+    image = _inputs(tmp_path / "in", 1, video=False)[0]
+    (site / "photo").write_bytes(image.read_bytes())  # no extension
+    write_video(site / "clip.mp4", frames=8, fps=4, size=(56, 56))
+    urls = [f"{base}/photo", f"{base}/clip.mp4?signature=abc", f"{base}/gone.png"]
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps({"url": u}) + "\n" for u in urls))
+    report = _ray_caption([manifest], tmp_path / "out", model, column="url")
+    rows = {r["key"]: r for r in _rows(tmp_path / "out")}
+    assert set(rows) == set(urls) and report.captioned == 2 and len(report.failed) == 1
+    assert rows[urls[0]]["prompt"].startswith("Describe this image") and rows[urls[0]]["caption"] is not None
+    assert rows[urls[1]]["prompt"].startswith("Describe this video") and rows[urls[1]]["caption"] is not None
+    assert "could not be fetched" in rows[urls[2]]["error"] and rows[urls[2]]["caption"] is None
