@@ -421,11 +421,18 @@ def _check_upload(path, allowed: tuple[Path, ...], unusable: set[str]) -> None:
 def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
     """The earlier turns as the model should see them: files that failed to decode, files no longer on disk (old
     uploads the upload quota deleted, ``glimpse.uploads``), the error notes the chat showed for failed turns and
-    the notes it adds under answers (cut, stopped, turns left out) left out."""
+    the notes it adds under answers (cut, stopped, turns left out) left out. A failed turn's question is left
+    out too (the model never answered it; sent again, it would run into the next question, and one too long
+    for the context would push out the turns before it), but its files stay: the user uploaded them, and
+    the next question may be about them."""
     kept = []
     for message in history:
         content = message.get("content")
         if message.get("role") == "assistant" and _text_of(message).startswith("⚠️"):
+            failed = len(kept)
+            while failed and kept[failed - 1].get("role") == "user":
+                failed -= 1
+            kept[failed:] = [m for m in map(_files_only, kept[failed:]) if m is not None]
             continue
         if message.get("role") == "assistant":
             content = _without_notes_in(content)  # the chat's own notes under an answer are not the model's words
@@ -435,6 +442,16 @@ def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
         if parts:
             kept.append({**message, "content": parts if isinstance(content, list) else parts[0]})
     return kept
+
+
+def _files_only(message: dict) -> dict | None:
+    """A user message without its text (None if nothing else is left)."""
+    content = message.get("content")
+    parts = content if isinstance(content, list) else [content]
+    files = [p for p in parts if isinstance(p, dict) and p.get("type") != "text" and _path_of(p) is not None]
+    if not files:
+        return None
+    return {**message, "content": files if isinstance(content, list) else files[0]}
 
 
 def _note(text: str) -> str:

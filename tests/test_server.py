@@ -289,6 +289,28 @@ def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
     assert _usable(own, set()) == own
 
 
+def test_a_failed_turns_question_is_not_sent_again_but_its_upload_stays(tmp_path):
+    """A turn that ended in an error (a typo in the overrides, a question too long for the context) was never
+    answered: the next question is sent without it — not run into it, and not pushing out the turns before it —
+    while the picture uploaded with it stays in the conversation."""
+    from PIL import Image
+
+    from glimpse.ui import _usable, history_to_messages
+
+    picture = tmp_path / "upload.png"
+    Image.new("RGB", (8, 8)).save(picture)
+    history = [{"role": "user", "content": "Hello"},
+               {"role": "assistant", "content": "Hi."},
+               {"role": "user", "content": {"path": str(picture), "mime_type": "image/png"}},
+               {"role": "user", "content": "What colour? " * 1000},
+               {"role": "assistant", "content": "⚠️ the messages hold 13,000 characters of text, more than ..."}]
+    turn = [{"role": "user", "content": [{"type": "text", "text": "What shape?"}]}]
+    messages = history_to_messages(_usable(history, set()) + turn, (tmp_path,))
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[2]["content"] == [{"type": "image", "image": str(picture)}, {"type": "text", "text": "What shape?"}]
+    assert messages[0]["content"] == [{"type": "text", "text": "Hello"}]  # the turns before it stay
+
+
 def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(checkpoints, media):
     import numpy as np
 
