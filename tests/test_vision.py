@@ -43,8 +43,8 @@ def _frame_index(frame: np.ndarray) -> int:
 
 
 def _write_video(path: Path, frames: int = CLIP_FRAMES, fps: int = CLIP_FPS, gop: int | None = None,
-                 container_options: dict | None = None) -> Path:
-    width, height = CLIP_SIZE
+                 container_options: dict | None = None, size: tuple[int, int] = CLIP_SIZE) -> Path:
+    width, height = size
     codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
     with av.open(str(path), "w", options=container_options or {}) as container:
         stream = container.add_stream(codec, rate=fps)
@@ -461,6 +461,46 @@ def test_sample_video_uniform_spreads_frames_over_the_clip(clip):
     assert [_frame_index(frame) for frame in sampled.frames] == expected
     assert sampled.frames.shape == (8, CLIP_SIZE[1], CLIP_SIZE[0], 3)  # original size
     assert sampled.sample_fps == pytest.approx(8 / CLIP_FRAMES * CLIP_FPS)
+
+
+def test_a_video_declaring_frames_over_the_limit_is_refused_before_a_frame_is_decoded(clip, monkeypatch):
+    """A file of a few hundred KB can declare 8192x8192 frames (200 MB each decoded): refused from the header.
+    The limit is lowered here so that the test's clip stands for such a file."""
+    monkeypatch.setattr(media_module, "MAX_VIDEO_FRAME_PIXELS", CLIP_SIZE[0] * CLIP_SIZE[1] - 1)
+    monkeypatch.setattr(av.VideoFrame, "to_ndarray", lambda *a, **k: pytest.fail("a frame was decoded"))
+    for read in (vision.probe_video, lambda path: vision.read_frames(path, [0]), vision.sample_video_qwen,
+                 vision.sample_video_uniform):
+        with pytest.raises(vision.MediaError, match=rf"^clip\.mp4: video frames too large \({CLIP_SIZE[0]}x"):
+            read(clip)
+
+
+def test_qwen_sampling_keeps_only_resized_frames_with_the_pixels_of_resizing_the_stack(tmp_path):
+    """Each frame is resized as it is decoded (a long HD video once held all its full-size frames: a 592 KB
+    file took 4.8 GB): the same pixels as resizing the decoded stack, in a fraction of the memory."""
+    import tracemalloc
+
+    path = _write_video(tmp_path / "hd.mp4", frames=16, size=(1920, 1080))
+    sampled = vision.sample_video_qwen(path, nframes=16)
+    full = vision.read_frames(path, sampled.indices)
+    height, width = vision.smart_resize(1080, 1920, 28, vision.VIDEO_MIN_PIXELS, vision.video_frame_max_pixels(16))
+    assert np.array_equal(sampled.frames, vision.resize_frames_bicubic(full, height, width))
+    tracemalloc.start()
+    try:
+        vision.sample_video_qwen(path, nframes=16)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # The resized frames (kept, then stacked) and one full-size frame at a time: well under the full-size stack
+    # alone, which the decode-then-resize path held twice (the frames kept, then stacked).
+    assert peak < 0.75 * full.nbytes
+
+
+def test_uniform_sampling_scales_frames_over_4k_down_as_it_decodes(tmp_path, monkeypatch):
+    monkeypatch.setattr(sampling, "UNIFORM_MAX_FRAME_PIXELS", 160 * 120)  # the test's clip stands for an 8K one
+    path = _write_video(tmp_path / "big.mp4", frames=8, size=(320, 240))
+    sampled = vision.sample_video_uniform(path, num_frames=4)
+    assert sampled.frames.shape == (4, 120, 160, 3)  # aspect kept, at most the limit
+    assert [_frame_index(f) for f in sampled.frames] == sampled.indices  # the same frames, smaller
 
 
 def test_resize_image_qwen():

@@ -42,9 +42,13 @@ from glimpse.common import UserError
 logger = logging.getLogger(__name__)
 
 ImageSource = Union[str, os.PathLike, bytes, Image.Image]
+FrameTransform = Callable[[np.ndarray], np.ndarray]  # one decoded uint8 RGB frame (H, W, 3) -> what is kept of it
 
 # 64 MP covers every phone and DSLR photo; anything larger is almost certainly a mistake or an attack.
 MAX_IMAGE_PIXELS = 64_000_000
+# Video frames above this are refused before decoding: a file of a few hundred KB can declare 8192x8192
+# frames (200 MB each once decoded). 8K UHD (33 MP) is the largest frame cameras record.
+MAX_VIDEO_FRAME_PIXELS = 7680 * 4320
 DEFAULT_VIDEO_TIMEOUT_S = 60.0
 # Environment variable that opts into decord ("decord") instead of PyAV ("pyav", the default).
 VIDEO_BACKEND_ENV = "GLIMPSE_VIDEO_BACKEND"
@@ -301,12 +305,19 @@ def _count_packets(container: av.container.InputContainer, stream: av.VideoStrea
         return 0
 
 
+def _check_frame_size(width: int, height: int, name: str) -> None:
+    if width * height > MAX_VIDEO_FRAME_PIXELS:
+        raise MediaError(f"{name}: video frames too large ({width}x{height} = {width * height / 1e6:.0f} MP, "
+                         f"limit {MAX_VIDEO_FRAME_PIXELS / 1e6:.0f} MP)")
+
+
 def _probe_pyav(path: Path) -> VideoInfo:
     with _open_container(path) as container:
         stream = _video_stream(container, path.name)
         fps = _stream_fps(stream, path.name)
-        num_frames = stream.frames or _count_packets(container, stream)
         width, height = stream.codec_context.width, stream.codec_context.height
+        _check_frame_size(width, height, path.name)
+        num_frames = stream.frames or _count_packets(container, stream)
     if num_frames <= 0:
         raise MediaError(f"{path.name}: the video is corrupt or truncated: it contains no frames")
     return VideoInfo(num_frames, fps, num_frames / fps, width, height, "pyav")
@@ -379,22 +390,25 @@ def _iter_wanted_frames(
             return
 
 
-def _decode_pyav(path: Path, indices: Sequence[int], seek_min_gap: float = SEEK_MIN_GAP_FRAMES) -> np.ndarray:
+def _decode_pyav(path: Path, indices: Sequence[int], transform: FrameTransform | None = None,
+                 seek_min_gap: float = SEEK_MIN_GAP_FRAMES) -> np.ndarray:
     wanted = sorted(set(indices))
     kept: dict[int, np.ndarray] = {}
     frame_count = None  # known only if the stream ends before the last wanted frame
     with _open_container(path) as container:
         stream = _video_stream(container, path.name)
+        _check_frame_size(stream.codec_context.width, stream.codec_context.height, path.name)
         stream.thread_type = "AUTO"  # frame-threaded decoding: several times faster on multi-core CPUs
         try:
             for index, frame in _iter_wanted_frames(container, stream, wanted, seek_min_gap):
                 if frame is None:
                     frame_count = index
                 else:
-                    kept[index] = frame.to_ndarray(format="rgb24")
+                    array = frame.to_ndarray(format="rgb24")
+                    kept[index] = transform(array) if transform is not None else array
         except _SeekFailed:
             logger.info("%s: seeking is unreliable here, decoding sequentially", path.name)
-            return _decode_pyav(path, indices, seek_min_gap=math.inf)
+            return _decode_pyav(path, indices, transform, seek_min_gap=math.inf)
     return _assemble(kept, indices, path.name, frame_count)
 
 
@@ -430,6 +444,7 @@ def _probe_decord(path: Path) -> VideoInfo:
         raise _decord_failure(path, error) from error
     if num_frames <= 0 or fps <= 0:
         raise MediaError(f"{path.name}: the video is corrupt or truncated: it contains no frames")
+    _check_frame_size(width, height, path.name)
     return VideoInfo(num_frames, fps, num_frames / fps, width, height, "decord")
 
 
@@ -518,8 +533,13 @@ def read_frames(
     *,
     backend: str | None = None,
     timeout_s: float = DEFAULT_VIDEO_TIMEOUT_S,
+    transform: FrameTransform | None = None,
 ) -> np.ndarray:
     """Decode the frames at `indices` (0-based, any order, repeats allowed) as uint8 RGB, (T, H, W, 3).
+
+    `transform` (a resize, typically) is applied to each frame as it is decoded, so that only what it returns
+    is kept: the full-size frames of a long video never sit in memory together. Frames larger than
+    `MAX_VIDEO_FRAME_PIXELS` are refused before any is decoded.
 
     The backend is PyAV unless `backend="decord"` or $GLIMPSE_VIDEO_BACKEND=decord and decord is
     installed; decord then runs in a worker process killed after `timeout_s` seconds (PyAV runs
@@ -532,5 +552,6 @@ def read_frames(
     if not indices or min(indices) < 0:
         raise ValueError(f"frame indices must be a non-empty list of non-negative integers, got {indices[:8]}")
     if _choose_backend(backend) == "decord":
-        return _run_in_worker(_decode_decord, (path, indices), timeout_s=timeout_s, name=path.name)
-    return _decode_pyav(path, indices)
+        frames = _run_in_worker(_decode_decord, (path, indices), timeout_s=timeout_s, name=path.name)
+        return frames if transform is None else np.stack([transform(frame) for frame in frames])
+    return _decode_pyav(path, indices, transform)

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .media import DEFAULT_VIDEO_TIMEOUT_S, MediaError, VideoInfo, _TooFewFramesError, probe_video, read_frames
+from .media import (DEFAULT_VIDEO_TIMEOUT_S, FrameTransform, MediaError, VideoInfo, _TooFewFramesError, probe_video,
+                    read_frames)
 
 
 IMAGE_FACTOR = 28  # patch_size 14 x spatial merge 2: one LLM token per 28x28 pixels
@@ -38,6 +39,7 @@ VIDEO_MAX_PIXELS = 768 * 28 * 28
 # `cap_pixels_per_frame`) use; the first qwen-vl-utils releases used 24576 * 28 * 28.
 VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
 FRAME_FACTOR = 2  # temporal_patch_size: frames are consumed in pairs
+UNIFORM_MAX_FRAME_PIXELS = 3840 * 2160  # sample_video_uniform keeps frames at most this large (4K UHD)
 FPS = 2.0
 FPS_MIN_FRAMES = 4
 FPS_MAX_FRAMES = 768
@@ -168,8 +170,10 @@ def _read_sampled(
     pick_indices: Callable[[int, float], list[int]],
     backend: str | None,
     timeout_s: float,
+    transform_for: Callable[[list[int]], FrameTransform] | None = None,
 ) -> tuple[VideoInfo, int, list[int], np.ndarray]:
-    """Probe, choose indices with `pick_indices(total_frames, fps)`, decode them.
+    """Probe, choose indices with `pick_indices(total_frames, fps)`, decode them, each frame through
+    `transform_for(indices)` as it is decoded (so that only the resized frames are kept).
 
     Returns the probe, the frame count the indices were chosen over, the indices and the frames.
 
@@ -180,8 +184,10 @@ def _read_sampled(
     total_frames = info.num_frames
     for _attempt in range(2):
         indices = pick_indices(total_frames, info.fps)
+        transform = transform_for(indices) if transform_for is not None else None
         try:
-            return info, total_frames, indices, read_frames(path, indices, backend=backend, timeout_s=timeout_s)
+            return info, total_frames, indices, read_frames(path, indices, backend=backend, timeout_s=timeout_s,
+                                                           transform=transform)
         except _TooFewFramesError as error:
             if error.decodable_frames == 0 or error.decodable_frames >= total_frames:
                 raise
@@ -221,14 +227,21 @@ def sample_video_qwen(
         # float32 torch.linspace and round-half-to-even, as qwen-vl-utils, so ties pick the same frames
         return torch.linspace(0, total_frames - 1, count).round().long().tolist()
 
-    info, total_frames, indices, frames = _read_sampled(path, pick_indices, backend, timeout_s)
-    if resize:
+    def resize_each(indices: list[int]) -> FrameTransform:
+        # Each frame as it is decoded, to the size the whole clip would get (the cap depends on the frame
+        # count): the same pixels as resizing the stack, without holding the full-size stack.
         frame_cap = video_frame_max_pixels(len(indices), min_pixels, total_pixels, max_pixels, factor)
-        try:
-            height, width = smart_resize(frames.shape[1], frames.shape[2], factor, min_pixels, frame_cap)
-        except ValueError as error:  # aspect ratio above MAX_RATIO
-            raise MediaError(f"{name}: the video's frames are too narrow to use ({error})") from error
-        frames = resize_frames_bicubic(frames, height, width)
+
+        def resize(frame: np.ndarray) -> np.ndarray:
+            try:
+                height, width = smart_resize(frame.shape[0], frame.shape[1], factor, min_pixels, frame_cap)
+            except ValueError as error:  # aspect ratio above MAX_RATIO
+                raise MediaError(f"{name}: the video's frames are too narrow to use ({error})") from error
+            return resize_frames_bicubic(frame[None], height, width)[0]
+        return resize
+
+    info, total_frames, indices, frames = _read_sampled(path, pick_indices, backend, timeout_s,
+                                                        resize_each if resize else None)
     return SampledVideo(
         frames=frames,
         indices=indices,
@@ -247,14 +260,24 @@ def sample_video_uniform(
 ) -> SampledVideo:
     """`num_frames` frames spread uniformly over the whole clip, first and last frame included, at
     original size: the LLaVA-NeXT-Video / LongVA convention (`np.linspace(0, total - 1, N, dtype=int)`).
-    Clips shorter than `num_frames` repeat frames, as that convention does."""
+    Clips shorter than `num_frames` repeat frames, as that convention does. Frames larger than 4K UHD
+    (`UNIFORM_MAX_FRAME_PIXELS`) are scaled down to it as they are decoded (the models' processors take
+    336-384 pixels a side, and 16 8K frames would hold 1.6 GB)."""
     if num_frames < 1:
         raise ValueError(f"num_frames must be at least 1, got {num_frames}")
 
     def pick_indices(total_frames: int, video_fps: float) -> list[int]:
         return np.linspace(0, total_frames - 1, num_frames, dtype=int).tolist()
 
-    info, total_frames, indices, frames = _read_sampled(path, pick_indices, backend, timeout_s)
+    def at_most_4k(frame: np.ndarray) -> np.ndarray:
+        height, width = frame.shape[:2]
+        if height * width <= UNIFORM_MAX_FRAME_PIXELS:
+            return frame
+        scale = math.sqrt(UNIFORM_MAX_FRAME_PIXELS / (height * width))
+        return resize_frames_bicubic(frame[None], max(1, int(height * scale)), max(1, int(width * scale)))[0]
+
+    info, total_frames, indices, frames = _read_sampled(path, pick_indices, backend, timeout_s,
+                                                        lambda indices: at_most_4k)
     return SampledVideo(
         frames=frames,
         indices=indices,
