@@ -141,7 +141,8 @@ def corpus(ROOT: str, PORT: str) -> tuple[dict, dict]:  # noqa: N803 — spelled
 
 def media_corpus(root: Path) -> dict:
     """Hostile and odd media written under ``root``, each sent by path (and the still images also as data URLs):
-    decompression bombs (a header claiming 60,000 x 60,000 pixels; a real 20,000 x 20,000 one-bit PNG), truncated
+    decompression bombs (a header claiming 60,000 x 60,000 pixels; a real 20,000 x 20,000 one-bit PNG; an MP4 of
+    8192 x 8192 frames that compress to almost nothing), truncated
     JPEG/PNG/MP4, an MP4 of 64 bytes and one of random bytes behind a valid `ftyp`, an audio-only MP4, a video as
     an image (also misnamed .png), SVG and PDF named .png, empty and one-byte files — all 4xx — and the odd but
     valid: an animated GIF of 500 frames and an animated WebP (their first frame), 1 x 20,000 and 20,000 x 1
@@ -169,13 +170,16 @@ def media_corpus(root: Path) -> dict:
         image.save(out, fmt, **options)
         return out.getvalue()
 
-    def video(width: int, height: int, frames: int) -> bytes:
+    def video(width: int, height: int, frames: int, still: bool = False) -> bytes:
         out = io.BytesIO()
         with av.open(out, "w", format="mp4") as container:
             stream = container.add_stream("libx264", rate=10)
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            stream.options = {"preset": "ultrafast"}
             for _ in range(frames):
-                frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8), "rgb24")
+                pixels = (np.zeros((height, width, 3), dtype=np.uint8) if still  # compresses to almost nothing
+                          else rng.integers(0, 255, (height, width, 3), dtype=np.uint8))
+                frame = av.VideoFrame.from_ndarray(pixels, "rgb24")
                 container.mux(stream.encode(frame))
             container.mux(stream.encode())
         return out.getvalue()
@@ -213,6 +217,7 @@ def media_corpus(root: Path) -> dict:
         "truncated.mp4": clip[: len(clip) // 3], "head.mp4": clip[:64],
         "garbage.mp4": b"\x00\x00\x00\x18ftypmp42" + rng.bytes(5000), "audio_only.mp4": audio.getvalue(),
         "tiny.mp4": video(4, 4, 20), "one_frame.mp4": video(320, 240, 1), "clip.mp4": clip,
+        "huge_frames.mp4": video(8192, 8192, 2, still=True),  # 200 KB declaring 200 MB frames
     })
     cases = {}
     for name, data in files.items():
