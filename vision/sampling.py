@@ -8,7 +8,9 @@ temporal patch (`smart_nframes`); and a video's total pixel budget is shared by 
 sampled video gets smaller frames.
 
 LLaVA-NeXT-Video / LongVA: N frames spread uniformly over the whole clip (`np.linspace(0, total - 1, N,
-dtype=int)` as in their demo code), at original size; the model's image processor resizes them.
+dtype=int)` as in their demo code), at original size up to 4K UHD; the model's image processor resizes them.
+
+Either way frames are resized as they are decoded: only the resized frames of a clip are ever held together.
 """
 
 from __future__ import annotations
