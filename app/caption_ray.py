@@ -33,7 +33,7 @@ import os
 import pickle
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,13 +193,26 @@ def _schema():
 
 # ---------------------------------------------------------------------------- the two stages
 def read_input(key: str):
-    """A local path as it is; a URL's or URI's bytes — http(s) through ``glimpse.fetch`` (with a size cap and
-    a deadline), others through their pyarrow file system — into a temporary file (videos need a file to seek
-    in) that the caller removes. Copied in pieces: a long video never sits in memory whole."""
+    """A local path as it is; a URL's or URI's bytes into a temporary file (videos need a file to seek in) that
+    the caller removes, copied in pieces (a long video never sits in memory whole)."""
     if not _is_uri(key):
         return key, None
-    import shutil
     import tempfile
+
+    suffix, pieces = _remote(key)
+    handle, tmp = tempfile.mkstemp(suffix=suffix)
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.writelines(pieces)
+    except BaseException:
+        os.unlink(tmp)  # a read that failed leaves nothing behind
+        raise
+    return tmp, tmp
+
+
+def _remote(key: str) -> tuple[str, Iterator[bytes]]:
+    """The suffix of a remote input's name, and its bytes piece by piece: http(s) through ``glimpse.fetch``
+    (a size cap and a deadline), other schemes through their pyarrow file system."""
     from urllib.parse import urlsplit
 
     if key.startswith(("http://", "https://")):
@@ -207,22 +220,14 @@ def read_input(key: str):
 
         # The manifest is the operator's own: its URLs may name the cluster's own storage (no address refused).
         fetcher = Fetcher(allow_private=True, deadline_s=URL_DEADLINE_S, max_bytes=URL_MAX_BYTES)
-        suffix = Path(urlsplit(key).path).suffix
-    else:
-        filesystem, path = _filesystem(key)
-        suffix = Path(path).suffix
-    handle, tmp = tempfile.mkstemp(suffix=suffix)
-    try:
-        with os.fdopen(handle, "wb") as f:
-            if key.startswith(("http://", "https://")):
-                f.writelines(fetcher.pieces(key))
-            else:
-                with filesystem.open_input_stream(path) as stream:
-                    shutil.copyfileobj(stream, f, COPY_PIECE_BYTES)
-    except BaseException:
-        os.unlink(tmp)  # a read that failed leaves nothing behind
-        raise
-    return tmp, tmp
+        return Path(urlsplit(key).path).suffix, fetcher.pieces(key)
+    filesystem, path = _filesystem(key)
+
+    def read() -> Iterator[bytes]:
+        with filesystem.open_input_stream(path) as stream:
+            while piece := stream.read(COPY_PIECE_BYTES):
+                yield piece
+    return Path(path).suffix, read()
 
 
 def _filesystem(uri: str):

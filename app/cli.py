@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     spread.add_argument("--actors", type=int, default=1, help="model actors, one Engine each (default 1)")
     spread.add_argument("--gpus-per-actor", type=float, default=None,
                         help="GPUs per actor (default: 1 on a cluster with GPUs, else 0: CPU actors)")
-    spread.add_argument("--column", default="path", help="the manifest column of paths or URIs (default: path)")
+    spread.add_argument("--column", default="path", help="the manifest column of paths, URLs or URIs (default: path)")
     spread.add_argument("--retry-errors", action="store_true",
                         help="caption again the inputs that are error rows in --out (fixed files, reads that "
                              "timed out); their error rows are removed first")

@@ -67,7 +67,9 @@ def main() -> None:
         first = []
         start = time.perf_counter()
         caption_inputs(engine, inputs, out=work / f"local{runs}.jsonl", fmt="jsonl", overwrite=False,
-                       progress=lambda *_: first or first.append(time.perf_counter() - start), **options)
+                       # the first call (0 done) comes before any batch: the first captions are the next one
+                       progress=lambda done, *_: first or not done or first.append(time.perf_counter() - start),
+                       **options)
         seconds = time.perf_counter() - start
         rows.append(("local captioner", seconds, first[0]))
         return seconds
