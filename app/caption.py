@@ -54,8 +54,30 @@ class CaptionReport:
     failed: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
 
 
+def is_uri(value: str) -> bool:
+    """A URL or a remote file system's URI (``https://``, ``s3://``, ...); ``file://`` names a local file."""
+    return "://" in value and not value.startswith("file://")
+
+
+def list_entries(listing: Path) -> list[str]:
+    """A list file's inputs, one per line (blank lines and ``#`` comments skipped): URLs and URIs as written,
+    paths relative to the list's folder."""
+    entries = []
+    for line in listing.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if is_uri(line):
+            entries.append(line)
+            continue
+        listed = Path(line.removeprefix("file://"))
+        entries.append(str(listed if listed.is_absolute() else listing.parent / listed))
+    return entries
+
+
 def collect_inputs(items: Iterable[str]) -> list[Path]:
-    """Media files from files, folders (recursive) and list files, in a stable order, once each."""
+    """Media files from files, folders (recursive) and list files, in a stable order, once each. URLs are
+    refused with a pointer to ``--ray``, which fetches them."""
     seen, out = set(), []
 
     def add(path: Path) -> None:
@@ -64,8 +86,14 @@ def collect_inputs(items: Iterable[str]) -> list[Path]:
             seen.add(key)
             out.append(path)
 
+    def local(value: str, where: str) -> Path:
+        if is_uri(value):
+            raise UserError(f"{where}{value}: a URL; the local captioner reads local files (glimpse caption --ray "
+                            "fetches http(s) URLs and s3://, gs://, hdfs:// URIs)")
+        return Path(value.removeprefix("file://"))
+
     for item in items:
-        path = Path(item)
+        path = local(item, "")
         if path.is_dir():
             for child in sorted(path.rglob("*")):
                 # A broken link is listed too, to become an error row: an input that went missing is reported.
@@ -74,11 +102,8 @@ def collect_inputs(items: Iterable[str]) -> list[Path]:
                         and child.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
                     add(child)
         elif path.suffix.lower() in LIST_EXTENSIONS and path.is_file():
-            for line in path.read_text().splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    listed = Path(line)
-                    add(listed if listed.is_absolute() else path.parent / listed)
+            for entry in list_entries(path):
+                add(local(entry, f"{path}: "))
         elif path.exists():
             add(path)
         else:

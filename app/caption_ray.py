@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from glimpse.caption import is_uri
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import user_message
 
@@ -62,7 +63,7 @@ def _require_ray():
 def collect_keys(items: list[str], column: str = "path") -> list[str]:
     """The keys of the inputs, in a stable order, once each: files, folders and list files as the local
     captioner reads them (resolved paths), and manifests' ``column`` (paths resolved, URIs as they are)."""
-    from glimpse.caption import collect_inputs
+    from glimpse.caption import LIST_EXTENSIONS, collect_inputs, list_entries
 
     keys, seen, local = [], set(), []
 
@@ -72,9 +73,14 @@ def collect_keys(items: list[str], column: str = "path") -> list[str]:
             keys.append(key)
 
     for item in items:
-        if item.endswith(MANIFEST_EXTENSIONS) and (_is_uri(item) or Path(item).is_file()):
+        if item.endswith(MANIFEST_EXTENSIONS) and (is_uri(item) or Path(item).is_file()):
             for value in _manifest_column(item, column):
-                add(value if _is_uri(value) else str(_under(item, value).resolve()))
+                add(value if is_uri(value) else str(_under(item, value).resolve()))
+        elif is_uri(item):
+            add(item)
+        elif item.lower().endswith(LIST_EXTENSIONS) and Path(item).is_file():
+            for entry in list_entries(Path(item)):
+                add(entry if is_uri(entry) else str(Path(entry).resolve()))
         else:
             local.append(item)
     try:
@@ -83,10 +89,6 @@ def collect_keys(items: list[str], column: str = "path") -> list[str]:
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
     return keys
-
-
-def _is_uri(value: str) -> bool:
-    return "://" in value and not value.startswith("file://")
 
 
 def _under(manifest: str, value: str) -> Path:
@@ -195,7 +197,7 @@ def _schema():
 def read_input(key: str):
     """A local path as it is; a URL's or URI's bytes into a temporary file (videos need a file to seek in) that
     the caller removes, copied in pieces (a long video never sits in memory whole)."""
-    if not _is_uri(key):
+    if not is_uri(key):
         return key, None
     import tempfile
 

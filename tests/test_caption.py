@@ -181,3 +181,14 @@ def test_retry_errors_is_refused_without_ray_where_failed_inputs_are_retried_any
     assert main(["caption", str(image), "--out", str(tmp_path / "c.jsonl"), "--retry-errors"]) == 1
     assert "--retry-errors is for --ray" in capsys.readouterr().err
     assert not (tmp_path / "c.jsonl").exists()  # refused before anything was written
+
+
+def test_a_url_in_the_local_captioners_inputs_points_to_ray_before_the_model_loads(tmp_path, capsys):
+    image = _images(tmp_path / "in", 1)[0]
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{image}\nhttps://example.com/photo.jpg\n")
+    for inputs in ([str(listing)], ["https://example.com/photo.jpg"]):
+        assert main(["caption", *inputs, "--out", str(tmp_path / "c.jsonl")]) == 1
+        err = capsys.readouterr().err
+        assert "https://example.com/photo.jpg: a URL" in err and "--ray" in err and "loading" not in err
+    assert not (tmp_path / "c.jsonl").exists()

@@ -266,3 +266,9 @@ def test_a_manifest_of_http_urls_is_captioned_each_url_judged_by_its_content(clu
     assert rows[urls[0]]["prompt"].startswith("Describe this image") and rows[urls[0]]["caption"] is not None
     assert rows[urls[1]]["prompt"].startswith("Describe this video") and rows[urls[1]]["caption"] is not None
     assert "could not be fetched" in rows[urls[2]]["error"] and rows[urls[2]]["caption"] is None
+    # The same URLs in a plain list file, and one given on the command line, are the same inputs.
+    listing = tmp_path / "urls.txt"
+    listing.write_text(f"# a dataset's URLs\n{urls[0]}\n{urls[2]}\n")
+    again = _ray_caption([listing, urls[1]], tmp_path / "out2", model)
+    assert {r["key"]: r["caption"] for r in _rows(tmp_path / "out2")} == {k: r["caption"] for k, r in rows.items()}
+    assert again.captioned == 2 and len(again.failed) == 1
