@@ -11,7 +11,9 @@ Safety rules, and why:
 - Images are fully decoded here (`Image.load()`), so a truncated file fails now with a `MediaError`
   rather than later inside a model processor with an obscure traceback.
 - Videos are decoded sequentially, keeping only the requested frames, so memory is bounded by the frames
-  asked for, not by the length of the video. Long jumps between requested frames use a keyframe seek.
+  asked for, not by the length of the video; each is passed through the caller's `transform` (a resize) as
+  it is decoded, so only resized frames are held together. Long jumps between requested frames use a
+  keyframe seek. Frame sizes are checked from the header too: a 200 KB MP4 can declare 8192x8192 frames.
 - decord is faster than PyAV but can hang on some files, so when it is selected it runs in a separate
   'spawn' process that is killed after a timeout. PyAV, the default, runs in-process (no process start,
   no copy of the frames between processes); it returns errors on damaged files rather than hanging.
