@@ -15,7 +15,8 @@
 * **Caption** (``CaptionStage``) decodes its batch together (``Engine.generate_batch``, the local
   captioner's batched decode: results equal captioning one by one); a batch that fails is retried one
   input at a time, so one bad input never costs its neighbours. Actors that die are restarted and their
-  batches retried (``max_restarts``, ``max_task_retries``).
+  batches retried, ``ACTOR_TRIES`` tries in all; a batch that kills its actor every time is set aside, and its
+  inputs go round again one at a time once the rest is done, so that only the culprit becomes an error row.
 * **Output.** The driver writes finished rows as Parquet shards (every ``SHARD_ROWS`` rows or
   ``SHARD_SECONDS``), atomically (a temporary name, then a rename), under ``DIR``: ``part-<n>-<id>.parquet`` with ``key``, ``caption``, ``error``,
   ``policy``, ``speed``, ``prompt``, ``prompt_tokens``, ``answer_tokens``, ``ttft_s`` (and a
@@ -47,6 +48,7 @@ SHARD_GLOB = "part-*.parquet"
 SHARD_ROWS, SHARD_SECONDS = 512, 30.0
 COPY_PIECE_BYTES = 8 * 2**20  # a remote input is copied to a local file this much at a time
 URL_MAX_BYTES, URL_DEADLINE_S = 4 * 2**30, 600.0  # an http(s) input: at most 4 GiB, fetched within 10 minutes
+ACTOR_TRIES = 3  # a batch whose model actor dies is retried on a restarted actor, this many tries in all
 COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s")
 
 
@@ -273,12 +275,16 @@ class CaptionStage:
     def __init__(self, model: str, policy: str, speed: float, max_new_tokens: int, device: str):
         self.model, self.device, self.engine = model, device, None
         self.policy, self.speed, self.max_new_tokens = policy, speed, max_new_tokens
-        # Fault injection for the tests: the first actor to see this file missing creates it and dies.
+        # Fault injection for the tests: the first actor to see this file missing creates it and dies; an actor
+        # dies on every batch holding an input whose key contains GLIMPSE_RAY_CRASH_ON (a poison input).
         self.crash_marker = os.environ.get("GLIMPSE_RAY_CRASH_ONCE")
+        self.crash_on = os.environ.get("GLIMPSE_RAY_CRASH_ON")
 
     def __call__(self, batch: dict) -> dict:
         if self.crash_marker and not os.path.exists(self.crash_marker):
             Path(self.crash_marker).touch()
+            os._exit(1)
+        if self.crash_on and any(self.crash_on in key for key in batch["key"]):
             os._exit(1)
         rows = [{"key": k, "prompt_bytes": p, "prompt": i, "error": e}
                 for k, p, i, e in zip(batch["key"], batch["prompt_bytes"], batch["instruction"], batch["error"])]
@@ -357,8 +363,10 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
         try:
             start = last_write = time.perf_counter()
             buffered: list[dict] = []
-            for rows in _pipeline(ray, pending, model, policy, speed, prompt, max_new_tokens, batch_size, actors,
-                                  gpus_per_actor, device):
+            returned: set[str] = set()
+
+            def take(rows: list[dict]) -> None:
+                nonlocal buffered, last_write
                 if report.first_rows_s is None:
                     report.first_rows_s = time.perf_counter() - start
                 buffered += rows
@@ -367,11 +375,26 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                     output.write(buffered)
                     buffered, last_write = [], time.perf_counter()
                 for row in rows:
+                    returned.add(row["key"])
                     if row["error"]:
                         report.failed.append((row["key"], row["error"]))
                     else:
                         report.captioned += 1
                         report.answer_tokens += row["answer_tokens"] or 0
+
+            options = (model, policy, speed, prompt, max_new_tokens)
+            for rows in _pipeline(ray, pending, *options, batch_size, actors, gpus_per_actor, device):
+                take(rows)
+            # A batch whose actor died on every try (an input that exhausts memory or crashes the model) was
+            # dropped with its neighbours: those inputs go round again one at a time, so only the culprit fails.
+            if lost := [k for k in pending if k not in returned]:
+                log(f"{len(lost)} inputs lost with a batch that failed {ACTOR_TRIES} times (a worker died): "
+                    "trying them again one at a time")
+                for rows in _pipeline(ray, lost, *options, 1, 1, gpus_per_actor, device, retrying=True):
+                    take(rows)
+                take([{**{c: None for c in COLUMNS}, "key": k, "speed": speed,
+                       "error": f"a worker died on this input {ACTOR_TRIES} times (out of memory, or a crash decoding "
+                                "it or in the model; Ray's log has the cause)"} for k in lost if k not in returned])
             output.write(buffered)
             report.seconds = time.perf_counter() - start
         finally:
@@ -382,23 +405,35 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
     return report
 
 
-def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, batch_size, actors, gpus_per_actor, device):
-    """The finished rows, one list per caption batch, as the pipeline streams them out."""
-    # Small blocks keep work flowing to the actors and each shard small: what a killed driver loses is
-    # only what was in flight.
-    dataset = ray.data.from_items([{"key": k} for k in keys], override_num_blocks=max(1, -(-len(keys) // batch_size)))
-    decoded = dataset.map(decode_input, fn_kwargs={"model": model, "prompt": prompt}, num_cpus=1)
-    if gpus_per_actor is None:  # one GPU per actor on a cluster that has GPUs
-        gpus_per_actor = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
-    if gpus_per_actor:
-        placement = {"num_gpus": gpus_per_actor, "num_cpus": 1}
-    else:  # CPU actors share the machine's cores (Ray sets each actor's torch threads to its CPUs)
-        placement = {"num_cpus": max(1, int(ray.cluster_resources().get("CPU", 2) - 1) // actors)}
-    captioned = decoded.map_batches(
-        CaptionStage, batch_size=batch_size, concurrency=actors,
-        fn_constructor_kwargs={"model": model, "policy": policy, "speed": speed, "max_new_tokens": max_new_tokens,
-                               "device": device},
-        max_restarts=-1, max_task_retries=-1, **placement)
+def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, batch_size, actors, gpus_per_actor, device,
+              retrying: bool = False):
+    """The finished rows, one list per caption batch, as the pipeline streams them out. A batch whose actor died
+    ``ACTOR_TRIES`` times (restarted each time) is left out rather than retried for ever or failing the run:
+    the caller finds its inputs missing. ``retrying``: a second pass over such inputs, whose CPU actor takes one
+    CPU (the first pass's actor holds its CPUs until Ray has stopped restarting it, up to a minute)."""
+    context = ray.data.DataContext.get_current()  # a dataset takes a copy of it when it is created
+    allowed, context.max_errored_blocks = context.max_errored_blocks, -1  # a failed block does not end the run
+    try:
+        # Small blocks keep work flowing to the actors and each shard small: what a killed driver loses is
+        # only what was in flight.
+        dataset = ray.data.from_items([{"key": k} for k in keys],
+                                      override_num_blocks=max(1, -(-len(keys) // batch_size)))
+        decoded = dataset.map(decode_input, fn_kwargs={"model": model, "prompt": prompt}, num_cpus=1)
+        if gpus_per_actor is None:  # one GPU per actor on a cluster that has GPUs
+            gpus_per_actor = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
+        if gpus_per_actor:
+            placement = {"num_gpus": gpus_per_actor, "num_cpus": 1}
+        elif retrying:
+            placement = {"num_cpus": 1}
+        else:  # CPU actors share the machine's cores (Ray sets each actor's torch threads to its CPUs)
+            placement = {"num_cpus": max(1, int(ray.cluster_resources().get("CPU", 2) - 1) // actors)}
+        captioned = decoded.map_batches(
+            CaptionStage, batch_size=batch_size, concurrency=actors,
+            fn_constructor_kwargs={"model": model, "policy": policy, "speed": speed,
+                                   "max_new_tokens": max_new_tokens, "device": device},
+            max_restarts=-1, max_task_retries=ACTOR_TRIES - 1, **placement)
+    finally:
+        context.max_errored_blocks = allowed
     for batch in captioned.iter_batches(batch_size=None, batch_format="pyarrow"):
         yield batch.to_pylist()
 

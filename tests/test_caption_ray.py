@@ -171,6 +171,21 @@ def test_an_actor_that_dies_is_replaced_and_its_batch_retried(model, tmp_path):
     assert "done 4, skipped 0, failed 0" in err.decode()
 
 
+def test_an_input_that_kills_its_actor_every_time_is_an_error_row_and_its_batch_mates_are_captioned(model, tmp_path):
+    """A poison input (one that exhausts memory or crashes the model) killed the actor, which Ray restarted and
+    retried for ever. Now its batch is dropped after a few tries, its inputs go round again one at a time, and
+    only the poison becomes an error row; the run ends."""
+    paths = _inputs(tmp_path / "in", 4, video=False)  # batches of two: img02 shares its batch with img03
+    run = _driver(tmp_path / "in", tmp_path / "out", model, env={"GLIMPSE_RAY_CRASH_ON": "img02"})
+    _, err = run.communicate(timeout=600)
+    assert run.returncode == 1, err.decode()[-3000:]  # an input failed
+    rows = {Path(r["key"]).name: r for r in _rows(tmp_path / "out")}
+    assert sorted(rows) == sorted(p.name for p in paths)  # every input once
+    assert "a worker died on this input" in rows["img02.png"]["error"] and rows["img02.png"]["caption"] is None
+    assert all(rows[name]["error"] is None and rows[name]["caption"] for name in rows if name != "img02.png")
+    assert "done 3, skipped 0, failed 1" in err.decode()
+
+
 def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, capsys):
     import builtins
 
