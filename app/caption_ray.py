@@ -388,6 +388,9 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
             # A batch whose actor died on every try (an input that exhausts memory or crashes the model) was
             # dropped with its neighbours: those inputs go round again one at a time, so only the culprit fails.
             if lost := [k for k in pending if k not in returned]:
+                if len(lost) == len(pending) > batch_size:  # not one input's fault: say so, as before
+                    raise UserError(f"every batch failed ({len(lost)} inputs): Ray's log above has the cause (a model "
+                                    "that cannot load on the workers, a missing package, out of memory, ...)")
                 log(f"{len(lost)} inputs lost with a batch that failed {ACTOR_TRIES} times (a worker died): "
                     "trying them again one at a time")
                 for rows in _pipeline(ray, lost, *options, 1, 1, gpus_per_actor, device, retrying=True):

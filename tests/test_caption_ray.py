@@ -186,6 +186,20 @@ def test_an_input_that_kills_its_actor_every_time_is_an_error_row_and_its_batch_
     assert "done 3, skipped 0, failed 1" in err.decode()
 
 
+def test_when_every_batch_fails_the_run_says_so_instead_of_blaming_each_input(cluster, model, tmp_path, monkeypatch):
+    """Batches set aside (their actor died on every try) are retried one input at a time — unless every batch of
+    the run failed: then no input is to blame (a model that cannot load on the workers, a missing package), and
+    the run stops with an error pointing to Ray's log rather than going through every input again."""
+    from glimpse import caption_ray
+
+    calls = []
+    monkeypatch.setattr(caption_ray, "_pipeline", lambda ray, keys, *args, **kwargs: calls.append(keys) or iter(()))
+    _inputs(tmp_path / "in", 5, video=False)
+    with pytest.raises(caption_ray.UserError, match=r"every batch failed \(5 inputs\): Ray's log"):
+        _ray_caption([tmp_path / "in"], tmp_path / "out", model, batch_size=2)
+    assert len(calls) == 1 and not list((tmp_path / "out").glob("part-*.parquet"))  # no second pass, no rows
+
+
 def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, capsys):
     import builtins
 
