@@ -270,13 +270,14 @@ def _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
     return answered
 
 
-def instruction(path: Path, prompt: str | None) -> str:
-    """What each input is asked: ``--prompt``, or the default for its kind."""
-    return prompt or DEFAULT_PROMPT.format(kind=kind_of(path))
+def instruction(kind: str, prompt: str | None) -> str:
+    """What each input is asked: ``--prompt``, or the default for its kind ("image" or "video")."""
+    return prompt or DEFAULT_PROMPT.format(kind=kind)
 
 
 def _messages(path: Path, prompt: str | None) -> list[dict]:
-    return user_message(instruction(path, prompt), [(kind_of(path), str(path))])
+    kind = kind_of(path)
+    return user_message(instruction(kind, prompt), [(kind, str(path))])
 
 
 class ProgressBar:

@@ -250,7 +250,7 @@ def _preprocessor(model: str):
 
 def decode_input(row: dict, model: str, prompt: str | None) -> dict:
     """The decode stage, a CPU task: one input's key -> its prompt (pickled) and instruction, or its error."""
-    from glimpse.caption import DEFAULT_PROMPT, kind_of
+    from glimpse.caption import instruction, kind_of
     from glimpse.vision.media import detect_kind
 
     key, tmp = row["key"], None
@@ -259,7 +259,7 @@ def decode_input(row: dict, model: str, prompt: str | None) -> dict:
         # A local file is an image or a video by its extension, as the local captioner decides; a downloaded one
         # by its content (a URL's path need not end in an extension, and its query is not one).
         kind = kind_of(Path(key)) if tmp is None else detect_kind(source)
-        text = prompt or DEFAULT_PROMPT.format(kind=kind)
+        text = instruction(kind, prompt)
         built = _preprocessor(model).prepare(user_message(text, [(kind, source)]))
         return {"key": key, "prompt_bytes": pickle.dumps(built), "instruction": text, "error": ""}
     except Exception as error:  # noqa: BLE001 — any input that cannot become a prompt is an error row

@@ -330,10 +330,14 @@ class KVCache:
         layer = self.layers[layer_idx]
         layer.keep((~torch.isin(layer.index, tokens.cpu())).nonzero().squeeze(1))
 
+    def unpacked_entries(self, layer_idx: int) -> int:
+        """How many of ``layer_idx``'s entries are still stored in float (appended since the last ``pack``)."""
+        return self.layers[layer_idx].tail_entries()
+
     def unpacked_tokens(self, layer_idx: int) -> torch.Tensor:
         """The tokens of ``layer_idx`` still stored in float (appended since the last ``pack``)."""
         layer = self.layers[layer_idx]
-        return layer.index[len(layer) - layer.tail_entries():]
+        return layer.index[len(layer) - self.unpacked_entries(layer_idx):]
 
     def pack(self, layer_idx: int, important: torch.Tensor, important_bits: int, other_bits: int,
              group: int) -> int | None:

@@ -116,7 +116,7 @@ class ZipVL(Policy):
 
     def decode_score(self, layer_idx: int, ctx) -> None:
         # The window is the layer's float tail; until it is full there is nothing to do (and nothing to read).
-        if self.important_bits is None or ctx.cache.layers[layer_idx].tail_entries() < self.requantize_every:
+        if self.important_bits is None or ctx.cache.unpacked_entries(layer_idx) < self.requantize_every:
             return
         window_tokens = ctx.cache.unpacked_tokens(layer_idx)
         # The new token's attention to the window (the float tail), as a distribution over it.
