@@ -277,8 +277,11 @@ class Engine:
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self._lock = threading.Lock()  # one request at a time: the model and its caches are shared
         # Run the vision encoder beside the layers that need no visual token (late injection);
-        # False runs it first, always (for measuring what the overlap gains).
-        self.parallel_vision = True
+        # False runs it first, always. On GPU the two overlap on two streams. On a CPU they would share the
+        # same cores, and the worker thread's OpenMP team would slow every later kernel of this thread:
+        # the encoder first measured 12% faster to the first token there, and decode kept its speed
+        # (docs/benchmarks.md, "Decode on a CPU").
+        self.parallel_vision = self.device.type == "cuda"
         # Where it runs: one worker thread and (on GPU) one side stream for the engine's life, made on first use,
         # not a thread and a stream per request (each new thread or stream sets up its own library handles and
         # workspaces on the GPU).

@@ -22,6 +22,7 @@ if it was still waiting — and frees its cache at once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import math
 import queue
@@ -152,6 +153,7 @@ class Scheduler:
         self.closed = False
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self.on_finish: list[Callable[[Ticket, GenerationResult | None, BaseException | None], None]] = []
+        self.torch_threads = torch.get_num_threads()  # for the thread that runs the model
         self.thread = threading.Thread(target=self._loop, name="glimpse-scheduler", daemon=True)
         if start:
             self.thread.start()
@@ -174,7 +176,7 @@ class Scheduler:
         self.check_room()  # refuse before the work of building the prompt
         # A Policy object given here is a template: the request gets its own copy (policies keep state).
         policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
-        with self.prepare_lock:
+        with self.prepare_lock, one_torch_thread(self.engine.device):
             prompt = messages if isinstance(messages, Prompt) else self.engine.prepare(messages)
         reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
         if reserved > self.kv_budget_bytes:
@@ -249,6 +251,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop (the scheduler's thread)
     def _loop(self) -> None:
+        if self.engine.device.type == "cpu":
+            # This thread's own count (OpenMP's is per thread), whatever a submitter set meanwhile. Asking first
+            # runs torch's once-per-thread setup, which would otherwise reset the count at the first kernel.
+            torch.get_num_threads()
+            torch.set_num_threads(self.torch_threads)
         try:
             while True:
                 with self.condition:
@@ -381,6 +388,27 @@ class Scheduler:
 def _cache_bytes(request: Request | None) -> int:
     cache = request.ctx.cache if request is not None else None  # None once the request ended
     return cache.nbytes() if cache is not None else 0
+
+
+@contextlib.contextmanager
+def one_torch_thread(device: torch.device) -> Iterator[None]:
+    """Torch kernels of the calling thread on one OpenMP thread while inside, for an engine on a CPU.
+
+    Why: every thread that runs a parallel torch kernel keeps an OpenMP team for its life, and once the
+    process has more OpenMP threads than CPUs, libgomp spins only briefly between parallel regions, which
+    made every later kernel of the thread that runs the model about 2x slower (docs/engine.md, "One thread
+    runs the model"). Preparing a prompt (frame resizing for Qwen video) is the only torch work of the
+    submitters' threads, so it runs single-threaded; OpenMP's thread count is per thread, so the model's
+    thread keeps its own. On a GPU nothing changes (the model's thread runs few CPU kernels)."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def default_kv_budget(device: torch.device) -> int:

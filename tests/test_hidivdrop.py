@@ -127,6 +127,7 @@ def test_the_encoder_runs_in_one_worker_thread_for_the_engines_life(deep, media,
     """Every request's encoder runs in the same worker (a new thread or CUDA stream per request would set up its
     own library handles on a GPU), never in the caller's thread, and a failure in it does not stop the next one."""
     engine = load_engine(str(deep["llava"]), device="cpu")
+    engine.parallel_vision = True  # the GPU's default; on a CPU the encoder runs first, in the caller's thread
     prompt = engine.prepare(_messages(media))
     threads = []
     encode = engine.adapter.encode

@@ -301,3 +301,45 @@ def test_a_step_that_fails_inside_the_model_ends_its_requests_and_the_server_goe
         assert after.token_ids == alone.token_ids  # nothing of the failed step is left behind
     finally:
         scheduler.close()
+
+
+def test_submitters_prepare_prompts_on_one_torch_thread_and_the_model_thread_keeps_its_own(engine, media,
+                                                                                         monkeypatch):
+    """On a CPU, a submitter's thread builds its prompt (Qwen video frames are resized with torch) on one
+    OpenMP thread, so that it never keeps an OpenMP team of its own beside the model's thread (which would
+    slow every kernel of that thread); the submitter's count is restored after, and the model's thread runs
+    with the count the scheduler was made with, whatever count a new thread would start with by then."""
+    import torch
+
+    original = torch.get_num_threads()
+    seen = {"prepare": [], "step": []}
+    prepare, decode_step = engine.prepare, engine.decode_step
+
+    def watched_prepare(messages):
+        seen["prepare"].append(torch.get_num_threads())
+        return prepare(messages)
+
+    def watched_step(*args, **kwargs):
+        seen["step"].append(torch.get_num_threads())
+        return decode_step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "prepare", watched_prepare)
+    monkeypatch.setattr(engine, "decode_step", watched_step)
+    torch.set_num_threads(2)
+    scheduler = Scheduler(engine, max_batch=2, queue_size=4, start=False)
+    torch.set_num_threads(1)  # a thread that starts from now on would run torch on one thread
+    loop = threading.Thread(target=scheduler.run)
+    loop.start()
+    try:
+        first = scheduler.submit(_conversations(media)[1], max_new_tokens=3, ignore_eos=True)
+        assert first.result(timeout=120).metrics["new_tokens"] == 3
+        torch.set_num_threads(2)
+        second = scheduler.submit(_conversations(media)[2], max_new_tokens=3, ignore_eos=True)
+        assert torch.get_num_threads() == 2  # restored in the submitter's thread
+        assert second.result(timeout=120).metrics["new_tokens"] == 3
+    finally:
+        scheduler.close()
+        loop.join(timeout=30)
+        torch.set_num_threads(original)
+    assert seen["prepare"] == [1, 1]
+    assert seen["step"] and set(seen["step"]) == {2}
