@@ -1,5 +1,6 @@
-"""Decode on a CPU: what the weight-left linear layout (pipeline/cpu_linear.py) and running the vision
-encoder in the engine's own thread (``Engine.parallel_vision``) change, on the embedded model.
+"""Inference on a CPU: what the linear layers of pipeline/cpu_linear.py (packed for oneDNN, or weight on the
+left for few rows) and running the vision encoder in the engine's own thread (``Engine.parallel_vision``)
+change, on the embedded model.
 
 Each configuration runs in a fresh process, one after the other and then again in the other order: once a
 second thread has run torch's OpenMP kernels, every later kernel of the first thread runs slower for the
@@ -8,7 +9,7 @@ life of the process, so configurations cannot share one. Each process measures
 - greedy decode of text prompts at batch 1, 2, 4 and 8 (``Engine.generate_batch``, ``--tokens`` tokens each,
   ``ignore_eos``): tokens per second over the whole call, best of ``--runs``;
 - time to the first token of a question about ``assets/sample.png`` (unpruned, and HiDivDrop at speed 0.5);
-- decode at batch 1 again, after the image.
+- decode at batch 1 again, after the image; the process's peak resident memory.
 
     python benchmarks/cpu_decode.py                  # the table for docs/benchmarks.md
     python benchmarks/cpu_decode.py --json out.json
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -28,10 +30,11 @@ BATCHES = (1, 2, 4, 8)
 QUESTIONS = ["Write a short story about a fox.", "Describe the sea.", "What is a cat?", "Tell me a joke about bread.",
              "Explain rain.", "Name three colours.", "Write a poem about trees.", "What is music?"]
 CONFIGS = {
-    "nn.Linear, encoder in a worker thread": {"linear": "plain", "parallel": True},  # before this change
-    "weight-left, encoder in a worker thread": {"linear": "weight-left", "parallel": True},
+    "nn.Linear, encoder in a worker thread (before)": {"linear": "plain", "parallel": True},
     "nn.Linear, encoder first": {"linear": "plain", "parallel": False},
-    "weight-left, encoder first (default)": {"linear": "weight-left", "parallel": False},
+    "weight-left, encoder first": {"linear": "weight-left", "parallel": False},
+    "packed, encoder in a worker thread": {"linear": "packed", "parallel": True},
+    "packed, encoder first (now)": {"linear": "packed", "parallel": False},
 }
 
 
@@ -40,14 +43,17 @@ def measure(linear: str, parallel: bool, tokens: int, runs: int) -> dict:
     from torch import nn
 
     from glimpse.pipeline import load_engine
-    from glimpse.pipeline.cpu_linear import WeightLeftLinear
+    from glimpse.pipeline.cpu_linear import CpuLinear, use_cpu_linears
 
     engine = load_engine("embedded", device="cpu")
     engine.parallel_vision = parallel
-    if linear == "plain":
-        for module in engine.model.modules():
-            if type(module) is WeightLeftLinear:
-                module.__class__ = nn.Linear
+    for module in engine.model.modules():  # back to what transformers built, then as asked
+        if type(module) is CpuLinear:
+            module.__class__ = nn.Linear
+            module.__dict__.pop("packed", None)
+            module.__dict__.pop("packed_from", None)
+    if linear != "plain":
+        use_cpu_linears(engine.model, pack=linear == "packed")
     texts = [[{"role": "user", "content": [{"type": "text", "text": q}]}] for q in QUESTIONS]
     image = [{"role": "user", "content": [{"type": "image", "image": str(ROOT / "assets" / "sample.png")},
                                           {"type": "text", "text": "Describe the picture in detail."}]}]
@@ -69,6 +75,7 @@ def measure(linear: str, parallel: bool, tokens: int, runs: int) -> dict:
               "decode_tokens_per_s": {str(b): tokens_per_s(b) for b in BATCHES},
               "ttft_s": {"none": ttft("none", 0.0), "hidivdrop@0.5": ttft("hidivdrop", 0.5)}}
     result["decode_after_image_tokens_per_s"] = tokens_per_s(1)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
@@ -95,17 +102,17 @@ def main(argv=None) -> int:
     best = {name: {"decode_tokens_per_s": {b: max(r["decode_tokens_per_s"][b] for r in rs) for b in map(str, BATCHES)},
                    "ttft_s": {k: min(r["ttft_s"][k] for r in rs) for k in rs[0]["ttft_s"]},
                    "decode_after_image_tokens_per_s": max(r["decode_after_image_tokens_per_s"] for r in rs),
-                   "threads": rs[0]["threads"]}
+                   "peak_rss_mib": max(r["peak_rss_mib"] for r in rs), "threads": rs[0]["threads"]}
             for name, rs in rounds.items()}
     print(f"Decode on a CPU: embedded model, {args.tokens} tokens, torch threads {best[order[0]]['threads']}, "
           "best of two processes\n")
     print("| configuration | " + " | ".join(f"batch {b} tok/s" for b in BATCHES)
-          + " | TTFT image (none) | TTFT image (hidivdrop 0.5) | batch 1 after an image |")
-    print("|---|" + "---|" * (len(BATCHES) + 3))
+          + " | TTFT image (none) | TTFT image (hidivdrop 0.5) | batch 1 after an image | peak RSS |")
+    print("|---|" + "---|" * (len(BATCHES) + 4))
     for name, row in best.items():
         cells = [f"{row['decode_tokens_per_s'][str(b)]:.1f}" for b in BATCHES]
         cells += [f"{row['ttft_s']['none']:.3f} s", f"{row['ttft_s']['hidivdrop@0.5']:.3f} s",
-                  f"{row['decode_after_image_tokens_per_s']:.1f}"]
+                  f"{row['decode_after_image_tokens_per_s']:.1f}", f"{row['peak_rss_mib']:.0f} MiB"]
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.json:
         args.json.write_text(json.dumps({"best": best, "rounds": rounds}, indent=2))

@@ -1,51 +1,78 @@
-"""The CPU decode layout of linear layers (pipeline/cpu_linear.py): the same function as nn.Linear, switched
-only where it was measured, and what load_engine does on a CPU."""
+"""Linear layers for inference on a CPU (pipeline/cpu_linear.py): nn.Linear's function, packed or weight-left,
+switched only where it was measured, and what load_engine does on a CPU."""
 
 import pytest
 import torch
 from torch import nn
 
 from glimpse.pipeline import cpu_linear
-from glimpse.pipeline.cpu_linear import WeightLeftLinear, use_weight_left_linears
+from glimpse.pipeline.cpu_linear import CpuLinear, use_cpu_linears
+
+PATHS = ["packed", "weight-left"]
 
 
-def _pair(bias: bool, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
+def _pair(bias: bool, pack: bool, seed: int = 0) -> tuple[nn.Linear, nn.Linear]:
     torch.manual_seed(seed)
     plain = nn.Linear(96, 160, bias=bias)
     switched = nn.Linear(96, 160, bias=bias)
     switched.load_state_dict(plain.state_dict())
-    use_weight_left_linears(switched)
+    assert use_cpu_linears(switched, pack=pack) == (1, 1 if pack else 0)
     return plain, switched
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(1, 96), (1, 1, 96), (2, 1, 96), (3, 96), (8, 1, 96), (2, 8, 96), (4, 4, 96)])
-def test_few_rows_give_nn_linear_result(bias, shape):
-    plain, switched = _pair(bias)
+@pytest.mark.parametrize("shape", [(1, 96), (1, 1, 96), (2, 1, 96), (3, 96), (8, 1, 96), (2, 8, 96), (1, 40, 96)])
+def test_inference_gives_nn_linear_result(path, bias, shape):
+    plain, switched = _pair(bias, pack=path == "packed")
     x = torch.randn(shape)
     with torch.inference_mode():
         expected, got = plain(x), switched(x)
     assert got.shape == expected.shape
-    assert got.is_contiguous()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert switched.packed is not None if path == "packed" else switched.packed is None
 
 
-def test_prefill_sized_inputs_run_nn_linear_itself():
-    plain, switched = _pair(bias=True)
+def test_packed_rows_do_not_depend_on_the_other_rows():
+    """A request's projections in a decode step are the same bits whatever else shares the step, and the
+    same as in its own prefill (nn.Linear's differ between row counts)."""
+    _, switched = _pair(bias=True, pack=True)
+    x = torch.randn(300, 96)
+    with torch.no_grad():
+        alone = switched(x[:1])[0]
+        for rows in (2, 3, 5, 8, 16, 64, 300):
+            assert torch.equal(switched(x[:rows])[0], alone), rows
+
+
+def test_unpacked_prefill_sized_inputs_run_nn_linear_itself():
+    plain, switched = _pair(bias=True, pack=False)
     x = torch.randn(1, cpu_linear.MAX_ROWS + 1, 96)
     with torch.inference_mode():
         assert torch.equal(switched(x), plain(x))
 
 
-def test_non_contiguous_input_and_gradients():
-    plain, switched = _pair(bias=True)
-    x = torch.randn(96, 4).T  # 4 rows, transposed storage
-    torch.testing.assert_close(switched(x), plain(x), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_and_non_contiguous_inputs(path):
+    plain, switched = _pair(bias=True, pack=path == "packed")
+    with torch.no_grad():
+        x = torch.randn(96, 4).T  # 4 rows, transposed storage
+        torch.testing.assert_close(switched(x), plain(x), rtol=1e-5, atol=1e-5)
     x = torch.randn(2, 96, requires_grad=True)
-    switched(x).sum().backward()
-    assert switched.weight.grad is not None and x.grad is not None
-    expected = torch.ones(2, 160) @ plain.weight  # d(sum(x W^T + b))/dx
-    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-5)
+    switched(x).sum().backward()  # with gradients: nn.Linear's own product
+    assert switched.weight.grad is not None
+    torch.testing.assert_close(x.grad, torch.ones(2, 160) @ plain.weight, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_changed_in_place_is_packed_again():
+    plain, switched = _pair(bias=False, pack=True)
+    x = torch.randn(3, 96)
+    with torch.no_grad():
+        switched(x)
+        for layer in (plain, switched):
+            layer.weight.mul_(-2.0)  # as an optimizer step or load_state_dict would
+        torch.testing.assert_close(switched(x), plain(x), rtol=1e-5, atol=1e-5)
+        switched.load_state_dict(nn.Linear(96, 160, bias=False).state_dict())
+        torch.testing.assert_close(switched(x), x @ switched.weight.T, rtol=1e-5, atol=1e-5)
 
 
 def test_only_plain_float32_cpu_linears_are_switched():
@@ -53,9 +80,18 @@ def test_only_plain_float32_cpu_linears_are_switched():
         pass
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).to(torch.bfloat16), Adapted(8, 8), nn.Conv1d(8, 8, 1))
-    assert use_weight_left_linears(model) == 1
-    assert [type(m) for m in model] == [WeightLeftLinear, nn.Linear, Adapted, nn.Conv1d]
-    assert use_weight_left_linears(model) == 0  # switching twice changes nothing
+    assert use_cpu_linears(model) == (1, 1)
+    assert [type(m) for m in model] == [CpuLinear, nn.Linear, Adapted, nn.Conv1d]
+    assert use_cpu_linears(model) == (0, 0)  # switching twice changes nothing
+
+
+def test_packing_needs_the_memory_for_the_copies(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "available_memory_bytes", lambda: 2 * 64 * 64 * 4 - 1)
+    model = nn.Linear(64, 64)
+    assert use_cpu_linears(model) == (1, 0)  # the copy would take more than half of what is available
+    model = nn.Linear(64, 64)
+    monkeypatch.setattr(cpu_linear, "available_memory_bytes", lambda: 2 * 64 * 64 * 4 + 1)
+    assert use_cpu_linears(model) == (1, 1)
 
 
 def test_load_engine_on_cpu_switches_the_model_and_runs_the_encoder_first(checkpoints):
@@ -63,6 +99,6 @@ def test_load_engine_on_cpu_switches_the_model_and_runs_the_encoder_first(checkp
 
     engine = load_engine(str(checkpoints["llava"]), device="cpu")
     linears = [m for m in engine.model.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(type(m) is WeightLeftLinear for m in linears)
+    assert linears and all(type(m) is CpuLinear and m.packed is not None for m in linears)
     # On a CPU the encoder and the layers would share the same cores (pipeline/engine.py).
     assert engine.parallel_vision is False
