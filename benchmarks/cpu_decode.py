@@ -42,18 +42,15 @@ def measure(linear: str, parallel: bool, tokens: int, runs: int) -> dict:
     import torch
     from torch import nn
 
-    from glimpse.pipeline import load_engine
-    from glimpse.pipeline.cpu_linear import CpuLinear, use_cpu_linears
+    from glimpse.pipeline import load_engine, loading
+    from glimpse.pipeline.cpu_linear import use_cpu_linears
 
+    # What load_engine does to the linear layers, as this configuration asks (so that the peak memory is
+    # this configuration's own: nothing packed and dropped).
+    loading.use_cpu_linears = lambda model: (0, 0) if linear == "plain" else use_cpu_linears(model, pack=linear == "packed")
     engine = load_engine("embedded", device="cpu")
     engine.parallel_vision = parallel
-    for module in engine.model.modules():  # back to what transformers built, then as asked
-        if type(module) is CpuLinear:
-            module.__class__ = nn.Linear
-            module.__dict__.pop("packed", None)
-            module.__dict__.pop("packed_from", None)
-    if linear != "plain":
-        use_cpu_linears(engine.model, pack=linear == "packed")
+    assert all(type(m) is nn.Linear for m in engine.model.modules() if isinstance(m, nn.Linear)) == (linear == "plain")
     texts = [[{"role": "user", "content": [{"type": "text", "text": q}]}] for q in QUESTIONS]
     image = [{"role": "user", "content": [{"type": "image", "image": str(ROOT / "assets" / "sample.png")},
                                           {"type": "text", "text": "Describe the picture in detail."}]}]
