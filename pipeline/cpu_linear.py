@@ -8,8 +8,8 @@ one row becomes a matrix-vector product that runs on one thread, and up to 8 row
 large weight several times. Measured on the embedded model (docs/benchmarks.md, "Decode on a CPU"):
 
 - **Packed** (``torch.ops.mkldnn``, the kernels torch's own compiler uses for frozen CPU models): the weight
-  is reordered once into oneDNN's blocked layout and every product reads it in that layout. Decode 1.8x the
-  tokens/s of ``nn.Linear`` at batch 1 and 8, prefill 1.7x sooner. Each row's result is the same whatever
+  is reordered once into oneDNN's blocked layout and every product reads it in that layout. Decode
+  1.7-2.4x the tokens/s of ``nn.Linear`` at batch 1 to 8, the first token 1.8x sooner. Each row's result is the same whatever
   the other rows (tested), which ``nn.Linear``'s is not. It keeps a second copy of each weight, so it is used
   when that copy fits in half of the memory available (the original stays: the embedding it may be tied
   to, state dicts and gradients use it; loaded from safetensors it is file-backed, and pages the packed

@@ -279,7 +279,7 @@ class Engine:
         # Run the vision encoder beside the layers that need no visual token (late injection);
         # False runs it first, always. On GPU the two overlap on two streams. On a CPU they would share the
         # same cores, and the worker thread's OpenMP team would slow every later kernel of this thread:
-        # the encoder first measured 12% faster to the first token there, and decode kept its speed
+        # the encoder first measured 12-19% sooner to the first token there, and decode kept its speed
         # (docs/benchmarks.md, "Decode on a CPU").
         self.parallel_vision = self.device.type == "cuda"
         # Where it runs: one worker thread and (on GPU) one side stream for the engine's life, made on first use,

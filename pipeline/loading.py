@@ -59,7 +59,7 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     adapter = _adapter(model, source, config, lambda cls: cls.from_pretrained(
         source, dtype=torch_dtype, attn_implementation=attn_implementation).to(torch_device).eval())
     if torch_device.type == "cpu":
-        use_cpu_linears(adapter.model)  # prefill 1.7x, decode 1.8x faster on a CPU (pipeline/cpu_linear.py)
+        use_cpu_linears(adapter.model)  # decode 1.7-2.4x, prefill 1.8x faster on a CPU (pipeline/cpu_linear.py)
     engine = Engine(adapter, model_id=str(model), chat_template=_chat_template(source), grounded=grounded)
     engine.checkpoint = checkpoint_identity(source)
     profile = load_profile(str(model))
