@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glimpse.pipeline.metrics import proc_bytes
+
 MAX_ROWS = 16
 
 
@@ -87,11 +89,4 @@ def use_cpu_linears(model: nn.Module, pack: bool | None = None) -> tuple[int, in
 
 def available_memory_bytes() -> int | None:
     """What the system reports as available for new allocations (Linux's MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes("/proc/meminfo", "MemAvailable")

@@ -135,13 +135,22 @@ def _reset_peak_rss() -> None:
         pass  # not Linux, or not allowed: peak() reads the lifetime peak
 
 
-def _peak_rss() -> int:
+def proc_bytes(path: str, field: str) -> int | None:
+    """A ``kB`` field of a Linux /proc file in bytes (``VmHWM`` of /proc/self/status, ``MemAvailable`` of
+    /proc/meminfo), or None where there is none."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def _peak_rss() -> int:
+    peak = proc_bytes("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
