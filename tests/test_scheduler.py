@@ -304,7 +304,7 @@ def test_a_step_that_fails_inside_the_model_ends_its_requests_and_the_server_goe
 
 
 def test_submitters_prepare_prompts_on_one_torch_thread_and_the_model_thread_keeps_its_own(engine, media,
-                                                                                         monkeypatch):
+                                                                                         monkeypatch, tmp_path):
     """On a CPU, a submitter's thread builds its prompt (Qwen video frames are resized with torch) on one
     OpenMP thread, so that it never keeps an OpenMP team of its own beside the model's thread (which would
     slow every kernel of that thread); the submitter's count is restored after, and the model's thread runs
@@ -337,9 +337,15 @@ def test_submitters_prepare_prompts_on_one_torch_thread_and_the_model_thread_kee
         second = scheduler.submit(_conversations(media)[2], max_new_tokens=3, ignore_eos=True)
         assert torch.get_num_threads() == 2  # restored in the submitter's thread
         assert second.result(timeout=120).metrics["new_tokens"] == 3
+        corrupt = tmp_path / "corrupt.mp4"
+        corrupt.write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\xff" * 64)  # a truncated clip: prepare fails
+        with pytest.raises(UserError):
+            scheduler.submit([{"role": "user", "content": [{"type": "video", "video": str(corrupt)},
+                                                           {"type": "text", "text": "What happens?"}]}])
+        assert torch.get_num_threads() == 2  # restored after the failure too
     finally:
         scheduler.close()
         loop.join(timeout=30)
         torch.set_num_threads(original)
-    assert seen["prepare"] == [1, 1]
+    assert seen["prepare"] == [1, 1, 1]
     assert seen["step"] and set(seen["step"]) == {2}
