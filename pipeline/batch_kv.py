@@ -100,6 +100,7 @@ class BatchKV:
         self.slots = torch.tensor(taken, device=self.keys[0].device)
         self.all_slots = len(taken) == len(self.requests)  # no free slot: no gather, no scatter
         self.layers = [[r.ctx.cache.layers[i] for r in self.members] for i in range(len(self.keys))]
+        self._where_memo = None  # (lengths, dtype) -> (where, mask), for the layers of one step (``_where``)
 
     @classmethod
     def form(cls, candidates: list) -> "BatchKV | None":
@@ -156,28 +157,42 @@ class BatchKV:
         """The members' new tokens (``query``/``key``/``value``: (1, heads, members, head_dim), slot order)
         write their entries into their slots and attend to all their entries: (1, members, heads, head_dim)."""
         members, keys, values = self.layers[layer_idx], self.keys[layer_idx], self.values[layer_idx]
-        lengths = [layer.tail_entries() for layer in members]
+        lengths = tuple(layer.tail_entries() for layer in members)
         new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (members, kv_heads, head_dim)
         query = query.transpose(0, 2)  # (members, heads, 1, head_dim)
-        mask = None
         if self.all_slots and min(lengths) == max(lengths):  # the usual case in a fixed batch: no mask at all
             keys[:, :, lengths[0]] = new_keys
             values[:, :, lengths[0]] = new_values
+            mask = None
         else:
-            at = torch.tensor(lengths).to(keys.device, non_blocking=True)
-            keys[self.slots, :, at] = new_keys
-            values[self.slots, :, at] = new_values
+            where, mask = self._where(lengths, query.dtype)
+            keys[self.slots, :, where] = new_keys
+            values[self.slots, :, where] = new_values
             if not self.all_slots:  # free slots take part with a zero query; their rows are dropped after
                 full = query.new_zeros(keys.shape[0], *query.shape[1:])
                 query = full.index_copy(0, self.slots, query)
-                at = torch.zeros(keys.shape[0], dtype=at.dtype, device=at.device).index_copy(0, self.slots, at)
-            mask = slot_mask(at, max(lengths) + 1, query.dtype)  # the rest of a shorter slot is masked out
         self.record_written(layer_idx)
         n = max(lengths) + 1
         out = kernel(query, keys[:, :, :n], values[:, :, :n], mask)  # (slots, 1, heads, head_dim)
         if not self.all_slots:
             out = out.index_select(0, self.slots)
         return out.transpose(0, 1)
+
+    def _where(self, lengths: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the members' new entries go (their tail lengths, on the device) and the step's attention mask.
+        Made once per step: every layer of a step usually has the same lengths (a policy that evicts per layer
+        makes them differ), and building them per layer cost 30 small tensors per step."""
+        key = (lengths, dtype)
+        if self._where_memo is not None and self._where_memo[0] == key:
+            return self._where_memo[1]
+        device = self.keys[0].device
+        where = torch.tensor(lengths).to(device, non_blocking=True)
+        at = where
+        if not self.all_slots:  # a free slot sees nothing but its entry 0 (its zero query's row is dropped)
+            at = torch.zeros(len(self.requests), dtype=where.dtype, device=device).index_copy(0, self.slots, where)
+        made = where, slot_mask(at, max(lengths) + 1, dtype)  # the rest of a shorter slot is masked out
+        self._where_memo = key, made
+        return made
 
     def record_written(self, layer_idx: int) -> None:
         """Each member wrote its new token's entry after its last one in layer ``layer_idx``."""

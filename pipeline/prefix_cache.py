@@ -71,9 +71,18 @@ class PrefixEntry:
 
     def is_prefix_of(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[MediaSpan]) -> bool:
         """Whether a prompt begins with this entry's whole prompt (so it serves everything this one does)."""
-        n = len(self.input_ids)
-        return (n <= len(input_ids) and torch.equal(self.input_ids, input_ids[:n])
-                and torch.equal(self.positions, positions[:, :n]) and self.spans == [s for s in spans if s.start < n])
+        return _begins_with(input_ids, positions, spans, self.input_ids, self.positions, self.spans)
+
+    def holds(self, input_ids: torch.Tensor, positions: torch.Tensor, spans: list[MediaSpan]) -> bool:
+        """Whether this entry's prompt begins with the whole of a prompt (so it serves everything that one would)."""
+        return _begins_with(self.input_ids, self.positions, self.spans, input_ids, positions, spans)
+
+
+def _begins_with(input_ids, positions, spans, prefix_ids, prefix_positions, prefix_spans) -> bool:
+    """Whether the prompt (``input_ids``, ``positions``, ``spans``) begins with the whole prefix prompt."""
+    n = len(prefix_ids)
+    return (n <= len(input_ids) and torch.equal(prefix_ids, input_ids[:n])
+            and torch.equal(prefix_positions, positions[:, :n]) and prefix_spans == [s for s in spans if s.start < n])
 
 
 class PrefixCache:
@@ -115,6 +124,12 @@ class PrefixCache:
         layers = cache.layers
         if any(layer.packed or layer.key is None or layer.key.shape[-2] != T for layer in layers):
             return  # not a whole unpruned prompt
+        with self.lock:
+            # Asked again (API clients repeat prompts): the entry that holds it is used, not copied once more.
+            for entry_id, entry in self.entries.items():
+                if entry.holds(input_ids, positions, spans):
+                    self.entries.move_to_end(entry_id)
+                    return
         entry = PrefixEntry(input_ids, positions, spans, [layer.key.clone() for layer in layers],
                             [layer.value.clone() for layer in layers])
         size = entry.nbytes

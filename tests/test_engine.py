@@ -561,6 +561,13 @@ def test_the_prefix_cache_keeps_the_longest_prompts_within_its_bytes():
     assert sorted(len(e.input_ids) for e in cache.entries.values()) == [4, 4] and cache.bytes == 8 * per_token
     cache.put(ids(*range(13)), at(13), [], kv(13))  # one prompt larger than the whole cache: not kept, nothing dropped
     assert sorted(len(e.input_ids) for e in cache.entries.values()) == [4, 4] and cache.bytes == 8 * per_token
+    held = list(cache.entries.values())
+    cache.put(ids(5, 5, 5, 5), at(4), [], kv(4))  # asked again: the entry that holds it stays, nothing is copied
+    cache.put(ids(6, 0, 0), at(3), picture, kv(3))  # a prefix of an entry: served by it already
+    assert {id(e) for e in cache.entries.values()} == {id(e) for e in held} and cache.bytes == 8 * per_token
+    assert list(cache.entries.values())[-1] is held[0]  # ... which became the most recently used
+    cache.put(ids(6, 0, 0), at(3), [MediaSpan(1, 3, "b")], kv(3))  # the same ids with another picture: its own
+    assert len(cache.entries) == 3 and cache.bytes == 11 * per_token
 
 
 def test_a_deferred_prompt_end_is_computed_by_the_next_decode_step_or_ends_cleanly_when_cancelled(checkpoints, media):
