@@ -51,6 +51,7 @@ from starlette.concurrency import run_in_threadpool
 from glimpse.common import UserError
 from glimpse.fetch import FETCH_DEADLINE_S, Fetcher
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
+from glimpse.pipeline.engine import StreamChunk
 from glimpse.pipeline.prompt import check_text_length
 from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
@@ -221,13 +222,19 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
                 return _error(400, _validation_message(error))
             return _error(400, "the request body is not JSON")
         scratch = tempfile.TemporaryDirectory(prefix="glimpse-api-")
-        channel = Channel(asyncio.get_running_loop())
+        # A whole answer is sent at once: its channel takes the last chunk only (and an error, or None for a
+        # request cancelled before it started), so that its tokens do not wake the event loop one by one.
+        channel = Channel(asyncio.get_running_loop(), last_only=not body.stream)
+
+        def parse_and_submit():
+            messages, options, promise = _parse(body, engine, root, Path(scratch.name), fetcher, max_new_tokens)
+            return scheduler.submit(messages, sink=channel.put, **options), promise
+
         try:
             scheduler.check_room()  # refuse a full server before fetching anything
-            # Off the event loop: fetching a slow media URL must not stall /health or other requests.
-            messages, options, promise = await run_in_threadpool(_parse, body, engine, root, Path(scratch.name),
-                                                                 fetcher, max_new_tokens)
-            ticket = await run_in_threadpool(scheduler.submit, messages, sink=channel.put, **options)
+            # Off the event loop, in one hop to a worker thread: fetching a slow media URL must not stall
+            # /health or other requests; each hop waits for a CPU that the model's threads keep busy.
+            ticket, promise = await run_in_threadpool(parse_and_submit)
         except QueueFull as full:
             telemetry.refused("rejected")
             return _error(429, str(full), "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(full.retry_s)))})
@@ -369,10 +376,12 @@ def _completion(result, model_name: str, speed: float, promise: dict) -> dict:
 class Channel:
     """Hands a ticket's chunks from the scheduler's thread to the event loop (``put`` is its sink)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.items = loop, asyncio.Queue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, last_only: bool = False):
+        self.loop, self.items, self.last_only = loop, asyncio.Queue(), last_only
 
     def put(self, item) -> None:
+        if self.last_only and isinstance(item, StreamChunk) and item.result is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.items.put_nowait, item)
         except RuntimeError:  # the event loop is gone (server shutting down)
