@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="images (default): questions about an image (--image, default assets/sample.png); "
                              "text: requests for stories, long answers")
     served.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
-    served.add_argument("--requests", type=int, default=32, help="requests per phase (default 32)")
+    served.add_argument("--requests", type=int, default=128,
+                        help="requests per phase (default 128: K clients' ramp-up and drain a small share of the run)")
     served.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default 32)")
     served.add_argument("--policy", default="auto", help="the policy every request asks for (default auto)")
     served.add_argument("--speed", type=float, default=0.0, help="the speed every request asks for (default 0)")
