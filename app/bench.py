@@ -193,13 +193,16 @@ def _measure(engine, messages, policy: str, speed: float, cuda: bool, new_tokens
     gc.collect()  # outside the engine's clocks: keeps a collection from landing inside a timed run
     before = torch.cuda.memory_allocated(engine.device) if cuda else None
     # EOS ignored: every run decodes exactly new_tokens, so decode speeds are comparable.
+    start = time.perf_counter()
     result = engine.generate(messages, policy=policy, speed=speed, max_new_tokens=new_tokens, do_sample=False,
                              ignore_eos=True)
+    e2e_s = time.perf_counter() - start  # as a user waits for the whole answer: prompt building to last token
     m = result.metrics
     vision = m.get("vision_encoder_s")
     vision_s = float(vision) if vision is not None else 0.0
     record = {
         "ttft_s": float(m["ttft_s"]),
+        "e2e_s": e2e_s,
         "prefill_s": float(m["prefill_s"]),
         "vision_encoder_s": vision_s,
         "decoder_prefill_s": float(m["prefill_s"]) - vision_s,
@@ -222,8 +225,8 @@ def _median(records: list[dict], key: str) -> float:
 
 
 def _summary(records: list[dict], cuda: bool) -> dict:
-    out = {key: _median(records, key) for key in ("ttft_s", "prefill_s", "vision_encoder_s", "decoder_prefill_s",
-                                                  "prefill_flops", "kv_bytes")}
+    out = {key: _median(records, key) for key in ("ttft_s", "e2e_s", "prefill_s", "vision_encoder_s",
+                                                  "decoder_prefill_s", "prefill_flops", "kv_bytes")}
     out["peak_memory_bytes"] = _median(records, "peak_memory_bytes") if cuda else max(
         r["peak_memory_bytes"] for r in records)
     if cuda:
@@ -263,6 +266,9 @@ def _row(prompt: str, policy: str, speed: float, counts: dict, pairs: list[tuple
         "ttft_range_s": [cand["ttft_s_min"], cand["ttft_s_max"]],
         "baseline_ttft_range_s": [base["ttft_s_min"], base["ttft_s_max"]],
         "decoder_prefill_range_s": [cand["decoder_prefill_s_min"], cand["decoder_prefill_s_max"]],
+        "e2e_s": cand["e2e_s"],  # the whole answer: prefill plus new_tokens of decode
+        "baseline_e2e_s": base["e2e_s"],
+        "e2e_speedup": _ratio(base["e2e_s"], cand["e2e_s"]),
         "decode_tokens_per_s": cand["decode_tokens_per_s"],
         "baseline_decode_tokens_per_s": base["decode_tokens_per_s"],
         "decode_speedup": (_ratio(cand["decode_tokens_per_s"], base["decode_tokens_per_s"])
@@ -316,8 +322,9 @@ def format_markdown(report: dict) -> str:
     decode = report.get("new_tokens", 1) > 1
     lines.append("| prompt | policy | speed | TTFT base -> policy (s) [policy min-max] | TTFT speedup | "
                  "decoder prefill base -> policy (s) | prefill speedup | FLOPs speedup | realised | KV ratio | "
-                 + ("decode tok/s base -> policy | decode speedup | " if decode else "") + f"{mem_header} |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if decode else "")
+                 + ("decode tok/s base -> policy | decode speedup | end-to-end speedup | " if decode else "")
+                 + f"{mem_header} |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if decode else "")
                  + ("---|---|" if cuda else "---|"))
     for row in report["rows"]:
         mem = (f"{_fmt(row['peak_memory_ratio'])} | {_fmt(row['request_memory_ratio'])}" if cuda
@@ -330,7 +337,7 @@ def format_markdown(report: dict) -> str:
             f"| {_fmt(row['decoder_prefill_speedup'])}x | {_fmt(row['flops_speedup'])}x "
             f"| {_fmt(row['realised_fraction'])} | {_fmt(row['kv_ratio'])} | "
             + (f"{_fmt(row['baseline_decode_tokens_per_s'])} -> {_fmt(row['decode_tokens_per_s'])} | "
-               f"{_fmt(row['decode_speedup'])}x | " if decode else "") + f"{mem} |")
+               f"{_fmt(row['decode_speedup'])}x | {_fmt(row['e2e_speedup'])}x | " if decode else "") + f"{mem} |")
     return "\n".join(lines)
 
 

@@ -54,6 +54,7 @@ def test_ratios_follow_from_the_rows_own_numbers(report):
         assert row["runs"] == 2
         assert row["flops_speedup"] == pytest.approx(row["prefill_flops_baseline"] / row["prefill_flops"])
         assert row["ttft_speedup"] == pytest.approx(row["baseline_ttft_s"] / row["ttft_s"])
+        assert row["e2e_speedup"] == pytest.approx(row["baseline_e2e_s"] / row["e2e_s"])
         assert row["decoder_prefill_speedup"] == pytest.approx(
             row["baseline_decoder_prefill_s"] / row["decoder_prefill_s"])
         assert row["realised_fraction"] == pytest.approx(row["decoder_prefill_speedup"] / row["flops_speedup"])
@@ -269,6 +270,9 @@ def test_cli_bench_decode_text_prompt_spread_and_plot(checkpoints, tmp_path, cap
         assert low <= row["ttft_s"] <= high
         assert row["decode_tokens_per_s"] > 0 and row["baseline_decode_tokens_per_s"] > 0
         assert row["decode_speedup"] == pytest.approx(row["decode_tokens_per_s"] / row["baseline_decode_tokens_per_s"])
+        assert row["e2e_speedup"] == pytest.approx(row["baseline_e2e_s"] / row["e2e_s"])
+    for record in report["log"]:  # the whole answer takes at least its first token and 3 decode steps
+        assert record["e2e_s"] > record["ttft_s"] + 3 / record["decode_tokens_per_s"] * 0.99
         if row["speed"] == 0:
             assert row["flops_speedup"] == 1.0  # exact at speed 0
     for prompt in report["prompts"]:
