@@ -221,13 +221,13 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             if isinstance(error, ValidationError):
                 return _error(400, _validation_message(error))
             return _error(400, "the request body is not JSON")
-        scratch = tempfile.TemporaryDirectory(prefix="glimpse-api-")
+        scratch = Scratch()
         # A whole answer is sent at once: its channel takes the last chunk only (and an error, or None for a
         # request cancelled before it started), so that its tokens do not wake the event loop one by one.
         channel = Channel(asyncio.get_running_loop(), last_only=not body.stream)
 
         def parse_and_submit():
-            messages, options, promise = _parse(body, engine, root, Path(scratch.name), fetcher, max_new_tokens)
+            messages, options, promise = _parse(body, engine, root, scratch, fetcher, max_new_tokens)
             return scheduler.submit(messages, sink=channel.put, **options), promise
 
         try:
@@ -281,7 +281,7 @@ def _text_length(messages: list) -> int:
     return total
 
 
-def _parse(body: ChatRequest, engine, root: Path | None, scratch: Path, fetcher: "Fetcher", max_new_tokens: int
+def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fetcher: "Fetcher", max_new_tokens: int
            ) -> tuple[list[dict], dict, dict]:
     """The engine's messages, the scheduler's options, and what the slider promises at the requested speed
     (the calibrated agreement and cost, or that the model is uncalibrated)."""
@@ -319,7 +319,7 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: Path, fetcher:
     return messages, options, promise
 
 
-def _media_source(url: str, kind: str, root: Path | None, scratch: Path, fetcher: "Fetcher"):
+def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fetcher: "Fetcher"):
     """Bytes (images) or a file path (videos) for a data: / http(s) / local URL."""
     if url.startswith("data:"):
         header, _, payload = url.partition(",")
@@ -345,9 +345,26 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: Path, fetcher
         return str(resolved)
     if kind == "image":
         return data
-    target = scratch / f"video-{uuid.uuid4().hex}"
+    target = scratch.path() / f"video-{uuid.uuid4().hex}"
     target.write_bytes(data)
     return str(target)
+
+
+class Scratch:
+    """A request's temporary folder, for the bytes of its videos (their decoders read files): made on first
+    use, so that requests without a video make none, and removed once the prompt is built."""
+
+    def __init__(self):
+        self._folder: tempfile.TemporaryDirectory | None = None
+
+    def path(self) -> Path:
+        if self._folder is None:
+            self._folder = tempfile.TemporaryDirectory(prefix="glimpse-api-")
+        return Path(self._folder.name)
+
+    def cleanup(self) -> None:
+        if self._folder is not None:
+            self._folder.cleanup()
 
 
 def _usage(result) -> dict:

@@ -100,6 +100,42 @@ def test_an_openai_client_gets_the_engines_answer_with_usage_and_glimpse_metrics
     assert "overridden" in reply.model_extra["glimpse"]["promise"]["text"]
 
 
+def test_a_video_sent_as_a_data_url_gets_the_engines_answer_and_leaves_no_file(checkpoints, media, tmp_path,
+                                                                              monkeypatch):
+    """A ``video_url`` part with the clip's bytes: the answer the engine gives for the clip itself. Its bytes are
+    written to a temporary folder for the decoder and removed once the prompt is built; a request without a
+    video makes no folder at all."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    made = []
+    real = tempfile.TemporaryDirectory
+
+    def counted(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", counted)
+    video = "data:video/mp4;base64," + base64.b64encode(media["video"].read_bytes()).decode()
+    for url in _serve(build_server(engine, "tiny-qwen", max_new_tokens=12)):
+        body = {"model": "m", "max_tokens": 6, "policy": "none", "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": video}}, {"type": "text", "text": "What happens?"}]}]}
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()["choices"][0]["message"]["content"]
+        assert len(made) == 1 and not list(scratch.glob("glimpse-api-*"))  # one folder, and it is gone
+        text = {"role": "user", "content": [{"type": "text", "text": "Say something."}]}
+        reply = httpx.post(url + "/v1/chat/completions", json={**body, "messages": [text]}, timeout=120)
+        assert reply.status_code == 200 and len(made) == 1  # no video: no folder
+    direct = engine.generate([{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                                           {"type": "text", "text": "What happens?"}]}],
+                             policy=NoPruning(), max_new_tokens=6)
+    assert answer == direct.text and direct.metrics["prompt_tokens"]["video"] > 0
+
+
 def test_a_developer_message_is_the_system_message(server):
     """OpenAI's clients send instructions as a ``developer`` message for newer models: the model reads it as its
     system message (the same prompt, so the same answer), not a 400."""
