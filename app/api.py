@@ -56,6 +56,7 @@ from glimpse.pipeline.prompt import check_text_length
 from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (data URLs included) is refused with 413
+BODY_TIMEOUT_S = 120.0  # a body that has not all arrived by then (a client trickling it in) gets 408
 STALL_S = 300.0  # /health reports the scheduler wedged when one iteration (a prefill, a step) runs this long
 OFF_VALUES = (None, False, 0, [], {}, "")
 
@@ -208,12 +209,14 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             # "simple" types, without asking (no CORS preflight); only JSON is read.
             telemetry.refused("bad_request")
             return _error(415, "the request body must be JSON, sent as Content-Type: application/json")
-        raw = bytearray()
-        async for piece in request.stream():  # read with a cap: a huge body never lands in memory whole
-            raw += piece
-            if len(raw) > MAX_BODY_BYTES:
-                telemetry.refused("bad_request")
-                return _error(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
+        try:
+            raw = await asyncio.wait_for(_read_body(request), timeout=BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            telemetry.refused("bad_request")
+            return _error(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
+        if raw is None:
+            telemetry.refused("bad_request")
+            return _error(413, f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB")
         try:
             body = ChatRequest.model_validate(json.loads(raw))
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
@@ -263,6 +266,17 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         return _completion(first.result, model_name, body.speed, promise)
 
     return app
+
+
+async def _read_body(request: Request) -> bytearray | None:
+    """The request's body, read with a cap: None once it passes ``MAX_BODY_BYTES`` (it never lands in memory
+    whole)."""
+    raw = bytearray()
+    async for piece in request.stream():
+        raw += piece
+        if len(raw) > MAX_BODY_BYTES:
+            return None
+    return raw
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None,

@@ -416,6 +416,16 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def http_server(app, host: str, port: int):
+    """The HTTP server of ``glimpse serve``: uvicorn, closing connections that never send a whole request head
+    (glimpse.connections)."""
+    import uvicorn
+
+    from glimpse.connections import RequestHeadDeadline
+
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", http=RequestHeadDeadline))
+
+
 def run_serve(args) -> int:
     import uvicorn
 
@@ -440,7 +450,7 @@ def run_serve(args) -> int:
                        kv_budget_bytes=budget, api_key=args.api_key, scheduler_thread=False)
     # The HTTP server in a thread, the scheduler (all model compute) in the main thread, which loaded the
     # model: on CPU, torch runs about 1.5x slower in any other thread (Scheduler.run).
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    server = http_server(app, args.host, args.port)
     http = threading.Thread(target=server.run, name="glimpse-http", daemon=True)
     http.start()
     while not server.started and http.is_alive():

@@ -20,13 +20,16 @@ from glimpse.pipeline import load_engine
 from glimpse.pruning import NoPruning
 
 
-def _serve(app):
-    """Run ``app`` with uvicorn on a free local port in a thread; yields its base URL."""
+def _serve(app, make=None):
+    """Run ``app`` with uvicorn (``make(app, host, port)``: the server, by default plain uvicorn) on a free local
+    port in a thread; yields its base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    running = uvicorn.Server(config)
+    if make is None:
+        running = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    else:
+        running = make(app, "127.0.0.1", port)
     thread = threading.Thread(target=running.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -134,6 +137,60 @@ def test_a_video_sent_as_a_data_url_gets_the_engines_answer_and_leaves_no_file(c
                                                            {"type": "text", "text": "What happens?"}]}],
                              policy=NoPruning(), max_new_tokens=6)
     assert answer == direct.text and direct.metrics["prompt_tokens"]["video"] > 0
+
+
+def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_kept(monkeypatch):
+    """Slowloris, against the HTTP server of ``glimpse serve``: a connection left silent, and one fed its headers
+    a line at a time and never finished, are closed once the head deadline passes; a client that sends whole
+    requests keeps its connection across them (keep-alive)."""
+    from fastapi import FastAPI
+
+    from glimpse.cli import http_server
+    from glimpse.connections import RequestHeadDeadline
+
+    monkeypatch.setattr(RequestHeadDeadline, "head_timeout_s", 0.5)
+    app = FastAPI()
+    app.get("/ping")(lambda: {"ok": True})
+    request = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def response(sock) -> bytes:
+        data = b""
+        while not data.endswith(b'{"ok":true}'):
+            if not (piece := sock.recv(4096)):
+                break
+            data += piece
+        return data
+    for url in _serve(app, make=http_server):  # what glimpse serve runs
+        port = int(url.rsplit(":", 1)[1])
+        silent, dribbling, good = (socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3))
+        dribbling.sendall(b"GET /ping HTTP/1.1\r\n")
+        good.sendall(request)
+        assert response(good).startswith(b"HTTP/1.1 200")
+        time.sleep(0.3)
+        dribbling.sendall(b"Host: x\r\n")  # more of the head, never its end
+        good.sendall(request)  # the next request on the same connection, within the deadline
+        assert response(good).startswith(b"HTTP/1.1 200")
+        time.sleep(1.0)
+        assert silent.recv(1) == b"" and dribbling.recv(1) == b""  # closed by the server
+        assert good.recv(1) == b""  # 1 s after its last response, waiting for a next one is over too...
+        assert httpx.get(url + "/ping").status_code == 200  # ... and the server goes on serving
+        for sock in (silent, dribbling, good):
+            sock.close()
+
+
+def test_a_request_body_that_trickles_in_gets_408_and_the_server_goes_on(server, monkeypatch):
+    from glimpse import api
+
+    monkeypatch.setattr(api, "BODY_TIMEOUT_S", 0.5)
+    port = int(server["url"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")  # 11 of 1000 bytes, then nothing
+        reply = b""
+        while not reply.endswith(b"}}") and (piece := sock.recv(4096)):  # the head and the JSON error
+            reply += piece
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within" in reply
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
 
 
 def test_a_developer_message_is_the_system_message(server):
