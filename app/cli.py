@@ -427,8 +427,6 @@ def http_server(app, host: str, port: int):
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
     from glimpse.pipeline import load_engine
 
     if args.max_batch < 1 or args.queue_size < 0 or args.max_new_tokens < 1:
