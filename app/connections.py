@@ -21,6 +21,9 @@ HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; a real client se
 
 
 class RequestHeadDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol (h11, which uvicorn brings), closing a connection whose request head has not
+    all arrived ``head_timeout_s`` after the connection opened or its last response ended."""
+
     head_timeout_s = HEAD_TIMEOUT_S
     _head_timer: asyncio.TimerHandle | None = None
 

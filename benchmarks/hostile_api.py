@@ -12,6 +12,10 @@ does not send the request).
 
 ``--allowed-root`` must be the server's: the script puts a picture, a symlink out of it, a symlink to a picture
 outside it, and the hostile and odd media of ``media_corpus`` there.
+
+``--slow-clients N`` then opens N connections that send nothing and N that send a request head a line at a time
+without ever ending it (slowloris), checks that the server answers others meanwhile, and after the server's
+head deadline (``glimpse.connections.HEAD_TIMEOUT_S``, 30 s) counts how many of them it closed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import argparse
 import base64
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -231,10 +237,51 @@ def media_corpus(root: Path) -> dict:
     return cases
 
 
+def slow_clients(url: str, count: int, client: httpx.Client) -> str:
+    """Open ``count`` silent connections and ``count`` that dribble an endless request head; report whether the
+    server kept serving and how many of them it had closed once its head deadline passed."""
+    from glimpse.connections import HEAD_TIMEOUT_S
+
+    address = (urlsplit(url).hostname, urlsplit(url).port or 80)
+    silent = [socket.create_connection(address, timeout=10) for _ in range(count)]
+    dribbling = [socket.create_connection(address, timeout=10) for _ in range(count)]
+    for sock in dribbling:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    served = [client.get(url + "/health").status_code]
+    deadline = time.monotonic() + HEAD_TIMEOUT_S + 5
+    while time.monotonic() < deadline:
+        time.sleep(5)
+        for i, sock in enumerate(dribbling):
+            try:
+                sock.sendall(f"X-Slow-{i}: {time.monotonic():.0f}\r\n".encode())  # more head, never its end
+            except OSError:  # closed by the server
+                pass
+        served.append(client.get(url + "/health").status_code)
+
+    def closed(sock) -> bool:
+        sock.setblocking(False)
+        try:
+            return sock.recv(1) == b""
+        except BlockingIOError:
+            return False  # still open, nothing to read
+        except OSError:
+            return True
+
+    shut = sum(closed(sock) for sock in silent + dribbling)
+    for sock in silent + dribbling:
+        sock.close()
+    ok = sum(status == 200 for status in served)
+    return (f"slow clients: {2 * count} connections ({count} silent, {count} dribbling a head); /health answered "
+            f"{ok} of {len(served)} times meanwhile; {shut} of {2 * count} closed by the server after "
+            f"{HEAD_TIMEOUT_S:.0f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:7861")
     parser.add_argument("--allowed-root", required=True, help="the server's --allowed-root")
+    parser.add_argument("--slow-clients", type=int, default=0, metavar="N",
+                        help="then N silent and N slowly dribbling connections (takes about 40 s)")
     args = parser.parse_args()
     root = Path(args.allowed_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -267,6 +314,8 @@ def main() -> None:
     for path in ("/gradio_api/file=/etc/passwd", "/file=/etc/passwd", "/gradio_api/file=../../../etc/passwd",
                  "/v1/models/../../etc/passwd", "/static/../../etc/passwd"):
         show(path, client.get(args.url + path))
+    if args.slow_clients:
+        print(slow_clients(args.url, args.slow_clients, client))
     health = client.get(args.url + "/health")
     print(f"\n{sum(counts.values())} requests: " + ", ".join(f"{n} {k}" for k, n in counts.items())
           + f"; /health afterwards: {health.status_code} {health.json().get('status')}")
