@@ -727,17 +727,18 @@ class Engine:
         """
         new = [r for r in requests if r.pending is None]
         tokens = torch.tensor([[r.next_token for r in new]], device=self.device, dtype=torch.long)
-        hidden = self.adapter.embed_tokens(tokens)  # (1, new, d)
-        embeds = iter(hidden.split(1, dim=1))  # (1, 1, d) each
+        embedded = self.adapter.embed_tokens(tokens)  # (1, new, d)
+        embeds = iter(embedded.split(1, dim=1))  # (1, 1, d) each
         # A request whose prompt's end is still to compute brings those tokens instead of a new one.
         batch = [r.pending if r.pending is not None else DecodeRows.new_token(next(embeds), r.ctx) for r in requests]
-        # With no policy that revives prompt tokens (LazyLLM) and no prompt end to compute, every request has one
-        # row in every layer: the rows stay one tensor from layer to layer, with the same RoPE.
-        one_row_each = len(new) == len(requests) and not any(r.policy.implements("decode_rows") for r in requests)
-        if one_row_each:
+        # With no policy that revives prompt tokens (LazyLLM), every layer computes the same rows (a new token, or
+        # the end of a prompt): they stay one tensor from layer to layer, with the same RoPE, made once.
+        fixed_rows = not any(r.policy.implements("decode_rows") for r in requests)
+        if fixed_rows:
+            hidden = embedded if len(new) == len(requests) else torch.cat([rows.hidden for rows in batch], dim=1)
             position_embeddings = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
         for layer_idx, layer in enumerate(self.adapter.layers):
-            if not one_row_each:
+            if not fixed_rows:
                 batch = [r.policy.decode_rows(layer_idx, rows, r.ctx) for r, rows in zip(requests, batch)]
                 for request, rows in zip(requests, batch):
                     if request.pending is None:
@@ -748,13 +749,16 @@ class Engine:
                                     DecodeLayer(self, requests, batch, layer_idx, slots))
             for request in requests:
                 request.ctx.layer = None  # the layer's view ends with it
-            if not one_row_each:
+            if not fixed_rows:
                 start = 0
                 for rows in batch:
                     rows.hidden = hidden[:, start:start + rows.count]
                     start += rows.count
-        if not one_row_each:
+        if not fixed_rows:
             hidden = torch.cat([rows.hidden[:, -1:] for rows in batch], dim=1)  # each request's new token
+        elif hidden.shape[1] != len(batch):  # each request's last row: its new token, or its prompt's last token
+            last = torch.tensor([rows.count for rows in batch]).cumsum(0) - 1
+            hidden = hidden[:, last.to(hidden.device)]
         return self.adapter.lm_head(self.adapter.norm(hidden))[0].float()
 
     def decode_attention(self, layer_idx, attn, query, key, value, rows: "DecodeRows", request, kernel) -> torch.Tensor:
