@@ -13,6 +13,10 @@ does not send the request).
 ``--allowed-root`` must be the server's: the script puts a picture, a symlink out of it, a symlink to a picture
 outside it, and the hostile and odd media of ``media_corpus`` there.
 
+``--disconnects S`` then runs 16 clients for S seconds that mostly give up: streams dropped after 0, 1, 2 or 5
+events, whole answers abandoned after 0.05 or 0.3 s (a fifth of each run to the end); it prints what they got,
+then the server's running and waiting requests and KV once it settles (all should be 0: nothing leaked).
+
 ``--slow-clients N`` then opens N connections that send nothing and N that send a request head a line at a time
 without ever ending it (slowloris), checks that the server answers others meanwhile, and after the server's
 head deadline (``glimpse.connections.HEAD_TIMEOUT_S``, 30 s) counts how many of them it closed.
@@ -24,7 +28,9 @@ import argparse
 import base64
 import json
 import os
+import random
 import socket
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -237,6 +243,60 @@ def media_corpus(root: Path) -> dict:
     return cases
 
 
+def disconnects(url: str, seconds: float, client: httpx.Client) -> str:
+    """16 clients asking for long answers and mostly leaving before the end, for ``seconds``; then the server's
+    state once it settles."""
+    png = base64.b64encode((ASSETS / "sample.png").read_bytes()).decode()
+    counts = {"finished": 0, "left": 0, "failed": 0}
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def body(i: int) -> dict:
+        content = (f"Write a long story, number {i}." if i % 2 else [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}},
+            {"type": "text", "text": f"Describe the picture in detail, take {i}."}])
+        return {"model": "m", "max_tokens": 200, "stream": i % 3 != 0, "messages": [{"role": "user", "content": content}]}
+
+    def one_client(c: int) -> None:
+        rnd, i = random.Random(c), c
+        while time.monotonic() < stop:
+            i += 16
+            request = body(i)
+            try:
+                if request["stream"]:
+                    events = rnd.choice([0, 1, 2, 5, None])  # None: read to the end
+                    with httpx.stream("POST", url + "/v1/chat/completions", json=request, timeout=60) as reply:
+                        for n, _ in enumerate(reply.iter_lines()):
+                            if events is not None and n >= events:
+                                break
+                    outcome = "finished" if events is None else "left"
+                else:
+                    patience = rnd.choice([0.05, 0.3, 0.3, 0.3, 60])
+                    try:
+                        httpx.post(url + "/v1/chat/completions", json=request, timeout=patience)
+                        outcome = "finished"
+                    except httpx.TimeoutException:
+                        outcome = "left"
+            except httpx.HTTPError:
+                outcome = "failed"
+            with lock:
+                counts[outcome] += 1
+
+    threads = [threading.Thread(target=one_client, args=(c,)) for c in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for _ in range(40):  # the last cancellations take effect at the next step
+        health = client.get(url + "/health").json()
+        if health["running"] == 0 and health["waiting"] == 0:
+            break
+        time.sleep(0.5)
+    state = ", ".join(f"{key} {health[key]}" for key in ("running", "waiting", "kv_bytes", "kv_reserved_bytes"))
+    return (f"disconnects: {sum(counts.values())} requests in {seconds:.0f} s ({counts['finished']} read to the end, "
+            f"{counts['left']} left early, {counts['failed']} failed); then /health {health['status']}: {state}")
+
+
 def slow_clients(url: str, count: int, client: httpx.Client) -> str:
     """Open ``count`` silent connections and ``count`` that dribble an endless request head; report whether the
     server kept serving and how many of them it had closed once its head deadline passed."""
@@ -280,6 +340,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:7861")
     parser.add_argument("--allowed-root", required=True, help="the server's --allowed-root")
+    parser.add_argument("--disconnects", type=float, default=0, metavar="S",
+                        help="then S seconds of 16 clients that mostly leave before their answer ends")
     parser.add_argument("--slow-clients", type=int, default=0, metavar="N",
                         help="then N silent and N slowly dribbling connections (takes about 40 s)")
     args = parser.parse_args()
@@ -314,6 +376,8 @@ def main() -> None:
     for path in ("/gradio_api/file=/etc/passwd", "/file=/etc/passwd", "/gradio_api/file=../../../etc/passwd",
                  "/v1/models/../../etc/passwd", "/static/../../etc/passwd"):
         show(path, client.get(args.url + path))
+    if args.disconnects:
+        print(disconnects(args.url, args.disconnects, client))
     if args.slow_clients:
         print(slow_clients(args.url, args.slow_clients, client))
     health = client.get(args.url + "/health")
