@@ -160,6 +160,7 @@ def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_k
                 break
             data += piece
         return data
+
     for url in _serve(app, make=http_server):  # what glimpse serve runs
         port = int(url.rsplit(":", 1)[1])
         silent, dribbling, good = (socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3))
