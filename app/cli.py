@@ -641,13 +641,11 @@ def run_bench(args) -> int:
     return 0
 
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
-
-
 def run_calibrate(args) -> int:
     from glimpse.pipeline import load_engine
     from glimpse.pipeline.calibrate import calibrate_hidivdrop
     from glimpse.pipeline.profiles import save_profile
+    from glimpse.vision.media import IMAGE_EXTENSIONS
 
     if args.policy == "slider":
         return run_calibrate_slider(args)
@@ -656,9 +654,9 @@ def run_calibrate(args) -> int:
     folder = Path(args.images)
     if not folder.is_dir():
         raise UserError(f"--images must be a folder of images, got {args.images}")
-    images = sorted(str(p) for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)[: args.max_images or 32]
+    images = sorted(str(p) for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)[: args.max_images or 32]
     if not images:
-        raise UserError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {folder}")
+        raise UserError(f"no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) in {folder}")
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     profile = calibrate_hidivdrop(engine, images, question=args.question, window=args.window, top_k=args.top_k,

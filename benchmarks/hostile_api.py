@@ -156,7 +156,7 @@ def media_corpus(root: Path) -> dict:
     decompression bombs (a header claiming 60,000 x 60,000 pixels; a real 20,000 x 20,000 one-bit PNG; an MP4 of
     8192 x 8192 frames that compress to almost nothing), truncated
     JPEG/PNG/MP4, an MP4 of 64 bytes and one of random bytes behind a valid `ftyp`, an audio-only MP4, a video as
-    an image (also misnamed .png), SVG and PDF named .png, empty and one-byte files — all 4xx — and the odd but
+    an image (also misnamed .png), SVG, PDF and EPS named .png, an XBM, empty and one-byte files — all 4xx — and the odd but
     valid: an animated GIF of 500 frames and an animated WebP (their first frame), 1 x 20,000 and 20,000 x 1
     pictures, CMYK, 16-bit grey, grey with alpha, palette, BMP, TIFF, ICO, a 4 x 4 video and a one-frame video."""
     import io
@@ -213,6 +213,8 @@ def media_corpus(root: Path) -> dict:
         "truncated.png": encoded(picture, "PNG")[:2000],
         "svg.png": b'<svg xmlns="http://www.w3.org/2000/svg" width="100000" height="100000"></svg>',
         "pdf.png": b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF",
+        # PostScript, which PIL hands to Ghostscript when installed, and a format PIL reads from plain text
+        "eps.png": encoded(picture, "EPS"), "text.xbm": encoded(picture.convert("1"), "XBM"),
         "empty.png": b"",
         "one_byte.png": b"\x89",
         "video_named.png": clip,

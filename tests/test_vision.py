@@ -19,7 +19,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import EpsImagePlugin, Image
 
 from glimpse import vision
 from glimpse.assets import ASSETS
@@ -195,6 +195,26 @@ def test_empty_missing_and_unreadable_images(tmp_path):
             vision.load_image(source)
     with pytest.raises(vision.MediaError, match="a URL, not a local file"):
         vision.load_image("https://example.com/cat.png")
+
+
+def test_only_the_common_image_formats_reach_a_decoder(tmp_path, monkeypatch):
+    # PIL would open any of its ~40 formats; EPS runs Ghostscript on the upload when it is installed. An upload
+    # in a format outside the list is refused before any decoder sees its bytes — even named .png.
+    picture = Image.new("RGB", (32, 32), "red")
+    calls = []
+    monkeypatch.setattr(EpsImagePlugin, "has_ghostscript", lambda: calls.append("gs") or True)
+    for fmt in ("EPS", "PCX", "SGI", "XBM"):
+        buffer = io.BytesIO()
+        picture.convert("1" if fmt == "XBM" else "RGB").save(buffer, fmt)
+        (tmp_path / f"{fmt}.png").write_bytes(buffer.getvalue())
+        for source in (buffer.getvalue(), tmp_path / f"{fmt}.png"):
+            with pytest.raises(vision.MediaError, match=r"not an image Glimpse can read \(it reads JPEG, PNG, WEBP"):
+                vision.load_image(source)
+    assert not calls
+    for fmt in ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "ICO"):  # ... and those in it still load
+        buffer = io.BytesIO()
+        picture.save(buffer, fmt)
+        assert np.asarray(vision.load_image(buffer.getvalue()))[0, 0].tolist()[0] > 200, fmt
 
 
 def test_media_error_is_a_value_error():

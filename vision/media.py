@@ -59,6 +59,10 @@ VIDEO_BACKEND_ENV = "GLIMPSE_VIDEO_BACKEND"
 SEEK_MIN_GAP_FRAMES = 300
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif"})
+# The PIL decoders an image may reach: the formats above (JPEG includes phones' multi-picture MPO files; DIB is
+# BMP without its file header) and ICO. PIL otherwise tries each of its ~40 plugins on any bytes, EPS
+# among them, which runs Ghostscript on the file when it is installed: no upload should reach that.
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "DIB", "GIF", "TIFF", "AVIF", "ICO")
 VIDEO_EXTENSIONS = frozenset(
     {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".wmv", ".flv", ".3gp", ".ts"}
 )
@@ -167,7 +171,7 @@ def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> I
     else:
         fp = _check_file(src)
     try:
-        return Image.open(fp)
+        return Image.open(fp, formats=IMAGE_FORMATS)
     except Image.DecompressionBombError as error:
         # PIL's own guard fires in `open` for claims above 2 x Image.MAX_IMAGE_PIXELS (~179 MP); say so in
         # the same words as our own, smaller, limit.
@@ -178,8 +182,8 @@ def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> I
         if _is_video(src):  # the commonest mix-up: say what it is
             raise MediaError(f"{name}: this is a video, not an image; pass it as a video") from error
         suffix = Path(src).suffix.lower() if not isinstance(src, (bytes, bytearray)) else ""
-        detail = f" (unsupported type {suffix})" if suffix and suffix not in IMAGE_EXTENSIONS else ""
-        raise MediaError(f"{name}: not an image Glimpse can read{detail}") from error
+        detail = f"unsupported type {suffix}; " if suffix and suffix not in IMAGE_EXTENSIONS else ""
+        raise MediaError(f"{name}: not an image Glimpse can read ({detail}it reads {', '.join(IMAGE_FORMATS)})") from error
 
 
 def _is_video(src: str | os.PathLike | bytes) -> bool:
