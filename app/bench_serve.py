@@ -223,6 +223,8 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
         command += ["--kv-budget-mb", str(args.kv_budget_mb)]
     if args.encoder_cache_mb is not None:
         command += ["--encoder-cache-mb", str(args.encoder_cache_mb)]
+    if args.media_cache_mb is not None:
+        command += ["--media-cache-mb", str(args.media_cache_mb)]
     if args.prefix_cache_mb is not None:
         command += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     progress(f"starting: {' '.join(command[2:])}")

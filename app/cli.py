@@ -9,7 +9,7 @@
     glimpse eval agreement|passkey|visual [--model M] [--policies P,Q] [--speeds S,T] [--json] [--plot FILE.png]
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
                   [--max-uploads-gb G] [--max-batch N] [--queue-size N] [--kv-budget-mb N] [--encoder-cache-mb N]
-                  [--prefix-cache-mb N]
+                  [--media-cache-mb N] [--prefix-cache-mb N]
                   [--api-key KEY | --no-api-key]
     glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
                     [--batch-size N] [--max-new-tokens N]
@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     served.add_argument("--prefix-cache-mb", type=int, default=None,
                         help="of the server started here (default: serve's, 1024; 0 measures every prompt "
                              "prefilled whole)")
+    served.add_argument("--media-cache-mb", type=int, default=None,
+                        help="of the server started here (default: serve's, 512; 0 decodes every request's picture)")
     served.add_argument("--encoder-cache-mb", type=int, default=None,
                         help="of the server started here (default: serve's, 256; the image workload asks about one "
                              "picture, so with the cache on the encoder runs once)")
@@ -226,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--encoder-cache-mb", type=int, default=256,
                        help="keep the vision encoder's outputs of recent images and videos, up to this much "
                             "(default 256; 0: off): a chat's follow-up questions do not encode its pictures again")
+    serve.add_argument("--media-cache-mb", type=int, default=512,
+                       help="keep recent images and videos decoded and preprocessed, up to this much (default 512; "
+                            "0: off): a chat sends its pictures again every turn; they are not decoded again")
     serve.add_argument("--prefix-cache-mb", type=int, default=1024,
                        help="keep the keys and values of recent unpruned prompts, up to this much (default 1024; "
                             "0: off): a prompt that starts like one of them (a chat's next turn, another question "
@@ -440,6 +445,7 @@ def run_serve(args) -> int:
         _log(NOT_GROUNDED)
     engine.encoder_cache.max_bytes = max(0, args.encoder_cache_mb) * 2**20
     engine.prefix_cache.max_bytes = max(0, args.prefix_cache_mb) * 2**20
+    engine.media_cache.max_bytes = max(0, args.media_cache_mb) * 2**20
     budget = args.kv_budget_mb * 2**20 if args.kv_budget_mb is not None else None
     app = build_server(engine, args.model, allowed_root=args.allowed_root, max_upload_mb=args.max_upload_mb,
                        max_uploads_gb=args.max_uploads_gb,

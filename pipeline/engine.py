@@ -30,6 +30,7 @@ from glimpse.pipeline.batch_kv import BatchKV, decodes_plainly
 from glimpse.pipeline.cache import AuxCache, KVCache
 from glimpse.pipeline.decode_graph import SlotStep, fixed_shape_step
 from glimpse.pipeline.encoder_cache import EncoderCache, media_key
+from glimpse.pipeline.media_cache import MediaCache
 from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
 from glimpse.pipeline.prefix_cache import PrefixCache, media_spans
 from glimpse.pipeline.prompt import Prompt, build_prompt
@@ -299,6 +300,9 @@ class Engine:
         # The vision encoder's outputs for recent media (pipeline/encoder_cache.py): off unless given a size
         # (``glimpse serve`` gives one), so that measurements always pay for the encoder.
         self.encoder_cache = EncoderCache(max_bytes=0)
+        # Recent images and videos decoded and preprocessed (pipeline/media_cache.py), keyed by their bytes or file:
+        # a chat's follow-up turns send them again. Off unless given a size (``glimpse serve`` gives one).
+        self.media_cache = MediaCache(max_bytes=0)
         # Keys and values of recent unpruned prompts (pipeline/prefix_cache.py): an unpruned prompt that starts
         # like one of them prefills only the rest. Off unless given a size (``glimpse serve`` gives one).
         self.prefix_cache = PrefixCache(max_bytes=0)
@@ -404,7 +408,7 @@ class Engine:
         return 2 * len(self.adapter.layers) * kv_heads * head_dim * self.dtype.itemsize
 
     def prepare(self, messages) -> Prompt:
-        return build_prompt(self.adapter, messages, self.chat_template, self.max_length)
+        return build_prompt(self.adapter, messages, self.chat_template, self.max_length, self.media_cache)
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()  # on a generator: entered around every resume, not across the caller's code

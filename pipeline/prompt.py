@@ -19,6 +19,7 @@ import torch
 from glimpse import vision
 from glimpse.common import UserError
 from glimpse.pipeline.adapters import IMAGE, MODALITY_NAMES, TEXT, VIDEO, Adapter, MediaInput
+from glimpse.pipeline.media_cache import MediaCache
 
 # Tokenizers average well under this many characters per token on real text (about 4 on English, fewer on
 # code and other scripts): a prompt with more text than this many characters per context token cannot fit,
@@ -119,18 +120,28 @@ def _prepared(prepare, source, kind: str) -> MediaInput:
         raise vision.MediaError(f"this model's processor cannot take this {kind}: {error}") from error
 
 
-def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = None) -> list[MediaInput]:
-    """Each image and video decoded and preprocessed, in prompt order. Once their tokens alone pass
-    ``max_length``, the rest are not decoded: the prompt cannot fit whatever they hold."""
+def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = None,
+               cache: MediaCache | None = None) -> list[MediaInput]:
+    """Each image and video decoded and preprocessed, in prompt order (or taken from ``cache``, when it holds
+    the same source). Once their tokens alone pass ``max_length``, the rest are not decoded: the prompt cannot
+    fit whatever they hold."""
+    cache = cache if cache is not None else MediaCache()  # off: prepares every item
+
+    def prepare_image(source) -> MediaInput:
+        return _prepared(adapter.prepare_image, vision.load_image(source), "image")
+
+    def prepare_video(source) -> MediaInput:
+        return _prepared(adapter.prepare_video, source, "video")
+
     media, tokens = [], 0
     for m in messages:
         for item in m["content"]:
             if item["type"] == "image":
-                media.append(_prepared(adapter.prepare_image, vision.load_image(_media_of(item)), "image"))
+                media.append(cache.prepared("image", _media_of(item), prepare_image))
             elif item["type"] == "video":
                 if not adapter.supports_video:
                     raise vision.MediaError(f"this model ({adapter.name}) does not take video; send frames as images")
-                media.append(_prepared(adapter.prepare_video, _media_of(item), "video"))
+                media.append(cache.prepared("video", _media_of(item), prepare_video))
             else:
                 continue
             tokens += media[-1].num_tokens
@@ -170,11 +181,11 @@ def check_text_length(characters: int, max_length: int | None) -> None:
 
 
 def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
-                 max_length: int | None = None) -> Prompt:
+                 max_length: int | None = None, media_cache: MediaCache | None = None) -> Prompt:
     messages = normalise_messages(messages)
     check_text_length(sum(len(item["text"]) for m in messages for item in m["content"] if item["type"] == "text"),
                       max_length)
-    media = load_media(adapter, messages, max_length)
+    media = load_media(adapter, messages, max_length, media_cache)
     placeholders = {"image": adapter.placeholder(IMAGE)}
     if adapter.supports_video:
         placeholders["video"] = adapter.placeholder(VIDEO)

@@ -5,10 +5,13 @@ These are the contracts every pruning policy relies on.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ARCHS, VIDEO_ARCHS
@@ -455,6 +458,74 @@ def test_the_encoder_cache_drops_the_least_recently_used_entry_first():
     cache.put("b", entry())
     assert cache.get("a") is not None  # a is now the most recently used
     cache.put("c", entry())
+    assert set(cache.entries) == {"a", "c"} and cache.bytes == 320
+
+
+def test_the_media_cache_decodes_a_picture_or_video_sent_again_once(checkpoints, media, tmp_path):
+    """With the cache on (glimpse serve), media sent again — a chat's follow-up, the same picture as a data URL's
+    bytes, the same video at another path (the API's temporary copy) — are not decoded and preprocessed again,
+    and every answer is token for token the cache-off answer; a file written again with other content is read
+    again; an item larger than the cache is not kept."""
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    picture, copy = tmp_path / "picture.png", tmp_path / "copy.mp4"
+    picture.write_bytes(media["image"].read_bytes())
+    copy.write_bytes(media["video"].read_bytes())
+    as_bytes = [{"role": "user", "content": [{"type": "image", "image": picture.read_bytes()},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+    by_path = json.loads(json.dumps(_messages("chat", media)).replace(str(media["image"]), str(picture)))
+    video, video_copy = _messages("video", media), _messages("video", {"video": copy})
+    sends = [by_path[:1], by_path, as_bytes, video, video_copy]
+    expected = [engine.generate(m, max_new_tokens=MAX_NEW).token_ids for m in sends]
+    prepared = []
+    for kind in ("image", "video"):
+        original = getattr(engine.adapter, f"prepare_{kind}")
+        setattr(engine.adapter, f"prepare_{kind}", lambda source, kind=kind, original=original:
+                prepared.append(kind) or original(source))
+    engine.media_cache.max_bytes = 64 * 2**20
+    assert [engine.generate(m, max_new_tokens=MAX_NEW).token_ids for m in sends] == expected
+    assert prepared == ["image", "video"]  # the picture and the video once each, however they were sent
+    assert engine.media_cache.hits == 3 and engine.media_cache.bytes <= engine.media_cache.max_bytes
+
+    Image.fromarray(np.full((90, 120, 3), 200, dtype=np.uint8)).save(picture)  # the same path, other content
+    engine.media_cache.max_bytes, cached = 0, engine.media_cache.max_bytes
+    fresh = engine.generate(by_path[:1], max_new_tokens=MAX_NEW).token_ids
+    engine.media_cache.max_bytes = cached
+    prepared.clear()
+    assert engine.generate(by_path[:1], max_new_tokens=MAX_NEW).token_ids == fresh
+    assert prepared == ["image"]  # written again: read again
+
+    engine.media_cache.entries.clear()
+    engine.media_cache.bytes, engine.media_cache.max_bytes = 0, 16  # smaller than any item: nothing is kept
+    prepared.clear()
+    for _ in range(2):
+        assert engine.generate(as_bytes, max_new_tokens=MAX_NEW).token_ids == expected[2]
+    assert prepared == ["image", "image"] and not engine.media_cache.entries
+
+
+def test_the_media_cache_keys_content_and_never_reads_what_is_not_a_regular_file(tmp_path):
+    import os
+
+    from glimpse.pipeline.media_cache import source_key
+
+    (tmp_path / "a.png").write_bytes(b"picture")
+    (tmp_path / "b.png").write_bytes(b"picture")
+    assert source_key("image", tmp_path / "a.png") == source_key("image", str(tmp_path / "b.png")) \
+        == source_key("image", b"picture") != source_key("video", b"picture") != source_key("image", b"picturf")
+    os.mkfifo(tmp_path / "pipe.png")  # reading it would wait for a writer forever; preparing it reports the error
+    for source in (tmp_path / "pipe.png", tmp_path, tmp_path / "missing.png", "/dev/zero", Image.new("RGB", (2, 2))):
+        assert source_key("image", source) is None
+
+
+def test_the_media_cache_drops_the_least_recently_used_item_first():
+    from glimpse.pipeline.adapters import IMAGE, MediaInput
+    from glimpse.pipeline.media_cache import MediaCache
+
+    item = lambda: MediaInput(IMAGE, 1, {"pixel_values": torch.zeros(10, 4)})  # noqa: E731 — 160 bytes
+    cache = MediaCache(max_bytes=2 * 160)
+    cache.put("a", item())
+    cache.put("b", item())
+    assert cache.get("a") is not None  # a is now the most recently used
+    cache.put("c", item())
     assert set(cache.entries) == {"a", "c"} and cache.bytes == 320
 
 

@@ -1,0 +1,97 @@
+"""Recently seen images and videos, decoded and preprocessed.
+
+A chat client sends the whole conversation every turn, its pictures and videos included, so each follow-up
+question would decode and preprocess the same media again before the encoder cache (pipeline/encoder_cache.py)
+can even be asked: about 2.5 ms for a small PNG, 0.7 s for a 10-second 720p clip on two CPU cores
+(docs/serving.md). ``MediaCache`` keeps the preprocessed ``MediaInput`` of each recent source, keyed by a
+digest of its bytes, whether they came as bytes (an image's data URL) or as a file (an upload, a path, the
+API's temporary copy of a video's bytes): the same content is the same key wherever it lies, and a file written
+again with other content is read again. Hashing reads the file once more (about 1 ms a megabyte), against
+decoding it. Preprocessing is deterministic for a given adapter, so a hit is exactly what preparing again would
+give. A PIL image handed in by Python code is not cached.
+
+Bounded in bytes (the encoder's input tensors and the frames kept for display), least recently used out first;
+off (``max_bytes=0``) unless asked for: ``glimpse serve`` turns it on (``--media-cache-mb``); benchmarks,
+calibration and evaluation leave it off, so that every measured request pays for its decoding.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+from glimpse.pipeline.adapters import MediaInput
+
+HASH_CHUNK = 1 << 20
+
+
+def source_key(kind: str, source) -> str | None:
+    """A digest of the content of ``source`` (bytes, or the path of a regular file) as a ``kind``
+    ("image"/"video") input; None for a PIL image and for what is not a regular file that can be read (preparing
+    it reports why: a folder, a FIFO that would block, a missing file)."""
+    digest = hashlib.blake2b(kind.encode(), digest_size=20)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        digest.update(source)
+        return digest.hexdigest()
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    try:
+        path = Path(source)
+        if not path.is_file():
+            return None
+        with open(path, "rb") as file:
+            while chunk := file.read(HASH_CHUNK):
+                digest.update(chunk)
+    except (OSError, ValueError):
+        return None
+    return digest.hexdigest()
+
+
+def item_bytes(item: MediaInput) -> int:
+    """Memory an item holds: its tensors and, at 3 bytes a pixel, the frames it keeps for display."""
+    tensors = sum(t.numel() * t.element_size() for t in item.tensors.values())
+    return tensors + sum(3 * frame.width * frame.height for frame in item.frames)
+
+
+class MediaCache:
+    def __init__(self, max_bytes: int = 0):
+        self.max_bytes = max_bytes
+        self.entries: collections.OrderedDict[str, tuple[MediaInput, int]] = collections.OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+        self.lock = threading.Lock()  # prompts are built in the submitting threads
+
+    def get(self, key: str) -> MediaInput | None:
+        with self.lock:
+            found = self.entries.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return found[0]
+
+    def put(self, key: str, item: MediaInput) -> None:
+        size = item_bytes(item)
+        with self.lock:
+            if size > self.max_bytes or key in self.entries:
+                return
+            self.entries[key] = (item, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, dropped) = self.entries.popitem(last=False)
+                self.bytes -= dropped
+
+    def prepared(self, kind: str, source, prepare) -> MediaInput:
+        """``prepare(source)``, or what it gave for the same source before. Failures are not kept: a bad file
+        is reported again each time it is sent."""
+        key = source_key(kind, source) if self.max_bytes > 0 else None
+        item = self.get(key) if key is not None else None
+        if item is None:
+            item = prepare(source)
+            if key is not None:
+                self.put(key, item)
+        return item
