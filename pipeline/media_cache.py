@@ -26,12 +26,15 @@ from pathlib import Path
 from glimpse.pipeline.adapters import MediaInput
 
 HASH_CHUNK = 1 << 20
+# A larger local file (only ``--allowed-root`` can name one: uploads stop at 200 MB, media URLs at 50 MB) is
+# not cached: hashing reads all of it, where sampling a video's frames may seek past most of it.
+MAX_HASHED_BYTES = 256 * 2**20
 
 
 def source_key(kind: str, source) -> str | None:
     """A digest of the content of ``source`` (bytes, or the path of a regular file) as a ``kind``
-    ("image"/"video") input; None for a PIL image and for what is not a regular file that can be read (preparing
-    it reports why: a folder, a FIFO that would block, a missing file)."""
+    ("image"/"video") input; None for a PIL image, a file over ``MAX_HASHED_BYTES``, and what is not a regular
+    file that can be read (preparing it reports why: a folder, a FIFO that would block, a missing file)."""
     digest = hashlib.blake2b(kind.encode(), digest_size=20)
     if isinstance(source, (bytes, bytearray, memoryview)):
         digest.update(source)
@@ -40,7 +43,7 @@ def source_key(kind: str, source) -> str | None:
         return None
     try:
         path = Path(source)
-        if not path.is_file():
+        if not path.is_file() or path.stat().st_size > MAX_HASHED_BYTES:
             return None
         with open(path, "rb") as file:
             while chunk := file.read(HASH_CHUNK):

@@ -505,14 +505,17 @@ def test_the_media_cache_decodes_a_picture_or_video_sent_again_once(checkpoints,
 def test_the_media_cache_keys_content_and_never_reads_what_is_not_a_regular_file(tmp_path):
     import os
 
-    from glimpse.pipeline.media_cache import source_key
+    from glimpse.pipeline.media_cache import MAX_HASHED_BYTES, source_key
 
     (tmp_path / "a.png").write_bytes(b"picture")
     (tmp_path / "b.png").write_bytes(b"picture")
     assert source_key("image", tmp_path / "a.png") == source_key("image", str(tmp_path / "b.png")) \
         == source_key("image", b"picture") != source_key("video", b"picture") != source_key("image", b"picturf")
     os.mkfifo(tmp_path / "pipe.png")  # reading it would wait for a writer forever; preparing it reports the error
-    for source in (tmp_path / "pipe.png", tmp_path, tmp_path / "missing.png", "/dev/zero", Image.new("RGB", (2, 2))):
+    with open(tmp_path / "huge.mp4", "wb") as file:  # sparse: takes no disk
+        file.truncate(MAX_HASHED_BYTES + 1)
+    for source in (tmp_path / "pipe.png", tmp_path, tmp_path / "missing.png", "/dev/zero", Image.new("RGB", (2, 2)),
+                   tmp_path / "huge.mp4"):
         assert source_key("image", source) is None
 
 
