@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from glimpse.common import UserError
 
@@ -60,6 +61,8 @@ class Telemetry:
         prefixes = scheduler.engine.prefix_cache
         Gauge("glimpse_prefix_cache_bytes", "Keys and values the prefix cache holds.",
               registry=registry).set_function(lambda: prefixes.bytes)
+        registry.register(MediaCaches(model_name, {"media": scheduler.engine.media_cache,
+                                                   "encoder": scheduler.engine.encoder_cache}))
         scheduler.on_finish.append(self.finished)
 
     def refused(self, outcome: str) -> None:
@@ -93,3 +96,23 @@ class Telemetry:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class MediaCaches:
+    """The media and encoder caches' lookups and bytes, read from the caches when scraped (they count their own
+    hits and misses): ``glimpse_<name>_cache_hits_total``, ``..._misses_total`` and ``..._bytes``."""
+
+    def __init__(self, model_name: str, caches: dict):
+        self.model, self.caches = model_name, caches
+
+    def collect(self):
+        for name, cache in self.caches.items():
+            prefix = f"glimpse_{name}_cache"
+            for kind, value in (("hits", cache.hits), ("misses", cache.misses)):
+                family = CounterMetricFamily(f"{prefix}_{kind}", f"Lookups the {name} cache answered" if kind == "hits"
+                                             else f"Lookups the {name} cache could not answer", labels=["model"])
+                family.add_metric([self.model], value)
+                yield family
+            held = GaugeMetricFamily(f"{prefix}_bytes", f"Bytes the {name} cache holds.", labels=["model"])
+            held.add_metric([self.model], cache.bytes)
+            yield held

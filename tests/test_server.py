@@ -907,7 +907,8 @@ def test_bench_serve_clients_take_the_next_request_from_one_list(monkeypatch):
 def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compare_column_stays_whole(
         checkpoints, media):
     """glimpse serve's prefix cache: an API client's second question about the same picture computes only what is
-    new, with the answer the engine gives without the cache, and /metrics counts the reused tokens. In the chat,
+    new, with the answer the engine gives without the cache, and /metrics counts the reused tokens (and the media
+cache's hit: the picture is not decoded again). In the chat,
     the unpruned column of "compare" computes the whole prompt, as the pruned answer beside it does; unpruned
     turns reuse what the turn before computed."""
     from gradio_client import Client, handle_file
@@ -917,7 +918,7 @@ def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compa
     own = [[{"role": "user", "content": [{"type": "image", "image": str(media["image"])}, {"type": "text", "text": text}]}]
            for text in ("What is in the picture?", "Any text in it?")]
     plain = [engine.generate(m, policy="none", max_new_tokens=6).text for m in own]
-    engine.prefix_cache.max_bytes = 64 * 2**20
+    engine.prefix_cache.max_bytes = engine.media_cache.max_bytes = 64 * 2**20
     app = build_server(engine, "tiny-llava", max_new_tokens=6)
     for url in _serve(app):
         replies = [httpx.post(url + "/v1/chat/completions", json={"messages": m, "max_tokens": 6}, timeout=120).json()
@@ -927,7 +928,12 @@ def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compa
         image_tokens = replies[0]["glimpse"]["metrics"]["prompt_tokens"]["image"]
         assert reused[0] == 0 and reused[1] > image_tokens
         assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies] == reused  # OpenAI's field
-        assert _value(_metrics(url), "glimpse_prefix_cache_reused_tokens_total") == reused[1]
+        samples = _metrics(url)
+        assert _value(samples, "glimpse_prefix_cache_reused_tokens_total") == reused[1]
+        # The second question's picture was not decoded again (the media cache is on here, as in glimpse serve).
+        assert _value(samples, "glimpse_media_cache_hits_total", model="tiny-llava") == 1
+        assert _value(samples, "glimpse_media_cache_misses_total") == 1
+        assert _value(samples, "glimpse_media_cache_bytes") == engine.media_cache.bytes > 0
 
         client = Client(url + "/", verbose=False)
         question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
