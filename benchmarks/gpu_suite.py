@@ -71,6 +71,7 @@ from tiny_models import BUILDERS, reference_inputs  # noqa: E402
 from glimpse.assets import ASSETS  # noqa: E402
 from glimpse.bench import generate_decode_rate, run_bench, synthesize_prompts  # noqa: E402
 from glimpse.pipeline import load_engine  # noqa: E402
+from glimpse.pipeline.adapters import VIDEO  # noqa: E402
 from glimpse.pipeline.engine import Sampling  # noqa: E402
 from glimpse.pipeline.metrics import synchronize  # noqa: E402
 from glimpse.pipeline.prompt import user_message  # noqa: E402
@@ -305,15 +306,22 @@ def overhead(suite: Suite) -> dict:
         with torch.inference_mode():
             times = _alternate({"transformers": lambda: engine.model(**inputs, logits_to_keep=1, use_cache=True),
                                 "engine": lambda: engine.prefill(prompt, NoPruning()),
-                                "engine, vision first": lambda: _vision_first(engine, prompt)},
+                                "engine, vision first": lambda: _vision_first(engine, prompt),
+                                # The share of the prefill no decoder-side pruning can shorten: the encoder
+                                # (and projector) over the video's patches, alone.
+                                "vision encoder": lambda: engine.adapter.encode_with_layers(prompt.media, VIDEO)},
                                suite.shapes.runs, engine.device)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append({"prompt": name, "prompt_tokens": prompt.token_counts(), "median_s": med,
+                     "encoder_share": med["vision encoder"] / med["transformers"],
                      "min_s": {k: min(v) for k, v in times.items()}, "max_s": {k: max(v) for k, v in times.items()},
                      "engine_over_transformers": med["engine"] / med["transformers"]})
         suite.progress(f"  {name}: engine / transformers = {rows[-1]['engine_over_transformers']:.3f}")
+    vision = engine.model.model.visual
     return {"model": f"random {suite.shapes.qwen_preset}", "attn": engine.attn_implementation,
-            "dtype": str(engine.dtype), "runs": suite.shapes.runs, "rows": rows}
+            "dtype": str(engine.dtype), "vision_dtype": str(next(vision.parameters()).dtype),
+            "vision_attn": getattr(vision.config, "_attn_implementation", None), "runs": suite.shapes.runs,
+            "rows": rows}
 
 
 def policies(suite: Suite) -> dict:
@@ -632,12 +640,15 @@ def markdown(report: dict) -> str:
                               f"{r['agreeing_prefix']}/{r['new_tokens']}", f"{r['logits_max_abs_diff']:.2e}",
                               f"{r['tolerance']:.1e}"] for r in section["rows"]])
         elif name == "overhead":
-            lines += [f"{section['model']}, {section['attn']}, {section['dtype']}, median of {section['runs']}", ""]
+            lines += [f"{section['model']}, {section['attn']}, {section['dtype']} (vision encoder: "
+                      f"{section.get('vision_dtype')}, {section.get('vision_attn')}), median of {section['runs']}", ""]
             lines += _table(["prompt", "tokens", "transformers forward (s)", "engine prefill (s)",
-                             "engine / transformers", "engine, vision first (s)"],
+                             "engine / transformers", "engine, vision first (s)", "vision encoder alone (s)",
+                             "its share of the forward"],
                             [[r["prompt"], sum(r["prompt_tokens"].values()), f"{r['median_s']['transformers']:.3f}",
                               f"{r['median_s']['engine']:.3f}", f"{r['engine_over_transformers']:.3f}",
-                              _f(r["median_s"].get("engine, vision first"), 3)]
+                              _f(r["median_s"].get("engine, vision first"), 3),
+                              _f(r["median_s"].get("vision encoder"), 3), _f(r.get("encoder_share"), 2)]
                              for r in section["rows"]])
         elif name == "policies":
             lines += _table(["model", "prompt", "policy@speed", "TTFT speedup", "decoder-prefill speedup",
