@@ -11,13 +11,12 @@ prefill pays for its encoder.
 
 from __future__ import annotations
 
-import collections
 import hashlib
-import threading
 
 import torch
 
 from glimpse.pipeline.adapters import MediaInput
+from glimpse.pipeline.lru import BytesLRU
 
 Features = tuple[torch.Tensor, list[torch.Tensor]]  # encode_with_layers' output: features, DeepStack layers
 
@@ -41,36 +40,9 @@ def media_key(items: list[MediaInput]) -> str:
     return hashlib.blake2b("+".join(item_key(item) for item in items).encode(), digest_size=20).hexdigest()
 
 
-class EncoderCache:
-    def __init__(self, max_bytes: int = 0):
-        self.max_bytes = max_bytes
-        self.entries: collections.OrderedDict[str, Features] = collections.OrderedDict()
-        self.bytes = 0
-        self.hits = self.misses = 0
-        self.lock = threading.Lock()  # the vision encoder runs in its own thread (engine.VisionJob)
+class EncoderCache(BytesLRU[Features]):
+    """Features by ``media_key``; the vision encoder may look them up from its own thread (engine.VisionJob)."""
 
-    def get(self, key: str) -> Features | None:
-        with self.lock:
-            found = self.entries.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self.entries.move_to_end(key)
-            self.hits += 1
-            return found
-
-    def put(self, key: str, value: Features) -> None:
-        size = _nbytes(value)
-        with self.lock:
-            if size > self.max_bytes or key in self.entries:
-                return
-            self.entries[key] = value
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, dropped = self.entries.popitem(last=False)
-                self.bytes -= _nbytes(dropped)
-
-
-def _nbytes(value: Features) -> int:
-    features, layers = value
-    return sum(t.numel() * t.element_size() for t in [features, *layers])
+    def size_of(self, value: Features) -> int:
+        features, layers = value
+        return sum(t.numel() * t.element_size() for t in [features, *layers])

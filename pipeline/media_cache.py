@@ -17,13 +17,12 @@ calibration and evaluation leave it off, so that every measured request pays for
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import os
-import threading
 from pathlib import Path
 
 from glimpse.pipeline.adapters import MediaInput
+from glimpse.pipeline.lru import BytesLRU
 
 HASH_CHUNK = 1 << 20
 # A larger local file (only ``--allowed-root`` can name one: uploads stop at 200 MB, media URLs at 50 MB) is
@@ -59,34 +58,11 @@ def item_bytes(item: MediaInput) -> int:
     return tensors + sum(3 * frame.width * frame.height for frame in item.frames)
 
 
-class MediaCache:
-    def __init__(self, max_bytes: int = 0):
-        self.max_bytes = max_bytes
-        self.entries: collections.OrderedDict[str, tuple[MediaInput, int]] = collections.OrderedDict()
-        self.bytes = 0
-        self.hits = self.misses = 0
-        self.lock = threading.Lock()  # prompts are built in the submitting threads
+class MediaCache(BytesLRU[MediaInput]):
+    """Preprocessed media by ``source_key``; prompts are built in the submitting threads."""
 
-    def get(self, key: str) -> MediaInput | None:
-        with self.lock:
-            found = self.entries.get(key)
-            if found is None:
-                self.misses += 1
-                return None
-            self.entries.move_to_end(key)
-            self.hits += 1
-            return found[0]
-
-    def put(self, key: str, item: MediaInput) -> None:
-        size = item_bytes(item)
-        with self.lock:
-            if size > self.max_bytes or key in self.entries:
-                return
-            self.entries[key] = (item, size)
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, (_, dropped) = self.entries.popitem(last=False)
-                self.bytes -= dropped
+    def size_of(self, item: MediaInput) -> int:
+        return item_bytes(item)
 
     def prepared(self, kind: str, source, prepare) -> MediaInput:
         """``prepare(source)``, or what it gave for the same source before. Failures are not kept: a bad file

@@ -449,18 +449,6 @@ def test_the_encoder_cache_answers_a_follow_up_exactly_without_encoding_its_pict
     assert not cache.entries
 
 
-def test_the_encoder_cache_drops_the_least_recently_used_entry_first():
-    from glimpse.pipeline.encoder_cache import EncoderCache
-
-    entry = lambda: (torch.zeros(10, 4), [])  # noqa: E731 — 160 bytes
-    cache = EncoderCache(max_bytes=2 * 160)
-    cache.put("a", entry())
-    cache.put("b", entry())
-    assert cache.get("a") is not None  # a is now the most recently used
-    cache.put("c", entry())
-    assert set(cache.entries) == {"a", "c"} and cache.bytes == 320
-
-
 def test_the_media_cache_decodes_a_picture_or_video_sent_again_once(checkpoints, media, tmp_path):
     """With the cache on (glimpse serve), media sent again — a chat's follow-up, the same picture as a data URL's
     bytes, the same video at another path (the API's temporary copy) — are not decoded and preprocessed again,
@@ -519,17 +507,24 @@ def test_the_media_cache_keys_content_and_never_reads_what_is_not_a_regular_file
         assert source_key("image", source) is None
 
 
-def test_the_media_cache_drops_the_least_recently_used_item_first():
+@pytest.mark.parametrize("cache", ["encoder", "media"])
+def test_the_caches_drop_the_least_recently_used_entry_first(cache):
     from glimpse.pipeline.adapters import IMAGE, MediaInput
+    from glimpse.pipeline.encoder_cache import EncoderCache
     from glimpse.pipeline.media_cache import MediaCache
 
-    item = lambda: MediaInput(IMAGE, 1, {"pixel_values": torch.zeros(10, 4)})  # noqa: E731 — 160 bytes
-    cache = MediaCache(max_bytes=2 * 160)
-    cache.put("a", item())
-    cache.put("b", item())
-    assert cache.get("a") is not None  # a is now the most recently used
-    cache.put("c", item())
-    assert set(cache.entries) == {"a", "c"} and cache.bytes == 320
+    made = {"encoder": (EncoderCache, lambda rows: (torch.zeros(rows, 4), [])),  # 16 bytes a row
+            "media": (MediaCache, lambda rows: MediaInput(IMAGE, 1, {"pixel_values": torch.zeros(rows, 4)}))}
+    kind, entry = made[cache]
+    lru = kind(max_bytes=2 * 160)
+    lru.put("a", entry(10))
+    lru.put("b", entry(10))
+    assert lru.get("a") is not None  # a is now the most recently used
+    lru.put("c", entry(10))
+    assert set(lru.entries) == {"a", "c"} and lru.bytes == 320
+    lru.put("d", entry(21))  # larger than the whole bound: not kept, nothing dropped for it
+    assert set(lru.entries) == {"a", "c"} and lru.get("b") is None
+    assert (lru.hits, lru.misses) == (1, 1)
 
 
 def test_a_picture_the_models_own_processor_refuses_is_a_media_error_not_a_crash(checkpoints):
