@@ -57,3 +57,11 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     for name in sections:
         assert f"### {name}" in markdown
     assert "SMOKE RUN" in markdown and "### not run" in markdown
+    # Issue 27's goals at the top, each judged from the numbers below it.
+    goals = markdown.split("### issue 27's goals, from this run")[1].split("###")[0]
+    assert "first-step logits within tolerance: **met**" in goals  # float32 on a CPU: identical, as asserted above
+    st3 = next(r for r in sections["decode"]["rows"] if r["batch"] == 2 and r["decoder"] == "st3")
+    assert f"batch 2: **{'met' if st3['kv_vs_baseline'] <= 0.3 else 'not met'}** ({st3['kv_vs_baseline']:.2f})" in goals
+    auto = next(r for r in sections["policies"]["rows"] if r["policy"] == "auto" and r["prompt"] == "video 495")
+    ceiling = auto["baseline_ttft_s"] / (auto["baseline_ttft_s"] - auto["baseline_decoder_prefill_s"])
+    assert f"({auto['ttft_speedup']:.2f}x; with the decoder's prefill free" in goals and f"allow {ceiling:.2f}x)" in goals
