@@ -1,23 +1,35 @@
-"""Clients that hold a connection open without finishing a request (slowloris).
+"""Clients that hold a connection open without finishing a request (slowloris), or send more than a request needs.
 
 uvicorn closes an idle keep-alive connection a few seconds after a response, but a connection that never
 completes its request head — opened and left silent, or fed one header byte at a time — stays open for as
 long as the client likes: each costs a file descriptor and a little memory, and enough of them leave no
 descriptor for real clients. ``RequestHeadDeadline`` is uvicorn's own HTTP/1.1 protocol with one rule added,
 nginx's ``client_header_timeout``: the request line and headers must all arrive within ``head_timeout_s`` of
-the connection opening (or of its previous response ending), else the connection is closed. A request body
-that trickles in is the API's to time out (``api.BODY_TIMEOUT_S``). ``glimpse serve`` runs uvicorn with it
-(``uvicorn.Config(http=RequestHeadDeadline)``, uvicorn's extension point for the protocol class).
+the connection opening (or of its previous response ending), else the connection is closed. ``glimpse serve``
+runs uvicorn with it (``uvicorn.Config(http=RequestHeadDeadline)``, uvicorn's extension point for the protocol
+class).
+
+Past the head, ``BodyLimits`` (ASGI middleware, which ``api.create_api`` installs, so that it covers the API and
+the chat mounted beside it) bounds every request body but an upload's: at most ``MAX_BODY_BYTES`` (413) and all
+arrived within ``BODY_TIMEOUT_S`` (408). Without it a client could send the chat's JSON routes a body of any size,
+read whole into memory, or trickle one in for ever. Uploads have their own bounds (``--max-upload-mb``, the
+upload quota in ``glimpse.uploads``) and may take long on a slow link.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from typing import Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; a real client sends its head in milliseconds
+MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (an API request's data URLs included) gets 413
+BODY_TIMEOUT_S = 120.0  # a body that has not all arrived by then (a client trickling it in) gets 408; 64 MiB at
+# 4.5 Mbit/s
 
 
 class RequestHeadDeadline(H11Protocol):
@@ -58,3 +70,70 @@ class RequestHeadDeadline(H11Protocol):
         self._head_timer = None
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
             self.transport.close()
+
+
+class BodyLimits:
+    """ASGI middleware: a request body (but an upload's, a POST to a path ending in ``/upload``) larger than
+    ``MAX_BODY_BYTES`` is refused with 413 — from its Content-Length before it is read, or as soon as a body
+    sent without one passes the cap — and one not all arrived ``BODY_TIMEOUT_S`` after the request began gets 408.
+    The application then sees the client as gone (``http.disconnect``) and whatever it answers is replaced by the
+    refusal. ``on_refused(path)`` is told of each refusal (the API counts its own in /metrics)."""
+
+    def __init__(self, app, on_refused: Callable[[str], None] = lambda path: None):
+        self.app, self.on_refused = app, on_refused
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"].rstrip("/").endswith("/upload"):
+            return await self.app(scope, receive, send)
+        cap, deadline = MAX_BODY_BYTES, time.monotonic() + BODY_TIMEOUT_S  # deadline None once the body is in
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > cap:
+            return await self._refuse(scope, send, 413)
+        refusal: int | None = None
+        received, started = 0, False
+
+        async def limited_receive():
+            nonlocal refusal, received, deadline
+            if refusal is not None:
+                return {"type": "http.disconnect"}
+            if deadline is None:  # the body is in: what the application waits for now is the client leaving
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                refusal = 408
+                return {"type": "http.disconnect"}
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > cap:
+                    refusal = 413
+                    return {"type": "http.disconnect"}
+                if not message.get("more_body", False):
+                    deadline = None
+            return message
+
+        async def watched_send(message):
+            nonlocal started
+            if refusal is not None:
+                return  # the application's answer to a client it was told is gone
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, watched_send)
+        except Exception:
+            if refusal is None:
+                raise  # not ours: reading a refused body raises in the application (Starlette's ClientDisconnect)
+        if refusal is not None and not started:
+            await self._refuse(scope, send, refusal)
+
+    async def _refuse(self, scope, send, status: int) -> None:
+        self.on_refused(scope["path"])
+        cap = f"{MAX_BODY_BYTES / 2**20:g} MiB" if MAX_BODY_BYTES >= 2**20 else f"{MAX_BODY_BYTES / 2**10:g} KiB"
+        message = (f"the request body is larger than {cap}" if status == 413
+                   else f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -372,6 +372,13 @@ def main() -> None:
             {"type": "text", "text": "What is this?"}, part]}], "max_tokens": 4}))
     for name, (data, content_type) in raw.items():
         show(name, client.post(endpoint, content=data, headers={"content-type": content_type} if content_type else {}))
+    # Bodies past the 64 MiB cap, with and without a Content-Length, to the API and to the chat's JSON routes.
+    huge = b'{"messages": "' + b"x" * (65 * 2**20) + b'"}'
+    for path in ("/v1/chat/completions", "/gradio_api/call/chat", "/gradio_api/queue/join"):
+        show(f"65 MiB to {path}", client.post(args.url + path, content=huge, headers={"content-type": "application/json"}))
+        chunks = (huge[i:i + 2**20] for i in range(0, len(huge), 2**20))
+        show(f"65 MiB chunked to {path}", client.post(args.url + path, content=chunks,
+                                                      headers={"content-type": "application/json"}))
     for method in ("GET", "PUT", "DELETE", "OPTIONS"):
         show(method, client.request(method, endpoint, headers={"Origin": "http://evil.example",
                                                                "Access-Control-Request-Method": "POST"}))

@@ -180,9 +180,9 @@ def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_k
 
 
 def test_a_request_body_that_trickles_in_gets_408_and_the_server_goes_on(server, monkeypatch):
-    from glimpse import api
+    from glimpse import connections
 
-    monkeypatch.setattr(api, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 0.5)
     port = int(server["url"].rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -192,6 +192,39 @@ def test_a_request_body_that_trickles_in_gets_408_and_the_server_goes_on(server,
             reply += piece
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within" in reply
     assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+
+
+def test_the_chats_routes_have_the_apis_body_limits(server, media, monkeypatch):
+    """The chat's JSON routes (Gradio's, mounted beside the API) read whole bodies into memory: past the cap they
+    are refused with 413 — by Content-Length, or once a body sent without one passes it — and a body that trickles
+    in gets 408, as the API's do; uploads keep their own limits; the chat goes on answering."""
+    from gradio_client import Client, handle_file
+
+    from glimpse import connections
+
+    monkeypatch.setattr(connections, "MAX_BODY_BYTES", 64 * 2**10)
+    monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 0.5)
+    url, big = server["url"], {"data": [{"text": "word " * 20_000, "files": []}, "auto", 0.0, 4, "", False]}
+    as_json = {"Content-Type": "application/json"}
+    for route in ("/gradio_api/call/chat", "/gradio_api/queue/join"):
+        reply = httpx.post(url + route, json=big, timeout=30)
+        assert reply.status_code == 413 and "larger than 64 KiB" in reply.json()["error"]["message"], route
+        chunks = (json.dumps(big).encode()[i:i + 8192] for i in range(0, 110_000, 8192))  # no Content-Length
+        reply = httpx.post(url + route, content=chunks, headers=as_json, timeout=30)
+        assert reply.status_code == 413, route
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /gradio_api/queue/join HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"data\": ")  # 9 of 1000 bytes, then nothing
+        reply = b""
+        while not reply.endswith(b"}}") and (piece := sock.recv(4096)):
+            reply += piece
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within" in reply
+    monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 120.0)
+    client = Client(url + "/", verbose=False)  # an upload (its own limits) and a chat turn still go through
+    question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
+    answer, _, _ = client.predict(question, "none", 0.0, 4, "", False, api_name="/chat")
+    assert answer and "⚠️" not in answer
 
 
 def test_a_developer_message_is_the_system_message(server):
@@ -673,7 +706,7 @@ def test_a_full_queue_answers_429_and_admits_again_once_there_is_room(server, me
 def test_oversized_bodies_and_text_beyond_the_context_are_refused_before_any_work(server, media):
     """A body over the cap is 413 before it is parsed; text that cannot fit the model's context is 400
     before it is tokenized; deeply nested JSON is a 400, not a server error; the server keeps serving."""
-    from glimpse import api
+    from glimpse import connections
     from glimpse.pipeline.prompt import CHARS_PER_TOKEN_BOUND
 
     url = server["url"] + "/v1/chat/completions"
@@ -683,7 +716,7 @@ def test_oversized_bodies_and_text_beyond_the_context_are_refused_before_any_wor
     nested = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     as_json = {"Content-Type": "application/json"}
     assert httpx.post(url, content=nested, headers=as_json, timeout=60).status_code == 400
-    huge = b'{"messages": "' + b"x" * (api.MAX_BODY_BYTES + 10) + b'"}'
+    huge = b'{"messages": "' + b"x" * (connections.MAX_BODY_BYTES + 10) + b'"}'
     reply = httpx.post(url, content=huge, headers=as_json, timeout=120)
     assert reply.status_code == 413 and "MiB" in reply.json()["error"]["message"]
     ok = httpx.post(url, json={"messages": _question(_data_url(media["image"])), "max_tokens": 3}, timeout=60)
