@@ -227,8 +227,10 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         try:
             for path in files:
                 _check_upload(path, allowed, unusable)
+            # Compared, both answers compute everything (no media, encoder or prefix cache): the unpruned run
+            # comes second, and the caches would otherwise hand it what the first one computed.
             options = dict(policy=engine.make_policy(policy, speed, parse_overrides(overrides)),
-                           max_new_tokens=_token_limit(max_tokens, max_new_tokens))
+                           max_new_tokens=_token_limit(max_tokens, max_new_tokens), caches=not compare)
             earlier, left_out = _usable(history, unusable), 0
             while True:  # a conversation longer than the context goes on without its oldest turns
                 messages = history_to_messages(earlier + turn, allowed)
@@ -259,10 +261,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 answer += chunk.text
                 result = chunk.result or result
                 yield answer, gr.skip(), gr.skip()
-            # The unpruned column computes the whole prompt, as the pruned answer does (no prefix cache).
             baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"],
-                                          reuse_prefix=False) \
-                if compare else None
+                                          caches=False) if compare else None
         except Exception as error:
             yield (answer + "\n\n" if answer else "") + _error_text(error), gr.skip(), gr.skip()
             return
@@ -337,7 +337,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                                elem_id="max-tokens", render=False)
         overrides = gr.Textbox(label="overrides, name=value per line (auto: dash.rho=0.6)", lines=2,
                                elem_id="overrides", render=False)
-        compare = gr.Checkbox(False, label="also run unpruned, to compare", elem_id="compare", render=False)
+        compare = gr.Checkbox(False, label="also run unpruned, to compare (both computed whole: no caches)",
+                              elem_id="compare", render=False)
         metrics = gr.Markdown("metrics appear after an answer", elem_id="metrics", render=False)
         keep = gr.Image(label="keep map (green: reached the last layer)", type="pil", elem_id="keepmap", render=False)
         with gr.Row():

@@ -109,6 +109,9 @@ class PrefillContext:
     # Leading prompt tokens whose keys and values came from the prefix cache (pipeline/prefix_cache.py):
     # no layer computed them for this request; ``active_per_layer`` holds the tokens after them.
     reused_tokens: int = 0
+    # Whether this request may read and write the engine's caches (prefix, encoder): not when it is measured
+    # against another run of the same prompt (Engine.start's ``caches``).
+    caches: bool = True
 
 
 @dataclass
@@ -407,8 +410,10 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return 2 * len(self.adapter.layers) * kv_heads * head_dim * self.dtype.itemsize
 
-    def prepare(self, messages) -> Prompt:
-        return build_prompt(self.adapter, messages, self.chat_template, self.max_length, self.media_cache)
+    def prepare(self, messages, caches: bool = True) -> Prompt:
+        """The prompt of ``messages``; ``caches=False``: every image and video decoded again (no media cache)."""
+        return build_prompt(self.adapter, messages, self.chat_template, self.max_length,
+                            self.media_cache if caches else None)
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()  # on a generator: entered around every resume, not across the caller's code
@@ -421,22 +426,22 @@ class Engine:
         yield StreamChunk(request.detok.flush(), None, self._result(request))
 
     def start(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos=False,
-              reuse_prefix: bool = True, defer: bool = False) -> "Request":
+              caches: bool = True, defer: bool = False) -> "Request":
         """Prefill one request and pick its first token. ``messages`` may be a ``Prompt`` already built.
-        ``reuse_prefix=False``: the prefix cache is neither read nor written (an unpruned answer that is
-        measured against a pruned one computes its whole prompt, as the pruned one does).
+        ``caches=False``: no cache is read or written — media, encoder, prefix: an answer measured against another
+        answer to the same prompt (the chat's "compare") computes everything, as the other one does.
         ``defer=True`` (the scheduler): when all but a few text tokens of an unpruned prompt are in the prefix
         cache, those few are not prefilled here, in a pass of their own, but by the next ``decode_step``, in the
         pass it makes for the running batch anyway; the request has no first token until then."""
         t_request = time.perf_counter()
         policy = policy if isinstance(policy, Policy) else self.make_policy(policy, speed)
-        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages)
+        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches)
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         t_prefill = time.perf_counter()
         stop_ids = set() if ignore_eos else self.eos_token_ids
-        ctx, spans = self._prefill_context(prompt, policy, reuse_prefix)
+        ctx, spans = self._prefill_context(prompt, policy, caches)
         if defer and (rows := self._deferred_rows(ctx, spans)) is not None:
             return Request(prompt, policy, ctx, sampling, generator, self._budget(max_new_tokens, ctx), None,
                            t_request, t_prefill, 0.0, _IncrementalDecoder(self.tokenizer), stop_ids, pending=rows)
@@ -586,16 +591,17 @@ class Engine:
             embeds[0, rows] = features
         return embeds
 
-    def encode_media(self, prompt: Prompt) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+    def encode_media(self, prompt: Prompt, caches: bool = True) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
         """The vision encoder + projector, per modality: the placeholder rows, one feature row each,
         and per decoder layer what the architecture adds to those rows after it (DeepStack; usually none).
-        Media encoded before are taken from ``encoder_cache`` when it is on (a chat's follow-up turns)."""
+        Media encoded before are taken from ``encoder_cache`` when it is on (a chat's follow-up turns) and
+        ``caches`` allows it."""
         out = []
         for kind in (IMAGE, VIDEO):
             items = [m for m in prompt.media if m.kind == kind]
             if not items:
                 continue
-            key = media_key(items) if self.encoder_cache.max_bytes else None
+            key = media_key(items) if self.encoder_cache.max_bytes and caches else None
             cached = self.encoder_cache.get(key) if key is not None else None
             if cached is None:
                 features, layers = self.adapter.encode_with_layers(prompt.media, kind)
@@ -610,13 +616,14 @@ class Engine:
             out.append((rows, features, layers))
         return out
 
-    def prefill(self, prompt: Prompt, policy: Policy, reuse_prefix: bool = True) -> tuple[torch.Tensor, PrefillContext]:
-        ctx, spans = self._prefill_context(prompt, policy, reuse_prefix)
+    def prefill(self, prompt: Prompt, policy: Policy, caches: bool = True) -> tuple[torch.Tensor, PrefillContext]:
+        ctx, spans = self._prefill_context(prompt, policy, caches)
         return self._prefill_layers(prompt, policy, ctx, spans), ctx
 
-    def _prefill_context(self, prompt: Prompt, policy: Policy, reuse_prefix: bool) -> tuple[PrefillContext, list | None]:
+    def _prefill_context(self, prompt: Prompt, policy: Policy, caches: bool) -> tuple[PrefillContext, list | None]:
         """The request's context (embeddings, positions, an empty cache, the policy's plan) and, where the
-        prefix cache applies, its media spans, with the cache seeded from the longest cached prefix."""
+        prefix cache applies, its media spans, with the cache seeded from the longest cached prefix.
+        ``caches=False``: neither the prefix cache nor (when the encoder runs) the encoder's is used."""
         input_ids = prompt.input_ids.to(self.device)
         hidden = self.adapter.embed_tokens(input_ids)[None]  # (1, T, d)
         positions = self.adapter.positions(input_ids, prompt.modality, prompt.media)
@@ -624,9 +631,10 @@ class Engine:
         ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
                              KVCache(num_layers), num_layers,
                              next_position=positions.max(dim=1, keepdim=True).values + 1)
+        ctx.caches = caches
         policy.plan(ctx)  # a bad parameter fails here, before any work starts
         spans = None
-        if reuse_prefix and self.prefix_cache.max_bytes and prunes_nothing(policy):
+        if caches and self.prefix_cache.max_bytes and prunes_nothing(policy):
             spans = media_spans(prompt)
             self._reuse_prefix(prompt, spans, ctx)
         return ctx, spans
@@ -639,7 +647,7 @@ class Engine:
         # inside a reused prefix are not encoded again.
         start = ctx.reused_tokens
         needs_vision = bool(prompt.media) and (start == 0 or any(span.end > start for span in spans))
-        vision = VisionJob(self, prompt, parallel=self.parallel_vision) if needs_vision else None
+        vision = VisionJob(self, prompt, parallel=self.parallel_vision, caches=ctx.caches) if needs_vision else None
         try:
             logits = self._layers(ctx.hidden, cos, sin, policy, ctx, vision, start)
         finally:
@@ -870,8 +878,8 @@ class VisionJob:
     same inputs, so the features are bit-identical either way.
     """
 
-    def __init__(self, engine: "Engine", prompt: Prompt, parallel: bool):
-        self.engine, self.prompt = engine, prompt
+    def __init__(self, engine: "Engine", prompt: Prompt, parallel: bool, caches: bool = True):
+        self.engine, self.prompt, self.caches = engine, prompt, caches
         self.features: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
         self.error: BaseException | None = None
         self.seconds = 0.0
@@ -896,7 +904,7 @@ class VisionJob:
             stream = torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext()
             inference, grad = self.modes
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), stream:
-                self.features = self.engine.encode_media(self.prompt)
+                self.features = self.engine.encode_media(self.prompt, self.caches)
                 if side_stream is not None:
                     side_stream.synchronize()
                 else:

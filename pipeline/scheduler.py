@@ -95,7 +95,7 @@ class Ticket:
     ignore_eos: bool
     stop: StopText
     reserved_bytes: int  # the KV this request may grow to (its admission reserves it)
-    reuse_prefix: bool  # may use the engine's prefix cache (Engine.start)
+    caches: bool  # may use the engine's caches (Engine.start)
     sink: Callable[[object], None]
     submitted: float = field(default_factory=time.perf_counter)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -168,7 +168,7 @@ class Scheduler:
     # ------------------------------------------------------------------ submitters' side
     def submit(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-               ignore_eos: bool = False, stop: tuple[str, ...] = (), reuse_prefix: bool = True,
+               ignore_eos: bool = False, stop: tuple[str, ...] = (), caches: bool = True,
                sink: Callable[[object], None] | None = None) -> Ticket:
         """Queue a request; raises ``QueueFull`` when the queue is full, ``UserError`` for a bad prompt or
         one that could never fit the KV budget. The prompt (media decoding included) is built here, in the
@@ -177,7 +177,7 @@ class Scheduler:
         # A Policy object given here is a template: the request gets its own copy (policies keep state).
         policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
         with self.prepare_lock, one_torch_thread(self.engine.device):
-            prompt = messages if isinstance(messages, Prompt) else self.engine.prepare(messages)
+            prompt = messages if isinstance(messages, Prompt) else self.engine.prepare(messages, caches)
         reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
         if reserved > self.kv_budget_bytes:
             raise UserError(f"this request may need {reserved / 2**20:,.0f} MiB of KV cache, more than the server's "
@@ -188,7 +188,7 @@ class Scheduler:
             own_queue = queue.Queue()
             sink = own_queue.put
         ticket = Ticket(prompt, policy, max_new_tokens, Sampling(do_sample, temperature, top_p, seed), ignore_eos,
-                        StopText(tuple(stop)), reserved, reuse_prefix, sink, _queue=own_queue)
+                        StopText(tuple(stop)), reserved, caches, sink, _queue=own_queue)
         with self.condition:
             self._refuse_if_full()
             self.waiting.append(ticket)
@@ -305,7 +305,7 @@ class Scheduler:
                     continue
                 try:
                     request = engine.start(ticket.prompt, ticket.policy, 0.0, ticket.max_new_tokens, ticket.sampling,
-                                           ticket.ignore_eos, ticket.reuse_prefix, defer=True)
+                                           ticket.ignore_eos, ticket.caches, defer=True)
                 except Exception as error:  # this request's own failure (a policy parameter, memory): it alone ends
                     self._end(ticket, None, error)
                     continue

@@ -941,9 +941,9 @@ def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compa
         checkpoints, media):
     """glimpse serve's prefix cache: an API client's second question about the same picture computes only what is
     new, with the answer the engine gives without the cache, and /metrics counts the reused tokens (and the media
-cache's hit: the picture is not decoded again). In the chat,
-    the unpruned column of "compare" computes the whole prompt, as the pruned answer beside it does; unpruned
-    turns reuse what the turn before computed."""
+    cache's hit: the picture is not decoded again). In the chat, with "compare" on, neither column takes anything
+    from any cache: the unpruned column computes the whole prompt, and both pay for decoding and encoding the
+    picture, as the pruned answer beside it does. Unpruned turns reuse what the turn before computed."""
     from gradio_client import Client, handle_file
 
     engine = load_engine(str(checkpoints["llava"]), device="cpu")
@@ -951,7 +951,7 @@ cache's hit: the picture is not decoded again). In the chat,
     own = [[{"role": "user", "content": [{"type": "image", "image": str(media["image"])}, {"type": "text", "text": text}]}]
            for text in ("What is in the picture?", "Any text in it?")]
     plain = [engine.generate(m, policy="none", max_new_tokens=6).text for m in own]
-    engine.prefix_cache.max_bytes = engine.media_cache.max_bytes = 64 * 2**20
+    engine.prefix_cache.max_bytes = engine.media_cache.max_bytes = engine.encoder_cache.max_bytes = 64 * 2**20
     app = build_server(engine, "tiny-llava", max_new_tokens=6)
     for url in _serve(app):
         replies = [httpx.post(url + "/v1/chat/completions", json={"messages": m, "max_tokens": 6}, timeout=120).json()
@@ -970,11 +970,15 @@ cache's hit: the picture is not decoded again). In the chat,
 
         client = Client(url + "/", verbose=False)
         question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
-        for _ in range(2):  # fastv beside the unpruned column: neither takes anything from the cache
+        caches = (engine.media_cache, engine.encoder_cache)
+        looked_up = [(c.hits, c.misses) for c in caches]
+        for _ in range(2):  # fastv beside the unpruned column: neither takes anything from any cache
             answer, metrics, _ = client.predict(question, "fastv", 0.5, 4, "", True, api_name="/chat")
             assert "⚠️" not in answer and "unpruned" in metrics and "prefix cache" not in metrics
             flops = next(line for line in metrics.splitlines() if line.startswith("| prefill FLOPs"))
             assert flops.split("|")[3].strip() == "1.00x fewer"  # the unpruned column computed every token
+        # ... nor decodes or encodes the picture from the media and encoder caches: both columns pay for them.
+        assert [(c.hits, c.misses) for c in caches] == looked_up
         client = Client(url + "/", verbose=False)  # a new chat, unpruned: its second turn reuses the first
         turns = [client.predict(question, "none", 0.0, 4, "", False, api_name="/chat")[1],
                  client.predict({"text": "And the colours?", "files": []}, "none", 0.0, 4, "", False,
