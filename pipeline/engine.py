@@ -303,8 +303,8 @@ class Engine:
         # The vision encoder's outputs for recent media (pipeline/encoder_cache.py): off unless given a size
         # (``glimpse serve`` gives one), so that measurements always pay for the encoder.
         self.encoder_cache = EncoderCache(max_bytes=0)
-        # Recent images and videos decoded and preprocessed (pipeline/media_cache.py), keyed by their bytes or file:
-        # a chat's follow-up turns send them again. Off unless given a size (``glimpse serve`` gives one).
+        # Recent images and videos decoded and preprocessed (pipeline/media_cache.py), keyed by a digest of their
+        # bytes: a chat's follow-up turns send them again. Off unless given a size (``glimpse serve`` gives one).
         self.media_cache = MediaCache(max_bytes=0)
         # Keys and values of recent unpruned prompts (pipeline/prefix_cache.py): an unpruned prompt that starts
         # like one of them prefills only the rest. Off unless given a size (``glimpse serve`` gives one).
@@ -591,7 +591,8 @@ class Engine:
             embeds[0, rows] = features
         return embeds
 
-    def encode_media(self, prompt: Prompt, caches: bool = True) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+    def encode_media(self, prompt: Prompt,
+                     caches: bool = True) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
         """The vision encoder + projector, per modality: the placeholder rows, one feature row each,
         and per decoder layer what the architecture adds to those rows after it (DeepStack; usually none).
         Media encoded before are taken from ``encoder_cache`` when it is on (a chat's follow-up turns) and

@@ -2,7 +2,7 @@
 
 A chat client sends the whole conversation every turn, its pictures and videos included, so each follow-up
 question would decode and preprocess the same media again before the encoder cache (pipeline/encoder_cache.py)
-can even be asked: about 2.5 ms for a small PNG, 0.7 s for a 10-second 720p clip on two CPU cores
+can even be asked: about 2.5 ms for a small PNG, 0.6 s for a 10-second 720p clip on two CPU cores
 (docs/serving.md). ``MediaCache`` keeps the preprocessed ``MediaInput`` of each recent source, keyed by a
 digest of its bytes, whether they came as bytes (an image's data URL) or as a file (an upload, a path, the
 API's temporary copy of a video's bytes): the same content is the same key wherever it lies, and a file written
