@@ -63,32 +63,24 @@ def qwen2vl_video_inputs(
     if height % factor or width % factor:
         raise ValueError(f"frame size {height}x{width} must be a multiple of {factor} when resize=False")
 
-    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).to(torch.float32)  # (T, C, H, W)
-    # Rescale and normalize in one step: (x - mean / s) / (std / s) with s = 1/255, as transformers fuses them.
-    mean = torch.tensor(image_mean) * (1.0 / RESCALE_FACTOR)
-    std = torch.tensor(image_std) * (1.0 / RESCALE_FACTOR)
-    video = (video - mean[:, None, None]) / std[:, None, None]
-
+    video = torch.from_numpy(np.ascontiguousarray(frames))  # (T, H, W, C), uint8
     # Two frames make one temporal patch: an odd count repeats the last frame.
     if pad := -num_frames % temporal_patch_size:
         video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
         num_frames += pad
 
     grid_t, grid_h, grid_w = num_frames // temporal_patch_size, height // patch_size, width // patch_size
-    patches = video.reshape(
-        grid_t,
-        temporal_patch_size,
-        channels,
-        grid_h // merge_size,
-        merge_size,
-        patch_size,
-        grid_w // merge_size,
-        merge_size,
-        patch_size,
-    )
+    blocks = video.reshape(grid_t, temporal_patch_size, grid_h // merge_size, merge_size, patch_size,
+                           grid_w // merge_size, merge_size, patch_size, channels)
     # -> (t, block row, block col, row in block, col in block, channel, frame in pair, pixel row, pixel col):
-    # tokens in raster order of merge blocks, each patch flattened channel-major like a Conv3d kernel.
-    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    # tokens in raster order of merge blocks, each patch flattened channel-major like a Conv3d kernel. The bytes
+    # are put in that order as they become float32, in one pass; the values are then normalized in place.
+    layout = blocks.permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    patches = torch.empty(layout.shape, dtype=torch.float32).copy_(layout)
+    # Rescale and normalize in one step: (x - mean / s) / (std / s) with s = 1/255, as transformers fuses them.
+    mean = torch.tensor(image_mean) * (1.0 / RESCALE_FACTOR)
+    std = torch.tensor(image_std) * (1.0 / RESCALE_FACTOR)
+    patches.sub_(mean[:, None, None, None]).div_(std[:, None, None, None])
     pixel_values_videos = patches.reshape(
         grid_t * grid_h * grid_w, channels * temporal_patch_size * patch_size * patch_size
     )
