@@ -382,8 +382,9 @@ def test_peak_memory_is_the_requests_own_not_the_process_lifetime_peak(checkpoin
     import mmap
 
     engine = load_engine(str(checkpoints["llava"]), device="cpu")
-    # Fresh pages, written (so resident), then unmapped: a bytes object could reuse memory the allocator kept from
-    # earlier tests (already resident: no new peak) and keep it after (CI's whole-suite run saw both).
+    # Fresh pages, written (so resident), then unmapped: a bytes object may be served from memory the allocator
+    # kept from earlier tests, already resident, and make no new peak (a whole-suite CI run once measured the
+    # request's peak equal to the lifetime one with it).
     ballast = mmap.mmap(-1, 600 * 2**20)
     pages = np.frombuffer(ballast, dtype=np.uint8)
     pages[:] = 1
