@@ -132,8 +132,13 @@ class BodyLimits:
         cap = f"{MAX_BODY_BYTES / 2**20:g} MiB" if MAX_BODY_BYTES >= 2**20 else f"{MAX_BODY_BYTES / 2**10:g} KiB"
         message = (f"the request body is larger than {cap}" if status == 413
                    else f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await refuse(send, status, message, headers=((b"connection", b"close"),))
+
+
+async def refuse(send, status: int, message: str, headers: tuple = ()) -> None:
+    """An ASGI error response in the API's shape, sent without the application (the middlewares' refusals)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})

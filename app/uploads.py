@@ -11,11 +11,12 @@ is refused with 507 and a message that says so. The check runs before the body i
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
 from pathlib import Path
+
+from glimpse.connections import refuse
 
 
 RESERVE_BYTES = 2**30  # what uploads must leave free on the disk, whatever the quota
@@ -65,9 +66,9 @@ class UploadQuota:
             headers = dict(scope.get("headers") or [])
             length = headers.get(b"content-length")
             if length is None or not length.isdigit():
-                return await _refuse(send, 411, "an upload must state its Content-Length")
+                return await refuse(send, 411, "an upload must state its Content-Length")
             if (problem := self.room_for(int(length))) is not None:
-                return await _refuse(send, 507, problem)
+                return await refuse(send, 507, problem)
         await self.app(scope, receive, send)
 
     def room_for(self, length: int) -> str | None:
@@ -84,10 +85,3 @@ class UploadQuota:
         self.folder.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(self.folder).free
         return folder_bytes(self.folder) + length <= self.quota_bytes and free - length >= RESERVE_BYTES
-
-
-async def _refuse(send, status: int, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

@@ -631,8 +631,7 @@ class Engine:
         num_layers = len(self.adapter.layers)
         ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
                              KVCache(num_layers), num_layers,
-                             next_position=positions.max(dim=1, keepdim=True).values + 1)
-        ctx.caches = caches
+                             next_position=positions.max(dim=1, keepdim=True).values + 1, caches=caches)
         policy.plan(ctx)  # a bad parameter fails here, before any work starts
         spans = None
         if caches and self.prefix_cache.max_bytes and prunes_nothing(policy):
