@@ -430,8 +430,12 @@ def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, batch_siz
             placement = {"num_cpus": 1}
         else:  # CPU actors share the machine's cores (Ray sets each actor's torch threads to its CPUs)
             placement = {"num_cpus": max(1, int(ray.cluster_resources().get("CPU", 2) - 1) // actors)}
+        # Retrying, the actor is given one input at a time: tasks queued at an actor die with it, so an input
+        # waiting behind the poison one would die with it on every try and become an error row of its own.
+        pool = ({"compute": ray.data.ActorPoolStrategy(size=1, max_tasks_in_flight_per_actor=1)} if retrying
+                else {"concurrency": actors})
         captioned = decoded.map_batches(
-            CaptionStage, batch_size=batch_size, concurrency=actors,
+            CaptionStage, batch_size=batch_size, **pool,
             fn_constructor_kwargs={"model": model, "policy": policy, "speed": speed,
                                    "max_new_tokens": max_new_tokens, "device": device},
             max_restarts=-1, max_task_retries=ACTOR_TRIES - 1, **placement)
