@@ -402,6 +402,31 @@ def write_video(path: str | Path, frames: int, fps: int, size: tuple[int, int], 
     return write_clip([c.repeat(28, 0).repeat(28, 1)[:height, :width] for c in cells], path, fps, crf=None)
 
 
+def write_still_scene(path: str | Path, frames: int, size: tuple[int, int], seed: int = 0) -> Path:
+    """A still camera at 2 fps: a smooth random scene (coarse colour blocks), three shapes moving across it, noise
+    of about 2 grey levels on every frame, H.264 at x264's default quality; ``size`` = (width, height). What RLT
+    (pruning/rlt.py) is for, where ``write_video``'s clip has nothing that repeats."""
+    import numpy as np
+
+    from glimpse.tasks import write_clip
+
+    width, height = size
+    rng = np.random.RandomState(seed)
+    coarse = rng.rand(height // 16 + 2, width // 16 + 2, 3)
+    scene = np.kron(coarse, np.ones((16, 16, 1)))[:height, :width] * 200 + 20
+    shapes = [(rng.randint(0, height - 60), rng.randint(0, width - 60), rng.uniform(-6, 6), rng.uniform(-6, 6),
+               rng.rand(3) * 255) for _ in range(3)]
+    out = []
+    for i in range(frames):
+        frame = scene.copy()
+        for top, left, dy, dx, colour in shapes:
+            y, x = int(top + dy * i) % (height - 48), int(left + dx * i) % (width - 48)
+            frame[y:y + 48, x:x + 48] = colour
+        frame = frame + rng.normal(0, 2, frame.shape)
+        out.append(np.clip(frame, 0, 255).astype(np.uint8))
+    return write_clip(out, path, 2, crf=None)
+
+
 def _video_plan(tokens: float) -> tuple[int, int, int]:
     """(frames, rows, cols) at 2 fps whose Qwen2-VL token count is about ``tokens``: frames/2 temporal
     patches of rows x cols tokens, each frame within qwen-vl-utils' per-frame budget (128..768 tokens)."""

@@ -109,10 +109,25 @@ class Adapter:
         """Vision encoder + projector: one row per placeholder token of ``kind``, in prompt order."""
         raise NotImplementedError
 
-    def encode_with_layers(self, media: list[MediaInput], kind: Modality) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def encode_with_layers(self, media: list[MediaInput], kind: Modality, keep: torch.Tensor | None = None,
+                           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``encode``, plus what the architecture adds to the visual tokens after decoder layers 0, 1, ...
-        (Qwen3-VL's DeepStack features, one row per placeholder each); none for most."""
-        return self.encode(media, kind), []
+        (Qwen3-VL's DeepStack features, one row per placeholder each); none for most. ``keep`` (one bool per
+        placeholder of ``kind``): only those rows, from ``encode_kept``."""
+        return (self.encode(media, kind) if keep is None else self.encode_kept(media, kind, keep)), []
+
+    def encode_kept(self, media: list[MediaInput], kind: Modality, keep: torch.Tensor) -> torch.Tensor:
+        """``encode``'s rows for the placeholders ``keep`` marks. Here the encoder computes every token and
+        the others are dropped after it (the decoder still saves them); an architecture whose encoder can
+        leave tokens out overrides this (Qwen2-VL)."""
+        features = self.encode(media, kind)
+        return features[keep.to(features.device)]
+
+    def token_pixels(self, item: MediaInput) -> torch.Tensor | None:
+        """(t, n, p, f) for a video: the processed pixels the encoder reads for each of its ``n`` visual tokens
+        per temporal step, as the token's ``p`` encoder patches of ``f`` values each, the tokens in placeholder
+        order (step by step). What RLT compares (pruning/rlt.py); None where the architecture cannot say."""
+        return None
 
     # -- positions ----------------------------------------------------------------------------
     def positions(self, input_ids: torch.Tensor, modality: torch.Tensor, media: list[MediaInput]) -> torch.Tensor:
@@ -167,6 +182,36 @@ class Qwen2VLAdapter(Adapter):
     def encode(self, media, kind):
         return torch.cat(self._vision_output(media, kind).pooler_output, dim=0)
 
+    def token_pixels(self, item):
+        if item.kind != VIDEO:
+            return None
+        t, h, w = item.grid
+        pixels = item.tensors["pixel_values_videos"]  # (patches, C*T*P*P), each token's m*m patches in a row
+        return pixels.reshape(t, h * w, self.merge_size**2, -1)
+
+    def encode_kept(self, media, kind, keep):
+        """The vision tower on the kept tokens' patches only: each temporal step of each item attends among
+        its kept patches (the tower's own forward, given the kept patches' positions and one attention
+        segment per step), and the merger joins each token's m*m patches as usual."""
+        from transformers.vision_utils import get_vision_position_ids
+
+        vm = self.model.model
+        items = [m for m in media if m.kind == kind]
+        name, grid_name = ("pixel_values", "image_grid_thw") if kind == IMAGE else ("pixel_values_videos", "video_grid_thw")
+        pixels = torch.cat([m.tensors[name] for m in items])
+        grid = torch.cat([m.tensors[grid_name] for m in items])
+        patches = keep.cpu().repeat_interleave(self.merge_size**2)  # a token is m*m consecutive patches
+        step_sizes = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])  # one attention segment per step
+        step_of_patch = torch.repeat_interleave(torch.arange(len(step_sizes)), step_sizes)
+        kept_per_step = torch.bincount(step_of_patch[patches], minlength=len(step_sizes))
+        kept_per_step = kept_per_step[kept_per_step > 0]  # a step with nothing kept is no segment
+        cu_seqlens = torch.nn.functional.pad(kept_per_step.cumsum(0), (1, 0)).to(torch.int32)
+        device = vm.visual.device
+        out = vm.visual(pixels[patches].to(device, vm.visual.dtype), grid_thw=grid.to(device),
+                        position_ids=get_vision_position_ids(grid, self.merge_size)[patches].to(device),
+                        cu_seqlens=cu_seqlens.to(device))
+        return out.pooler_output
+
     def _vision_output(self, media, kind):
         """The model's own encoder call on the items of ``kind``: its output, one entry per item."""
         vm = self.model.model
@@ -219,6 +264,10 @@ class Qwen25VLAdapter(Qwen2VLAdapter):
         seconds = [m.tensors["second_per_grid_ts"] for m in media if m.kind == VIDEO]
         return {"second_per_grid_ts": torch.cat(seconds).to(device)} if seconds else {}
 
+    # Its encoder attends within windows laid out over the whole grid: it computes every token, and the
+    # ones not kept are dropped after it.
+    encode_kept = Adapter.encode_kept
+
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
     """Qwen3-VL (dense; the MoE variant loads through the same code): the decoder layer's own forward
@@ -261,10 +310,16 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
                            for seconds in item.timestamps_s) + rest
         return out
 
-    def encode_with_layers(self, media, kind):
+    def encode_with_layers(self, media, kind, keep=None):
+        # Its encoder interpolates position embeddings over the whole grid: it computes every token, and
+        # the ones not kept are dropped after it.
         out = self._vision_output(media, kind)
+        features = torch.cat(out.pooler_output, dim=0)
         layers = [torch.cat(per_item, dim=0) for per_item in out.deepstack_features]
-        return torch.cat(out.pooler_output, dim=0), layers
+        if keep is not None:
+            keep = keep.to(features.device)
+            features, layers = features[keep], [layer[keep] for layer in layers]
+        return features, layers
 
 
 class LlavaAdapter(Adapter):
@@ -331,6 +386,20 @@ class LlavaAdapter(Adapter):
             grid = hidden.reshape(len(hidden), gh, gw, -1).permute(0, 3, 1, 2)
             hidden = torch.nn.functional.avg_pool2d(grid, pool).flatten(2).transpose(1, 2)
         return hidden
+
+    def token_pixels(self, item):
+        if item.kind != VIDEO:
+            return None
+        pixels = item.tensors["pixel_values_videos"]
+        pixels = pixels.reshape(-1, *pixels.shape[-3:]).float()  # (frames, C, H, W)
+        frames, channels, height, width = pixels.shape
+        patch, pool = self.config.vision_config.patch_size, self.config.spatial_pool_stride
+        gh, gw = height // patch // pool, width // patch // pool  # one token: pool x pool patches
+        cells = pixels[:, :, : gh * pool * patch, : gw * pool * patch].reshape(
+            frames, channels, gh, pool, patch, gw, pool, patch)
+        # -> (frames, gh, gw, pool, pool, C, patch, patch): token by token, row-major, its patches in a row
+        cells = cells.permute(0, 2, 5, 3, 6, 1, 4, 7)
+        return cells.reshape(frames, gh * gw, pool * pool, channels * patch * patch)
 
     def cell_colours(self, pixel_values: torch.Tensor, pool: int = 1) -> torch.Tensor:
         """(N, tokens, 3): the mean of the processed pixels under each visual token's cell (a patch, or

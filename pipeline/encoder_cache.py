@@ -35,9 +35,13 @@ def item_key(item: MediaInput) -> str:
     return item.key
 
 
-def media_key(items: list[MediaInput]) -> str:
-    """A digest of what the encoder reads for ``items``, in order."""
-    return hashlib.blake2b("+".join(item_key(item) for item in items).encode(), digest_size=20).hexdigest()
+def media_key(items: list[MediaInput], keep: torch.Tensor | None = None) -> str:
+    """A digest of what the encoder reads for ``items``, in order, and of which of their tokens it computes
+    (``keep``, one bool per placeholder; None: all of them)."""
+    digest = hashlib.blake2b("+".join(item_key(item) for item in items).encode(), digest_size=20)
+    if keep is not None:
+        digest.update(b"|keep:" + keep.to(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 class EncoderCache(BytesLRU[Features]):

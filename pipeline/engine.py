@@ -112,6 +112,9 @@ class PrefillContext:
     # Whether this request may read and write the engine's caches (prefix, encoder): not when it is measured
     # against another run of the same prompt (Engine.start's ``caches``).
     caches: bool = True
+    # (T,) bool on the model device: False for the visual tokens the policy had the vision encoder skip
+    # (``Policy.skip_encoding``), which no decoder layer computes either; None when it skips none.
+    encoded: torch.Tensor | None = None
 
 
 @dataclass
@@ -584,34 +587,41 @@ class Engine:
         return GenerationResult(text, request.tokens, metrics, policy.name, policy.params(), request.finish,
                                 policy.summary(), request.first_logits)
 
-    def embed_prompt(self, prompt: Prompt) -> torch.Tensor:
-        """Token embeddings with the vision encoder's output written over the placeholder tokens."""
+    def embed_prompt(self, prompt: Prompt, encoded: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings with the vision encoder's output written over the placeholder tokens (over those
+        ``encoded`` marks, the others left as they are: see ``encode_media``)."""
         embeds = self.adapter.embed_tokens(prompt.input_ids.to(self.device))[None]  # (1, T, d)
-        for rows, features, _ in self.encode_media(prompt):
+        for rows, features, _ in self.encode_media(prompt, encoded=encoded):
             embeds[0, rows] = features
         return embeds
 
-    def encode_media(self, prompt: Prompt,
-                     caches: bool = True) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+    def encode_media(self, prompt: Prompt, caches: bool = True, encoded: torch.Tensor | None = None,
+                     ) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
         """The vision encoder + projector, per modality: the placeholder rows, one feature row each,
         and per decoder layer what the architecture adds to those rows after it (DeepStack; usually none).
-        Media encoded before are taken from ``encoder_cache`` when it is on (a chat's follow-up turns) and
-        ``caches`` allows it."""
+        ``encoded`` (one bool per prompt token, ``PrefillContext.encoded``): only the placeholder rows it marks
+        are encoded and returned. Media encoded before are taken from ``encoder_cache`` when it is on (a chat's
+        follow-up turns) and ``caches`` allows it."""
         out = []
+        encoded = encoded.cpu() if encoded is not None else None
         for kind in (IMAGE, VIDEO):
             items = [m for m in prompt.media if m.kind == kind]
             if not items:
                 continue
-            key = media_key(items) if self.encoder_cache.max_bytes and caches else None
+            rows = (prompt.modality == kind).nonzero().squeeze(1)
+            keep = encoded[rows] if encoded is not None else None
+            if keep is not None and bool(keep.all()):
+                keep = None
+            key = media_key(items, keep) if self.encoder_cache.max_bytes and caches else None
             cached = self.encoder_cache.get(key) if key is not None else None
             if cached is None:
-                features, layers = self.adapter.encode_with_layers(prompt.media, kind)
+                features, layers = self.adapter.encode_with_layers(prompt.media, kind, keep)
                 features, layers = features.to(self.device, self.dtype), [f.to(self.device, self.dtype) for f in layers]
                 if key is not None:
                     self.encoder_cache.put(key, (features, layers))
             else:
                 features, layers = cached
-            rows = (prompt.modality == kind).nonzero().squeeze(1).to(self.device)
+            rows = (rows if keep is None else rows[keep]).to(self.device)
             if features.shape[0] != rows.shape[0]:
                 raise RuntimeError(f"encoder gave {features.shape[0]} features for {rows.shape[0]} placeholders")
             out.append((rows, features, layers))
@@ -633,6 +643,10 @@ class Engine:
                              KVCache(num_layers), num_layers,
                              next_position=positions.max(dim=1, keepdim=True).values + 1, caches=caches)
         policy.plan(ctx)  # a bad parameter fails here, before any work starts
+        skipped = policy.skip_encoding(ctx) if prompt.media else None
+        if skipped is not None and skipped.numel():
+            ctx.encoded = torch.ones(input_ids.shape[0], dtype=torch.bool, device=self.device)
+            ctx.encoded[skipped.to(self.device)] = False
         spans = None
         if caches and self.prefix_cache.max_bytes and prunes_nothing(policy):
             spans = media_spans(prompt)
@@ -647,7 +661,8 @@ class Engine:
         # inside a reused prefix are not encoded again.
         start = ctx.reused_tokens
         needs_vision = bool(prompt.media) and (start == 0 or any(span.end > start for span in spans))
-        vision = VisionJob(self, prompt, parallel=self.parallel_vision, caches=ctx.caches) if needs_vision else None
+        vision = (VisionJob(self, prompt, parallel=self.parallel_vision, caches=ctx.caches, encoded=ctx.encoded)
+                  if needs_vision else None)
         try:
             logits = self._layers(ctx.hidden, cos, sin, policy, ctx, vision, start)
         finally:
@@ -676,19 +691,25 @@ class Engine:
         prefix cache, already in every layer's cache)."""
         T = hidden.shape[1]
         active = torch.arange(start, T, device=self.device)
+        if ctx.encoded is not None:  # the visual tokens the encoder skipped enter no layer
+            active = active[ctx.encoded[start:]]
         # The active set and its modalities on the host too, for the cache's token records and the vision
         # check: read from the device only when a policy changes the set. A read waits for the GPU to finish
         # every layer queued before it, so reading at every layer left the GPU idle while the host queued the
         # next one (an H100 profile of a 7B prefill counted twice transformers' host syncs; docs/benchmarks.md).
         modality = ctx.prompt.modality.cpu()
-        host_copy_of, host_index, host_modality = active, torch.arange(start, T), modality[start:]
+        host_index = torch.arange(start, T) if ctx.encoded is None else active.cpu()
+        host_copy_of, host_modality = active, modality[host_index]
         fresh = torch.ones(T, dtype=torch.bool, device=self.device)  # not computed by any layer yet
         fresh[:start] = False
         if vision is not None and policy.reads_visual_inputs:  # it selects on them before layer 0 (DivPrune)
             hidden = ctx.hidden = vision.join(hidden, ctx)
             vision = None
         for layer_idx, layer in enumerate(self.adapter.layers):
-            active = _checked(policy.select(layer_idx, active, ctx), active, fresh)
+            chosen = _checked(policy.select(layer_idx, active, ctx), active, fresh)
+            if chosen is not active and ctx.encoded is not None:
+                chosen = chosen[ctx.encoded[chosen]]  # a policy injecting visual tokens (HiDivDrop) may not add these
+            active = chosen
             if active is not host_copy_of:
                 host_copy_of, host_index = active, active.cpu()
                 host_modality = modality[host_index]
@@ -878,8 +899,9 @@ class VisionJob:
     same inputs, so the features are bit-identical either way.
     """
 
-    def __init__(self, engine: "Engine", prompt: Prompt, parallel: bool, caches: bool = True):
-        self.engine, self.prompt, self.caches = engine, prompt, caches
+    def __init__(self, engine: "Engine", prompt: Prompt, parallel: bool, caches: bool = True,
+                 encoded: torch.Tensor | None = None):
+        self.engine, self.prompt, self.caches, self.encoded = engine, prompt, caches, encoded
         self.features: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
         self.error: BaseException | None = None
         self.seconds = 0.0
@@ -904,7 +926,7 @@ class VisionJob:
             stream = torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext()
             inference, grad = self.modes
             with torch.inference_mode(inference), torch.set_grad_enabled(grad), stream:
-                self.features = self.engine.encode_media(self.prompt, self.caches)
+                self.features = self.engine.encode_media(self.prompt, self.caches, self.encoded)
                 if side_stream is not None:
                     side_stream.synchronize()
                 else:

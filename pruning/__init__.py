@@ -18,6 +18,7 @@ from glimpse.pruning.fastv import FastV
 from glimpse.pruning.frontier import Frontier, Member, Point, design_pipeline_members, uncalibrated_frontier
 from glimpse.pruning.hidivdrop import HiDivDrop
 from glimpse.pruning.lazyllm import LazyLLM
+from glimpse.pruning.rlt import RLT
 from glimpse.pruning.st3 import ST3
 from glimpse.pruning.zipvl import ZipVL
 
@@ -30,6 +31,7 @@ POLICIES: dict[str, type[Policy]] = {
     "fastv": FastV,
     "hidivdrop": HiDivDrop,
     "divprune": DivPrune,
+    "rlt": RLT,
 }
 NAMES = ["auto", *POLICIES]  # what --policy, the chat's dropdown and the API accept
 PRUNING_NAMES = [name for name in POLICIES if name != "none"]  # the policies a benchmark compares
@@ -149,4 +151,4 @@ def _fits(value, annotation: str) -> bool:
 
 
 __all__ = ["DASH", "DivPrune", "NAMES", "POLICIES", "PRUNING_NAMES", "TEXT_PRUNING_NAMES", "FastV", "Frontier", "HiDivDrop", "LazyLLM", "Member", "NoPruning", "Pipeline",
-           "Point", "Policy", "ST3", "ZipVL", "configuration", "design_pipeline", "make_policy", "parse_params"]
+           "Point", "Policy", "RLT", "ST3", "ZipVL", "configuration", "design_pipeline", "make_policy", "parse_params"]

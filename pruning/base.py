@@ -3,6 +3,8 @@
 The engine calls, in this order:
   plan(ctx)                          before prefill, once the prompt, its modalities and the depth
                                      are known: resolve layer numbers, reset per-request state
+  skip_encoding(ctx)                 before the vision encoder starts: the visual tokens it need not
+                                     compute (RLT's repeats); they enter no decoder layer either
   select(layer_idx, active, ctx)     before each decoder layer: return the token indices it computes;
                                      a policy that merges (``merge_into_kept``) may also replace
                                      ``ctx.hidden``, which the engine reads back before the layer.
@@ -83,6 +85,11 @@ class Policy:
 
     def plan(self, ctx) -> None:
         pass
+
+    def skip_encoding(self, ctx) -> torch.Tensor | None:
+        """Original indices (sorted) of visual tokens the vision encoder does not compute; the engine keeps
+        them out of every decoder layer too. None: the encoder computes every one."""
+        return None
 
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         return active

@@ -1,6 +1,7 @@
 """Composition: several policies acting as one, in order (kvpress's wrapper idea).
 
-Every callback goes to every member in order; ``select`` chains, so each member only ever shrinks
+Every callback goes to every member in order; ``skip_encoding`` joins the members' skipped tokens;
+``select`` chains, so each member only ever shrinks
 what the previous ones left; ``attention_rows`` and ``decode_attend`` intersect the members'
 choices; ``decode_rows`` chains. This is how the design card's default pipeline (HiDivDrop late
 injection, then DASH or ZipVL, then ST3's decode-time annealing) is built.
@@ -37,6 +38,10 @@ class Pipeline(Policy):
     def plan(self, ctx) -> None:
         for p in self.policies:
             p.plan(ctx)
+
+    def skip_encoding(self, ctx) -> torch.Tensor | None:
+        skipped = [s for s in (p.skip_encoding(ctx) for p in self.policies) if s is not None]
+        return torch.unique(torch.cat(skipped)) if skipped else None
 
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         for p in self.policies:

@@ -242,8 +242,9 @@ def candidates() -> list[tuple[Member, ...]]:
     the design card's pipeline, and the compositions the embedded model's measurements suggested
     (docs/slider.md): LazyLLM past its slider's end, LazyLLM or ST3 with ST3's decode annealing or
     ZipVL's packed KV, FastV's early cut under LazyLLM, an early vision exit under LazyLLM, and FastV's
-    and LazyLLM's cuts with the pruned visual tokens merged into the kept ones (``merge=True``); and DivPrune's
-    diverse visual tokens chosen before the first layer."""
+    and LazyLLM's cuts with the pruned visual tokens merged into the kept ones (``merge=True``); DivPrune's
+    diverse visual tokens chosen before the first layer; and RLT's repeated video tokens left out before the
+    encoder, alone and under DivPrune and LazyLLM."""
     anneal = dict(first_drop=0.0, end_keep=1.0)  # ST3's decode half alone
     packed_kv = dict(tau_image=1.0, tau_video=1.0)  # ZipVL's 4/2-bit KV in decode, no sparse prefill
     out: list[tuple[Member, ...]] = []
@@ -295,6 +296,11 @@ def candidates() -> list[tuple[Member, ...]]:
     # layer 0; its slider keeps 1 - 0.8 s of them, and 30% and 25% are the steps between 0.75 and 1.
     out += [(Member.of("divprune", s),) for s in (0.25, 0.5, 0.75, 1.0)]
     out += [(Member.of("divprune", 1.0, keep=k),) for k in (0.3, 0.25)]
+    # RLT (pruning/rlt.py): a video's repeated tokens left out before the vision encoder (images untouched),
+    # alone and under the policies that prune what it keeps.
+    out += [(Member.of("rlt", s),) for s in (0.5, 1.0)]
+    out += [(Member.of("rlt", 1.0), Member.of("divprune", s)) for s in (0.5, 1.0)]
+    out += [(Member.of("rlt", 1.0), Member.of("lazyllm", 1.0))]
     return out
 
 

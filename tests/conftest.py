@@ -41,7 +41,8 @@ def media(tmp_path_factory) -> dict[str, Path]:
     image = Image.fromarray((rng.rand(90, 120, 3) * 255).astype("uint8"))
     image.save(root / "image.png")
     write_video(root / "clip.mp4", frames=20, fps=10, size=(64, 48))
-    return {"image": root / "image.png", "video": root / "clip.mp4"}
+    return {"image": root / "image.png", "video": root / "clip.mp4",
+            "moving_square": write_moving_square(root / "square.mp4")}
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +53,21 @@ def embedded_cache(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("glimpse-cache")
     embedded_checkpoint(root, progress=lambda line: None)
     return root
+
+
+def write_moving_square(path: Path) -> Path:
+    """A still, textured scene in which one white square moves right, 6 s at 8 fps: most of its tokens repeat
+    over time, the square's do not (RLT). Written losslessly, so the still part is the same in every frame."""
+    from glimpse.tasks import write_clip
+
+    rng = np.random.RandomState(0)
+    scene = (rng.rand(112, 224, 3) * 255).astype(np.uint8)
+    frames = []
+    for i in range(48):  # Qwen2-VL samples 12 frames: 6 temporal steps
+        frame = scene.copy()
+        frame[28:56, 8 + 4 * i:36 + 4 * i] = 255
+        frames.append(frame)
+    return write_clip(frames, path, 8, crf=0)
 
 
 def write_video(path: Path, frames: int, fps: int, size: tuple[int, int]) -> Path:

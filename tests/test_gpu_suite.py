@@ -18,7 +18,7 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "gpu_suite.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["exactness", "overhead", "overlap", "policies", "decode", "caption", "profile"]
+    assert list(sections) == ["exactness", "overhead", "overlap", "policies", "rlt", "decode", "caption", "profile"]
     assert not [name for name, s in sections.items() if "error" in s]
 
     exact = sections["exactness"]["rows"]
@@ -34,6 +34,9 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
                         ("auto", "llava-tiny")}
     for row in sections["policies"]["rows"]:
         assert row["flops_speedup"] > 1.0 and row["paper"]  # each pruned something, beside its paper's figure
+    # RLT on the still-camera clip: the same tokens left out alone and under LazyLLM, none by the baseline.
+    rlt = {r["config"]: r for r in sections["rlt"]["rows"]}
+    assert rlt["none"]["left_out"] == 0 < rlt["rlt@1"]["left_out"] == rlt["rlt@1 + lazyllm@1"]["left_out"] < 1
     decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}
     assert decoders == {(b, d) for b in (1, 2)
                         for d in ("generate", "none", "st3", "zipvl", "none, per request", "none, CUDA graph",

@@ -201,15 +201,16 @@ def reference_inputs(engine, prompt) -> dict:
     return inputs
 
 
-def masked_reference(engine, prompt, active_per_layer, attention_per_layer) -> torch.Tensor:
+def masked_reference(engine, prompt, active_per_layer, attention_per_layer, encoded=None) -> torch.Tensor:
     """Every token through every layer with the layers' own forward (eager), but in each layer only
     the active tokens are keys, inactive tokens keep their hidden state, and where attention was
-    restricted (ZipVL) the other tokens' attention output is zeroed while their FFN runs."""
+    restricted (ZipVL) the other tokens' attention output is zeroed while their FFN runs. ``encoded``: the
+    visual tokens the encoder computed (``PrefillContext.encoded``), as the pruned run had it."""
     adapter = engine.adapter
-    hidden = engine.embed_prompt(prompt)
+    hidden = engine.embed_prompt(prompt, encoded)
     # What the architecture adds to the visual tokens after a layer (Qwen3-VL's DeepStack), from
     # transformers' own encoder call: here to the active ones only.
-    added = [(rows, layers) for rows, _, layers in engine.encode_media(prompt) if layers]
+    added = [(rows, layers) for rows, _, layers in engine.encode_media(prompt, encoded=encoded) if layers]
     positions = adapter.positions(prompt.input_ids, prompt.modality, prompt.media)
     cos, sin = adapter.rotary(hidden, positions)
     T = hidden.shape[1]
