@@ -17,7 +17,8 @@ holds only ``S`` and the text.
 Glimpse's decisions where the paper is silent (docs/pruning.md): each image is selected on its own
 (the paper has one image per prompt), and each *frame* of a video on its own (``per_frame``; measured
 on the embedded model's clips), so that a frame that repeats the one before keeps its share; ties go
-to the earlier token. The greedy loop costs ``O(k n d)`` with ``n`` the tokens of one image or frame; the
+to the earlier token; under RLT, only a frame's tokens that were encoded are selected among (its share is
+of those). The greedy loop costs ``O(k n d)`` with ``n`` the tokens of one image or frame; the
 frames of a video (and images of one size) are selected side by side in one batched loop.
 """
 
@@ -51,7 +52,10 @@ class DivPrune(Policy):
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         if layer_idx != 0 or self.keep >= 1.0:
             return active
-        groups = visual_groups(ctx.prompt, self.per_frame)
+        # Only the tokens that reach layer 0: under RLT (pruning/rlt.py) a video's repeated tokens were never
+        # encoded, and DivPrune keeps its share of what is left.
+        groups = [g.to(active.device) for g in visual_groups(ctx.prompt, self.per_frame)]
+        groups = [reaching for g in groups if (reaching := g[torch.isin(g, active)]).numel()]
         kept = []
         # Groups of one size (a video's frames, images of one shape) are chosen together in one batched loop.
         for size in sorted({g.shape[0] for g in groups}):
@@ -60,7 +64,7 @@ class DivPrune(Policy):
             kept.append(same.gather(1, chosen).flatten())
         if not kept:
             return active
-        visual = torch.cat(groups).to(active.device)
+        visual = torch.cat(groups)
         dropped = visual[~torch.isin(visual, torch.cat(kept))]
         self.telemetry["num_dropped"] = int(dropped.shape[0])
         return without(active, torch.isin(active, dropped).nonzero().squeeze(1))

@@ -158,3 +158,21 @@ def test_the_pixels_rlt_compares_are_each_tokens_own_cell(checkpoints, moving_sq
     colours = adapter.cell_colours(pixels, adapter.config.spatial_pool_stride)  # (frames, tokens, 3)
     means = cells.reshape(frames, tokens, cells.shape[2], 3, -1).mean(dim=(2, 4))
     torch.testing.assert_close(means, colours, atol=1e-5, rtol=1e-5)
+
+
+def test_divprune_under_rlt_keeps_its_share_of_each_frames_encoded_tokens(deep_checkpoints, moving_square):
+    from glimpse.pruning import DivPrune
+    from glimpse.pruning.divprune import kept_count
+
+    engine = load_engine(str(deep_checkpoints["qwen2_vl"]), device="cpu")
+    prompt = engine.prepare(_video_messages(moving_square))
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, Pipeline(policies=(RLT(tau=0.05), DivPrune(keep=0.5))))
+    item, tokens = prompt.media_rows()[0]
+    encoded = ctx.encoded.cpu()
+    layer0 = ctx.active_per_layer[0].cpu()
+    for step in tokens.reshape(item.grid[0], -1):
+        reaching = step[encoded[step]]
+        kept = step[torch.isin(step, layer0)]
+        assert torch.isin(kept, reaching).all()  # never a token the encoder skipped ...
+        assert kept.numel() == (kept_count(0.5, reaching.numel()) if reaching.numel() else 0)  # ... half of the rest
