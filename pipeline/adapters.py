@@ -200,17 +200,19 @@ class Qwen2VLAdapter(Adapter):
         name, grid_name = ("pixel_values", "image_grid_thw") if kind == IMAGE else ("pixel_values_videos", "video_grid_thw")
         pixels = torch.cat([m.tensors[name] for m in items])
         grid = torch.cat([m.tensors[grid_name] for m in items])
-        patches = keep.cpu().repeat_interleave(self.merge_size**2)  # a token is m*m consecutive patches
+        keep = keep.cpu()
+        patches = keep.repeat_interleave(self.merge_size**2)  # a token is m*m consecutive patches
         step_sizes = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])  # one attention segment per step
-        step_of_patch = torch.repeat_interleave(torch.arange(len(step_sizes)), step_sizes)
-        kept_per_step = torch.bincount(step_of_patch[patches], minlength=len(step_sizes))
-        kept_per_step = kept_per_step[kept_per_step > 0]  # a step with nothing kept is no segment
-        cu_seqlens = torch.nn.functional.pad(kept_per_step.cumsum(0), (1, 0)).to(torch.int32)
+        segments = {"position_ids": get_vision_position_ids(grid, self.merge_size)[patches],
+                    "cu_seqlens": _kept_segments(step_sizes, patches), **self._kept_windows(grid, keep)}
         device = vm.visual.device
         out = vm.visual(pixels[patches].to(device, vm.visual.dtype), grid_thw=grid.to(device),
-                        position_ids=get_vision_position_ids(grid, self.merge_size)[patches].to(device),
-                        cu_seqlens=cu_seqlens.to(device))
+                        **{k: v.to(device) for k, v in segments.items()})
         return out.pooler_output
+
+    def _kept_windows(self, grid: torch.Tensor, keep: torch.Tensor) -> dict:
+        """What a windowed tower (Qwen2.5-VL) needs besides: none here."""
+        return {}
 
     def _vision_output(self, media, kind):
         """The model's own encoder call on the items of ``kind``: its output, one entry per item."""
@@ -264,9 +266,20 @@ class Qwen25VLAdapter(Qwen2VLAdapter):
         seconds = [m.tensors["second_per_grid_ts"] for m in media if m.kind == VIDEO]
         return {"second_per_grid_ts": torch.cat(seconds).to(device)} if seconds else {}
 
-    # Its encoder attends within windows laid out over the whole grid: it computes every token, and the
-    # ones not kept are dropped after it.
-    encode_kept = Adapter.encode_kept
+    def _kept_windows(self, grid, keep):
+        """Its tower attends within windows of the grid in most blocks (within each step in the others), its
+        tokens reordered window by window: the kept tokens in that order, and the windows' kept patches."""
+        from transformers.vision_utils import get_vision_window_index
+
+        vc = self.config.vision_config
+        order, cu_windows = get_vision_window_index(grid, self.merge_size, vc.window_size, vc.patch_size)
+        unit = self.merge_size**2
+        window_of = torch.repeat_interleave(torch.arange(len(cu_windows) - 1), cu_windows.diff().long() // unit)
+        kept_in_order = keep[order]  # window by window
+        rank = keep.long().cumsum(0) - 1  # a kept token's place among the kept ones
+        return {"window_index": rank[order[kept_in_order]],
+                "cu_window_seqlens": _kept_segments(torch.bincount(window_of, minlength=len(cu_windows) - 1),
+                                                    kept_in_order) * unit}
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
@@ -500,6 +513,14 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         pixels = pixels.to(vm.vision_tower.device, vm.vision_tower.dtype)
         out = vm.get_video_features(pixel_values_videos=pixels, return_dict=True, **self._feature_kwargs())
         return out.pooler_output.reshape(-1, out.pooler_output.shape[-1])
+
+
+def _kept_segments(sizes: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """Cumulative lengths (``cu_seqlens``, int32) of the attention segments of ``sizes`` consecutive elements each,
+    counting only the ``kept`` ones; a segment with nothing kept is none."""
+    segment_of = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    counts = torch.bincount(segment_of[kept], minlength=len(sizes))
+    return torch.nn.functional.pad(counts[counts > 0].cumsum(0), (1, 0)).to(torch.int32)
 
 
 def _clip_preprocess(frame: Image.Image, size: int, image_processor) -> torch.Tensor:

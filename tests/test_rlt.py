@@ -43,8 +43,9 @@ def test_a_token_repeats_until_its_change_from_the_last_kept_one_reaches_tau():
     assert not repeated_tokens(pixels, tau=0.0).any()  # tau 0: off
 
 
-def test_the_qwen2_vl_encoder_computes_only_the_kept_tokens_and_each_step_on_its_own(checkpoints, moving_square):
-    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])  # attention per step; in windows too
+def test_the_qwen_encoder_computes_only_the_kept_tokens_and_each_step_on_its_own(checkpoints, moving_square, arch):
+    engine = load_engine(str(checkpoints[arch]), device="cpu")
     adapter = engine.adapter
     item = engine.prepare(_video_messages(moving_square)).media[0]
     t, h, w = item.grid
@@ -75,7 +76,7 @@ def test_the_qwen2_vl_encoder_computes_only_the_kept_tokens_and_each_step_on_its
     assert (kept[rows[2, 1::2]] - full[2, 1::2]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "longva"])  # the encoder leaving tokens out; dropping them after it
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "longva"])  # the encoder leaving tokens out; dropping them after it
 def test_the_tokens_rlt_skips_are_in_no_layer_and_the_rest_is_exactly_masking_them(checkpoints, moving_square, arch):
     engine = load_engine(str(checkpoints[arch]), device="cpu", attn="eager")
     prompt = engine.prepare(_video_messages(moving_square))
