@@ -190,6 +190,9 @@ class Qwen2VLAdapter(Adapter):
         return pixels.reshape(t, h * w, self.merge_size**2, -1)
 
     def encode_kept(self, media, kind, keep):
+        return self._vision_output_kept(media, kind, keep).pooler_output
+
+    def _vision_output_kept(self, media, kind, keep):
         """The vision tower on the kept tokens' patches only: each temporal step of each item attends among
         its kept patches (the tower's own forward, given the kept patches' positions and one attention
         segment per step), and the merger joins each token's m*m patches as usual."""
@@ -204,14 +207,14 @@ class Qwen2VLAdapter(Adapter):
         patches = keep.repeat_interleave(self.merge_size**2)  # a token is m*m consecutive patches
         step_sizes = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])  # one attention segment per step
         segments = {"position_ids": get_vision_position_ids(grid, self.merge_size)[patches],
-                    "cu_seqlens": _kept_segments(step_sizes, patches), **self._kept_windows(grid, keep)}
+                    "cu_seqlens": _kept_segments(step_sizes, patches), **self._kept_extras(grid, keep, patches)}
         device = vm.visual.device
-        out = vm.visual(pixels[patches].to(device, vm.visual.dtype), grid_thw=grid.to(device),
-                        **{k: v.to(device) for k, v in segments.items()})
-        return out.pooler_output
+        return vm.visual(pixels[patches].to(device, vm.visual.dtype), grid_thw=grid.to(device),
+                         **{k: v.to(device) for k, v in segments.items()})
 
-    def _kept_windows(self, grid: torch.Tensor, keep: torch.Tensor) -> dict:
-        """What a windowed tower (Qwen2.5-VL) needs besides: none here."""
+    def _kept_extras(self, grid: torch.Tensor, keep: torch.Tensor, patches: torch.Tensor) -> dict:
+        """What else the tower computes over the whole grid, for the kept patches (Qwen2.5-VL's windows,
+        Qwen3-VL's position embeddings): nothing here."""
         return {}
 
     def _vision_output(self, media, kind):
@@ -266,7 +269,7 @@ class Qwen25VLAdapter(Qwen2VLAdapter):
         seconds = [m.tensors["second_per_grid_ts"] for m in media if m.kind == VIDEO]
         return {"second_per_grid_ts": torch.cat(seconds).to(device)} if seconds else {}
 
-    def _kept_windows(self, grid, keep):
+    def _kept_extras(self, grid, keep, patches):
         """Its tower attends within windows of the grid in most blocks (within each step in the others), its
         tokens reordered window by window: the kept tokens in that order, and the windows' kept patches."""
         from transformers.vision_utils import get_vision_window_index
@@ -324,15 +327,22 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
         return out
 
     def encode_with_layers(self, media, kind, keep=None):
-        # Its encoder interpolates position embeddings over the whole grid: it computes every token, and
-        # the ones not kept are dropped after it.
+        if keep is not None:  # DeepStack's features of the kept tokens come from the same run
+            out = self._vision_output_kept(media, kind, keep)
+            return out.pooler_output, list(out.deepstack_features)
         out = self._vision_output(media, kind)
-        features = torch.cat(out.pooler_output, dim=0)
         layers = [torch.cat(per_item, dim=0) for per_item in out.deepstack_features]
-        if keep is not None:
-            keep = keep.to(features.device)
-            features, layers = features[keep], [layer[keep] for layer in layers]
-        return features, layers
+        return torch.cat(out.pooler_output, dim=0), layers
+
+    def _kept_extras(self, grid, keep, patches):
+        """Its tower adds position embeddings interpolated over each item's grid: the kept patches' taps."""
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+        visual = self.model.model.visual
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners, spatial_merge_size=self.merge_size)
+        return {"interp_indices": indices[patches], "interp_weights": weights[patches]}
 
 
 class LlavaAdapter(Adapter):

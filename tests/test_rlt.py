@@ -43,7 +43,7 @@ def test_a_token_repeats_until_its_change_from_the_last_kept_one_reaches_tau():
     assert not repeated_tokens(pixels, tau=0.0).any()  # tau 0: off
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])  # attention per step; in windows too
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])  # per step; windows; interpolated positions
 def test_the_qwen_encoder_computes_only_the_kept_tokens_and_each_step_on_its_own(checkpoints, moving_square, arch):
     engine = load_engine(str(checkpoints[arch]), device="cpu")
     adapter = engine.adapter
@@ -76,7 +76,7 @@ def test_the_qwen_encoder_computes_only_the_kept_tokens_and_each_step_on_its_own
     assert (kept[rows[2, 1::2]] - full[2, 1::2]).abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "longva"])  # the encoder leaving tokens out; dropping them after it
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "longva"])  # the encoder leaves tokens out; drops them after it
 def test_the_tokens_rlt_skips_are_in_no_layer_and_the_rest_is_exactly_masking_them(checkpoints, moving_square, arch):
     engine = load_engine(str(checkpoints[arch]), device="cpu", attn="eager")
     prompt = engine.prepare(_video_messages(moving_square))
