@@ -414,20 +414,22 @@ def write_still_scene(path: str | Path, frames: int, size: tuple[int, int], seed
     rng = np.random.RandomState(seed)
     coarse = rng.rand(height // 16 + 2, width // 16 + 2, 3)
     scene = np.kron(coarse, np.ones((16, 16, 1)))[:height, :width] * 200 + 20
-    shapes = [(rng.randint(0, height - 60), rng.randint(0, width - 60), rng.uniform(-6, 6), rng.uniform(-6, 6),
+    side = max(1, min(48, height // 4, width // 4))  # each shape's side in pixels
+    room_y, room_x = height - side, width - side  # where a shape's corner may go
+    shapes = [(rng.randint(0, room_y + 1), rng.randint(0, room_x + 1), rng.uniform(-6, 6), rng.uniform(-6, 6),
                rng.rand(3) * 255) for _ in range(3)]
     out = []
     for i in range(frames):
         frame = scene.copy()
         for top, left, dy, dx, colour in shapes:
-            y, x = int(top + dy * i) % (height - 48), int(left + dx * i) % (width - 48)
-            frame[y:y + 48, x:x + 48] = colour
+            y, x = int(top + dy * i) % (room_y + 1), int(left + dx * i) % (room_x + 1)
+            frame[y:y + side, x:x + side] = colour
         frame = frame + rng.normal(0, 2, frame.shape)
         out.append(np.clip(frame, 0, 255).astype(np.uint8))
     return write_clip(out, path, 2, crf=None)
 
 
-def _video_plan(tokens: float) -> tuple[int, int, int]:
+def video_plan(tokens: float) -> tuple[int, int, int]:
     """(frames, rows, cols) at 2 fps whose Qwen2-VL token count is about ``tokens``: frames/2 temporal
     patches of rows x cols tokens, each frame within qwen-vl-utils' per-frame budget (128..768 tokens)."""
     from glimpse.vision import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
@@ -477,7 +479,7 @@ def synthesize_prompts(engine, folder: str | Path, image_tokens: int, video_toke
             folder.mkdir(parents=True, exist_ok=True)
             target = float(video_tokens)
             for attempt in range(4):
-                frames, rows, cols = _video_plan(target)
+                frames, rows, cols = video_plan(target)
                 path = write_video(folder / f"bench-video-{attempt}.mp4", frames, 2, (cols * 28, rows * 28))
                 messages = _messages("video", str(path), questions["video"])
                 got = engine.prepare(messages).token_counts()["video"]

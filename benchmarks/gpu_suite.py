@@ -69,7 +69,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the test suite's tiny checkpoints of 
 from tiny_models import BUILDERS, reference_inputs  # noqa: E402
 
 from glimpse.assets import ASSETS  # noqa: E402
-from glimpse.bench import _video_plan, generate_decode_rate, run_bench, synthesize_prompts, write_still_scene  # noqa: E402
+from glimpse.bench import video_plan, generate_decode_rate, run_bench, synthesize_prompts, write_still_scene  # noqa: E402
 from glimpse.pipeline import load_engine  # noqa: E402
 from glimpse.pipeline.engine import Sampling  # noqa: E402
 from glimpse.pipeline.metrics import synchronize  # noqa: E402
@@ -608,7 +608,7 @@ def rlt(suite: Suite) -> dict:
     into prompt building, vision encoder and decoder prefill."""
     engine = suite.engine("qwen")
     tokens = max(suite.shapes.video_tokens)
-    frames, rows, cols = _video_plan(tokens)
+    frames, rows, cols = video_plan(tokens)
     path = write_still_scene(Path(suite.tmp.name) / "still-scene.mp4", frames, (cols * 28, rows * 28))
     messages = user_message("What happens in this video?", [("video", str(path))])
     configs = {"none": lambda: NoPruning(), "rlt@1": lambda: RLT.from_speed(1.0),

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from glimpse.bench import _video_plan, write_still_scene, write_video  # noqa: E402
+from glimpse.bench import video_plan, write_still_scene, write_video  # noqa: E402
 from glimpse.pipeline import load_engine  # noqa: E402
 from glimpse.pipeline.random_checkpoint import build_random_qwen2_vl  # noqa: E402
 from glimpse.pruning import make_policy  # noqa: E402
@@ -65,7 +65,7 @@ def main() -> None:
                                       vision_depth=args.vision_depth, max_visual_tokens=args.video_tokens * 2,
                                       dtype=args.dtype)
         engine = load_engine(str(model), device=args.device, attn="sdpa")
-        frames, rows, cols = _video_plan(args.video_tokens)
+        frames, rows, cols = video_plan(args.video_tokens)
         clips = {"scene": write_still_scene(tmp / "scene.mp4", frames, (cols * 28, rows * 28)),
                  "noise": write_video(tmp / "noise.mp4", frames, 2, (cols * 28, rows * 28))}
         results = []
