@@ -612,6 +612,8 @@ class Engine:
             keep = encoded[rows] if encoded is not None else None
             if keep is not None and bool(keep.all()):
                 keep = None
+            elif keep is not None and not bool(keep.any()):
+                continue  # every token of this kind skipped: nothing to encode
             key = media_key(items, keep) if self.encoder_cache.max_bytes and caches else None
             cached = self.encoder_cache.get(key) if key is not None else None
             if cached is None:

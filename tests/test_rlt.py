@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glimpse.pipeline import load_engine
-from glimpse.pipeline.adapters import VIDEO
+from glimpse.pipeline.adapters import TEXT, VIDEO
 from glimpse.pruning import HiDivDrop, NoPruning, Pipeline, RLT, make_policy
 from glimpse.pruning.rlt import repeated_tokens
 from tiny_models import masked_reference
@@ -177,3 +177,27 @@ def test_divprune_under_rlt_keeps_its_share_of_each_frames_encoded_tokens(deep_c
         kept = step[torch.isin(step, layer0)]
         assert torch.isin(kept, reaching).all()  # never a token the encoder skipped ...
         assert kept.numel() == (kept_count(0.5, reaching.numel()) if reaching.numel() else 0)  # ... half of the rest
+
+
+def test_a_policy_that_skips_every_visual_token_runs_no_encoder(checkpoints, moving_square):
+    """A composition may leave nothing of a video to encode: the request then answers from the text, with no
+    encoder call on an empty input."""
+    from dataclasses import dataclass
+
+    from glimpse.pruning import Policy
+
+    @dataclass
+    class SkipAllVisual(Policy):
+        name = "skip_all_visual"
+
+        def skip_encoding(self, ctx):
+            return (ctx.prompt.modality != TEXT).nonzero().squeeze(1)
+
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    calls = []
+    hook = engine.adapter.model.model.visual.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        result = engine.generate(_video_messages(moving_square), policy=SkipAllVisual(), max_new_tokens=3)
+    finally:
+        hook.remove()
+    assert not calls and result.token_ids and result.metrics["active_tokens_per_layer"][0] == result.metrics["prompt_tokens"]["text"]
