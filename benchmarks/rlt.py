@@ -28,18 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from glimpse.bench import video_plan, write_still_scene, write_video  # noqa: E402
 from glimpse.pipeline import load_engine  # noqa: E402
+from glimpse.pipeline.metrics import synchronize  # noqa: E402
 from glimpse.pipeline.random_checkpoint import build_random_qwen2_vl  # noqa: E402
 from glimpse.pruning import make_policy  # noqa: E402
 from glimpse.pruning.rlt import repeated_tokens  # noqa: E402
 
 
-def timed(fn, device: str) -> float:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def timed(fn, device: torch.device) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -82,12 +81,12 @@ def main() -> None:
                     tau = make_policy(name, speed).tau if name == "rlt" else 0.0
                     repeats = []
                     decide = timed(lambda: repeats.append(repeated_tokens(engine.adapter.token_pixels(item), tau)),
-                                   args.device) if tau > 0 else 0.0
+                                   engine.device) if tau > 0 else 0.0
                     encoded = torch.ones(len(prompt), dtype=torch.bool)
                     if repeats:
                         encoded[rows[repeats[0].flatten()]] = False
                     with torch.inference_mode():
-                        encoder = timed(lambda: engine.encode_media(prompt, caches=False, encoded=encoded), args.device)
+                        encoder = timed(lambda: engine.encode_media(prompt, caches=False, encoded=encoded), engine.device)
                     result = engine.generate(messages, policy=make_policy(name, speed), max_new_tokens=1)
                     left_out[(name, speed)] = int((~encoded).sum())
                     assert left_out[(name, speed)] == result.metrics["policy_telemetry"].get("not_encoded", 0)
