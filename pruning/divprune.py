@@ -59,7 +59,7 @@ class DivPrune(Policy):
         kept = []
         # Groups of one size (a video's frames, images of one shape) are chosen together in one batched loop.
         for size in sorted({g.shape[0] for g in groups}):
-            same = torch.stack([g for g in groups if g.shape[0] == size]).to(active.device)  # (G, size)
+            same = torch.stack([g for g in groups if g.shape[0] == size])  # (G, size)
             chosen = max_min_diverse(ctx.hidden[0, same], kept_count(self.keep, size))  # (G, count)
             kept.append(same.gather(1, chosen).flatten())
         if not kept:
