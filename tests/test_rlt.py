@@ -201,3 +201,19 @@ def test_a_policy_that_skips_every_visual_token_runs_no_encoder(checkpoints, mov
     finally:
         hook.remove()
     assert not calls and result.token_ids and result.metrics["active_tokens_per_layer"][0] == result.metrics["prompt_tokens"]["text"]
+
+
+def test_rlt_parameters_past_their_edges_are_a_clear_error_or_an_answer_on_a_video(checkpoints, moving_square):
+    """What a client may send as ``params`` (the API, the chat's overrides box): a negative, non-finite or
+    mistyped tau is refused as the user's mistake; a huge one leaves out all but the first step, and answers."""
+    from glimpse.common import UserError
+
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    messages = _video_messages(moving_square)
+    for bad in (-1.0, float("nan"), float("inf"), "abc", [0.1]):
+        with pytest.raises(UserError):
+            engine.generate(messages, policy=make_policy("rlt", 1.0, {"tau": bad}), max_new_tokens=1)
+    result = engine.generate(messages, policy=make_policy("rlt", 1.0, {"tau": 1e300}), max_new_tokens=2)
+    item = engine.prepare(messages).media[0]
+    assert result.token_ids
+    assert result.metrics["policy_telemetry"]["not_encoded"] == item.num_tokens - item.num_tokens // item.grid[0]
