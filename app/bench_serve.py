@@ -212,11 +212,16 @@ def burst(url: str, body: dict, count: int, api_key: str | None) -> dict:
             "kv_reserved_max_bytes": reserved[0], "kv_budget_bytes": budget}
 
 
+# The server runs this Python's Glimpse. Not `python -m glimpse.cli`: `-m` puts the current folder first on the
+# path, so a glimpse.py there would be started instead (the console script does not have that problem).
+GLIMPSE_COMMAND = [sys.executable, "-c", "import sys; del sys.path[0]; from glimpse.cli import main; sys.exit(main())"]
+
+
 def start_server(args, progress) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "glimpse.cli", "serve", "--port", str(port), "--model", args.model or "embedded",
+    command = [*GLIMPSE_COMMAND, "serve", "--port", str(port), "--model", args.model or "embedded",
                "--max-batch", str(args.max_batch), "--queue-size", str(args.queue_size),
                "--max-new-tokens", str(max(args.max_tokens, 16)), "--device", args.device]
     if args.kv_budget_mb is not None:
@@ -227,7 +232,7 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
         command += ["--media-cache-mb", str(args.media_cache_mb)]
     if args.prefix_cache_mb is not None:
         command += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
-    progress(f"starting: {' '.join(command[2:])}")
+    progress(f"starting: glimpse {' '.join(command[len(GLIMPSE_COMMAND):])}")
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900

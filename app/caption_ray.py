@@ -42,7 +42,9 @@ from glimpse.caption import is_uri
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import user_message
 
-RAY_INSTALL = 'batch captioning on Ray needs Ray Data: pip install -e ".[ray]" (or pip install "ray[data]")'
+# Both forms pin the Ray that Glimpse is tested with (pyproject's `ray` extra).
+RAY_INSTALL = ('batch captioning on Ray needs Ray Data: pip install "glimpse-vl[ray]" '
+               '(from a checkout of the repository: pip install -e ".[ray]")')
 MANIFEST_EXTENSIONS = (".parquet", ".jsonl")
 SHARD_GLOB = "part-*.parquet"
 SHARD_ROWS, SHARD_SECONDS = 512, 30.0
@@ -335,12 +337,23 @@ class RayReport:
     dashboard: str | None = None
 
 
+def _refuse_a_shadowing_folder(folder: Path) -> None:
+    """Ray puts the driver's current folder first on its workers' import path, so a glimpse.py or glimpse/ there
+    would be imported by the actors instead of Glimpse: they would die with no hint why. Say so before starting."""
+    for name in ("glimpse.py", "glimpse"):
+        found = folder / name
+        if (found.is_file() or (found / "__init__.py").is_file()) and found.resolve() != Path(__file__).parent:
+            raise UserError(f"{found} would be imported by Ray's workers instead of Glimpse (Ray puts the current "
+                            f"folder on their path): run glimpse caption --ray from another folder")
+
+
 def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, speed: float, prompt: str | None,
                    max_new_tokens: int, batch_size: int, actors: int, gpus_per_actor: float | None, address: str | None,
                    column: str = "path", jsonl: bool = False, device: str = "auto", num_cpus: int | None = None,
                    shard_rows: int = SHARD_ROWS, retry_errors: bool = False,
                    log: Callable[[str], None] = lambda message: None) -> RayReport:
     ray = _require_ray()
+    _refuse_a_shadowing_folder(Path.cwd())
     keys = collect_keys(inputs, column)
     if not keys:
         raise UserError("no image or video files found in the inputs")

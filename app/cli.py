@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "default embedded) under concurrent clients")
     served.add_argument("--url", default=None, help="the server to measure (default: start glimpse serve here)")
     served.add_argument("--workload", choices=["images", "text"], default="images",
-                        help="images (default): questions about an image (--image, default assets/sample.png); "
+                        help="images (default): questions about an image (--image, default: the sample picture shipped with Glimpse); "
                              "text: requests for stories, long answers")
     served.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
     served.add_argument("--requests", type=int, default=128,
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--model", required=True, help="hub id or local checkpoint folder, or 'embedded'")
     calibrate.add_argument("--images", metavar="DIR",
                            help="a folder of calibration images (hidivdrop: required; slider: default the set that "
-                                "ships with Glimpse, assets/calibration)")
+                                "ships with Glimpse)")
     calibrate.add_argument("--videos", metavar="DIR", help="slider: a folder of calibration videos")
     calibrate.add_argument("--prompts", metavar="FILE",
                            help="slider: questions, one per line, asked of the images/videos in turn "
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_options(caption)
     spread = caption.add_argument_group("on Ray (docs/scale.md)")
     spread.add_argument("--ray", action="store_true", help="run as a Ray Data pipeline: decode tasks and a pool of "
-                                                          "model actors (pip install -e '.[ray]')")
+                                                          "model actors (pip install 'glimpse-vl[ray]')")
     spread.add_argument("--ray-address", default=None, metavar="ADDRESS",
                         help="the cluster to join (e.g. ray://head:10001 or auto); default: start a local one")
     spread.add_argument("--actors", type=int, default=1, help="model actors, one Engine each (default 1)")

@@ -1,6 +1,6 @@
 """Convert an original LongVA checkpoint (LLaVA-NeXT code base, ``llava_qwen``) to transformers.
 
-    python -m pipeline.convert_longva SRC DST [--vision-tower CLIP_FOLDER]
+    python -m glimpse.pipeline.convert_longva SRC DST [--vision-tower CLIP_FOLDER]
 
 LongVA is the LLaVA-NeXT layout with a Qwen2 language model. The result is a
 ``llava_next_video`` checkpoint that ``load_engine(DST)`` serves: LLaVA-NeXT's anyres path for

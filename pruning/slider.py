@@ -4,7 +4,7 @@
 function, monotone: more speed never means more FLOPs). Layer numbers depend on the model's depth,
 so the description is for a given number of decoder layers.
 
-    python -m pruning.slider --layers 28        # the table in docs/slider.md
+    python -m glimpse.pruning.slider --layers 28        # the table in docs/slider.md
 """
 
 from __future__ import annotations

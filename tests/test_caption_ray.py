@@ -215,7 +215,23 @@ def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, caps
     _inputs(tmp_path / "in", 1, video=False)
     monkeypatch.setattr(builtins, "__import__", no_ray)
     assert main(["caption", str(tmp_path / "in"), "--ray", "--out", str(tmp_path / "out")]) == 1
-    assert 'pip install -e ".[ray]"' in capsys.readouterr().err
+    assert 'pip install "glimpse-vl[ray]"' in capsys.readouterr().err
+
+
+def test_a_glimpse_py_in_the_current_folder_is_refused_before_it_can_shadow_glimpse_in_the_actors(
+        cluster, model, tmp_path, monkeypatch, capsys):
+    # Ray puts the driver's current folder on its workers' path: their `import glimpse` would find this file.
+    from glimpse.cli import main
+
+    _inputs(tmp_path / "in", 2, video=False)
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "glimpse.py").write_text("raise SystemExit('not Glimpse')\n")
+    monkeypatch.chdir(here)
+    assert main(["caption", str(tmp_path / "in"), "--ray", "--out", str(tmp_path / "out"), "--model", model,
+                 "--device", "cpu", "--max-new-tokens", "4"]) == 1
+    assert "glimpse.py would be imported by Ray's workers" in capsys.readouterr().err
+    assert not list((tmp_path / "out").glob("part-*.parquet"))
 
 
 def test_a_remote_input_is_copied_whole_into_a_local_file_in_pieces_and_a_failed_read_leaves_nothing(

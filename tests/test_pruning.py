@@ -541,7 +541,7 @@ def test_docs_slider_tables_are_what_the_code_maps():
     from glimpse.pruning.slider import table
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "slider.md").read_text()
-    assert table(28) in doc and table(32) in doc and table(36) in doc  # regenerate with `python -m pruning.slider --layers N`
+    assert table(28) in doc and table(32) in doc and table(36) in doc  # regenerate with `python -m glimpse.pruning.slider --layers N`
 
 
 @pytest.mark.parametrize("name", list(MASKING_CASES))

@@ -937,6 +937,19 @@ def test_bench_serve_clients_take_the_next_request_from_one_list(monkeypatch):
     assert list(senders.values()).count(senders[0]) == 1  # the slow request's client took nothing else
 
 
+def test_bench_serve_starts_this_glimpse_even_beside_a_glimpse_py(tmp_path):
+    """`glimpse bench serve` starts a server of its own; run from a folder holding a glimpse.py (a user's script),
+    it must still start Glimpse (`python -m` would have imported the script: the folder comes first on its path)."""
+    import subprocess
+
+    from glimpse import bench_serve
+
+    (tmp_path / "glimpse.py").write_text("raise SystemExit('not Glimpse')\n")
+    done = subprocess.run([*bench_serve.GLIMPSE_COMMAND, "serve", "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "--allowed-root" in done.stdout, done.stderr
+
+
 def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compare_column_stays_whole(
         checkpoints, media):
     """glimpse serve's prefix cache: an API client's second question about the same picture computes only what is
