@@ -20,7 +20,7 @@
 * **Output.** The driver writes finished rows as Parquet shards (every ``SHARD_ROWS`` rows or
   ``SHARD_SECONDS``), atomically (a temporary name, then a rename), under ``DIR``: ``part-<n>-<id>.parquet`` with ``key``, ``caption``, ``error``,
   ``policy``, ``speed``, ``prompt``, ``prompt_tokens``, ``answer_tokens``, ``ttft_s`` (and a
-  ``captions.jsonl`` beside them with ``--format jsonl``). One driver at a time holds ``DIR/.lock``.
+  ``_captions.jsonl`` beside them with ``--format jsonl``). One driver at a time holds ``DIR/.lock``.
 * **Resuming.** A rerun reads the keys of the shards present and sends only the others; since a shard
   exists whole or not at all, a driver killed at any point and rerun gives every input exactly once. Error
   rows count as done, unless the rerun is asked to retry them (``retry_errors``: they are removed first).
@@ -32,9 +32,10 @@ import functools
 import json
 import os
 import pickle
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,9 +48,13 @@ RAY_INSTALL = ('batch captioning on Ray needs Ray Data: pip install "glimpse-vl[
                '(from a checkout of the repository: pip install -e ".[ray]")')
 MANIFEST_EXTENSIONS = (".parquet", ".jsonl")
 SHARD_GLOB = "part-*.parquet"
+# The JSON-lines copy of the shards. The underscore: readers of the folder as one Parquet dataset (pyarrow, Ray
+# Data, Spark) skip files that start with "_" or ".", and would fail on this one.
+JSONL_NAME = "_captions.jsonl"
 SHARD_ROWS, SHARD_SECONDS = 512, 30.0
 COPY_PIECE_BYTES = 8 * 2**20  # a remote input is copied to a local file this much at a time
-URL_MAX_BYTES, URL_DEADLINE_S = 4 * 2**30, 600.0  # an http(s) input: at most 4 GiB, fetched within 10 minutes
+URL_MAX_BYTES, URL_DEADLINE_S = 4 * 2**30, 600.0  # a remote input: at most 4 GiB, fetched within 10 minutes
+URI_OPEN_DEADLINE_S = 60.0  # a storage URI's file opened within a minute (then URL_DEADLINE_S for the whole copy)
 ACTOR_TRIES = 3  # a batch whose model actor dies is retried on a restarted actor, this many tries in all
 COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s")
 
@@ -128,7 +133,7 @@ def done_keys(out: Path) -> set[str]:
 
 
 def drop_error_rows(out: Path) -> int:
-    """Remove the error rows from ``out``'s shards (and its JSONL copy), so that a rerun tries those inputs
+    """Remove the error rows from ``out``'s shards, so that a rerun tries those inputs
     again (``--retry-errors``: a file fixed since, a storage read that timed out, an actor out of memory).
     Each shard is replaced whole by its rewritten self (a temporary file, then a rename over it), so a kill
     at any point leaves every good row once and every error row either kept or dropped. Returns how many
@@ -149,14 +154,24 @@ def drop_error_rows(out: Path) -> int:
         tmp = out / f".{shard.name}.tmp"
         pyarrow.parquet.write_table(kept, tmp)
         os.replace(tmp, shard)
-    copy = out / "captions.jsonl"
-    if dropped and copy.exists():
-        lines = [line for line in copy.read_text(encoding="utf-8").splitlines(keepends=True)
-                 if line.strip() and not json.loads(line).get("error")]
-        tmp = out / ".captions.jsonl.tmp"
-        tmp.write_text("".join(lines), encoding="utf-8")
-        os.replace(tmp, copy)
     return dropped
+
+
+def rewrite_jsonl(out: Path) -> None:
+    """Write ``out``'s JSON-lines copy afresh from its shards. A run appends to it after each shard is renamed
+    into place, so a driver killed between the two leaves the copy short a shard (or a line cut in half);
+    each run starts by rewriting it (under a temporary name, then a rename), so that it has every row once."""
+    import pyarrow.parquet
+
+    tmp = out / f".{JSONL_NAME}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for shard in sorted(out.glob(SHARD_GLOB)):
+            f.writelines(_json_line(row) for row in pyarrow.parquet.read_table(shard).to_pylist())
+    os.replace(tmp, out / JSONL_NAME)
+
+
+def _json_line(row: dict) -> str:
+    return json.dumps({c: row.get(c) for c in COLUMNS}) + "\n"
 
 
 class OutputDir:
@@ -165,8 +180,10 @@ class OutputDir:
     def __init__(self, out: Path, jsonl: bool):
         from glimpse.caption import open_locked
 
+        if out.exists() and not out.is_dir():
+            raise UserError(f"{out} is a file: with --ray, --out names a folder of Parquet shards")
         self.lock = open_locked(out / ".lock", "a", out)
-        self.out, self.jsonl = out, out / "captions.jsonl" if jsonl else None
+        self.out, self.jsonl = out, out / JSONL_NAME if jsonl else None
         self.count = len(list(out.glob(SHARD_GLOB)))
 
     def write(self, rows: list[dict]) -> None:
@@ -181,9 +198,9 @@ class OutputDir:
         pyarrow.parquet.write_table(table, tmp)
         os.replace(tmp, self.out / name)  # a shard is there whole, or not at all
         self.count += 1
-        if self.jsonl is not None:  # a convenience copy; the shards are what resuming reads
+        if self.jsonl is not None:  # a convenience copy; the shards are what resuming reads (rewrite_jsonl)
             with open(self.jsonl, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps({c: row.get(c) for c in COLUMNS}) + "\n" for row in rows)
+                f.writelines(_json_line(row) for row in rows)
 
     def close(self) -> None:
         self.lock.close()
@@ -200,40 +217,63 @@ def _schema():
 # ---------------------------------------------------------------------------- the two stages
 def read_input(key: str):
     """A local path as it is; a URL's or URI's bytes into a temporary file (videos need a file to seek in) that
-    the caller removes, copied in pieces (a long video never sits in memory whole)."""
+    the caller removes, copied in pieces (a long video never sits in memory whole), within a deadline."""
     if not is_uri(key):
         return key, None
     import tempfile
+    from urllib.parse import urlsplit
 
-    suffix, pieces = _remote(key)
-    handle, tmp = tempfile.mkstemp(suffix=suffix)
+    handle, tmp = tempfile.mkstemp(suffix=Path(urlsplit(key).path).suffix)
     try:
         with os.fdopen(handle, "wb") as f:
-            f.writelines(pieces)
+            if key.startswith(("http://", "https://")):
+                from glimpse.fetch import Fetcher
+
+                # The manifest is the operator's own: its URLs may name the cluster's own storage (none refused).
+                f.writelines(Fetcher(allow_private=True, deadline_s=URL_DEADLINE_S, max_bytes=URL_MAX_BYTES).pieces(key))
+            else:
+                _copy_from_storage(key, f)
     except BaseException:
         os.unlink(tmp)  # a read that failed leaves nothing behind
         raise
     return tmp, tmp
 
 
-def _remote(key: str) -> tuple[str, Iterator[bytes]]:
-    """The suffix of a remote input's name, and its bytes piece by piece: http(s) through ``glimpse.fetch``
-    (a size cap and a deadline), other schemes through their pyarrow file system."""
-    from urllib.parse import urlsplit
+def _copy_from_storage(uri: str, f) -> None:
+    """Copy a storage URI (s3://, gs://, hdfs://, ...) into ``f`` through its pyarrow file system, piece by piece.
+    pyarrow's calls take no deadline, and a cluster not configured for a scheme can wait on them for ever (GCS
+    looks for credentials), holding up its whole block of inputs: the copy runs in a thread of its own, which is
+    given up on (left to finish or fail on its own) when the storage has not opened the file within
+    ``URI_OPEN_DEADLINE_S`` or the copy is not done within ``URL_DEADLINE_S``."""
+    opened, failure = threading.Event(), []
 
-    if key.startswith(("http://", "https://")):
-        from glimpse.fetch import Fetcher
+    def copy() -> None:
+        try:
+            filesystem, path = _filesystem(uri)
+            with filesystem.open_input_stream(path) as stream:
+                opened.set()
+                copied = 0
+                while piece := stream.read(COPY_PIECE_BYTES):
+                    copied += len(piece)
+                    if copied > URL_MAX_BYTES:
+                        raise ValueError(f"larger than {URL_MAX_BYTES / 2**30:.0f} GiB")
+                    f.write(piece)
+        except BaseException as error:  # noqa: BLE001 — handed to the caller (or dropped once it gave up)
+            failure.append(error)
+        finally:
+            opened.set()
 
-        # The manifest is the operator's own: its URLs may name the cluster's own storage (no address refused).
-        fetcher = Fetcher(allow_private=True, deadline_s=URL_DEADLINE_S, max_bytes=URL_MAX_BYTES)
-        return Path(urlsplit(key).path).suffix, fetcher.pieces(key)
-    filesystem, path = _filesystem(key)
-
-    def read() -> Iterator[bytes]:
-        with filesystem.open_input_stream(path) as stream:
-            while piece := stream.read(COPY_PIECE_BYTES):
-                yield piece
-    return Path(path).suffix, read()
+    start = time.monotonic()
+    worker = threading.Thread(target=copy, name="storage read", daemon=True)
+    worker.start()
+    if not opened.wait(URI_OPEN_DEADLINE_S):
+        raise TimeoutError(f"the storage did not open it within {URI_OPEN_DEADLINE_S:g} s "
+                           "(is the cluster configured for this kind of URI?)")
+    worker.join(max(0.0, URL_DEADLINE_S - (time.monotonic() - start)))
+    if worker.is_alive():
+        raise TimeoutError(f"not read within {URL_DEADLINE_S:g} s")
+    if failure:
+        raise failure[0]
 
 
 def _filesystem(uri: str):
@@ -265,7 +305,8 @@ def decode_input(row: dict, model: str, prompt: str | None) -> dict:
         built = _preprocessor(model).prepare(user_message(text, [(kind, source)]))
         return {"key": key, "prompt_bytes": pickle.dumps(built), "instruction": text, "error": ""}
     except Exception as error:  # noqa: BLE001 — any input that cannot become a prompt is an error row
-        return {"key": key, "prompt_bytes": b"", "instruction": "", "error": f"{type(error).__name__}: {error}"}
+        # The instruction depends on the kind, unknown here: the row carries the user's --prompt, if any.
+        return {"key": key, "prompt_bytes": b"", "instruction": prompt or "", "error": f"{type(error).__name__}: {error}"}
     finally:
         if tmp is not None:
             os.unlink(tmp)
@@ -322,6 +363,8 @@ class CaptionStage:
         out = {c: row.get(c) for c in COLUMNS}
         out["error"] = out["error"] or None
         out["speed"] = self.speed
+        out["policy"] = out["policy"] or self.policy  # an error row says what it was asked with
+        out["prompt"] = out["prompt"] or None
         return out
 
 
@@ -363,6 +406,8 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
         if retry_errors and (dropped := drop_error_rows(out)):
             log(f"{dropped} error rows removed from {out}: their inputs are tried again")
         done = done_keys(out)
+        if jsonl or (out / JSONL_NAME).exists():
+            rewrite_jsonl(out)
         pending = [k for k in keys if k not in done]
         report.skipped = len(keys) - len(pending)
         log(f"{len(keys)} inputs: {report.skipped} already in {out}, {len(pending)} to caption")
@@ -370,7 +415,10 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
             return report
         started_here = not ray.is_initialized()
         if started_here:
-            context = ray.init(address=address, num_cpus=(num_cpus or local_cpus()) if address is None else None,
+            # Without --ray-address a local cluster of our own, even when `ray start` left one running or
+            # RAY_ADDRESS names one (ray.init(None) would join it, and then refuse num_cpus).
+            context = ray.init(address=address or "local",
+                               num_cpus=(num_cpus or local_cpus()) if address is None else None,
                                log_to_driver=False, include_dashboard=False if address is None else None)
             report.dashboard = getattr(context, "dashboard_url", None) or None
         try:
@@ -408,7 +456,7 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                     "trying them again one at a time")
                 for rows in _pipeline(ray, lost, *options, 1, 1, gpus_per_actor, device, retrying=True):
                     take(rows)
-                take([{**{c: None for c in COLUMNS}, "key": k, "speed": speed,
+                take([{**{c: None for c in COLUMNS}, "key": k, "speed": speed, "policy": policy, "prompt": prompt,
                        "error": f"a worker died on this input {ACTOR_TRIES} times (out of memory, or a crash decoding "
                                 "it or in the model; Ray's log has the cause)"} for k in lost if k not in returned])
             output.write(buffered)

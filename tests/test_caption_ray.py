@@ -80,11 +80,21 @@ def test_the_ray_pipeline_gives_the_local_captioners_captions(cluster, model, tm
         assert row["caption"] == record["caption"] and row["error"] is None
         assert row["answer_tokens"] == record["metrics"]["new_tokens"] and row["policy"] == "auto"
         assert row["prompt"].startswith("Describe this video" if record["key"].endswith(".mp4") else "Describe this image")
-    jsonl = [json.loads(line) for line in (tmp_path / "out" / "captions.jsonl").read_text().splitlines()]
+    copy = tmp_path / "out" / "_captions.jsonl"
+    jsonl = [json.loads(line) for line in copy.read_text().splitlines()]
     assert sorted(r["key"] for r in jsonl) == sorted(rows)
+    import pyarrow.parquet  # the folder reads as one Parquet dataset, the JSONL copy beside the shards included
+
+    assert sorted(pyarrow.parquet.read_table(tmp_path / "out").column("key").to_pylist()) == sorted(rows)
 
     again = _ray_caption([tmp_path / "in"], tmp_path / "out", model)  # a rerun finds everything done
     assert again.skipped == len(paths) and again.captioned == 0 and len(_rows(tmp_path / "out")) == len(paths)
+    # A driver killed after renaming a shard but before appending its rows to the copy (or halfway through a
+    # line): the next run, even with nothing left to caption, gives the copy every row once again.
+    lines = copy.read_text().splitlines(keepends=True)
+    copy.write_text("".join(lines[2:]) + lines[0][:10])
+    _ray_caption([tmp_path / "in"], tmp_path / "out", model, jsonl=True)
+    assert sorted(json.loads(line)["key"] for line in copy.read_text().splitlines()) == sorted(rows)
 
 
 def test_corrupt_empty_missing_and_non_media_inputs_are_error_rows(cluster, model, tmp_path):
@@ -110,6 +120,7 @@ def test_corrupt_empty_missing_and_non_media_inputs_are_error_rows(cluster, mode
         assert set(rows) == {"img00.png", "img01.png", "broken.png", "empty.jpg", "notes.md", "gone.png"}
         for name in ("broken.png", "empty.jpg", "notes.md", "gone.png"):
             assert rows[name]["error"] and rows[name]["caption"] is None, name
+            assert rows[name]["policy"] == "auto" and rows[name]["speed"] == 0.5, name  # what it was asked with
         assert "empty" in rows["empty.jpg"]["error"]
 
 
@@ -128,7 +139,7 @@ def test_error_rows_are_done_until_a_rerun_retries_them_and_then_every_input_is_
     rows = _rows(out)
     assert sorted(r["key"] for r in rows) == sorted(str(p.resolve()) for p in [*good, broken])  # each once
     assert all(r["error"] is None and r["caption"] is not None for r in rows)
-    copy = [json.loads(line) for line in (out / "captions.jsonl").read_text().splitlines()]
+    copy = [json.loads(line) for line in (out / "_captions.jsonl").read_text().splitlines()]
     assert sorted(r["key"] for r in copy) == sorted(r["key"] for r in rows) and not any(r["error"] for r in copy)
 
 
@@ -158,6 +169,15 @@ def test_a_driver_killed_midway_then_rerun_gives_every_input_exactly_once(cluste
     keys = [r["key"] for r in _rows(out)]
     assert sorted(keys) == sorted(str(p.resolve()) for p in paths)  # every input, none twice
     assert report.skipped + report.captioned == len(paths)
+
+
+def test_without_an_address_a_run_starts_its_own_cluster_beside_one_already_running(cluster, model, tmp_path):
+    # As after `ray start --head`, which ray.init() without an address would join (and then refuse num_cpus).
+    paths = _inputs(tmp_path / "in", 2, video=False)
+    run = _driver(tmp_path / "in", tmp_path / "out", model, env={"RAY_ADDRESS": ray.get_runtime_context().gcs_address})
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err.decode()[-3000:]
+    assert sorted(r["key"] for r in _rows(tmp_path / "out")) == sorted(str(p.resolve()) for p in paths)
 
 
 def test_an_actor_that_dies_is_replaced_and_its_batch_retried(model, tmp_path):
@@ -218,6 +238,16 @@ def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, caps
     assert 'pip install "glimpse-vl[ray]"' in capsys.readouterr().err
 
 
+def test_an_out_that_is_a_file_is_refused_with_what_ray_writes_there(tmp_path, capsys):
+    from glimpse.cli import main
+
+    _inputs(tmp_path / "in", 1, video=False)
+    (tmp_path / "captions.jsonl").write_text('{"key": "kept"}\n')
+    assert main(["caption", str(tmp_path / "in"), "--ray", "--out", str(tmp_path / "captions.jsonl")]) == 1
+    assert "with --ray, --out names a folder of Parquet shards" in capsys.readouterr().err
+    assert (tmp_path / "captions.jsonl").read_text() == '{"key": "kept"}\n'
+
+
 def test_a_glimpse_py_in_the_current_folder_is_refused_before_it_can_shadow_glimpse_in_the_actors(
         cluster, model, tmp_path, monkeypatch, capsys):
     # Ray puts the driver's current folder on its workers' path: their `import glimpse` would find this file.
@@ -275,6 +305,57 @@ def test_a_remote_input_is_copied_whole_into_a_local_file_in_pieces_and_a_failed
     with pytest.raises(FileNotFoundError):
         caption_ray.read_input(f"s3://bucket{tmp_path / 'missing.mp4'}")
     assert not list((tmp_path / "scratch").iterdir())  # no partial copy left behind
+
+
+def test_a_storage_uri_that_never_opens_or_stalls_midway_is_given_up_on_and_leaves_nothing(tmp_path, monkeypatch):
+    """pyarrow's file systems take no deadline (a cluster not configured for gs:// waits on credentials for ever):
+    a read that does not open in time, or stalls after its first piece, is an error, not a block held up."""
+    import tempfile
+
+    from glimpse import caption_ray
+
+    release = __import__("threading").Event()  # lets the stuck reads go at the end of the test
+
+    class Stalled:  # the first piece, then nothing
+        def __init__(self):
+            self.pieces = [b"x" * 100]
+
+        def read(self, n=-1):
+            if self.pieces:
+                return self.pieces.pop()
+            release.wait()
+            return b""
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    class Bucket:
+        def open_input_stream(self, path):
+            return Stalled()
+
+    def unreachable(uri):
+        release.wait()
+        raise OSError("gave up")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    monkeypatch.setattr(caption_ray, "URI_OPEN_DEADLINE_S", 0.3)
+    monkeypatch.setattr(caption_ray, "URL_DEADLINE_S", 1.0)
+    try:
+        monkeypatch.setattr(caption_ray, "_filesystem", unreachable)
+        start = time.monotonic()
+        row = caption_ray.decode_input({"key": "gs://bucket/a.png"}, "unused", None)
+        assert row["error"].startswith("TimeoutError: the storage did not open it within 0.3 s")
+        monkeypatch.setattr(caption_ray, "_filesystem", lambda uri: (Bucket(), "a.png"))
+        with pytest.raises(TimeoutError, match="not read within 1 s"):
+            caption_ray.read_input("gs://bucket/a.png")
+        assert time.monotonic() - start < 30
+        assert not list((tmp_path / "scratch").iterdir())  # no partial copy left behind
+    finally:
+        release.set()
 
 
 @pytest.fixture()
