@@ -318,11 +318,16 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
     return messages, options, promise
 
 
+MAX_PATH_BYTES = 4096  # PATH_MAX: a longer local path cannot name a file (and resolving one costs time)
+
+
 def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fetcher: "Fetcher"):
-    """Bytes (images) or a file path (videos) for a data: / http(s) / local URL."""
-    if url.startswith("data:"):
+    """Bytes (images) or a file path (videos) for a data: / http(s) / local URL. URL schemes are matched as
+    RFC 3986 has them, in any case."""
+    scheme = url[:8].lower()
+    if scheme.startswith("data:"):
         header, _, payload = url.partition(",")
-        if ";base64" not in header:
+        if ";base64" not in header.lower():
             raise BadRequest("data URLs must be base64-encoded")
         try:
             data = base64.b64decode(payload, validate=True)
@@ -330,23 +335,35 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fe
             raise BadRequest("the data URL is not valid base64") from None
         if not data:
             raise BadRequest("the data URL holds no data (data:<type>;base64,<data>)")
-    elif url.startswith(("http://", "https://")):
+    elif scheme.startswith(("http://", "https://")):
         data = fetcher.fetch(url)
     else:
-        path = Path(url.removeprefix("file://"))
-        if root is None:
-            raise BadRequest("local files are not allowed (start the server with --allowed-root DIR)")
-        resolved = path.resolve()
-        if not resolved.is_relative_to(root):
-            raise BadRequest(f"{url}: outside the allowed root")
-        if not resolved.is_file():
-            raise BadRequest(f"{url}: no such file")
-        return str(resolved)
+        return _local_file(url[7:] if scheme.startswith("file://") else url, url, root)
     if kind == "image":
         return data
     target = scratch.path() / f"video-{uuid.uuid4().hex}"
     target.write_bytes(data)
     return str(target)
+
+
+def _local_file(name: str, url: str, root: Path | None) -> str:
+    """A file under ``root`` named by a client, as its resolved path. Checked for what cannot be a path before
+    the file system sees it: resolving is a system call per component, and a megabyte of "/x" held a server
+    thread for minutes."""
+    shown = url if len(url) <= 200 else url[:200] + "…"  # a refusal never echoes megabytes back
+    if root is None:
+        raise BadRequest("local files are not allowed (start the server with --allowed-root DIR)")
+    if "\0" in name or len(name.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        raise BadRequest(f"{shown}: not a file name (a NUL byte, or longer than {MAX_PATH_BYTES} bytes)")
+    try:
+        resolved = Path(name).resolve()
+        if not resolved.is_relative_to(root):
+            raise BadRequest(f"{shown}: outside the allowed root")
+        if not resolved.is_file():
+            raise BadRequest(f"{shown}: no such file")
+    except OSError as error:  # a name too long for the file system, a loop of links, ...
+        raise BadRequest(f"{shown}: cannot be read ({error.strerror or type(error).__name__})") from None
+    return str(resolved)
 
 
 class Scratch:

@@ -406,6 +406,11 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     auth = (lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode())) if api_key else None
     app = gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth,
                               auth_message="Log in with any user name and the server's API key as the password.")
+    # Gradio checks that a file its routes are given by path was uploaded (and refuses it before opening it)
+    # only once the app "has launched", which `launch()` records and `mount_gradio_app` does not: mounted, every
+    # such path was copied into the upload folder first (any file on the server, a FIFO blocking the event loop),
+    # where it then passed the chat's own check. Mounted is launched: the check is on.
+    demo.has_launched = True
     app.add_middleware(UploadQuota, folder=get_upload_folder(), quota_bytes=int(max_uploads_gb * 2**30))
     return app
 

@@ -114,6 +114,31 @@ def telemetry_text(telemetry: dict, prefix: str = "") -> str:
     return "; ".join(p for p in parts if p)
 
 
+def saved_image(image: Image.Image | None) -> str | None:
+    """``image`` as a PNG file in Gradio's upload folder (named by its content; the upload quota expires it), for
+    an output that leaves as it is: Gradio's "/chat" endpoint sends its outputs unprocessed, and a PIL image
+    cannot be sent as JSON (its `/call/chat` route failed after every answer about a picture). The page's
+    image component shows the file as it would the image."""
+    if image is None:
+        return None
+    import hashlib
+    import io
+    import os
+
+    from gradio.utils import get_upload_folder
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    data = buffer.getvalue()
+    path = Path(get_upload_folder()) / "keep_maps" / f"{hashlib.sha256(data).hexdigest()[:24]}.png"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # whole, even with two answers writing the same map at once
+    return str(path)
+
+
 def keep_map_image(messages: list[dict], keep_map: dict, cell: int = 24) -> Image.Image | None:
     """The depth each visual token reached, as a heatmap laid over the first image of the prompt
     (for a video: one tile per frame group of the grid). None when the prompt has no media grid."""
@@ -277,7 +302,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         if left_out:
             answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
                             f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")
-        yield answer, metrics_markdown(result, baseline), keep_map_image(messages, result.metrics["keep_map"])
+        yield answer, metrics_markdown(result, baseline), saved_image(keep_map_image(messages, result.metrics["keep_map"]))
 
     def tab_closed(request):
         """The tab was closed or reloaded (Gradio does not cancel its running event): end its requests."""

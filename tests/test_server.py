@@ -263,6 +263,18 @@ def test_local_files_only_under_the_allowed_root(server, media):
 
     with pytest.raises(BadRequestError, match="outside the allowed root"):
         client.chat.completions.create(model="m", messages=_question(str(media["image"])), max_tokens=4)
+    # Found from outside: names that cannot be paths were 500s, and a megabyte of "/x" held a server thread for
+    # minutes resolving it (each refusal is now a 400 before the file system is asked, echoing at most 200 characters).
+    url = server["url"] + "/v1/chat/completions"
+    root = server["root"]
+    for name, word in ((f"{root}/image.png\0", "NUL"), ("/x" * 800_000, "longer than"),
+                       (f"{root}/{'n' * 300}.png", "cannot be read"), (f"FILE://{media['image']}", "outside")):
+        reply = httpx.post(url, json={"messages": _question(name), "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 400 and word in reply.json()["error"]["message"], reply.text[:300]
+        assert len(reply.content) < 1000
+    for spelled in (f"FILE://{root}/image.png", _data_url(media["image"]).replace("data:", "DATA:", 1)):
+        reply = httpx.post(url, json={"messages": _question(spelled), "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 200, reply.text[:300]  # schemes in any case, as RFC 3986 has them
 
 
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, media):
@@ -615,6 +627,48 @@ def test_the_chat_uses_only_files_uploaded_to_it(tmp_path):
             history_to_messages(turn(path), (uploads.resolve(),))
         refusals.append(str(error.value).split(": ", 1)[1])
     assert len(set(refusals)) == 1 and "only files uploaded to this chat" in refusals[0]
+
+
+def test_the_chats_routes_never_copy_a_file_named_by_path_into_the_uploads(server, media, tmp_path):
+    """Gradio's routes take files as paths on the server (``FileData``) and copy them into the upload folder before
+    Glimpse sees them, and Gradio refuses paths that were never uploaded only in an app it launched itself, not in
+    one mounted beside the API: the copy then passed the chat's own check, and the file came back in the chat's
+    history and by URL. Named by path, a file outside the uploads is refused before it is opened (a FIFO, which
+    would block whoever reads it, included) and never copied; an upload still works."""
+    from gradio.utils import get_upload_folder
+    from gradio_client import Client, handle_file
+    from PIL import Image
+
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(media["image"].read_bytes())
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    uploads = Path(get_upload_folder())
+    before = set(uploads.rglob("*")) if uploads.exists() else set()
+    url = server["url"]
+    for path in (secret, fifo, "/x" * 400_000):  # the last: a path that is slow to resolve, for a file system
+        body = {"data": [{"text": "What colour?", "files": [{"path": str(path), "meta": {"_type": "gradio.FileData"}}]},
+                         "none", 0.0, 4, "", False]}
+        event = httpx.post(url + "/gradio_api/call/chat", json=body, timeout=30).json()["event_id"]
+        stream = httpx.get(f"{url}/gradio_api/call/chat/{event}", timeout=30).text
+        assert "event: error" in stream and "Red" not in stream, stream[-500:]
+    copied = [p for p in set(uploads.rglob("*")) - before if p.is_file() and p.name in ("secret.png", "fifo.png")]
+    assert not copied
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+    client = Client(url + "/", verbose=False)  # an upload goes through
+    question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
+    answer, _, keep_map = client.predict(question, "none", 0.0, 4, "", False, api_name="/chat")
+    assert answer and "⚠️" not in answer and Image.open(keep_map).size[0] > 0
+    # ... and through the plain HTTP route too: the answer, then the metrics and the keep map as a file with a URL
+    path = httpx.post(url + "/gradio_api/upload", timeout=30, files={
+        "files": ("a.png", media["image"].read_bytes(), "image/png")}).json()[0]
+    body = {"data": [{"text": "What colour?", "files": [{"path": path, "meta": {"_type": "gradio.FileData"}}]},
+                     "none", 0.0, 4, "", False]}
+    event = httpx.post(url + "/gradio_api/call/chat", json=body, timeout=30).json()["event_id"]
+    stream = httpx.get(f"{url}/gradio_api/call/chat/{event}", timeout=60).text
+    assert "event: complete" in stream and "event: error" not in stream, stream[-800:]
+    done = json.loads(stream.split("event: complete\ndata: ", 1)[1].split("\n", 1)[0])
+    assert Image.open(done[-1]).size == Image.open(keep_map).size  # the keep map, as a file
 
 
 def test_uploads_past_the_quota_are_refused_old_ones_make_room_and_the_chat_goes_on_without_them(
