@@ -225,6 +225,10 @@ def test_stream_concatenates_to_the_result_and_sampling_is_seeded(checkpoints, m
     c = engine.generate(messages, do_sample=True, temperature=1.5, top_p=0.9, seed=8, max_new_tokens=8)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids or a.token_ids != result.token_ids
+    # A temperature so small that logits / temperature overflows samples the greedy answer (it was NaNs, a 500).
+    for top_p in (1.0, 0.9):
+        cold = engine.generate(messages, do_sample=True, temperature=1e-40, top_p=top_p, seed=7, max_new_tokens=8)
+        assert cold.token_ids == result.token_ids
 
 
 def test_prompt_over_context_length_is_a_clear_error(checkpoints, media):
