@@ -68,22 +68,39 @@ class BadRequest(Exception):
 Number = Annotated[float, Field(strict=True)]  # a JSON number; strings and booleans are refused
 
 
-class MediaURL(BaseModel):
+class Declared(BaseModel):
+    """A part of the request whose every field is either implemented or refused: a field Glimpse does not know is
+    a 400 naming it, unless its value is "off" (null, false, 0, empty), as clients send defaults."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def refuse_unknown_fields(self):
+        asked = sorted(k for k, v in (self.model_extra or {}).items() if v not in OFF_VALUES)
+        if asked:
+            raise ValueError(f"unsupported field(s) {', '.join(asked)}: Glimpse implements "
+                             f"{', '.join(sorted(type(self).model_fields))}")
+        return self
+
+
+class MediaURL(Declared):
     url: StrictStr = Field(min_length=1)
-    detail: StrictStr | None = None  # OpenAI's image detail hint: accepted, the model's processor decides
+    # OpenAI's image detail: "auto" and "high" are what Glimpse does (the model's processor at its own
+    # resolution); "low" (a small fixed-size copy) is not implemented, so it is refused rather than ignored.
+    detail: Literal["auto", "high"] | None = None
 
 
-class TextPart(BaseModel):
+class TextPart(Declared):
     type: Literal["text"]
     text: StrictStr
 
 
-class ImagePart(BaseModel):
+class ImagePart(Declared):
     type: Literal["image_url"]
     image_url: MediaURL | Annotated[str, Field(strict=True, min_length=1)]
 
 
-class VideoPart(BaseModel):
+class VideoPart(Declared):
     type: Literal["video_url"]
     video_url: MediaURL | Annotated[str, Field(strict=True, min_length=1)]
 
@@ -91,12 +108,12 @@ class VideoPart(BaseModel):
 Part = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
-class Message(BaseModel):
+class Message(Declared):
     # "developer" is OpenAI's newer name for the system message (its clients send it for some models): the same
     # instructions, given to the model as its system message.
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[Part]
-    name: StrictStr | None = None
+    content: StrictStr | Annotated[list[Part], Field(min_length=1)]
+    name: StrictStr | None = None  # a participant's name: the chat template has no place for it
 
 
 class StreamOptions(BaseModel):
@@ -130,6 +147,8 @@ class ChatRequest(BaseModel):
         if asked:
             raise ValueError(f"unsupported field(s) {', '.join(asked)}: Glimpse implements "
                              f"{', '.join(sorted(ChatRequest.model_fields))}")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree: give one of them")
         if self.stream_options is not None and self.stream_options.include_usage and not self.stream:
             raise ValueError("stream_options.include_usage asks for a usage chunk: only with stream: true "
                              "(a response that is not streamed carries usage anyway)")
@@ -147,7 +166,8 @@ def _validation_message(error: ValidationError) -> str:
     if problem["type"] == "union_tag_invalid":
         return f"{where}: unsupported content part type {problem['input'].get('type')!r} (text, image_url, video_url)"
     if problem["type"] == "value_error":
-        return problem["msg"].removeprefix("Value error, ")
+        message = problem["msg"].removeprefix("Value error, ")
+        return f"{where}: {message}" if where else message
     if where == "n":
         return "n must be 1: Glimpse answers one choice per request"
     return f"{where or 'body'}: {problem['msg']}"

@@ -288,6 +288,16 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, medi
         ({"messages": [{"role": "user", "content": "hi"}], "policy": "fastest"}, "policy"),
         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "unsupported"),
         ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, "stream: true"),
+        # Found from outside, each silently ignored with a 200 before: fields inside messages and parts.
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "1"}]}]}, "messages.0: unsupported"),
+        ({"messages": [{"role": "user", "content": "hi", "foo": "bar"}]}, "foo"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                     "cache_control": {"type": "ephemeral"}}]}]}, "cache_control"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": _data_url(media["image"]), "detail": "low"}}]}]}, "detail"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "max_completion_tokens": 2},
+         "disagree"),
     ]
     for body, word in cases:
         response = httpx.post(url, json=body, timeout=60)
@@ -312,6 +322,14 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, medi
         assert response.status_code == 400 and word in response.json()["error"]["message"], (body, response.text)
     ok = httpx.post(url, json={"messages": _question(_data_url(media["image"])), "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+    # What clients send by default still passes: "off" values, an image's detail "auto" or "high".
+    for extra in ({"tool_calls": []}, {"name": "ann"}, {"tool_call_id": None}):
+        reply = httpx.post(url, json={"messages": [{"role": "user", "content": "hi", **extra}], "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+    for detail in ("auto", "high"):
+        part = {"type": "image_url", "image_url": {"url": _data_url(media["image"]), "detail": detail}}
+        reply = httpx.post(url, json={"messages": [{"role": "user", "content": [part]}], "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 200, reply.text
 
 
 def test_concurrent_requests_are_all_answered(server):
