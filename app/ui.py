@@ -328,10 +328,18 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             time.sleep(0.05)
 
     def mark_stopped(history, request=None):
+        """Stop: an answer that had begun keeps what was said, marked; a question stopped before its answer
+        began (still queued, or not yet sent) is marked as failed turns are, so that the next turn leaves its
+        text out (it was sent merged into the next question) and keeps its files."""
         wait_for_answers_to_end(request)
         history = list(history or [])
-        if history and history[-1]["role"] == "assistant":
+        answered = history and history[-1]["role"] == "assistant"
+        if answered and not _text_of(history[-1]).startswith(("⏳", "⚠️")):
             history[-1] = {**history[-1], "content": _text_of(history[-1]) + _note("stopped")}
+        elif history and not (answered and _text_of(history[-1]).startswith("⚠️")):
+            if answered:  # the queue position shown while it waited
+                history.pop()
+            history.append({"role": "assistant", "content": STOPPED_BEFORE_ANSWER})
         return history
 
     def cleared(request=None):
@@ -454,6 +462,8 @@ def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
     kept = []
     for message in history:
         content = message.get("content")
+        if message.get("role") == "assistant" and _text_of(message).startswith("⏳"):
+            continue  # the queue position shown while a question waited: no answer (Stop pressed then)
         if message.get("role") == "assistant" and _text_of(message).startswith("⚠️"):
             failed = len(kept)
             while failed and kept[failed - 1].get("role") == "user":
@@ -467,6 +477,22 @@ def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
                                           and (_path_of(p) in unusable or not Path(_path_of(p)).is_file()))]
         if parts:
             kept.append({**message, "content": parts if isinstance(content, list) else parts[0]})
+    return _without_unanswered(kept)
+
+
+def _without_unanswered(history: list[dict]) -> list[dict]:
+    """``history`` without the text of questions that got no answer (Stop pressed while one was queued, a tab
+    reloaded then): Gradio gives a turn as one user message per part, its files first and its text last, so a
+    text followed by another user message, or ending the history, was never answered. Sent again, it ran into
+    the next question. Their files stay, as a failed turn's do."""
+    kept = []
+    for i, message in enumerate(history):
+        answered = i + 1 < len(history) and history[i + 1].get("role") == "assistant"
+        if message.get("role") == "user" and not answered and _text_of(message):
+            message = _files_only(message)
+            if message is None:
+                continue
+        kept.append(message)
     return kept
 
 
@@ -485,6 +511,7 @@ def _note(text: str) -> str:
     return f"{NOTE_START}{text}{NOTE_END}"
 
 
+STOPPED_BEFORE_ANSWER = "⚠️ stopped before the answer began: this question is left out of the conversation"
 NOTE_START, NOTE_END = "\n\n*(", ")*"
 NOTE_KINDS = ("cut at ", "stopped", "the conversation no longer fits")  # only these: a model may end on "*(...)*" too
 

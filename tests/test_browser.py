@@ -262,6 +262,39 @@ def test_two_tabs_at_once_the_second_sees_its_place_in_the_queue_then_its_answer
         second.close()
 
 
+def test_stop_while_queued_marks_the_question_and_the_next_one_is_sent_alone(browser, served):
+    """Stop pressed before the answer began (the question still queued) left the question unanswered and
+    unmarked, and the next question was sent with it run in: now it is marked, and left out."""
+    first, second = _open(browser, served), _open(browser, served)
+    try:
+        _send(first, STORY)
+        _streaming(first)
+        _send(second, "Name a colour.")
+        second.wait_for_function("""() => {
+            const bots = document.querySelectorAll('#chat .message.bot');
+            return bots.length && bots[bots.length - 1].innerText.includes('in the queue');
+        }""", timeout=30_000)
+        second.locator("#input button.stop-button").click()
+        second.wait_for_function("""() => {
+            const bots = document.querySelectorAll('#chat .message.bot');
+            return bots.length && bots[bots.length - 1].innerText.includes('stopped before the answer began');
+        }""", timeout=30_000)
+        _idle(served)  # the story ends
+        _ask(second, "What is the capital of France?")
+        first.locator("#chat button[aria-label='Clear']").click()
+        time.sleep(1.0)
+        _ask(first, "What is the capital of France?")  # the same question alone
+
+        def prompt_tokens(page):  # "text 37 (24 taken from the prefix cache)": the prompt's own, not the cache's
+            line = next(line for line in page.locator("#metrics").inner_text().splitlines() if "prompt tokens" in line)
+            return line.split("(")[0].split()
+
+        assert prompt_tokens(second) == prompt_tokens(first)  # the stopped question was not sent with it
+    finally:
+        first.close()
+        second.close()
+
+
 def test_closing_the_tab_mid_answer_frees_the_model(browser, served):
     page = _open(browser, served)
     before = _cancelled(served)
