@@ -47,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from glimpse.common import UserError
 from glimpse.connections import BodyLimits
@@ -203,7 +204,9 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         return _error(401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_request_error",
                       code="invalid_api_key")
 
-    @app.get("/health")
+    # HEAD as well as GET (probes and `curl -I`); another method is a 405 naming the one to use, where the chat
+    # mounted at "/" would have answered 404.
+    @app.api_route("/health", methods=["GET", "HEAD"])
     def health():
         state = scheduler.state()
         wedged = not state["alive"] or state["stalled_s"] > STALL_S
@@ -213,26 +216,36 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
                 "decode_graphs": engine.decode_graphs, "decode_graph_error": engine.decode_graph_error}
         return JSONResponse(body, status_code=503 if wedged else 200)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     def models(request: Request):
         if (refusal := unauthorized(request)) is not None:
             return refusal
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "glimpse"}]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     def metrics():
         return Response(telemetry.render(), media_type=CONTENT_TYPE)
+
+    for path, allowed in (("/health", "GET, HEAD"), ("/v1/models", "GET, HEAD"), ("/metrics", "GET, HEAD"),
+                          ("/v1/chat/completions", "POST")):
+        others = sorted({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"} - set(allowed.split(", ")))
+        app.add_api_route(path, _method_not_allowed(allowed), methods=others, include_in_schema=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         if (refusal := unauthorized(request)) is not None:
+            telemetry.refused("unauthorized")
             return refusal
         if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
             # A page on another origin can make a browser POST a body with no content type, or with one of the
             # "simple" types, without asking (no CORS preflight); only JSON is read.
             telemetry.refused("bad_request")
             return _error(415, "the request body must be JSON, sent as Content-Type: application/json")
-        raw = await request.body()  # bounded in size and time by connections.BodyLimits (413, 408)
+        try:
+            raw = await request.body()  # bounded in size and time by connections.BodyLimits (413, 408)
+        except ClientDisconnect:  # the client left while sending it
+            telemetry.refused("cancelled")
+            return _error(499, "the client closed the request", "cancelled")
         try:
             body = ChatRequest.model_validate(json.loads(raw))
         except (ValueError, UnicodeDecodeError, RecursionError) as error:
@@ -282,6 +295,12 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         return _completion(first.result, model_name, body.speed, promise)
 
     return app
+
+
+def _method_not_allowed(allowed: str):
+    def refuse():
+        return _error(405, f"method not allowed here: use {allowed}", headers={"Allow": allowed})
+    return refuse
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None,

@@ -24,6 +24,7 @@ import time
 from typing import Callable
 
 import h11
+from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; a real client sends its head in milliseconds
@@ -121,6 +122,9 @@ class BodyLimits:
 
         try:
             await self.app(scope, limited_receive, watched_send)
+        except ClientDisconnect:
+            if refusal is None:
+                return  # the client left while sending its body: nobody to answer, nothing to log
         except Exception:
             if refusal is None:
                 raise  # not ours: reading a refused body raises in the application (Starlette's ClientDisconnect)

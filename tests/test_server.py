@@ -80,6 +80,17 @@ def test_health(server):
         engine.decode_graph_error = None
 
 
+def test_the_apis_routes_answer_head_and_name_their_method_to_other_ones(server):
+    """Found from outside: HEAD and wrong methods fell through to the chat mounted at "/" and got 404."""
+    url = server["url"]
+    for path in ("/health", "/metrics", "/v1/models"):
+        assert httpx.head(url + path).status_code == 200, path
+        wrong = httpx.put(url + path)
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, HEAD", path
+    wrong = httpx.get(url + "/v1/chat/completions")
+    assert wrong.status_code == 405 and "use POST" in wrong.json()["error"]["message"]
+
+
 def test_an_openai_client_gets_the_engines_answer_with_usage_and_glimpse_metrics(server, media):
     messages = _question(_data_url(media["image"]))
     reply = _client(server).chat.completions.create(model="tiny-llava", messages=messages, max_tokens=8,
@@ -192,6 +203,26 @@ def test_a_request_body_that_trickles_in_gets_408_and_the_server_goes_on(server,
             reply += piece
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within" in reply
     assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+
+
+def test_a_client_that_leaves_halfway_through_its_body_leaves_no_traceback(server):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        port = int(server["url"].rsplit(":", 1)[1])
+        for path in (b"/v1/chat/completions", b"/gradio_api/queue/join"):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{\"model\": ")  # then gone
+            time.sleep(0.5)
+        assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert not [r for r in records if r.levelno >= logging.ERROR], [r.getMessage() for r in records]
 
 
 def test_the_chats_routes_have_the_apis_body_limits(server, media, monkeypatch):
@@ -861,6 +892,7 @@ def test_an_api_key_guards_the_api_and_cross_origin_text_posts_are_refused(serve
     for url in _serve(app):
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=url + "/v1", api_key="wrong").chat.completions.create(model="m", **body)
+        assert 'outcome="unauthorized"} 1.0' in httpx.get(url + "/metrics").text  # counted once (the client does not retry a 401)
         assert httpx.get(url + "/v1/models").status_code == 401
         reply = OpenAI(base_url=url + "/v1", api_key="s3cret").chat.completions.create(model="m", **body)
         assert reply.choices[0].message.content is not None
