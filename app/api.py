@@ -45,7 +45,8 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
+                      model_validator)
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
@@ -86,9 +87,17 @@ class Declared(BaseModel):
 
 class MediaURL(Declared):
     url: StrictStr = Field(min_length=1)
-    # OpenAI's image detail: "auto" and "high" are what Glimpse does (the model's processor at its own
-    # resolution); "low" (a small fixed-size copy) is not implemented, so it is refused rather than ignored.
-    detail: Literal["auto", "high"] | None = None
+    detail: StrictStr | None = None
+
+    @field_validator("detail")
+    @classmethod
+    def implemented_detail(cls, detail: str | None) -> str | None:
+        # OpenAI's image detail: "auto" and "high" are what Glimpse does (the model's processor at its own
+        # resolution); "low" (a small fixed-size copy) is not implemented, so it is refused rather than ignored.
+        if detail not in (None, "auto", "high"):
+            raise ValueError(f"detail {detail!r} is not implemented: Glimpse sees a picture at the model's own "
+                             "resolution ('auto' or 'high')")
+        return detail
 
 
 class TextPart(Declared):

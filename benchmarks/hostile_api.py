@@ -4,8 +4,10 @@ answers /health. Nothing here should be a 5xx. The 2xx are odd but valid request
 last (OpenAI answers those too), a bare string as `image_url`, a data URL whose declared type is wrong (the bytes
 are read for what they are), a negative seed, an empty or long stop string, a NUL in the text, any `model` name
 (the server has one), `user`, `max_completion_tokens`, a still image sent as a video (a one-frame clip), the
-picture under --allowed-root, and the CORS preflight (answered without Access-Control-Allow-Origin, so a browser
-does not send the request).
+picture under --allowed-root, a temperature of 1e-40 (sampled as greedy), an image's detail "high", a data URL's
+scheme in capitals, and HEAD on /health, /metrics and /v1/models. The CORS preflight is a 405 (before
+2026-11-27 a 200 without Access-Control-Allow-Origin): either way a browser does not send the request. The chat's routes are also sent files named
+by server path, which must be refused ("chat by path refused").
 
     glimpse serve --port 7861 --allowed-root /tmp/glimpse-allowed &
     python benchmarks/hostile_api.py --url http://127.0.0.1:7861 --allowed-root /tmp/glimpse-allowed
@@ -128,7 +130,20 @@ def corpus(ROOT: str, PORT: str) -> tuple[dict, dict]:  # noqa: N803 — spelled
         "n 0": {**msg("hi"), "n": 0},
         "many messages": {"messages": [{"role": "user", "content": ""}] * 100000, "max_tokens": 2},
         "user field": {**msg("hi"), "user": "bob"},
-        "max_completion and max": {**msg("hi"), "max_completion_tokens": 3},
+        "max_completion_tokens": {"messages": msg("hi")["messages"], "max_completion_tokens": 3},
+        # 2026-11-27, from an outside pass: each a 500, a stall or a silent 200 before.
+        "max and max_completion disagree": {**msg("hi"), "max_tokens": 300, "max_completion_tokens": 2},
+        "temperature 1e-40": {**msg("hi"), "temperature": 1e-40},
+        "message tool_calls": {"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "1"}]}]},
+        "message unknown key": {"messages": [{"role": "user", "content": "hi", "foo": "bar"}]},
+        "part cache_control": msg([{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]),
+        "detail low": msg([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + png, "detail": "low"}}]),
+        "detail high": msg([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + png, "detail": "high"}}]),
+        "content empty list": msg([]),
+        "DATA: upper case": img("DATA:image/png;base64," + png),
+        "path NUL": img(f"{ROOT}/sample.png\u0000"),
+        "path 1.6 MB of /x": img("/x" * 800_000),
+        "path name too long": img(f"{ROOT}/{'n' * 300}.png"),
         "video as image": img("data:video/mp4;base64," + base64.b64encode((ASSETS / "sample.mp4").read_bytes()).decode()),
         "image as video": msg([{"type": "video_url", "video_url": {"url": "data:image/png;base64," + png}}]),
     }
@@ -379,6 +394,20 @@ def main() -> None:
         chunks = (huge[i:i + 2**20] for i in range(0, len(huge), 2**20))
         show(f"65 MiB chunked to {path}", client.post(args.url + path, content=chunks,
                                                       headers={"content-type": "application/json"}))
+    for path in ("/health", "/metrics", "/v1/models"):
+        show(f"HEAD {path}", client.head(args.url + path))
+        show(f"PUT {path}", client.put(args.url + path))
+    # The chat's routes take files as server paths: one outside the uploads, named by path, must be refused (it
+    # was copied into the uploads and answered about) -- the POST is accepted, its event stream says error.
+    for named in (str(ASSETS / "sample.png"), "/x" * 200_000):
+        body = {"data": [{"text": "colour?", "files": [{"path": named, "meta": {"_type": "gradio.FileData"}}]},
+                         "auto", 0.0, 4, "", False]}
+        started = client.post(args.url + "/gradio_api/call/chat", json=body)
+        stream = client.get(f"{args.url}/gradio_api/call/chat/{started.json()['event_id']}").text
+        refused = "event: error" in stream and "event: complete" not in stream
+        counts["chat by path refused" if refused else "chat by path ANSWERED"] = \
+            counts.get("chat by path refused" if refused else "chat by path ANSWERED", 0) + 1
+        print(f"{'refused' if refused else 'ANSWERED'} chat file by path {named[:40]!r}: {stream[-150:]!r}")
     for method in ("GET", "PUT", "DELETE", "OPTIONS"):
         show(method, client.request(method, endpoint, headers={"Origin": "http://evil.example",
                                                                "Access-Control-Request-Method": "POST"}))
