@@ -230,7 +230,8 @@ def read_input(key: str):
                 from glimpse.fetch import Fetcher
 
                 # The manifest is the operator's own: its URLs may name the cluster's own storage (none refused).
-                f.writelines(Fetcher(allow_private=True, deadline_s=URL_DEADLINE_S, max_bytes=URL_MAX_BYTES).pieces(key))
+                fetcher = Fetcher(allow_private=True, deadline_s=URL_DEADLINE_S, max_bytes=URL_MAX_BYTES)
+                f.writelines(fetcher.pieces(key))
             else:
                 _copy_from_storage(key, f)
     except BaseException:
@@ -306,7 +307,8 @@ def decode_input(row: dict, model: str, prompt: str | None) -> dict:
         return {"key": key, "prompt_bytes": pickle.dumps(built), "instruction": text, "error": ""}
     except Exception as error:  # noqa: BLE001 — any input that cannot become a prompt is an error row
         # The instruction depends on the kind, unknown here: the row carries the user's --prompt, if any.
-        return {"key": key, "prompt_bytes": b"", "instruction": prompt or "", "error": f"{type(error).__name__}: {error}"}
+        return {"key": key, "prompt_bytes": b"", "instruction": prompt or "",
+                "error": f"{type(error).__name__}: {error}"}
     finally:
         if tmp is not None:
             os.unlink(tmp)

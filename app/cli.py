@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "default embedded) under concurrent clients")
     served.add_argument("--url", default=None, help="the server to measure (default: start glimpse serve here)")
     served.add_argument("--workload", choices=["images", "text"], default="images",
-                        help="images (default): questions about an image (--image, default: the sample picture shipped with Glimpse); "
-                             "text: requests for stories, long answers")
+                        help="images (default): questions about an image (--image, default: the sample picture "
+                             "shipped with Glimpse); text: requests for stories, long answers")
     served.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
     served.add_argument("--requests", type=int, default=128,
                         help="requests per phase (default 128: K clients' ramp-up and drain a small share of the run)")

@@ -302,7 +302,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         if left_out:
             answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
                             f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")
-        yield answer, metrics_markdown(result, baseline), saved_image(keep_map_image(messages, result.metrics["keep_map"]))
+        keep_map = saved_image(keep_map_image(messages, result.metrics["keep_map"]))
+        yield answer, metrics_markdown(result, baseline), keep_map
 
     def tab_closed(request):
         """The tab was closed or reloaded (Gradio does not cancel its running event): end its requests."""
