@@ -54,22 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
     ask = commands.add_parser("ask", help="answer one question, optionally about an image or a video")
     ask.add_argument("question", help="the question (text)")
     ask.add_argument("--model", default="embedded",
-                     help="hub id or local checkpoint folder of Qwen2-VL, LLaVA-1.5, LLaVA-NeXT or LongVA; "
-                          "'embedded' (default) is the small offline model")
+                     help="hub id or local checkpoint folder of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT "
+                          "or LongVA; 'embedded' (default) is the small offline model")
     media = ask.add_mutually_exclusive_group()
     media.add_argument("--image", action="append", default=[], metavar="PATH", help="an image (repeatable)")
     media.add_argument("--video", metavar="PATH", help="a video file")
     ask.add_argument("--policy", default="auto", choices=NAMES, help="pruning policy (default: auto)")
     ask.add_argument("--speed", type=float, default=0.0, help="speed/quality slider in [0, 1]; 0 is exact")
     ask.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                     help="override one policy parameter (repeatable), e.g. rho=0.6; for auto: dash.rho=0.6")
+                     help="override one policy parameter (repeatable), e.g. rho=0.6; for auto: member.param, e.g. "
+                          "divprune.keep=0.3 (an error lists auto's members at that speed)")
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     ask.add_argument("--temperature", type=float, default=0.7)
     ask.add_argument("--top-p", type=float, default=0.9)
     ask.add_argument("--seed", type=int, default=None)
     _add_device_options(ask)
-    ask.add_argument("--json", action="store_true", help='print one JSON object {"text", "policy", "params", "metrics"}')
+    ask.add_argument("--json", action="store_true", help='print one JSON object: text, model, policy, speed, params, summary, promise, '
+                          'finish_reason, grounded and every metric (docs/engine.md)')
     ask.set_defaults(run=run_ask)
 
     bench = commands.add_parser(

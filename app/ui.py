@@ -369,7 +369,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         policy = gr.Dropdown(POLICIES, value="auto", label="policy", elem_id="policy", render=False)
         max_tokens = gr.Slider(1, max_new_tokens, value=min(256, max_new_tokens), step=1, label="max answer tokens",
                                elem_id="max-tokens", render=False)
-        overrides = gr.Textbox(label="overrides, name=value per line (auto: dash.rho=0.6)", lines=2,
+        overrides = gr.Textbox(label="overrides, name=value per line (auto: member.param, e.g. divprune.keep=0.3)", lines=2,
                                elem_id="overrides", render=False)
         compare = gr.Checkbox(False, label="also run unpruned, to compare (both computed whole: no caches)",
                               elem_id="compare", render=False)
