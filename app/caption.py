@@ -63,7 +63,11 @@ def list_entries(listing: Path) -> list[str]:
     """A list file's inputs, one per line (blank lines and ``#`` comments skipped): URLs and URIs as written,
     paths relative to the list's folder."""
     entries = []
-    for line in listing.read_text().splitlines():
+    try:
+        text = listing.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{listing}: not a list of paths (one per line, UTF-8 text)") from None
+    for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -148,6 +152,7 @@ class CaptionOutput:
 
     def __init__(self, out: Path):
         self.path = out
+        _refuse_what_is_not_a_captions_file(out)
         self.file = open_locked(out, "a+b", out)
 
     def clear(self) -> None:
@@ -169,6 +174,27 @@ class CaptionOutput:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _refuse_what_is_not_a_captions_file(out: Path) -> None:
+    """An --out that exists must be a JSONL file of captions: resuming cuts a last line short of its newline
+    and appends, which would damage anything else (a typo naming a picture, a device such as /dev/full that
+    would be read whole)."""
+    if not out.exists():
+        return
+    if not out.is_file():
+        raise UserError(f"--out {out}: not a regular file")
+    with open(out, "rb") as f:
+        first = f.readline(1 << 20)
+    if not first.strip() or (not first.endswith(b"\n") and first.startswith(b'{"')):
+        return  # empty, or our first record cut short by a kill (resuming drops it)
+    try:
+        record = json.loads(first)
+    except ValueError:
+        record = None
+    if not (isinstance(record, dict) and ("key" in record or "path" in record)):
+        raise UserError(f"--out {out}: this file exists and is not a captions file (JSONL written by glimpse "
+                        "caption); choose another --out, nothing was changed")
 
 
 def done_in_jsonl(out: Path) -> set[str]:

@@ -288,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_ask(args) -> int:
     from glimpse.pipeline import load_engine
+    from glimpse.pipeline.engine import Sampling
     from glimpse.pruning import make_policy
 
     check_speed(args.speed)
@@ -295,6 +296,7 @@ def run_ask(args) -> int:
     make_policy(args.policy, args.speed, overrides)  # a bad name or value fails before loading
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
+    Sampling(args.sample, args.temperature, args.top_p, args.seed)  # so does a bad --temperature, --top-p, --seed
     media = [("image", path) for path in args.image] + ([("video", args.video)] if args.video else [])
     messages = user_message(args.question, media)
 
@@ -747,6 +749,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("glimpse: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `glimpse ask ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
+        return 1
+    except OSError as error:  # the machine's, not Glimpse's: a file it may not read, a full disk, a bad name
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"glimpse: error: {where}{error.strerror or error}", file=sys.stderr)
+        return 1
     except Exception:  # anything else is Glimpse's bug, never blamed on the input
         traceback.print_exc()
         print("glimpse: internal error: this is a bug in Glimpse, not a problem with your input; "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -123,6 +124,18 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+
+    def __post_init__(self):
+        # Checked when asked, not at the first sampled token: NaN or an infinite temperature made NaN
+        # probabilities, and a top_p outside (0, 1] or a seed torch cannot take failed deep in decode.
+        if not self.do_sample:
+            return
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise UserError(f"temperature must be a finite number > 0 when sampling (got {self.temperature})")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise UserError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise UserError(f"seed must be in [-2^63, 2^64) (got {self.seed})")
 
     def next(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         return sample_next(logits, self.do_sample, self.temperature, self.top_p, generator)

@@ -25,9 +25,26 @@ class ModelLoadError(UserError):
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """'auto': the GPU when there is one, else the CPU. A device this machine cannot compute on is the user's
+    error, said before anything loads (torch would fail later, deep in the load, with an assertion)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ModelLoadError(f"--device {device}: this machine has no CUDA GPU that torch can use "
+                                 "(use --device cpu, or auto)")
+        if resolved.index is not None and resolved.index >= count:
+            raise ModelLoadError(f"--device {device}: this machine has {count} CUDA GPU(s), numbered from 0")
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError(f"--device {device}: Apple's MPS is not available here (use --device cpu, or auto)")
+    elif resolved.type not in ("cpu", "cuda", "mps"):
+        raise ModelLoadError(f"--device {device}: Glimpse runs on cpu, cuda or mps")
+    return resolved
 
 
 def resolve_attn(attn: str, device: torch.device) -> str:

@@ -176,6 +176,26 @@ def test_a_second_writer_and_an_unwritable_output_are_refused_before_the_model_l
     assert "cannot write" in capsys.readouterr().err
 
 
+def test_an_out_that_is_not_a_captions_file_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """Found from outside: resuming cuts --out back to its last newline and appends, so a picture or notes
+    named by a typo were damaged, and /dev/full was read whole into memory. Refused before the model loads."""
+    image = _images(tmp_path / "in", 1)[0]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("line 1\nline 2 without a newline")
+    picture = tmp_path / "a.png"
+    picture.write_bytes(image.read_bytes())
+    for out in (notes, picture):
+        before = out.read_bytes()
+        assert main(["caption", str(image), "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 1
+        assert "not a captions file" in capsys.readouterr().err and out.read_bytes() == before
+    assert main(["caption", str(image), "--model", str(tmp_path / "no-model"), "--out", os.devnull]) == 1
+    assert "not a regular file" in capsys.readouterr().err
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(b"\xff\xfe not text")
+    assert main(["caption", str(listing), "--out", str(tmp_path / "c.jsonl")]) == 1
+    assert "not a list of paths" in capsys.readouterr().err
+
+
 def test_retry_errors_is_refused_without_ray_where_failed_inputs_are_retried_anyway(tmp_path, capsys):
     image = _images(tmp_path / "in", 1)[0]
     assert main(["caption", str(image), "--out", str(tmp_path / "c.jsonl"), "--retry-errors"]) == 1

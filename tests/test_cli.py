@@ -126,6 +126,39 @@ def test_ask_json_reports_policy_parameters_active_tokens_flops_and_keep_map(che
     assert len(depth) == metrics["prompt_tokens"]["image"] and set(depth) <= {l_s, len(counts)}
 
 
+def test_what_the_machine_refuses_is_one_clear_line_not_a_bug_report(checkpoints, media, tmp_path):
+    """Found from outside, each a traceback and "internal error" before: a device this machine cannot use,
+    a picture it may not read, a name too long for the file system, sampling values torch cannot take."""
+    import torch
+
+    model = str(checkpoints["llava"])
+    if not torch.cuda.is_available():
+        _assert_clean_error(glimpse("ask", "--model", model, "--device", "cuda", "hi"), "no CUDA GPU")
+    _assert_clean_error(glimpse("ask", "--model", model, "--device", "banana", "hi"), "unknown device")
+    _assert_clean_error(glimpse("ask", "--model", model, "--image", "a" * 5000 + ".png", "hi"), "too long")
+    for option, value, word in (("--temperature", "nan", "temperature"), ("--top-p", "2", "top_p"),
+                                ("--seed", str(2**64), "seed")):
+        proc = glimpse("ask", "--model", model, "--sample", option, value, "hi")
+        _assert_clean_error(proc, word)
+        assert "loading" not in proc.stderr  # refused before the model loads
+    if os.geteuid() != 0:  # root reads whatever the mode says
+        locked = tmp_path / "locked.png"
+        locked.write_bytes(media["image"].read_bytes())
+        locked.chmod(0)
+        _assert_clean_error(glimpse("ask", "--model", model, "--image", str(locked), "hi"), "locked.png")
+
+
+def test_ask_piped_into_head_ends_quietly(checkpoints):
+    # The answer streams token by token: once head has its byte and exits, the next write meets a closed pipe.
+    import shlex
+
+    command = [str(Path(sys.executable).with_name("glimpse")), "ask", "--model", str(checkpoints["llava"]),
+               "--max-new-tokens", "200", "Write a long story about the sea."]
+    done = subprocess.run(shlex.join(command) + " | head -c 1", shell=True, capture_output=True, timeout=300)
+    err = done.stderr.decode(errors="replace")
+    assert "Traceback" not in err and "internal error" not in err, err
+
+
 def test_ask_rejects_an_unknown_policy_parameter_before_loading(checkpoints, media):
     proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--policy", "dash", "--param", "rhoo=1", "hi")
     assert proc.returncode == 1
