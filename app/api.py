@@ -409,8 +409,10 @@ def _local_file(name: str, url: str, root: Path | None) -> str:
             raise BadRequest(f"{shown}: outside the allowed root")
         if not resolved.is_file():
             raise BadRequest(f"{shown}: no such file")
-    except OSError as error:  # a name too long for the file system, a loop of links, ...
+    except OSError as error:  # a name too long for the file system, a folder it may not enter, ...
         raise BadRequest(f"{shown}: cannot be read ({error.strerror or type(error).__name__})") from None
+    except RuntimeError:  # Path.resolve's "Symlink loop" (Python before 3.13)
+        raise BadRequest(f"{shown}: a loop of symbolic links") from None
     return str(resolved)
 
 

@@ -298,7 +298,10 @@ def test_local_files_only_under_the_allowed_root(server, media):
     # minutes resolving it (each refusal is now a 400 before the file system is asked, echoing at most 200 characters).
     url = server["url"] + "/v1/chat/completions"
     root = server["root"]
-    for name, word in ((f"{root}/image.png\0", "NUL"), ("/x" * 800_000, "longer than"),
+    loop = root / "loop.png"
+    if not loop.is_symlink():
+        loop.symlink_to(root / "loop.png")  # a link to itself
+    for name, word in ((f"{root}/image.png\0", "NUL"), ("/x" * 800_000, "longer than"), (str(loop), "loop"),
                        (f"{root}/{'n' * 300}.png", "cannot be read"), (f"FILE://{media['image']}", "outside")):
         reply = httpx.post(url, json={"messages": _question(name), "max_tokens": 2}, timeout=30)
         assert reply.status_code == 400 and word in reply.json()["error"]["message"], reply.text[:300]
