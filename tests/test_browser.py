@@ -99,6 +99,23 @@ def _streaming(page) -> None:
     }""", timeout=120_000)
 
 
+def _last_answer_includes(page, text: str, timeout: int = 30_000) -> None:
+    """Wait until the chat's last answer shows ``text``."""
+    page.wait_for_function("""text => {
+        const bots = document.querySelectorAll('#chat .message.bot');
+        return bots.length > 0 && bots[bots.length - 1].innerText.includes(text);
+    }""", arg=text, timeout=timeout)
+
+
+def _queued_behind_a_story(first, second, question: str) -> None:
+    """Tab ``first`` streams a long story (the test server answers one request at a time); tab ``second`` asks
+    ``question`` and shows it waits first in the queue."""
+    _send(first, STORY)
+    _streaming(first)
+    _send(second, question)
+    _last_answer_includes(second, "number 1 in the queue")
+
+
 def _idle(served) -> None:
     """Wait until the server has nothing running or waiting."""
     deadline = time.monotonic() + 120
@@ -200,10 +217,7 @@ def test_clear_while_an_answer_streams_clears_for_good_and_ends_the_request(page
 
 def test_stop_ends_the_answer_marks_it_and_frees_the_model(page, served):
     _interrupt_a_story(page, served, "#input button.stop-button")
-    page.wait_for_function("""() => {
-        const bots = document.querySelectorAll('#chat .message.bot');
-        return bots.length && bots[bots.length - 1].innerText.includes('(stopped)');
-    }""", timeout=30_000)
+    _last_answer_includes(page, "(stopped)")
 
 
 def test_a_mistyped_override_is_explained_and_retry_answers_with_the_same_upload(page):
@@ -247,13 +261,7 @@ def test_the_model_note_and_an_example_to_click(page):
 def test_two_tabs_at_once_the_second_sees_its_place_in_the_queue_then_its_answer(browser, served):
     first, second = _open(browser, served), _open(browser, served)
     try:
-        _send(first, STORY)
-        _streaming(first)
-        _send(second, "What is the capital of France?")
-        second.wait_for_function("""() => {
-            const bots = document.querySelectorAll('#chat .message.bot');
-            return bots.length && bots[bots.length - 1].innerText.includes('number 1 in the queue');
-        }""", timeout=30_000)
+        _queued_behind_a_story(first, second, "What is the capital of France?")
         _streaming(second)
         answer = second.locator("#chat .message.bot").last.inner_text()
         assert "⚠️" not in answer and "⏳" not in answer
@@ -267,18 +275,9 @@ def test_stop_while_queued_marks_the_question_and_the_next_one_is_sent_alone(bro
     unmarked, and the next question was sent with it run in: now it is marked, and left out."""
     first, second = _open(browser, served), _open(browser, served)
     try:
-        _send(first, STORY)
-        _streaming(first)
-        _send(second, "Name a colour.")
-        second.wait_for_function("""() => {
-            const bots = document.querySelectorAll('#chat .message.bot');
-            return bots.length && bots[bots.length - 1].innerText.includes('in the queue');
-        }""", timeout=30_000)
+        _queued_behind_a_story(first, second, "Name a colour.")
         second.locator("#input button.stop-button").click()
-        second.wait_for_function("""() => {
-            const bots = document.querySelectorAll('#chat .message.bot');
-            return bots.length && bots[bots.length - 1].innerText.includes('stopped before the answer began');
-        }""", timeout=30_000)
+        _last_answer_includes(second, "stopped before the answer began")
         _idle(served)  # the story ends
         _ask(second, "What is the capital of France?")
         first.locator("#chat button[aria-label='Clear']").click()
