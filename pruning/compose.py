@@ -2,8 +2,8 @@
 
 Every callback goes to every member in order; ``skip_encoding`` joins the members' skipped tokens;
 ``select`` chains, so each member only ever shrinks what the previous ones left; ``attention_rows`` and
-``decode_attend`` intersect the members' choices; ``decode_rows`` chains. This is how the design card's default pipeline (HiDivDrop late
-injection, then DASH or ZipVL, then ST3's decode-time annealing) is built.
+``decode_attend`` intersect the members' choices; ``decode_rows`` chains. This is how the design card's
+default pipeline (HiDivDrop late injection, then DASH or ZipVL, then ST3's decode-time annealing) is built.
 """
 
 from __future__ import annotations

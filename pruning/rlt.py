@@ -8,8 +8,9 @@ H100, 0.53 s of a 16K-token video's 1.30 s is the encoder, so even a free decode
 
 The paper's rule: cut the video into its space-time patches (tubelets); where a tubelet differs from the
 one at the same place one step earlier by a mean absolute pixel difference below ``tau`` (the paper compares
-the tubelet's first frame with the earlier one's last), it repeats a run and is dropped; the run's first tubelet stays (the paper adds a learnt encoding of the run's length, which
-needs training; its training-free variant, the one used here, leaves it out). Each kept token keeps its own
+the tubelet's first frame with the earlier one's last), it repeats a run and is dropped; the run's first
+tubelet stays (the paper adds a learnt encoding of the run's length, which needs training; its training-free
+variant, the one used here, leaves it out). Each kept token keeps its own
 space-time position (the decoder's M-RoPE or 1-D position), so the model sees where and when every kept
 token is.
 
