@@ -463,13 +463,10 @@ def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
     kept = []
     for message in history:
         content = message.get("content")
-        if message.get("role") == "assistant" and _text_of(message).startswith("⏳"):
-            continue  # the queue position shown while a question waited: no answer (Stop pressed then)
-        if message.get("role") == "assistant" and _text_of(message).startswith("⚠️"):
-            failed = len(kept)
-            while failed and kept[failed - 1].get("role") == "user":
-                failed -= 1
-            kept[failed:] = [m for m in map(_files_only, kept[failed:]) if m is not None]
+        if message.get("role") == "assistant" and _text_of(message).startswith(("⚠️", "⏳")):
+            # Not an answer: the error note of a failed turn, or the queue position shown while a question waited
+            # (Stop pressed then). The question before it is then unanswered: _without_unanswered leaves its
+            # text out and keeps its files.
             continue
         if message.get("role") == "assistant":
             content = _without_notes_in(content)  # the chat's own notes under an answer are not the model's words
