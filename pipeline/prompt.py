@@ -12,6 +12,8 @@ placeholder tokens as the encoder will produce for it, in the order the media ap
 
 from __future__ import annotations
 
+import re
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -172,6 +174,108 @@ def render(tokenizer, chat_template: str | None, messages: list[dict], placehold
                                          add_generation_prompt=True)
 
 
+def control_pattern(adapter: Adapter) -> re.Pattern | None:
+    """What this model's tokenizer reads as control tokens: its special added tokens (turn markers, BOS/EOS,
+    ...) and the image/video placeholders."""
+    tok = adapter.tokenizer
+    controls = {t.content for t in tok.added_tokens_decoder.values() if t.special}
+    controls |= {adapter.placeholder_token(kind) for kind, token in ((IMAGE, adapter.image_token_id),
+                                                                     (VIDEO, adapter.video_token_id)) if token is not None}
+    controls = sorted((c for c in controls if c), key=len, reverse=True)  # the longest match first
+    return re.compile("|".join(map(re.escape, controls))) if controls else None
+
+
+def _marker() -> tuple[str, re.Pattern]:
+    """A marker prefix that no text holds and no tokenizer or adapter reads as anything, and the pattern of
+    ``prefix + number + NUL``."""
+    prefix = f"\0{uuid.uuid4().hex}:"
+    return prefix, re.compile(re.escape(prefix) + r"(\d+)\0")
+
+
+def typed_spans(tokenizer, chat_template: str | None, messages: list[dict], placeholders: dict[str, str],
+                text: str) -> list[tuple[int, int]]:
+    """Where the messages' text items are in ``text`` (their rendering), as (start, end) character spans: the
+    template is rendered again with a marker in place of each, and the markers are put back."""
+    prefix, pattern = _marker()
+    typed: list[str] = []
+
+    def swap(item: dict) -> dict:
+        if item["type"] != "text":
+            return item
+        typed.append(item["text"])
+        return {"type": "text", "text": f"{prefix}{len(typed) - 1}\0"}
+
+    marked = render(tokenizer, chat_template, [{"role": m["role"], "content": [swap(it) for it in m["content"]]}
+                                               for m in messages], placeholders)
+    for fit in (str, str.strip):  # templates write a message's text as it is, or stripped of white space
+        out, spans, length, at = [], [], 0, 0
+        for found in pattern.finditer(marked):
+            piece = fit(typed[int(found.group(1))])
+            out += [marked[at:found.start()], piece]
+            length += found.start() - at
+            spans.append((length, length + len(piece)))
+            length += len(piece)
+            at = found.end()
+        if "".join(out) + marked[at:] == text:
+            return spans
+    raise PromptError("the text holds what this model reads as a control token, and its chat template changes "
+                      "the text so that it cannot be told apart from the template's own: leave it out")
+
+
+def tokenize(adapter: Adapter, text: str, media: list[MediaInput], typed: list[tuple[int, int]] = ()) -> list[int]:
+    """The token ids of the rendered chat ``text``, in which the spans ``typed`` hold what a person or a client
+    typed: control text there (``<image>``, ``<|im_end|>``) is spelled out as ordinary text tokens, so that a
+    question cannot hold a placeholder without a picture, or close its own turn and write the assistant's.
+    Elsewhere, and wholly when the typed text holds no control text, tokens are what tokenizing the whole
+    string gives."""
+    tok = adapter.tokenizer
+    # A template that writes BOS itself must not get a second one from the tokenizer.
+    add_special = not (tok.bos_token and text.startswith(tok.bos_token))
+    controls = control_pattern(adapter)
+    typed = [(start, end) for start, end in typed if controls is not None and controls.search(text, start, end)]
+    if not typed:
+        return tok(adapter.expand_text(text, media), add_special_tokens=add_special)["input_ids"]
+
+    # The typed control strings become markers while the template's placeholders are written out (which may
+    # move them), then become themselves again, their places noted.
+    prefix, pattern = _marker()
+    literals: list[str] = []
+
+    def mark(found: re.Match) -> str:
+        literals.append(found.group())
+        return f"{prefix}{len(literals) - 1}\0"
+
+    pieces, at = [], 0
+    for start, end in typed:
+        pieces += [text[at:start], controls.sub(mark, text[start:end])]
+        at = end
+    expanded = adapter.expand_text("".join(pieces) + text[at:], media)
+    spelled = []  # (start, end) in the final text of each typed control string
+    pieces, length, at = [], 0, 0
+    for found in pattern.finditer(expanded):
+        literal = literals[int(found.group(1))]
+        pieces += [expanded[at:found.start()], literal]
+        length += found.start() - at
+        spelled.append((length, length + len(literal)))
+        length += len(literal)
+        at = found.end()
+    final = "".join(pieces) + expanded[at:]
+    try:
+        encoded = tok(final, add_special_tokens=add_special, return_offsets_mapping=True)
+    except NotImplementedError:  # a slow (Python) tokenizer has no character offsets
+        raise PromptError(f"the text holds {literals[0]!r}, which this model reads as a control token: "
+                          "leave it out") from None
+    added = tok.added_tokens_decoder
+    ids = []
+    for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
+        # A control token over typed text (its span may take in white space beside it: lstrip/rstrip tokens).
+        if token in added and any(start < e and s < end for s, e in spelled):
+            ids += tok(final[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        else:
+            ids.append(token)
+    return ids
+
+
 def check_text_length(characters: int, max_length: int | None) -> None:
     """Raise ``ContextOverflow`` if ``characters`` of text cannot fit ``max_length`` tokens, whatever the
     tokenizer (``CHARS_PER_TOKEN_BOUND``)."""
@@ -190,10 +294,12 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
     if adapter.supports_video:
         placeholders["video"] = adapter.placeholder(VIDEO)
     text = render(adapter.tokenizer, chat_template, messages, placeholders)
-    tok = adapter.tokenizer
-    # A template that writes BOS itself must not get a second one from the tokenizer.
-    add_special = not (tok.bos_token and text.startswith(tok.bos_token))
-    ids = tok(adapter.expand_text(text, media), add_special_tokens=add_special)["input_ids"]
+    controls = control_pattern(adapter)
+    typed = []
+    if controls is not None and any(controls.search(item["text"]) for m in messages for item in m["content"]
+                                    if item["type"] == "text"):
+        typed = typed_spans(adapter.tokenizer, chat_template, messages, placeholders, text)
+    ids = tokenize(adapter, text, media, typed)
 
     placeholder = {IMAGE: adapter.image_token_id, VIDEO: adapter.video_token_id}
     queues = {k: [m for m in media if m.kind == k] for k in (IMAGE, VIDEO)}
