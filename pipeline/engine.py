@@ -391,7 +391,9 @@ class Engine:
         if name == "auto":  # the chosen configuration's own parameters are as explicit as overrides
             point = self.frontier.choose(speed)
             explicit.update(_member_params(point.members if point else ()))
-        return self._with_profiles(make_policy(name, speed, overrides, frontier=self.frontier), explicit)
+        policy = self._with_profiles(make_policy(name, speed, overrides, frontier=self.frontier), explicit)
+        policy.check(len(self.adapter.layers))  # before a picture is decoded for it
+        return policy
 
     def configuration(self, members) -> Policy:
         """A frontier configuration (``pruning.frontier.Member`` list) for this model, with its
@@ -657,7 +659,8 @@ class Engine:
         ctx = PrefillContext(prompt, self.adapter, prompt.modality.to(self.device), positions, hidden,
                              KVCache(num_layers), num_layers,
                              next_position=positions.max(dim=1, keepdim=True).values + 1, caches=caches)
-        policy.plan(ctx)  # a bad parameter fails here, before any work starts
+        policy.check(num_layers)  # a bad parameter (a layer past this model's last) fails here, before any work
+        policy.plan(ctx)
         skipped = policy.skip_encoding(ctx) if prompt.media else None
         if skipped is not None and skipped.numel():
             ctx.encoded = torch.ones(input_ids.shape[0], dtype=torch.bool, device=self.device)

@@ -87,10 +87,13 @@ def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None =
                 raise UserError(f"auto's parameters are named member.param; its members at speed {speed:g}: "
                                  f"{chosen}; got {key!r}")
             by_member.setdefault(member, {})[param] = value
-        return Pipeline(policies=tuple(_override(p, by_member.get(p.name, {})) for p in policy.policies), label="auto")
-    if name not in POLICIES:
+        policy = Pipeline(policies=tuple(_override(p, by_member.get(p.name, {})) for p in policy.policies), label="auto")
+    elif name in POLICIES:
+        policy = _override(POLICIES[name].from_speed(speed), overrides or {})
+    else:
         raise UserError(f"unknown policy {name!r}; available: {', '.join(NAMES)}")
-    return _override(POLICIES[name].from_speed(speed), overrides or {})
+    policy.check()  # what can be refused before a model is loaded is refused now
+    return policy
 
 
 def parse_params(items) -> dict:
@@ -124,7 +127,10 @@ def _override(policy: Policy, overrides: dict) -> Policy:
             finite = "finite numbers" if isinstance(value, (list, tuple)) else "a finite number"
             raise UserError(f"{policy.name}.{name} must be {finite}, got {value!r}")
         if not _fits(value, str(types[name])):
-            raise UserError(f"{policy.name}.{name} must be {types[name]}, got {value!r}")
+            hint = ""
+            if isinstance(value, str) and "tuple" in str(types[name]):  # (0.3, 0.4) is not JSON: it stays text
+                hint = f"; write a list as JSON, e.g. {name}=[0.3, 0.4]"
+            raise UserError(f"{policy.name}.{name} must be {types[name]}, got {value!r}{hint}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
     return replace(policy, **values)
 

@@ -48,6 +48,17 @@ def check_speed(speed: float) -> float:
     return float(speed)
 
 
+def check_layer(what: str, layer: int | None, num_layers: int | None, low: int = 1) -> None:
+    """A layer number a user set: None (the policy's default) or in ``[low, num_layers - 1]`` (without the
+    model's depth, at least ``low``)."""
+    if layer is None:
+        return
+    if num_layers is None and layer < low:
+        raise UserError(f"{what} must be a layer number of at least {low}, got {layer}")
+    if num_layers is not None and not low <= layer < num_layers:
+        raise UserError(f"{what} must be in [{low}, {num_layers - 1}] on this {num_layers}-layer model, got {layer}")
+
+
 def scaled_layer(paper_layer: float, paper_depth: int, num_layers: int) -> int:
     """A layer number from a paper's model, scaled to this model's depth (rounded, at least 1)."""
     return max(1, round(paper_layer * num_layers / paper_depth))
@@ -82,6 +93,11 @@ class Policy:
     def observed(self) -> dict:
         """This request's telemetry (``telemetry``), as the metrics report it."""
         return dict(self.telemetry)
+
+    def check(self, num_layers: int | None = None) -> None:
+        """Refuse a parameter out of its range (``UserError`` naming it and the range) before anything runs:
+        ``make_policy`` calls it before a model is loaded (``num_layers`` None: the ranges that need no model),
+        the engine with the model's depth before ``plan`` (layer numbers too)."""
 
     def plan(self, ctx) -> None:
         pass

@@ -34,6 +34,10 @@ class Pipeline(Policy):
     def observed(self) -> dict:
         return {p.name: p.observed() for p in self.policies if p.observed()}
 
+    def check(self, num_layers: int | None = None) -> None:
+        for p in self.policies:
+            p.check(num_layers)
+
     def plan(self, ctx) -> None:
         for p in self.policies:
             p.plan(ctx)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from glimpse.common import UserError
-from glimpse.pruning.base import ScoreThenCut, check_speed, lowest
+from glimpse.pruning.base import ScoreThenCut, check_layer, check_speed, lowest
 
 RHO_AT_FULL_SPEED = 0.8  # rho = 0.8 * speed: 0.4 at speed 0.5, the paper's 0.667 at speed ~0.83
 
@@ -46,9 +46,14 @@ class DASH(ScoreThenCut):
     def from_speed(cls, speed: float) -> "DASH":
         return cls(rho=round(RHO_AT_FULL_SPEED * check_speed(speed), 6))
 
-    def plan(self, ctx) -> None:
+    def check(self, num_layers: int | None = None) -> None:
         if not 0.0 <= self.rho < 1.0:
             raise UserError(f"DASH rho must be in [0, 1), got {self.rho}")
+        if self.keep_first < 0 or self.keep_last < 0:
+            raise UserError(f"DASH keep_first and keep_last must be >= 0, got {self.keep_first} and {self.keep_last}")
+        check_layer("DASH start_layer", self.start_layer, num_layers)
+
+    def plan(self, ctx) -> None:
         l_s = self.start_layer if self.start_layer is not None else max(1, math.floor(0.4 * ctx.num_layers))
         self.resolved = {"start_layer": l_s,
                          "paper": {"rho": self.rho, "l_s": l_s, "n_first": self.keep_first, "n_last": self.keep_last}}

@@ -43,9 +43,11 @@ class DivPrune(Policy):
     def from_speed(cls, speed: float) -> "DivPrune":
         return cls(keep=1.0 - 0.8 * check_speed(speed))  # 20% kept at speed 1; the paper headlines 9.8% (56 of 576)
 
-    def plan(self, ctx) -> None:
+    def check(self, num_layers: int | None = None) -> None:
         if not 0.0 < self.keep <= 1.0:
             raise UserError(f"DivPrune keep must be in (0, 1], got {self.keep}")
+
+    def plan(self, ctx) -> None:
         self.resolved = {"paper": {"ratio": self.keep}}
         self.telemetry = {"num_dropped": 0}
 

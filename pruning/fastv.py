@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from glimpse.common import Modality, UserError
-from glimpse.pruning.base import (ScoreThenCut, check_speed, lowest_except, lowest_visual, merge_into_kept, scaled_layer,
+from glimpse.pruning.base import (ScoreThenCut, check_layer, check_speed, lowest_except, lowest_visual, merge_into_kept, scaled_layer,
                           without)
 
 
@@ -38,13 +38,13 @@ class FastV(ScoreThenCut):
     def from_speed(cls, speed: float) -> "FastV":
         return cls(ratio=check_speed(speed))  # the paper's R = 50% at speed 0.5
 
-    def plan(self, ctx) -> None:
+    def check(self, num_layers: int | None = None) -> None:
         if not 0.0 <= self.ratio <= 1.0:
             raise UserError(f"FastV ratio must be in [0, 1], got {self.ratio}")
+        check_layer("FastV layer", self.layer, num_layers)
+
+    def plan(self, ctx) -> None:
         K = self.layer if self.layer is not None else scaled_layer(2, 32, ctx.num_layers)
-        if not 1 <= K < ctx.num_layers:
-            raise UserError(f"FastV layer must be in [1, {ctx.num_layers - 1}] on this {ctx.num_layers}-layer model, "
-                            f"got {K}")
         self.resolved = {"layer": K, "paper": {"K": K, "R": self.ratio}}
         self.telemetry = {"num_dropped": 0}
         self.cut_at, self.scores = (frozenset({K}) if self.ratio > 0 else frozenset()), None

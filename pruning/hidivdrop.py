@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from glimpse.common import Modality, UserError
-from glimpse.pruning.base import ScoreThenCut, check_speed, drop_lowest_visual
+from glimpse.pruning.base import ScoreThenCut, check_layer, check_speed, drop_lowest_visual
 
 PAPER_DEPTH = 32
 PAPER_INJECT, PAPER_EXIT = 9, 25
@@ -57,16 +57,35 @@ class HiDivDrop(ScoreThenCut):
                    exit_fraction=round(speed * (PAPER_DEPTH - PAPER_EXIT) / PAPER_DEPTH, 6),
                    keep=tuple(round(1.0 - speed * (1.0 - k), 6) for k in KEEP_AT_FULL_SPEED))
 
-    def plan(self, ctx) -> None:
-        L = ctx.num_layers
-        inject = self.inject_layer if self.inject_layer is not None else round(self.inject_fraction * L)
-        exit_ = self.exit_layer if self.exit_layer is not None else L - round(self.exit_fraction * L)
-        if not 0 <= inject < exit_ <= L:
-            raise UserError(f"HiDivDrop needs 0 <= L_inj < L_exit <= L, got {inject}, {exit_} on {L} layers")
-        filters = self.filter_layers or tuple(max(1, round(f * L / PAPER_DEPTH)) for f in PAPER_FILTERS)
+    def window(self, num_layers: int) -> tuple[int, int]:
+        """(L_inj, L_exit) on a model of ``num_layers`` layers."""
+        inject = self.inject_layer if self.inject_layer is not None else round(self.inject_fraction * num_layers)
+        exit_ = self.exit_layer if self.exit_layer is not None else num_layers - round(self.exit_fraction * num_layers)
+        return inject, exit_
+
+    def check(self, num_layers: int | None = None) -> None:
+        if not (0.0 <= self.inject_fraction < 1.0 and 0.0 <= self.exit_fraction < 1.0
+                and self.inject_fraction + self.exit_fraction < 1.0):
+            raise UserError("HiDivDrop inject_fraction and exit_fraction must be in [0, 1) and leave some depth "
+                            f"between them, got {self.inject_fraction} and {self.exit_fraction}")
         grows = any(b > a for a, b in zip(self.keep, self.keep[1:]))
         if not self.keep or grows or not all(0.0 <= k <= 1.0 for k in self.keep):
             raise UserError(f"HiDivDrop keep shares (one or more) must be in [0, 1] and never grow, got {self.keep}")
+        check_layer("HiDivDrop inject_layer", self.inject_layer, num_layers, low=0)
+        if self.exit_layer is not None and self.exit_layer < 1:
+            raise UserError(f"HiDivDrop exit_layer must be at least 1, got {self.exit_layer}")
+        for f in self.filter_layers or ():
+            check_layer("HiDivDrop filter_layers", f, num_layers, low=0)
+        if num_layers is not None:
+            inject, exit_ = self.window(num_layers)
+            if not 0 <= inject < exit_ <= num_layers:
+                raise UserError(f"HiDivDrop needs 0 <= L_inj < L_exit <= L, got {inject}, {exit_} on {num_layers} "
+                                "layers")
+
+    def plan(self, ctx) -> None:
+        L = ctx.num_layers
+        inject, exit_ = self.window(L)
+        filters = self.filter_layers or tuple(max(1, round(f * L / PAPER_DEPTH)) for f in PAPER_FILTERS)
         keep = resample(self.keep, len(filters))  # a calibration profile may find more or fewer layers
         visual = (ctx.modality != Modality.TEXT).nonzero().squeeze(1)
         V = visual.shape[0]

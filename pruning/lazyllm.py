@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from glimpse.common import Modality, UserError
-from glimpse.pruning.base import (ScoreThenCut, check_speed, lowest_except, lowest_visual, merge_into_kept,
+from glimpse.pruning.base import (ScoreThenCut, check_layer, check_speed, lowest_except, lowest_visual, merge_into_kept,
                           new_token_attention, without)
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
@@ -73,15 +73,22 @@ class LazyLLM(ScoreThenCut):
         # The slider's LazyLLM prunes in prefill only: never slower end to end (see the module docstring).
         return cls(percentiles=tuple(round(k * speed, 6) for k in PERCENTILES_AT_FULL_SPEED), decode_reselect=False)
 
-    def plan(self, ctx) -> None:
-        L = ctx.num_layers
-        layers = self.prune_layers or tuple(max(1, round(f * L)) for f in self.depth_fractions)
+    def check(self, num_layers: int | None = None) -> None:
+        layers = self.prune_layers or self.depth_fractions
         if len(layers) != len(self.percentiles):
             raise UserError(f"LazyLLM: {len(layers)} pruning layers but {len(self.percentiles)} percentiles")
         if any(not 0.0 <= k < 1.0 for k in self.percentiles):
             raise UserError(f"LazyLLM percentiles must be in [0, 1), got {self.percentiles}")
+        if any(not 0.0 < f < 1.0 for f in self.depth_fractions):
+            raise UserError(f"LazyLLM depth_fractions must be in (0, 1), got {self.depth_fractions}")
+        for layer in self.prune_layers or ():
+            check_layer("LazyLLM prune_layers", layer, num_layers)
         if not self.prune_text and self.decode_reselect:
             raise UserError("LazyLLM prune_text=False prunes in prefill only: set decode_reselect=False")
+
+    def plan(self, ctx) -> None:
+        L = ctx.num_layers
+        layers = self.prune_layers or tuple(max(1, round(f * L)) for f in self.depth_fractions)
         # On shallow models two fractions can round to one layer: the first keeps it.
         self.schedule: dict[int, float] = {}
         for layer, k in zip(layers, self.percentiles):

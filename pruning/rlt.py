@@ -52,9 +52,11 @@ class RLT(Policy):
     def from_speed(cls, speed: float) -> "RLT":
         return cls(tau=TAU_AT_FULL_SPEED * check_speed(speed))
 
-    def plan(self, ctx) -> None:
+    def check(self, num_layers: int | None = None) -> None:
         if not self.tau >= 0.0:
             raise UserError(f"RLT tau must be at least 0, got {self.tau}")
+
+    def plan(self, ctx) -> None:
         self.telemetry = {"video_tokens": 0, "not_encoded": 0}
 
     def skip_encoding(self, ctx) -> torch.Tensor | None:

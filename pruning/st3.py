@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from glimpse.common import Modality, UserError
-from glimpse.pruning.base import ScoreThenCut, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
+from glimpse.pruning.base import ScoreThenCut, check_layer, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
 
 PAPER_START, PAPER_STRIDE, PAPER_DEPTH = 3, 7, 32
 PAPER_TAU = 50
@@ -57,7 +57,7 @@ class ST3(ScoreThenCut):
     end_keep: float = 1.0  # C: share of the visual tokens the last layer keeps (sets R)
     drop_step: float | None = None  # R: share dropped every S layers; None: from end_keep
     stride: int | None = None  # S; None: round(7 L / 32), not dividing L - 3
-    start_layer: int = PAPER_START
+    start_layer: int | None = None  # None: the paper's layer 3 (the last layer on shallower models)
     anneal_tau: float | None = None  # VTA's tau in generated tokens; None: no annealing
     anneal: str = "cosine"  # or "linear", "exponential"
     name = "st3"
@@ -74,11 +74,22 @@ class ST3(ScoreThenCut):
         """The decode half alone: the default pipeline ends with it."""
         return cls(anneal_tau=annealing_tau(check_speed(speed)))
 
+    def check(self, num_layers: int | None = None) -> None:
+        if not (0.0 <= self.first_drop <= 1.0 and 0.0 <= self.end_keep <= 1.0):
+            raise UserError(f"ST3 first_drop and end_keep must be in [0, 1], got {self.first_drop} and {self.end_keep}")
+        if self.drop_step is not None and self.drop_step < 0:
+            raise UserError(f"ST3 drop_step must be >= 0, got {self.drop_step}")
+        if self.stride is not None and self.stride < 1:
+            raise UserError(f"ST3 stride must be >= 1, got {self.stride}")
+        check_layer("ST3 start_layer", self.start_layer, num_layers, low=0)
+        if self.anneal not in SCHEDULES:
+            raise UserError(f"ST3 anneal must be one of {', '.join(SCHEDULES)}, got {self.anneal!r}")
+        if self.anneal_tau is not None and self.anneal_tau <= 0:
+            raise UserError(f"ST3 anneal_tau must be > 0, got {self.anneal_tau}")
+
     def plan(self, ctx) -> None:
         L = ctx.num_layers
-        if self.start_layer < 0 or (self.stride is not None and self.stride < 0):
-            raise UserError(f"ST3 start_layer and stride must be >= 0, got {self.start_layer} and {self.stride}")
-        start = min(self.start_layer, L - 1)
+        start = self.start_layer if self.start_layer is not None else min(PAPER_START, L - 1)
         stride = self.stride or default_stride(L, start)
         drops = list(range(start + stride, L, stride))
         if self.drop_step is not None:
@@ -96,11 +107,7 @@ class ST3(ScoreThenCut):
                          "prune_layers": sorted(self.schedule),
                          "last_layer_keep": 1.0 - (max(self.schedule.values()) if self.schedule else 0.0)}
         self.resolved["paper"] = {"P": self.first_drop, "R": step, "S": stride, "C": self.resolved["last_layer_keep"]}
-        if self.anneal not in SCHEDULES:
-            raise UserError(f"ST3 anneal must be one of {', '.join(SCHEDULES)}, got {self.anneal!r}")
         if self.anneal_tau is not None:
-            if self.anneal_tau <= 0:
-                raise UserError(f"ST3 anneal_tau must be > 0, got {self.anneal_tau}")
             self.resolved["paper"]["tau"] = self.anneal_tau
         self.cut_at, self.scores = frozenset(self.schedule), None
         self.ranking: dict[int, torch.Tensor] = {}  # layer -> its visual tokens, most important first (host)

@@ -61,24 +61,28 @@ class ZipVL(Policy):
                    tau_video=round(1.0 - TAU_DROP_AT_FULL_SPEED["video"] * speed, 6),
                    important_bits=bits[0], other_bits=bits[1])
 
-    def plan(self, ctx) -> None:
-        has_video = bool((ctx.modality == Modality.VIDEO).any())
-        tau = self.tau_video if has_video else self.tau_image
-        if not 0.0 < tau <= 1.0:
-            raise UserError(f"ZipVL tau must be in (0, 1], got {tau}")
-        self.resolved = {"tau": tau, "paper": {"tau": tau}}
-        self.telemetry = {"important_per_layer": []}  # the paper's p, one per prefill layer
+    def check(self, num_layers: int | None = None) -> None:
+        for name, tau in (("tau_image", self.tau_image), ("tau_video", self.tau_video)):
+            if not 0.0 < tau <= 1.0:
+                raise UserError(f"ZipVL {name} must be in (0, 1], got {tau}")
         if self.recent_probes < 1 or self.random_probes < 0:
             raise UserError(f"ZipVL needs recent_probes >= 1 and random_probes >= 0, got {self.recent_probes} and "
                             f"{self.random_probes}")
         if (self.important_bits is None) != (self.other_bits is None):
             raise UserError("ZipVL: set both important_bits and other_bits, or neither")
+        if self.important_bits is not None and (self.important_bits not in (2, 4, 8) or self.other_bits not in (2, 4, 8)):
+            raise UserError(f"ZipVL important_bits and other_bits must be 2, 4 or 8, got {self.important_bits} "
+                            f"and {self.other_bits}")
+        if self.requantize_every < 1 or self.group < 1:
+            raise UserError(f"ZipVL requantize_every and group must be >= 1, got {self.requantize_every} and "
+                            f"{self.group}")
+
+    def plan(self, ctx) -> None:
+        has_video = bool((ctx.modality == Modality.VIDEO).any())
+        tau = self.tau_video if has_video else self.tau_image
+        self.resolved = {"tau": tau, "paper": {"tau": tau}}
+        self.telemetry = {"important_per_layer": []}  # the paper's p, one per prefill layer
         if self.important_bits is not None:
-            if self.important_bits not in (2, 4, 8) or self.other_bits not in (2, 4, 8):
-                raise UserError(f"ZipVL important_bits and other_bits must be 2, 4 or 8, got {self.important_bits} "
-                                f"and {self.other_bits}")
-            if self.requantize_every < 1:
-                raise UserError(f"ZipVL requantize_every must be >= 1, got {self.requantize_every}")
             self.resolved["paper"].update(b_h=self.important_bits, b_l=self.other_bits)
 
     def probe_rows(self, layer_idx: int, n: int, device) -> torch.Tensor:

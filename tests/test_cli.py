@@ -165,6 +165,18 @@ def test_ask_rejects_an_unknown_policy_parameter_before_loading(checkpoints, med
     assert "dash has no parameter rhoo" in proc.stderr and "loading" not in proc.stderr
 
 
+def test_ask_refuses_a_value_out_of_range_before_loading_and_a_layer_past_the_last_before_decoding(checkpoints):
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--policy", "st3", "--param", "stride=0", "hi")
+    assert proc.returncode == 1 and "ST3 stride must be >= 1" in proc.stderr and "loading" not in proc.stderr
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--policy", "lazyllm", "--param",
+                   "percentiles=(0.3,0.4,0.5)", "hi")
+    assert proc.returncode == 1 and "write a list as JSON" in proc.stderr and "loading" not in proc.stderr
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", "missing.png", "--policy", "dash",
+                   "--param", "start_layer=1000", "hi")
+    assert proc.returncode == 1 and "-layer model, got 1000" in proc.stderr and "Traceback" not in proc.stderr
+    assert "missing.png" not in proc.stderr  # refused before the picture is looked at
+
+
 def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cache, checkpoints, media):
     """The embedded model's shipped frontier: auto at speed 1 runs, and promises, what calibration measured."""
     from glimpse import pruning

@@ -484,6 +484,37 @@ def test_speed_outside_zero_one_and_unknown_parameters_are_clear_errors():
         make_policy("auto", 0.5, {"lazyllm.percentiles": [0.1, 0.1, 0.1]}, frontier=frontier)
 
 
+# Values each policy once took without a word: a stride of 0 read as "the default", a negative DASH guard, a
+# quantization group of 0, the video tau checked only on prompts with a video, fractions past the whole depth.
+OUT_OF_RANGE = [("dash", "keep_first", -1), ("zipvl", "group", 0), ("zipvl", "tau_video", 2.0), ("st3", "stride", 0),
+                ("hidivdrop", "exit_fraction", 1.5), ("lazyllm", "depth_fractions", [0.25, 0.5, 1.5]),
+                ("st3", "drop_step", -0.1)]
+# Layer numbers past the model's last layer, once silently clamped or never reached (the policy did nothing).
+PAST_THE_LAST_LAYER = [("dash", "start_layer", 1000), ("st3", "start_layer", 1000), ("fastv", "layer", 1000),
+                       ("lazyllm", "prune_layers", [1, 2, 1000]), ("hidivdrop", "filter_layers", [1, 2, 3, 1000])]
+
+
+def test_a_parameter_out_of_range_is_refused_before_a_model_loads_and_a_layer_past_the_last_before_any_work(
+        checkpoints, media):
+    """What needs no model is refused by ``make_policy`` (the CLI calls it before loading); a layer number is
+    refused by the engine with the model's depth, before the picture is decoded — never silently ignored."""
+    from glimpse.common import UserError
+
+    for name, param, value in OUT_OF_RANGE:
+        with pytest.raises(UserError, match=param):
+            make_policy(name, 0.5, {param: value})
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    L = len(engine.adapter.layers)
+    for name, param, value in PAST_THE_LAST_LAYER:
+        policy = make_policy(name, 0.5, {param: value})  # no model yet: any layer number of at least 1 may be
+        with pytest.raises(UserError, match=rf"{param} must be in \[\d, {L - 1}\] on this {L}-layer model"):
+            engine.make_policy(name, 0.5, {param: value})
+        with pytest.raises(UserError, match=f"on this {L}-layer model"):
+            engine.generate(_image_messages(media), policy=policy, max_new_tokens=1)
+    assert ST3.from_speed(1.0).start_layer is None  # the paper's layer 3, or the last on a shallower model
+    assert engine.make_policy("st3", 1.0).check(L) is None
+
+
 # ---------------------------------------------------------------------------------------- composition
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])  # M-RoPE and 1-D RoPE
 def test_the_design_pipeline_and_a_hand_built_pipeline_run_end_to_end(deep, media, arch):
@@ -604,8 +635,10 @@ def test_the_worked_example_of_a_policy_runs(deep, media, monkeypatch):
     assert pruned.params == {"layer": 5, "enabled": True}
     exact = engine.generate(messages, policy=make_policy("every_other", 0.0), max_new_tokens=6)
     assert exact.token_ids == engine.generate(messages, policy="none", max_new_tokens=6).token_ids
-    with pytest.raises(UserError, match="layer"):
+    with pytest.raises(UserError, match=f"every_other layer must be in \\[1, {DEEP_LAYERS - 1}\\]"):
         engine.prefill(prompt, make_policy("every_other", 1.0, {"layer": DEEP_LAYERS}))
+    with pytest.raises(UserError, match="every_other layer must be a layer number of at least 1"):
+        make_policy("every_other", 1.0, {"layer": 0})
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
