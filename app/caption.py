@@ -79,10 +79,13 @@ def list_entries(listing: Path) -> list[str]:
     return entries
 
 
-def collect_inputs(items: Iterable[str]) -> list[Path]:
+def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | None = None) -> list[Path]:
     """Media files from files, folders (recursive) and list files, in a stable order, once each. URLs are
-    refused with a pointer to ``--ray``, which fetches them."""
+    refused with a pointer to ``--ray``, which fetches them. A folder that cannot be listed (no permission)
+    is added to ``unreadable`` as (folder, reason) for the caller to report; without that list, it is an
+    error."""
     seen, out = set(), []
+    cannot_list: list[tuple[str, str]] = []
 
     def add(path: Path) -> None:
         key = path.resolve()
@@ -99,7 +102,7 @@ def collect_inputs(items: Iterable[str]) -> list[Path]:
     for item in items:
         path = local(item, "")
         if path.is_dir():
-            for child in sorted(path.rglob("*")):
+            for child in _folder_files(path, cannot_list):
                 # A broken link is listed too, to become an error row: an input that went missing is reported.
                 # FIFOs and other special files are not media (and reading one could block for ever).
                 if (child.is_file() or (child.is_symlink() and not child.exists())) \
@@ -112,7 +115,24 @@ def collect_inputs(items: Iterable[str]) -> list[Path]:
             add(path)
         else:
             raise FileNotFoundError(f"{item}: no such file or folder")
+    if cannot_list and unreadable is None:
+        raise UserError("cannot list " + "; ".join(f"{folder} ({reason})" for folder, reason in cannot_list))
+    if unreadable is not None:
+        unreadable += cannot_list
     return out
+
+
+def _folder_files(folder: Path, cannot_list: list[tuple[str, str]]) -> list[Path]:
+    """Every entry under ``folder`` that is not a folder, sorted; subfolders are not followed through links
+    (as ``Path.rglob``). A folder that cannot be listed goes to ``cannot_list`` (``rglob`` passed over it
+    without a word: its pictures were simply never captioned)."""
+    def refused(error: OSError) -> None:
+        cannot_list.append((error.filename or str(folder), error.strerror or str(error)))
+
+    found = []
+    for root, _, names in os.walk(folder, onerror=refused):
+        found += [Path(root) / name for name in names]
+    return sorted(found)
 
 
 def kind_of(path: Path) -> str:
@@ -217,6 +237,21 @@ def done_in_jsonl(out: Path) -> set[str]:
     return done
 
 
+def check_sidecars(inputs: list[Path], list_files: Iterable[Path] = ()) -> None:
+    """Refuse, before the model loads, sidecars that cannot be written (a read-only folder) or that would
+    replace a list file given as input (``list.txt`` beside ``list.png``: --overwrite would write a caption
+    over the list, and without it the picture would count as captioned)."""
+    lists = {Path(p).resolve() for p in list_files}
+    if clash := next((path for path in inputs if sidecar(path).resolve() in lists), None):
+        raise UserError(f"the caption of {clash} would be written over the list file {sidecar(clash)}: rename one, "
+                        "or use --out captions.jsonl")
+    folders = sorted({sidecar(path).parent for path in inputs})
+    if locked := [folder for folder in folders if not os.access(folder, os.W_OK | os.X_OK)]:
+        shown = ", ".join(map(str, locked[:3])) + (f" and {len(locked) - 3} more" if len(locked) > 3 else "")
+        raise UserError(f"--format txt writes <name>.txt next to each input, and {shown} cannot be written: "
+                        "use --out captions.jsonl, or make the folder writable")
+
+
 def write_sidecar(path: Path, caption: str) -> None:
     target = sidecar(path)
     tmp = target.with_name(f".{target.name}.partial")
@@ -268,7 +303,12 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
         for path, result in _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
             caption = result.text.strip()
             if fmt == "txt":
-                write_sidecar(path, caption)
+                try:
+                    write_sidecar(path, caption)
+                except OSError as error:  # this folder (or the disk) refuses it: the others still get theirs
+                    report.failed.append((str(path), f"cannot write {sidecar(path)} ({error.strerror or error})"))
+                    log(f"skipped {path}: cannot write {sidecar(path)} ({error.strerror or error})")
+                    continue
             else:
                 metrics = {k: result.metrics[k] for k in KEPT_METRICS}
                 sink.write({"path": str(path), "key": input_key(path), "caption": caption, "policy": result.policy,

@@ -69,9 +69,10 @@ def _require_ray():
 
 
 # ---------------------------------------------------------------------------- inputs and resuming
-def collect_keys(items: list[str], column: str = "path") -> list[str]:
+def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[str, str]] | None = None) -> list[str]:
     """The keys of the inputs, in a stable order, once each: files, folders and list files as the local
-    captioner reads them (resolved paths), and manifests' ``column`` (paths resolved, URIs as they are)."""
+    captioner reads them (resolved paths), and manifests' ``column`` (paths resolved, URIs as they are).
+    Folders that cannot be listed go to ``unreadable`` (``collect_inputs``)."""
     from glimpse.caption import LIST_EXTENSIONS, collect_inputs, list_entries
 
     keys, seen, local = [], set(), []
@@ -93,7 +94,7 @@ def collect_keys(items: list[str], column: str = "path") -> list[str]:
         else:
             local.append(item)
     try:
-        for path in collect_inputs(local):
+        for path in collect_inputs(local, unreadable):
             add(str(path.resolve()))
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
@@ -399,11 +400,14 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                    log: Callable[[str], None] = lambda message: None) -> RayReport:
     ray = _require_ray()
     _refuse_a_shadowing_folder(Path.cwd())
-    keys = collect_keys(inputs, column)
+    unreadable: list[tuple[str, str]] = []
+    keys = collect_keys(inputs, column, unreadable)
+    for folder, reason in unreadable:
+        log(f"cannot list {folder} ({reason}): nothing in it is captioned")
     if not keys:
         raise UserError("no image or video files found in the inputs")
     output = OutputDir(out, jsonl)
-    report = RayReport()
+    report = RayReport(failed=[(folder, f"cannot list the folder ({reason})") for folder, reason in unreadable])
     try:
         if retry_errors and (dropped := drop_error_rows(out)):
             log(f"{dropped} error rows removed from {out}: their inputs are tried again")

@@ -489,7 +489,8 @@ def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
 
 
 def run_caption(args) -> int:
-    from glimpse.caption import CaptionOutput, ProgressBar, caption_inputs, collect_inputs
+    from glimpse.caption import (LIST_EXTENSIONS, CaptionOutput, ProgressBar, caption_inputs, check_sidecars,
+                                 collect_inputs)
     from glimpse.pipeline import load_engine
     from glimpse.pruning import make_policy
 
@@ -505,12 +506,17 @@ def run_caption(args) -> int:
     args.format = args.format or "jsonl"
     if args.format == "txt" and args.out:
         raise UserError("--format txt writes sidecars next to the inputs: leave out --out")
+    unreadable: list[tuple[str, str]] = []
     try:
-        inputs = collect_inputs(args.inputs)
+        inputs = collect_inputs(args.inputs, unreadable)
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
+    for folder, reason in unreadable:
+        _log(f"cannot list {folder} ({reason}): nothing in it is captioned")
     if not inputs:
         raise UserError("no image or video files found in the inputs")
+    if args.format == "txt":
+        check_sidecars(inputs, [Path(i) for i in args.inputs if i.lower().endswith(LIST_EXTENSIONS)])
     out = Path(args.out or "captions.jsonl")
     # Opened and locked before the model loads: an unwritable output or a second writer is refused at once.
     output = CaptionOutput(out) if args.format == "jsonl" else None
@@ -526,6 +532,7 @@ def run_caption(args) -> int:
     finally:
         if output is not None:
             output.close()
+    report.failed += [(folder, f"cannot list the folder ({reason})") for folder, reason in unreadable]
     where = out if args.format == "jsonl" else ".txt sidecars"
     _log(f"captioned {report.captioned}, already done {report.skipped}, failed {len(report.failed)} -> {where}")
     for path, reason in report.failed:

@@ -212,3 +212,67 @@ def test_a_url_in_the_local_captioners_inputs_points_to_ray_before_the_model_loa
         err = capsys.readouterr().err
         assert "https://example.com/photo.jpg: a URL" in err and "--ray" in err and "loading" not in err
     assert not (tmp_path / "c.jsonl").exists()
+
+
+def _refuse_listing(monkeypatch, locked: Path) -> None:
+    """``locked`` cannot be listed, as for a user without read permission on it (the tests may run as root,
+    whom permissions do not stop): os.walk lists folders with os.scandir."""
+    real = os.scandir
+
+    def scandir(path="."):
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_a_subfolder_that_cannot_be_listed_is_reported_and_fails_the_run_while_the_rest_is_captioned(
+        model, tmp_path, monkeypatch, capsys):
+    """Found from outside: a folder without read permission was passed over without a word (Path.rglob skips
+    it), so its pictures were never captioned and the run said it had done everything."""
+    good = _images(tmp_path / "in", 2)
+    _images(tmp_path / "in" / "locked", 2, start=2)
+    _refuse_listing(monkeypatch, tmp_path / "in" / "locked")
+    out = tmp_path / "captions.jsonl"
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "3"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot list {tmp_path / 'in' / 'locked'} (Permission denied)" in err
+    assert f"failed: {tmp_path / 'in' / 'locked'}: cannot list the folder" in err
+    assert sorted(r["path"] for r in _lines(out)) == sorted(map(str, good))
+
+
+def test_txt_sidecars_a_folder_refuses_are_refused_before_loading_and_a_failed_write_loses_only_its_caption(
+        model, tmp_path, monkeypatch, capsys):
+    """A read-only folder (here: os.access says so, as it would to a user) is refused before the model loads
+    (a model that does not exist would fail later); a list file that an input's sidecar would replace too;
+    a sidecar the disk refuses mid-run is that input's failure, and the others are written."""
+    from glimpse import caption
+
+    images = _images(tmp_path / "in", 3)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != tmp_path / "in" and real_access(path, mode))
+    txt = ["--format", "txt", "--max-new-tokens", "3"]
+    assert main(["caption", str(tmp_path / "in"), "--model", str(tmp_path / "no-model"), *txt]) == 1
+    assert f"{tmp_path / 'in'} cannot be written" in capsys.readouterr().err
+    monkeypatch.setattr(os, "access", real_access)
+
+    listing = tmp_path / "in" / "img000.txt"  # the list of inputs is also img000.png's sidecar
+    listing.write_text("\n".join(map(str, images)) + "\n")
+    assert main(["caption", str(listing), "--model", str(tmp_path / "no-model"), *txt, "--overwrite"]) == 1
+    assert "would be written over the list file" in capsys.readouterr().err
+    assert listing.read_text() == "\n".join(map(str, images)) + "\n"
+    listing.unlink()
+
+    real_write = caption.write_sidecar
+
+    def write_sidecar(path, text):
+        if path == images[1]:
+            raise OSError(28, "No space left on device")
+        real_write(path, text)
+
+    monkeypatch.setattr(caption, "write_sidecar", write_sidecar)
+    assert main(["caption", str(tmp_path / "in"), "--model", model, *txt]) == 1
+    assert f"failed: {images[1]}: cannot write {images[1].with_suffix('.txt')} (No space left on device)" \
+        in capsys.readouterr().err
+    assert [p.with_suffix(".txt").exists() for p in images] == [True, False, True]

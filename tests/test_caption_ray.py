@@ -398,3 +398,23 @@ def test_a_manifest_of_http_urls_is_captioned_each_url_judged_by_its_content(clu
     again = _ray_caption([listing, urls[1]], tmp_path / "out2", model)
     assert {r["key"]: r["caption"] for r in _rows(tmp_path / "out2")} == {k: r["caption"] for k, r in rows.items()}
     assert again.captioned == 2 and len(again.failed) == 1
+
+
+def test_a_folder_that_cannot_be_listed_is_reported_not_passed_over(tmp_path, monkeypatch):
+    """As for the local captioner (tests/test_caption.py): a subfolder without read permission is named, so
+    that the run reports it as failed, instead of its inputs silently never being captioned."""
+    from glimpse.caption_ray import collect_keys
+
+    good = _inputs(tmp_path / "in", 2, video=False)
+    _inputs(tmp_path / "in" / "locked", 1, video=False)
+    real = os.scandir
+
+    def scandir(path="."):
+        if Path(path) == tmp_path / "in" / "locked":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    unreadable: list = []
+    assert collect_keys([str(tmp_path / "in")], unreadable=unreadable) == [str(p.resolve()) for p in good]
+    assert unreadable == [(str(tmp_path / "in" / "locked"), "Permission denied")]
