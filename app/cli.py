@@ -292,6 +292,9 @@ def run_ask(args) -> int:
     from glimpse.pruning import make_policy
 
     check_speed(args.speed)
+    if not args.question.strip():  # an unset shell variable, most likely: the model would answer nothing at all
+        raise UserError("the question is empty: ask something, e.g. glimpse ask --image photo.jpg "
+                        "\"What is in this picture?\"")
     overrides = parse_params(args.param)
     make_policy(args.policy, args.speed, overrides)  # a bad name or value fails before loading
     if args.max_new_tokens < 1:

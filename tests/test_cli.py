@@ -177,6 +177,12 @@ def test_ask_refuses_a_value_out_of_range_before_loading_and_a_layer_past_the_la
     assert "missing.png" not in proc.stderr  # refused before the picture is looked at
 
 
+def test_ask_refuses_an_empty_question_before_loading(checkpoints):
+    for question in ("", "  \n\t"):  # `glimpse ask "$Q"` with Q unset: the model would answer a blank turn
+        proc = glimpse("ask", "--model", str(checkpoints["llava"]), question)
+        assert proc.returncode == 1 and "the question is empty" in proc.stderr and "loading" not in proc.stderr
+
+
 def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cache, checkpoints, media):
     """The embedded model's shipped frontier: auto at speed 1 runs, and promises, what calibration measured."""
     from glimpse import pruning
