@@ -146,6 +146,16 @@ def test_pixel_cap_is_checked_before_decoding():
         vision.load_image(_png_header_only(300, 300), max_pixels=1_000_000)
 
 
+def test_a_long_thin_strip_is_refused_from_the_header_before_decoding():
+    """A 63,000,000 x 1 PNG of 180 KB took 14 s and 2.7 GB to become a 224x224 input: past 200:1 (Qwen2-VL's own
+    processor limit) nothing is decoded, for every model; at 200:1 the file gets to decoding (here it fails)."""
+    for width, height in ((30_000, 100), (100, 30_000), (63_000_000, 1)):
+        with pytest.raises(vision.MediaError, match=rf"too long and thin \({width}x{height}, more than 200:1\)"):
+            vision.load_image(_png_header_only(width, height))
+    with pytest.raises(vision.MediaError, match="corrupt or truncated"):
+        vision.load_image(_png_header_only(20_000, 100))
+
+
 def test_pil_decompression_bomb_guard_becomes_media_error(tmp_path):
     # 20000x20000 = 400 MP exceeds PIL's own hard limit (2 x Image.MAX_IMAGE_PIXELS), raised in open().
     path = tmp_path / "big.png"

@@ -3,6 +3,7 @@ Qwen2-VL's video patches computed without torchvision."""
 
 from .media import (
     DEFAULT_VIDEO_TIMEOUT_S,
+    MAX_IMAGE_ASPECT,
     MAX_IMAGE_PIXELS,
     MediaError,
     VideoInfo,
@@ -45,6 +46,7 @@ __all__ = [
     "FPS_MIN_FRAMES",
     "FRAME_FACTOR",
     "IMAGE_FACTOR",
+    "MAX_IMAGE_ASPECT",
     "MAX_IMAGE_PIXELS",
     "MAX_PIXELS",
     "MAX_RATIO",

@@ -48,6 +48,10 @@ FrameTransform = Callable[[np.ndarray], np.ndarray]  # one decoded uint8 RGB fra
 
 # 64 MP covers every phone and DSLR photo; anything larger is almost certainly a mistake or an attack.
 MAX_IMAGE_PIXELS = 64_000_000
+# Longest side over shortest side: Qwen2-VL's processor refuses more than 200:1, and no model here sees anything in
+# such a strip (it becomes a few hundred pixels wide). Refused for every model from the header, before decoding:
+# a 180 KB PNG of 63,000,000x1 pixels took 14 s and 2.7 GB to become the embedded model's 224x224 input.
+MAX_IMAGE_ASPECT = 200
 # Video frames above this are refused before decoding: a file of a few hundred KB can declare 8192x8192
 # frames (200 MB each once decoded). 8K UHD (33 MP) is the largest frame cameras record.
 MAX_VIDEO_FRAME_PIXELS = 7680 * 4320
@@ -160,6 +164,8 @@ def _check_pixel_count(size: tuple[int, int], max_pixels: int, name: str) -> Non
             f"{name}: image too large ({width}x{height} = {width * height / 1e6:.0f} MP, "
             f"limit {max_pixels / 1e6:.0f} MP)"
         )
+    if max(width, height) > MAX_IMAGE_ASPECT * max(1, min(width, height)):
+        raise MediaError(f"{name}: image too long and thin ({width}x{height}, more than {MAX_IMAGE_ASPECT}:1)")
 
 
 def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> Image.Image:
