@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -22,6 +24,10 @@ from glimpse.pruning.frontier import Frontier, uncalibrated_frontier
 
 class ModelLoadError(UserError):
     """The model could not be found, is not a supported architecture, or failed to load."""
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -120,6 +126,9 @@ def _checkpoint(model: str):
         # Progress goes to stderr: stdout may carry `glimpse ask --json`'s one JSON object.
         source = str(embedded.embedded_checkpoint(progress=lambda line: print(line, file=sys.stderr, flush=True)))
         grounded = embedded.EMBEDDED_GROUNDED
+    elif not Path(source).expanduser().exists() and _is_hub_id(source) and not os.environ.get("HF_HUB_OFFLINE"):
+        if (unreachable := _hub_unreachable()) is not None:
+            source = _cached_snapshot(source, unreachable)
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as error:
@@ -129,6 +138,57 @@ def _checkpoint(model: str):
         raise ModelLoadError(f"model {model!r} is a {config.model_type!r} checkpoint; Glimpse supports "
                              f"{', '.join(sorted(ADAPTERS))} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT, LongVA)")
     return source, grounded, config
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_unreachable() -> str | None:
+    """Why the model hub cannot be reached from here, found in a few seconds (None: it can be, or a proxy
+    decides): the hub client retries a host it cannot even resolve five times, 23 s, before saying so."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return None
+    endpoint = urlsplit(constants.ENDPOINT)
+    host, port = endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+            outcome.append(None)
+        except OSError as error:
+            outcome.append(f"{host}: {error.strerror or error}")
+
+    # A thread, because name resolution itself takes no timeout and can hang on a broken resolver.
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(HUB_PROBE_TIMEOUT_S + 1)
+    return outcome[0] if outcome else f"{host}: no answer in {HUB_PROBE_TIMEOUT_S + 1:.0f} s"
+
+
+def _cached_snapshot(repo_id: str, unreachable: str) -> str:
+    """The local copy of hub model ``repo_id``, when the hub cannot be reached: its snapshot in the hub cache."""
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (OSError, ValueError) as error:  # LocalEntryNotFoundError is an OSError
+        raise ModelLoadError(
+            f"cannot load model {repo_id!r}: it is not a local folder, the model hub cannot be reached ({unreachable}) "
+            f"and the hub cache ({constants.HF_HUB_CACHE}) has no copy of it: download it where the hub can be "
+            f"reached (`hf download {repo_id}`) and pass its folder as --model, or set HF_HOME to a cache that has "
+            "it") from error
 
 
 def _adapter(model: str, source: str, config, build):

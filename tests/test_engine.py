@@ -314,6 +314,43 @@ def test_checkpoint_without_chat_template_still_matches_transformers(checkpoints
     assert result.token_ids == expected
 
 
+def test_a_hub_id_with_the_hub_out_of_reach_loads_from_the_hub_cache_or_says_so_at_once(
+        checkpoints, media, tmp_path, monkeypatch):
+    """Offline (no name resolution, a firewall), the hub client retried for 23 s before failing: now a probe of a
+    few seconds finds the hub out of reach, a model in the hub cache loads from there, and one that is not is
+    refused with what to do. The probe itself: a closed port is out of reach, a listening one is not."""
+    import shutil
+    import socket
+
+    from huggingface_hub import constants
+
+    from glimpse.pipeline import loading
+
+    for name in (*loading.PROXY_VARIABLES, "HF_HUB_OFFLINE"):  # a proxy or offline mode skips the probe
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:1")  # nothing listens on port 1
+    assert "127.0.0.1" in loading._hub_unreachable()
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{listening.getsockname()[1]}")
+        assert loading._hub_unreachable() is None
+
+    monkeypatch.setattr(loading, "_hub_unreachable", lambda: "huggingface.co: Name or service not known")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--glimpse-test--tiny-llava"
+    shutil.copytree(checkpoints["llava"], repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    messages = _messages("image", media)
+    engine = load_engine("glimpse-test/tiny-llava", device="cpu")
+    assert engine.generate(messages, max_new_tokens=4).token_ids == \
+        load_engine(str(checkpoints["llava"]), device="cpu").generate(messages, max_new_tokens=4).token_ids
+    with pytest.raises(loading.ModelLoadError, match=r"model hub cannot be reached \(huggingface.co: Name or service "
+                                                     r"not known\) and the hub cache .* has no copy of it.*hf download"):
+        load_engine("glimpse-test/not-downloaded", device="cpu")
+
+
 def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
     """A Qwen3.5 checkpoint (linear-attention layers: docs/models.md says why the engine does not run them)
     is refused when loaded, naming the architectures Glimpse runs, rather than run wrong; the error is the
