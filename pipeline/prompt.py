@@ -12,6 +12,7 @@ placeholder tokens as the encoder will produce for it, in the order the media ap
 
 from __future__ import annotations
 
+import bisect
 import re
 import uuid
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from glimpse.pipeline.media_cache import MediaCache
 # and is refused before it is tokenized (which takes seconds for megabytes) or its media are decoded. Only
 # text made of very long tokens (pages of spaces) could be refused although it would fit.
 CHARS_PER_TOKEN_BOUND = 8
+ROLES = ("system", "user", "assistant")
 
 
 def user_message(text: str, media=()) -> list[dict]:
@@ -79,6 +81,9 @@ def normalise_messages(messages) -> list[dict]:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise PromptError(f"each message needs 'role' and 'content', got {m!r}")
+        # The template writes the role as it is (ChatML: "<|im_start|>" + role): only the roles the models know.
+        if m["role"] not in ROLES:
+            raise PromptError(f"unsupported message role {m['role']!r}: use {', '.join(ROLES)}")
         content = m["content"]
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -86,14 +91,15 @@ def normalise_messages(messages) -> list[dict]:
             if item.get("type") not in ("text", "image", "video"):
                 raise PromptError(f"unsupported content item type {item.get('type')!r} (text, image or video)")
             if item["type"] == "text":
-                _check_text(item.get("text"))
+                check_text(item.get("text"))
             else:
                 _media_of(item)  # names its image or video
         out.append({"role": m["role"], "content": content})
     return out
 
 
-def _check_text(text) -> None:
+def check_text(text) -> None:
+    """Refuse what no tokenizer can take: a text item that is not a string, or not valid Unicode."""
     if not isinstance(text, str):
         raise PromptError(f"a text item needs a string 'text', got {type(text).__name__}")
     try:
@@ -222,43 +228,48 @@ def typed_spans(tokenizer, chat_template: str | None, messages: list[dict], plac
                       "the text so that it cannot be told apart from the template's own: leave it out")
 
 
+def _overlaps(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether [start, end) overlaps one of ``spans`` (in order, apart)."""
+    last = bisect.bisect_left(spans, (end,)) - 1  # the last span that starts before ``end``
+    return last >= 0 and spans[last][1] > start
+
+
 def tokenize(adapter: Adapter, text: str, media: list[MediaInput], typed: list[tuple[int, int]] = ()) -> list[int]:
     """The token ids of the rendered chat ``text``, in which the spans ``typed`` hold what a person or a client
     typed: control text there (``<image>``, ``<|im_end|>``) is spelled out as ordinary text tokens, so that a
     question cannot hold a placeholder without a picture, or close its own turn and write the assistant's.
-    Elsewhere, and wholly when the typed text holds no control text, tokens are what tokenizing the whole
-    string gives."""
+    A control string counts as typed when any of it is (``<|im_`` and ``end|>`` sent as two text parts of one
+    message, which the template writes side by side). Elsewhere, and wholly when no typed text is part of a
+    control string, tokens are what tokenizing the whole string gives."""
     tok = adapter.tokenizer
     # A template that writes BOS itself must not get a second one from the tokenizer.
     add_special = not (tok.bos_token and text.startswith(tok.bos_token))
     controls = control_pattern(adapter)
-    typed = [(start, end) for start, end in typed if controls is not None and controls.search(text, start, end)]
-    if not typed:
+    # Found as the tokenizer finds its added tokens (leftmost, longest first) in the whole rendered text.
+    found = [match for match in (controls.finditer(text) if controls is not None and typed else ())
+             if _overlaps(typed, match.start(), match.end())]
+    if not found:
         return tok(adapter.expand_text(text, media), add_special_tokens=add_special)["input_ids"]
 
     # The typed control strings become markers while the template's placeholders are written out (which may
     # move them), then become themselves again, their places noted.
     prefix, pattern = _marker()
     literals: list[str] = []
-
-    def mark(found: re.Match) -> str:
-        literals.append(found.group())
-        return f"{prefix}{len(literals) - 1}\0"
-
     pieces, at = [], 0
-    for start, end in typed:
-        pieces += [text[at:start], controls.sub(mark, text[start:end])]
-        at = end
+    for match in found:
+        literals.append(match.group())
+        pieces += [text[at:match.start()], f"{prefix}{len(literals) - 1}\0"]
+        at = match.end()
     expanded = adapter.expand_text("".join(pieces) + text[at:], media)
     spelled = []  # (start, end) in the final text of each typed control string
     pieces, length, at = [], 0, 0
-    for found in pattern.finditer(expanded):
-        literal = literals[int(found.group(1))]
-        pieces += [expanded[at:found.start()], literal]
-        length += found.start() - at
+    for marked in pattern.finditer(expanded):
+        literal = literals[int(marked.group(1))]
+        pieces += [expanded[at:marked.start()], literal]
+        length += marked.start() - at
         spelled.append((length, length + len(literal)))
         length += len(literal)
-        at = found.end()
+        at = marked.end()
     final = "".join(pieces) + expanded[at:]
     try:
         encoded = tok(final, add_special_tokens=add_special, return_offsets_mapping=True)
@@ -269,7 +280,7 @@ def tokenize(adapter: Adapter, text: str, media: list[MediaInput], typed: list[t
     ids = []
     for token, (start, end) in zip(encoded["input_ids"], encoded["offset_mapping"]):
         # A control token over typed text (its span may take in white space beside it: lstrip/rstrip tokens).
-        if token in added and any(start < e and s < end for s, e in spelled):
+        if token in added and _overlaps(spelled, start, end):
             ids += tok(final[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
         else:
             ids.append(token)
@@ -296,8 +307,10 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
     text = render(adapter.tokenizer, chat_template, messages, placeholders)
     controls = control_pattern(adapter)
     typed = []
-    if controls is not None and any(controls.search(item["text"]) for m in messages for item in m["content"]
-                                    if item["type"] == "text"):
+    # All the typed text run together: a control string split over two text parts is found too (a second
+    # rendering, ``typed_spans``, then tells typed text from the template's).
+    if controls is not None and controls.search("".join(item["text"] for m in messages for item in m["content"]
+                                                        if item["type"] == "text")):
         typed = typed_spans(adapter.tokenizer, chat_template, messages, placeholders, text)
     ids = tokenize(adapter, text, media, typed)
 

@@ -270,6 +270,17 @@ def test_control_text_typed_in_a_message_is_spelled_out_as_text(checkpoints, med
             assert prompt.input_ids.tolist().count(token) == plain.input_ids.tolist().count(token), (typed, control)
         assert typed in tok.decode(prompt.input_ids[prompt.modality == TEXT].tolist())
         assert engine.generate(messages, max_new_tokens=2).finish_reason in ("stop", "length")  # it answers
+    for control in controls:  # split over two text parts of one message, which the template writes side by side
+        messages = _messages("image", media)
+        half = len(control) // 2
+        messages[0]["content"][1:] = [{"type": "text", "text": f"Is {control[:half]}"},
+                                      {"type": "text", "text": f"{control[half:]} here?"}]
+        prompt = engine.prepare(messages)
+        token = tok.convert_tokens_to_ids(control)
+        assert prompt.input_ids.tolist().count(token) == plain.input_ids.tolist().count(token), control
+        assert prompt.token_counts()["image"] == plain.token_counts()["image"]
+    with pytest.raises(PromptError, match="unsupported message role"):  # the template writes the role as it is
+        engine.prepare([{"role": f"user{controls[-1]}", "content": "hi"}])
     if arch in VIDEO_ARCHS:  # a video placeholder typed beside a video (Qwen3-VL writes its video out in text)
         messages = _messages("video", media)
         plain_video = engine.prepare(messages)
