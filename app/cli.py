@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 
 from glimpse.common import UserError
-from glimpse.pipeline.prompt import user_message
+from glimpse.pipeline.prompt import check_text, check_text_length, user_message
 from glimpse.pipeline.random_checkpoint import REAL_PRESETS
 from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
 from glimpse.pruning.base import check_speed
@@ -501,6 +501,13 @@ def run_caption(args) -> int:
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--batch-size and --max-new-tokens must be at least 1")
     make_policy(args.policy, args.speed)
+    if args.prompt is not None:  # one instruction for every input: refused once, not once per input
+        if not args.prompt.strip():
+            raise UserError("--prompt is empty: leave it out for the default instruction")
+        try:
+            check_text(args.prompt)
+        except UserError as error:
+            raise UserError(f"--prompt: {error}") from None
     if args.ray:
         return run_caption_on_ray(args)
     if args.retry_errors:
@@ -528,6 +535,11 @@ def run_caption(args) -> int:
         engine = load_engine(args.model, device=args.device, attn=args.attn)
         if not engine.grounded:
             _log(NOT_GROUNDED)
+        if args.prompt is not None:
+            try:
+                check_text_length(len(args.prompt), engine.max_length)
+            except UserError as error:
+                raise UserError(f"--prompt: {error}") from None
         report = caption_inputs(engine, inputs, out=output, fmt=args.format, overwrite=args.overwrite,
                                 policy=args.policy, speed=args.speed, prompt=args.prompt,
                                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,

@@ -276,3 +276,21 @@ def test_txt_sidecars_a_folder_refuses_are_refused_before_loading_and_a_failed_w
     assert f"failed: {images[1]}: cannot write {images[1].with_suffix('.txt')} (No space left on device)" \
         in capsys.readouterr().err
     assert [p.with_suffix(".txt").exists() for p in images] == [True, False, True]
+
+
+def test_a_prompt_no_input_could_be_asked_with_is_refused_once_not_blamed_on_every_input(model, tmp_path, capsys):
+    """Found from outside: a --prompt too long for the model, or not valid Unicode, listed every input as failed
+    after the model had loaded, and an empty one silently used the default instruction."""
+    from glimpse.pipeline import load_engine
+
+    _images(tmp_path / "in", 2)
+    out = tmp_path / "c.jsonl"
+    absent = str(tmp_path / "no-model")  # refused before loading: a model that does not exist is never reached
+    for prompt, said in (("", "--prompt is empty"), (" \n", "--prompt is empty"),
+                         ("describe \udcff", "--prompt: the text is not valid Unicode")):
+        assert main(["caption", str(tmp_path / "in"), "--model", absent, "--out", str(out), "--prompt", prompt]) == 1
+        assert said in capsys.readouterr().err
+    too_long = "word " * (2 * load_engine(model, device="cpu").max_length)
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--prompt", too_long]) == 1
+    err = capsys.readouterr().err
+    assert "--prompt: the messages hold" in err and "failed:" not in err and not _lines(out)
