@@ -170,9 +170,16 @@ class ChatRequest(BaseModel):
 
 def _validation_message(error: ValidationError) -> str:
     """The first problem, naming its field (``messages.0.content``), in words a client can act on."""
-    # Of a union's alternatives, the one that got furthest (``content`` as a list of parts rather than a string).
-    problem = max(error.errors(include_url=False), key=lambda e: len(e["loc"]))
-    where = ".".join(str(p) for p in problem["loc"] if not _is_type_name(p))
+    # Of a union's alternatives, the one that got furthest (``content`` as a list of parts rather than a string),
+    # and at the same depth one that is not just the wrong type (an empty list of parts: "at least 1 item").
+    problems = error.errors(include_url=False)
+    rank = lambda e: (len(e["loc"]), not e["type"].endswith("_type"))  # noqa: E731
+    problem = max(problems, key=rank)
+    where = _field_name(problem["loc"])
+    if not rank(problem)[1]:  # every alternative refused the type: name them all ("a valid string, or a valid list")
+        wanted = list(dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in problems
+                                    if rank(e) == rank(problem) and _field_name(e["loc"]) == where))
+        problem = {**problem, "msg": "Input should be " + ", or ".join(wanted)}
     if problem["type"] == "union_tag_invalid":
         return f"{where}: unsupported content part type {problem['input'].get('type')!r} (text, image_url, video_url)"
     if problem["type"] == "value_error":
@@ -181,6 +188,22 @@ def _validation_message(error: ValidationError) -> str:
     if where == "n":
         return "n must be 1: Glimpse answers one choice per request"
     return f"{where or 'body'}: {problem['msg']}"
+
+
+def _field_name(loc: tuple) -> str:
+    """``messages.0.content.0.text`` from pydantic's location, without the union members it names and, after
+    a tagged union's item index, the tag ("text", "image_url") it chose."""
+    parts, tagged, after_tagged_item = [], False, False
+    for part in loc:
+        if _is_type_name(part):
+            tagged = tagged or "tagged-union" in part
+            continue
+        if after_tagged_item:  # the tag of the part's type, not a field
+            after_tagged_item = False
+            continue
+        after_tagged_item = tagged and isinstance(part, int)
+        parts.append(str(part))
+    return ".".join(parts)
 
 
 def _is_type_name(loc) -> bool:

@@ -329,7 +329,12 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, medi
                                                      "cache_control": {"type": "ephemeral"}}]}]}, "cache_control"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
             "url": _data_url(media["image"]), "detail": "low"}}]}]}, "detail"),
-        ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+        # The union alternative that says what is wrong, the field named once (not "string", not "text.text").
+        ({"messages": [{"role": "user", "content": []}]}, "messages.0.content: List should have at least 1 item"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages.0.content: Input should be a valid string, or a "
+                                                            "valid list"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+         "messages.0.content.0.text: Input should be a valid string"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "max_completion_tokens": 2},
          "disagree"),
     ]
