@@ -235,7 +235,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         try:
             promise = engine.promise(policy, speed, parse_overrides(overrides))
         except (UserError, TypeError, KeyError) as error:
-            return f"⚠️ {error}"
+            return f"{ERROR_NOTE}{error}"
         return f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] else " *(uncalibrated)*")
 
     tabs: dict[str, set] = {}  # per browser session, the tickets it is waiting on: closing the tab cancels them
@@ -269,7 +269,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             with tabs_lock:
                 tabs.setdefault(session, set()).add(ticket)
         except QueueFull as full:
-            yield f"⚠️ {full}", gr.skip(), gr.skip()
+            yield f"{ERROR_NOTE}{full}", gr.skip(), gr.skip()
             return
         except Exception as error:  # shown in the chat; the server keeps serving
             yield _error_text(error), gr.skip(), gr.skip()
@@ -280,7 +280,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 if chunk is None:  # still waiting for the model: say where it stands
                     position = scheduler.position(ticket)
                     if position and not answer:
-                        yield (f"⏳ waiting for the model: number {position} in the queue, about "
+                        yield (f"{WAIT_NOTE}waiting for the model: number {position} in the queue, about "
                                f"{scheduler.wait_estimate(position):.0f} s"), gr.skip(), gr.skip()
                     continue
                 answer += chunk.text
@@ -288,8 +288,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 yield answer, gr.skip(), gr.skip()
             baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"],
                                           caches=False) if compare else None
-        except Exception as error:
-            yield (answer + "\n\n" if answer else "") + _error_text(error), gr.skip(), gr.skip()
+        except Exception as error:  # after some of the answer: what was said stays, the error under it as a note
+            yield (answer + _note(f"the answer broke off: {_error_text(error).removeprefix(ERROR_NOTE)}") if answer
+                   else _error_text(error)), gr.skip(), gr.skip()
             return
         finally:
             ticket.cancel.set()  # Stop and Clear close this generator: the request ends at once
@@ -335,9 +336,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         wait_for_answers_to_end(request)
         history = list(history or [])
         answered = history and history[-1]["role"] == "assistant"
-        if answered and not _text_of(history[-1]).startswith(("⏳", "⚠️")):
+        if answered and not _is_chat_note(history[-1]):
             history[-1] = {**history[-1], "content": _text_of(history[-1]) + _note("stopped")}
-        elif history and not (answered and _text_of(history[-1]).startswith("⚠️")):
+        elif history and not (answered and _text_of(history[-1]).startswith(ERROR_NOTE)):
             if answered:  # the queue position shown while it waited
                 history.pop()
             history.append({"role": "assistant", "content": STOPPED_BEFORE_ANSWER})
@@ -463,7 +464,7 @@ def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
     kept = []
     for message in history:
         content = message.get("content")
-        if message.get("role") == "assistant" and _text_of(message).startswith(("⚠️", "⏳")):
+        if _is_chat_note(message):
             # Not an answer: the error note of a failed turn, or the queue position shown while a question waited
             # (Stop pressed then). The question before it is then unanswered: _without_unanswered leaves its
             # text out and keeps its files.
@@ -509,9 +510,19 @@ def _note(text: str) -> str:
     return f"{NOTE_START}{text}{NOTE_END}"
 
 
-STOPPED_BEFORE_ANSWER = "⚠️ stopped before the answer began: this question is left out of the conversation"
+# What the chat writes in the assistant's place — a failed turn's error, the queue position while a question waits —
+# starts with its sign and a word joiner (U+2060, invisible): a model's own answer may start with "⚠️" too, and
+# such an answer must stay in the conversation.
+ERROR_NOTE, WAIT_NOTE = "⚠️\u2060 ", "⏳\u2060 "
+STOPPED_BEFORE_ANSWER = f"{ERROR_NOTE}stopped before the answer began: this question is left out of the conversation"
 NOTE_START, NOTE_END = "\n\n*(", ")*"
-NOTE_KINDS = ("cut at ", "stopped", "the conversation no longer fits")  # only these: a model may end on "*(...)*" too
+# Only these: a model may end on "*(...)*" too.
+NOTE_KINDS = ("cut at ", "stopped", "the conversation no longer fits", "the answer broke off")
+
+
+def _is_chat_note(message: dict) -> bool:
+    """Whether an assistant message is the chat's own note (an error, the queue position), not an answer."""
+    return message.get("role") == "assistant" and _text_of(message).startswith((ERROR_NOTE, WAIT_NOTE))
 
 
 def _without_notes(text: str) -> str:
@@ -570,5 +581,5 @@ def _token_limit(value, ceiling: int) -> int:
 
 def _error_text(error: Exception) -> str:
     if isinstance(error, UserError):
-        return f"⚠️ {error}"
-    return f"⚠️ internal error (a bug in Glimpse, not your input): {type(error).__name__}: {error}"
+        return f"{ERROR_NOTE}{error}"
+    return f"{ERROR_NOTE}internal error (a bug in Glimpse, not your input): {type(error).__name__}: {error}"

@@ -483,6 +483,12 @@ def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
     assert _without_oldest_turn(history) == history[3:]
     own = [{"role": "assistant", "content": "A poem.\n\n*(the end)*"}]  # the model's own italics stay
     assert _usable(own, set()) == own
+    # An answer that starts with the sign the chat's error notes use is still the model's answer, and its question
+    # stays; an answer that broke off keeps what was said, without the error under it.
+    warned = [{"role": "user", "content": "Is it safe?"}, {"role": "assistant", "content": "⚠️ Warning: no."},
+              {"role": "user", "content": "Why?"},
+              {"role": "assistant", "content": "Because\n\n*(the answer broke off: out of memory)*"}]
+    assert _usable(warned, set()) == [*warned[:3], {"role": "assistant", "content": "Because"}]
 
 
 def test_a_failed_turns_question_is_not_sent_again_but_its_upload_stays(tmp_path):
@@ -491,7 +497,7 @@ def test_a_failed_turns_question_is_not_sent_again_but_its_upload_stays(tmp_path
     while the picture uploaded with it stays in the conversation."""
     from PIL import Image
 
-    from glimpse.ui import _usable, history_to_messages
+    from glimpse.ui import ERROR_NOTE, _usable, history_to_messages
 
     picture = tmp_path / "upload.png"
     Image.new("RGB", (8, 8)).save(picture)
@@ -499,7 +505,7 @@ def test_a_failed_turns_question_is_not_sent_again_but_its_upload_stays(tmp_path
                {"role": "assistant", "content": "Hi."},
                {"role": "user", "content": {"path": str(picture), "mime_type": "image/png"}},
                {"role": "user", "content": "What colour? " * 1000},
-               {"role": "assistant", "content": "⚠️ the messages hold 13,000 characters of text, more than ..."}]
+               {"role": "assistant", "content": f"{ERROR_NOTE}the messages hold 13,000 characters of text, more than ..."}]
     turn = [{"role": "user", "content": [{"type": "text", "text": "What shape?"}]}]
     messages = history_to_messages(_usable(history, set()) + turn, (tmp_path,))
     assert [m["role"] for m in messages] == ["user", "assistant", "user"]
