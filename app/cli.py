@@ -36,6 +36,7 @@ from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_para
 from glimpse.pruning.base import check_speed
 
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
+MAX_BENCH_TOKENS = 262_144  # past every supported model's context; the synthesized pictures' pixels grow with it
 NOT_GROUNDED = ("note: the embedded model's vision projector is not trained yet, so its answers about "
                 "images and videos are not grounded in them; text answers come from SmolLM2-135M-Instruct. "
                 "Use --model with a Qwen2-VL or LLaVA checkpoint for real answers.")
@@ -339,13 +340,22 @@ def run_eval(args) -> int:
     from glimpse.pipeline import load_engine
     from glimpse.pruning import make_policy
 
-    try:
-        speeds = [float(x) for x in args.speeds.split(",") if x.strip()]
-        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    try:  # each measured once, in the order given
+        speeds = list(dict.fromkeys(float(x) for x in args.speeds.split(",") if x.strip()))
+        lengths = list(dict.fromkeys(int(x) for x in args.lengths.split(",") if x.strip()))
     except ValueError:
         raise UserError("--speeds and --lengths must be comma-separated numbers") from None
+    if not speeds:
+        raise UserError("--speeds needs at least one speed in [0, 1]")
+    if args.task == "passkey" and any(not 1 <= length <= MAX_BENCH_TOKENS for length in lengths):
+        raise UserError(f"--lengths are prompt lengths in tokens: from 1 to {MAX_BENCH_TOKENS:,}")
+    if args.task == "agreement" and not (0 <= args.image_tokens <= MAX_BENCH_TOKENS
+                                         and 0 <= args.video_tokens <= MAX_BENCH_TOKENS):
+        raise UserError(f"--image-tokens and --video-tokens must be from 0 to {MAX_BENCH_TOKENS:,}")
+    if args.plot:
+        _check_plot_file(Path(args.plot))
     default = TEXT_PRUNING_NAMES if args.task == "passkey" else [n for n in NAMES if n != "none"]
-    policies = [p.strip() for p in args.policies.split(",")] if args.policies else default
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(","))) if args.policies else default
     overrides = parse_params(args.param) or None
     if overrides and args.task == "agreement":
         raise UserError("--param applies to the passkey and visual tasks")
@@ -377,10 +387,10 @@ def run_eval(args) -> int:
         report = evaluation.run_passkey(engine, lengths, args.samples, policies, speeds, args.seed or 0,
                                         progress=_log, overrides=overrides)
     report["model"] = args.model
+    print(json.dumps(report) if args.json else evaluation.format_table(report), flush=True)  # first: never lost
     if args.plot:
         evaluation.plot(report, args.plot)
         _log(f"plot written to {args.plot}")
-    print(json.dumps(report) if args.json else evaluation.format_table(report))
     return 0
 
 
@@ -613,6 +623,13 @@ def run_bench(args) -> int:
     image_tokens = DEFAULT_BENCH_IMAGE_TOKENS if args.image_tokens is None else args.image_tokens
     if image_tokens < 0 or args.video_tokens < 0:
         raise UserError("--image-tokens and --video-tokens must be at least 0")
+    if max(image_tokens, args.video_tokens, args.text_tokens) > MAX_BENCH_TOKENS:  # pictures of that many tokens
+        raise UserError(f"--image-tokens, --video-tokens and --text-tokens are at most {MAX_BENCH_TOKENS:,} (longer "
+                        "than any supported model's context)")
+    if args.plot:
+        _check_plot_file(Path(args.plot))
+    if args.out:
+        _check_writable_file(Path(args.out), "--out")
     if args.model and args.layers is not None:
         raise UserError("--layers only applies to --random-model")
     if args.layers is not None and args.layers < 1:
@@ -654,6 +671,10 @@ def run_bench(args) -> int:
             _log("loading it ...")
             engine = load_engine(str(folder), device=args.device, attn=args.attn, dtype=dtype)
             label = f"random-weights {preset}"
+        asked = [args.text_tokens] + ([] if args.image or args.video else [image_tokens, args.video_tokens])
+        if engine.max_length and max(asked) >= engine.max_length:  # before pictures of that many tokens are drawn
+            raise UserError(f"a prompt of {max(asked):,} tokens does not fit this model's context "
+                            f"({engine.max_length:,} tokens)")
         if args.image or args.video:
             prompts = bench.media_prompts(args.image, args.video, questions)
         else:
@@ -666,15 +687,13 @@ def run_bench(args) -> int:
             raise UserError("nothing to benchmark on this model (it takes no video, and --image-tokens is 0)")
         report = bench.run_bench(engine, prompts, policies, speeds, runs=args.runs, warmup=args.warmup,
                                  progress=_log, model=label, new_tokens=args.new_tokens)
-    if args.plot:
-        bench.plot(report, args.plot)
-        _log(f"wrote {args.plot}")
-
-    text = json.dumps(report)
+    print(json.dumps(report) if args.json else bench.format_markdown(report), flush=True)  # first: never lost
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         _log(f"wrote {args.out}")
-    print(text if args.json else bench.format_markdown(report))
+    if args.plot:
+        bench.plot(report, args.plot)
+        _log(f"wrote {args.plot}")
     return 0
 
 
@@ -716,21 +735,27 @@ def run_calibrate_slider(args) -> int:
     floor = DEFAULT_FLOOR if args.floor is None else args.floor
     if not 0.0 < floor <= 1.0:
         raise UserError(f"--floor must be in (0, 1], got {floor}")
-    if args.budget_minutes is not None and args.budget_minutes <= 0:
-        raise UserError("--budget-minutes must be positive")
+    if args.budget_minutes is not None and not 0 < args.budget_minutes < float("inf"):  # NaN too
+        raise UserError("--budget-minutes must be a positive number of minutes (leave it out for no limit)")
     if args.max_images is not None and args.max_images < 1:
         raise UserError("--max-images must be at least 1")
     if args.prompts and not Path(args.prompts).is_file():
         raise UserError(f"--prompts must be a text file of questions, got {args.prompts}")
+    path = Path(args.out) if args.out else profile_path(args.model, "slider")
+    _check_writable_file(path, "--out")  # before the model loads, not after hours of measuring
+    user_prompts = None
+    if args.images or args.videos or args.prompts:  # the model's video support is checked once it is loaded
+        user_prompts = folder_prompts(args.images, args.videos, args.prompts, None, args.max_images)
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     video = engine.adapter.supports_video
-    if args.images or args.videos or args.prompts:
-        prompts = folder_prompts(args.images, args.videos, args.prompts, video, args.max_images)
+    if args.videos and not video:
+        raise UserError("this model takes no video: leave out --videos")
+    if user_prompts is not None:
+        prompts = user_prompts
     else:
         prompts = shipped_prompts(video)[: args.max_images]
         _log(f"no --images/--videos/--prompts: the {len(prompts)} calibration prompts that ship with Glimpse")
-    path = Path(args.out) if args.out else profile_path(args.model, "slider")
     state = path.with_name(path.name + ".partial.jsonl")
     frontier = calibrate_slider(engine, prompts, candidates(), state_path=state, floor=floor, progress=_log,
                                 budget_s=args.budget_minutes * 60 if args.budget_minutes else None)
@@ -742,10 +767,35 @@ def run_calibrate_slider(args) -> int:
         profile["weights"] = embedded.checkpoint_name()
     save_profile(args.model, profile, path=path)
     _log(f"frontier ({len(frontier.points)} points) -> {path}")
+    if frontier.unmeasured:
+        _log(f"incomplete: {frontier.unmeasured} of {len(frontier.measured) + frontier.unmeasured} candidates not "
+             "measured. auto on this model now reads this partial frontier (every report says it is incomplete; "
+             "at a speed nothing measured so far keeps the answers, it prunes nothing): rerun the same command to "
+             "measure the rest")
     for speed in (0.0, 0.25, 0.5, 0.75, 1.0):
         _log(f"  auto at speed {speed:g}: {frontier.promise(speed)['text']}")
     print(json.dumps(profile))
     return 0
+
+
+def _check_plot_file(path: Path) -> None:
+    from glimpse.plot import SUFFIXES
+
+    if path.suffix.lower() not in SUFFIXES:
+        raise UserError(f"--plot {path}: a chart is written as {', '.join(SUFFIXES)} (by the name's suffix)")
+    _check_writable_file(path, "--plot")
+
+
+def _check_writable_file(path: Path, flag: str) -> None:
+    """Refuse, before any work, an output path that is a folder or whose folder cannot be made or written."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder: give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"{flag} {path}: cannot make its folder ({error.strerror or error})") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {path}: cannot write there")
 
 
 def _log(message: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")  # what PIL writes a chart as, by the name's suffix
 COLOURS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
 
 

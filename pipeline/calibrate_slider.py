@@ -61,13 +61,16 @@ def shipped_prompts(video: bool) -> list[list[dict]]:
     return prompts
 
 
-def folder_prompts(images: str | None, videos: str | None, prompts_file: str | None, video: bool,
+def folder_prompts(images: str | None, videos: str | None, prompts_file: str | None, video: bool | None,
                    limit: int | None = None) -> list[list[dict]]:
     """Prompts from the user's media: every image (and video) in the folders, each asked one of the
     questions of ``prompts_file`` (one per line, in turn), or a request for a one-sentence description."""
     questions = []
     if prompts_file:
-        questions = [q.strip() for q in Path(prompts_file).read_text().splitlines() if q.strip()]
+        try:
+            questions = [q.strip() for q in Path(prompts_file).read_text(encoding="utf-8").splitlines() if q.strip()]
+        except UnicodeDecodeError:
+            raise UserError(f"{prompts_file} is not UTF-8 text (one question per line)") from None
         if not questions:
             raise UserError(f"{prompts_file} holds no question (one per line)")
     media = []
@@ -76,7 +79,7 @@ def folder_prompts(images: str | None, videos: str | None, prompts_file: str | N
             continue
         if not Path(folder).is_dir():
             raise UserError(f"--{kind}s must be a folder, got {folder}")
-        if kind == "video" and not video:
+        if kind == "video" and video is False:  # None: not known yet (the model is not loaded)
             raise UserError("this model takes no video: leave out --videos")
         found = sorted(p for p in Path(folder).iterdir() if p.suffix.lower() in suffixes)
         if not found:
@@ -99,7 +102,7 @@ class Reference:
 
     tokens: list[int]
     text: str
-    log_p: torch.Tensor  # first-token log-probabilities
+    log_p: torch.Tensor  # first-token log-probabilities, float32 on the CPU (kept between runs)
     flops: float
     kv_bytes: int
 
@@ -123,21 +126,10 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
                 "timing_prompts": timing_prompts, "timing_tokens": timing_tokens, "typical_answer": typical_answer,
                 "retime_below": RETIME_BELOW,
                 "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True, default=str).encode()).hexdigest()}
-    done = _load_state(state_path, settings, progress)
-
-    progress(f"unpruned answers to {len(prompts)} calibration prompts ...")
-    references, usable = [], []
-    for number, messages in enumerate(prompts, start=1):
-        try:
-            result = engine.generate(messages, policy="none", max_new_tokens=answer_tokens)
-        except MediaError as error:  # one unreadable file does not spoil a calibration
-            progress(f"  skipped prompt {number}: {error}")
-            continue
-        usable.append(messages)
-        references.append(Reference(result.token_ids, result.text, torch.log_softmax(result.first_logits, -1),
-                                    result.metrics["prefill_flops"], result.metrics["kv_bytes"]))
-    if not usable:
-        raise UserError("none of the calibration prompts could be read")
+    done = _read_state(state_path, settings)
+    usable, references = _references(engine, prompts, answer_tokens, settings, state_path, progress)
+    if done is None:  # a new calibration: only now that its prompts are known to be usable
+        done = _start_state(state_path, settings, progress)
 
     todo = [c for c in candidates if configuration_name(c) not in done]
     measured: list[Point] = [done[configuration_name(c)] for c in candidates if configuration_name(c) in done]
@@ -169,8 +161,46 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
     device = engine.device.type if engine.device.type != "cuda" else torch.cuda.get_device_name(engine.device)
     source = (f"calibrated on {len(usable)} prompts, {device}, {time.strftime('%Y-%m-%d')}, "
               f"{len(measured)} of {len(candidates)} candidates measured")
+    unmeasured = sum(1 for c in candidates if configuration_name(c) not in {p.name for p in measured})
     return Frontier(pareto_frontier(measured), floor=floor, calibrated=True, source=source,
-                    answer_tokens=typical_answer, measured=measured)
+                    answer_tokens=typical_answer, measured=measured, unmeasured=unmeasured)
+
+
+def _references(engine, prompts, answer_tokens: int, settings: dict, state_path: Path, progress):
+    """The prompts that could be read and the unpruned model's answers to them: computed once and kept beside the
+    state file, so that a resumed calibration spends its budget on candidates, not on answering them again."""
+    path = state_path.with_name(state_path.name + ".references.pt")
+    try:
+        kept = torch.load(path, weights_only=True) if path.exists() else None
+    except Exception:  # noqa: BLE001 — a file cut short by a kill, or not ours: computed again
+        kept = None
+    if kept is not None and kept.get("settings") == settings:
+        progress(f"unpruned answers to {len(kept['usable'])} calibration prompts: kept from the last run ({path})")
+        return ([prompts[i] for i in kept["usable"]],
+                [Reference(r["tokens"], r["text"], r["log_p"], r["flops"], r["kv_bytes"]) for r in kept["references"]])
+    progress(f"unpruned answers to {len(prompts)} calibration prompts ...")
+    references, usable, start = [], [], time.perf_counter()
+    for number, messages in enumerate(prompts, start=1):
+        try:
+            result = engine.generate(messages, policy="none", max_new_tokens=answer_tokens)
+        except MediaError as error:  # one unreadable file does not spoil a calibration
+            progress(f"  skipped prompt {number}: {error}")
+            continue
+        usable.append(number - 1)
+        log_p = torch.log_softmax(result.first_logits.float().cpu(), -1)
+        references.append(Reference(result.token_ids, result.text, log_p, result.metrics["prefill_flops"],
+                                    result.metrics["kv_bytes"]))
+        if number % 10 == 0 and number < len(prompts):
+            progress(f"  {number} of {len(prompts)} ({time.perf_counter() - start:.0f} s)")
+    if not usable:
+        raise UserError("none of the calibration prompts could be read")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"settings": settings, "usable": usable,
+                "references": [{"tokens": r.tokens, "text": r.text, "log_p": r.log_p, "flops": r.flops,
+                                "kv_bytes": r.kv_bytes} for r in references]}, tmp)
+    tmp.replace(path)
+    return [prompts[i] for i in usable], references
 
 
 def measure(engine, members, prompts, references, floor, answer_tokens, timing_prompts, timing_tokens,
@@ -184,7 +214,7 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
         counted += 1
         same += normalised(result.text) == normalised(reference.text)
         matches += sum(a == b for a, b in zip(reference.tokens, result.token_ids)) / max(1, len(reference.tokens))
-        log_q = torch.log_softmax(result.first_logits, -1)
+        log_q = torch.log_softmax(result.first_logits.float().cpu(), -1)
         kl += float((reference.log_p.exp() * (reference.log_p - log_q)).sum().clamp(min=0.0))
         flops, base_flops = flops + result.metrics["prefill_flops"], base_flops + reference.flops
         kv, base_kv = kv + result.metrics["kv_bytes"], base_kv + reference.kv_bytes
@@ -226,30 +256,40 @@ def _end_to_end(metrics: dict, answer: int) -> float:
     return metrics["ttft_s"] + (answer - 1) / metrics["decode_tokens_per_s"]
 
 
-def _load_state(path: Path, settings: dict, progress) -> dict[str, Point]:
-    """Candidates already measured with the same settings and prompts (a resumed calibration)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        text = path.read_text()
-        if text and not text.endswith("\n"):  # a line cut short by a kill: end it, so appends start clean
-            with path.open("a") as state:
-                state.write("\n")
-        lines = text.splitlines()
+def _read_state(path: Path, settings: dict) -> dict[str, Point] | None:
+    """Candidates already measured with the same settings and prompts (a resumed calibration); None: no state
+    file of these settings (nothing is changed on disk here: the prompts may yet prove unreadable)."""
+    if not path.exists():
+        return None
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        header = None
+    if header != {"settings": settings}:
+        return None
+    if not text.endswith("\n"):  # a line cut short by a kill: end it, so appends start clean
+        with path.open("a") as state:
+            state.write("\n")
+    done = {}
+    for line in lines[1:]:
         try:
-            header = json.loads(lines[0]) if lines else None
-        except json.JSONDecodeError:
-            header = None
-        if header == {"settings": settings}:
-            done = {}
-            for line in lines[1:]:
-                try:
-                    point = Point.from_json(json.loads(line)["point"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a line cut short by a kill: that candidate is measured again
-                done[point.name] = point
-            return done
-        kept = path.with_name(path.name + ".previous")
-        path.replace(kept)  # never thrown away: it may be the only copy of hours of measurements
+            point = Point.from_json(json.loads(line)["point"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut short by a kill: that candidate is measured again
+        done[point.name] = point
+    return done
+
+
+def _start_state(path: Path, settings: dict, progress) -> dict[str, Point]:
+    """A new state file for these settings. One of other settings that holds measurements is kept under a name of
+    its own (never over an earlier one kept the same way): it may be the only copy of hours of measurements."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and len(path.read_text(errors="replace").splitlines()) > 1:
+        kept = next(candidate for n in range(1, 10_000)
+                    if not (candidate := path.with_name(f"{path.name}.previous{'' if n == 1 else f'-{n}'}")).exists())
+        path.replace(kept)
         progress(f"{path} holds a calibration with other settings or prompts: starting afresh (the old one is {kept})")
     path.write_text(json.dumps({"settings": settings}) + "\n")
     return {}

@@ -148,6 +148,7 @@ class Frontier:
     source: str = ""  # where the numbers come from, for the reports
     answer_tokens: int = 64  # the "typical answer" behind e2e_ratio
     measured: list[Point] = field(default_factory=list)  # every configuration calibration measured
+    unmeasured: int = 0  # candidates a calibration stopped short of (its budget): the frontier may miss points
 
     def choose(self, speed: float) -> Point | None:
         """The cheapest frontier point whose agreement reaches ``required(speed)``; None: prune nothing.
@@ -163,10 +164,13 @@ class Frontier:
         point = self.choose(speed)
         out = {"policy": "auto", "speed": speed, "calibrated": self.calibrated, "source": self.source,
                "floor": self.floor}
+        incomplete = (f"; calibration incomplete: {self.unmeasured} of {self.unmeasured + len(self.measured)} "
+                      "candidates not measured yet (rerun `glimpse calibrate slider`)"
+                      if self.calibrated and self.unmeasured else "")
         if point is None:
             text = "exact: no pruning, the unpruned model's answer"
             if speed > 0.0:
-                text = ("no pruning at this speed: nothing measured keeps the answers it asks for"
+                text = ("no pruning at this speed: nothing measured keeps the answers it asks for" + incomplete
                         if self.calibrated else "uncalibrated: no pruning at this speed (the default keeps too "
                         "few answers here); run `glimpse calibrate slider` for this model's frontier")
             out.update(configuration="none", agreement=1.0, flops_speedup=1.0, e2e_speedup=1.0, text=text)
@@ -178,7 +182,7 @@ class Frontier:
             text = (f"{point.name}: keeps {point.agreement:.0%} of answers on the calibration set "
                     f"({point.prompts} prompts; at least {point.agreement_bound:.0%} within one standard error), "
                     f"{flops:.1f}x fewer prefill FLOPs, {e2e:.2f}x faster end to end "
-                    f"(prefill + {self.answer_tokens}-token answer)")
+                    f"(prefill + {self.answer_tokens}-token answer)") + incomplete
         else:
             text = (f"uncalibrated: {point.name}; on the embedded model it kept {point.agreement:.0%} of answers "
                     f"with {flops:.1f}x fewer prefill FLOPs; run `glimpse calibrate slider` for this model's numbers")
@@ -211,14 +215,15 @@ class Frontier:
     def to_json(self) -> dict:
         return {"kind": "slider", "floor": self.floor, "calibrated": self.calibrated, "source": self.source,
                 "answer_tokens": self.answer_tokens, "frontier": [p.to_json() for p in self.points],
-                "measured": [p.to_json() for p in self.measured]}
+                "measured": [p.to_json() for p in self.measured], "unmeasured": self.unmeasured}
 
     @classmethod
     def from_json(cls, data: dict, calibrated: bool | None = None) -> "Frontier":
         return cls([Point.from_json(p) for p in data["frontier"]], floor=data.get("floor", DEFAULT_FLOOR),
                    calibrated=data.get("calibrated", True) if calibrated is None else calibrated,
                    source=data.get("source", ""), answer_tokens=data.get("answer_tokens", 64),
-                   measured=[Point.from_json(p) for p in data.get("measured", [])])
+                   measured=[Point.from_json(p) for p in data.get("measured", [])],
+                   unmeasured=data.get("unmeasured", 0))
 
 
 def _short(value) -> str:

@@ -142,6 +142,11 @@ def test_cli_bench_option_errors(checkpoints, capsys):
     assert main(["bench", "--image-tokens", "0", "--video-tokens", "0", "--policies", "none"]) == 1
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("glimpse: error:")]
     assert len(lines) == 3
+    # Found from outside: 1.71 TiB of pixels asked for, or a run's results lost to a bad --plot after it.
+    for extra, said in ((["--image-tokens", "99999999"], "at most 262,144"), (["--plot", "chart.txt"], "a chart is")):
+        assert main(["bench", "--random-model", "qwen2-vl-2b", "--layers", "1", *extra]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "building" not in err, (extra, err)
 
 
 def test_random_checkpoint_loads_and_gives_the_requested_tokens(tmp_path):

@@ -80,6 +80,21 @@ def test_the_cli_prints_json_and_writes_a_plot(checkpoints, tmp_path, capsys):
     assert set(report["prompts"]) == {"image", "text1", "text2"}  # LLaVA takes no video
     assert Image.open(plot).size == (720, 440)
     assert main(["eval", "passkey", "--model", str(checkpoints["llava"]), "--policies", "nope"]) == 1
+    capsys.readouterr()
+    # Found from outside: each ran for minutes and then lost its results to a traceback, or measured nothing.
+    absent = str(tmp_path / "no-model")  # never reached: each is refused before loading
+    for task, extra, said in (("passkey", ["--plot", str(tmp_path / "p.txt")], "a chart is written as .png"),
+                              ("passkey", ["--plot", str(tmp_path)], "a chart is written as"),
+                              ("visual", ["--speeds", ",", "--policies", "bogus"], "--speeds needs at least one"),
+                              ("passkey", ["--lengths", "0"], "--lengths are prompt lengths"),
+                              ("agreement", ["--image-tokens", "-1"], "--image-tokens and --video-tokens must be")):
+        assert main(["eval", task, "--model", absent, *extra]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "loading" not in err, (extra, err)
+    # the same speed or policy twice is measured once
+    code = main(["eval", "agreement", "--model", str(checkpoints["llava"]), "--policies", "dash,dash",
+                 "--speeds", "1,1", "--new-tokens", "2", "--image-tokens", "64", "--json"])
+    assert code == 0 and len(json.loads(capsys.readouterr().out)["rows"]) == 1
 
 
 def test_visual_task_report_is_consistent(checkpoints, tmp_path, capsys):

@@ -175,6 +175,38 @@ def test_an_interrupted_calibration_resumes_without_measuring_again(engine, medi
     assert any("starting afresh" in line for line in lines) and not any(line.startswith("resuming") for line in lines)
 
 
+def test_measurements_are_never_lost_and_a_resume_does_not_answer_the_prompts_unpruned_again(engine, media,
+                                                                                              tmp_path):
+    """Found from outside: two reruns with other settings moved the first's state aside under one name, the second
+    over the first (67 measured candidates lost), and before the new prompts were known to be readable; and every
+    resume answered all prompts unpruned again, so a 2-minute budget measured about one candidate per rerun."""
+    from glimpse.common import UserError
+
+    prompts = folder_prompts(str(media["image"].parent), None, None, video=True)
+    state, lines = tmp_path / "state.jsonl", []
+
+    def run(prompts, answer_tokens):
+        lines.clear()
+        return calibrate_slider(engine, prompts, [(Member.of("fastv", 0.5),)], state_path=state,
+                                answer_tokens=answer_tokens, timing_prompts=1, timing_tokens=3, progress=lines.append)
+
+    first = run(prompts, 4)
+    measured = state.read_text()
+    again = run(prompts, 4)
+    assert any("kept from the last run" in line for line in lines) and any(line.startswith("resuming") for line in lines)
+    assert again.measured == first.measured
+    unreadable = [[{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "gone.png")},
+                                                {"type": "text", "text": "What is it?"}]}]]
+    with pytest.raises(UserError, match="none of the calibration prompts"):
+        run(unreadable, 5)
+    assert state.read_text() == measured  # nothing moved for a calibration that could not start
+    run(prompts, 5)
+    run(prompts, 6)
+    assert state.with_name(state.name + ".previous").read_text() == measured
+    moved = state.with_name(state.name + ".previous-2").read_text().splitlines()
+    assert json.loads(moved[0])["settings"]["answer_tokens"] == 5 and len(moved) == 2
+
+
 def test_a_candidate_the_model_cannot_run_is_skipped_with_its_reason_and_the_rest_are_measured(engine, media,
                                                                                                 tmp_path):
     prompts = folder_prompts(str(media["image"].parent), None, None, video=True)
@@ -242,6 +274,18 @@ def test_calibrate_slider_from_the_command_line_refuses_bad_input_before_loading
     assert "--prompts" in capsys.readouterr().err
     assert main(["calibrate", "hidivdrop", "--model", "embedded"]) == 1
     assert "needs --images" in capsys.readouterr().err
+    # Found from outside, each after the model loaded (or after the whole calibration, or never):
+    absent = str(tmp_path / "no-model")  # never reached: each is refused first
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"\xff\xfe Qu\xe9 color?\n")
+    (tmp_path / "folder").mkdir()
+    for extra, said in ((["--budget-minutes", "nan"], "--budget-minutes must be a positive number"),
+                        (["--prompts", str(latin)], "is not UTF-8 text"),
+                        (["--out", str(tmp_path / "folder")], "is a folder"),
+                        (["--images", str(latin)], "--images must be a folder")):
+        assert main(["calibrate", "slider", "--model", absent, *extra]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "loading" not in err, (extra, err)
 
 
 def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budget_and_resumes(
@@ -265,6 +309,9 @@ def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budg
     assert profile["num_layers"] == 12 and len(profile["measured"]) == 1 and profile["measured"][0]["prompts"] >= 1
     frontier = Frontier.from_json(profile)
     assert all(p in frontier.measured for p in frontier.points)
+    # what is left unmeasured is said at the end, and in every promise the partial frontier makes
+    assert f"incomplete: {frontier.unmeasured} of {frontier.unmeasured + 1} candidates not measured" in err
+    assert f"calibration incomplete: {frontier.unmeasured} of" in frontier.promise(1.0)["text"]
     assert main(command) == 0  # the same command again: resumes, measures the next one
     err = capsys.readouterr().err
     assert "resuming: 1 of" in err and "[2/" in err
