@@ -14,7 +14,7 @@ For every candidate configuration (``pruning.frontier.candidates``), on the cali
   many prompts again first: that much is the noise of a shared machine). That is the end-to-end time the
   slider promises never rises.
 
-A candidate whose agreement is already far below the floor after half of the prompts is stopped
+A candidate whose agreement is already far below the floor after half of the prompts (10 or more) is stopped
 there (rejected, no timing). The frontier (``pruning.frontier.pareto_frontier``) is stored as the
 model's profile beside its ILVAS profile, atomically. Every finished candidate is appended to a
 state file next to it first, so an interrupted calibration, rerun with the same arguments, resumes
@@ -47,6 +47,7 @@ DEFAULT_QUESTIONS = {"image": "Describe the image in one sentence.", "video": "D
 # A pruning candidate timed 0-15% slower end to end than unpruned is timed again before it is judged (``measure``);
 # slower than this it is slower (ZipVL's dequantising: 1.3-1.6x).
 RETIME_BELOW = 1.15
+EARLY_STOP_MIN_PROMPTS = 10  # a candidate far below the floor stops half-way only if half-way is this many prompts
 
 
 def shipped_prompts(video: bool) -> list[list[dict]]:
@@ -208,7 +209,8 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
     """One candidate's agreement and cost (see the module docstring)."""
     same = matches = kl = flops = base_flops = kv = base_kv = 0.0
     counted = 0
-    check_at = len(prompts) // 2
+    # Half-way, once that is enough prompts to tell: on a handful, one different answer is 20 points or more.
+    check_at = len(prompts) // 2 if len(prompts) // 2 >= EARLY_STOP_MIN_PROMPTS else None
     for messages, reference in zip(prompts, references):
         result = engine.generate(messages, policy=engine.configuration(members), max_new_tokens=answer_tokens)
         counted += 1

@@ -354,3 +354,22 @@ def test_a_pruning_candidate_timed_slightly_slower_than_unpruned_is_timed_again_
                     timing_prompts=3, timing_tokens=4, typical_answer=64)
     assert len(engine.timed) == timed and point.agreement == 1.0 and point.flops_ratio == 0.5
     assert point.e2e_ratio == pytest.approx(statistics.median(engine.timed))
+
+
+@pytest.mark.parametrize("count,stopped_at", [(4, None), (18, None), (20, 10), (40, 20)])
+def test_a_candidate_far_below_the_floor_stops_half_way_only_when_half_is_enough_prompts(count, stopped_at):
+    """Found from outside: on a 2-prompt set every candidate was rejected after 1 prompt (one different answer is
+    50 points). Half-way is a verdict only from 10 prompts on; before that every candidate is measured whole."""
+    from glimpse.pipeline.calibrate_slider import Reference, measure
+
+    class Disagreeing(_TimedEngine):
+        def generate(self, messages, policy, max_new_tokens, ignore_eos=False):
+            result = super().generate(messages, policy, max_new_tokens, ignore_eos)
+            return SimpleNamespace(**{**vars(result), "text": "Blue." if policy != "none" else result.text})
+
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(count)]
+    references = [Reference([5, 6], "Red.", torch.log_softmax(torch.zeros(8), -1), 100.0, 1) for _ in prompts]
+    point = measure(Disagreeing((0.9,)), (Member.of("divprune", 0.5),), prompts, references, floor=0.75,
+                    answer_tokens=4, timing_prompts=3, timing_tokens=4, typical_answer=64)
+    assert point.agreement == 0.0 and point.prompts == (stopped_at or count)
+    assert (point.e2e_ratio is None) == (stopped_at is not None)  # stopped: rejected untimed
