@@ -769,9 +769,9 @@ def run_calibrate_slider(args) -> int:
     _log(f"frontier ({len(frontier.points)} points) -> {path}")
     if frontier.unmeasured:
         _log(f"incomplete: {frontier.unmeasured} of {len(frontier.measured) + frontier.unmeasured} candidates not "
-             "measured. auto on this model now reads this partial frontier (every report says it is incomplete; "
-             "at a speed nothing measured so far keeps the answers, it prunes nothing): rerun the same command to "
-             "measure the rest")
+             "measured. The frontier stored holds only what was measured, and every promise made from it says so "
+             "(at a speed nothing measured so far keeps the answers, auto prunes nothing): rerun the same command "
+             "to measure the rest")
     for speed in (0.0, 0.25, 0.5, 0.75, 1.0):
         _log(f"  auto at speed {speed:g}: {frontier.promise(speed)['text']}")
     print(json.dumps(profile))
