@@ -635,9 +635,10 @@ def test_the_caches_drop_the_least_recently_used_entry_first(cache):
     assert (lru.hits, lru.misses) == (1, 1)
 
 
-def test_a_picture_the_models_own_processor_refuses_is_a_media_error_not_a_crash(checkpoints):
-    """Qwen's processor refuses aspect ratios over 200 with a ValueError: the user gets a MediaError (the API's
-    400, a message in the chat) that names the reason."""
+def test_a_picture_the_models_own_processor_refuses_is_a_media_error_not_a_crash(checkpoints, media, monkeypatch):
+    """What a model's processor refuses with a ValueError reaches the user as a MediaError (the API's 400, a
+    message in the chat) that names the reason. Qwen's own refusal, aspect ratios over 200, is now made from the
+    file's header for every model, before the processor: the same kind of error, said sooner."""
     import io
 
     from PIL import Image
@@ -647,9 +648,17 @@ def test_a_picture_the_models_own_processor_refuses_is_a_media_error_not_a_crash
     engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
     strip = io.BytesIO()
     Image.new("RGB", (1, 5000), "red").save(strip, "PNG")
-    with pytest.raises(MediaError, match="processor cannot take this image: .*aspect ratio"):
-        engine.generate([{"role": "user", "content": [{"type": "image", "image": strip.getvalue()},
-                                                      {"type": "text", "text": "What colour?"}]}], max_new_tokens=2)
+    ask = lambda image: engine.generate([{"role": "user", "content": [  # noqa: E731
+        {"type": "image", "image": image}, {"type": "text", "text": "What colour?"}]}], max_new_tokens=2)
+    with pytest.raises(MediaError, match=r"too long and thin \(1x5000, more than 200:1\)"):
+        ask(strip.getvalue())
+
+    def refuse(*args, **kwargs):
+        raise ValueError("absolute aspect ratio must be smaller than 200, got 250.0")
+
+    monkeypatch.setattr(engine.adapter, "image_processor", refuse)
+    with pytest.raises(MediaError, match="processor cannot take this image: absolute aspect ratio"):
+        ask(str(media["image"]))
 
 
 def _shared_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
