@@ -9,7 +9,8 @@ attends with one masked call over the slots; each request still reads its own en
 slot, so policies, eviction (ST3, compacted in place) and metrics see their own cache as before.
 
 A request's float entries *move* into its slot once, when it joins (one copy of its own entries, never
-per step), and a slot has room for the rest of the request's answer, so no step reallocates. Members are
+per step), and a slot has room for the rest of the request's answer, up to ``ANSWER_ROOM`` tokens, so no step
+reallocates until then. Members are
 the requests whose policy does nothing per decode layer (no revival, no choice of keys: not LazyLLM) and
 whose cache is all float (not ZipVL's packed KV); the others decode request by request beside them.
 Requests come and go between steps (the server's continuous batching): one that leaves frees its slot, one
@@ -36,6 +37,10 @@ SLACK = 1.125  # a slot's room beyond its largest member's need, so that a reque
 # the free slot has cost as much as forming again would have. Given back at once, a server whose clients come
 # and go formed a batch every 2-3 requests (44 formations in 128 requests of `glimpse bench serve`).
 FREE_STEPS_PER_SLOT = 2
+# A slot has room for at most this many more answer tokens: past them its request's cache leaves the slot (one
+# copy, pipeline/cache.py) and the batch forms again. Room for the whole budget allocated a whole context per
+# request up front: 8 two-token answers asked with max_new_tokens 10**9 took 3.2 GB instead of 34 MB.
+ANSWER_ROOM = 1024
 
 
 def decodes_plainly(request) -> bool:
@@ -48,8 +53,9 @@ def decodes_plainly(request) -> bool:
 
 
 def _room(request, layer) -> int:
-    """Entries a slot needs for ``layer`` of ``request``: what it holds and one per step left, plus one."""
-    return len(layer) + request.budget - len(request.tokens) + 1
+    """Entries a slot needs for ``layer`` of ``request``: what it holds and one per step left, plus one, the steps
+    counted up to ``ANSWER_ROOM``."""
+    return len(layer) + min(request.budget - len(request.tokens), ANSWER_ROOM) + 1
 
 
 def _need(request) -> int:

@@ -461,6 +461,30 @@ def _spy_slots(monkeypatch):
     return seen
 
 
+def test_a_slot_holds_a_bounded_share_of_a_long_budget_and_a_longer_answer_moves_on_exactly(
+        deep_checkpoints, media, monkeypatch):
+    """Found from outside: slots had room for the whole budget, so max_new_tokens=10**9 allocated the rest of the
+    context for every request (8 two-token answers: 3.2 GB). A slot now holds ``ANSWER_ROOM`` more tokens at most;
+    an answer longer than that leaves its slot and the batch forms again, with the same tokens as one by one."""
+    from glimpse.pipeline import batch_kv
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    conversations = [_messages(media), [{"role": "user", "content": "Write one line about the sea."}]]
+    seen = _spy_slots(monkeypatch)
+    engine.generate_batch(conversations, max_new_tokens=10**9, policy="none")
+    longest = max(len(engine.prepare(c)) for c in conversations)
+    per_slot_layer = seen["formed"][0][1] / (len(conversations) * len(engine.adapter.layers))
+    assert per_slot_layer <= (longest + batch_kv.ANSWER_ROOM + 1) * batch_kv.SLACK + 1
+
+    monkeypatch.setattr(batch_kv, "ANSWER_ROOM", 4)  # answers of 12 tokens outgrow their slots twice
+    _endless(engine)
+    seen["formed"].clear()
+    together = engine.generate_batch(conversations, max_new_tokens=12, policy="none")
+    alone = [engine.generate(c, max_new_tokens=12, policy="none") for c in conversations]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert len(seen["formed"]) >= 3
+
+
 @pytest.mark.parametrize("policy,speed", [("none", 0.0), ("fastv", 0.8), ("st3", 1.0)])
 def test_requests_in_kv_slots_decode_as_each_on_its_own_cache(deep_checkpoints, media, monkeypatch, policy, speed):
     """Prompts of different lengths (and, pruned, different lengths per layer) share one attention call per layer
