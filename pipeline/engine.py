@@ -34,7 +34,7 @@ from glimpse.pipeline.encoder_cache import EncoderCache, media_key
 from glimpse.pipeline.media_cache import MediaCache
 from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
 from glimpse.pipeline.prefix_cache import PrefixCache, media_spans
-from glimpse.pipeline.prompt import Prompt, build_prompt
+from glimpse.pipeline.prompt import Prompt, PromptError, build_prompt
 from glimpse.pruning import Frontier, Policy, configuration, make_policy, prunes_nothing
 from glimpse.pruning.frontier import uncalibrated_frontier
 
@@ -128,6 +128,11 @@ class Sampling:
     def __post_init__(self):
         # Checked when asked, not at the first sampled token: NaN or an infinite temperature made NaN
         # probabilities, and a top_p outside (0, 1] or a seed torch cannot take failed deep in decode.
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise UserError(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise UserError(f"seed must be a whole number, got {self.seed!r}")
         if not self.do_sample:
             return
         if not (math.isfinite(self.temperature) and self.temperature > 0):
@@ -139,6 +144,39 @@ class Sampling:
 
     def next(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
         return sample_next(logits, self.do_sample, self.temperature, self.top_p, generator)
+
+
+class EngineBusy(RuntimeError):
+    """A call from the thread that holds the engine (a stream not read to its end) would wait on itself."""
+
+
+class RequestCancelled(RuntimeError):
+    """``generate`` with a ``cancel`` event that was set before the request began: nothing was computed."""
+
+
+class OneCallAtATime:
+    """The engine's lock: one call at a time (the model and its caches are shared), others wait. A call from the
+    thread that holds it — ``stream`` read part of the way, then ``generate`` in the same thread — would wait for
+    ever on itself: it is refused instead, saying so."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> "OneCallAtATime":
+        if self._owner == threading.get_ident():
+            raise EngineBusy("this engine is still answering a stream started in this thread: read it to its end, "
+                             "or close() it, before the next call (an engine answers one call at a time)")
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
 
 
 @dataclass
@@ -295,7 +333,7 @@ class Engine:
         attention.hook_attention_outputs(layer.self_attn for layer in self.adapter.layers)
         self.max_length = getattr(self.adapter.text_config, "max_position_embeddings", None)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
-        self._lock = threading.Lock()  # one request at a time: the model and its caches are shared
+        self._lock = OneCallAtATime()  # one request at a time: the model and its caches are shared
         # Run the vision encoder beside the layers that need no visual token (late injection);
         # False runs it first, always. On GPU the two overlap on two streams. On a CPU they would share the
         # same cores, and the worker thread's OpenMP team would slow every later kernel of this thread:
@@ -338,10 +376,11 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def generate(self, messages, **kwargs) -> GenerationResult:
+        """``stream``'s result. A ``cancel`` event set before the request began raises ``RequestCancelled``."""
         for chunk in self.stream(messages, **kwargs):
             if chunk.result is not None:
                 return chunk.result
-        raise RuntimeError("generation ended without a result")
+        raise RequestCancelled("the request was cancelled before it began: nothing was computed")
 
     def stream(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
@@ -350,7 +389,9 @@ class Engine:
         """``ignore_eos``: decode exactly ``max_new_tokens`` (benchmarks and evaluations). ``cancel``: once
         set (a client that left), the request stops before its next step — or before prefill, if it was
         still waiting for the model — and the model is free for the next one; its result, if any, says
-        ``finish_reason == "cancelled"``."""
+        ``finish_reason == "cancelled"``; cancelled before it began, the stream yields nothing. One call at a time
+        per engine: other threads wait; a call from the thread of a stream not read to its end raises
+        ``EngineBusy``."""
         with self._lock:
             if cancel is not None and cancel.is_set():
                 return  # gave up while waiting: nothing computed
@@ -364,14 +405,19 @@ class Engine:
         with its own policy object, then all decode together — every decode step computes the new
         tokens of all unfinished requests in one pass through the weights. Results equal answering
         them one by one."""
+        if not isinstance(conversations, (list, tuple)):  # a string would be answered letter by letter
+            raise PromptError(f"conversations must be a list of conversations, got {type(conversations).__name__}")
         sampling = Sampling(do_sample, temperature, top_p, seed)
         with self._lock, torch.inference_mode():
             meter = MemoryMeter(self.device)
             requests = []
-            for messages in conversations:
+            for number, messages in enumerate(conversations):
                 # A Policy object given here is a template: each request gets its own copy.
                 own = copy.deepcopy(policy) if isinstance(policy, Policy) else policy
-                requests.append(self.start(messages, own, speed, max_new_tokens, sampling, ignore_eos))
+                try:
+                    requests.append(self.start(messages, own, speed, max_new_tokens, sampling, ignore_eos))
+                except UserError as error:  # which one: the same error, naming its conversation
+                    raise type(error)(f"conversation {number}: {error}") from error
             for _ in self._decode_loop(requests, meter):
                 pass
             return [self._result(request, batch_size=len(requests)) for request in requests]
@@ -387,11 +433,12 @@ class Engine:
     def make_policy(self, name: str, speed: float = 0.0, overrides: dict | None = None) -> Policy:
         """A registry policy for this model (``auto``: the configuration its frontier selects at
         ``speed``): its calibration profile, then ``overrides``, which win."""
+        policy = make_policy(name, speed, overrides, frontier=self.frontier)  # a bad name or override fails here
         explicit = dict(overrides or {})
         if name == "auto":  # the chosen configuration's own parameters are as explicit as overrides
             point = self.frontier.choose(speed)
             explicit.update(_member_params(point.members if point else ()))
-        policy = self._with_profiles(make_policy(name, speed, overrides, frontier=self.frontier), explicit)
+        policy = self._with_profiles(policy, explicit)
         policy.check(len(self.adapter.layers))  # before a picture is decoded for it
         return policy
 
@@ -471,6 +518,8 @@ class Engine:
                        t_prefill, t_first, _IncrementalDecoder(self.tokenizer), stop_ids, first_logits=logits)
 
     def _budget(self, max_new_tokens: int, ctx: PrefillContext) -> int:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}")
         if self.max_length is None:
             return max_new_tokens
         return min(max_new_tokens, self.max_length - int(ctx.positions.max()) - 1)  # positions the model knows

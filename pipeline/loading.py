@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -69,7 +70,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use auto, {', '.join(names)} or a torch.dtype")
+    return names[dtype]
 
 
 def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto",
@@ -126,6 +130,9 @@ def _checkpoint(model: str):
         # Progress goes to stderr: stdout may carry `glimpse ask --json`'s one JSON object.
         source = str(embedded.embedded_checkpoint(progress=lambda line: print(line, file=sys.stderr, flush=True)))
         grounded = embedded.EMBEDDED_GROUNDED
+    elif Path(source).expanduser().is_file():
+        raise ModelLoadError(f"model {model!r} is a file: give the checkpoint's folder (config.json, weights, "
+                             "tokenizer) or a hub id")
     elif not Path(source).expanduser().exists() and _is_hub_id(source) and not os.environ.get("HF_HUB_OFFLINE"):
         if (unreachable := _hub_unreachable()) is not None:
             source = _cached_snapshot(source, unreachable)
@@ -197,13 +204,18 @@ def _adapter(model: str, source: str, config, build):
     import transformers
     from transformers import AutoImageProcessor, AutoTokenizer
 
+    from safetensors import SafetensorError
+
     try:
         vlm = build(getattr(transformers, ADAPTERS[config.model_type].model_class))
         tokenizer = AutoTokenizer.from_pretrained(source)
         # PIL image processors everywhere: the reference behaviour, and torchvision-free.
         image_processor = AutoImageProcessor.from_pretrained(source, backend="pil")
-    except (OSError, ValueError, ImportError) as error:
+    except (OSError, ValueError, ImportError, SafetensorError, pickle.UnpicklingError) as error:  # damaged files too
         raise ModelLoadError(f"cannot load model {model!r}: {_first_line(error)}") from None
+    if len(tokenizer) < 2:  # a folder without tokenizer files loads an empty one, which fails at the first prompt
+        raise ModelLoadError(f"cannot load model {model!r}: it has no tokenizer (tokenizer.json or the files of its "
+                             "tokenizer are missing)")
     return ADAPTERS[config.model_type](vlm, tokenizer, image_processor)
 
 

@@ -13,11 +13,13 @@ placeholder tokens as the encoder will produce for it, in the order the media ap
 from __future__ import annotations
 
 import bisect
+import os
 import re
 import uuid
 from dataclasses import dataclass
 
 import torch
+from PIL import Image
 
 from glimpse import vision
 from glimpse.common import UserError
@@ -87,6 +89,9 @@ def normalise_messages(messages) -> list[dict]:
         content = m["content"]
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
+        if not isinstance(content, list) or not all(isinstance(item, dict) for item in content):
+            raise PromptError("a message's content is a string or a list of {'type': 'text' | 'image' | 'video', ...} "
+                              f"dicts, got {content!r:.200}")
         for item in content:
             if item.get("type") not in ("text", "image", "video"):
                 raise PromptError(f"unsupported content item type {item.get('type')!r} (text, image or video)")
@@ -109,11 +114,19 @@ def check_text(text) -> None:
 
 
 def _media_of(item: dict):
-    """An image or video item's source: its ``image``/``video``, ``url`` or ``path`` (bytes, a path, a PIL
-    image). Present but empty (``b""``) is kept, so that it fails as an empty file, not as a missing key."""
+    """An image or video item's source: its ``image``/``video``, ``url`` or ``path`` — for an image a path, its
+    bytes or a PIL image, for a video a path. Present but empty (``b""``) is kept, so that it fails as an empty
+    file, not as a missing key."""
     for key in (item["type"], "url", "path"):
         if item.get(key) is not None:
-            return item[key]
+            source = item[key]
+            kinds = (str, os.PathLike, bytes, bytearray, Image.Image) if item["type"] == "image" else (str, os.PathLike)
+            if not isinstance(source, kinds):
+                given = ("a path, the file's bytes or a PIL image" if item["type"] == "image"
+                         else "a path (write a video's bytes to a file first)")
+                raise PromptError(f"{'an image' if item['type'] == 'image' else 'a video'} is given as {given}, "
+                                  f"got {type(source).__name__}")
+            return source
     raise PromptError(f"{item['type']} items need '{item['type']}', 'url' or 'path'")
 
 

@@ -74,6 +74,8 @@ def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None =
     frontier; without one, the uncalibrated default). ``overrides`` maps parameter names to values
     (``{"rho": 0.5}``); for ``auto`` prefix them with the member's name (``{"lazyllm.percentiles": ...}``).
     """
+    if overrides is not None and not isinstance(overrides, dict):
+        raise UserError(f"overrides are a dict of parameter names to values, e.g. {{'rho': 0.5}}; got {overrides!r}")
     if name == "auto":
         frontier = frontier or uncalibrated_frontier()
         point = frontier.choose(speed)

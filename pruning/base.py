@@ -43,6 +43,8 @@ import torch
 from glimpse.common import Modality, UserError
 
 def check_speed(speed: float) -> float:
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+        raise UserError(f"speed must be a number in [0, 1], got {speed!r}")
     if not 0.0 <= speed <= 1.0:
         raise UserError(f"speed must be in [0, 1], got {speed}")
     return float(speed)

@@ -362,6 +362,72 @@ def test_a_hub_id_with_the_hub_out_of_reach_loads_from_the_hub_cache_or_says_so_
         load_engine("glimpse-test/not-downloaded", device="cpu")
 
 
+def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(checkpoints, media, tmp_path):
+    """Found using Glimpse as a library: a stream read part of the way, then ``generate`` in the same thread, hung
+    for ever; other mistakes were TypeErrors, KeyErrors or a string answered letter by letter. Each is now a clear
+    error of its kind, and the engine answers exactly as before afterwards."""
+    import io
+    import shutil
+    import threading
+
+    from glimpse.common import UserError
+    from glimpse.pipeline.engine import EngineBusy, RequestCancelled
+    from glimpse.pipeline.loading import ModelLoadError
+    from glimpse.vision import MediaError
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    messages = _messages("image", media)
+    expected = engine.generate(messages, max_new_tokens=4).token_ids
+    stream = engine.stream(messages, max_new_tokens=4)
+    next(stream)
+    with pytest.raises(EngineBusy, match="read it to its end, or close"):
+        engine.generate(messages, max_new_tokens=4)
+    stream.close()
+    assert engine.generate(messages, max_new_tokens=4).token_ids == expected
+
+    cancelled = threading.Event()
+    cancelled.set()
+    with pytest.raises(RequestCancelled, match="before it began"):
+        engine.generate(messages, cancel=cancelled)
+    assert list(engine.stream(messages, cancel=cancelled)) == []
+
+    broken = [None, 5, ["hi"], {"type": "text", "text": "hi"}]
+    for content in broken:
+        with pytest.raises(PromptError, match="content is a string or a list"):
+            engine.generate([{"role": "user", "content": content}], max_new_tokens=2)
+    for kind, source in (("image", io.BytesIO(media["image"].read_bytes())), ("image", 42),
+                         ("video", media["image"].read_bytes())):
+        with pytest.raises(PromptError, match=f"is given as .*got {type(source).__name__}"):
+            engine.generate([{"role": "user", "content": [{"type": kind, kind: source}]}], max_new_tokens=2)
+    for options, said in (({"max_new_tokens": "3"}, "max_new_tokens"), ({"max_new_tokens": 0}, "max_new_tokens"),
+                          ({"max_new_tokens": 2.5}, "max_new_tokens"), ({"speed": "0.5"}, "speed"),
+                          ({"seed": 1.5}, "seed"), ({"temperature": "hot"}, "temperature")):
+        with pytest.raises(UserError, match=said):
+            engine.generate(messages, **options)
+    with pytest.raises(UserError, match="overrides are a dict"):
+        engine.make_policy("dash", 0.5, ["rho=0.3"])
+    with pytest.raises(PromptError, match="a list of conversations, got str"):
+        engine.generate_batch("hello")
+    corrupt = [{"role": "user", "content": [{"type": "image", "image": b"not a picture"}]}]
+    with pytest.raises(MediaError, match="^conversation 1: "):
+        engine.generate_batch([messages, corrupt, messages], max_new_tokens=2)
+    assert engine.generate(messages, max_new_tokens=4).token_ids == expected
+
+    with pytest.raises(ModelLoadError, match="unknown dtype 'fp16'"):
+        load_engine(str(checkpoints["llava"]), device="cpu", dtype="fp16")
+    with pytest.raises(ModelLoadError, match="is a file"):
+        load_engine(str(checkpoints["llava"] / "config.json"), device="cpu")
+    damaged = shutil.copytree(checkpoints["llava"], tmp_path / "damaged")
+    (damaged / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        load_engine(str(damaged), device="cpu")
+    untokenized = shutil.copytree(checkpoints["llava"], tmp_path / "untokenized")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (untokenized / name).unlink()
+    with pytest.raises(ModelLoadError, match="cannot load model .*tokenizer"):
+        load_engine(str(untokenized), device="cpu")
+
+
 def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
     """A Qwen3.5 checkpoint (linear-attention layers: docs/models.md says why the engine does not run them)
     is refused when loaded, naming the architectures Glimpse runs, rather than run wrong; the error is the
