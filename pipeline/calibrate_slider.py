@@ -209,7 +209,7 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
     """One candidate's agreement and cost (see the module docstring)."""
     same = matches = kl = flops = base_flops = kv = base_kv = 0.0
     counted = 0
-    # Half-way, once that is enough prompts to tell: on a handful, one different answer is 20 points or more.
+    # Half-way, once that is enough prompts to tell: on a handful, one different answer is already about 20 points.
     check_at = len(prompts) // 2 if len(prompts) // 2 >= EARLY_STOP_MIN_PROMPTS else None
     for messages, reference in zip(prompts, references):
         result = engine.generate(messages, policy=engine.configuration(members), max_new_tokens=answer_tokens)

@@ -146,6 +146,11 @@ class Sampling:
         return sample_next(logits, self.do_sample, self.temperature, self.top_p, generator)
 
 
+def _check_max_new_tokens(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"max_new_tokens must be a whole number of at least 1, got {value!r}")
+
+
 class EngineBusy(RuntimeError):
     """A call from the thread that holds the engine (a stream not read to its end) would wait on itself."""
 
@@ -416,8 +421,10 @@ class Engine:
                 own = copy.deepcopy(policy) if isinstance(policy, Policy) else policy
                 try:
                     requests.append(self.start(messages, own, speed, max_new_tokens, sampling, ignore_eos))
-                except UserError as error:  # which one: the same error, naming its conversation
-                    raise type(error)(f"conversation {number}: {error}") from error
+                except UserError as error:  # which one (of several): the same error, naming its conversation
+                    if len(conversations) == 1:
+                        raise
+                    raise type(error)(f"conversation {number} (from 0): {error}") from error
             for _ in self._decode_loop(requests, meter):
                 pass
             return [self._result(request, batch_size=len(requests)) for request in requests]
@@ -499,7 +506,9 @@ class Engine:
         cache, those few are not prefilled here, in a pass of their own, but by the next ``decode_step``, in the
         pass it makes for the running batch anyway; the request has no first token until then."""
         t_request = time.perf_counter()
+        _check_max_new_tokens(max_new_tokens)
         policy = policy if isinstance(policy, Policy) else self.make_policy(policy, speed)
+        policy.check(len(self.adapter.layers))  # a Policy object given as it is: before its media are decoded
         prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches)
         generator = None
         if sampling.seed is not None:
@@ -518,8 +527,6 @@ class Engine:
                        t_prefill, t_first, _IncrementalDecoder(self.tokenizer), stop_ids, first_logits=logits)
 
     def _budget(self, max_new_tokens: int, ctx: PrefillContext) -> int:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}")
         if self.max_length is None:
             return max_new_tokens
         return min(max_new_tokens, self.max_length - int(ctx.positions.max()) - 1)  # positions the model knows

@@ -133,7 +133,7 @@ def _checkpoint(model: str):
     elif Path(source).expanduser().is_file():
         raise ModelLoadError(f"model {model!r} is a file: give the checkpoint's folder (config.json, weights, "
                              "tokenizer) or a hub id")
-    elif not Path(source).expanduser().exists() and _is_hub_id(source) and not os.environ.get("HF_HUB_OFFLINE"):
+    elif not Path(source).expanduser().exists() and _is_hub_id(source) and not _hub_offline():
         if (unreachable := _hub_unreachable()) is not None:
             source = _cached_snapshot(source, unreachable)
     try:
@@ -145,6 +145,13 @@ def _checkpoint(model: str):
         raise ModelLoadError(f"model {model!r} is a {config.model_type!r} checkpoint; Glimpse supports "
                              f"{', '.join(sorted(ADAPTERS))} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT, LongVA)")
     return source, grounded, config
+
+
+def _hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` as the hub client reads it ("1", "true", ...): then it looks only in its cache itself."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def _is_hub_id(name: str) -> bool:
