@@ -198,8 +198,8 @@ def control_pattern(adapter: Adapter) -> re.Pattern | None:
     ...) and the image/video placeholders."""
     tok = adapter.tokenizer
     controls = {t.content for t in tok.added_tokens_decoder.values() if t.special}
-    controls |= {adapter.placeholder_token(kind) for kind, token in ((IMAGE, adapter.image_token_id),
-                                                                     (VIDEO, adapter.video_token_id)) if token is not None}
+    placeholders = ((IMAGE, adapter.image_token_id), (VIDEO, adapter.video_token_id))
+    controls |= {adapter.placeholder_token(kind) for kind, token in placeholders if token is not None}
     controls = sorted((c for c in controls if c), key=len, reverse=True)  # the longest match first
     return re.compile("|".join(map(re.escape, controls))) if controls else None
 
