@@ -206,3 +206,20 @@ def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cac
                    "--max-new-tokens", "2", "--json", "What is in this picture?", cache=embedded_cache)
     out = json.loads(proc.stdout)
     assert out["promise"]["calibrated"] is False and out["promise"]["text"].startswith("uncalibrated")
+
+
+def test_ctrl_c_while_the_command_loads_its_libraries_ends_with_one_line(monkeypatch, capsys):
+    """The entry point imports the CLI (torch, transformers: seconds) under a guard: Ctrl-C then printed a
+    KeyboardInterrupt traceback from deep inside an import."""
+    from glimpse import launcher
+
+    class InterruptedImport:
+        def find_spec(self, name, path=None, target=None):
+            if name == "glimpse.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "glimpse.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [InterruptedImport(), *sys.meta_path])
+    assert launcher.main() == 130
+    assert capsys.readouterr().err == "glimpse: interrupted\n"

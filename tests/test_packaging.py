@@ -42,7 +42,7 @@ def test_the_wheel_holds_one_import_name_and_the_trained_weights(wheel):
         entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     top_level = {name.split("/")[0] for name in names}
     assert {n for n in top_level if not n.endswith(".dist-info")} == {"glimpse"}, top_level
-    assert "glimpse = glimpse.cli:main" in entry_points
+    assert "glimpse = glimpse.launcher:main" in entry_points
     for package in ["glimpse/__init__.py", "glimpse/cli.py", "glimpse/tasks.py", "glimpse/pipeline/engine.py",
                     "glimpse/pruning/dash.py", "glimpse/vision/media.py", "glimpse/common/__init__.py"]:
         assert package in names
