@@ -226,17 +226,22 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
 
     def chosen_params(policy, speed, overrides):
         try:
-            return engine.make_policy(policy, speed, parse_overrides(overrides)).params()
+            return _rounded(engine.make_policy(policy, speed, parse_overrides(overrides)).params())
         except (UserError, TypeError, KeyError) as error:
             return {"error": str(error)}
 
     def promise_markdown(policy, speed, overrides):
-        """Under the slider, before anything is asked: what this speed selects and what it was measured to keep."""
+        """Under the slider, before anything is asked: what this speed selects and what it was measured to keep —
+        or why the question would be refused (an override out of range)."""
         try:
-            promise = engine.promise(policy, speed, parse_overrides(overrides))
+            parsed = parse_overrides(overrides)
+            engine.make_policy(policy, speed, parsed)
+            promise = engine.promise(policy, speed, parsed)
         except (UserError, TypeError, KeyError) as error:
             return f"{ERROR_NOTE}{error}"
-        return f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] else " *(uncalibrated)*")
+        exact = promise.get("configuration") == "none"  # nothing pruned: there is nothing to calibrate
+        return f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] or exact
+                                                             else " *(uncalibrated)*")
 
     tabs: dict[str, set] = {}  # per browser session, the tickets it is waiting on: closing the tab cancels them
     cleared_sessions: set = set()  # browser sessions whose next question starts a new conversation (Clear)
@@ -247,6 +252,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         waits, stream the answer, then the metrics (beside an unpruned run if asked) and the keep map."""
         session = getattr(request, "session_hash", None)
         files = [f if isinstance(f, str) else f.get("path") for f in (message.get("files") or [])]
+        if not files and not (message.get("text") or "").strip():  # Enter in an empty box: nothing to answer
+            yield f"{ERROR_NOTE}type a question, or attach a picture or a video", NO_METRICS, None
+            return
         turn = [{"role": "user", "content": [{"type": "file", "file": {"path": p}} for p in files]
                  + ([{"type": "text", "text": message["text"]}] if message.get("text") else [])}]
         try:
@@ -269,10 +277,10 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             with tabs_lock:
                 tabs.setdefault(session, set()).add(ticket)
         except QueueFull as full:
-            yield f"{ERROR_NOTE}{full}", gr.skip(), gr.skip()
+            yield f"{ERROR_NOTE}{full}", NO_METRICS, None
             return
         except Exception as error:  # shown in the chat; the server keeps serving
-            yield _error_text(error), gr.skip(), gr.skip()
+            yield _error_text(error), NO_METRICS, None
             return
         answer, result = "", None
         try:
@@ -286,11 +294,14 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 answer += chunk.text
                 result = chunk.result or result
                 yield answer, gr.skip(), gr.skip()
-            baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"],
-                                          caches=False) if compare else None
+            baseline = None
+            if compare and policy != "none":  # (with no pruning the two runs are the same configuration)
+                yield answer, "*running the unpruned answer to compare ...*", gr.skip()
+                baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"],
+                                              caches=False)
         except Exception as error:  # after some of the answer: what was said stays, the error under it as a note
             yield (answer + _note(f"the answer broke off: {_error_text(error).removeprefix(ERROR_NOTE)}") if answer
-                   else _error_text(error)), gr.skip(), gr.skip()
+                   else _error_text(error)), NO_METRICS, None
             return
         finally:
             ticket.cancel.set()  # Stop and Clear close this generator: the request ends at once
@@ -299,7 +310,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         if result is None:
             return
         if result.finish_reason == "length":
-            answer += _note(f"cut at {len(result.token_ids)} tokens: raise max answer tokens for more")
+            count = len(result.token_ids)
+            answer += _note(f"cut at {count} token{'s' if count != 1 else ''}: raise max answer tokens for more")
         if left_out:
             answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
                             f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")
@@ -342,7 +354,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             if answered:  # the queue position shown while it waited
                 history.pop()
             history.append({"role": "assistant", "content": STOPPED_BEFORE_ANSWER})
-        return history
+        return history, STOPPED_METRICS  # the chat, the metrics panel
 
     def cleared(request=None):
         """After Clear: an empty chat and chat state (a streamed update that was on its way when Clear was
@@ -404,7 +416,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         for control in (speed, policy, overrides):
             control.change(chosen_params, [policy, speed, overrides], params, api_name=False)
             control.change(promise_markdown, [policy, speed, overrides], promise, api_name=False)
-        chat.textbox.stop(mark_stopped, chat.chatbot, chat.chatbot, api_name=False)
+        chat.textbox.stop(mark_stopped, chat.chatbot, [chat.chatbot, metrics], api_name=False)
         chat.chatbot.clear(cleared, None, [chat.chatbot, chat.chatbot_state, metrics, keep], api_name=False)
         demo.unload(tab_closed)
     demo.chat_interface = chat  # the chat's own handlers, for tests that drive them without a browser
@@ -514,6 +526,8 @@ def _note(text: str) -> str:
 # starts with its sign and a word joiner (U+2060, invisible): a model's own answer may start with "⚠️" too, and
 # such an answer must stay in the conversation.
 ERROR_NOTE, WAIT_NOTE = "⚠️\u2060 ", "⏳\u2060 "
+NO_METRICS = "*no answer: no metrics for this turn*"
+STOPPED_METRICS = "*stopped: no metrics for this answer*"
 STOPPED_BEFORE_ANSWER = f"{ERROR_NOTE}stopped before the answer began: this question is left out of the conversation"
 NOTE_START, NOTE_END = "\n\n*(", ")*"
 # Only these: a model may end on "*(...)*" too.
@@ -554,6 +568,17 @@ def _without_oldest_turn(history: list[dict]) -> list[dict]:
     while start < len(history) and history[start].get("role") != "user":
         start += 1
     return history[start:]
+
+
+def _rounded(value):
+    """Parameters as shown: floats to 6 decimals (``1.0 - 0.8 * 1.0`` is 0.19999999999999996)."""
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
 
 
 def _path_of(part: dict) -> str | None:

@@ -218,14 +218,18 @@ def test_clear_while_an_answer_streams_clears_for_good_and_ends_the_request(page
 def test_stop_ends_the_answer_marks_it_and_frees_the_model(page, served):
     _interrupt_a_story(page, served, "#input button.stop-button")
     _last_answer_includes(page, "(stopped)")
+    assert "stopped: no metrics" in page.locator("#metrics").inner_text()  # not the previous answer's figures
 
 
 def test_a_mistyped_override_is_explained_and_retry_answers_with_the_same_upload(page):
     page.get_by_text("advanced: parameters").click()
     page.locator("#overrides textarea").fill("dash.rho=abc")
+    page.locator("#overrides textarea").press("Tab")
+    page.wait_for_function("() => document.querySelector('#promise').innerText.includes('⚠️')", timeout=30_000)
     _ask(page, "What colour is the biggest shape?", upload=REPO / "assets" / "sample.png")
     error = page.locator("#chat .message.bot").last.inner_text()
     assert "⚠️" in error and "rho" in error and "internal error" not in error
+    assert "no answer: no metrics" in page.locator("#metrics").inner_text()
     page.locator("#overrides textarea").fill("")
     page.locator("#chat button[aria-label='Retry']").last.click()
     page.wait_for_function("""() => {
@@ -234,6 +238,12 @@ def test_a_mistyped_override_is_explained_and_retry_answers_with_the_same_upload
         return last && !last.startsWith('⚠️') && !last.startsWith('⏳')
             && document.querySelector('#metrics').innerText.includes('image 256');
     }""", timeout=120_000)  # answered, and the prompt held the image
+
+
+def test_enter_in_an_empty_box_asks_for_a_question_instead_of_sending_a_blank_turn(page):
+    page.locator("#input textarea").fill("  ")
+    page.locator("#input textarea").press("Enter")
+    _last_answer_includes(page, "type a question, or attach a picture or a video")
 
 
 def test_max_answer_tokens_caps_the_answer_and_says_so(page):
