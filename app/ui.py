@@ -599,6 +599,8 @@ def _token_limit(value, ceiling: int) -> int:
         limit = int(value)
     except (TypeError, ValueError, OverflowError):  # None, "ten", NaN, Infinity
         raise UserError("max answer tokens must be a whole number") from None
+    if limit != value and not (isinstance(value, str) and value.strip().isdigit()):  # 2.5 was used as 2
+        raise UserError(f"max answer tokens must be a whole number, got {value}")
     if not 1 <= limit <= ceiling:
         raise UserError(f"max answer tokens must be between 1 and {ceiling} on this server")
     return limit

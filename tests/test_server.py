@@ -1170,3 +1170,14 @@ def test_the_chats_policy_dropdown_offers_every_policy_once_the_default_first(se
         assert offered[0] == dropdown.value == "auto"
     finally:
         scheduler.close()
+
+
+def test_max_answer_tokens_in_the_chat_must_be_a_whole_number_in_range():
+    """Found from outside: 2.5 typed in the chat's max-tokens box was used as 2 without a word."""
+    from glimpse.common import UserError
+    from glimpse.ui import _token_limit
+
+    assert _token_limit(4, 10) == 4 and _token_limit(4.0, 10) == 4 and _token_limit("7", 10) == 7
+    for value in (2.5, "ten", None, float("nan"), 0, 11):
+        with pytest.raises(UserError, match="max answer tokens must be"):
+            _token_limit(value, 10)
