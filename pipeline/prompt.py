@@ -16,6 +16,7 @@ import bisect
 import os
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -204,38 +205,47 @@ def control_pattern(adapter: Adapter) -> re.Pattern | None:
     return re.compile("|".join(map(re.escape, controls))) if controls else None
 
 
-def _marker() -> tuple[str, re.Pattern]:
-    """A marker prefix that no text holds and no tokenizer or adapter reads as anything, and the pattern of
-    ``prefix + number + NUL``."""
-    prefix = f"\0{uuid.uuid4().hex}:"
-    return prefix, re.compile(re.escape(prefix) + r"(\d+)\0")
+class _Markers:
+    """Numbered markers that no text holds and no tokenizer or adapter reads as anything: ``mark(i)`` writes the
+    i-th; ``put_back`` replaces each by its piece and says where the pieces are."""
+
+    def __init__(self):
+        self.prefix = f"\0{uuid.uuid4().hex}:"
+        self.pattern = re.compile(re.escape(self.prefix) + r"(\d+)\0")
+
+    def mark(self, number: int) -> str:
+        return f"{self.prefix}{number}\0"
+
+    def put_back(self, text: str, piece: Callable[[int], str]) -> tuple[str, list[tuple[int, int]]]:
+        """``text`` with marker i replaced by ``piece(i)``, and the (start, end) of each piece in the result."""
+        out, spans, length, at = [], [], 0, 0
+        for found in self.pattern.finditer(text):
+            written = piece(int(found.group(1)))
+            out += [text[at:found.start()], written]
+            length += found.start() - at
+            spans.append((length, length + len(written)))
+            length += len(written)
+            at = found.end()
+        return "".join(out) + text[at:], spans
 
 
 def typed_spans(tokenizer, chat_template: str | None, messages: list[dict], placeholders: dict[str, str],
                 text: str) -> list[tuple[int, int]]:
     """Where the messages' text items are in ``text`` (their rendering), as (start, end) character spans: the
     template is rendered again with a marker in place of each, and the markers are put back."""
-    prefix, pattern = _marker()
-    typed: list[str] = []
+    markers, typed = _Markers(), []
 
     def swap(item: dict) -> dict:
         if item["type"] != "text":
             return item
         typed.append(item["text"])
-        return {"type": "text", "text": f"{prefix}{len(typed) - 1}\0"}
+        return {"type": "text", "text": markers.mark(len(typed) - 1)}
 
     marked = render(tokenizer, chat_template, [{"role": m["role"], "content": [swap(it) for it in m["content"]]}
                                                for m in messages], placeholders)
     for fit in (str, str.strip):  # templates write a message's text as it is, or stripped of white space
-        out, spans, length, at = [], [], 0, 0
-        for found in pattern.finditer(marked):
-            piece = fit(typed[int(found.group(1))])
-            out += [marked[at:found.start()], piece]
-            length += found.start() - at
-            spans.append((length, length + len(piece)))
-            length += len(piece)
-            at = found.end()
-        if "".join(out) + marked[at:] == text:
+        restored, spans = markers.put_back(marked, lambda number: fit(typed[number]))
+        if restored == text:
             return spans
     raise PromptError("the text holds what this model reads as a control token, and its chat template changes "
                       "the text so that it cannot be told apart from the template's own: leave it out")
@@ -257,33 +267,21 @@ def tokenize(adapter: Adapter, text: str, media: list[MediaInput], typed: list[t
     tok = adapter.tokenizer
     # A template that writes BOS itself must not get a second one from the tokenizer.
     add_special = not (tok.bos_token and text.startswith(tok.bos_token))
-    controls = control_pattern(adapter)
+    controls = control_pattern(adapter) if typed else None
     # Found as the tokenizer finds its added tokens (leftmost, longest first) in the whole rendered text.
-    found = [match for match in (controls.finditer(text) if controls is not None and typed else ())
+    found = [match for match in (controls.finditer(text) if controls is not None else ())
              if _overlaps(typed, match.start(), match.end())]
     if not found:
         return tok(adapter.expand_text(text, media), add_special_tokens=add_special)["input_ids"]
 
     # The typed control strings become markers while the template's placeholders are written out (which may
-    # move them), then become themselves again, their places noted.
-    prefix, pattern = _marker()
-    literals: list[str] = []
+    # move them), then become themselves again, their places (``spelled``) noted.
+    markers, literals = _Markers(), [match.group() for match in found]
     pieces, at = [], 0
-    for match in found:
-        literals.append(match.group())
-        pieces += [text[at:match.start()], f"{prefix}{len(literals) - 1}\0"]
+    for number, match in enumerate(found):
+        pieces += [text[at:match.start()], markers.mark(number)]
         at = match.end()
-    expanded = adapter.expand_text("".join(pieces) + text[at:], media)
-    spelled = []  # (start, end) in the final text of each typed control string
-    pieces, length, at = [], 0, 0
-    for marked in pattern.finditer(expanded):
-        literal = literals[int(marked.group(1))]
-        pieces += [expanded[at:marked.start()], literal]
-        length += marked.start() - at
-        spelled.append((length, length + len(literal)))
-        length += len(literal)
-        at = marked.end()
-    final = "".join(pieces) + expanded[at:]
+    final, spelled = markers.put_back(adapter.expand_text("".join(pieces) + text[at:], media), literals.__getitem__)
     try:
         encoded = tok(final, add_special_tokens=add_special, return_offsets_mapping=True)
     except NotImplementedError:  # a slow (Python) tokenizer has no character offsets
