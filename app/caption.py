@@ -122,6 +122,14 @@ def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | Non
     return out
 
 
+def unlisted_failures(unreadable: list[tuple[str, str]], log: Callable[[str], None]) -> list[tuple[str, str]]:
+    """Folders ``collect_inputs`` could not list, said as found and returned as the run's failures (no input of
+    theirs has a key to fail under)."""
+    for folder, reason in unreadable:
+        log(f"cannot list {folder} ({reason}): nothing in it is captioned")
+    return [(folder, f"cannot list the folder ({reason})") for folder, reason in unreadable]
+
+
 def _folder_files(folder: Path, cannot_list: list[tuple[str, str]]) -> list[Path]:
     """Every entry under ``folder`` that is not a folder, sorted; subfolders are not followed through links
     (as ``Path.rglob``). A folder that cannot be listed goes to ``cannot_list`` (``rglob`` passed over it

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glimpse.caption import is_uri
+from glimpse.caption import is_uri, unlisted_failures
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import user_message
 
@@ -402,12 +402,11 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
     _refuse_a_shadowing_folder(Path.cwd())
     unreadable: list[tuple[str, str]] = []
     keys = collect_keys(inputs, column, unreadable)
-    for folder, reason in unreadable:
-        log(f"cannot list {folder} ({reason}): nothing in it is captioned")
+    unlisted = unlisted_failures(unreadable, log)
     if not keys:
         raise UserError("no image or video files found in the inputs")
     output = OutputDir(out, jsonl)
-    report = RayReport(failed=[(folder, f"cannot list the folder ({reason})") for folder, reason in unreadable])
+    report = RayReport(failed=unlisted)
     try:
         if retry_errors and (dropped := drop_error_rows(out)):
             log(f"{dropped} error rows removed from {out}: their inputs are tried again")

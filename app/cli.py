@@ -503,7 +503,7 @@ def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
 
 def run_caption(args) -> int:
     from glimpse.caption import (LIST_EXTENSIONS, CaptionOutput, ProgressBar, caption_inputs, check_sidecars,
-                                 collect_inputs)
+                                 collect_inputs, unlisted_failures)
     from glimpse.pipeline import load_engine
     from glimpse.pruning import make_policy
 
@@ -531,8 +531,7 @@ def run_caption(args) -> int:
         inputs = collect_inputs(args.inputs, unreadable)
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
-    for folder, reason in unreadable:
-        _log(f"cannot list {folder} ({reason}): nothing in it is captioned")
+    unlisted = unlisted_failures(unreadable, _log)
     if not inputs:
         raise UserError("no image or video files found in the inputs")
     if args.format == "txt":
@@ -557,7 +556,7 @@ def run_caption(args) -> int:
     finally:
         if output is not None:
             output.close()
-    report.failed += [(folder, f"cannot list the folder ({reason})") for folder, reason in unreadable]
+    report.failed += unlisted
     where = out if args.format == "jsonl" else ".txt sidecars"
     _log(f"captioned {report.captioned}, already done {report.skipped}, failed {len(report.failed)} -> {where}")
     for path, reason in report.failed:

@@ -70,6 +70,21 @@ def write_moving_square(path: Path) -> Path:
     return write_clip(frames, path, 8, crf=0)
 
 
+def refuse_listing(monkeypatch, locked: Path) -> None:
+    """``locked`` cannot be listed, as for a user without read permission on it (the tests may run as root,
+    whom permissions do not stop): os.walk lists folders with os.scandir."""
+    import os
+
+    real = os.scandir
+
+    def scandir(path="."):
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
 def write_video(path: Path, frames: int, fps: int, size: tuple[int, int]) -> Path:
     """A small H.264/MPEG-4 clip whose frame i is a solid colour that encodes i."""
     import av

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import refuse_listing
 from glimpse.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,26 +215,13 @@ def test_a_url_in_the_local_captioners_inputs_points_to_ray_before_the_model_loa
     assert not (tmp_path / "c.jsonl").exists()
 
 
-def _refuse_listing(monkeypatch, locked: Path) -> None:
-    """``locked`` cannot be listed, as for a user without read permission on it (the tests may run as root,
-    whom permissions do not stop): os.walk lists folders with os.scandir."""
-    real = os.scandir
-
-    def scandir(path="."):
-        if Path(path) == locked:
-            raise PermissionError(13, "Permission denied", str(path))
-        return real(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
-
-
 def test_a_subfolder_that_cannot_be_listed_is_reported_and_fails_the_run_while_the_rest_is_captioned(
         model, tmp_path, monkeypatch, capsys):
     """Found from outside: a folder without read permission was passed over without a word (Path.rglob skips
     it), so its pictures were never captioned and the run said it had done everything."""
     good = _images(tmp_path / "in", 2)
     _images(tmp_path / "in" / "locked", 2, start=2)
-    _refuse_listing(monkeypatch, tmp_path / "in" / "locked")
+    refuse_listing(monkeypatch, tmp_path / "in" / "locked")
     out = tmp_path / "captions.jsonl"
     assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "3"]) == 1
     err = capsys.readouterr().err

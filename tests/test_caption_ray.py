@@ -19,7 +19,7 @@ from PIL import Image
 ray = pytest.importorskip("ray")  # in the test install (README); the base install does without it
 
 from glimpse.caption_ray import caption_on_ray  # noqa: E402
-from conftest import write_video  # noqa: E402
+from conftest import refuse_listing, write_video  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -407,14 +407,7 @@ def test_a_folder_that_cannot_be_listed_is_reported_not_passed_over(tmp_path, mo
 
     good = _inputs(tmp_path / "in", 2, video=False)
     _inputs(tmp_path / "in" / "locked", 1, video=False)
-    real = os.scandir
-
-    def scandir(path="."):
-        if Path(path) == tmp_path / "in" / "locked":
-            raise PermissionError(13, "Permission denied", str(path))
-        return real(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)
+    refuse_listing(monkeypatch, tmp_path / "in" / "locked")
     unreadable: list = []
     assert collect_keys([str(tmp_path / "in")], unreadable=unreadable) == [str(p.resolve()) for p in good]
     assert unreadable == [(str(tmp_path / "in" / "locked"), "Permission denied")]
