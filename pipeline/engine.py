@@ -507,8 +507,10 @@ class Engine:
         pass it makes for the running batch anyway; the request has no first token until then."""
         t_request = time.perf_counter()
         _check_max_new_tokens(max_new_tokens)
-        policy = policy if isinstance(policy, Policy) else self.make_policy(policy, speed)
-        policy.check(len(self.adapter.layers))  # a Policy object given as it is: before its media are decoded
+        if isinstance(policy, Policy):
+            policy.check(len(self.adapter.layers))  # given as it is: checked before its media are decoded
+        else:
+            policy = self.make_policy(policy, speed)  # checks it
         prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches)
         generator = None
         if sampling.seed is not None:
