@@ -136,12 +136,13 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
     measured: list[Point] = [done[configuration_name(c)] for c in candidates if configuration_name(c) in done]
     if measured:
         progress(f"resuming: {len(measured)} of {len(candidates)} candidates already measured ({state_path})")
+    unmeasured = 0  # left for a rerun by the budget (not those this model cannot run: a rerun skips them again)
     for done_now, members in enumerate(todo):
         number = len(candidates) - len(todo) + done_now + 1
         # Every run measures at least one candidate, so a rerun always makes progress.
         if done_now and budget_s is not None and time.perf_counter() - start > budget_s:
-            progress(f"budget spent: {len(todo) - done_now} candidates not measured; "
-                     "rerun the same command to measure them")
+            unmeasured = len(todo) - done_now
+            progress(f"budget spent: {unmeasured} candidates not measured; rerun the same command to measure them")
             break
         name = configuration_name(members)
         t0 = time.perf_counter()
@@ -162,7 +163,6 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
     device = engine.device.type if engine.device.type != "cuda" else torch.cuda.get_device_name(engine.device)
     source = (f"calibrated on {len(usable)} prompts, {device}, {time.strftime('%Y-%m-%d')}, "
               f"{len(measured)} of {len(candidates)} candidates measured")
-    unmeasured = sum(1 for c in candidates if configuration_name(c) not in {p.name for p in measured})
     return Frontier(pareto_frontier(measured), floor=floor, calibrated=True, source=source,
                     answer_tokens=typical_answer, measured=measured, unmeasured=unmeasured)
 

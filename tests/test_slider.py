@@ -217,6 +217,7 @@ def test_a_candidate_the_model_cannot_run_is_skipped_with_its_reason_and_the_res
                                 timing_tokens=2, progress=lines.append)
     assert [p.name for p in frontier.measured] == ["fastv@0.5"]
     assert any(line.startswith("[1/2] hidivdrop@1") and "skipped" in line and "L_inj" in line for line in lines)
+    assert frontier.unmeasured == 0  # a rerun would skip it again: the calibration is not incomplete for it
 
 
 def test_a_stored_profile_is_what_auto_runs_and_promises(deep_checkpoints, media, tmp_path, monkeypatch):
