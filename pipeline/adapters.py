@@ -180,7 +180,7 @@ class Qwen2VLAdapter(Adapter):
                           sample_fps=sampled.sample_fps)
 
     def encode(self, media, kind):
-        return torch.cat(self._vision_output(media, kind).pooler_output, dim=0)
+        return _joined(self._vision_output(media, kind).pooler_output)
 
     def token_pixels(self, item):
         if item.kind != VIDEO:
@@ -201,8 +201,8 @@ class Qwen2VLAdapter(Adapter):
         vm = self.model.model
         items = [m for m in media if m.kind == kind]
         name, grid_name = ("pixel_values", "image_grid_thw") if kind == IMAGE else ("pixel_values_videos", "video_grid_thw")
-        pixels = torch.cat([m.tensors[name] for m in items])
-        grid = torch.cat([m.tensors[grid_name] for m in items])
+        pixels = _joined([m.tensors[name] for m in items])
+        grid = _joined([m.tensors[grid_name] for m in items])
         keep = keep.cpu()
         patches = keep.repeat_interleave(self.merge_size**2)  # a token is m*m consecutive patches
         step_sizes = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])  # one attention segment per step
@@ -221,13 +221,14 @@ class Qwen2VLAdapter(Adapter):
         """The model's own encoder call on the items of ``kind``: its output, one entry per item."""
         vm = self.model.model
         items = [m for m in media if m.kind == kind]
+        device = vm.visual.device
         if kind == IMAGE:
-            pixels = torch.cat([m.tensors["pixel_values"] for m in items])
-            grid = torch.cat([m.tensors["image_grid_thw"] for m in items])
-            return vm.get_image_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
-        pixels = torch.cat([m.tensors["pixel_values_videos"] for m in items])
-        grid = torch.cat([m.tensors["video_grid_thw"] for m in items])
-        return vm.get_video_features(pixels.to(vm.visual.device), grid.to(vm.visual.device), return_dict=True)
+            pixels = _joined([m.tensors["pixel_values"] for m in items], device)
+            grid = _joined([m.tensors["image_grid_thw"] for m in items], device)
+            return vm.get_image_features(pixels, grid, return_dict=True)
+        pixels = _joined([m.tensors["pixel_values_videos"] for m in items], device)
+        grid = _joined([m.tensors["video_grid_thw"] for m in items], device)
+        return vm.get_video_features(pixels, grid, return_dict=True)
 
     def positions(self, input_ids, modality, media):
         if not media:
@@ -331,8 +332,8 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
             out = self._vision_output_kept(media, kind, keep)
             return out.pooler_output, list(out.deepstack_features)
         out = self._vision_output(media, kind)
-        layers = [torch.cat(per_item, dim=0) for per_item in out.deepstack_features]
-        return torch.cat(out.pooler_output, dim=0), layers
+        layers = [_joined(per_item) for per_item in out.deepstack_features]
+        return _joined(out.pooler_output), layers
 
     def _kept_extras(self, grid, keep, patches):
         """Its tower adds position embeddings interpolated over each item's grid: the kept patches' taps."""
@@ -433,12 +434,12 @@ class LlavaAdapter(Adapter):
     def encode(self, media, kind):
         vm = self.model.model
         if kind == VIDEO:
-            pixels = torch.cat([m.tensors["pixel_values_videos"] for m in media if m.kind == VIDEO])
+            pixels = _joined([m.tensors["pixel_values_videos"] for m in media if m.kind == VIDEO])
             features = self.vision_features(pixels, pool=self.config.spatial_pool_stride)
             tokens = vm.multi_modal_projector(features).reshape(-1, self.text_config.hidden_size)
         else:
-            pixels = torch.cat([m.tensors["pixel_values"] for m in media if m.kind == kind])
-            pixels = pixels.to(vm.vision_tower.device, vm.vision_tower.dtype)
+            pixels = _joined([m.tensors["pixel_values"] for m in media if m.kind == kind],
+                             vm.vision_tower.device, vm.vision_tower.dtype)
             out = vm.get_image_features(pixel_values=pixels, return_dict=True, **self._feature_kwargs())
             tokens = torch.cat([f.reshape(-1, f.shape[-1]) for f in out.pooler_output], dim=0)
         if self.position_axes is not None:
@@ -484,10 +485,10 @@ class LlavaNextAdapter(LlavaAdapter):
     def encode(self, media, kind):
         vm = self.model.model
         items = [m for m in media if m.kind == IMAGE]
-        pixels = torch.cat([m.tensors["pixel_values"] for m in items]).to(vm.vision_tower.device, vm.vision_tower.dtype)
-        sizes = torch.cat([m.tensors["image_sizes"] for m in items]).to(vm.vision_tower.device)
+        pixels = _joined([m.tensors["pixel_values"] for m in items], vm.vision_tower.device, vm.vision_tower.dtype)
+        sizes = _joined([m.tensors["image_sizes"] for m in items], vm.vision_tower.device)
         out = vm.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True, **self._feature_kwargs())
-        return torch.cat(out.pooler_output, dim=0)
+        return _joined(out.pooler_output)
 
 
 class LlavaNextVideoAdapter(LlavaNextAdapter):
@@ -519,10 +520,19 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         if kind == IMAGE:
             return super().encode(media, kind)
         vm = self.model.model
-        pixels = torch.cat([m.tensors["pixel_values_videos"] for m in media if m.kind == VIDEO])
-        pixels = pixels.to(vm.vision_tower.device, vm.vision_tower.dtype)
+        pixels = _joined([m.tensors["pixel_values_videos"] for m in media if m.kind == VIDEO],
+                         vm.vision_tower.device, vm.vision_tower.dtype)
         out = vm.get_video_features(pixel_values_videos=pixels, return_dict=True, **self._feature_kwargs())
         return out.pooler_output.reshape(-1, out.pooler_output.shape[-1])
+
+
+def _joined(tensors: list[torch.Tensor], device=None, dtype=None) -> torch.Tensor:
+    """One tensor per media item joined along the first axis, on ``device`` in ``dtype``: each item is moved first,
+    so a prompt's one item is moved as it is, with no copy of its pixels on the host before the transfer (an
+    8K-token video's are 150 MB of float32: an H200 profile found that copy in the engine's prefill, where
+    transformers' forward, given the processor's tensors, has none), and several are joined where they land."""
+    moved = [t.to(device=device, dtype=dtype) for t in tensors]
+    return moved[0] if len(moved) == 1 else torch.cat(moved)
 
 
 def _kept_segments(sizes: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:

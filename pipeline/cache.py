@@ -283,7 +283,7 @@ class LayerKV:
             return
         tail_rows = tail_rows.to(self.key.device)
         chosen = torch.zeros(self.key.shape[-2], dtype=torch.bool, device=self.key.device)
-        chosen[tail_rows] = True
+        chosen.index_fill_(0, tail_rows, True)
         rest = (~chosen).nonzero().squeeze(1)
         self.packed.append((quantize(self.key.index_select(-2, tail_rows), bits, group),
                             quantize(self.value.index_select(-2, tail_rows), bits, group)))

@@ -722,7 +722,7 @@ class Engine:
         skipped = policy.skip_encoding(ctx) if prompt.media else None
         if skipped is not None and skipped.numel():
             ctx.encoded = torch.ones(input_ids.shape[0], dtype=torch.bool, device=self.device)
-            ctx.encoded[skipped.to(self.device)] = False
+            ctx.encoded.index_fill_(0, skipped.to(self.device), False)
         spans = None
         if caches and self.prefix_cache.max_bytes and prunes_nothing(policy):
             spans = media_spans(prompt)
@@ -773,6 +773,9 @@ class Engine:
         # check: read from the device only when a policy changes the set. A read waits for the GPU to finish
         # every layer queued before it, so reading at every layer left the GPU idle while the host queued the
         # next one (an H100 profile of a 7B prefill counted twice transformers' host syncs; docs/benchmarks.md).
+        # Writing a Python value through a tensor index (``fresh[active] = False``) waits the same way: on a GPU
+        # the value becomes a host tensor, copied from pageable memory, which synchronizes; ``index_fill_`` takes
+        # it as a scalar (an H200 profile found one such wait per layer, 2026-11-27).
         modality = ctx.prompt.modality.cpu()
         host_index = torch.arange(start, T) if ctx.encoded is None else active.cpu()
         host_copy_of, host_modality = active, modality[host_index]
@@ -798,7 +801,7 @@ class Engine:
                 if joining.numel():
                     # Tokens injected late (HiDivDrop) get what the earlier layers would have added to them.
                     hidden = ctx.hidden = _add_layer_features(hidden, ctx, joining, range(layer_idx))
-            fresh[active] = False
+            fresh.index_fill_(0, active, False)  # not fresh[active] = False: see above
             ctx.active_per_layer.append(active)
             full = active.shape[0] == T  # nothing pruned: skip the gather/scatter copies
             h = hidden if full else hidden[:, active]

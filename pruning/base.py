@@ -214,7 +214,7 @@ def last_token_attention(ctx) -> torch.Tensor:
 
     The signal of FastV, ST3 and LazyLLM (Eq. 1 of LazyLLM), from one probe query.
     """
-    last = torch.tensor([ctx.layer.queries.shape[2] - 1], device=ctx.layer.queries.device)
+    last = torch.full((1,), ctx.layer.queries.shape[2] - 1, device=ctx.layer.queries.device)  # made there, not copied
     return probe_attention(ctx.layer.queries, ctx.layer.keys, last, ctx.layer.scaling).mean(dim=0)[0]
 
 
@@ -295,5 +295,5 @@ def without(active: torch.Tensor, dropped_positions: torch.Tensor) -> torch.Tens
     if dropped_positions.numel() == 0:
         return active
     keep = torch.ones(active.shape[0], dtype=torch.bool, device=active.device)
-    keep[dropped_positions] = False
+    keep.index_fill_(0, dropped_positions.to(keep.device), False)
     return active[keep]

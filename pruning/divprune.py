@@ -112,15 +112,15 @@ def max_min_diverse(features: torch.Tensor, count: int) -> torch.Tensor:
     for start in range(0, n, 1024):
         rows = torch.arange(start, min(start + 1024, n), device=device)
         distance = 1.0 - unit[:, rows] @ unit.transpose(1, 2)  # (G, rows, n)
-        distance[:, rows - start, rows] = float("inf")  # a row is not its own neighbour
+        distance.diagonal(offset=start, dim1=1, dim2=2).fill_(float("inf"))  # a row is not its own neighbour
         nearest[:, rows] = distance.min(dim=2).values
     sets = torch.arange(G, device=device)
     pick = nearest.argmax(dim=1)
     chosen = torch.zeros(G, n, dtype=torch.bool, device=device)
-    chosen[sets, pick] = True
+    chosen.scatter_(1, pick[:, None], True)
     to_chosen = 1.0 - (unit @ unit[sets, pick].unsqueeze(2)).squeeze(2)  # (G, n): distance to the nearest chosen
     for _ in range(count - 1):
         pick = to_chosen.masked_fill(chosen, float("-inf")).argmax(dim=1)
-        chosen[sets, pick] = True
+        chosen.scatter_(1, pick[:, None], True)
         to_chosen = torch.minimum(to_chosen, 1.0 - (unit @ unit[sets, pick].unsqueeze(2)).squeeze(2))
     return chosen.nonzero()[:, 1].reshape(G, count)

@@ -325,6 +325,22 @@ def test_divprune_keeps_one_token_of_each_group_of_near_duplicates():
     assert both.tolist() == [_greedy_max_min(features, 4), _greedy_max_min(other, 4)]
 
 
+def test_divprune_waits_for_the_device_as_often_for_a_hundred_picks_as_for_two():
+    """The greedy loop picks one token per step; a step that made the host wait (a Python value written through
+    an index, copied from host memory on a GPU) would cost a wait per kept token."""
+    from host_waits import HostWaits
+    from glimpse.pruning.divprune import max_min_diverse
+
+    features = torch.randn(2, 1500, 16)  # two sets, and more rows than one block of the nearest-row search
+    waits = {}
+    for count in (2, 100):
+        with torch.inference_mode(), HostWaits() as counter:
+            chosen = max_min_diverse(features, count)
+        assert chosen.shape == (2, count)
+        waits[count] = counter.count
+    assert waits[2] == waits[100], waits
+
+
 def test_divprune_refuses_a_share_outside_zero_one_or_of_the_wrong_type_before_any_work(checkpoints, media):
     engine = load_engine(str(checkpoints["llava"]), device="cpu")
     for keep in (0.0, -0.5, 1.5):
