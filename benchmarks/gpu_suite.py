@@ -301,17 +301,25 @@ def overhead(suite: Suite) -> dict:
     rows = []
     for name, messages in suite.video_prompts(engine).items():
         prompt = engine.prepare(messages)
-        inputs = _to(reference_inputs(engine, prompt), engine.device)
+        host_inputs = reference_inputs(engine, prompt)
+        inputs = _to(host_inputs, engine.device)
         with torch.inference_mode():
+            # The engine's prefill starts from the prompt as ``prepare`` left it, on the host; transformers'
+            # forward is timed from its inputs on the device (as the first GPU runs measured it) and from the
+            # host (the same starting point: the transfer of the pixels counted on both sides).
             times = _alternate({"transformers": lambda: engine.model(**inputs, logits_to_keep=1, use_cache=True),
+                                "transformers, inputs from the host": lambda: engine.model(
+                                    **_to(host_inputs, engine.device), logits_to_keep=1, use_cache=True),
                                 "engine": lambda: engine.prefill(prompt, NoPruning()),
                                 "engine, vision first": lambda: _vision_first(engine, prompt)},
                                suite.shapes.runs, engine.device)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append({"prompt": name, "prompt_tokens": prompt.token_counts(), "median_s": med,
                      "min_s": {k: min(v) for k, v in times.items()}, "max_s": {k: max(v) for k, v in times.items()},
-                     "engine_over_transformers": med["engine"] / med["transformers"]})
-        suite.progress(f"  {name}: engine / transformers = {rows[-1]['engine_over_transformers']:.3f}")
+                     "engine_over_transformers": med["engine"] / med["transformers"],
+                     "engine_over_transformers_from_host": med["engine"] / med["transformers, inputs from the host"]})
+        suite.progress(f"  {name}: engine / transformers = {rows[-1]['engine_over_transformers']:.3f} "
+                       f"(inputs on the device), {rows[-1]['engine_over_transformers_from_host']:.3f} (from the host)")
     vision = engine.model.model.visual
     return {"model": f"random {suite.shapes.qwen_preset}", "attn": engine.attn_implementation,
             "dtype": str(engine.dtype), "vision_dtype": str(next(vision.parameters()).dtype),
@@ -675,9 +683,16 @@ def goals(report: dict) -> list[str]:
         lines.append(f"- greedy tokens identical in float32, first-step logits within tolerance: {verdict(exact and close)} "
                      f"({sum(r['tokens_identical'] for r in rows)}/{len(rows)} rows identical)")
     if "overhead" in sections:
-        ratios = [r["engine_over_transformers"] for r in sections["overhead"]["rows"]]
-        lines.append(f"- engine overhead at speed 0 within 3% of transformers' forward: {verdict(max(ratios) <= 1.03)} "
-                     f"({', '.join(f'{x:.3f}' for x in ratios)})")
+        rows = sections["overhead"]["rows"]
+        ratios = [r.get("engine_over_transformers_from_host") for r in rows]
+        on_device = ", ".join(f"{r['engine_over_transformers']:.3f}" for r in rows)
+        if None in ratios:  # a report from before the like-for-like side
+            lines.append(f"- engine overhead at speed 0 within 3% of transformers' forward: "
+                         f"{verdict(max(r['engine_over_transformers'] for r in rows) <= 1.03)} ({on_device})")
+        else:
+            lines.append(f"- engine overhead at speed 0 within 3% of transformers' forward, both from the host's "
+                         f"tensors: {verdict(max(ratios) <= 1.03)} ({', '.join(f'{x:.3f}' for x in ratios)}; against "
+                         f"transformers given its inputs on the device: {on_device})")
     if "policies" in sections:
         rows = [r for r in sections["policies"]["rows"] if r["prompt"].startswith("video")]
         if rows:
@@ -737,10 +752,14 @@ def markdown(report: dict) -> str:
         elif name == "overhead":
             lines += [f"{section['model']}, {section['attn']}, {section['dtype']} (vision encoder: "
                       f"{section.get('vision_dtype')}, {section.get('vision_attn')}), median of {section['runs']}", ""]
-            lines += _table(["prompt", "tokens", "transformers forward (s)", "engine prefill (s)",
-                             "engine / transformers", "engine, vision first (s)"],
+            lines += _table(["prompt", "tokens", "transformers forward, inputs on the device (s)",
+                             "transformers forward, inputs from the host (s)", "engine prefill (s)",
+                             "engine / transformers (on the device)", "engine / transformers (from the host)",
+                             "engine, vision first (s)"],
                             [[r["prompt"], sum(r["prompt_tokens"].values()), f"{r['median_s']['transformers']:.3f}",
+                              _f(r["median_s"].get("transformers, inputs from the host"), 3),
                               f"{r['median_s']['engine']:.3f}", f"{r['engine_over_transformers']:.3f}",
+                              _f(r.get("engine_over_transformers_from_host"), 3),
                               _f(r["median_s"].get("engine, vision first"), 3)]
                              for r in section["rows"]])
         elif name == "policies":
