@@ -116,6 +116,10 @@ class PrefillContext:
     # (T,) bool on the model device: False for the visual tokens the policy had the vision encoder skip
     # (``Policy.skip_encoding``), which no decoder layer computes either; None when it skips none.
     encoded: torch.Tensor | None = None
+    # During the prefill's layers: the active set the engine holds, its original indices and their modalities on
+    # the host (the set is read from the device once, when a policy changes it). ``pruning.base.visual_in``
+    # counts a set's visual tokens from it without a read of its own.
+    host_active: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -776,32 +780,40 @@ class Engine:
         # Writing a Python value through a tensor index (``fresh[active] = False``) waits the same way: on a GPU
         # the value becomes a host tensor, copied from pageable memory, which synchronizes; ``index_fill_`` takes
         # it as a scalar (an H200 profile found one such wait per layer, 2026-11-27).
+        # So a changed set is read once (``.cpu()``), and the engine's checks of it and its note of which tokens a
+        # layer computed (``fresh``) work on that host copy; policies count the set's visual tokens from it too
+        # (``ctx.host_active``, ``pruning.base.visual_in``).
         modality = ctx.prompt.modality.cpu()
         host_index = torch.arange(start, T) if ctx.encoded is None else active.cpu()
-        host_copy_of, host_modality = active, modality[host_index]
-        fresh = torch.ones(T, dtype=torch.bool, device=self.device)  # not computed by any layer yet
+        host_modality = modality[host_index]
+        encoded = None if ctx.encoded is None else ctx.encoded.cpu()
+        ctx.host_active = (active, host_index, host_modality)
+        fresh = torch.ones(T, dtype=torch.bool)  # on the host: not computed by any layer yet
         fresh[:start] = False
         if vision is not None and policy.reads_visual_inputs:  # it selects on them before layer 0 (DivPrune)
             hidden = ctx.hidden = vision.join(hidden, ctx)
             vision = None
         for layer_idx, layer in enumerate(self.adapter.layers):
-            chosen = _checked(policy.select(layer_idx, active, ctx), active, fresh)
-            if chosen is not active and ctx.encoded is not None:
-                chosen = chosen[ctx.encoded[chosen]]  # a policy injecting visual tokens (HiDivDrop) may not add these
-            active = chosen
-            if active is not host_copy_of:
-                host_copy_of, host_index = active, active.cpu()
+            chosen = policy.select(layer_idx, active, ctx)
+            if chosen is not active:
+                host_chosen = _checked(chosen.cpu(), host_index, fresh)
+                if encoded is not None:  # a policy injecting visual tokens (HiDivDrop) may not add those never encoded
+                    host_chosen = host_chosen[encoded[host_chosen]]
+                    chosen = host_chosen.to(self.device, non_blocking=True)  # pageable: copied before it returns
+                active, host_index = chosen, host_chosen
                 host_modality = modality[host_index]
+                ctx.host_active = (active, host_index, host_modality)
             hidden = ctx.hidden  # a merging policy folds pruned tokens into kept ones (pruning.base.merge_into_kept)
             if vision is not None and bool((host_modality != TEXT).any()):
                 hidden = ctx.hidden = vision.join(hidden, ctx)
                 vision = None  # joined
             if layer_idx > 0 and ctx.layer_features:
-                joining = active[fresh[active]]
+                joining = host_index[fresh[host_index]]
                 if joining.numel():
                     # Tokens injected late (HiDivDrop) get what the earlier layers would have added to them.
-                    hidden = ctx.hidden = _add_layer_features(hidden, ctx, joining, range(layer_idx))
-            fresh.index_fill_(0, active, False)  # not fresh[active] = False: see above
+                    hidden = ctx.hidden = _add_layer_features(hidden, ctx, joining.to(self.device, non_blocking=True),
+                                                              range(layer_idx))
+            fresh.index_fill_(0, host_index, False)
             ctx.active_per_layer.append(active)
             full = active.shape[0] == T  # nothing pruned: skip the gather/scatter copies
             h = hidden if full else hidden[:, active]
@@ -956,15 +968,13 @@ class Engine:
 def _checked(active: torch.Tensor, previous: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
     """Hold policies to the engine's contract: sorted, last token kept, and nothing new but tokens
     no layer has computed yet (late injection: they join with their original embeddings). A token
-    that left never comes back: its hidden state went stale."""
-    if active is previous:
-        return active
+    that left never comes back: its hidden state went stale. On the host's copies of the new and the
+    previous set (no read of the device per check)."""
     if active.numel() == 0 or int(active[-1]) != fresh.shape[0] - 1:
         raise RuntimeError("a policy dropped the last prompt token; it is never pruned")
     if active.numel() > 1 and not bool((active[1:] > active[:-1]).all()):
         raise RuntimeError("a policy returned an unsorted or repeated active set")
-    joining = active[~torch.isin(active, previous)]
-    if joining.numel() and not bool(fresh[joining].all()):
+    if not bool((torch.isin(active, previous) | fresh[active]).all()):  # each one stayed, or joins for the first time
         raise RuntimeError("a policy re-activated a token that had already left")
     return active
 

@@ -241,11 +241,25 @@ def drop_lowest_visual(active: torch.Tensor, ctx, scores: torch.Tensor, count: i
     return without(active, lowest_visual(active, ctx, scores, count))
 
 
+def visual_in(active: torch.Tensor, ctx) -> int:
+    """How many of ``active``'s tokens are visual: from the engine's host copy of its modalities when ``active``
+    is the set the engine holds (``ctx.host_active``), else counted on the device (a read the host waits for)."""
+    held = getattr(ctx, "host_active", None)
+    if held is not None and held[0] is active:
+        return int((held[2] != Modality.TEXT).sum())
+    return int((ctx.modality[active] != Modality.TEXT).sum())
+
+
 def lowest_visual(active: torch.Tensor, ctx, scores: torch.Tensor, count: int) -> torch.Tensor:
     """Positions in ``active`` (sorted) of its ``count`` visual tokens of lowest ``scores`` (indexed
-    by original index)."""
-    visual = (ctx.modality[active] != Modality.TEXT).nonzero().squeeze(1)  # positions in active
-    return visual[lowest(scores[active[visual]], count)].sort().values
+    by original index; ties: the earlier token); ``count`` at most the visual tokens in ``active``.
+    Two stable sorts instead of selecting the visual positions first, whose number the host would
+    have to read from the device before it could go on."""
+    if count <= 0:
+        return torch.empty(0, dtype=torch.long, device=active.device)
+    by_score = torch.sort(scores[active], stable=True).indices  # positions in active
+    text_last = torch.sort((ctx.modality[active][by_score] == Modality.TEXT).to(torch.int8), stable=True).indices
+    return by_score[text_last[:count]].sort().values
 
 
 def merge_into_kept(ctx, active: torch.Tensor, pruned: torch.Tensor, sizes: torch.Tensor) -> None:
@@ -291,9 +305,12 @@ def lowest_except(scores: torch.Tensor, count: int, keep: int = -1) -> torch.Ten
 
 
 def without(active: torch.Tensor, dropped_positions: torch.Tensor) -> torch.Tensor:
-    """``active`` minus the entries at ``dropped_positions`` (positions into ``active``)."""
+    """``active`` minus the entries at ``dropped_positions`` (distinct positions into ``active``). The kept
+    positions come from a stable sort, not a boolean mask: their number is known on the host, so the host
+    does not wait for the device to learn it."""
     if dropped_positions.numel() == 0:
         return active
-    keep = torch.ones(active.shape[0], dtype=torch.bool, device=active.device)
-    keep.index_fill_(0, dropped_positions.to(keep.device), False)
-    return active[keep]
+    dropped = torch.zeros(active.shape[0], dtype=torch.int8, device=active.device)
+    dropped.index_fill_(0, dropped_positions.to(dropped.device), 1)
+    kept = torch.sort(dropped, stable=True).indices[: active.shape[0] - dropped_positions.numel()]
+    return active[kept]

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from glimpse.common import Modality, UserError
+from glimpse.common import UserError
 from glimpse.pruning.base import (ScoreThenCut, check_layer, check_speed, lowest_except, lowest_visual, merge_into_kept, scaled_layer,
-                          without)
+                          visual_in, without)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class FastV(ScoreThenCut):
             count = math.floor(self.ratio * (active.shape[0] - 1) + 1e-9)
             dropped = lowest_except(self.scores[active], count)
         else:
-            count = math.floor(self.ratio * int((ctx.modality[active] != Modality.TEXT).sum()) + 1e-9)
+            count = math.floor(self.ratio * visual_in(active, ctx) + 1e-9)
             dropped = lowest_visual(active, ctx, self.scores, count)
         self.telemetry["num_dropped"] = count
         if self.merge:

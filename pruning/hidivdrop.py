@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from glimpse.common import Modality, UserError
-from glimpse.pruning.base import ScoreThenCut, check_layer, check_speed, drop_lowest_visual
+from glimpse.pruning.base import ScoreThenCut, check_layer, check_speed, drop_lowest_visual, visual_in
 
 PAPER_DEPTH = 32
 PAPER_INJECT, PAPER_EXIT = 9, 25
@@ -115,7 +115,7 @@ class HiDivDrop(ScoreThenCut):
         return super().select(layer_idx, active, ctx)
 
     def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
-        excess = int((ctx.modality[active] != Modality.TEXT).sum()) - self.cuts[layer_idx]
+        excess = visual_in(active, ctx) - self.cuts[layer_idx]
         return drop_lowest_visual(active, ctx, self.scores, excess) if excess > 0 else active
 
     def summary(self) -> str:

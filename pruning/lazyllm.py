@@ -46,9 +46,9 @@ from dataclasses import dataclass
 
 import torch
 
-from glimpse.common import Modality, UserError
+from glimpse.common import UserError
 from glimpse.pruning.base import (ScoreThenCut, check_layer, check_speed, lowest_except, lowest_visual, merge_into_kept,
-                          new_token_attention, without)
+                          new_token_attention, visual_in, without)
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
 PERCENTILES_AT_FULL_SPEED = (0.4, 0.5, 0.6)
@@ -108,7 +108,7 @@ class LazyLLM(ScoreThenCut):
         if self.prune_text:
             pruned = lowest_except(self.scores[active], math.floor(k * active.shape[0]))
         else:
-            visual = int((ctx.modality[active] != Modality.TEXT).sum())
+            visual = visual_in(active, ctx)
             pruned = lowest_visual(active, ctx, self.scores, math.floor(k * visual))
         ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
         if self.merge:

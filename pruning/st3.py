@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from glimpse.common import Modality, UserError
-from glimpse.pruning.base import ScoreThenCut, check_layer, check_speed, drop_lowest_visual, last_token_attention, scores_by_token
+from glimpse.pruning.base import (ScoreThenCut, check_layer, check_speed, drop_lowest_visual, last_token_attention, scores_by_token,
+                                  visual_in)
 
 PAPER_START, PAPER_STRIDE, PAPER_DEPTH = 3, 7, 32
 PAPER_TAU = 50
@@ -160,7 +161,7 @@ class ST3(ScoreThenCut):
 
     def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         target = self.visual_total - math.floor(self.schedule[layer_idx] * self.visual_total + 1e-9)
-        excess = int((ctx.modality[active] != Modality.TEXT).sum()) - target
+        excess = visual_in(active, ctx) - target
         return drop_lowest_visual(active, ctx, self.scores, excess) if excess > 0 else active
 
     def summary(self) -> str:

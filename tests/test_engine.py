@@ -166,7 +166,7 @@ def test_a_prefill_without_pruning_reads_nothing_from_the_device_per_layer(check
         engine = load_engine(str(folder), device="cpu", attn="sdpa")
         engine.parallel_vision = False  # the encoder's operators in this thread, counted alike in both
         prompt = engine.prepare(_messages("image", media))
-        with torch.inference_mode(), HostWaits() as counter:
+        with torch.no_grad(), HostWaits() as counter:  # not inference_mode: its item() calls bypass the mode
             engine.prefill(prompt, NoPruning())
         reads[name] = counter.count
     assert reads["4 layers"] == reads["12 layers"], reads
@@ -221,6 +221,21 @@ def test_policies_cannot_drop_the_last_token_or_revive(checkpoints, media):
     T = len(prompt)
     with pytest.raises(RuntimeError, match="last prompt token"):
         engine.prefill(prompt, FixedActiveSet(start=1, keep=tuple(range(T - 1))))
+    with pytest.raises(RuntimeError, match="unsorted or repeated"):
+        engine.prefill(prompt, FixedActiveSet(start=1, keep=(0, 2, 1, T - 1)))
+    with pytest.raises(RuntimeError, match="unsorted or repeated"):
+        engine.prefill(prompt, FixedActiveSet(start=1, keep=(0, 1, 1, T - 1)))
+
+    class Revives(FixedActiveSet):
+        """Drops token 1 at layer 1 and brings it back at layer 2: its hidden state went stale."""
+
+        def select(self, layer_idx, active, ctx):
+            if layer_idx == 1:
+                return active[active != 1]
+            return torch.arange(T) if layer_idx == 2 else active
+
+    with pytest.raises(RuntimeError, match="re-activated a token that had already left"):
+        engine.prefill(prompt, Revives())
 
 
 def test_stream_concatenates_to_the_result_and_sampling_is_seeded(checkpoints, media):

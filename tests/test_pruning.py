@@ -289,6 +289,38 @@ def test_fastv_merge_folds_each_dropped_token_into_its_most_similar_kept_one(dee
     torch.testing.assert_close(captured["h"], expected[kept], atol=1e-4, rtol=0)
 
 
+def test_the_selection_helpers_pick_as_their_definitions_and_never_wait_for_the_device():
+    """``lowest_visual`` and ``without`` run at every pruning layer of ST3, LazyLLM, FastV and HiDivDrop: the
+    visual tokens of lowest score (ties: the earlier), and a set minus some positions, as a boolean mask would
+    give them, but with no data-dependent shape the host must read from the device first."""
+    from types import SimpleNamespace
+
+    from host_waits import HostWaits
+    from glimpse.pruning.base import lowest_visual, without
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        T = 60
+        modality = torch.where(torch.rand(T, generator=generator) < 0.6, 1, 0)
+        modality[-1] = 0
+        active = torch.sort(torch.randperm(T, generator=generator)[:40]).values
+        # Few distinct scores (ties), an infinite one now and then (a score some policies give to keep a token).
+        scores = torch.randint(0, 6, (T,), generator=generator).float()
+        scores[torch.randint(0, T, (3,), generator=generator)] = float("inf")
+        ctx = SimpleNamespace(modality=modality)
+        visual = (modality[active] != 0).nonzero().squeeze(1)
+        count = int(torch.randint(0, len(visual) + 1, (1,), generator=generator))
+        with torch.no_grad(), HostWaits() as counter:  # not inference_mode: its item() calls bypass the mode
+            picked = lowest_visual(active, ctx, scores, count)
+            kept = without(active, picked)
+        assert counter.count == 0
+        expected = visual[torch.sort(scores[active[visual]], stable=True).indices[:count]].sort().values
+        assert picked.tolist() == expected.tolist()
+        mask = torch.ones(len(active), dtype=torch.bool)
+        mask[expected] = False
+        assert kept.tolist() == active[mask].tolist()
+
+
 # ---------------------------------------------------------------------------------------- DivPrune
 def _greedy_max_min(features: torch.Tensor, count: int) -> list[int]:
     """DivPrune's rule written out on the whole distance matrix: first the token whose nearest other token
@@ -334,7 +366,7 @@ def test_divprune_waits_for_the_device_as_often_for_a_hundred_picks_as_for_two()
     features = torch.randn(2, 1500, 16)  # two sets, and more rows than one block of the nearest-row search
     waits = {}
     for count in (2, 100):
-        with torch.inference_mode(), HostWaits() as counter:
+        with torch.no_grad(), HostWaits() as counter:  # not inference_mode: its item() calls bypass the mode
             chosen = max_min_diverse(features, count)
         assert chosen.shape == (2, count)
         waits[count] = counter.count
