@@ -90,7 +90,9 @@ class ZipVL(Policy):
         pool = n - recent.shape[0]  # tokens before the recent window
         generator = torch.Generator().manual_seed(self.seed * 100003 + layer_idx)
         random = torch.randperm(pool, generator=generator)[: self.random_probes]
-        return torch.cat([random.sort().values, recent]).to(device)
+        # Drawn on the host (the same probes on every device); a blocking copy would wait for every layer queued
+        # before this one, non_blocking from pageable memory is copied before it returns.
+        return torch.cat([random.sort().values, recent]).to(device, non_blocking=True)
 
     def attention_rows(self, layer_idx: int, ctx) -> torch.Tensor | None:
         n = ctx.layer.active.shape[0]
@@ -155,5 +157,6 @@ def important_count(probs: torch.Tensor, tau: float) -> int:
     if tau >= 1.0:
         return n
     mass = probs.sum(dim=0).sort(descending=True).values.cumsum(dim=0)
-    p = int(torch.searchsorted(mass, torch.tensor([tau * rows], dtype=mass.dtype, device=mass.device))) + 1
+    # The one read of the device per layer: how many rows attend decides the shapes that follow.
+    p = int(torch.searchsorted(mass, torch.full((1,), tau * rows, dtype=mass.dtype, device=mass.device))) + 1
     return min(max(p, 1), n)
