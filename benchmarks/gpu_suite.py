@@ -92,7 +92,7 @@ PAPERS = {
 }
 QWEN_POLICIES = ["dash", "zipvl", "lazyllm", "auto"]
 LLAVA_POLICIES = ["hidivdrop", "st3", "divprune", "auto"]
-DECODE_POLICIES = [("none", 0.0), ("st3", 1.0), ("zipvl", 0.5)]
+DECODE_POLICIES = [("none", 0.0), ("st3", 1.0), ("zipvl", 0.5), ("auto", 1.0)]  # auto: the default, LazyLLM's revival
 
 
 @dataclass(frozen=True)
@@ -379,11 +379,8 @@ def decode(suite: Suite) -> dict:
         sides["none"] = lambda: ours("none", 0.0, graphs=False)  # the eager slot step; the graph is its own row
         sides["none, per request"] = lambda: ours("none", 0.0, slots=False)
         sides["none, CUDA graph"] = lambda: ours("none", 0.0, graphs=True)
-        # The H100 profile of 2026-11-26 found the eager slot step's attention spending 1.1 ms of host time per
-        # call in cuDNN's SDPA (0.04 ms per call on the per-request path): the same steps with cuDNN's backend
-        # left out say whether that is what holds the eager step (and ST3, which decodes in it) back.
-        sides["none, no cuDNN attention"] = lambda: _without_cudnn(lambda: ours("none", 0.0, graphs=False))
-        sides["st3, no cuDNN attention"] = lambda: _without_cudnn(lambda: ours("st3", 1.0))
+        # (Until 2026-11-27 the eager steps of none and ST3 also ran with SDPA's cuDNN backend left out: on an
+        # H200 that was 1.49x faster for none at batch 16 and slower for ST3, docs/benchmarks.md, fourth run.)
         measured = {name: [] for name in sides}
         with torch.inference_mode():
             for round_index in range(suite.shapes.runs + 1):  # round 0 warms up
@@ -479,14 +476,6 @@ def _decoding(engine, *, slots: bool = True, graphs: bool | None = None):
     finally:
         engine.decode_slots, engine.batch_kv = True, None
         engine.decode_graphs = default and engine.decode_graph_error is None
-
-
-def _without_cudnn(run):
-    """``run()`` with SDPA's cuDNN backend left out (flash, memory-efficient or math attention instead)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return run()
 
 
 def profile(suite: Suite) -> dict:

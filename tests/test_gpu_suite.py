@@ -39,8 +39,7 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert rlt["none"]["left_out"] == 0 < rlt["rlt@1"]["left_out"] == rlt["rlt@1 + lazyllm@1"]["left_out"] < 1
     decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}
     assert decoders == {(b, d) for b in (1, 2)
-                        for d in ("generate", "none", "st3", "zipvl", "none, per request", "none, CUDA graph",
-                                  "none, no cuDNN attention", "st3, no cuDNN attention")}
+                        for d in ("generate", "none", "st3", "zipvl", "auto", "none, per request", "none, CUDA graph")}
     # The Ray captioner's two stages apart: the actor's images/s and the decode stage's CPU time per input, for
     # photos and for the video an earlier section made (with Qwen2-VL's processor: LLaVA-1.5 takes no video).
     captioning = sections["caption"]
