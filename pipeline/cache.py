@@ -100,7 +100,7 @@ class LayerKV:
         # Records of entries a batched decode step wrote (``written_in_place``), as plain ints: a step adds no
         # tensor operation per request for them; they join ``index``/``modality`` when someone reads those.
         self._unrecorded: list[tuple[int, int]] = []
-        self._visual: int | None = 0  # image and video entries, counted when asked after a change
+        self._visual: int | None = 0  # image and video entries: counted as records come, recounted after a keep
 
     def __len__(self) -> int:
         return self.packed_entries() + self.tail_entries()
@@ -144,7 +144,8 @@ class LayerKV:
         if self._unrecorded:
             index, modality = zip(*self._unrecorded)
             self._unrecorded = []
-            self.add_records(torch.tensor(index), torch.tensor(modality))
+            self._index.extend(torch.tensor(index))  # not add_records: written_in_place counted them already
+            self._modality.extend(torch.tensor(modality))
 
     def _set_tail(self, key: torch.Tensor, value: torch.Tensor) -> None:
         self._key.replace(key)
@@ -185,9 +186,14 @@ class LayerKV:
     def add_records(self, index: torch.Tensor, modality: torch.Tensor) -> None:
         """Which tokens the entries just appended belong to."""
         self._record_written()
-        self._visual = None
+        modality = modality.cpu()
         self._index.extend(index.cpu())
-        self._modality.extend(modality.cpu())
+        self._modality.extend(modality)
+        if self._visual is not None:
+            # Counted as they come: a decode step appends one entry or a few, and the count is read at every
+            # step (the metrics' visual KV); recounting the whole layer cost three operators per layer per step.
+            self._visual += (sum(m != Modality.TEXT for m in modality.tolist()) if modality.numel() <= 64
+                             else int((modality != Modality.TEXT).sum()))
 
     def keys_values(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values in float — packed segments dequantized on the fly — for all entries, or

@@ -11,6 +11,7 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.adapters import TEXT
@@ -687,3 +688,51 @@ def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints,
     assert True in full and False in full  # steps with every slot taken, and with a freed one
     for together, single in zip(results, alone):
         assert together.token_ids == single.token_ids
+
+
+def test_a_layer_s_visual_entry_count_follows_appends_written_entries_and_evictions():
+    """The count every decode step records (the metrics' visual KV): kept as records come, written in place or
+    appended, and recounted after an eviction — always the number of image and video entries the layer holds."""
+    from glimpse.common import Modality
+
+    generator = torch.Generator().manual_seed(0)
+    layer, held = LayerKV(), []  # held: the modality of each entry, in storage order
+    next_index = 0
+    for step in range(60):
+        action = step % 5
+        if action in (0, 1, 2):  # append a few or many (a prefill's records, a decode step's, revived rows)
+            n = [1, 3, 100][action]
+            modality = torch.randint(0, 3, (n,), generator=generator)
+            layer.append(torch.randn(1, 1, n, 4), torch.randn(1, 1, n, 4))
+            layer.add_records(torch.arange(next_index, next_index + n), modality)
+            held += modality.tolist()
+            next_index += n
+        elif action == 3 and held:  # an entry written in place by a batched step
+            # The slot's owner writes the entry into the room after the last one, then says so.
+            layer._key.buffer = torch.cat([layer._key.view(), torch.randn(1, 1, 1, 4)], dim=-2)
+            layer._value.buffer = torch.cat([layer._value.view(), torch.randn(1, 1, 1, 4)], dim=-2)
+            kind = int(torch.randint(0, 3, (1,), generator=generator))
+            layer.written_in_place(next_index, kind)
+            held.append(kind)
+            next_index += 1
+        elif held:  # ST3's eviction: keep a random half
+            rows = torch.sort(torch.randperm(len(held), generator=generator)[: len(held) // 2]).values
+            layer.keep(rows)
+            held = [held[i] for i in rows.tolist()]
+        assert layer.visual_entries() == sum(m != Modality.TEXT for m in held), step
+    assert layer.modality.tolist() == held
+
+    # Reading it after a decode step's append runs no operator (it is read at every step, for every layer).
+    layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+    layer.add_records(torch.tensor([next_index]), torch.tensor([Modality.TEXT]))
+
+    class Operators(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Operators.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Operators():
+        assert layer.visual_entries() == sum(m != Modality.TEXT for m in held)
+    assert Operators.count == 0
