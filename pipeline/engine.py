@@ -1072,7 +1072,7 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
         sorted_scores, order = scores.sort(descending=False)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         remove = cumulative <= (1 - top_p)
-        remove[-1] = False  # always keep the most likely token
+        remove[-1:].fill_(False)  # always keep the most likely token (a scalar fill: no host copy)
         scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
     probs = scores.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -108,7 +108,7 @@ class ZipVL(Policy):
             return None
         visible = (torch.arange(n, device=rows.device)[None, :] <= rows[:, None]).sum(dim=0)  # nnz per column
         importance = probs.sum(dim=0) / visible.clamp(min=1)
-        importance[n - 1] = float("inf")  # the last prompt token is always important
+        importance[n - 1:].fill_(float("inf"))  # the last prompt token is always important (a scalar fill, no copy)
         return importance.topk(p).indices.sort().values
 
     def decode_step(self, step: int, ctx) -> None:

@@ -290,13 +290,14 @@ def test_fastv_merge_folds_each_dropped_token_into_its_most_similar_kept_one(dee
 
 
 def test_the_selection_helpers_pick_as_their_definitions_and_never_wait_for_the_device():
-    """``lowest_visual`` and ``without`` run at every pruning layer of ST3, LazyLLM, FastV and HiDivDrop: the
-    visual tokens of lowest score (ties: the earlier), and a set minus some positions, as a boolean mask would
-    give them, but with no data-dependent shape the host must read from the device first."""
+    """``lowest_visual``, ``lowest_except`` and ``without`` run at every pruning layer of ST3, LazyLLM, FastV and
+    HiDivDrop: the visual tokens of lowest score (ties: the earlier), the lowest but the last, and a set minus some
+    positions, as a boolean mask would give them, but with no data-dependent shape the host must read from the
+    device first and no Python value copied in from the host."""
     from types import SimpleNamespace
 
     from host_waits import HostWaits
-    from glimpse.pruning.base import lowest_visual, without
+    from glimpse.pruning.base import lowest_except, lowest_visual, without
 
     generator = torch.Generator().manual_seed(0)
     for trial in range(40):
@@ -313,7 +314,11 @@ def test_the_selection_helpers_pick_as_their_definitions_and_never_wait_for_the_
         with torch.no_grad(), HostWaits() as counter:  # not inference_mode: its item() calls bypass the mode
             picked = lowest_visual(active, ctx, scores, count)
             kept = without(active, picked)
+            any_lowest = lowest_except(scores, count)  # LazyLLM's and FastV's text pruning: never the last token
         assert counter.count == 0
+        with_last_out = scores.clone()
+        with_last_out[-1] = float("inf")
+        assert any_lowest.tolist() == torch.sort(with_last_out, stable=True).indices[:count].tolist()
         expected = visual[torch.sort(scores[active[visual]], stable=True).indices[:count]].sort().values
         assert picked.tolist() == expected.tolist()
         mask = torch.ones(len(active), dtype=torch.bool)
