@@ -12,30 +12,34 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    flash-attention 2: greedy tokens identical in float32, first-step logits within bfloat16 tolerance; and
    the engine's decode steps captured as a CUDA graph (``Engine.decode_graphs``) against ``generate`` too.
 2. overhead: random weights of Qwen2-VL-7B's shapes (28 decoder layers, the real 32-block vision tower),
-   an 8K- and a 16K-token video prompt: the engine's prefill against transformers' own forward, alternating.
-   The engine also with its vision encoder run first in the calling thread (``parallel_vision`` off), since
-   the overhead the first GPU run found is fixed per request and the encoder's own thread is one suspect.
+   an 8K- and a 16K-token video prompt: the engine's prefill against transformers' own forward, alternating,
+   the forward given its inputs on the device and from the host's tensors (the engine's starting point: the
+   goal is judged on that ratio). The engine also with its vision encoder run first in the calling thread
+   (``parallel_vision`` off). ``benchmarks/prefill_diff.py`` says where a gap comes from.
 3. overlap: HiDivDrop with the vision encoder run first against run on its own CUDA stream beside the
    text-only layers (``Engine.parallel_vision``), on the 8K-token video.
 4. policies: each policy at its paper's operating point on its paper's shape — DASH, ZipVL, LazyLLM and
    auto on the Qwen2-VL-7B video prompts (LongVA-7B's decoder is Qwen2-7B, the same shapes as this one),
-   HiDivDrop, ST3 and auto on LLaVA-1.5-7B with a 576-token image — against the baseline, alternating
+   HiDivDrop, ST3, DivPrune and auto on LLaVA-1.5-7B with a 576-token image — against the baseline, alternating
    (``glimpse bench``'s runner): TTFT and decoder-prefill speedup, FLOPs speedup, realised fraction, KV
    bytes, peak memory; beside each paper's headline figure.
-5. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots; ST3 and ZipVL's packed KV as
-   the engine runs them by default, ST3 in the CUDA graph once its annealing is over) against
+5. rlt: RLT (leaving a video's repeated tokens out before the encoder) on a still-camera clip of the larger video
+   size, alone and under LazyLLM, against the baseline: time to first token split into prompt building, vision
+   encoder and decoder prefill.
+6. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots; ST3, ZipVL's packed KV
+   and auto at speed 1, LazyLLM's revival, as the engine runs them by default, ST3 in the CUDA graph once its
+   annealing is over) against
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
    (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured
-   it), and the eager steps of none and ST3 with SDPA's cuDNN backend left out; ST3's KV after 64 answer tokens
-   against the baseline's.
-6. caption: issue 26's pipeline on a GPU, its two stages measured apart (Ray itself is not on the lent machine:
+   it); ST3's KV after 64 answer tokens against the baseline's.
+7. caption: issue 26's pipeline on a GPU, its two stages measured apart (Ray itself is not on the lent machine:
    its wheel is larger than what a call may carry): the model stage, ``CaptionStage`` — what each Ray actor
    runs — over batches of decoded JPEG photos on the LLaVA-1.5-7B engine (images/s for one actor, one GPU),
    and the decode stage, ``decode_input`` on one CPU thread as each Ray task runs it (CPU-seconds per image,
    and per video for the Qwen2-VL-7B videos when an earlier section made them); from the two, the CPUs of
    decoding that keep one GPU actor fed, and which stage bounds a node.
-7. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
+8. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
    over four decode steps at batch 1 and 16 (KV slots and per request): operator calls, host syncs and the
    heaviest operators on host and device — where the time goes that the sections above only total.
 

@@ -529,7 +529,7 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
 def _joined(tensors: list[torch.Tensor], device=None, dtype=None) -> torch.Tensor:
     """One tensor per media item joined along the first axis, on ``device`` in ``dtype``: each item is moved first,
     so a prompt's one item is moved as it is, with no copy of its pixels on the host before the transfer (an
-    8K-token video's are 150 MB of float32: an H200 profile found that copy in the engine's prefill, where
+    8K-token video's are 156 MB of float32: an H200 profile found that copy in the engine's prefill, where
     transformers' forward, given the processor's tensors, has none), and several are joined where they land."""
     moved = [t.to(device=device, dtype=dtype) for t in tensors]
     return moved[0] if len(moved) == 1 else torch.cat(moved)
