@@ -863,12 +863,18 @@ class Engine:
             position_embeddings = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
         for layer_idx, layer in enumerate(self.adapter.layers):
             if not fixed_rows:
+                previous = batch
                 batch = [r.policy.decode_rows(layer_idx, rows, r.ctx) for r, rows in zip(requests, batch)]
                 for request, rows in zip(requests, batch):
                     if request.pending is None:
                         request.ctx.revived += rows.count - 1  # prompt tokens computed here in decode
-                hidden = torch.cat([rows.hidden for rows in batch], dim=1)
-                position_embeddings = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch], dim=1))
+                # Most layers change no request's rows (LazyLLM reselects at a few): the last layer's output and
+                # RoPE then serve as they are, where joining the rows again and recomputing RoPE cost a dozen
+                # operators per layer.
+                if layer_idx == 0 or any(now is not before for now, before in zip(batch, previous)):
+                    hidden = torch.cat([rows.hidden for rows in batch], dim=1)
+                    position_embeddings = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch],
+                                                                                dim=1))
             hidden = self.run_layer(layer, hidden, position_embeddings,
                                     DecodeLayer(self, requests, batch, layer_idx, slots))
             for request in requests:

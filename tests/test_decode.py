@@ -321,6 +321,29 @@ def deep_llava(deep_checkpoints):
     return _endless(load_engine(str(deep_checkpoints["llava"]), device="cpu"))
 
 
+def test_a_lazyllm_decode_step_joins_rows_and_computes_rope_only_where_a_layer_changes_them(deep_llava, media):
+    """LazyLLM reselects at a few layers; at the others every request's rows are what the layer before computed,
+    and the step goes on with that layer's output and RoPE (joining and recomputing them cost a dozen operators a
+    layer, per step). The answer is the same either way: the batched-vs-alone and revival tests hold it."""
+    engine, messages = deep_llava, _messages(media)
+    policies = [LazyLLM(percentiles=(0.4, 0.5, 0.6), decode_reselect=True) for _ in range(2)]
+    computed = []
+    rotary = engine.adapter.rotary
+    engine.adapter.rotary = lambda hidden, positions: computed.append(positions.shape[-1]) or rotary(hidden, positions)
+    try:
+        with torch.inference_mode():
+            requests = [engine.start(messages, policy, 1.0, 8, Sampling()) for policy in policies]
+            engine.decode_step(requests)  # both decode from here
+            computed.clear()
+            engine.decode_step(requests)
+    finally:
+        del engine.adapter.rotary
+    layers = len(engine.adapter.layers)
+    reselecting = {layer for layer, k in policies[0].schedule.items() if k > 0}
+    assert 0 < len(reselecting) < layers - 1
+    assert len(computed) <= 1 + len(reselecting), (computed, sorted(reselecting))
+
+
 def test_lazyllm_revives_pruned_tokens_once_per_layer_from_the_aux_cache_at_their_original_position(
         deep_llava, media):
     engine, messages, new = deep_llava, _messages(media), 8
