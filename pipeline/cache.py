@@ -20,6 +20,12 @@ from glimpse.common import Modality
 from glimpse.pipeline.quant import QuantizedTensor, dequantize, quantize
 
 
+# Index lists made on the host (which entries a step reads, keeps or packs) go to the device with
+# ``non_blocking=True``: from pageable memory the copy is staged before the call returns, so the temporary may go,
+# while a blocking copy also waits for everything queued on the device (on a GPU's decode step: once per layer per
+# request).
+
+
 class Growing:
     """A tensor that grows along ``dim`` by writing into spare room after its last entry.
 
@@ -201,7 +207,7 @@ class LayerKV:
         if not self.packed:
             if rows is None:
                 return self.key, self.value
-            rows = rows.to(self.key.device)
+            rows = rows.to(self.key.device, non_blocking=True)  # non_blocking: the note at the top
             return self.key.index_select(-2, rows), self.value.index_select(-2, rows)
         if rows is None:
             return self._all_keys_values()
@@ -231,7 +237,7 @@ class LayerKV:
                 if in_order and local.numel() == count:
                     picked_key, picked_value = key, value
                 else:
-                    local = local.to(device)
+                    local = local.to(device, non_blocking=True)
                     picked_key, picked_value = key.index_select(-2, local), value.index_select(-2, local)
             elif in_order:  # straight into the output buffer
                 whole = local.numel() == count
@@ -243,8 +249,9 @@ class LayerKV:
             if in_order:
                 keys[..., target, :], values[..., target, :] = picked_key, picked_value
             else:
-                keys.index_copy_(-2, positions.to(device), picked_key)
-                values.index_copy_(-2, positions.to(device), picked_value)
+                positions = positions.to(device, non_blocking=True)
+                keys.index_copy_(-2, positions, picked_key)
+                values.index_copy_(-2, positions, picked_value)
         return keys, values
 
     def _all_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +284,7 @@ class LayerKV:
             start += key.tokens
         self.packed = packed
         if self._key.buffer is not None:
-            local = (rows[rows >= start] - start).to(self._key.buffer.device)  # one copy to the device for both
+            local = (rows[rows >= start] - start).to(self._key.buffer.device, non_blocking=True)  # one copy, for both
             self._key.keep(local)
             self._value.keep(local)
         self.index, self.modality = self.index[rows], self.modality[rows]
@@ -287,7 +294,7 @@ class LayerKV:
         packed segment; the float copies are freed."""
         if tail_rows.numel() == 0:
             return
-        tail_rows = tail_rows.to(self.key.device)
+        tail_rows = tail_rows.to(self.key.device, non_blocking=True)
         chosen = torch.zeros(self.key.shape[-2], dtype=torch.bool, device=self.key.device)
         chosen.index_fill_(0, tail_rows, True)
         rest = (~chosen).nonzero().squeeze(1)

@@ -129,7 +129,7 @@ class LazyLLM(ScoreThenCut):
         keep = torch.isin(rows.index, selected)
         gone = (~keep).nonzero().squeeze(1)
         if gone.numel():
-            ctx.aux_cache.add(layer_idx, rows.index[gone], rows.hidden[0, gone.to(rows.hidden.device)])
+            ctx.aux_cache.add(layer_idx, rows.index[gone], rows.hidden[0, gone.to(rows.hidden.device, non_blocking=True)])
             rows = rows.keep(keep.nonzero().squeeze(1))
         # Selected tokens with no key/value here are revived from the Aux Cache (a token found in
         # neither, e.g. evicted by another policy, is simply not attended to).
