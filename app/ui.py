@@ -245,6 +245,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
 
     tabs: dict[str, set] = {}  # per browser session, the tickets it is waiting on: closing the tab cancels them
     cleared_sessions: set = set()  # browser sessions whose next question starts a new conversation (Clear)
+    stopped_sessions: set = set()  # browser sessions whose last turn Stop ended: the next question keeps its mark
     tabs_lock = threading.Lock()
 
     def respond(message, history, policy, speed, max_tokens, overrides, compare, request=None):
@@ -323,6 +324,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         with tabs_lock:
             tickets = tabs.pop(getattr(request, "session_hash", None), set())
             cleared_sessions.discard(getattr(request, "session_hash", None))
+            stopped_sessions.discard(getattr(request, "session_hash", None))
         for ticket in tickets:
             ticket.cancel.set()
 
@@ -346,15 +348,13 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         began (still queued, or not yet sent) is marked as failed turns are, so that the next turn leaves its
         text out (it was sent merged into the next question) and keeps its files."""
         wait_for_answers_to_end(request)
-        history = list(history or [])
-        answered = history and history[-1]["role"] == "assistant"
-        if answered and not _is_chat_note(history[-1]):
-            history[-1] = {**history[-1], "content": _text_of(history[-1]) + _note("stopped")}
-        elif history and not (answered and _text_of(history[-1]).startswith(ERROR_NOTE)):
-            if answered:  # the queue position shown while it waited
-                history.pop()
-            history.append({"role": "assistant", "content": STOPPED_BEFORE_ANSWER})
-        return history, STOPPED_METRICS  # the chat, the metrics panel
+        session = getattr(request, "session_hash", None)
+        if session is not None:
+            with tabs_lock:
+                # Gradio copies the page's conversation into the chat's state when the stopped event ends, and that
+                # copy can be taken before this mark is shown: the next question then re-applies it (_stream_fn).
+                stopped_sessions.add(session)
+        return _marked_stopped(history), STOPPED_METRICS  # the chat, the metrics panel
 
     def cleared(request=None):
         """After Clear: an empty chat and chat state (a streamed update that was on its way when Clear was
@@ -364,6 +364,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         if session is not None:
             with tabs_lock:
                 cleared_sessions.add(session)
+                stopped_sessions.discard(session)
         wait_for_answers_to_end(request)
         return [], [], "metrics appear after an answer", None
 
@@ -402,7 +403,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 metrics.render()
                 keep.render()
             with left:
-                chat = _clear_cancels_chat(cleared_sessions, tabs_lock)(
+                chat = _clear_cancels_chat(cleared_sessions, stopped_sessions, tabs_lock)(
                     respond, multimodal=True, api_name="chat", fill_height=False,
                     chatbot=gr.Chatbot(label="chat", height=480, elem_id="chat"),
                     textbox=gr.MultimodalTextbox(file_types=["image", "video"], file_count="multiple",
@@ -423,7 +424,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
     return demo
 
 
-def _clear_cancels_chat(cleared_sessions: set, lock):
+def _clear_cancels_chat(cleared_sessions: set, stopped_sessions: set, lock):
     import gradio as gr  # only when the chat is built
 
     class ClearCancelsChat(gr.ChatInterface):
@@ -434,7 +435,10 @@ def _clear_cancels_chat(cleared_sessions: set, lock):
         And the first question after a Clear starts a new conversation whatever the chat's state holds: when
         the cancelled answer's event ends, Gradio copies the page's conversation into that state
         (``synchronize_chat_state``), and that copy, taken before the page was cleared, can land after the
-        clear (seen in CI: the next question was shown and sent with the cleared turn)."""
+        clear (seen in CI: the next question was shown and sent with the cleared turn).
+
+        That same copy can also lose Stop's mark under the stopped answer ("(stopped)", or "stopped before the
+        answer began"): the first question after a Stop shows the conversation with the mark again."""
 
         def _setup_stop_events(self, event_triggers, events_to_cancel, after_success):
             super()._setup_stop_events(event_triggers, events_to_cancel, after_success)
@@ -447,10 +451,34 @@ def _clear_cancels_chat(cleared_sessions: set, lock):
                 if session is not None and session in cleared_sessions:
                     cleared_sessions.discard(session)
                     history = []
+                if session is not None and session in stopped_sessions:
+                    stopped_sessions.discard(session)
+                    history = _marked_stopped(history)
             async for update in super()._stream_fn(message, history, *args):
                 yield update
 
     return ClearCancelsChat
+
+
+def _marked_stopped(history: list[dict] | None) -> list[dict]:
+    """The conversation with Stop's mark on its last turn, once: an answer that had begun keeps what was said,
+    marked; a question stopped before its answer began (still queued, or not yet sent) gets the note failed turns
+    get, so that the next turn leaves its text out (it was sent merged into the next question) and keeps its
+    files. A turn already marked, or that failed, is left as it is."""
+    history = list(history or [])
+    if not history:
+        return history
+    last = history[-1]
+    answered = last["role"] == "assistant"
+    if answered and (_text_of(last).endswith(_note("stopped")) or _text_of(last).startswith(ERROR_NOTE)):
+        return history  # marked already, or a failed turn (its note says so; "stopped before ..." is one of them)
+    if answered and not _is_chat_note(last):
+        history[-1] = {**last, "content": _text_of(last) + _note("stopped")}
+    else:
+        if answered:  # the queue position shown while it waited
+            history.pop()
+        history.append({"role": "assistant", "content": STOPPED_BEFORE_ANSWER})
+    return history
 
 
 def _check_upload(path, allowed: tuple[Path, ...], unusable: set[str]) -> None:

@@ -219,6 +219,10 @@ def test_stop_ends_the_answer_marks_it_and_frees_the_model(page, served):
     _interrupt_a_story(page, served, "#input button.stop-button")
     _last_answer_includes(page, "(stopped)")
     assert "stopped: no metrics" in page.locator("#metrics").inner_text()  # not the previous answer's figures
+    # The mark stays under the stopped answer when the next question is asked (it vanished then).
+    _ask(page, "What is the capital of France?")
+    bots = page.locator("#chat .message.bot")
+    assert "(stopped)" in bots.nth(bots.count() - 2).inner_text()
 
 
 def test_a_mistyped_override_is_explained_and_retry_answers_with_the_same_upload(page):

@@ -1153,6 +1153,52 @@ def test_the_first_question_after_clear_starts_a_new_conversation_whatever_the_c
         scheduler.close()
 
 
+def test_stop_s_mark_stays_under_the_stopped_turn_when_the_next_question_is_asked(server):
+    """Gradio copies the page's conversation into the chat's state as the stopped event ends, and that copy can be
+    taken before Stop's mark is shown (seen in chromium: "(stopped)" vanished when the next question was asked).
+    The next question shows the stopped turn marked again, once; questions after it change nothing."""
+    import asyncio
+
+    import gradio as gr
+
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import STOPPED_BEFORE_ANSWER, build_ui
+
+    scheduler = Scheduler(server["engine"], max_batch=2, queue_size=4)
+    try:
+        demo = build_ui(server["engine"], "tiny-llava", max_new_tokens=4, scheduler=scheduler)
+        chat = demo.chat_interface
+        handler = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+        request = gr.Request(session_hash="tab-stop")
+        asked = [{"role": "user", "content": "Tell me a long story."}]
+        begun = asked + [{"role": "assistant", "content": "Once upon a time"}]
+
+        def shown(history):
+            async def run():
+                return [update async for update in chat._stream_fn(
+                    {"text": "And then?", "files": []}, history, "none", 0.0, 3, "", False, request)]
+            return asyncio.run(run())[-1][1]
+
+        marked, metrics = handler["mark_stopped"](begun, request)
+        assert marked[-1]["content"].startswith("Once upon a time") and marked[-1]["content"].endswith("*(stopped)*")
+        assert "stopped" in metrics
+        after = shown(begun)  # the state's copy, taken before the mark was shown
+        assert after[1]["content"] == marked[-1]["content"] and after[2]["role"] == "user"
+        assert shown(begun)[1]["content"] == "Once upon a time"  # no Stop before this question: nothing marked
+        assert shown(marked)[1]["content"] == marked[-1]["content"]  # marked once, not twice
+
+        handler["mark_stopped"](asked, request)  # stopped before the answer began
+        after = shown(asked)
+        assert [m["content"] for m in after[:2]] == ["Tell me a long story.", STOPPED_BEFORE_ANSWER]
+        handler["mark_stopped"](begun, request)
+        handler["cleared"](request)  # Clear forgets the stopped turn with the rest of the conversation
+        fresh = shown(begun)
+        assert [m["role"] for m in fresh] == ["user", "assistant"] and "And then?" in str(fresh[0]["content"])
+        assert shown(begun)[1]["content"] == "Once upon a time"  # and no mark is left to apply later
+    finally:
+        scheduler.close()
+
+
 def test_the_chats_policy_dropdown_offers_every_policy_once_the_default_first(server):
     """Every name the API accepts is in the dropdown, none twice (``auto`` was listed twice), ``auto`` selected."""
     import gradio as gr
