@@ -289,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_ask(args) -> int:
     from glimpse.pipeline import load_engine
+    from glimpse.pipeline.loading import checkpoint_depth
     from glimpse.pipeline.engine import Sampling
     from glimpse.pruning import make_policy
 
@@ -297,7 +298,8 @@ def run_ask(args) -> int:
         raise UserError("the question is empty: ask something, e.g. glimpse ask --image photo.jpg "
                         "\"What is in this picture?\"")
     overrides = parse_params(args.param)
-    make_policy(args.policy, args.speed, overrides)  # a bad name or value fails before loading
+    # A bad name or value fails before loading; so does a layer past a local checkpoint's last (its config says).
+    make_policy(args.policy, args.speed, overrides).check(checkpoint_depth(args.model))
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
     Sampling(args.sample, args.temperature, args.top_p, args.seed)  # so does a bad --temperature, --top-p, --seed
@@ -338,6 +340,7 @@ def run_ask(args) -> int:
 def run_eval(args) -> int:
     from glimpse import eval as evaluation
     from glimpse.pipeline import load_engine
+    from glimpse.pipeline.loading import checkpoint_depth
     from glimpse.pruning import make_policy
 
     try:  # each measured once, in the order given
@@ -359,9 +362,10 @@ def run_eval(args) -> int:
     overrides = parse_params(args.param) or None
     if overrides and args.task == "agreement":
         raise UserError("--param applies to the passkey and visual tasks")
+    depth = checkpoint_depth(args.model)
     for name in policies:
-        for speed in speeds:
-            make_policy(name, speed, overrides)  # bad names, speeds and parameters fail before loading
+        for speed in speeds:  # bad names, speeds and parameters (layers too, for a local checkpoint) fail before loading
+            make_policy(name, speed, overrides).check(depth)
     # the unpruned model is always run, as the reference: `--policies none` runs it alone
     policies = [p for p in policies if p != "none"]
     if args.samples < 1 or args.new_tokens < 1 or not lengths:

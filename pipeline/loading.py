@@ -31,6 +31,25 @@ HUB_PROBE_TIMEOUT_S = 3.0
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
+def checkpoint_depth(model: str) -> int | None:
+    """The decoder's depth from a local checkpoint's config.json, read before any weight loads, so that a layer
+    number past the last one is refused before a 7B model takes its minute to load. None where it cannot be told
+    that cheaply (the embedded model, a hub id, a config without it): the engine checks again with the model."""
+    config = Path(model) / "config.json"
+    try:
+        data = json.loads(config.read_text()) if config.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    text = data.get("text_config")
+    for part in ((text if isinstance(text, dict) else {}), data):
+        depth = part.get("num_hidden_layers")
+        if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0:
+            return depth
+    return None
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     """'auto': the GPU when there is one, else the CPU. A device this machine cannot compute on is the user's
     error, said before anything loads (torch would fail later, deep in the load, with an assertion)."""

@@ -175,6 +175,10 @@ def test_ask_refuses_a_value_out_of_range_before_loading_and_a_layer_past_the_la
                    "--param", "start_layer=1000", "hi")
     assert proc.returncode == 1 and "-layer model, got 1000" in proc.stderr and "Traceback" not in proc.stderr
     assert "missing.png" not in proc.stderr  # refused before the picture is looked at
+    assert "loading" not in proc.stderr  # and before the model loads: a local checkpoint's config gives its depth
+    proc = glimpse("eval", "visual", "--model", str(checkpoints["llava"]), "--policies", "fastv",
+                   "--speeds", "1", "--param", "layer=1000")
+    assert proc.returncode == 1 and "-layer model, got 1000" in proc.stderr and "loading" not in proc.stderr
 
 
 def test_ask_refuses_an_empty_question_before_loading(checkpoints):
@@ -223,3 +227,20 @@ def test_ctrl_c_while_the_command_loads_its_libraries_ends_with_one_line(monkeyp
     monkeypatch.setattr(sys, "meta_path", [InterruptedImport(), *sys.meta_path])
     assert launcher.main() == 130
     assert capsys.readouterr().err == "glimpse: interrupted\n"
+
+
+def test_a_local_checkpoint_s_depth_is_read_from_its_config_before_loading(checkpoints, tmp_path):
+    from glimpse.pipeline import load_engine
+    from glimpse.pipeline.loading import checkpoint_depth
+
+    for name in ("llava", "qwen2_vl"):  # text_config.num_hidden_layers: what the engine counts once loaded
+        engine = load_engine(str(checkpoints[name]), device="cpu")
+        assert checkpoint_depth(str(checkpoints[name])) == len(engine.adapter.layers)
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "config.json").write_text('{"num_hidden_layers": 7}')
+    assert checkpoint_depth(str(tmp_path / "flat")) == 7
+    for text in ("not json", "[]", '{"num_hidden_layers": "7"}', '{"num_hidden_layers": true}', "{}"):
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / "config.json").write_text(text)
+        assert checkpoint_depth(str(tmp_path / "bad")) is None  # the engine checks once the model is loaded
+    assert checkpoint_depth("embedded") is None and checkpoint_depth("Qwen/Qwen2-VL-7B-Instruct") is None
