@@ -88,7 +88,7 @@ def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | Non
     cannot_list: list[tuple[str, str]] = []
 
     def add(path: Path) -> None:
-        key = path.resolve()
+        key = resolved_path(path)
         if key not in seen:
             seen.add(key)
             out.append(path)
@@ -153,7 +153,16 @@ def sidecar(path: Path) -> Path:
 
 def input_key(path: Path) -> str:
     """What identifies an input across runs: its resolved path."""
-    return str(path.resolve())
+    return str(resolved_path(path))
+
+
+def resolved_path(path: Path) -> Path:
+    """``path`` resolved, or as it is (absolute) when it cannot be: a loop of symbolic links (``resolve`` raises
+    RuntimeError before Python 3.13, OSError since) is an input that fails to read, not the end of the run."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):
+        return path.absolute()
 
 
 def open_locked(path: Path, mode: str, out: Path):
@@ -249,8 +258,8 @@ def check_sidecars(inputs: list[Path], list_files: Iterable[Path] = ()) -> None:
     """Refuse, before the model loads, sidecars that cannot be written (a read-only folder) or that would
     replace a list file given as input (``list.txt`` beside ``list.png``: --overwrite would write a caption
     over the list, and without it the picture would count as captioned)."""
-    lists = {Path(p).resolve() for p in list_files}
-    if clash := next((path for path in inputs if sidecar(path).resolve() in lists), None):
+    lists = {resolved_path(Path(p)) for p in list_files}
+    if clash := next((path for path in inputs if resolved_path(sidecar(path)) in lists), None):
         raise UserError(f"the caption of {clash} would be written over the list file {sidecar(clash)}: rename one, "
                         "or use --out captions.jsonl")
     folders = sorted({sidecar(path).parent for path in inputs})
@@ -277,7 +286,7 @@ def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | No
     sidecars = {}
     if fmt == "txt":
         for path in inputs:
-            clash = sidecars.setdefault(sidecar(path).resolve(), path)
+            clash = sidecars.setdefault(resolved_path(sidecar(path)), path)
             if clash != path:
                 raise UserError(f"{clash} and {path} would share the caption file {sidecar(path)}")
     sink = None

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glimpse.caption import is_uri, unlisted_failures
+from glimpse.caption import is_uri, resolved_path, unlisted_failures
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import user_message
 
@@ -85,17 +85,17 @@ def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[
     for item in items:
         if item.endswith(MANIFEST_EXTENSIONS) and (is_uri(item) or Path(item).is_file()):
             for value in _manifest_column(item, column):
-                add(value if is_uri(value) else str(_under(item, value).resolve()))
+                add(value if is_uri(value) else str(resolved_path(_under(item, value))))
         elif is_uri(item):
             add(item)
         elif item.lower().endswith(LIST_EXTENSIONS) and Path(item).is_file():
             for entry in list_entries(Path(item)):
-                add(entry if is_uri(entry) else str(Path(entry).resolve()))
+                add(entry if is_uri(entry) else str(resolved_path(Path(entry))))
         else:
             local.append(item)
     try:
         for path in collect_inputs(local, unreadable):
-            add(str(path.resolve()))
+            add(str(resolved_path(path)))
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
     return keys

@@ -48,6 +48,8 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     (tmp_path / "in" / "empty.jpg").write_bytes(b"")
     (tmp_path / "in" / "notes.md").write_text("not media: ignored")
     (tmp_path / "in" / "gone.png").symlink_to(tmp_path / "deleted.png")  # an input that went missing: reported
+    (tmp_path / "in" / "loop_a.png").symlink_to(tmp_path / "in" / "loop_b.png")  # a loop of links: reported too
+    (tmp_path / "in" / "loop_b.png").symlink_to(tmp_path / "in" / "loop_a.png")  # (it crashed the whole run)
     os.mkfifo(tmp_path / "in" / "pipe.png")  # not a file: ignored, never opened (reading it would block)
     out = tmp_path / "captions.jsonl"
     code = main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "6",
@@ -61,9 +63,10 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
         assert r["policy"] == "auto" and r["speed"] == 0.5 and r["metrics"]["new_tokens"] >= 1
     assert max(r["metrics"]["batch_size"] for r in records) > 1  # inputs were decoded together
     err = capsys.readouterr().err
-    assert "failed 3" in err and "broken.png" in err and "empty.jpg" in err and "gone.png" in err
+    assert "failed 5" in err and "broken.png" in err and "empty.jpg" in err and "gone.png" in err
+    assert "loop_a.png" in err and "loop_b.png" in err
     assert "pipe.png" not in err
-    assert "captioning: 100%" in err and "8/8" in err  # the progress bar (tqdm) reached the end
+    assert "captioning: 100%" in err and "10/10" in err  # the progress bar (tqdm) reached the end
 
 
 def test_progress_starts_before_the_first_batch_and_counts_every_batch(model, tmp_path):
@@ -282,3 +285,20 @@ def test_a_prompt_no_input_could_be_asked_with_is_refused_once_not_blamed_on_eve
     assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--prompt", too_long]) == 1
     err = capsys.readouterr().err
     assert "--prompt: the messages hold" in err and "failed:" not in err and not _lines(out)
+
+
+def test_a_loop_of_symbolic_links_is_an_input_not_the_end_of_collecting_them(tmp_path):
+    """Named in a folder, in a list file or directly, for the local and the Ray captioner alike: collected as an
+    input (its reading then fails, reported), where resolving it raised and ended the whole run."""
+    from glimpse.caption import collect_inputs
+    from glimpse.caption_ray import collect_keys
+
+    good = _images(tmp_path / "in", 1)
+    (tmp_path / "in" / "loop_a.mp4").symlink_to(tmp_path / "in" / "loop_b.mp4")
+    (tmp_path / "in" / "loop_b.mp4").symlink_to(tmp_path / "in" / "loop_a.mp4")
+    listing = tmp_path / "inputs.txt"
+    listing.write_text(f"{tmp_path / 'in' / 'loop_a.mp4'}\n{good[0]}\n")
+    names = sorted(p.name for p in collect_inputs([str(tmp_path / "in")]))
+    assert names == ["img000.png", "loop_a.mp4", "loop_b.mp4"]
+    assert sorted(p.name for p in collect_inputs([str(listing)])) == ["img000.png", "loop_a.mp4"]
+    assert sorted(Path(k).name for k in collect_keys([str(tmp_path / "in"), str(listing)])) == names
