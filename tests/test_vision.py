@@ -504,6 +504,46 @@ def test_a_video_declaring_frames_over_the_limit_is_refused_before_a_frame_is_de
             read(clip)
 
 
+def _size_switching_video(path: Path, small=(64, 48), large=(128, 96), frames_each: int = 6) -> Path:
+    """An MJPEG AVI whose header says ``small`` and whose frames switch to ``large`` half-way: each MJPEG frame
+    carries its own size, so a header cannot vouch for the frames after the first."""
+    from fractions import Fraction
+
+    out = av.open(str(path), "w", format="avi")
+    stream = out.add_stream("mjpeg", rate=10)
+    stream.width, stream.height, stream.pix_fmt = *small, "yuvj420p"
+    larger = av.CodecContext.create("mjpeg", "w")
+    larger.width, larger.height, larger.pix_fmt, larger.time_base = *large, "yuvj420p", Fraction(1, 10)
+    for i in range(2 * frames_each):
+        width, height = small if i < frames_each else large
+        pixels = np.full((height, width, 3), 40 + 15 * i, dtype=np.uint8)
+        frame = av.VideoFrame.from_ndarray(pixels, format="rgb24").reformat(format="yuvj420p")
+        frame.pts, frame.time_base = i, Fraction(1, 10)
+        for packet in (stream.encode(frame) if i < frames_each else larger.encode(frame)):
+            packet.stream = stream
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    return path
+
+
+def test_frames_that_change_size_mid_video_are_scaled_to_the_header_s_and_none_past_the_limit_is_decoded(
+        tmp_path, monkeypatch):
+    """A stream may change its frame size after the header (MJPEG at any frame): frames of another size are
+    scaled to the header's (stacking them failed: "all input arrays must have the same shape"), and the decoder
+    refuses a frame past the pixel limit before allocating it (a 64x64 header hid 16000x16000 frames, 4 GB)."""
+    path = _size_switching_video(tmp_path / "switch.avi")
+    frames = vision.read_frames(path, list(range(12)))
+    assert frames.shape == (12, 48, 64, 3)
+    assert abs(int(frames[11].mean()) - (40 + 15 * 11)) <= 3  # the large frame's content, scaled
+    assert vision.sample_video_qwen(path).frames.shape[0] >= 2
+    monkeypatch.setattr(media_module, "MAX_VIDEO_FRAME_PIXELS", 64 * 48)  # the header's size, not the later frames'
+    assert vision.read_frames(path, [0, 5]).shape == (2, 48, 64, 3)
+    with pytest.raises(vision.MediaError, match=r"only 6 frames could be decoded"):
+        vision.read_frames(path, [0, 8])
+
+
 def test_qwen_sampling_keeps_only_resized_frames_with_the_pixels_of_resizing_the_stack(tmp_path):
     """Each frame is resized as it is decoded (a long HD video once held all its full-size frames: a 592 KB
     file took 4.8 GB): the same pixels as resizing the decoded stack, in a fraction of the memory."""

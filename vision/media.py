@@ -409,14 +409,22 @@ def _decode_pyav(path: Path, indices: Sequence[int], transform: FrameTransform |
     frame_count = None  # known only if the stream ends before the last wanted frame
     with _open_container(path) as container:
         stream = _video_stream(container, path.name)
-        _check_frame_size(stream.codec_context.width, stream.codec_context.height, path.name)
+        width, height = stream.codec_context.width, stream.codec_context.height
+        _check_frame_size(width, height, path.name)
+        # The header gives the first frame's size, and a stream may change it later (MJPEG can at every frame):
+        # the decoder itself refuses a frame past the limit, before allocating it (a 64x64 header hid 16000x16000
+        # frames: 4 GB for one question), and a frame of another size is scaled to the header's, as players do
+        # (stacking the frames failed with "all input arrays must have the same shape").
+        stream.codec_context.options = {"max_pixels": str(MAX_VIDEO_FRAME_PIXELS)}
         stream.thread_type = "AUTO"  # frame-threaded decoding: several times faster on multi-core CPUs
         try:
             for index, frame in _iter_wanted_frames(container, stream, wanted, seek_min_gap):
                 if frame is None:
                     frame_count = index
                 else:
-                    array = frame.to_ndarray(format="rgb24")
+                    resized = width > 0 and height > 0 and (frame.width, frame.height) != (width, height)
+                    array = (frame.to_ndarray(format="rgb24", width=width, height=height) if resized
+                             else frame.to_ndarray(format="rgb24"))
                     kept[index] = transform(array) if transform is not None else array
         except _SeekFailed:
             logger.info("%s: seeking is unreliable here, decoding sequentially", path.name)
