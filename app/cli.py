@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "or LongVA; 'embedded' (default) is the small offline model")
     media = ask.add_mutually_exclusive_group()
     media.add_argument("--image", action="append", default=[], metavar="PATH", help="an image (repeatable)")
-    media.add_argument("--video", metavar="PATH", help="a video file")
+    media.add_argument("--video", action="append", default=[], metavar="PATH", help="a video file (repeatable)")
     ask.add_argument("--policy", default="auto", choices=NAMES, help="pruning policy (default: auto)")
     ask.add_argument("--speed", type=float, default=0.0, help="speed/quality slider in [0, 1]; 0 is exact")
     ask.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
@@ -288,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_ask(args) -> int:
+    from glimpse import vision
     from glimpse.pipeline import load_engine
     from glimpse.pipeline.loading import checkpoint_depth
     from glimpse.pipeline.engine import Sampling
@@ -303,7 +304,9 @@ def run_ask(args) -> int:
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
     Sampling(args.sample, args.temperature, args.top_p, args.seed)  # so does a bad --temperature, --top-p, --seed
-    media = [("image", path) for path in args.image] + ([("video", args.video)] if args.video else [])
+    media = [("image", path) for path in args.image] + [("video", path) for path in args.video]
+    for kind, path in media:  # what the files' first bytes and headers tell, before the model loads
+        vision.check_media(path, kind)
     messages = user_message(args.question, media)
 
     _log(f"loading {args.model} ...")

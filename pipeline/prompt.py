@@ -18,6 +18,7 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from PIL import Image
@@ -153,6 +154,9 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
         return _prepared(adapter.prepare_image, vision.load_image(source), "image")
 
     def prepare_video(source) -> MediaInput:
+        if vision.detect_kind(source) == "image":  # PyAV would read a picture as a one-frame "video" (it moves!)
+            raise vision.MediaError(f"{Path(str(source).removeprefix('file://')).name}: this is an image, not a "
+                                    "video; pass it as an image")
         return _prepared(adapter.prepare_video, source, "video")
 
     media, tokens = [], 0

@@ -181,6 +181,29 @@ def test_ask_refuses_a_value_out_of_range_before_loading_and_a_layer_past_the_la
     assert proc.returncode == 1 and "-layer model, got 1000" in proc.stderr and "loading" not in proc.stderr
 
 
+def test_ask_refuses_media_its_first_bytes_and_header_refuse_before_loading_and_takes_several_videos(
+        checkpoints, media, tmp_path):
+    """An empty file, a folder, a picture given as a video (PyAV reads it as a one-frame clip, and the answer said
+    the shapes moved) and the reverse: refused before the model loads, which can take minutes. Several --video
+    are all asked about (only the last one was)."""
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    (tmp_path / "folder.mp4").mkdir()
+    cases = [(["--video", str(tmp_path / "empty.mp4")], "empty.mp4: the file is empty"),
+             (["--video", str(tmp_path / "folder.mp4")], "folder.mp4: a folder"),
+             (["--video", str(media["image"])], f"{media['image'].name}: this is an image, not a video"),
+             (["--image", str(media["video"])], f"{media['video'].name}: this is a video, not an image")]
+    for flags, message in cases:
+        proc = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), *flags, "What moves?")
+        assert proc.returncode == 1 and message in proc.stderr and "loading" not in proc.stderr, proc.stderr
+    one = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(media["video"]), "--json",
+                  "--max-new-tokens", "2", "What moves?")
+    two = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(media["video"]), "--video",
+                  str(media["video"]), "--json", "--max-new-tokens", "2", "What moves?")
+    assert one.returncode == two.returncode == 0, two.stderr
+    tokens = [json.loads(p.stdout)["metrics"]["prompt_tokens"]["video"] for p in (one, two)]
+    assert tokens[1] == 2 * tokens[0] > 0
+
+
 def test_ask_refuses_an_empty_question_before_loading(checkpoints):
     for question in ("", "  \n\t"):  # `glimpse ask "$Q"` with Q unset: the model would answer a blank turn
         proc = glimpse("ask", "--model", str(checkpoints["llava"]), question)

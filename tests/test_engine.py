@@ -894,3 +894,14 @@ def test_a_media_items_digest_is_computed_once_and_keys_both_caches():
     item.tensors["pixel_values"].zero_()  # not hashed again: the key is the item's, as first computed
     assert item_key(item) == item_key(twin)
     assert media_key([item, other]) != media_key([other, item]) and media_key([item]) == media_key([twin])
+
+
+def test_a_picture_given_as_a_video_is_refused_with_what_it_is(checkpoints, media):
+    """PyAV opens a PNG as a one-frame clip: the model was asked what moves in a still picture (and said what)."""
+    from glimpse import vision
+
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    messages = [{"role": "user", "content": [{"type": "video", "video": str(media["image"])},
+                                             {"type": "text", "text": "What moves?"}]}]
+    with pytest.raises(vision.MediaError, match=rf"^{media['image'].name}: this is an image, not a video"):
+        engine.prepare(messages)

@@ -46,12 +46,13 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert captioning["images"] == 4 and captioning["actor_images_per_s"] > 0 and captioning["answer_tokens_per_image"] >= 1
     assert captioning["decode_cpu_s_per_image"] > 0 and captioning["decode_cpu_s_per_video"] > 0
     assert captioning["cpus_to_feed_one_actor"] == captioning["actor_images_per_s"] * captioning["decode_cpu_s_per_image"]
-    # The profile counts operators, not time: in KV slots a decode step of two requests runs fewer operators and
-    # waits for the device less often than attending request by request (the host work a GPU step is bound by).
+    # The profile counts operators, not time: in KV slots a decode step of two requests runs fewer operators than
+    # attending request by request (the host work a GPU step is bound by), and reads values no more often (each
+    # request's next token; the per-request path's extra reads were the visual-KV recount, gone since 2026-11-27).
     profiled = {r["what"]: r for r in sections["profile"]["rows"]}
     slots, alone = profiled["4 decode steps, batch 2, KV slots"], profiled["4 decode steps, batch 2, per request"]
     assert slots["aten_calls"] < alone["aten_calls"]
-    assert sum(slots["syncs"].values()) < sum(alone["syncs"].values())
+    assert sum(slots["syncs"].values()) <= sum(alone["syncs"].values())
 
     skipped = " ".join(s["what"] + ": " + s["why"] for s in report["skipped"])
     assert "flash-attention 2: no CUDA device" in skipped and "CUDA stream" in skipped

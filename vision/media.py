@@ -534,6 +534,23 @@ def _run_in_worker(function: Callable[..., Any], args: tuple, *, timeout_s: floa
     raise payload
 
 
+def check_media(path: str | os.PathLike, kind: Literal["image", "video"]) -> None:
+    """What can be told of a media file from its first bytes and its header, without decoding it: missing, empty,
+    a folder, the other kind (a picture given as a video), an unreadable type, an image's or a video's frame size
+    over the limits, a video with no video stream. A ``MediaError`` saying which, so that a command can refuse
+    it before loading a model; decoding can still fail later (a truncated file)."""
+    found = detect_kind(path)
+    name = _display_name(Path(str(path).removeprefix("file://")))
+    if found != kind:
+        article = {"image": "an image", "video": "a video"}
+        raise MediaError(f"{name}: this is {article[found]}, not {article[kind]}; pass it as {article[found]}")
+    if kind == "video":
+        probe_video(path)
+        return
+    with _open_image(path, name, MAX_IMAGE_PIXELS) as image:
+        _check_pixel_count(image.size, MAX_IMAGE_PIXELS, name)
+
+
 def probe_video(
     path: str | os.PathLike, *, backend: str | None = None, timeout_s: float = DEFAULT_VIDEO_TIMEOUT_S
 ) -> VideoInfo:
