@@ -37,6 +37,7 @@ import base64
 import binascii
 import hmac
 import json
+import re
 import tempfile
 import time
 import uuid
@@ -50,6 +51,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Stric
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from glimpse import vision
 from glimpse.common import UserError
 from glimpse.connections import BodyLimits
 from glimpse.fetch import FETCH_DEADLINE_S, Fetcher
@@ -367,20 +369,21 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
     if max_tokens > max_new_tokens:
         raise BadRequest(f"max_tokens must be at most {max_new_tokens} on this server (--max-new-tokens)")
     messages = []
-    for message in body.messages:
+    for number, message in enumerate(body.messages):
         role = "system" if message.role == "developer" else message.role
         if isinstance(message.content, str):
             messages.append({"role": role, "content": message.content})
             continue
         parts = []
-        for part in message.content:
+        for index, part in enumerate(message.content):
             if isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
                 continue
             media = "image" if isinstance(part, ImagePart) else "video"
             spec = part.image_url if media == "image" else part.video_url
             url = spec.url if isinstance(spec, MediaURL) else spec
-            parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher)})
+            where = f"messages[{number}].content[{index}]"  # as the request's JSON has it (the validation errors' words)
+            parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher, where)})
         messages.append({"role": role, "content": parts})
     temperature = body.temperature or 0.0
     options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": temperature > 0,
@@ -392,10 +395,15 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
 MAX_PATH_BYTES = 4096  # PATH_MAX: a longer local path cannot name a file (and resolving one costs time)
 
 
-def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fetcher: "Fetcher"):
+def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fetcher: "Fetcher", where: str = "media"):
     """Bytes (images) or a file path (videos) for a data: / http(s) / local URL. URL schemes are matched as
-    RFC 3986 has them, in any case."""
+    RFC 3986 has them, in any case. A video's bytes go to a file named after ``where`` (the part of the request
+    it came from), so that an error about it names that part, not a random temporary name."""
     scheme = url[:8].lower()
+    named = re.match(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://", url)
+    if named and not scheme.startswith(("http://", "https://", "file://")):
+        raise BadRequest(f"{where}: an unsupported URL scheme ({named.group(0)}); send a data: URL, an http(s):// "
+                         "URL or a file:// URL under the allowed root")
     if scheme.startswith("data:"):
         header, _, payload = url.partition(",")
         if ";base64" not in header.lower():
@@ -409,12 +417,26 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fe
     elif scheme.startswith(("http://", "https://")):
         data = fetcher.fetch(url)
     else:
-        return _local_file(url[7:] if scheme.startswith("file://") else url, url, root)
+        try:
+            name = vision.local_path(url)  # file://localhost/..., percent-encoded names
+        except vision.MediaError as error:
+            raise BadRequest(f"{where}: {error}") from None
+        return _local_file(name, url, root)
     if kind == "image":
         return data
-    target = scratch.path() / f"video-{uuid.uuid4().hex}"
+    folder = scratch.path() / uuid.uuid4().hex
+    folder.mkdir()
+    target = folder / (f"{where} (a data URL)" if scheme.startswith("data:") else f"{where} ({_url_name(url)})")
     target.write_bytes(data)
     return str(target)
+
+
+def _url_name(url: str) -> str:
+    """The last part of a URL's path, as a file name can hold it (for messages about what was fetched)."""
+    from urllib.parse import unquote, urlsplit
+
+    name = unquote(urlsplit(url).path.rsplit("/", 1)[-1]).replace("/", "_").replace("\0", "")[:80]
+    return name or "a URL"
 
 
 def _local_file(name: str, url: str, root: Path | None) -> str:

@@ -59,6 +59,16 @@ def is_uri(value: str) -> bool:
     return "://" in value and not value.startswith("file://")
 
 
+def _local_path(value: str, where: str) -> str:
+    """``vision.local_path``, its refusal (a file:// URL of another host) said as the command's error."""
+    from glimpse.vision import MediaError, local_path
+
+    try:
+        return local_path(value)
+    except MediaError as error:
+        raise UserError(f"{where}{error}") from None
+
+
 def list_entries(listing: Path) -> list[str]:
     """A list file's inputs, one per line (blank lines and ``#`` comments skipped): URLs and URIs as written,
     paths relative to the list's folder."""
@@ -74,7 +84,7 @@ def list_entries(listing: Path) -> list[str]:
         if is_uri(line):
             entries.append(line)
             continue
-        listed = Path(line.removeprefix("file://"))
+        listed = Path(_local_path(line, f"{listing}: "))
         entries.append(str(listed if listed.is_absolute() else listing.parent / listed))
     return entries
 
@@ -97,7 +107,7 @@ def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | Non
         if is_uri(value):
             raise UserError(f"{where}{value}: a URL; the local captioner reads local files (glimpse caption --ray "
                             "fetches http(s) URLs and s3://, gs://, hdfs:// URIs)")
-        return Path(value.removeprefix("file://"))
+        return Path(_local_path(value, where))
 
     for item in items:
         path = local(item, "")

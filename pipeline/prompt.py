@@ -155,7 +155,7 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
 
     def prepare_video(source) -> MediaInput:
         if vision.detect_kind(source) == "image":  # PyAV would read a picture as a one-frame "video" (it moves!)
-            raise vision.MediaError(f"{Path(str(source).removeprefix('file://')).name}: this is an image, not a "
+            raise vision.MediaError(f"{Path(vision.local_path(source)).name}: this is an image, not a "
                                     "video; pass it as an image")
         return _prepared(adapter.prepare_video, source, "video")
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import uvicorn
 
+from glimpse import vision
 from glimpse.cli import build_server
 from glimpse.pipeline import load_engine
 from glimpse.pruning import NoPruning
@@ -309,6 +310,31 @@ def test_local_files_only_under_the_allowed_root(server, media):
     for spelled in (f"FILE://{root}/image.png", _data_url(media["image"]).replace("data:", "DATA:", 1)):
         reply = httpx.post(url, json={"messages": _question(spelled), "max_tokens": 2}, timeout=30)
         assert reply.status_code == 200, reply.text[:300]  # schemes in any case, as RFC 3986 has them
+    # file URLs as RFC 8089 writes them (found from outside: "file not found" for files that were there), other
+    # hosts and schemes refused as what they are.
+    (root / "an image ☃.png").write_bytes((root / "image.png").read_bytes())
+    for spelled in (f"file://localhost{root}/image.png", f"file://{root}/an%20image%20%E2%98%83.png"):
+        reply = httpx.post(url, json={"messages": _question(spelled), "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 200, reply.text[:300]
+    for spelled, words in ((f"file://elsewhere{root}/image.png", "a file on another host"),
+                           ("ftp://example.com/image.png", "an unsupported URL scheme (ftp://)")):
+        reply = httpx.post(url, json={"messages": _question(spelled), "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text[:300]
+        assert "messages[0].content[0]" in reply.json()["error"]["message"]
+
+
+def test_a_bad_video_s_bytes_are_named_by_the_part_of_the_request_they_came_in(tmp_path):
+    """A video's bytes are written to a file for its decoder; an error about them named that file's random name."""
+    from glimpse.api import Scratch, _media_source
+
+    scratch = Scratch()
+    try:
+        garbage = "data:video/mp4;base64," + base64.b64encode(b"\x00\x00\x00\x18ftypmp42 not a video").decode()
+        path = _media_source(garbage, "video", None, scratch, fetcher=None, where="messages[2].content[1]")
+        with pytest.raises(Exception, match=r"^messages\[2\]\.content\[1\] \(a data URL\): the video is corrupt"):
+            vision.probe_video(path)
+    finally:
+        scratch.cleanup()
 
 
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, media):

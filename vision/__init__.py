@@ -10,6 +10,7 @@ from .media import (
     check_media,
     detect_kind,
     load_image,
+    local_path,
     probe_video,
     read_frames,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "detect_kind",
     "floor_by_factor",
     "load_image",
+    "local_path",
     "probe_video",
     "qwen2vl_video_inputs",
     "read_frames",

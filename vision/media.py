@@ -97,10 +97,24 @@ def _display_name(src: Any) -> str:
     return "image data" if isinstance(src, (bytes, bytearray)) else "image"
 
 
+def local_path(value: str | os.PathLike) -> str | os.PathLike:
+    """The local path a ``file://`` URL names (RFC 8089: no host or ``localhost``, percent-encoded: ``file:///a%20b``
+    is ``/a b``), anything else as it is. ``file://`` was cut off as a prefix: ``file://localhost/x`` became the
+    relative path ``localhost/x``, and an encoded name was looked up encoded ("file not found" for a file that is
+    there)."""
+    if not (isinstance(value, str) and value[:7].lower() == "file://"):
+        return value
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(value)
+    if parts.netloc not in ("", "localhost"):
+        raise MediaError(f"{value}: a file on another host (file://{parts.netloc}/...): only local files can be read")
+    return unquote(parts.path)
+
+
 def _check_file(path: str | os.PathLike) -> Path:
     """Missing and empty files get their own clear messages instead of a decoder's complaint."""
-    if isinstance(path, str) and path.startswith("file://"):  # the chat format allows file:// URLs
-        path = path[len("file://") :]
+    path = local_path(path)  # the chat format allows file:// URLs
     if isinstance(path, str) and "://" in path:
         raise MediaError(f"{path}: a URL, not a local file (download it first; the server's API fetches http(s) URLs)")
     path = Path(path)
@@ -540,7 +554,7 @@ def check_media(path: str | os.PathLike, kind: Literal["image", "video"]) -> Non
     over the limits, a video with no video stream. A ``MediaError`` saying which, so that a command can refuse
     it before loading a model; decoding can still fail later (a truncated file)."""
     found = detect_kind(path)
-    name = _display_name(Path(str(path).removeprefix("file://")))
+    name = _display_name(Path(local_path(path)))
     if found != kind:
         article = {"image": "an image", "video": "a video"}
         raise MediaError(f"{name}: this is {article[found]}, not {article[kind]}; pass it as {article[found]}")
