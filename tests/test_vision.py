@@ -326,7 +326,7 @@ def test_truncated_video_with_index_but_no_frames(tmp_path):
         vision.sample_video_qwen(path)
 
 
-def test_truncated_video_samples_the_frames_that_decode(tmp_path):
+def test_truncated_video_samples_the_frames_that_decode(tmp_path, caplog):
     full = _write_video(tmp_path / "full.mp4", container_options={"movflags": "faststart"}).read_bytes()
     path = tmp_path / "cut.mp4"
     path.write_bytes(full[: int(len(full) * 0.9)])
@@ -335,7 +335,9 @@ def test_truncated_video_samples_the_frames_that_decode(tmp_path):
 
     with pytest.raises(vision.MediaError, match=f"only {decodable} frames could be decoded"):
         vision.read_frames(path, [CLIP_FRAMES - 1])
-    sampled = vision.sample_video_uniform(path, num_frames=8)
+    with caplog.at_level("WARNING"):
+        sampled = vision.sample_video_uniform(path, num_frames=8)
+    assert f"cut.mp4: only {decodable} of the {CLIP_FRAMES} frames it declares could be decoded" in caplog.text
     expected = np.linspace(0, decodable - 1, 8, dtype=int).tolist()  # planned again over what decodes
     assert sampled.indices == expected
     assert [_frame_index(frame) for frame in sampled.frames] == expected
