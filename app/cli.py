@@ -287,20 +287,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_before_loading(model: str, name: str, speed: float, overrides: dict | None) -> None:
+    """A bad policy name, speed or parameter fails before the model loads (a 7B model takes minutes): ``auto``'s
+    member overrides against the members this model's slider picks at ``speed`` (its calibrated frontier, read
+    without loading it), layer numbers against a local checkpoint's depth (its config.json). What cannot be told
+    without the model (a hub id's frontier and depth) is checked once it is loaded."""
+    from glimpse.pipeline.loading import checkpoint_depth, expected_frontier
+    from glimpse.pruning import make_policy
+
+    frontier = expected_frontier(model)
+    if name == "auto" and frontier is None and overrides:
+        make_policy(name, speed)  # its members are the loaded model's to say
+        return
+    make_policy(name, speed, overrides, frontier=frontier).check(checkpoint_depth(model))
+
+
 def run_ask(args) -> int:
     from glimpse import vision
     from glimpse.pipeline import load_engine
-    from glimpse.pipeline.loading import checkpoint_depth
     from glimpse.pipeline.engine import Sampling
-    from glimpse.pruning import make_policy
 
     check_speed(args.speed)
     if not args.question.strip():  # an unset shell variable, most likely: the model would answer nothing at all
         raise UserError("the question is empty: ask something, e.g. glimpse ask --image photo.jpg "
                         "\"What is in this picture?\"")
     overrides = parse_params(args.param)
-    # A bad name or value fails before loading; so does a layer past a local checkpoint's last (its config says).
-    make_policy(args.policy, args.speed, overrides).check(checkpoint_depth(args.model))
+    _check_before_loading(args.model, args.policy, args.speed, overrides)
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
     Sampling(args.sample, args.temperature, args.top_p, args.seed)  # so does a bad --temperature, --top-p, --seed
@@ -343,8 +355,6 @@ def run_ask(args) -> int:
 def run_eval(args) -> int:
     from glimpse import eval as evaluation
     from glimpse.pipeline import load_engine
-    from glimpse.pipeline.loading import checkpoint_depth
-    from glimpse.pruning import make_policy
 
     try:  # each measured once, in the order given
         speeds = list(dict.fromkeys(float(x) for x in args.speeds.split(",") if x.strip()))
@@ -365,10 +375,9 @@ def run_eval(args) -> int:
     overrides = parse_params(args.param) or None
     if overrides and args.task == "agreement":
         raise UserError("--param applies to the passkey and visual tasks")
-    depth = checkpoint_depth(args.model)
     for name in policies:
-        for speed in speeds:  # bad names, speeds and parameters (layers too, for a local checkpoint) fail before loading
-            make_policy(name, speed, overrides).check(depth)
+        for speed in speeds:
+            _check_before_loading(args.model, name, speed, overrides)
     # the unpruned model is always run, as the reference: `--policies none` runs it alone
     policies = [p for p in policies if p != "none"]
     if args.samples < 1 or args.new_tokens < 1 or not lengths:

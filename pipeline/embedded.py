@@ -159,8 +159,8 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
     file lock into a temporary directory that is renamed into place when complete, so concurrent callers wait
     for one build and an interrupted build is never used.
     """
-    root = Path(cache_dir or os.environ.get("GLIMPSE_CACHE") or Path.home() / ".cache" / "glimpse").expanduser()
-    target = root / checkpoint_name(trained)
+    target = checkpoint_dir(cache_dir, trained)
+    root = target.parent
     if target.is_dir():
         return target
 
@@ -194,6 +194,12 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
             raise
         progress(f"Embedded model ready in {time.perf_counter() - start:.0f} s")
     return target
+
+
+def checkpoint_dir(cache_dir: str | Path | None = None, trained: bool = True) -> Path:
+    """Where ``embedded_checkpoint`` keeps the converted model (it may not be there yet)."""
+    root = Path(cache_dir or os.environ.get("GLIMPSE_CACHE") or Path.home() / ".cache" / "glimpse").expanduser()
+    return root / checkpoint_name(trained)
 
 
 def checkpoint_name(trained: bool = True) -> str:

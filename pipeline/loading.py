@@ -50,6 +50,24 @@ def checkpoint_depth(model: str) -> int | None:
     return None
 
 
+def expected_frontier(model: str) -> Frontier | None:
+    """The frontier ``load_engine`` will give ``auto`` on ``model``, told before any weight loads, so that a
+    command can check ``auto``'s member overrides against the members this model's slider really picks (checked
+    against the uncalibrated default, the documented ``divprune.keep`` was refused on the embedded model). None
+    where it cannot be told cheaply (a hub id): the engine checks them once loaded."""
+    if model == "embedded":
+        from glimpse.pipeline import embedded
+
+        source = embedded.checkpoint_dir()  # not there before the first use: then no calibration of it either
+    else:
+        source = Path(model).expanduser()
+        if not source.is_dir():
+            return None
+    converted = source.is_dir()
+    depth = checkpoint_depth(str(source)) if converted else None
+    return slider_frontier(str(model), depth or -1, checkpoint_identity(str(source)) if converted else "")
+
+
 def resolve_device(device: str = "auto") -> torch.device:
     """'auto': the GPU when there is one, else the CPU. A device this machine cannot compute on is the user's
     error, said before anything loads (torch would fail later, deep in the load, with an assertion)."""

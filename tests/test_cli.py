@@ -204,6 +204,45 @@ def test_ask_refuses_media_its_first_bytes_and_header_refuse_before_loading_and_
     assert tokens[1] == 2 * tokens[0] > 0
 
 
+def test_auto_s_member_overrides_are_checked_against_the_members_this_model_s_slider_picks(embedded_cache):
+    """Before loading, auto's overrides were checked against the uncalibrated default (LazyLLM): the documented
+    divprune.keep was refused on the embedded model, whose shipped frontier runs DivPrune at speed 1, and an
+    override of a member it does not run passed the early check only to fail after the load."""
+    from glimpse import pruning
+    from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
+
+    shipped = pruning.Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()))
+    members = [m.policy for m in shipped.choose(1.0).members]
+    absent = next(name for name in ("lazyllm", "divprune", "dash") if name not in members)
+    sample = Path(__file__).resolve().parents[1] / "assets" / "sample.png"
+    proc = glimpse("ask", "--image", str(sample), "--speed", "1", "--param", f"{absent}.keep=0.3", "hi",
+                   cache=embedded_cache)
+    assert proc.returncode == 1 and f"its members at speed 1: {', '.join(members)}" in proc.stderr
+    assert "loading" not in proc.stderr
+    if "divprune" in members:  # the example docs/slider.md and --help give
+        proc = glimpse("ask", "--image", str(sample), "--speed", "1", "--param", "divprune.keep=0.3", "--json",
+                       "--max-new-tokens", "2", "What colour is the circle?", cache=embedded_cache)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["params"]["divprune"]["keep"] == 0.3
+
+
+def test_the_frontier_a_model_will_run_is_known_before_it_loads(checkpoints, embedded_cache, monkeypatch, tmp_path):
+    from glimpse.pipeline import load_engine
+    from glimpse.pipeline.loading import expected_frontier
+    from glimpse.pipeline.profiles import save_profile
+
+    monkeypatch.setenv("GLIMPSE_CACHE", str(embedded_cache))
+    assert expected_frontier("embedded").to_json() == load_engine("embedded", device="cpu").frontier.to_json()
+    assert expected_frontier("Qwen/Qwen2-VL-7B-Instruct") is None  # a hub id: known once loaded
+    monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path))  # the calibration below stays in this test's own cache
+    folder = str(checkpoints["llava"])
+    engine = load_engine(folder, device="cpu")
+    assert expected_frontier(folder).to_json() == engine.frontier.to_json()  # uncalibrated
+    profile = {**engine.frontier.to_json(), "checkpoint": engine.checkpoint, "num_layers": len(engine.adapter.layers)}
+    save_profile(folder, profile, "slider")
+    assert expected_frontier(folder).calibrated and load_engine(folder, device="cpu").frontier.calibrated
+
+
 def test_ask_refuses_an_empty_question_before_loading(checkpoints):
     for question in ("", "  \n\t"):  # `glimpse ask "$Q"` with Q unset: the model would answer a blank turn
         proc = glimpse("ask", "--model", str(checkpoints["llava"]), question)
