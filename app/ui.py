@@ -245,7 +245,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
 
     tabs: dict[str, set] = {}  # per browser session, the tickets it is waiting on: closing the tab cancels them
     cleared_sessions: set = set()  # browser sessions whose next question starts a new conversation (Clear)
-    stopped_sessions: set = set()  # browser sessions whose last turn Stop ended: the next question keeps its mark
+    stopped_sessions: dict = {}  # browser session -> the question of its turn Stop ended (the next one re-marks it)
     tabs_lock = threading.Lock()
 
     def respond(message, history, policy, speed, max_tokens, overrides, compare, request=None):
@@ -324,7 +324,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         with tabs_lock:
             tickets = tabs.pop(getattr(request, "session_hash", None), set())
             cleared_sessions.discard(getattr(request, "session_hash", None))
-            stopped_sessions.discard(getattr(request, "session_hash", None))
+            stopped_sessions.pop(getattr(request, "session_hash", None), None)
         for ticket in tickets:
             ticket.cancel.set()
 
@@ -353,7 +353,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             with tabs_lock:
                 # Gradio copies the page's conversation into the chat's state when the stopped event ends, and that
                 # copy can be taken before this mark is shown: the next question then re-applies it (_stream_fn).
-                stopped_sessions.add(session)
+                stopped_sessions[session] = _last_question(history)
         return _marked_stopped(history), STOPPED_METRICS  # the chat, the metrics panel
 
     def cleared(request=None):
@@ -364,7 +364,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         if session is not None:
             with tabs_lock:
                 cleared_sessions.add(session)
-                stopped_sessions.discard(session)
+                stopped_sessions.pop(session, None)
         wait_for_answers_to_end(request)
         return [], [], "metrics appear after an answer", None
 
@@ -424,7 +424,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
     return demo
 
 
-def _clear_cancels_chat(cleared_sessions: set, stopped_sessions: set, lock):
+def _clear_cancels_chat(cleared_sessions: set, stopped_sessions: dict, lock):
     import gradio as gr  # only when the chat is built
 
     class ClearCancelsChat(gr.ChatInterface):
@@ -451,13 +451,18 @@ def _clear_cancels_chat(cleared_sessions: set, stopped_sessions: set, lock):
                 if session is not None and session in cleared_sessions:
                     cleared_sessions.discard(session)
                     history = []
-                if session is not None and session in stopped_sessions:
-                    stopped_sessions.discard(session)
-                    history = _marked_stopped(history)
+                stopped = stopped_sessions.pop(session, None) if session is not None else None
+                if stopped is not None and history and _last_question(history) == stopped:
+                    history = _marked_stopped(history)  # the stopped turn is still the last (not a retry of it)
             async for update in super()._stream_fn(message, history, *args):
                 yield update
 
     return ClearCancelsChat
+
+
+def _last_question(history: list[dict] | None) -> str | None:
+    """The text of the conversation's last user message (a turn's text comes after its files)."""
+    return next((_text_of(m) for m in reversed(history or []) if m.get("role") == "user"), None)
 
 
 def _marked_stopped(history: list[dict] | None) -> list[dict]:

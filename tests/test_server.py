@@ -1213,6 +1213,10 @@ def test_stop_s_mark_stays_under_the_stopped_turn_when_the_next_question_is_aske
         assert shown(begun)[1]["content"] == "Once upon a time"  # no Stop before this question: nothing marked
         assert shown(marked)[1]["content"] == marked[-1]["content"]  # marked once, not twice
 
+        earlier = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]
+        handler["mark_stopped"](earlier + begun, request)
+        assert shown(earlier)[1]["content"] == "Hi."  # a retry of the stopped turn: no other answer gets its mark
+
         handler["mark_stopped"](asked, request)  # stopped before the answer began
         after = shown(asked)
         assert [m["content"] for m in after[:2]] == ["Tell me a long story.", STOPPED_BEFORE_ANSWER]
