@@ -207,6 +207,16 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image("https://example.com/cat.png")
 
 
+def test_a_text_file_named_as_media_is_said_to_hold_text(tmp_path):
+    """A text file named .mp4 was called a corrupt or truncated video."""
+    for name in ("notes.mp4", "notes.png", "notes.ts"):
+        (tmp_path / name).write_text("meeting notes: bring the clip\n")
+        with pytest.raises(vision.MediaError, match=rf"^{re.escape(name)}: not an image or video: it holds text$"):
+            vision.detect_kind(tmp_path / name)
+    (tmp_path / "clip.ts").write_bytes(bytes([0x47, 0x40, 0x00, 0x10]) + bytes(184))  # MPEG-TS: no signature, binary
+    assert vision.detect_kind(tmp_path / "clip.ts") == "video"
+
+
 def test_only_the_common_image_formats_reach_a_decoder(tmp_path, monkeypatch):
     # PIL would open any of its ~40 formats; EPS runs Ghostscript on the upload when it is installed. An upload
     # in a format outside the list is refused before any decoder sees its bytes — even named .png.

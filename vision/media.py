@@ -156,8 +156,12 @@ def detect_kind(path: str | os.PathLike) -> Literal["image", "video"]:
     """
     path = _check_file(path)
     with open(path, "rb") as file:
-        kind = _sniff_kind(file.read(32))
+        head = file.read(32)
+    kind = _sniff_kind(head)
     suffix = path.suffix.lower()
+    named_media = suffix in IMAGE_EXTENSIONS or suffix in VIDEO_EXTENSIONS
+    if kind is None and named_media and all(32 <= byte < 127 or byte in (9, 10, 13) for byte in head):
+        raise MediaError(f"{path.name}: not an image or video: it holds text")  # no format of those starts so
     if kind is None and suffix in IMAGE_EXTENSIONS:
         kind = "image"
     elif kind is None and suffix in VIDEO_EXTENSIONS:
