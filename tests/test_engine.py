@@ -905,3 +905,25 @@ def test_a_picture_given_as_a_video_is_refused_with_what_it_is(checkpoints, medi
                                              {"type": "text", "text": "What moves?"}]}]
     with pytest.raises(vision.MediaError, match=rf"^{media['image'].name}: this is an image, not a video"):
         engine.prepare(messages)
+
+
+def test_a_video_without_a_format_signature_or_a_name_still_reaches_the_video_reader(checkpoints, media, tmp_path):
+    """MPEG-TS has no signature, and an API request's video bytes are saved under a name without extension: the
+    check that refuses pictures given as videos must not refuse these (the reader opens them by their content)."""
+    import av
+
+    path = tmp_path / "messages[0].content[0] (a data URL)"
+    with av.open(str(path), "w", format="mpegts") as out:
+        stream = out.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for i in range(16):
+            pixels = np.full((64, 64, 3), 16 * i, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24").reformat(format="yuv420p")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    assert path.read_bytes()[:1] == b"G"  # MPEG-TS's sync byte: no signature detect_kind knows
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    messages = [{"role": "user", "content": [{"type": "video", "video": str(path)},
+                                             {"type": "text", "text": "What moves?"}]}]
+    assert engine.prepare(messages).token_counts()["video"] > 0
