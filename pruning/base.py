@@ -300,8 +300,9 @@ def lowest(scores: torch.Tensor, count: int) -> torch.Tensor:
 def lowest_except(scores: torch.Tensor, count: int, keep: int = -1) -> torch.Tensor:
     """``lowest`` that never picks position ``keep``: the token that predicts the next one."""
     scores = scores.clone()
-    scores.narrow(0, keep % scores.shape[0], 1).fill_(float("inf"))  # a scalar fill: ``scores[keep] = inf`` copies
-    return lowest(scores, count)                                      # a host value, a wait on a GPU
+    # A scalar fill: ``scores[keep] = inf`` copies a host value into the tensor, a wait on a GPU.
+    scores.narrow(0, keep % scores.shape[0], 1).fill_(float("inf"))
+    return lowest(scores, count)
 
 
 def without(active: torch.Tensor, dropped_positions: torch.Tensor) -> torch.Tensor:
