@@ -704,8 +704,8 @@ def test_the_chat_uses_only_files_uploaded_to_it(tmp_path):
     uploads, outside = tmp_path / "uploads", tmp_path / "secret"
     uploads.mkdir()
     outside.mkdir()
-    (uploads / "cat.png").write_bytes(b"png")
-    (outside / "key.png").write_bytes(b"png")
+    (uploads / "cat.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # a PNG signature: this test is about paths
+    (outside / "key.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     (uploads / "link.png").symlink_to(outside / "key.png")
     turn = lambda path: [{"role": "user", "content": [{"type": "file", "file": {"path": str(path)}}]}]  # noqa: E731
     messages = history_to_messages(turn(uploads / "cat.png"), (uploads.resolve(),))
