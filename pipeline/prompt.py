@@ -18,7 +18,6 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from PIL import Image
@@ -154,13 +153,6 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
         return _prepared(adapter.prepare_image, vision.load_image(source), "image")
 
     def prepare_video(source) -> MediaInput:
-        try:
-            picture = vision.detect_kind(source) == "image"
-        except vision.MediaError:  # missing, empty, a format without a signature (MPEG-TS in a data URL's file, which
-            picture = False       # has no name to go by): the video reader takes it, or says what is wrong, as before
-        if picture:  # PyAV would read a picture as a one-frame "video" (and the model said what moved in it)
-            raise vision.MediaError(f"{Path(vision.local_path(source)).name}: this is an image, not a "
-                                    "video; pass it as an image")
         return _prepared(adapter.prepare_video, source, "video")
 
     media, tokens = [], 0

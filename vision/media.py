@@ -557,15 +557,12 @@ def check_media(path: str | os.PathLike, kind: Literal["image", "video"]) -> Non
     a folder, the other kind (a picture given as a video), an unreadable type, an image's or a video's frame size
     over the limits, a video with no video stream. A ``MediaError`` saying which, so that a command can refuse
     it before loading a model; decoding can still fail later (a truncated file)."""
-    found = detect_kind(path)
-    name = _display_name(Path(local_path(path)))
-    if found != kind:
-        article = {"image": "an image", "video": "a video"}
-        raise MediaError(f"{name}: this is {article[found]}, not {article[kind]}; pass it as {article[found]}")
+    detect_kind(path)  # missing, empty, a folder, text, an unsupported type
     if kind == "video":
-        probe_video(path)
+        probe_video(path)  # refuses a picture too
         return
-    with _open_image(path, name, MAX_IMAGE_PIXELS) as image:
+    name = _display_name(Path(local_path(path)))
+    with _open_image(path, name, MAX_IMAGE_PIXELS) as image:  # refuses a video too
         _check_pixel_count(image.size, MAX_IMAGE_PIXELS, name)
 
 
@@ -577,6 +574,9 @@ def probe_video(
     Containers that do not store a frame count (Matroska/WebM) are counted by demuxing.
     """
     path = _check_file(path)
+    with open(path, "rb") as file:
+        if _sniff_kind(file.read(32)) == "image":  # PyAV reads a picture as a one-frame clip (in which things "moved")
+            raise MediaError(f"{path.name}: this is an image, not a video; pass it as an image")
     if _choose_backend(backend) == "decord":
         return _run_in_worker(_probe_decord, (path,), timeout_s=timeout_s, name=path.name)
     return _probe_pyav(path)
