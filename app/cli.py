@@ -287,19 +287,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_before_loading(model: str, name: str, speed: float, overrides: dict | None) -> None:
-    """A bad policy name, speed or parameter fails before the model loads (a 7B model takes minutes): ``auto``'s
-    member overrides against the members this model's slider picks at ``speed`` (its calibrated frontier, read
+def _check_before_loading(model: str, policies: list[tuple[str, float]], overrides: dict | None) -> None:
+    """Bad policy names, speeds or parameters fail before the model loads (a 7B model takes minutes): ``auto``'s
+    member overrides against the members this model's slider picks at each speed (its calibrated frontier, read
     without loading it), layer numbers against a local checkpoint's depth (its config.json). What cannot be told
     without the model (a hub id's frontier and depth) is checked once it is loaded."""
     from glimpse.pipeline.loading import checkpoint_depth, expected_frontier
     from glimpse.pruning import make_policy
 
-    frontier = expected_frontier(model)
-    if name == "auto" and frontier is None and overrides:
-        make_policy(name, speed)  # its members are the loaded model's to say
-        return
-    make_policy(name, speed, overrides, frontier=frontier).check(checkpoint_depth(model))
+    frontier, depth = expected_frontier(model), checkpoint_depth(model)  # read once for every (policy, speed)
+    for name, speed in policies:
+        if name == "auto" and frontier is None and overrides:
+            make_policy(name, speed)  # its members are the loaded model's to say
+        else:
+            make_policy(name, speed, overrides, frontier=frontier).check(depth)
 
 
 def run_ask(args) -> int:
@@ -312,7 +313,7 @@ def run_ask(args) -> int:
         raise UserError("the question is empty: ask something, e.g. glimpse ask --image photo.jpg "
                         "\"What is in this picture?\"")
     overrides = parse_params(args.param)
-    _check_before_loading(args.model, args.policy, args.speed, overrides)
+    _check_before_loading(args.model, [(args.policy, args.speed)], overrides)
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
     Sampling(args.sample, args.temperature, args.top_p, args.seed)  # so does a bad --temperature, --top-p, --seed
@@ -375,9 +376,7 @@ def run_eval(args) -> int:
     overrides = parse_params(args.param) or None
     if overrides and args.task == "agreement":
         raise UserError("--param applies to the passkey and visual tasks")
-    for name in policies:
-        for speed in speeds:
-            _check_before_loading(args.model, name, speed, overrides)
+    _check_before_loading(args.model, [(name, speed) for name in policies for speed in speeds], overrides)
     # the unpruned model is always run, as the reference: `--policies none` runs it alone
     policies = [p for p in policies if p != "none"]
     if args.samples < 1 or args.new_tokens < 1 or not lengths:
