@@ -96,7 +96,7 @@ PAPERS = {
 }
 QWEN_POLICIES = ["dash", "zipvl", "lazyllm", "auto"]
 LLAVA_POLICIES = ["hidivdrop", "st3", "divprune", "auto"]
-DECODE_POLICIES = [("none", 0.0), ("st3", 1.0), ("zipvl", 0.5), ("auto", 1.0)]  # auto: the default, LazyLLM's revival
+DECODE_POLICIES = [("none", 0.0), ("st3", 1.0), ("zipvl", 0.5), ("auto", 1.0)]  # auto: uncalibrated LazyLLM, prefill only
 
 
 @dataclass(frozen=True)

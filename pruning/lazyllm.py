@@ -27,8 +27,9 @@ field's default), but the slider's settings (``from_speed``) switch it off: each
 selected entries of every layer past the first pruning layer and computes the revived tokens, which
 made decode 0.69x the unpruned speed at batch 1 (docs/benchmarks.md), so a faster first token came
 with a slower long answer. Without it, decode attends to what prefill left in each layer's KV cache
-(a shorter cache, so each step is cheaper than the unpruned one); docs/pruning.md has the measured
-difference in answers.
+(a shorter cache, so each step is cheaper than the unpruned one) and is plain decoding: batched with
+other requests in KV slots, captured as a CUDA graph on a GPU, and no Aux Cache is kept (nothing
+would read it); docs/pruning.md has the measured difference in answers.
 
 ``merge=True`` (not in the paper; a Glimpse option, measured in docs/pruning.md) folds each pruned
 visual token into its most similar kept visual token (``pruning.base.merge_into_kept``) instead of
@@ -110,10 +111,18 @@ class LazyLLM(ScoreThenCut):
         else:
             visual = visual_in(active, ctx)
             pruned = lowest_visual(active, ctx, self.scores, math.floor(k * visual))
-        ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
+        if self.decode_reselect:  # only decode's revival reads the Aux Cache
+            ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
         if self.merge:
             merge_into_kept(ctx, active, pruned, self.sizes)
         return without(active, pruned)
+
+    def implements(self, callback: str) -> bool:
+        # Without re-selection the decode callbacks do nothing: saying so lets decode run plainly, as the
+        # unpruned model's does over a shorter cache (in a batch's KV slots, as one CUDA graph on a GPU).
+        if not self.decode_reselect and callback in ("decode_rows", "decode_attend", "decode_score"):
+            return False
+        return super().implements(callback)
 
     def decode_rows(self, layer_idx: int, rows, ctx):
         if layer_idx == 0:

@@ -20,7 +20,7 @@ from glimpse.pipeline.cache import Growing, KVCache, LayerKV
 from glimpse.pipeline.engine import Sampling
 from glimpse.pipeline.metrics import MemoryMeter
 from glimpse.pipeline.quant import dequantize, quantize
-from glimpse.pruning import ST3, LazyLLM, NoPruning, ZipVL
+from glimpse.pruning import ST3, LazyLLM, NoPruning, ZipVL, make_policy
 from glimpse.pruning.st3 import anneal_share
 from conftest import DEEP_LAYERS
 from tiny_models import build_llava, reference_inputs
@@ -403,16 +403,20 @@ def test_lazyllm_revives_pruned_tokens_once_per_layer_from_the_aux_cache_at_thei
 
 
 def test_the_sliders_lazyllm_prunes_in_prefill_only_and_decode_attends_to_what_prefill_left(deep_llava, media):
+    """Without the paper's re-selection, decode is plain decoding over the caches prefill left: each layer's KV
+    holds that layer's prefill tokens and every generated one, nothing is revived, and no Aux Cache is kept."""
     engine, messages = deep_llava, _messages(media)
-    policy = _Watching.from_speed(1.0)
+    policy = LazyLLM.from_speed(1.0)
     assert not policy.decode_reselect  # the paper's per-step re-selection is opt-in: decode_reselect=True
     request = _answer(engine, messages, policy, 6)
-    assert request.ctx.revived == 0 and request.ctx.aux_cache.nbytes() > 0
-    prefill_entries = [set(active.tolist()) for active in request.ctx.active_per_layer]
+    assert request.ctx.revived == 0 and request.ctx.aux_cache.nbytes() == 0
     T = len(request.prompt)
-    for step in policy.seen:  # every layer's whole cache: its prefill tokens, then the generated ones
-        for layer_idx, seen in step.items():
-            assert {i for i in seen if i < T} == prefill_entries[layer_idx]
+    generated = set(range(T, T + len(request.tokens) - 1))  # the last token has no entry yet
+    with torch.inference_mode():
+        held = [set(request.ctx.cache.tokens(layer_idx).tolist()) for layer_idx in range(len(request.ctx.cache.layers))]
+    for layer_idx, active in enumerate(request.ctx.active_per_layer):
+        assert held[layer_idx] == set(active.tolist()) | generated
+    assert len(request.ctx.active_per_layer[-1]) < T  # it pruned
 
 
 def test_lazyllm_at_speed_0_decodes_exactly_like_no_pruning(deep_llava, media):
@@ -509,7 +513,7 @@ def test_a_slot_holds_a_bounded_share_of_a_long_budget_and_a_longer_answer_moves
     assert len(seen["formed"]) >= 3
 
 
-@pytest.mark.parametrize("policy,speed", [("none", 0.0), ("fastv", 0.8), ("st3", 1.0)])
+@pytest.mark.parametrize("policy,speed", [("none", 0.0), ("fastv", 0.8), ("st3", 1.0), ("lazyllm", 1.0)])
 def test_requests_in_kv_slots_decode_as_each_on_its_own_cache(deep_checkpoints, media, monkeypatch, policy, speed):
     """Prompts of different lengths (and, pruned, different lengths per layer) share one attention call per layer
     over their slots, masked to each one's own entries: the answers and the KV each holds are those of decoding
@@ -534,7 +538,8 @@ def test_requests_in_kv_slots_decode_as_each_on_its_own_cache(deep_checkpoints, 
 
 def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_checkpoints, media):
     """A batch is as long as its longest member needs: a prompt many times longer than the others is left to
-    decode on its own cache, and so are LazyLLM (it revives prompt tokens in decode) and ZipVL's packed KV."""
+    decode on its own cache, and so are LazyLLM with the paper's re-selection (it revives prompt tokens in decode)
+    and ZipVL's packed KV; the slider's LazyLLM, which prunes in prefill only, decodes plainly (and as a graph)."""
     engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
     short = [{"role": "user", "content": "Say hi."}]
     long = [{"role": "user", "content": "Read this. " + "The sea is calm and blue today. " * 60}]
@@ -544,10 +549,14 @@ def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_c
         assert formed.requests == started[:2]
         assert all(formed.holds(layer) for r in started[:2] for layer in r.ctx.cache.layers)
         assert not any(formed.holds(layer) for layer in started[2].ctx.cache.layers)
-        lazy = engine.start(_messages(media), "lazyllm", 1.0, 8, Sampling())
+        sliders_lazy = engine.start(_messages(media), "lazyllm", 1.0, 8, Sampling())  # prunes in prefill only
+        papers_lazy = engine.start(_messages(media), make_policy("lazyllm", 1.0, {"decode_reselect": True}), 1.0, 8,
+                                   Sampling())
         zipvl = engine.start(_messages(media), "zipvl", 1.0, 8, Sampling())
         zipvl.policy.decode_step(1, zipvl.ctx)  # packs the prefill KV, as the first decode step does
-        assert [decodes_plainly(r) for r in (started[0], lazy, zipvl)] == [True, False, False]
+        assert ([decodes_plainly(r) for r in (started[0], sliders_lazy, papers_lazy, zipvl)]
+                == [True, True, False, False])
+        assert not sliders_lazy.policy.acts_in_decode() and papers_lazy.policy.acts_in_decode()
 
 
 def test_st3_evicting_from_kv_slots_gives_the_memory_back(deep_checkpoints, media, monkeypatch):
