@@ -1,8 +1,12 @@
 """Media URLs fetched with limits: the API's ``image_url``/``video_url`` parts, and the Ray captioner's manifests
 of http(s) URLs.
 
-Every fetch has a size cap and a deadline for the whole body however slowly it drips, follows redirects on the
-same host only, and (unless allowed) refuses private, loopback, link-local and reserved addresses, so that a
+Every fetch has a size cap and one deadline for all of it — connecting, a response head sent a line at a time,
+each redirect, the body however slowly it drips — follows redirects on the same host only, asks for the body
+uncompressed and refuses one sent compressed anyway (a few kilobytes of brotli or nested gzip unpack to
+gigabytes before a cap on what comes out could look), and (unless allowed) refuses every address that is not
+globally reachable: private, loopback, link-local, shared (100.64/10, where some clouds answer metadata),
+reserved, and IPv6 forms that carry one of those (IPv4-mapped, IPv4-compatible, 6to4, Teredo, NAT64), so that a
 request cannot make a server probe its own network (server-side request forgery). The address checked is the
 address connected to: no second DNS lookup to rebind. Errors say what went wrong in words a client can act
 on and nothing about the network behind.
@@ -10,20 +14,36 @@ on and nothing about the network behind.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 from glimpse.common import UserError
 
 MAX_FETCH_BYTES = 50 * 2**20  # the API: an http(s) image or video larger than this is refused
 FETCH_DEADLINE_S = 30.0  # the API: a media URL must be fetched within this, however slowly it drips
+MAX_REDIRECTS = 4
+# IPv6 prefixes whose last 32 bits are an IPv4 address that the connection may end up at.
+IPV4_CARRIERS = (ipaddress.ip_network("::/96"), ipaddress.ip_network("64:ff9b::/96"),
+                 ipaddress.ip_network("64:ff9b:1::/48"))
 
 
 class FetchError(UserError):
     """A URL that could not be fetched within the limits (the API answers 400)."""
+
+
+def is_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether a server may fetch from ``address`` on a client's say-so: globally reachable, not multicast, and,
+    for an IPv6 address that carries an IPv4 one, that one too."""
+    if address.version == 6:
+        carried = [address.ipv4_mapped, address.sixtofour, *(address.teredo or ())]
+        carried += [ipaddress.IPv4Address(int(address) & 0xFFFFFFFF) for net in IPV4_CARRIERS if address in net]
+        if any(inner is not None and not is_public(inner) for inner in carried):
+            return False
+    return address.is_global and not address.is_multicast
 
 
 class Fetcher:
@@ -40,37 +60,57 @@ class Fetcher:
         return b"".join(self.pieces(url))
 
     def pieces(self, url: str) -> Iterator[bytes]:
+        """The body piece by piece. The fetch runs on a private event loop in the calling thread, so that the
+        deadline cancels whatever it waits on (a read timeout alone restarts with every byte that arrives)."""
+        deadline = time.monotonic() + self.deadline_s
+        loop = asyncio.new_event_loop()
+        chunks = self._chunks(url)
+        try:
+            while True:
+                try:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise asyncio.TimeoutError
+                    chunk = loop.run_until_complete(asyncio.wait_for(anext(chunks), remaining))
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise FetchError(f"{url}: not fetched within {self.deadline_s:g} s") from None
+                yield chunk
+        finally:
+            loop.run_until_complete(chunks.aclose())  # closes the connection
+            loop.close()
+
+    async def _chunks(self, url: str) -> AsyncIterator[bytes]:
         import httpx
 
-        deadline = time.monotonic() + self.deadline_s
         host = urlsplit(url).hostname
         try:
-            for _ in range(5):  # redirects, on the same host only
-                pinned, headers, extensions = self._pin(url)
-                timeout = httpx.Timeout(min(10.0, self.deadline_s))
-                with httpx.Client(timeout=timeout, follow_redirects=False) as client, \
-                        client.stream("GET", pinned, headers=headers, extensions=extensions) as response:
-                    if response.is_redirect:
-                        target = urljoin(url, response.headers.get("location", ""))
-                        if urlsplit(target).hostname != host:
-                            raise FetchError(f"{url}: redirects to another host ({urlsplit(target).hostname})")
-                        url = target
-                        continue
-                    response.raise_for_status()
-                    size = 0
-                    for chunk in response.iter_bytes():
-                        size += len(chunk)
-                        if size > self.max_bytes:
-                            raise FetchError(f"{url}: larger than {self.max_bytes // 2**20} MiB")
-                        if time.monotonic() > deadline:
-                            raise FetchError(f"{url}: not fetched within {self.deadline_s:g} s")
-                        yield chunk
-                    return
-            raise FetchError(f"{url}: too many redirects")
+            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False) as client:
+                for _ in range(MAX_REDIRECTS + 1):
+                    pinned, headers, extensions = await self._pin(url)
+                    headers["Accept-Encoding"] = "identity"
+                    async with client.stream("GET", pinned, headers=headers, extensions=extensions) as response:
+                        if response.is_redirect:
+                            url = _redirect_target(url, host, response.headers.get("location"))
+                            continue
+                        response.raise_for_status()
+                        encoding = response.headers.get("content-encoding", "").strip().lower()
+                        if encoding not in ("", "identity"):
+                            raise FetchError(f"{url}: the server sent the body compressed ({encoding}) although "
+                                             "asked not to; it is not unpacked")
+                        size = 0
+                        async for chunk in response.aiter_raw():  # as sent: nothing is unpacked
+                            size += len(chunk)
+                            if size > self.max_bytes:
+                                raise FetchError(f"{url}: larger than {self.max_bytes // 2**20} MiB")
+                            yield chunk
+                        return
+            raise FetchError(f"{url}: more than {MAX_REDIRECTS} redirects")
         except httpx.HTTPError:
             raise FetchError(f"{url}: could not be fetched") from None  # no detail: it would map the network
 
-    def _pin(self, url: str) -> tuple[str, dict, dict]:
+    async def _pin(self, url: str) -> tuple[str, dict, dict]:
         """The URL with its host replaced by the address checked here, the Host header and TLS name of the
         original: the connection goes to the address that was checked, so a DNS answer that changes
         between the check and the connection (rebinding) cannot reach the server's own network."""
@@ -78,20 +118,30 @@ class Fetcher:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise FetchError(f"{url}: only http(s) URLs with a host are fetched")
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        try:
-            infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+        try:  # in a worker thread of the loop: the deadline bounds a slow DNS answer too
+            infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError):
             raise FetchError(f"{url}: could not be fetched") from None
         address = ipaddress.ip_address(infos[0][4][0].split("%")[0])
         if not self.allow_private:
-            for info in infos:
-                candidate = ipaddress.ip_address(info[4][0].split("%")[0])
-                if (candidate.is_private or candidate.is_loopback or candidate.is_link_local or candidate.is_reserved
-                        or candidate.is_multicast or candidate.is_unspecified):
-                    raise FetchError(f"{url}: private, loopback and link-local addresses are not fetched "
-                                     "(start the server with --allow-private-urls to allow them)")
+            if not all(is_public(ipaddress.ip_address(info[4][0].split("%")[0])) for info in infos):
+                raise FetchError(f"{url}: private, loopback and link-local addresses are not fetched "
+                                 "(start the server with --allow-private-urls to allow them)")
         literal = f"[{address}]" if address.version == 6 else str(address)
         netloc = f"{literal}:{port}"
         host_header = parts.hostname if parts.port is None else f"{parts.hostname}:{parts.port}"
         pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
         return pinned, {"Host": host_header}, {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+
+
+def _redirect_target(url: str, host: str | None, location: str | None) -> str:
+    """Where a redirect of ``url`` leads, if it may be followed: an http(s) URL on the same host."""
+    if not location:
+        raise FetchError(f"{url}: redirects without saying where (no Location)")
+    target = urljoin(url, location)
+    parts = urlsplit(target)
+    if parts.scheme not in ("http", "https"):
+        raise FetchError(f"{url}: redirects to a URL that is not http(s)")
+    if parts.hostname != host:
+        raise FetchError(f"{url}: redirects to another host ({parts.hostname})")
+    return target

@@ -1,0 +1,138 @@
+"""Media URLs fetched for a client (glimpse.fetch): what a hostile media server or a URL aimed at the server's
+own network can make the fetch do. Each server here is a local one, so every fetch allows private addresses
+except the address tests, which are about refusing them."""
+
+from __future__ import annotations
+
+import gzip
+import ipaddress
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from glimpse.fetch import Fetcher, FetchError, is_public
+
+
+@contextmanager
+def _raw_server(answer):
+    """A TCP server on 127.0.0.1 whose every connection is handed to ``answer(connection, request_head)``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    heads = []
+
+    def serve():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += connection.recv(4096)
+            heads.append(head.decode("latin-1"))
+            threading.Thread(target=_answer_and_close, args=(answer, connection, heads[-1]), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", heads
+    finally:
+        listener.close()
+
+
+def _answer_and_close(answer, connection, head):
+    try:
+        answer(connection, head)
+    except OSError:
+        pass  # the fetch gave up and closed its end
+    finally:
+        connection.close()
+
+
+def test_a_response_head_sent_a_line_at_a_time_is_given_up_at_the_deadline():
+    """httpx's read timeout starts again with every byte that arrives: a server that sends a header line every
+    half second held a fetch (and a server thread) for as long as it liked. The deadline covers the head too."""
+    def slow_head(connection, _):
+        connection.sendall(b"HTTP/1.1 200 OK\r\n")
+        for i in range(40):  # 20 s of headers
+            time.sleep(0.5)
+            connection.sendall(f"X-Slow-{i}: yes\r\n".encode())
+        connection.sendall(b"Content-Length: 0\r\n\r\n")
+
+    with _raw_server(slow_head) as (url, _):
+        start = time.monotonic()
+        with pytest.raises(FetchError, match="not fetched within 2 s"):
+            Fetcher(allow_private=True, deadline_s=2.0).fetch(url + "/x.png")
+        assert time.monotonic() - start < 4.0
+
+
+def test_a_compressed_body_is_asked_against_and_refused_unpacked():
+    """A few kilobytes of gzip (or brotli) unpack to gigabytes in one step, before a cap on the unpacked bytes can
+    look: the fetch asks for the body as it is (``Accept-Encoding: identity``), refuses a body sent compressed
+    anyway, and never unpacks it."""
+    bomb = gzip.compress(b"\0" * (64 * 2**20))  # 64 MiB of zeros, 64 KiB sent
+
+    def compressed(connection, _):
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Encoding: gzip\r\n"
+                           + f"Content-Length: {len(bomb)}\r\n\r\n".encode() + bomb)
+
+    with _raw_server(compressed) as (url, heads):
+        with pytest.raises(FetchError, match=r"compressed \(gzip\)"):
+            Fetcher(allow_private=True, max_bytes=2**20).fetch(url + "/x.png")
+    assert "accept-encoding: identity" in heads[0].lower()
+
+
+def test_the_body_is_kept_as_sent():
+    """A plain body comes back byte for byte, chunked or not."""
+    body = bytes(range(256)) * 40
+
+    def chunked(connection, _):
+        connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for start in range(0, len(body), 1000):
+            piece = body[start:start + 1000]
+            connection.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        connection.sendall(b"0\r\n\r\n")
+
+    with _raw_server(chunked) as (url, _):
+        assert Fetcher(allow_private=True).fetch(url + "/x.png") == body
+
+
+@pytest.mark.parametrize("location,message", [
+    (None, "redirects without saying where"),
+    ("file:///etc/passwd", "redirects to a URL that is not http(s)"),
+    ("http://example.invalid/x.png", "redirects to another host (example.invalid)"),
+])
+def test_a_redirect_that_cannot_be_followed_says_why(location, message):
+    def redirect(connection, _):
+        where = f"Location: {location}\r\n" if location else ""
+        connection.sendall(f"HTTP/1.1 302 Found\r\n{where}Content-Length: 0\r\n\r\n".encode())
+
+    with _raw_server(redirect) as (url, _):
+        with pytest.raises(FetchError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            Fetcher(allow_private=True).fetch(url + "/x.png")
+
+
+@pytest.mark.parametrize("address", [
+    "127.0.0.1", "10.1.2.3", "192.168.0.1", "169.254.169.254", "0.0.0.0", "100.100.100.200",  # shared (RFC 6598)
+    "198.18.0.1", "224.0.0.1", "::1", "::", "fe80::1", "fc00::1",
+    "::ffff:127.0.0.1", "::127.0.0.1",  # IPv4-mapped and IPv4-compatible
+    "2002:7f00:1::", "2002:a9fe:a9fe::",  # 6to4 of 127.0.0.1 and 169.254.169.254
+    "64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe",  # NAT64 of loopback and link-local
+    "2001:0:4136:e378:8000:63bf:80ff:fffe",  # Teredo whose client is 127.0.0.1
+])
+def test_addresses_that_are_not_globally_reachable_are_not_fetched(address):
+    assert not is_public(ipaddress.ip_address(address))
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "2001:4860:4860::8888", "64:ff9b::808:808",
+                                     "2002:808:808::"])
+def test_globally_reachable_addresses_are(address):
+    assert is_public(ipaddress.ip_address(address))
+
+
+def test_a_shared_address_url_is_refused_before_connecting():
+    """100.64.0.0/10 is neither private nor reserved to Python's ``ipaddress``, and some clouds answer their
+    metadata there: it is refused like a private address, without a connection."""
+    with pytest.raises(FetchError, match="private, loopback and link-local addresses are not fetched"):
+        Fetcher().fetch("http://100.100.100.200/latest/meta-data/")
