@@ -1070,10 +1070,11 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
     if temperature <= 0:
         raise UserError("temperature must be > 0 when sampling")
     scores = logits / temperature
-    if bool((scores == float("inf")).any()):
-        # A temperature so small that the division overflows (1e-40 in float32): the same distribution measured
-        # from the largest logit stays finite (its mass all on the top tokens), where inf - inf made NaNs.
-        scores = (logits - logits.max()) / temperature
+    if not bool(torch.isfinite(scores).all()):
+        # A temperature so small that the division overflows (1e-40 in float32), or that is 0 in float32 (1e-46):
+        # the same distribution measured from the largest logit, in float64, stays finite where inf - inf and
+        # 0 / 0 made NaNs: the top logit's score is 0 / temperature = 0, the others' at most -inf.
+        scores = (logits.double() - logits.max()) / temperature
     if top_p < 1.0:
         sorted_scores, order = scores.sort(descending=False)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)

@@ -252,9 +252,12 @@ def test_stream_concatenates_to_the_result_and_sampling_is_seeded(checkpoints, m
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids or a.token_ids != result.token_ids
     # A temperature so small that logits / temperature overflows samples the greedy answer (it was NaNs, a 500).
-    for top_p in (1.0, 0.9):
-        cold = engine.generate(messages, do_sample=True, temperature=1e-40, top_p=top_p, seed=7, max_new_tokens=8)
-        assert cold.token_ids == result.token_ids
+    # Below float32's smallest number (1e-46, 5e-324: a float64 the API accepts) the division was by 0 (NaNs again).
+    for temperature in (1e-40, 1e-46, 5e-324):
+        for top_p in (1.0, 0.9):
+            cold = engine.generate(messages, do_sample=True, temperature=temperature, top_p=top_p, seed=7,
+                                   max_new_tokens=8)
+            assert cold.token_ids == result.token_ids, (temperature, top_p)
 
 
 def test_prompt_over_context_length_is_a_clear_error(checkpoints, media):
