@@ -12,7 +12,8 @@
   metrics. Any other request field (``tools``, ``response_format``, ``logprobs``, penalties, ``n`` > 1,
   ...) is refused with 400, never ignored, unless it is sent with its "off" value (null, false, 0,
   empty), which asks for nothing.
-* ``GET /v1/models`` — the one model this server answers with.
+* ``GET /v1/models`` — the one model this server answers with; ``GET /v1/models/{id}`` — it, or 404. Any other
+  ``/v1/...`` route is a 404 in OpenAI's error shape.
 * ``GET /health`` — ``{"status": "ok", ...}`` with the scheduler's state; 503 when the scheduler has
   stopped or one of its iterations has run longer than ``STALL_S`` (wedged).
 * ``GET /metrics`` — Prometheus (``app/telemetry.py``).
@@ -25,9 +26,10 @@ With ``--api-key``, ``/v1/*`` requires ``Authorization: Bearer <key>``.
 Requests go to the scheduler (``pipeline/scheduler.py``), shared with the chat: a full queue answers
 429 with Retry-After. A client that leaves — a dropped stream, or a request given up while waiting —
 cancels its request at the next decode step. Parsing a request and fetching its media never run on
-the event loop, and a media URL gets ``FETCH_DEADLINE_S`` in all, no redirect to another host, and no
-private, loopback or link-local address unless the server allows them (``--allow-private-urls``);
-the address checked is the address connected to (no second DNS lookup to rebind).
+the event loop (requests with media URLs in at most ``FETCHING_THREADS`` worker threads at once), and a
+media URL gets ``FETCH_DEADLINE_S`` in all, no redirect to another host, no compressed body, and no address
+that is not globally reachable unless the server allows them (``--allow-private-urls``); the address
+checked is the address connected to (no second DNS lookup to rebind): ``app/fetch.py``.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator,
                       model_validator)
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
 from glimpse import vision
+from glimpse.vision import NamedBytes
 from glimpse.common import UserError
 from glimpse.connections import BodyLimits
 from glimpse.fetch import FETCH_DEADLINE_S, Fetcher
@@ -60,8 +63,11 @@ from glimpse.pipeline.engine import StreamChunk
 from glimpse.pipeline.prompt import check_text_length
 from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
+FETCHING_THREADS = 8  # requests whose media URLs are fetched at once; more wait their turn
 STALL_S = 300.0  # /health reports the scheduler wedged when one iteration (a prefill, a step) runs this long
 OFF_VALUES = (None, False, 0, [], {}, "")
+# Fields Glimpse does not implement whose value here asks for what it does anyway: a plain-text answer, no tools.
+ASKS_NOTHING = {"response_format": ({"type": "text"},), "tool_choice": ("none",)}
 
 
 class BadRequest(Exception):
@@ -69,7 +75,7 @@ class BadRequest(Exception):
 
 
 # ---------------------------------------------------------------------------- the request, declared
-Number = Annotated[float, Field(strict=True)]  # a JSON number; strings and booleans are refused
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a finite JSON number; not a string or a boolean
 
 
 class Declared(BaseModel):
@@ -147,7 +153,7 @@ class ChatRequest(BaseModel):
     top_p: Number | None = Field(None, gt=0, le=1)
     seed: StrictInt | None = Field(None, ge=-2**63, lt=2**64)  # what torch's generator takes
     n: StrictInt | None = Field(None, ge=1, le=1)  # one choice per request
-    stop: StrictStr | list[StrictStr] | None = Field(None, max_length=4)
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     user: StrictStr | None = None
     speed: Number = Field(0.0, ge=0, le=1)
     policy: StrictStr = "auto"
@@ -155,7 +161,8 @@ class ChatRequest(BaseModel):
 
     @model_validator(mode="after")
     def refuse_unimplemented(self) -> "ChatRequest":
-        asked = sorted(k for k, v in (self.model_extra or {}).items() if v not in OFF_VALUES)
+        asked = sorted(k for k, v in (self.model_extra or {}).items()
+                       if v not in OFF_VALUES and v not in ASKS_NOTHING.get(k, ()))
         if asked:
             raise ValueError(f"unsupported field(s) {', '.join(asked)}: Glimpse implements "
                              f"{', '.join(sorted(ChatRequest.model_fields))}")
@@ -182,6 +189,8 @@ def _validation_message(error: ValidationError) -> str:
         wanted = list(dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in problems
                                     if rank(e) == rank(problem) and _field_name(e["loc"]) == where))
         problem = {**problem, "msg": "Input should be " + ", or ".join(wanted)}
+    if problem["type"] == "union_tag_not_found":
+        return f"{where}: a content part needs a type (text, image_url, video_url)"
     if problem["type"] == "union_tag_invalid":
         return f"{where}: unsupported content part type {problem['input'].get('type')!r} (text, image_url, video_url)"
     if problem["type"] == "value_error":
@@ -218,11 +227,18 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
                app: FastAPI | None = None, allow_private_urls: bool = False, fetch_deadline_s: float = FETCH_DEADLINE_S,
                max_new_tokens: int = 4096, queue_size: int = 32, api_key: str | None = None,
                telemetry: Telemetry | None = None) -> FastAPI:
-    app = app or FastAPI(title="Glimpse")
+    # No /docs or /openapi.json: the chat completion is read by hand (its schema there would be empty), and those
+    # pages would be open under --api-key.
+    app = app or FastAPI(title="Glimpse", docs_url=None, redoc_url=None, openapi_url=None)
+    api_key = api_key or None  # an empty key (GLIMPSE_API_KEY= in compose) is no key, not one nobody can send
     scheduler = scheduler or Scheduler(engine, queue_size=queue_size)
     telemetry = telemetry or Telemetry(scheduler, model_name)
     root = Path(allowed_root).resolve() if allowed_root else None
     fetcher = Fetcher(allow_private_urls, fetch_deadline_s)
+    # A request with http(s) media is parsed (its media fetched, up to the fetch deadline each) by at most
+    # FETCHING_THREADS worker threads at once, fewer than the pool the chat's handlers and the other requests use:
+    # slow media URLs wait for one of these, never for every thread the server has.
+    fetching = anyio.CapacityLimiter(FETCHING_THREADS)
     app.state.scheduler, app.state.telemetry = scheduler, telemetry
     # Every request body but an upload's, here and in the chat mounted on this app: 413 past 64 MiB, 408 if it has
     # not all arrived in 120 s (glimpse.connections).
@@ -232,16 +248,19 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
     def unauthorized(request: Request) -> JSONResponse | None:
         if api_key is None:
             return None
-        given = request.headers.get("authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # The scheme's name is case-insensitive (RFC 9110); the key is compared in constant time.
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode()):
             return None
         return _error(401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_request_error",
                       code="invalid_api_key")
 
     # HEAD as well as GET (probes and `curl -I`); another method is a 405 naming the one to use, where the chat
     # mounted at "/" would have answered 404.
+    # These three answer on the event loop, never waiting for a worker thread: while slow media fetches hold the
+    # threads, a probe of /health still gets its answer.
     @app.api_route("/health", methods=["GET", "HEAD"])
-    def health():
+    async def health():
         state = scheduler.state()
         wedged = not state["alive"] or state["stalled_s"] > STALL_S
         body = {"status": "wedged" if wedged else "ok", "model": model_name, "device": str(engine.device), **state,
@@ -250,14 +269,25 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
                 "decode_graphs": engine.decode_graphs, "decode_graph_error": engine.decode_graph_error}
         return JSONResponse(body, status_code=503 if wedged else 200)
 
+    the_model = {"id": model_name, "object": "model", "created": 0, "owned_by": "glimpse"}
+
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
-    def models(request: Request):
+    async def models(request: Request):
         if (refusal := unauthorized(request)) is not None:
             return refusal
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "glimpse"}]}
+        return {"object": "list", "data": [the_model]}
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(request: Request, model_id: str):
+        if (refusal := unauthorized(request)) is not None:
+            return refusal
+        if model_id != model_name:
+            return _error(404, f"the model {model_id!r} does not exist: this server answers with {model_name!r}",
+                          "invalid_request_error", code="model_not_found")
+        return the_model
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
-    def metrics():
+    async def metrics():
         return Response(telemetry.render(), media_type=CONTENT_TYPE)
 
     for path, allowed in (("/health", "GET, HEAD"), ("/v1/models", "GET, HEAD"), ("/metrics", "GET, HEAD"),
@@ -300,7 +330,8 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             scheduler.check_room()  # refuse a full server before fetching anything
             # Off the event loop, in one hop to a worker thread: fetching a slow media URL must not stall
             # /health or other requests; each hop waits for a CPU that the model's threads keep busy.
-            ticket, promise = await run_in_threadpool(parse_and_submit)
+            limiter = fetching if _fetches(body) else None  # None: the pool every other request shares
+            ticket, promise = await anyio.to_thread.run_sync(parse_and_submit, limiter=limiter)
         except QueueFull as full:
             telemetry.refused("rejected")
             return _error(429, str(full), "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(full.retry_s)))})
@@ -327,6 +358,17 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             return StreamingResponse(_events(ticket, channel, first, body.speed, promise, model_name, include_usage),
                                      media_type="text/event-stream")
         return _completion(first.result, model_name, body.speed, promise)
+
+    @app.api_route("/v1/{anything:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+                   include_in_schema=False)
+    async def not_here(request: Request, anything: str):
+        # Last, after every route it would hide. An OpenAI client that asks for what Glimpse does not serve
+        # (/v1/completions, /v1/embeddings) gets an error in OpenAI's shape, which its library reads, not FastAPI's
+        # {"detail": ...}.
+        if (refusal := unauthorized(request)) is not None:
+            return refusal
+        return _error(404, f"/v1/{anything} is not served here: Glimpse serves /v1/chat/completions and /v1/models",
+                      "invalid_request_error", code="not_found")
 
     return app
 
@@ -380,8 +422,7 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
                 parts.append({"type": "text", "text": part.text})
                 continue
             media = "image" if isinstance(part, ImagePart) else "video"
-            spec = part.image_url if media == "image" else part.video_url
-            url = spec.url if isinstance(spec, MediaURL) else spec
+            url = _url_of(part)
             where = f"messages[{number}].content[{index}]"  # as the request's JSON has it (the validation errors' words)
             parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher, where)})
         messages.append({"role": role, "content": parts})
@@ -395,27 +436,43 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
 MAX_PATH_BYTES = 4096  # PATH_MAX: a longer local path cannot name a file (and resolving one costs time)
 
 
+def _fetches(body: ChatRequest) -> bool:
+    """Whether parsing ``body`` fetches a media URL."""
+    for message in body.messages:
+        for part in message.content if isinstance(message.content, list) else ():
+            if isinstance(part, (ImagePart, VideoPart)) and _url_of(part)[:8].lower().startswith(("http://", "https://")):
+                return True
+    return False
+
+
+def _url_of(part: ImagePart | VideoPart) -> str:
+    spec = part.image_url if isinstance(part, ImagePart) else part.video_url
+    return spec.url if isinstance(spec, MediaURL) else spec
+
+
 def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fetcher: "Fetcher", where: str = "media"):
     """Bytes (images) or a file path (videos) for a data: / http(s) / local URL. URL schemes are matched as
     RFC 3986 has them, in any case. A video's bytes go to a file named after ``where`` (the part of the request
     it came from), so that an error about it names that part, not a random temporary name."""
     scheme = url[:8].lower()
-    named = re.match(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://", url)
-    if named and not scheme.startswith(("http://", "https://", "file://")):
-        raise BadRequest(f"{where}: an unsupported URL scheme ({named.group(0)}); send a data: URL, an http(s):// "
+    # A scheme is two or more letters before a colon (one letter would be a drive, which is no URL here):
+    # javascript:, about:, jar:http://... are refused as schemes, not looked for as files under the root.
+    named = re.match(r"([A-Za-z][A-Za-z0-9+.-]{1,31}):", url)
+    if named and named.group(1).lower() not in ("data", "http", "https", "file"):
+        shown = named.group(0) + ("//" if url[named.end():].startswith("//") else "")
+        raise BadRequest(f"{where}: an unsupported URL scheme ({shown}); send a data: URL, an http(s):// "
                          "URL or a file:// URL under the allowed root")
+    if named and named.group(1).lower() in ("http", "https") and not scheme.startswith(("http://", "https://")):
+        raise BadRequest(f"{where}: {url[:40]!r} is not an http(s) URL (http://host/...)")
     if scheme.startswith("data:"):
         header, _, payload = url.partition(",")
         if ";base64" not in header.lower():
-            raise BadRequest("data URLs must be base64-encoded")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise BadRequest("the data URL is not valid base64") from None
+            raise BadRequest(f"{where}: data URLs must be base64-encoded")
+        data = NamedBytes(_base64(payload, where), f"{where} (a data URL)")
         if not data:
-            raise BadRequest("the data URL holds no data (data:<type>;base64,<data>)")
+            raise BadRequest(f"{where}: the data URL holds no data (data:<type>;base64,<data>)")
     elif scheme.startswith(("http://", "https://")):
-        data = fetcher.fetch(url)
+        data = NamedBytes(fetcher.fetch(url), f"{where} ({_url_name(url)})")
     else:
         try:
             name = vision.local_path(url)  # file://localhost/..., percent-encoded names
@@ -429,6 +486,18 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fe
     target = folder / (f"{where} (a data URL)" if scheme.startswith("data:") else f"{where} ({_url_name(url)})")
     target.write_bytes(data)
     return str(target)
+
+
+def _base64(payload: str, where: str) -> bytes:
+    """A data URL's bytes: base64 as written in MIME (line breaks), percent-encoded or URL-safe, padded or not."""
+    from urllib.parse import unquote
+
+    text = re.sub(r"\s+", "", unquote(payload) if "%" in payload else payload)
+    altchars = b"-_" if re.search(r"[-_]", text) else None
+    try:
+        return base64.b64decode(text + "=" * (-len(text) % 4), altchars=altchars, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"{where}: the data URL is not valid base64") from None
 
 
 def _url_name(url: str) -> str:

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     served.add_argument("--speed", type=float, default=0.0, help="the speed every request asks for (default 0)")
     served.add_argument("--burst", type=int, default=0,
                         help="then send this many requests at once and count admitted and refused (default 0: none)")
-    served.add_argument("--api-key", default=os.environ.get("GLIMPSE_API_KEY"), help="the server's key, if any")
+    served.add_argument("--api-key", default=os.environ.get("GLIMPSE_API_KEY") or None, help="the server's key, if any")
     served.add_argument("--max-batch", type=int, default=8, help="of the server started here (default 8)")
     served.add_argument("--queue-size", type=int, default=32, help="of the server started here (default 32)")
     served.add_argument("--kv-budget-mb", type=int, default=None, help="of the server started here")
@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep the keys and values of recent unpruned prompts, up to this much (default 1024; "
                             "0: off): a prompt that starts like one of them (a chat's next turn, another question "
                             "about the same picture) computes only the rest; docs/serving.md")
-    serve.add_argument("--api-key", default=os.environ.get("GLIMPSE_API_KEY"),
+    serve.add_argument("--api-key", default=os.environ.get("GLIMPSE_API_KEY") or None,
                        help="require 'Authorization: Bearer KEY' on /v1/* and a login (password KEY) for the "
                             "chat (default: $GLIMPSE_API_KEY); required with a non-loopback --host")
     serve.add_argument("--no-api-key", action="store_true",
@@ -436,7 +436,9 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
         default_concurrency_limit=max_batch + queue_size, max_size=queue_size)
     # Compared in constant time, as the API compares its bearer token.
     auth = (lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode())) if api_key else None
+    # The chat's app publishes no OpenAPI schema either (it was open under --api-key, at /openapi.json).
     app = gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth,
+                              app_kwargs={"openapi_url": None},
                               auth_message="Log in with any user name and the server's API key as the password.")
     # Gradio checks that a file its routes are given by path was uploaded (and refuses it before opening it)
     # only once the app "has launched", which `launch()` records and `mount_gradio_app` does not: mounted, every
@@ -458,6 +460,20 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """A port another server holds is said before the model loads (it was said after, under uvicorn's traceback).
+    The port is bound and let go at once; the server binds it again once the model is loaded."""
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.create_server((host, port), family=family):
+            pass
+    except OSError as error:
+        raise UserError(f"cannot serve on {host}:{port}: {error.strerror or error} (is another server using the "
+                        "port? choose another with --port)") from None
+
+
 def http_server(app, host: str, port: int):
     """The HTTP server of ``glimpse serve``: uvicorn, closing connections that never send a whole request head
     (glimpse.connections)."""
@@ -476,6 +492,7 @@ def run_serve(args) -> int:
     if not _loopback(args.host) and not args.api_key and not args.no_api_key:
         raise UserError(f"--host {args.host} is reachable from other machines: give --api-key KEY (or set "
                         "GLIMPSE_API_KEY), or --no-api-key to serve it open")
+    _check_port_free(args.host, args.port)
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     if not engine.grounded:

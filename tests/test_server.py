@@ -317,7 +317,12 @@ def test_local_files_only_under_the_allowed_root(server, media):
         reply = httpx.post(url, json={"messages": _question(spelled), "max_tokens": 2}, timeout=30)
         assert reply.status_code == 200, reply.text[:300]
     for spelled, words in ((f"file://elsewhere{root}/image.png", "a file on another host"),
-                           ("ftp://example.com/image.png", "an unsupported URL scheme (ftp://)")):
+                           ("ftp://example.com/image.png", "an unsupported URL scheme (ftp://)"),
+                           # schemes without "//" were looked for as files under the root ("outside the root")
+                           ("javascript:alert(1)", "an unsupported URL scheme (javascript:)"),
+                           ("about:blank", "an unsupported URL scheme (about:)"),
+                           ("jar:http://example.com/x.jar!/a.png", "an unsupported URL scheme (jar:)"),
+                           ("http:/127.0.0.1/x.png", "is not an http(s) URL")):
         reply = httpx.post(url, json={"messages": _question(spelled), "max_tokens": 2}, timeout=30)
         assert reply.status_code == 400 and words in reply.json()["error"]["message"], reply.text[:300]
         assert "messages[0].content[0]" in reply.json()["error"]["message"]
@@ -387,6 +392,20 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, medi
         assert response.status_code == 400 and word in response.json()["error"]["message"], (body, response.text)
     ok = httpx.post(url, json={"messages": _question(_data_url(media["image"])), "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+    # An image's own errors name the part it came in, as every other error about a part does ("image data" before).
+    reply = httpx.post(url, json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Compare:"}, {"type": "image_url", "image_url": {"url": _data_url(media["image"])}},
+        {"type": "image_url", "image_url": {"url": corrupt}}]}], "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["message"].startswith(
+        "messages[0].content[2] (a data URL): "), reply.text
+    # Base64 as MIME writes it (line breaks), URL-safe, unpadded or percent-encoded is still base64.
+    encoded = base64.b64encode(media["image"].read_bytes()).decode()
+    for spelled in ("\n".join(encoded[i:i + 76] for i in range(0, len(encoded), 76)),
+                    base64.urlsafe_b64encode(media["image"].read_bytes()).decode().rstrip("="),
+                    encoded.replace("+", "%2B").replace("/", "%2F")):
+        reply = httpx.post(url, json={"messages": _question("data:image/png;base64," + spelled), "max_tokens": 2},
+                           timeout=60)
+        assert reply.status_code == 200, reply.text[:300]
     # What clients send by default still passes: "off" values, an image's detail "auto" or "high".
     for extra in ({"tool_calls": []}, {"name": "ann"}, {"tool_call_id": None}):
         reply = httpx.post(url, json={"messages": [{"role": "user", "content": "hi", **extra}], "max_tokens": 2})
@@ -684,6 +703,68 @@ def test_a_media_url_that_drips_does_not_stall_the_server_and_is_refused_at_the_
         drip.shutdown()
 
 
+def test_many_slow_media_urls_leave_the_server_its_threads(server, media):
+    """45 requests whose image URLs send their response head a line at a time: they are fetched a few at a time,
+    so /health, /v1/models and a question without a URL are answered while every one of them is still being
+    fetched or waiting for its turn. They used to take every worker thread the server has (40)."""
+    import socket
+
+    from glimpse.api import FETCHING_THREADS, create_api
+
+    listener, release = socket.create_server(("127.0.0.1", 0)), threading.Event()
+    listener.listen(64)
+
+    def slow_heads():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=_slow_head, args=(connection, release), daemon=True).start()
+
+    threading.Thread(target=slow_heads, daemon=True).start()
+    app = create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True)  # the 30 s fetch deadline
+    slow = {"messages": _question(f"http://127.0.0.1:{listener.getsockname()[1]}/x.png"), "max_tokens": 2}
+    try:
+        for url in _serve(app):
+            replies = []
+            askers = [threading.Thread(target=lambda: replies.append(
+                httpx.post(url + "/v1/chat/completions", json=slow, timeout=120))) for _ in range(45)]
+            for asker in askers:
+                asker.start()
+            time.sleep(1.0)  # every slow request has arrived; a few are being fetched, the rest wait their turn
+            assert httpx.get(url + "/health", timeout=60).status_code == 200
+            assert httpx.get(url + "/v1/models", timeout=60).status_code == 200
+            text = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
+            assert text.status_code == 200
+            assert not replies  # answered while none of the slow ones had an answer
+            assert FETCHING_THREADS < 40  # fewer than the server's worker threads
+            release.set()  # the media server gives up: the rest fail at once
+            listener.close()
+            for asker in askers:
+                asker.join(timeout=120)
+            assert len(replies) == 45 and all(r.status_code == 400 for r in replies)
+    finally:
+        release.set()
+        listener.close()
+
+
+def _slow_head(connection, release):
+    """An HTTP response head that does not end: a header line every 0.3 s, until ``release``."""
+    try:
+        connection.recv(4096)
+        connection.sendall(b"HTTP/1.1 200 OK\r\n")
+        for i in range(1000):
+            if release.wait(0.3):
+                break
+            connection.sendall(f"X-Slow-{i}: yes\r\n".encode())
+    except OSError:
+        pass
+    finally:
+        connection.close()
+
+
 def test_media_urls_on_the_servers_own_network_are_refused(server):
     """Server-side request forgery: a URL naming a loopback or private address is refused (by default)
     with one message that says nothing about what is listening there."""
@@ -811,6 +892,14 @@ def test_client_mistakes_get_400_with_what_to_fix_never_a_server_error(server, m
         reply = httpx.post(url, json={**good, **change}, timeout=60)
         assert reply.status_code == 400, (field, reply.text)
         assert field.strip() in reply.json()["error"]["message"], (field, reply.text)
+    # NaN is a JSON number to Python's reader: it was told "less than or equal to 2"
+    reply = httpx.post(url, content=json.dumps({**good, "temperature": float("nan")}), timeout=60,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and "finite number" in reply.json()["error"]["message"], reply.text
+    untyped = {**good, "messages": [{"role": "user", "content": [{"text": "What colour?"}]}]}
+    reply = httpx.post(url, json=untyped, timeout=60)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"] == "messages.0.content.0: a content part needs a type (text, image_url, video_url)"
     assert httpx.post(url, json=good, timeout=60).status_code == 200
 
 
@@ -879,8 +968,37 @@ def test_fields_glimpse_does_not_implement_are_refused_not_ignored(server, media
     assert httpx.post(url, json={**good, "n": 1, "stream_options": {"include_usage": False}}, timeout=60).status_code == 200
     off = {"stop": None, "tools": [], "logprobs": False, "presence_penalty": 0, "response_format": None}
     assert httpx.post(url, json={**good, **off}, timeout=60).status_code == 200  # "off" values ask for nothing
+    # ... and so do a plain-text answer format and no tool choice, which are what Glimpse does anyway
+    plain = {"response_format": {"type": "text"}, "tool_choice": "none"}
+    assert httpx.post(url, json={**good, **plain}, timeout=60).status_code == 200
     models = httpx.get(server["url"] + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-llava"]
+
+
+def test_the_model_can_be_looked_up_and_what_is_not_served_is_an_openai_error(server):
+    """The openai client's ``models.retrieve``; and a route Glimpse does not serve answers in OpenAI's error shape
+    (the client library reads it), not FastAPI's ``{"detail": ...}``. No /docs or /openapi.json: they were open
+    under --api-key and described nothing of the chat completion."""
+    from openai import NotFoundError
+
+    client = _client(server)
+    assert client.models.retrieve("tiny-llava").id == "tiny-llava"
+    with pytest.raises(NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-4")
+    for path in ("/v1/completions", "/v1/embeddings", "/v1/models/tiny-llava/extra"):
+        reply = httpx.post(server["url"] + path, json={}, timeout=30)
+        assert reply.status_code == 404 and "not served here" in reply.json()["error"]["message"], (path, reply.text)
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert '"openapi"' not in httpx.get(server["url"] + path, timeout=30).text, path
+
+
+def test_a_stop_string_of_any_length_is_one_stop_string(server, media):
+    """At most 4 stop strings; one string is one stop, however long (it was counted as its characters)."""
+    url = server["url"] + "/v1/chat/completions"
+    good = {"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3}
+    assert httpx.post(url, json={**good, "stop": "a stop string"}, timeout=60).status_code == 200
+    reply = httpx.post(url, json={**good, "stop": ["a", "b", "c", "d", "e"]}, timeout=60)
+    assert reply.status_code == 400 and "stop" in reply.json()["error"]["message"]
 
 
 def test_chat_settings_are_checked_and_a_bad_value_is_a_message_not_a_crash(server, media):
@@ -934,8 +1052,12 @@ def test_an_api_key_guards_the_api_and_cross_origin_text_posts_are_refused(serve
             OpenAI(base_url=url + "/v1", api_key="wrong").chat.completions.create(model="m", **body)
         assert 'outcome="unauthorized"} 1.0' in httpx.get(url + "/metrics").text  # counted once (the client does not retry a 401)
         assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/embeddings").status_code == 401  # what is not served asks for the key too
         reply = OpenAI(base_url=url + "/v1", api_key="s3cret").chat.completions.create(model="m", **body)
         assert reply.choices[0].message.content is not None
+        for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):  # the scheme's name is case-insensitive
+            assert httpx.get(url + "/v1/models", headers={"Authorization": header}).status_code == 200, header
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
         assert httpx.get(url + "/health").status_code == 200  # health checks need no key
         assert httpx.get(url + "/config", timeout=30).status_code in (401, 403) or \
             "login" in httpx.get(url + "/", timeout=30).text.lower()  # the chat asks for a login
@@ -944,11 +1066,43 @@ def test_an_api_key_guards_the_api_and_cross_origin_text_posts_are_refused(serve
         assert httpx.post(url + "/login", data={**login, "password": "s3cret"}, timeout=30).status_code == 200
 
 
-def test_serving_a_public_address_requires_a_key_or_an_explicit_waiver(capsys):
+def test_serving_a_public_address_requires_a_key_or_an_explicit_waiver(capsys, monkeypatch):
     from glimpse.cli import main
 
     assert main(["serve", "--host", "0.0.0.0", "--model", "embedded"]) == 1
     assert "--api-key" in capsys.readouterr().err
+    monkeypatch.setenv("GLIMPSE_API_KEY", "")  # as compose.yaml passes it when the host leaves it unset: no key
+    assert main(["serve", "--host", "0.0.0.0", "--model", "embedded"]) == 1
+    assert "--api-key" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    import glimpse.pipeline
+    from glimpse.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(glimpse.pipeline, "load_engine", never)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--model", "embedded"]) == 1
+    assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_an_empty_api_key_is_no_key(server):
+    """``GLIMPSE_API_KEY=`` (compose.yaml's default when the host sets none) made a server whose API refused every
+    request (no client can send an empty key) while /health said ok and the chat asked for no login."""
+    from glimpse.cli import build_server
+
+    app = build_server(server["engine"], "tiny-llava", max_new_tokens=4, api_key="")
+    for url in _serve(app):
+        assert httpx.get(url + "/v1/models").status_code == 200
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert reply.status_code == 200
 
 
 def test_a_client_that_gives_up_on_a_plain_request_cancels_it_queued_or_running(server, media, monkeypatch):

@@ -182,8 +182,12 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image(tmp_path / "empty.png")
     with pytest.raises(vision.MediaError, match="the file is empty"):
         vision.load_image(b"")
-    with pytest.raises(vision.MediaError, match=r"^missing\.jpg: file not found$"):
+    # A missing file is named as it was given: "sample.png: file not found" did not say where it was looked for
+    # (glimpse ask --image assets/sample.png run outside the checkout).
+    with pytest.raises(vision.MediaError, match=f"^{re.escape(str(tmp_path / 'missing.jpg'))}: file not found$"):
         vision.load_image(tmp_path / "missing.jpg")
+    with pytest.raises(vision.MediaError, match=r"^assets/nowhere\.png: file not found$"):
+        vision.load_image("assets/nowhere.png")
     with pytest.raises(vision.MediaError, match=r"noise\.png: not an image Glimpse can read"):
         vision.load_image(tmp_path / "noise.png")
     with pytest.raises(vision.MediaError, match="a folder, not an image or video file"):

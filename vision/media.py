@@ -72,6 +72,19 @@ VIDEO_EXTENSIONS = frozenset(
 )
 
 
+class NamedBytes(bytes):
+    """An image's bytes with the name its errors should use (the API's ``messages[0].content[1] (a data URL)``),
+    where plain bytes are called "image data"."""
+
+    def __new__(cls, data: bytes, name: str):
+        made = super().__new__(cls, data)
+        made.name = name
+        return made
+
+    def __reduce__(self):
+        return (type(self), (bytes(self), self.name))
+
+
 class MediaError(UserError):
     """A file Glimpse cannot use as an image or video; the message names the file and the problem."""
 
@@ -94,6 +107,8 @@ def _display_name(src: Any) -> str:
     """The name used in error messages: the file name for paths, a generic word for in-memory data."""
     if isinstance(src, (str, os.PathLike)):
         return Path(src).name or str(src)
+    if isinstance(src, NamedBytes):
+        return src.name
     return "image data" if isinstance(src, (bytes, bytearray)) else "image"
 
 
@@ -120,8 +135,8 @@ def _check_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.is_dir():
         raise MediaError(f"{_display_name(path)}: a folder, not an image or video file")
-    if not path.exists():
-        raise MediaError(f"{_display_name(path)}: file not found")
+    if not path.exists():  # the path as given: which folder it was looked for in is the point
+        raise MediaError(f"{path}: file not found")
     if not path.is_file():  # a device, pipe or socket: reading it could block or never end
         raise MediaError(f"{_display_name(path)}: not a regular file (a device, pipe or socket)")
     if path.stat().st_size == 0:
