@@ -118,7 +118,10 @@ VISION_FEATURE_LAYER = -2
 
 # SmolLM2-Instruct's ChatML template, extended so that list contents render: an {"type": "image"} item
 # becomes one <image> token (LlavaProcessor expands it to 256), a {"type": "video"} item one <video> token
-# (Glimpse expands it to 256), a {"type": "text"} item its text.
+# (Glimpse expands it to 256), a {"type": "text"} item its text. A message's pictures and videos come first,
+# in their order, then its text: the one order the model was trained on (LLaVA's: "<image>\nquestion"). An
+# OpenAI client puts the question first, and rendered as sent ("question<image>\n") the model answered
+# "Triangle." for a red circle.
 # String contents render exactly as in SmolLM2's own template.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -129,8 +132,9 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for item in message['content'] %}"
     "{% if item['type'] == 'image' %}{{ '<image>\\n' }}"
-    "{% elif item['type'] == 'video' %}{{ '<video>\\n' }}"
-    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% elif item['type'] == 'video' %}{{ '<video>\\n' }}{% endif %}"
+    "{% endfor %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"

@@ -124,7 +124,7 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
         source, dtype=torch_dtype, attn_implementation=attn_implementation).to(torch_device).eval())
     if torch_device.type == "cpu":
         use_cpu_linears(adapter.model)  # decode 1.7-2.4x, prefill 1.8x faster on a CPU (pipeline/cpu_linear.py)
-    engine = Engine(adapter, model_id=str(model), chat_template=_chat_template(source), grounded=grounded)
+    engine = Engine(adapter, model_id=str(model), chat_template=_chat_template(source, model), grounded=grounded)
     engine.checkpoint = checkpoint_identity(source)
     profile = load_profile(str(model))
     if profile_matches(profile, engine.checkpoint, len(adapter.layers)):
@@ -147,7 +147,7 @@ class Preprocessor:
                 return cls._from_config(config).eval()
 
         self.adapter = _adapter(model, source, config, on_meta)
-        self.chat_template = _chat_template(source)
+        self.chat_template = _chat_template(source, model)
         self.max_length = getattr(self.adapter.text_config, "max_position_embeddings", None)
 
     def prepare(self, messages) -> Prompt:
@@ -283,9 +283,15 @@ def slider_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier:
     return uncalibrated_frontier()
 
 
-def _chat_template(source: str) -> str | None:
-    """The processor-level chat template if the checkpoint has one, else None (the tokenizer's)."""
+def _chat_template(source: str, model: str = "") -> str | None:
+    """The processor-level chat template if the checkpoint has one, else None (the tokenizer's). The embedded
+    model's is Glimpse's own (``embedded.CHAT_TEMPLATE``), whatever a conversion cached before it changed."""
     from transformers.utils import cached_file
+
+    if model == "embedded":
+        from glimpse.pipeline import embedded
+
+        return embedded.CHAT_TEMPLATE
 
     for name in ("chat_template.jinja", "chat_template.json"):
         try:

@@ -114,6 +114,28 @@ def test_chat_template_keeps_smollm2_format(processor, smollm2):
     assert processor.apply_chat_template(FRANCE, add_generation_prompt=True) == expected
 
 
+def test_a_messages_pictures_come_before_its_text_as_the_model_was_trained(processor):
+    """An OpenAI client sends the question first and the picture after it; rendered as sent, the embedded model
+    (trained on "<image>\nquestion", LLaVA's order) answered "Triangle." about a red circle. Its template puts a
+    message's media first, in their order, then its text; and the engine uses that template even over a cache
+    converted before it (the template is Glimpse's code, not the cache's)."""
+    from glimpse.pipeline import Preprocessor
+
+    image = Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8))
+    question = {"type": "text", "text": "What colour is the circle?"}
+    image_first = [{"role": "user", "content": [{"type": "image", "image": image}, question]}]
+    text_first = [{"role": "user", "content": [question, {"type": "image", "image": image}]}]
+    rendered = processor.apply_chat_template(image_first, add_generation_prompt=True)
+    assert "<image>\nWhat colour is the circle?" in rendered
+    assert processor.apply_chat_template(text_first, add_generation_prompt=True) == rendered
+    two = [{"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "image", "image": image},
+                                        {"type": "text", "text": "B"}, {"type": "video", "video": "v.mp4"}]}]
+    assert "<|im_start|>user\n<image>\n<video>\nAB<|im_end|>" in processor.apply_chat_template(two)
+    preprocessor = Preprocessor("embedded")
+    assert preprocessor.chat_template == embedded.CHAT_TEMPLATE
+    assert torch.equal(preprocessor.prepare(text_first).input_ids, preprocessor.prepare(image_first).input_ids)
+
+
 def test_generate_answers_capital_of_france(model, processor):
     inputs = processor.apply_chat_template(
         FRANCE, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
