@@ -7,7 +7,8 @@
 #
 # Two stages: the build stage has the CUDA toolkit (flash-attention compiles against it) and fills the
 # virtual environment /opt/venv; the runtime stage is the much smaller CUDA runtime image with that venv.
-# Every Python package is pinned: torch/torchvision here, Glimpse's own dependencies in pyproject.toml.
+# Every package Glimpse names is pinned: torch/torchvision/flash-attn here, its own dependencies in
+# pyproject.toml; what those pull in is resolved at build time (`pip freeze` in the image records it).
 
 ARG CUDA_VERSION=12.8.1
 FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu24.04 AS build

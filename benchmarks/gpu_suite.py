@@ -27,8 +27,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    size, alone and under LazyLLM, against the baseline: time to first token split into prompt building, vision
    encoder and decoder prefill.
 6. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots; ST3, ZipVL's packed KV
-   and auto at speed 1, LazyLLM's revival, as the engine runs them by default, ST3 in the CUDA graph once its
-   annealing is over) against
+   and auto at speed 1 — uncalibrated, LazyLLM pruning in prefill only, which decodes plainly and so in the CUDA
+   graph — as the engine runs them by default, ST3 in the CUDA graph once its annealing is over) against
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
    (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured
@@ -735,7 +735,9 @@ def markdown(report: dict) -> str:
             lines += [f"Failed: `{section['error']}`", ""]
             continue
         if name == "exactness":
-            lines += _table(["arch", "dtype", "attention", "tokens identical", "with the CUDA graph",
+            # Without CUDA there is no graph: the column is the fixed-shape step the graph would capture, run eagerly.
+            graph = "with the CUDA graph" if not report["device"].startswith("CPU") else "fixed-shape step (no CUDA)"
+            lines += _table(["arch", "dtype", "attention", "tokens identical", graph,
                              "agreeing prefix", "logits max diff", "tolerance"],
                             [[r["arch"], r["dtype"], r["attn"], r["tokens_identical"],
                               f"capture failed: {r['graph_error']}" if r.get("graph_error")
@@ -764,7 +766,9 @@ def markdown(report: dict) -> str:
                               _f(r["kv_ratio"]), _f(r["peak_memory_ratio"]), _ttft_parts(r), r["paper"]]
                              for r in section["rows"]])
         elif name == "decode":
-            lines += [f"{section['model']}, prompt {section['prompt_tokens']}, median of {section['runs']}", ""]
+            lines += [f"{section['model']}, prompt {section['prompt_tokens']}, median of {section['runs']}"
+                      + ("; no CUDA: the 'CUDA graph' row is the fixed-shape step run eagerly"
+                         if report["device"].startswith("CPU") else ""), ""]
             lines += _table(["batch", "decoder", "tokens/s", "vs generate", "KV after the answer / baseline"],
                             [[r["batch"], r["decoder"], f"{r['decode_tokens_per_s']:.1f}", f"{r['vs_generate']:.2f}",
                               _f(r["kv_vs_baseline"])] for r in section["rows"]])

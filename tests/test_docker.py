@@ -38,3 +38,14 @@ def test_the_image_pins_the_projects_torch_and_its_torchvision():
     torch = pin(PYPROJECT["project"]["dependencies"], "torch")
     torchvision = pin(PYPROJECT["project"]["optional-dependencies"]["gpu"], "torchvision")
     assert f"torch=={torch} torchvision=={torchvision} " in DOCKERFILE
+
+
+def test_the_build_context_leaves_out_what_the_image_never_copies():
+    """`docker build .` sends the whole folder to the builder unless .dockerignore says otherwise: a checkout's
+    .venv is gigabytes. Nothing the Dockerfile copies may be left out."""
+    ignored = {line.strip().rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".venv", ".git"} <= ignored
+    copied = set(re.findall(r"^COPY (\S+) /src/", DOCKERFILE, flags=re.M))
+    copied |= {name for line in re.findall(r"^COPY ([^\n]+) /src/$", DOCKERFILE, flags=re.M) for name in line.split()}
+    assert copied and not copied & ignored, copied & ignored

@@ -44,7 +44,8 @@ def test_the_wheel_holds_one_import_name_and_the_trained_weights(wheel):
     assert {n for n in top_level if not n.endswith(".dist-info")} == {"glimpse"}, top_level
     assert "glimpse = glimpse.launcher:main" in entry_points
     for package in ["glimpse/__init__.py", "glimpse/cli.py", "glimpse/tasks.py", "glimpse/pipeline/engine.py",
-                    "glimpse/pruning/dash.py", "glimpse/vision/media.py", "glimpse/common/__init__.py"]:
+                    "glimpse/pruning/dash.py", "glimpse/vision/media.py", "glimpse/common/__init__.py",
+                    "glimpse/__main__.py"]:  # python -m glimpse
         assert package in names
     # Every file the embedded model and the slider read at run time, byte for byte as in the checkout.
     shipped = [embedded.PROJECTOR_FILE, embedded.PROJECTOR_RECORD, embedded.ADAPTER_FILE, embedded.COLOUR_FILE,

@@ -1,7 +1,7 @@
 """Image and video input for Glimpse: safe loading, model-specific frame sampling and resizing, and
 Qwen2-VL's video patches computed without torchvision."""
 
-from .media import (
+from glimpse.vision.media import (
     DEFAULT_VIDEO_TIMEOUT_S,
     MAX_IMAGE_ASPECT,
     MAX_IMAGE_PIXELS,
@@ -15,8 +15,8 @@ from .media import (
     probe_video,
     read_frames,
 )
-from .qwen_video import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, qwen2vl_video_inputs
-from .sampling import (
+from glimpse.vision.qwen_video import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, qwen2vl_video_inputs
+from glimpse.vision.sampling import (
     FPS,
     FPS_MAX_FRAMES,
     FPS_MIN_FRAMES,

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .sampling import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, resize_frames_bicubic, smart_resize
+from glimpse.vision.sampling import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, resize_frames_bicubic, smart_resize
 
 
 # CLIP's normalization, used by Qwen2-VL (same values as transformers.image_utils.OPENAI_CLIP_MEAN/STD).

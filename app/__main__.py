@@ -1,0 +1,7 @@
+"""``python -m glimpse``: the ``glimpse`` command."""
+
+import sys
+
+from glimpse.launcher import main
+
+sys.exit(main())
