@@ -69,7 +69,8 @@ def _require_ray():
 
 
 # ---------------------------------------------------------------------------- inputs and resuming
-def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[str, str]] | None = None) -> list[str]:
+def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[str, str]] | None = None,
+                 log: Callable[[str], None] = lambda message: None) -> list[str]:
     """The keys of the inputs, in a stable order, once each: files, folders and list files as the local
     captioner reads them (resolved paths), and manifests' ``column`` (paths resolved, URIs as they are).
     Folders that cannot be listed go to ``unreadable`` (``collect_inputs``)."""
@@ -83,53 +84,76 @@ def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[
             keys.append(key)
 
     for item in items:
-        if item.endswith(MANIFEST_EXTENSIONS) and (is_uri(item) or Path(item).is_file()):
-            for value in _manifest_column(item, column):
-                add(value if is_uri(value) else str(resolved_path(_under(item, value))))
+        if item.lower().endswith(MANIFEST_EXTENSIONS) and (is_uri(item) or Path(item).is_file()):
+            for value in _manifest_column(item, column, log):
+                add(value if is_uri(value) else str(_key_of(_under(item, value))))
         elif is_uri(item):
             add(item)
         elif item.lower().endswith(LIST_EXTENSIONS) and Path(item).is_file():
             for entry in list_entries(Path(item)):
-                add(entry if is_uri(entry) else str(resolved_path(Path(entry))))
+                add(entry if is_uri(entry) else str(_key_of(Path(entry))))
         else:
             local.append(item)
     try:
         for path in collect_inputs(local, unreadable):
-            add(str(resolved_path(path)))
+            add(str(_key_of(path)))
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
     return keys
 
 
+def _key_of(path: Path) -> Path:
+    """A local input's key: its resolved path, so that one file named two ways is captioned once. A link to
+    nothing keeps its own name (resolved, it would be reported under a target the user never named)."""
+    return path.absolute() if path.is_symlink() and not path.exists() else resolved_path(path)
+
+
 def _under(manifest: str, value: str) -> Path:
-    path = Path(value.removeprefix("file://"))
+    """A manifest's local entry: a path, relative ones taken from the manifest's folder, or a file:// URL as RFC 8089
+    writes it (``file://localhost/...``, percent-encoded names), as list files and arguments take them."""
+    from glimpse.caption import _local_path
+
+    path = Path(_local_path(value, f"{manifest}: "))
     return path if path.is_absolute() else Path(manifest).parent / path
 
 
-def _manifest_column(manifest: str, column: str) -> list[str]:
+def _manifest_column(manifest: str, column: str, log: Callable[[str], None] = lambda message: None) -> list[str]:
     import pyarrow.json
     import pyarrow.parquet
 
     try:
-        table = (pyarrow.parquet.read_table(manifest, columns=[column]) if manifest.endswith(".parquet")
-                 else pyarrow.json.read_json(manifest))
+        if manifest.lower().endswith(".parquet"):
+            names = pyarrow.parquet.read_schema(manifest).names
+            if column not in names:  # (asked for, pyarrow answers with its whole schema)
+                raise UserError(f"{manifest}: no column {column!r} (it has {', '.join(names)}); use --column")
+            table = pyarrow.parquet.read_table(manifest, columns=[column])
+        else:
+            table = pyarrow.json.read_json(manifest)
     except (OSError, ValueError, KeyError) as error:  # pyarrow's errors derive from these
         raise UserError(f"{manifest}: cannot read the manifest ({error})") from None
     if column not in table.column_names:
         raise UserError(f"{manifest}: no column {column!r} (it has {', '.join(table.column_names)}); use --column")
-    return [str(v) for v in table.column(column).to_pylist() if v]
+    values = table.column(column).to_pylist()
+    kept = [str(v) for v in values if v]
+    if len(kept) < len(values):  # nothing to caption there: said, not passed over
+        log(f"{manifest}: {len(values) - len(kept)} empty or null values in column {column!r} left out")
+    return kept
 
 
-def done_keys(out: Path) -> set[str]:
-    """Keys already in ``out``'s shards. Leftover temporary files of a killed driver are removed: their
-    inputs were never counted as done."""
+def done_keys(out: Path, errors: set[str] | None = None) -> set[str]:
+    """Keys already in ``out``'s shards (those of error rows also into ``errors``). Leftover temporary files of
+    a killed driver are removed: their inputs were never counted as done."""
     import pyarrow.parquet
 
     for stale in out.glob(".part-*.tmp"):
         stale.unlink(missing_ok=True)
     keys: set[str] = set()
     for shard in sorted(out.glob(SHARD_GLOB)):
-        keys.update(pyarrow.parquet.read_table(shard, columns=["key"]).column("key").to_pylist())
+        table = pyarrow.parquet.read_table(shard, columns=["key", "error"])
+        for key, error in zip(table.column("key").to_pylist(), table.column("error").to_pylist()):
+            keys.add(key)
+            if error is not None and errors is not None:
+                errors.add(key)
     return keys
 
 
@@ -183,8 +207,12 @@ class OutputDir:
 
         if out.exists() and not out.is_dir():
             raise UserError(f"{out} is a file: with --ray, --out names a folder of Parquet shards")
+        self.created = not out.exists()
         self.lock = open_locked(out / ".lock", "a", out)
-        self.out, self.jsonl = out, out / JSONL_NAME if jsonl else None
+        # The JSON-lines copy is kept in step whenever there is one (a run without --format jsonl after one with
+        # it left it short of that run's rows), and started with --format jsonl.
+        self.out = out
+        self.jsonl = out / JSONL_NAME if jsonl or (out / JSONL_NAME).exists() else None
         self.count = len(list(out.glob(SHARD_GLOB)))
 
     def write(self, rows: list[dict]) -> None:
@@ -205,6 +233,13 @@ class OutputDir:
 
     def close(self) -> None:
         self.lock.close()
+        if self.created and not any(self.out.glob(SHARD_GLOB)):  # a run that wrote nothing leaves no folder behind
+            (self.out / ".lock").unlink(missing_ok=True)
+            (self.out / JSONL_NAME).unlink(missing_ok=True)
+            try:
+                self.out.rmdir()
+            except OSError:
+                pass  # something else is there
 
 
 def _schema():
@@ -231,7 +266,7 @@ def read_input(key: str):
                 from glimpse.fetch import Fetcher
 
                 # The manifest is the operator's own: its URLs may name the cluster's own storage (none refused).
-                fetcher = Fetcher(allow_private=True, deadline_s=URL_DEADLINE_S, max_bytes=URL_MAX_BYTES)
+                fetcher = Fetcher(allow_private=True, deadline_s=URL_DEADLINE_S, max_bytes=URL_MAX_BYTES, explain=True)
                 f.writelines(fetcher.pieces(key))
             else:
                 _copy_from_storage(key, f)
@@ -307,9 +342,12 @@ def decode_input(row: dict, model: str, prompt: str | None) -> dict:
         built = _preprocessor(model).prepare(user_message(text, [(kind, source)]))
         return {"key": key, "prompt_bytes": pickle.dumps(built), "instruction": text, "error": ""}
     except Exception as error:  # noqa: BLE001 — any input that cannot become a prompt is an error row
-        # The instruction depends on the kind, unknown here: the row carries the user's --prompt, if any.
-        return {"key": key, "prompt_bytes": b"", "instruction": prompt or "",
-                "error": f"{type(error).__name__}: {error}"}
+        # The instruction depends on the kind, unknown here: the row carries the user's --prompt, if any. A
+        # downloaded input's errors name the URL, not the temporary file it was copied into.
+        message = f"{type(error).__name__}: {error}"
+        if tmp is not None:
+            message = message.replace(tmp, key).replace(Path(tmp).name, key)
+        return {"key": key, "prompt_bytes": b"", "instruction": prompt or "", "error": message}
     finally:
         if tmp is not None:
             os.unlink(tmp)
@@ -381,6 +419,7 @@ class RayReport:
     seconds: float = 0.0
     first_rows_s: float | None = None  # when the first captions reached the driver: Ray's start-up and one batch
     dashboard: str | None = None
+    earlier_errors: int = 0  # of the skipped inputs, those whose row in the output is an error row
 
 
 def _refuse_a_shadowing_folder(folder: Path) -> None:
@@ -410,23 +449,27 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
     try:
         if retry_errors and (dropped := drop_error_rows(out)):
             log(f"{dropped} error rows removed from {out}: their inputs are tried again")
-        done = done_keys(out)
-        if jsonl or (out / JSONL_NAME).exists():
+        earlier_errors: set[str] = set()
+        done = done_keys(out, earlier_errors)
+        if output.jsonl is not None:
             rewrite_jsonl(out)
         pending = [k for k in keys if k not in done]
         report.skipped = len(keys) - len(pending)
-        log(f"{len(keys)} inputs: {report.skipped} already in {out}, {len(pending)} to caption")
+        report.earlier_errors = sum(1 for k in keys if k in earlier_errors)
+        log(f"{len(keys)} inputs: {report.skipped} already in {out}"
+            + (f" ({report.earlier_errors} of them error rows: --retry-errors tries them again)"
+               if report.earlier_errors else "") + f", {len(pending)} to caption")
         if not pending:
             return report
         started_here = not ray.is_initialized()
         if started_here:
-            # Without --ray-address a local cluster of our own, even when `ray start` left one running or
-            # RAY_ADDRESS names one (ray.init(None) would join it, and then refuse num_cpus).
-            context = ray.init(address=address or "local",
-                               num_cpus=(num_cpus or local_cpus()) if address is None else None,
-                               log_to_driver=False, include_dashboard=False if address is None else None)
+            context = _start_ray(ray, address, num_cpus)
             report.dashboard = getattr(context, "dashboard_url", None) or None
+        # A plain `kill` stops the run as Ctrl-C does ("interrupted"; the shards written are kept): Ray's own
+        # handler, installed by ray.init, printed a crash dump for it.
+        terminated = _stop_on_sigterm()
         try:
+            gpus_per_actor = _check_cluster(ray, actors, gpus_per_actor, local=address is None, log=log)
             start = last_write = time.perf_counter()
             buffered: list[dict] = []
             returned: set[str] = set()
@@ -436,8 +479,12 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                 if report.first_rows_s is None:
                     report.first_rows_s = time.perf_counter() - start
                 buffered += rows
-                # A shard every shard_rows rows or SHARD_SECONDS: few files on big runs, little lost to a kill.
-                if len(buffered) >= shard_rows or time.perf_counter() - last_write >= SHARD_SECONDS:
+                # A shard every shard_rows rows, or when rows arrive SHARD_SECONDS after the last shard: few files
+                # on big runs, little lost to a kill.
+                while len(buffered) >= shard_rows:
+                    output.write(buffered[:shard_rows])
+                    buffered, last_write = buffered[shard_rows:], time.perf_counter()
+                if buffered and time.perf_counter() - last_write >= SHARD_SECONDS:
                     output.write(buffered)
                     buffered, last_write = [], time.perf_counter()
                 for row in rows:
@@ -467,11 +514,75 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
             output.write(buffered)
             report.seconds = time.perf_counter() - start
         finally:
+            if terminated is not None:
+                import signal
+
+                signal.signal(signal.SIGTERM, terminated)
             if started_here:
                 ray.shutdown()
     finally:
         output.close()
     return report
+
+
+def _stop_on_sigterm():
+    """SIGTERM raises KeyboardInterrupt in the driver (the main thread); returns the handler it replaced."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
+def _start_ray(ray, address: str | None, num_cpus: int | None):
+    """Ray, started or joined: without ``address`` a local cluster of our own, even when `ray start` left one
+    running or RAY_ADDRESS names one (ray.init(None) would join it, and then refuse num_cpus). A cluster that does
+    not answer is said at once (Ray retries an address for minutes), and so is a Ray Client address without
+    the client's package."""
+    if address and not address.startswith("ray://") and address not in ("auto", "local"):
+        import socket
+
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=5).close()
+        except (OSError, ValueError):
+            raise UserError(f"no Ray cluster answers at --ray-address {address} (its head node's GCS address, "
+                            "host:6379 by default; `ray start --head` prints it)") from None
+    try:
+        return ray.init(address=address or "local", num_cpus=(num_cpus or local_cpus()) if address is None else None,
+                        log_to_driver=False, include_dashboard=False if address is None else None)
+    except ConnectionError as error:  # "auto" with no cluster running
+        raise UserError(f"--ray-address {address}: no Ray cluster to join ({str(error).splitlines()[0]}); start "
+                        "one with `ray start --head`, or leave --ray-address out for a local one")
+    except (ValueError, ImportError) as error:
+        if "ray[client]" in str(error) or "client" in str(error).lower():
+            raise UserError(f"--ray-address {address}: a Ray Client address needs the client's package: pip install "
+                            '"ray[client]==2.60.0" (or give the head node\'s GCS address, host:6379)') from None
+        raise
+
+
+def _check_cluster(ray, actors: int, gpus_per_actor: float | None, *, local: bool,
+                   log: Callable[[str], None]) -> float:
+    """GPUs per actor (None: one on a cluster that has GPUs), after refusing what would wait for ever: actors
+    that want GPUs a local cluster does not have, and CPU actors that leave the decode stage no CPU."""
+    resources = ray.cluster_resources()
+    gpus, cpus = resources.get("GPU", 0), int(resources.get("CPU", 0))
+    if gpus_per_actor is None:
+        gpus_per_actor = 1.0 if gpus else 0.0
+    if gpus_per_actor and gpus < gpus_per_actor:
+        if local:
+            raise UserError(f"--gpus-per-actor {gpus_per_actor:g}, but this machine has {gpus:g} GPUs for Ray: give "
+                            "--gpus-per-actor 0 (or --device cpu) to caption on its CPUs")
+        log(f"the cluster has {gpus:g} GPUs now: the actors wait until it has {gpus_per_actor:g} per actor "
+            "(an autoscaler adding nodes)")
+    if not gpus_per_actor and actors > cpus - 1:
+        raise UserError(f"--actors {actors} CPU actors on a cluster of {cpus} CPUs leave none to decode the inputs "
+                        f"(each actor takes at least one): give --actors {max(1, cpus - 1)} or fewer")
+    return gpus_per_actor
 
 
 def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, batch_size, actors, gpus_per_actor, device,
@@ -488,8 +599,6 @@ def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, batch_siz
         dataset = ray.data.from_items([{"key": k} for k in keys],
                                       override_num_blocks=max(1, -(-len(keys) // batch_size)))
         decoded = dataset.map(decode_input, fn_kwargs={"model": model, "prompt": prompt}, num_cpus=1)
-        if gpus_per_actor is None:  # one GPU per actor on a cluster that has GPUs
-            gpus_per_actor = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
         if gpus_per_actor:
             placement = {"num_gpus": gpus_per_actor, "num_cpus": 1}
         elif retrying:

@@ -614,11 +614,14 @@ def run_caption_on_ray(args) -> int:
                             retry_errors=args.retry_errors, log=_log)
     rate = (f"{report.captioned / report.seconds:.2f} inputs/s, {report.answer_tokens / report.seconds:.1f} answer "
             f"tokens/s" if report.seconds else "nothing to do")
-    _log(f"done {report.captioned}, skipped {report.skipped}, failed {len(report.failed)} -> {out} ({rate})"
+    earlier = (f" ({report.earlier_errors} skipped as error rows of earlier runs: --retry-errors tries them again)"
+               if report.earlier_errors else "")
+    _log(f"done {report.captioned}, skipped {report.skipped}, failed {len(report.failed)}{earlier} -> {out} ({rate})"
          + (f"; Ray dashboard: {report.dashboard}" if report.dashboard else ""))
     for key, reason in report.failed:
         _log(f"  failed: {key}: {reason}")
-    return 1 if report.failed else 0
+    # Error rows in the output, this run's or an earlier one's, mean inputs without a caption: a script sees it.
+    return 1 if report.failed or report.earlier_errors else 0
 
 
 def run_bench_serve(args) -> int:

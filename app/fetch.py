@@ -50,11 +50,13 @@ class Fetcher:
     """``fetch(url)``: the body as bytes; ``pieces(url)``: the body piece by piece (a large video written to a
     file never sits in memory whole). ``max_bytes`` and ``deadline_s`` bound every fetch; ``allow_private``
     lets it reach private, loopback and link-local addresses (a server's ``--allow-private-urls``; a dataset's
-    own storage for the captioner)."""
+    own storage for the captioner). ``explain``: a failed fetch says why (the HTTP status, a refused connection)
+    — for an operator's own manifest; a server's clients are told nothing that would map its network."""
 
     def __init__(self, allow_private: bool = False, deadline_s: float = FETCH_DEADLINE_S,
-                 max_bytes: int = MAX_FETCH_BYTES):
+                 max_bytes: int = MAX_FETCH_BYTES, explain: bool = False):
         self.allow_private, self.deadline_s, self.max_bytes = allow_private, deadline_s, max_bytes
+        self.explain = explain
 
     def fetch(self, url: str) -> bytes:
         return b"".join(self.pieces(url))
@@ -107,8 +109,10 @@ class Fetcher:
                             yield chunk
                         return
             raise FetchError(f"{url}: more than {MAX_REDIRECTS} redirects")
-        except httpx.HTTPError:
-            raise FetchError(f"{url}: could not be fetched") from None  # no detail: it would map the network
+        except httpx.HTTPError as error:
+            # No detail for a server's clients: it would map the network.
+            why = f" ({_cause(error)})" if self.explain else ""
+            raise FetchError(f"{url}: could not be fetched{why}") from None
 
     async def _pin(self, url: str) -> tuple[str, dict, dict]:
         """The URL with its host replaced by the address checked here, the Host header and TLS name of the
@@ -145,3 +149,12 @@ def _redirect_target(url: str, host: str | None, location: str | None) -> str:
     if parts.hostname != host:
         raise FetchError(f"{url}: redirects to another host ({parts.hostname})")
     return target
+
+
+def _cause(error) -> str:
+    """Why a fetch failed, in a few words: the HTTP status, or the kind of network error."""
+    import httpx
+
+    if isinstance(error, httpx.HTTPStatusError):
+        return f"HTTP {error.response.status_code} {error.response.reason_phrase}".strip()
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

@@ -131,16 +131,92 @@ def test_error_rows_are_done_until_a_rerun_retries_them_and_then_every_input_is_
     out = tmp_path / "out"
     first = _ray_caption([tmp_path / "in"], out, model, jsonl=True, shard_rows=2)
     assert first.captioned == 3 and [Path(k).name for k, _ in first.failed] == ["broken.png"]
+    # --shard-rows is each shard's size (batches of 3 made shards of 3)
+    import pyarrow.parquet
+
+    assert [pyarrow.parquet.read_metadata(p).num_rows for p in sorted(out.glob("part-*.parquet"))] == [2, 2]
     Image.open(good[0]).save(broken)  # the file is replaced by a good one
     again = _ray_caption([tmp_path / "in"], out, model, jsonl=True)
     assert again.skipped == 4 and again.captioned == 0  # an error row counts as done ...
-    retried = _ray_caption([tmp_path / "in"], out, model, jsonl=True, retry_errors=True)  # ... until retried
+    assert again.earlier_errors == 1  # ... and said to be one (the command exits 1)
+    # ... until retried; without --format jsonl the copy made by the first run is kept in step all the same
+    retried = _ray_caption([tmp_path / "in"], out, model, retry_errors=True)
     assert retried.skipped == 3 and retried.captioned == 1 and not retried.failed
     rows = _rows(out)
     assert sorted(r["key"] for r in rows) == sorted(str(p.resolve()) for p in [*good, broken])  # each once
     assert all(r["error"] is None and r["caption"] is not None for r in rows)
     copy = [json.loads(line) for line in (out / "_captions.jsonl").read_text().splitlines()]
     assert sorted(r["key"] for r in copy) == sorted(r["key"] for r in rows) and not any(r["error"] for r in copy)
+
+
+def test_manifest_entries_are_read_as_list_files_and_arguments_are(tmp_path):
+    """file:// URLs as RFC 8089 writes them (they became "<manifest folder>/localhost/..." and "%20" names, error rows
+    for files that were there), a manifest's suffix in any case, a link to nothing under its own name (not its
+    target's), and empty entries said rather than dropped without a word."""
+    import pyarrow as pa
+    import pyarrow.parquet
+
+    from glimpse.caption_ray import collect_keys
+
+    folder = tmp_path / "a b"
+    folder.mkdir()
+    image = _inputs(folder, 1, video=False)[0]
+    (folder / "dangling.png").symlink_to(tmp_path / "nowhere.png")
+    manifest = tmp_path / "M.PARQUET"
+    entries = [f"file://{folder.as_posix().replace(' ', '%20')}/{image.name}", f"file://localhost{image}",
+               str(folder / "dangling.png"), "", None]
+    pyarrow.parquet.write_table(pa.table({"path": entries}), manifest)
+    said = []
+    keys = collect_keys([str(manifest)], log=said.append)
+    assert keys == [str(image.resolve()), str(folder / "dangling.png")]
+    assert said == [f"{manifest}: 2 empty or null values in column 'path' left out"]
+    with pytest.raises(Exception, match=r"no column 'nope' \(it has path\); use --column"):
+        collect_keys([str(manifest)], column="nope")
+
+
+def test_what_would_wait_for_ever_is_refused(cluster, model, tmp_path):
+    """CPU actors that take every CPU leave the decode stage none (the run stood at 0 for ever), actors that want
+    GPUs a local cluster does not have waited for ever, and an address where no cluster answers was retried for
+    minutes; a Ray Client address without the client's package was a traceback."""
+    from glimpse.caption_ray import _start_ray
+    from glimpse.common import UserError
+
+    inputs = _inputs(tmp_path / "in", 1, video=False)
+    with pytest.raises(UserError, match="--actors 3 CPU actors on a cluster of 3 CPUs leave none"):
+        _ray_caption(inputs, tmp_path / "out", model, actors=3)
+    with pytest.raises(UserError, match="--gpus-per-actor 1, but this machine has 0 GPUs"):
+        _ray_caption(inputs, tmp_path / "out", model, gpus_per_actor=1.0)
+    assert not (tmp_path / "out").exists()  # a refused run leaves no folder behind
+
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, not listening: nothing answers there
+        with pytest.raises(UserError, match=f"no Ray cluster answers at --ray-address 127.0.0.1:{port}"):
+            _start_ray(ray, f"127.0.0.1:{port}", None)
+
+    class WithoutClient:
+        @staticmethod
+        def init(**kwargs):
+            raise ValueError("Ray Client requires pip package `ray[client]`. If you installed the minimal Ray "
+                             "(e.g. `pip install ray`), please reinstall by executing `pip install ray[client]`.")
+
+    with pytest.raises(UserError, match=r'pip install "ray\[client\]==2.60.0"'):
+        _start_ray(WithoutClient, "ray://head:10001", None)
+
+
+def test_a_downloaded_inputs_error_names_its_url_and_a_failed_fetch_says_why(model, web):
+    from glimpse.caption_ray import decode_input
+
+    site, base = web
+    (site / "empty.jpg").write_bytes(b"")
+    (site / "notes.png").write_text("some text, not a picture")
+    for name, words in (("empty.jpg", "the file is empty"), ("notes.png", "holds text"),
+                        ("gone.png", "could not be fetched (HTTP 404 File not found)")):
+        row = decode_input({"key": f"{base}/{name}"}, model, None)
+        assert row["error"] and f"{base}/{name}" in row["error"] and words in row["error"], row["error"]
+        assert "tmp" not in row["error"].replace(base, ""), row["error"]
 
 
 def _driver(inputs: Path, out: Path, model: str, env: dict | None = None) -> subprocess.Popen:
@@ -155,15 +231,21 @@ def _driver(inputs: Path, out: Path, model: str, env: dict | None = None) -> sub
 def test_a_driver_killed_midway_then_rerun_gives_every_input_exactly_once(cluster, model, tmp_path):
     paths = _inputs(tmp_path / "in", 12, video=False)
     out = tmp_path / "out"
-    for _ in range(2):  # killed twice, at the first and at a later shard
+    for kill in ("SIGKILL", "SIGTERM"):  # killed twice, at the first and at a later shard
         shards = len(list(out.glob("part-*.parquet")))
         run = _driver(tmp_path / "in", out, model)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and run.poll() is None and len(list(out.glob("part-*.parquet"))) <= shards:
             time.sleep(0.02)
-        os.killpg(run.pid, signal.SIGKILL)
-        run.wait()
-        assert run.returncode == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
+        if kill == "SIGKILL":  # the driver and the cluster it started, as a lost machine would
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+            assert run.returncode == -signal.SIGKILL, run.stderr.read().decode()[-2000:]
+        else:  # a plain `kill`: stopped as Ctrl-C stops it (it was Ray's crash dump)
+            os.kill(run.pid, signal.SIGTERM)
+            _, err = run.communicate(timeout=120)
+            assert run.returncode == 130 and b"glimpse: interrupted" in err, err.decode()[-2000:]
+            assert b"SIGTERM received" not in err
     assert 0 < len(_rows(out)) < len(paths)  # the kills came midway
     report = _ray_caption([tmp_path / "in"], out, model, batch_size=2)
     keys = [r["key"] for r in _rows(out)]
