@@ -239,6 +239,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
     # FETCHING_THREADS worker threads at once, fewer than the pool the chat's handlers and the other requests use:
     # slow media URLs wait for one of these, never for every thread the server has.
     fetching = anyio.CapacityLimiter(FETCHING_THREADS)
+    fetches = {"in": 0}  # requests fetching their media or waiting to (only the event loop changes it)
     app.state.scheduler, app.state.telemetry = scheduler, telemetry
     # Every request body but an upload's, here and in the chat mounted on this app: 413 past 64 MiB, 408 if it has
     # not all arrived in 120 s (glimpse.connections).
@@ -330,8 +331,18 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             scheduler.check_room()  # refuse a full server before fetching anything
             # Off the event loop, in one hop to a worker thread: fetching a slow media URL must not stall
             # /health or other requests; each hop waits for a CPU that the model's threads keep busy.
-            limiter = fetching if _fetches(body) else None  # None: the pool every other request shares
-            ticket, promise = await anyio.to_thread.run_sync(parse_and_submit, limiter=limiter)
+            if not _fetches(body):
+                ticket, promise = await anyio.to_thread.run_sync(parse_and_submit)  # the pool others share
+            else:
+                # Counted here, not read from the limiter (a request joins its wait queue only after a checkpoint):
+                # no more wait for a fetching thread than the queue has room for.
+                if fetches["in"] >= FETCHING_THREADS + queue_size:
+                    raise QueueFull(fetches["in"] - FETCHING_THREADS, fetch_deadline_s)
+                fetches["in"] += 1
+                try:
+                    ticket, promise = await anyio.to_thread.run_sync(parse_and_submit, limiter=fetching)
+                finally:
+                    fetches["in"] -= 1
         except QueueFull as full:
             telemetry.refused("rejected")
             return _error(429, str(full), "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(full.retry_s)))})
@@ -411,6 +422,7 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
     if max_tokens > max_new_tokens:
         raise BadRequest(f"max_tokens must be at most {max_new_tokens} on this server (--max-new-tokens)")
     messages = []
+    fetch_by = time.monotonic() + fetcher.deadline_s  # one deadline for all of the request's media URLs
     for number, message in enumerate(body.messages):
         role = "system" if message.role == "developer" else message.role
         if isinstance(message.content, str):
@@ -424,7 +436,7 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
             media = "image" if isinstance(part, ImagePart) else "video"
             url = _url_of(part)
             where = f"messages[{number}].content[{index}]"  # as the request's JSON has it (the validation errors' words)
-            parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher, where)})
+            parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher, where, fetch_by)})
         messages.append({"role": role, "content": parts})
     temperature = body.temperature or 0.0
     options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": temperature > 0,
@@ -450,7 +462,8 @@ def _url_of(part: ImagePart | VideoPart) -> str:
     return spec.url if isinstance(spec, MediaURL) else spec
 
 
-def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fetcher: "Fetcher", where: str = "media"):
+def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fetcher: "Fetcher", where: str = "media",
+                  fetch_by: float | None = None):
     """Bytes (images) or a file path (videos) for a data: / http(s) / local URL. URL schemes are matched as
     RFC 3986 has them, in any case. A video's bytes go to a file named after ``where`` (the part of the request
     it came from), so that an error about it names that part, not a random temporary name."""
@@ -472,7 +485,7 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fe
         if not data:
             raise BadRequest(f"{where}: the data URL holds no data (data:<type>;base64,<data>)")
     elif scheme.startswith(("http://", "https://")):
-        data = NamedBytes(fetcher.fetch(url), f"{where} ({_url_name(url)})")
+        data = NamedBytes(fetcher.fetch(url, fetch_by), f"{where} ({_url_name(url)})")
     else:
         try:
             name = vision.local_path(url)  # file://localhost/..., percent-encoded names

@@ -121,18 +121,19 @@ def _manifest_column(manifest: str, column: str, log: Callable[[str], None] = la
     import pyarrow.json
     import pyarrow.parquet
 
+    import pyarrow.dataset
+
     try:
-        if manifest.lower().endswith(".parquet"):
-            names = pyarrow.parquet.read_schema(manifest).names
-            if column not in names:  # (asked for, pyarrow answers with its whole schema)
-                raise UserError(f"{manifest}: no column {column!r} (it has {', '.join(names)}); use --column")
-            table = pyarrow.parquet.read_table(manifest, columns=[column])
+        if manifest.lower().endswith(".parquet"):  # a file, or a folder of them (Spark's and Ray's own output)
+            table = pyarrow.dataset.dataset(manifest, format="parquet")
+            if column in table.schema.names:  # (a missing column asked for: pyarrow's answer is its whole schema)
+                table = table.to_table(columns=[column])
         else:
             table = pyarrow.json.read_json(manifest)
     except (OSError, ValueError, KeyError) as error:  # pyarrow's errors derive from these
         raise UserError(f"{manifest}: cannot read the manifest ({error})") from None
-    if column not in table.column_names:
-        raise UserError(f"{manifest}: no column {column!r} (it has {', '.join(table.column_names)}); use --column")
+    if column not in table.schema.names:
+        raise UserError(f"{manifest}: no column {column!r} (it has {', '.join(table.schema.names)}); use --column")
     values = table.column(column).to_pylist()
     kept = [str(v) for v in values if v]
     if len(kept) < len(values):  # nothing to caption there: said, not passed over
@@ -232,14 +233,16 @@ class OutputDir:
                 f.writelines(_json_line(row) for row in rows)
 
     def close(self) -> None:
-        self.lock.close()
-        if self.created and not any(self.out.glob(SHARD_GLOB)):  # a run that wrote nothing leaves no folder behind
+        # A run that wrote nothing leaves no folder behind: removed while the lock is still held, so that no second
+        # driver locks a file that is then removed under it.
+        if self.created and not any(self.out.glob(SHARD_GLOB)):
             (self.out / ".lock").unlink(missing_ok=True)
             (self.out / JSONL_NAME).unlink(missing_ok=True)
             try:
                 self.out.rmdir()
             except OSError:
                 pass  # something else is there
+        self.lock.close()
 
 
 def _schema():
@@ -360,7 +363,8 @@ class CaptionStage:
         self.model, self.device, self.engine = model, device, None
         self.policy, self.speed, self.max_new_tokens = policy, speed, max_new_tokens
         # Fault injection for the tests: the first actor to see this file missing creates it and dies; an actor
-        # dies on every batch holding an input whose key contains GLIMPSE_RAY_CRASH_ON (a poison input).
+        # dies on every batch holding an input whose key contains one of GLIMPSE_RAY_CRASH_ON's comma-separated
+        # marks (poison inputs).
         self.crash_marker = os.environ.get("GLIMPSE_RAY_CRASH_ONCE")
         self.crash_on = os.environ.get("GLIMPSE_RAY_CRASH_ON")
 
@@ -368,7 +372,7 @@ class CaptionStage:
         if self.crash_marker and not os.path.exists(self.crash_marker):
             Path(self.crash_marker).touch()
             os._exit(1)
-        if self.crash_on and any(self.crash_on in key for key in batch["key"]):
+        if self.crash_on and any(mark in key for key in batch["key"] for mark in self.crash_on.split(",")):
             os._exit(1)
         rows = [{"key": k, "prompt_bytes": p, "prompt": i, "error": e}
                 for k, p, i, e in zip(batch["key"], batch["prompt_bytes"], batch["instruction"], batch["error"])]
@@ -440,12 +444,13 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
     ray = _require_ray()
     _refuse_a_shadowing_folder(Path.cwd())
     unreadable: list[tuple[str, str]] = []
-    keys = collect_keys(inputs, column, unreadable)
+    keys = collect_keys(inputs, column, unreadable, log)
     unlisted = unlisted_failures(unreadable, log)
     if not keys:
         raise UserError("no image or video files found in the inputs")
     output = OutputDir(out, jsonl)
     report = RayReport(failed=unlisted)
+    previous = _NOT_INSTALLED
     try:
         if retry_errors and (dropped := drop_error_rows(out)):
             log(f"{dropped} error rows removed from {out}: their inputs are tried again")
@@ -461,13 +466,14 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                if report.earlier_errors else "") + f", {len(pending)} to caption")
         if not pending:
             return report
+        # A plain `kill` stops the run as Ctrl-C does ("interrupted"; the shards written are kept): Ray's own
+        # handler, which ray.init installs (so ours goes in again after it), printed a crash dump for it.
+        previous = _stop_on_sigterm()
         started_here = not ray.is_initialized()
         if started_here:
             context = _start_ray(ray, address, num_cpus)
             report.dashboard = getattr(context, "dashboard_url", None) or None
-        # A plain `kill` stops the run as Ctrl-C does ("interrupted"; the shards written are kept): Ray's own
-        # handler, installed by ray.init, printed a crash dump for it.
-        terminated = _stop_on_sigterm()
+            _stop_on_sigterm()
         try:
             gpus_per_actor = _check_cluster(ray, actors, gpus_per_actor, local=address is None, log=log)
             start = last_write = time.perf_counter()
@@ -501,36 +507,46 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
             # A batch whose actor died on every try (an input that exhausts memory or crashes the model) was
             # dropped with its neighbours: those inputs go round again one at a time, so only the culprit fails.
             if lost := [k for k in pending if k not in returned]:
-                if len(lost) == len(pending) > batch_size:  # not one input's fault: say so, as before
-                    raise UserError(f"every batch failed ({len(lost)} inputs): Ray's log above has the cause (a model "
-                                    "that cannot load on the workers, a missing package, out of memory, ...)")
                 log(f"{len(lost)} inputs lost with a batch that failed {ACTOR_TRIES} times (a worker died): "
                     "trying them again one at a time")
-                for rows in _pipeline(ray, lost, *options, 1, 1, gpus_per_actor, device, retrying=True):
-                    take(rows)
+                # Every batch lost: a model that cannot load on the workers, or one poison batch that took the
+                # batches queued at its actor with it. A few inputs alone tell which, before all of them are tried.
+                probe = lost[:batch_size + 1] if len(lost) == len(pending) > batch_size else []
+                for group in (probe, [k for k in lost if k not in set(probe)]):
+                    if not group:
+                        continue
+                    for rows in _pipeline(ray, group, *options, 1, 1, gpus_per_actor, device, retrying=True):
+                        take(rows)
+                    if group is probe and not any(k in returned for k in probe):
+                        raise UserError(f"every batch failed ({len(lost)} inputs): Ray's log above has the cause (a "
+                                        "model that cannot load on the workers, a missing package, out of memory, ...)")
                 take([{**{c: None for c in COLUMNS}, "key": k, "speed": speed, "policy": policy, "prompt": prompt,
                        "error": f"a worker died on this input {ACTOR_TRIES} times (out of memory, or a crash decoding "
                                 "it or in the model; Ray's log has the cause)"} for k in lost if k not in returned])
             output.write(buffered)
             report.seconds = time.perf_counter() - start
         finally:
-            if terminated is not None:
-                import signal
-
-                signal.signal(signal.SIGTERM, terminated)
             if started_here:
                 ray.shutdown()
     finally:
+        if previous is not _NOT_INSTALLED:
+            import signal
+
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         output.close()
     return report
 
 
+_NOT_INSTALLED = object()
+
+
 def _stop_on_sigterm():
-    """SIGTERM raises KeyboardInterrupt in the driver (the main thread); returns the handler it replaced."""
+    """SIGTERM raises KeyboardInterrupt in the driver; returns the handler it replaced (None: one installed from C,
+    which cannot be put back but as the default), or ``_NOT_INSTALLED`` off the main thread."""
     import signal
 
     if threading.current_thread() is not threading.main_thread():
-        return None
+        return _NOT_INSTALLED
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -580,8 +596,11 @@ def _check_cluster(ray, actors: int, gpus_per_actor: float | None, *, local: boo
         log(f"the cluster has {gpus:g} GPUs now: the actors wait until it has {gpus_per_actor:g} per actor "
             "(an autoscaler adding nodes)")
     if not gpus_per_actor and actors > cpus - 1:
-        raise UserError(f"--actors {actors} CPU actors on a cluster of {cpus} CPUs leave none to decode the inputs "
-                        f"(each actor takes at least one): give --actors {max(1, cpus - 1)} or fewer")
+        if local:
+            raise UserError(f"--actors {actors} CPU actors on a cluster of {cpus} CPUs leave none to decode the "
+                            f"inputs (each actor takes at least one): give --actors {max(1, cpus - 1)} or fewer")
+        log(f"the cluster has {cpus} CPUs now: {actors} CPU actors and the decode stage wait for more (an "
+            "autoscaler adding nodes)")
     return gpus_per_actor
 
 

@@ -15,6 +15,7 @@ on and nothing about the network behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import socket
 import time
@@ -26,9 +27,14 @@ from glimpse.common import UserError
 MAX_FETCH_BYTES = 50 * 2**20  # the API: an http(s) image or video larger than this is refused
 FETCH_DEADLINE_S = 30.0  # the API: a media URL must be fetched within this, however slowly it drips
 MAX_REDIRECTS = 4
-# IPv6 prefixes whose last 32 bits are an IPv4 address that the connection may end up at.
-IPV4_CARRIERS = (ipaddress.ip_network("::/96"), ipaddress.ip_network("64:ff9b::/96"),
-                 ipaddress.ip_network("64:ff9b:1::/48"))
+# IPv6 prefixes whose last 32 bits are an IPv4 address that the connection may end up at (IPv4-compatible, and
+# the well-known NAT64 prefix of RFC 6052).
+IPV4_CARRIERS = (ipaddress.ip_network("::/96"), ipaddress.ip_network("64:ff9b::/96"))
+# Refused whatever Python's ``is_global`` says of them (which depends on the Python build: the CVE-2024-4032 fix
+# changed it): IPv6 prefixes that tunnel to an IPv4 address — Teredo, 6to4 (deprecated, RFC 7526) and local-use
+# NAT64 (RFC 8215), whose IPv4 address does not sit in the last 32 bits.
+REFUSED_NETWORKS = (ipaddress.ip_network("2001::/32"), ipaddress.ip_network("2002::/16"),
+                    ipaddress.ip_network("64:ff9b:1::/48"))
 
 
 class FetchError(UserError):
@@ -36,10 +42,12 @@ class FetchError(UserError):
 
 
 def is_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Whether a server may fetch from ``address`` on a client's say-so: globally reachable, not multicast, and,
-    for an IPv6 address that carries an IPv4 one, that one too."""
+    """Whether a server may fetch from ``address`` on a client's say-so: globally reachable, not multicast, not a
+    tunnel prefix, and, for an IPv6 address that carries an IPv4 one, that one too."""
     if address.version == 6:
-        carried = [address.ipv4_mapped, address.sixtofour, *(address.teredo or ())]
+        if any(address in net for net in REFUSED_NETWORKS):
+            return False
+        carried = [address.ipv4_mapped]
         carried += [ipaddress.IPv4Address(int(address) & 0xFFFFFFFF) for net in IPV4_CARRIERS if address in net]
         if any(inner is not None and not is_public(inner) for inner in carried):
             return False
@@ -58,13 +66,15 @@ class Fetcher:
         self.allow_private, self.deadline_s, self.max_bytes = allow_private, deadline_s, max_bytes
         self.explain = explain
 
-    def fetch(self, url: str) -> bytes:
-        return b"".join(self.pieces(url))
+    def fetch(self, url: str, deadline: float | None = None) -> bytes:
+        return b"".join(self.pieces(url, deadline))
 
-    def pieces(self, url: str) -> Iterator[bytes]:
+    def pieces(self, url: str, deadline: float | None = None) -> Iterator[bytes]:
         """The body piece by piece. The fetch runs on a private event loop in the calling thread, so that the
-        deadline cancels whatever it waits on (a read timeout alone restarts with every byte that arrives)."""
-        deadline = time.monotonic() + self.deadline_s
+        deadline cancels whatever it waits on (a read timeout alone restarts with every byte that arrives).
+        ``deadline`` (``time.monotonic()``): an earlier end than ``deadline_s`` from now — one request's media
+        share one deadline, so a request of many slow URLs holds a worker no longer than one."""
+        deadline = min(time.monotonic() + self.deadline_s, deadline or float("inf"))
         loop = asyncio.new_event_loop()
         chunks = self._chunks(url)
         try:
@@ -81,12 +91,13 @@ class Fetcher:
                 yield chunk
         finally:
             loop.run_until_complete(chunks.aclose())  # closes the connection
+            loop.run_until_complete(loop.shutdown_asyncgens())  # httpx's own readers, left by an early end
             loop.close()
 
     async def _chunks(self, url: str) -> AsyncIterator[bytes]:
         import httpx
 
-        host = urlsplit(url).hostname
+        host = _split(url).hostname
         try:
             async with httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False) as client:
                 for _ in range(MAX_REDIRECTS + 1):
@@ -102,13 +113,16 @@ class Fetcher:
                             raise FetchError(f"{url}: the server sent the body compressed ({encoding}) although "
                                              "asked not to; it is not unpacked")
                         size = 0
-                        async for chunk in response.aiter_raw():  # as sent: nothing is unpacked
-                            size += len(chunk)
-                            if size > self.max_bytes:
-                                raise FetchError(f"{url}: larger than {self.max_bytes // 2**20} MiB")
-                            yield chunk
+                        async with contextlib.aclosing(response.aiter_raw()) as body:  # as sent: nothing unpacked
+                            async for chunk in body:
+                                size += len(chunk)
+                                if size > self.max_bytes:
+                                    raise FetchError(f"{url}: larger than {self.max_bytes // 2**20} MiB")
+                                yield chunk
                         return
             raise FetchError(f"{url}: more than {MAX_REDIRECTS} redirects")
+        except httpx.InvalidURL:
+            raise FetchError(f"{_shown(url)}: not a valid URL") from None
         except httpx.HTTPError as error:
             # No detail for a server's clients: it would map the network.
             why = f" ({_cause(error)})" if self.explain else ""
@@ -118,10 +132,10 @@ class Fetcher:
         """The URL with its host replaced by the address checked here, the Host header and TLS name of the
         original: the connection goes to the address that was checked, so a DNS answer that changes
         between the check and the connection (rebinding) cannot reach the server's own network."""
-        parts = urlsplit(url)
+        parts = _split(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise FetchError(f"{url}: only http(s) URLs with a host are fetched")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        port = parts.port or (443 if parts.scheme == "https" else 80)  # checked by _split
         try:  # in a worker thread of the loop: the deadline bounds a slow DNS answer too
             infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError):
@@ -138,12 +152,26 @@ class Fetcher:
         return pinned, {"Host": host_header}, {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
 
 
+def _split(url: str):
+    """``urlsplit``, its complaints (a port out of range, a broken IPv6 literal) said as a refusal of the URL."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 — parsed when asked for
+        return parts
+    except ValueError:
+        raise FetchError(f"{_shown(url)}: not a valid URL") from None
+
+
+def _shown(url: str) -> str:
+    return url if len(url) <= 200 else url[:200] + "…"
+
+
 def _redirect_target(url: str, host: str | None, location: str | None) -> str:
     """Where a redirect of ``url`` leads, if it may be followed: an http(s) URL on the same host."""
     if not location:
         raise FetchError(f"{url}: redirects without saying where (no Location)")
     target = urljoin(url, location)
-    parts = urlsplit(target)
+    parts = _split(target)
     if parts.scheme not in ("http", "https"):
         raise FetchError(f"{url}: redirects to a URL that is not http(s)")
     if parts.hostname != host:

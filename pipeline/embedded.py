@@ -119,9 +119,9 @@ VISION_FEATURE_LAYER = -2
 # SmolLM2-Instruct's ChatML template, extended so that list contents render: an {"type": "image"} item
 # becomes one <image> token (LlavaProcessor expands it to 256), a {"type": "video"} item one <video> token
 # (Glimpse expands it to 256), a {"type": "text"} item its text. A message's pictures and videos come first,
-# in their order, then its text: the one order the model was trained on (LLaVA's: "<image>\nquestion"). An
-# OpenAI client puts the question first, and rendered as sent ("question<image>\n") the model answered
-# "Triangle." for a red circle.
+# in their order, then its texts, a line each: the one order the model was trained on (LLaVA's:
+# "<image>\nquestion"). An OpenAI client puts the question first, and rendered as sent ("question<image>\n")
+# the model answered "Triangle." for a red circle.
 # String contents render exactly as in SmolLM2's own template.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -133,8 +133,8 @@ CHAT_TEMPLATE = (
     "{% else %}{% for item in message['content'] %}"
     "{% if item['type'] == 'image' %}{{ '<image>\\n' }}"
     "{% elif item['type'] == 'video' %}{{ '<video>\\n' }}{% endif %}"
-    "{% endfor %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% for item in message['content'] if item['type'] == 'text' %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}{{ item['text'] }}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"

@@ -1071,10 +1071,11 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
         raise UserError("temperature must be > 0 when sampling")
     scores = logits / temperature
     if not bool(torch.isfinite(scores).all()):
-        # A temperature so small that the division overflows (1e-40 in float32), or that is 0 in float32 (1e-46):
-        # the same distribution measured from the largest logit, in float64, stays finite where inf - inf and
-        # 0 / 0 made NaNs: the top logit's score is 0 / temperature = 0, the others' at most -inf.
-        scores = (logits.double() - logits.max()) / temperature
+        # A temperature so small that the division overflows (1e-40 in float32) or is by 0 (1e-46 is 0 in float32):
+        # inf - inf and 0 / 0 made NaNs. Such a temperature's distribution is the limit one, all its mass on the
+        # largest logit(s) (a gap that 1e-38 times a float32 logit would not swamp cannot be told from a tie), in
+        # the logits' own dtype and device (float64, tried first, is not on every device: MPS has none).
+        scores = torch.zeros_like(logits).masked_fill(logits < logits.max(), float("-inf"))
     if top_p < 1.0:
         sorted_scores, order = scores.sort(descending=False)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)

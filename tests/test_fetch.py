@@ -117,7 +117,8 @@ def test_a_redirect_that_cannot_be_followed_says_why(location, message):
     "127.0.0.1", "10.1.2.3", "192.168.0.1", "169.254.169.254", "0.0.0.0", "100.100.100.200",  # shared (RFC 6598)
     "198.18.0.1", "224.0.0.1", "::1", "::", "fe80::1", "fc00::1",
     "::ffff:127.0.0.1", "::127.0.0.1",  # IPv4-mapped and IPv4-compatible
-    "2002:7f00:1::", "2002:a9fe:a9fe::",  # 6to4 of 127.0.0.1 and 169.254.169.254
+    "2002:7f00:1::", "2002:a9fe:a9fe::", "2002:808:808::",  # 6to4 (deprecated: refused whatever it carries)
+    "64:ff9b:1:a00:0:100:808:808",  # local-use NAT64 (RFC 8215), its IPv4 address not in the last 32 bits
     "64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe",  # NAT64 of loopback and link-local
     "2001:0:4136:e378:8000:63bf:80ff:fffe",  # Teredo whose client is 127.0.0.1
 ])
@@ -125,8 +126,7 @@ def test_addresses_that_are_not_globally_reachable_are_not_fetched(address):
     assert not is_public(ipaddress.ip_address(address))
 
 
-@pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "2001:4860:4860::8888", "64:ff9b::808:808",
-                                     "2002:808:808::"])
+@pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "2001:4860:4860::8888", "64:ff9b::808:808"])
 def test_globally_reachable_addresses_are(address):
     assert is_public(ipaddress.ip_address(address))
 
@@ -136,3 +136,48 @@ def test_a_shared_address_url_is_refused_before_connecting():
     metadata there: it is refused like a private address, without a connection."""
     with pytest.raises(FetchError, match="private, loopback and link-local addresses are not fetched"):
         Fetcher().fetch("http://100.100.100.200/latest/meta-data/")
+
+
+@pytest.mark.parametrize("url", ["http://example.com:99999/a.png", "http://[::1/a.png", "http://8.8.8.8/a\x01.png"])
+def test_a_url_that_cannot_be_parsed_is_refused_as_such(url):
+    """A port out of range, a broken IPv6 literal, a control character: ValueError and httpx.InvalidURL reached the
+    API's last resort as a 500."""
+    with pytest.raises(FetchError, match="not a valid URL"):
+        Fetcher().fetch(url)
+
+
+def test_a_deadline_given_ends_the_fetch_sooner_and_later_urls_of_the_request_are_not_started():
+    """The API gives all of a request's media URLs one deadline: a request of many slow URLs holds a worker no longer
+    than one would (each had 30 s of its own)."""
+    def slow_head(connection, _):
+        connection.sendall(b"HTTP/1.1 200 OK\r\n")
+        for i in range(100):
+            time.sleep(0.2)
+            connection.sendall(f"X-Slow-{i}: yes\r\n".encode())
+
+    fetcher = Fetcher(allow_private=True, deadline_s=30.0)
+    with _raw_server(slow_head) as (url, heads):
+        deadline = time.monotonic() + 1.0
+        for name in ("a.png", "b.png", "c.png"):
+            with pytest.raises(FetchError, match="not fetched within"):
+                fetcher.fetch(f"{url}/{name}", deadline)
+        time.sleep(0.3)
+        assert len(heads) == 1  # the first used the whole deadline; the others never connected
+
+
+def test_a_fetch_ended_early_leaves_no_task_behind(caplog):
+    """A body over the cap ends the fetch inside httpx's reader: its loop is closed only after that reader is, so
+    asyncio has nothing to complain about ("Task was destroyed but it is pending!")."""
+    body = b"x" * (3 * 2**20)
+
+    def big(connection, _):
+        connection.sendall(b"HTTP/1.1 200 OK\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    with _raw_server(big) as (url, _):
+        with caplog.at_level("ERROR", logger="asyncio"):
+            with pytest.raises(FetchError, match="larger than 1 MiB"):
+                Fetcher(allow_private=True, max_bytes=2**20).fetch(url + "/x.png")
+            import gc
+
+            gc.collect()
+    assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage() for r in caplog.records]

@@ -706,7 +706,8 @@ def test_a_media_url_that_drips_does_not_stall_the_server_and_is_refused_at_the_
 def test_many_slow_media_urls_leave_the_server_its_threads(server, media):
     """45 requests whose image URLs send their response head a line at a time: they are fetched a few at a time,
     so /health, /v1/models and a question without a URL are answered while every one of them is still being
-    fetched or waiting for its turn. They used to take every worker thread the server has (40)."""
+    fetched or waiting for its turn. They used to take every worker thread the server has (40). No more wait
+    their turn than the queue has room for: the rest get 429 at once."""
     import socket
 
     from glimpse.api import FETCHING_THREADS, create_api
@@ -723,7 +724,8 @@ def test_many_slow_media_urls_leave_the_server_its_threads(server, media):
             threading.Thread(target=_slow_head, args=(connection, release), daemon=True).start()
 
     threading.Thread(target=slow_heads, daemon=True).start()
-    app = create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True)  # the 30 s fetch deadline
+    app = create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True,  # the 30 s fetch deadline
+                     queue_size=30)
     slow = {"messages": _question(f"http://127.0.0.1:{listener.getsockname()[1]}/x.png"), "max_tokens": 2}
     try:
         for url in _serve(app):
@@ -738,13 +740,16 @@ def test_many_slow_media_urls_leave_the_server_its_threads(server, media):
             text = httpx.post(url + "/v1/chat/completions", timeout=60, json={
                 "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
             assert text.status_code == 200
-            assert not replies  # answered while none of the slow ones had an answer
+            assert all(r.status_code == 429 for r in replies)  # answered while every admitted one was still fetching
             assert FETCHING_THREADS < 40  # fewer than the server's worker threads
             release.set()  # the media server gives up: the rest fail at once
             listener.close()
             for asker in askers:
                 asker.join(timeout=120)
-            assert len(replies) == 45 and all(r.status_code == 400 for r in replies)
+            assert len(replies) == 45
+            busy = [r for r in replies if r.status_code == 429]
+            assert len(busy) == 45 - FETCHING_THREADS - 30 and all("Retry-After" in r.headers for r in busy)
+            assert all(r.status_code == 400 for r in replies if r.status_code != 429)
     finally:
         release.set()
         listener.close()
