@@ -622,8 +622,8 @@ async def _first(request: Request, ticket, channel: Channel, whole: bool):
 
 
 async def _events(ticket, channel: Channel, first, speed, promise, model_name, include_usage: bool):
-    """Server-sent events: a role chunk, content chunks as tokens come, a final chunk with the finish reason
-    (and ``glimpse``), then with ``include_usage`` a chunk with ``usage`` and no choices. When the client
+    """Server-sent events: a role chunk (with ``glimpse``: the speed's promise), content chunks as tokens come, a
+    final chunk with the finish reason (and ``glimpse``, the metrics too), then with ``include_usage`` a chunk with ``usage`` and no choices. When the client
     disconnects, the server stops iterating this generator, whose ``finally`` cancels the ticket: it stops
     before its next step and frees its cache."""
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -637,7 +637,9 @@ async def _events(ticket, channel: Channel, first, speed, promise, model_name, i
         return [{"index": 0, "delta": content, "finish_reason": finish}]
 
     try:
-        yield event(delta({"role": "assistant", "content": ""}))
+        # The first chunk says what the speed selected and what it was measured to keep, before the answer (the last
+        # one repeats it in ``glimpse`` with the metrics).
+        yield event(delta({"role": "assistant", "content": ""}), glimpse={"speed": speed, "promise": promise})
         item = first
         while True:
             if item is None:

@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Pareto frontier that `auto` reads; interrupt and rerun to resume. hidivdrop: pick HiDivDrop's "
                     "filtering layers by the paper's ILVAS curve.")
     calibrate.add_argument("policy", choices=["slider", "hidivdrop"])
-    calibrate.add_argument("--model", required=True, help="hub id or local checkpoint folder, or 'embedded'")
+    calibrate.add_argument("--model", default="embedded", help="hub id or local checkpoint folder (default: the "
+                           "embedded model, as for ask)")
     calibrate.add_argument("--images", metavar="DIR",
                            help="a folder of calibration images (hidivdrop: required; slider: default the set that "
                                 "ships with Glimpse)")

@@ -267,20 +267,26 @@ def slider_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier:
     """What ``auto`` runs on this model: its own calibrated frontier (``glimpse calibrate slider``) when
     it was measured on these weights (``checkpoint``, see ``profiles.checkpoint_identity``), else for the
     embedded model the frontier that ships with Glimpse when it was measured on the trained files that
-    ship beside it, else the uncalibrated default."""
+    ship beside it, else the uncalibrated default. A calibration cut short by its budget (``unmeasured``) does not
+    replace the complete one that ships: it would run cheaper candidates it never got to compare (an 8-of-71 run
+    made speed 1 a 1.7x LazyLLM that answered "Green." for a purple circle, where the shipped frontier runs 3.5x
+    DivPrune and says "Purple."); it is used where nothing complete is there."""
+    local = None
     profile = load_profile(model, "slider")
     if profile_matches(profile, checkpoint, num_layers) and profile.get("frontier") is not None:
         try:
-            return Frontier.from_json(profile, calibrated=True)
+            local = Frontier.from_json(profile, calibrated=True)
         except (KeyError, TypeError, ValueError):
             pass  # a damaged profile: fall back as if there were none
+    if local is not None and not local.unmeasured:
+        return local
     if model == "embedded" and SHIPPED_FRONTIER.exists():
         from glimpse.pipeline import embedded
 
         shipped = json.loads(SHIPPED_FRONTIER.read_text())
         if shipped.get("weights") == embedded.checkpoint_name():
             return Frontier.from_json(shipped, calibrated=True)
-    return uncalibrated_frontier()
+    return local or uncalibrated_frontier()
 
 
 def _chat_template(source: str, model: str = "") -> str | None:

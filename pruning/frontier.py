@@ -181,7 +181,7 @@ class Frontier:
         if self.calibrated:
             text = (f"{point.name}: keeps {point.agreement:.0%} of answers on the calibration set "
                     f"({point.prompts} prompts; at least {point.agreement_bound:.0%} within one standard error), "
-                    f"{flops:.1f}x fewer prefill FLOPs, {e2e:.2f}x faster end to end "
+                    f"{flops:.1f}x fewer prefill FLOPs, {end_to_end(e2e)} "
                     f"(prefill + {self.answer_tokens}-token answer)") + incomplete
         else:
             text = (f"uncalibrated: {point.name}; on the embedded model it kept {point.agreement:.0%} of answers "
@@ -209,7 +209,7 @@ class Frontier:
                    flops_speedup=1.0 / point.flops_ratio, e2e_speedup=1.0 / point.e2e_ratio,
                    text=f"{label}: keeps {point.agreement:.0%} of answers on the calibration set ({point.prompts} "
                         f"prompts), {1.0 / point.flops_ratio:.1f}x fewer prefill FLOPs, "
-                        f"{1.0 / point.e2e_ratio:.2f}x faster end to end")
+                        f"{end_to_end(1.0 / point.e2e_ratio)}")
         return out
 
     def to_json(self) -> dict:
@@ -326,3 +326,9 @@ def uncalibrated_frontier() -> Frontier:
               for speed, agreement, flops, e2e in UNCALIBRATED_LAZYLLM]
     return Frontier(pareto_frontier(points), calibrated=False,
                     source="uncalibrated: LazyLLM's slider settings, measured on the embedded model")
+
+
+def end_to_end(speedup: float) -> str:
+    """A measured end-to-end speed-up in words: "1.20x faster end to end", or "1.03x slower end to end" under 1
+    (a named policy can be slower: "0.97x faster" read as a speed-up)."""
+    return (f"{speedup:.2f}x faster end to end" if speedup >= 1.0 else f"{1.0 / speedup:.2f}x slower end to end")

@@ -284,6 +284,9 @@ def test_streaming_sends_the_same_text_in_server_sent_events(server, media):
     chunks = list(pieces)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    # The promise comes first, before the answer's text, as the chat shows it under the slider before asking
+    first = chunks[0].model_extra["glimpse"]
+    assert first == {"speed": 0.5, "promise": whole.model_extra["glimpse"]["promise"]}
 
 
 def test_local_files_only_under_the_allowed_root(server, media):

@@ -341,11 +341,14 @@ class _TimedEngine:
 
 
 @pytest.mark.parametrize("slowdowns,timed", [((1.05,), 6), ((1.06, 1.05, 1.04, 0.95, 0.96, 0.97), 6),
-                                             ((1.4,), 3), ((0.9,), 3)])
+                                             ((1.4,), 3), ((0.9,), 3), ((0.4,), 3), ((0.05,), 6),
+                                             ((0.05, 0.05, 0.05, 0.8, 0.8, 0.8), 6)])
 def test_a_pruning_candidate_timed_slightly_slower_than_unpruned_is_timed_again_before_it_is_judged(slowdowns, timed):
     """The frontier drops a candidate timed slower end to end than the unpruned model; a few percent is the noise of
     a shared machine, so a candidate that prunes and times 0-15% slower is timed on as many prompts again and
-    judged on the median of all. Clearly slower (ZipVL's dequantising) or faster: timed once."""
+    judged on the median of all. Clearly slower (ZipVL's dequantising) or faster: timed once — unless faster than
+    its savings can explain (here 2x fewer FLOPs: 20x faster is a machine that slowed the unpruned runs, found
+    from outside as "st3@0.75 ... 18.79x faster end to end" in a promise)."""
     from glimpse.pipeline.calibrate_slider import Reference, measure
 
     engine = _TimedEngine(slowdowns)
@@ -374,3 +377,31 @@ def test_a_candidate_far_below_the_floor_stops_half_way_only_when_half_is_enough
                     answer_tokens=4, timing_prompts=3, timing_tokens=4, typical_answer=64)
     assert point.agreement == 0.0 and point.prompts == (stopped_at or count)
     assert (point.e2e_ratio is None) == (stopped_at is not None)  # stopped: rejected untimed
+
+
+def test_a_calibration_cut_short_does_not_replace_the_complete_one_that_ships(monkeypatch):
+    """Found from outside: an 8-of-71 calibration of the embedded model replaced its shipped frontier, and speed 1
+    became a 1.7x LazyLLM that answered "Green." for a purple circle (the shipped frontier: 3.5x DivPrune, "Purple.").
+    A partial calibration is used only where nothing complete is there (another model's uncalibrated default)."""
+    from glimpse.pipeline import loading
+
+    shipped = Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()), calibrated=True)
+    lazy = Point((Member.of("lazyllm", 0.75),), agreement=0.9, flops_ratio=0.6, e2e_ratio=0.9, prompts=40)
+    partial = Frontier(points=[lazy], floor=DEFAULT_FLOOR, calibrated=True, source="calibrated here", measured=[lazy],
+                       unmeasured=63)
+    monkeypatch.setattr(loading, "load_profile", lambda model, kind: {**partial.to_json(), "partial": True})
+    monkeypatch.setattr(loading, "profile_matches", lambda profile, checkpoint, layers: True)
+    chosen = loading.slider_frontier("embedded", 30, "any")
+    assert chosen.to_json() == shipped.to_json() and chosen.choose(1.0).name != "lazyllm@0.75"
+    other = loading.slider_frontier("/models/another", 30, "any")  # nothing complete there: the partial one
+    assert other.unmeasured == 63 and other.choose(1.0).name == "lazyllm@0.75"
+    complete = Frontier(points=[lazy], floor=DEFAULT_FLOOR, calibrated=True, source="calibrated here", measured=[lazy])
+    monkeypatch.setattr(loading, "load_profile", lambda model, kind: complete.to_json())
+    assert loading.slider_frontier("embedded", 30, "any").choose(1.0).name == "lazyllm@0.75"  # a complete one does
+
+
+def test_a_named_policy_measured_slower_end_to_end_is_said_to_be_slower():
+    """ "lazyllm@0.5: ... 0.97x faster end to end" read as a speed-up."""
+    slow = Point((Member.of("lazyllm", 0.5),), agreement=0.9, flops_ratio=0.7, e2e_ratio=1.0 / 0.97, prompts=40)
+    frontier = Frontier(points=[], calibrated=True, source="here", measured=[slow])
+    assert frontier.promise_for("lazyllm", 0.5)["text"].endswith("1.03x slower end to end")
