@@ -571,9 +571,10 @@ def _start_ray(ray, address: str | None, num_cpus: int | None):
     try:
         return ray.init(address=address or "local", num_cpus=(num_cpus or local_cpus()) if address is None else None,
                         log_to_driver=False, include_dashboard=False if address is None else None)
-    except ConnectionError as error:  # "auto" with no cluster running
-        raise UserError(f"--ray-address {address}: no Ray cluster to join ({str(error).splitlines()[0]}); start "
-                        "one with `ray start --head`, or leave --ray-address out for a local one")
+    except ConnectionError:  # "auto" with no cluster running (Ray's words name its own --address flag)
+        raise UserError(f"--ray-address {address}: no Ray cluster is running here to join; start one with `ray start "
+                        "--head` (or give its head's address, host:6379), or leave --ray-address out for a local one"
+                        ) from None
     except (ValueError, ImportError) as error:
         if "ray[client]" in str(error) or "client" in str(error).lower():
             raise UserError(f"--ray-address {address}: a Ray Client address needs the client's package: pip install "

@@ -212,6 +212,16 @@ def test_what_would_wait_for_ever_is_refused(cluster, model, tmp_path):
     with pytest.raises(UserError, match=r'pip install "ray\[client\]==2.60.0"'):
         _start_ray(WithoutClient, "ray://head:10001", None)
 
+    class NoCluster:
+        @staticmethod
+        def init(**kwargs):  # what Ray says to "auto" with none running: its own flag's name, not Glimpse's
+            raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by "
+                                  "setting the `--address` flag or `RAY_ADDRESS` environment variable.")
+
+    with pytest.raises(UserError, match="no Ray cluster is running here to join") as refused:
+        _start_ray(NoCluster, "auto", None)
+    assert "`--address`" not in str(refused.value)
+
 
 def test_a_downloaded_inputs_error_names_its_url_and_a_failed_fetch_says_why(model, web):
     from glimpse.caption_ray import decode_input
