@@ -57,13 +57,14 @@ from glimpse import vision
 from glimpse.vision import NamedBytes
 from glimpse.common import UserError
 from glimpse.connections import BodyLimits
-from glimpse.fetch import FETCH_DEADLINE_S, Fetcher
+from glimpse.fetch import FETCH_DEADLINE_S, Allowance, Fetcher
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.engine import StreamChunk
 from glimpse.pipeline.prompt import check_text_length
 from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
 FETCHING_THREADS = 8  # requests whose media URLs are fetched at once; more wait their turn
+MAX_REQUEST_FETCH_BYTES = 64 * 2**20  # all of one request's media URLs, as much as its body may hold inline
 STALL_S = 300.0  # /health reports the scheduler wedged when one iteration (a prefill, a step) runs this long
 OFF_VALUES = (None, False, 0, [], {}, "")
 # Fields Glimpse does not implement whose value here asks for what it does anyway: a plain-text answer, no tools.
@@ -323,9 +324,17 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         # request cancelled before it started), so that its tokens do not wake the event loop one by one.
         channel = Channel(asyncio.get_running_loop(), last_only=not body.stream)
 
+        # What the request's media URLs may take in all; ``cancelled`` is set when its client leaves meanwhile.
+        allowance = Allowance(time.monotonic() + fetch_deadline_s, MAX_REQUEST_FETCH_BYTES)
+        submitted = []
+
         def parse_and_submit():
-            messages, options, promise = _parse(body, engine, root, scratch, fetcher, max_new_tokens)
-            return scheduler.submit(messages, sink=channel.put, **options), promise
+            messages, options, promise = _parse(body, engine, root, scratch, fetcher, max_new_tokens, allowance)
+            ticket = scheduler.submit(messages, sink=channel.put, **options)
+            submitted.append(ticket)
+            if allowance.cancelled.is_set():  # the client left meanwhile (its handler cancels what it finds too)
+                ticket.cancel.set()
+            return ticket, promise
 
         try:
             scheduler.check_room()  # refuse a full server before fetching anything
@@ -337,12 +346,19 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
                 # Counted here, not read from the limiter (a request joins its wait queue only after a checkpoint):
                 # no more wait for a fetching thread than the queue has room for.
                 if fetches["in"] >= FETCHING_THREADS + queue_size:
-                    raise QueueFull(fetches["in"] - FETCHING_THREADS, fetch_deadline_s)
+                    waiting = fetches["in"] - FETCHING_THREADS
+                    raise QueueFull(waiting, fetch_deadline_s * (1 + waiting // FETCHING_THREADS))
                 fetches["in"] += 1
                 try:
-                    ticket, promise = await anyio.to_thread.run_sync(parse_and_submit, limiter=fetching)
+                    parsed = await _unless_client_leaves(request, allowance, parse_and_submit, fetching)
                 finally:
                     fetches["in"] -= 1
+                if parsed is None:  # the client left while its media were fetched, or while it waited to be
+                    for ticket in submitted:
+                        ticket.cancel.set()
+                    telemetry.refused("cancelled")
+                    return _error(499, "the client closed the request", "cancelled")
+                ticket, promise = parsed
         except QueueFull as full:
             telemetry.refused("rejected")
             return _error(429, str(full), "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(full.retry_s)))})
@@ -406,8 +422,8 @@ def _text_length(messages: list) -> int:
     return total
 
 
-def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fetcher: "Fetcher", max_new_tokens: int
-           ) -> tuple[list[dict], dict, dict]:
+def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fetcher: "Fetcher", max_new_tokens: int,
+           allowance: Allowance | None = None) -> tuple[list[dict], dict, dict]:
     """The engine's messages, the scheduler's options, and what the slider promises at the requested speed
     (the calibrated agreement and cost, or that the model is uncalibrated)."""
     # Text that cannot fit the context is refused before its media are fetched (build_prompt checks it again,
@@ -422,7 +438,8 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
     if max_tokens > max_new_tokens:
         raise BadRequest(f"max_tokens must be at most {max_new_tokens} on this server (--max-new-tokens)")
     messages = []
-    fetch_by = time.monotonic() + fetcher.deadline_s  # one deadline for all of the request's media URLs
+    if allowance is None:  # one deadline and one byte budget for all of the request's media URLs
+        allowance = Allowance(time.monotonic() + fetcher.deadline_s, MAX_REQUEST_FETCH_BYTES)
     for number, message in enumerate(body.messages):
         role = "system" if message.role == "developer" else message.role
         if isinstance(message.content, str):
@@ -436,7 +453,7 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
             media = "image" if isinstance(part, ImagePart) else "video"
             url = _url_of(part)
             where = f"messages[{number}].content[{index}]"  # as the request's JSON has it (the validation errors' words)
-            parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher, where, fetch_by)})
+            parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher, where, allowance)})
         messages.append({"role": role, "content": parts})
     temperature = body.temperature or 0.0
     options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": temperature > 0,
@@ -446,6 +463,30 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
 
 
 MAX_PATH_BYTES = 4096  # PATH_MAX: a longer local path cannot name a file (and resolving one costs time)
+
+
+async def _unless_client_leaves(request: Request, allowance: Allowance, parse_and_submit, limiter):
+    """``parse_and_submit()`` in a worker thread of ``limiter``, or None once the client has left: waiting for a
+    thread, it gives up its place; fetching, its fetches stop within half a second (``allowance.cancelled``). An
+    abandoned request kept its place and had every URL fetched: 40 of them held the queue for 150 s."""
+    outcome = {}
+    async with anyio.create_task_group() as group:
+        async def watch():
+            while not await request.is_disconnected():
+                await anyio.sleep(0.25)
+            allowance.cancelled.set()
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        try:
+            outcome["parsed"] = await anyio.to_thread.run_sync(parse_and_submit, limiter=limiter,
+                                                               abandon_on_cancel=True)
+        except Exception as error:  # raised below as itself: out of the group it would be an ExceptionGroup
+            outcome["error"] = error
+        group.cancel_scope.cancel()  # parsed: the watch ends
+    if "error" in outcome and not allowance.cancelled.is_set():
+        raise outcome["error"]
+    return None if allowance.cancelled.is_set() else outcome.get("parsed")
 
 
 def _fetches(body: ChatRequest) -> bool:
@@ -463,7 +504,7 @@ def _url_of(part: ImagePart | VideoPart) -> str:
 
 
 def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fetcher: "Fetcher", where: str = "media",
-                  fetch_by: float | None = None):
+                  allowance: Allowance | None = None):
     """Bytes (images) or a file path (videos) for a data: / http(s) / local URL. URL schemes are matched as
     RFC 3986 has them, in any case. A video's bytes go to a file named after ``where`` (the part of the request
     it came from), so that an error about it names that part, not a random temporary name."""
@@ -485,7 +526,7 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fe
         if not data:
             raise BadRequest(f"{where}: the data URL holds no data (data:<type>;base64,<data>)")
     elif scheme.startswith(("http://", "https://")):
-        data = NamedBytes(fetcher.fetch(url, fetch_by), f"{where} ({_url_name(url)})")
+        data = NamedBytes(fetcher.fetch(url, allowance), f"{where} ({_url_name(url)})")
     else:
         try:
             name = vision.local_path(url)  # file://localhost/..., percent-encoded names
@@ -623,9 +664,9 @@ async def _first(request: Request, ticket, channel: Channel, whole: bool):
 
 async def _events(ticket, channel: Channel, first, speed, promise, model_name, include_usage: bool):
     """Server-sent events: a role chunk (with ``glimpse``: the speed's promise), content chunks as tokens come, a
-    final chunk with the finish reason (and ``glimpse``, the metrics too), then with ``include_usage`` a chunk with ``usage`` and no choices. When the client
-    disconnects, the server stops iterating this generator, whose ``finally`` cancels the ticket: it stops
-    before its next step and frees its cache."""
+    final chunk with the finish reason (and ``glimpse``, the metrics too), then with ``include_usage`` a chunk with
+    ``usage`` and no choices. When the client disconnects, the server stops iterating this generator, whose
+    ``finally`` cancels the ticket: it stops before its next step and frees its cache."""
     ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def event(choices: list, **extra) -> str:

@@ -131,7 +131,7 @@ def send(client: httpx.Client, url: str, body: dict) -> Outcome:
                 choice = chunk["choices"][0] if chunk["choices"] else {}
                 if choice.get("delta", {}).get("content") and first is None:
                     first = time.perf_counter() - start
-                if "glimpse" in chunk:
+                if "metrics" in chunk.get("glimpse", {}):  # the last chunk (the first carries the promise alone)
                     peak = chunk["glimpse"]["metrics"]["peak_memory_bytes"]
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]

@@ -18,8 +18,10 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 from glimpse.common import UserError
@@ -39,6 +41,18 @@ REFUSED_NETWORKS = (ipaddress.ip_network("2001::/32"), ipaddress.ip_network("200
 
 class FetchError(UserError):
     """A URL that could not be fetched within the limits (the API answers 400)."""
+
+
+@dataclass
+class Allowance:
+    """What one request's media URLs may take in all: until ``deadline`` (``time.monotonic()``), ``max_bytes``
+    bytes, and only while ``cancelled`` (its client left) is not set. A request of many URLs holds a worker no
+    longer, and no more memory, than one large slow one would."""
+
+    deadline: float
+    max_bytes: int
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    fetched: int = 0
 
 
 def is_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -66,30 +80,45 @@ class Fetcher:
         self.allow_private, self.deadline_s, self.max_bytes = allow_private, deadline_s, max_bytes
         self.explain = explain
 
-    def fetch(self, url: str, deadline: float | None = None) -> bytes:
-        return b"".join(self.pieces(url, deadline))
+    def fetch(self, url: str, allowance: Allowance | None = None) -> bytes:
+        return b"".join(self.pieces(url, allowance))
 
-    def pieces(self, url: str, deadline: float | None = None) -> Iterator[bytes]:
+    def pieces(self, url: str, allowance: Allowance | None = None) -> Iterator[bytes]:
         """The body piece by piece. The fetch runs on a private event loop in the calling thread, so that the
         deadline cancels whatever it waits on (a read timeout alone restarts with every byte that arrives).
-        ``deadline`` (``time.monotonic()``): an earlier end than ``deadline_s`` from now — one request's media
-        share one deadline, so a request of many slow URLs holds a worker no longer than one."""
-        deadline = min(time.monotonic() + self.deadline_s, deadline or float("inf"))
+        ``allowance``: what is left of the request's own (its URLs share one deadline and one byte budget, and
+        a client that left stops them within half a second)."""
+        deadline = min(time.monotonic() + self.deadline_s, allowance.deadline if allowance else float("inf"))
         loop = asyncio.new_event_loop()
         chunks = self._chunks(url)
+        waiting = None
         try:
             while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise FetchError(f"{url}: not fetched within {self.deadline_s:g} s")
+                if allowance is not None and allowance.cancelled.is_set():
+                    raise FetchError(f"{url}: not fetched: the request was given up")
+                waiting = waiting or asyncio.ensure_future(anext(chunks), loop=loop)
+                # A slice at a time, so that a client that left is noticed between slices.
+                done, _ = loop.run_until_complete(asyncio.wait({waiting}, timeout=min(remaining, 0.5)))
+                if not done:
+                    continue
                 try:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise asyncio.TimeoutError
-                    chunk = loop.run_until_complete(asyncio.wait_for(anext(chunks), remaining))
+                    chunk = waiting.result()
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError:
-                    raise FetchError(f"{url}: not fetched within {self.deadline_s:g} s") from None
+                waiting = None
+                if allowance is not None:
+                    allowance.fetched += len(chunk)
+                    if allowance.fetched > allowance.max_bytes:
+                        raise FetchError(f"{url}: the request's media URLs hold more than "
+                                         f"{allowance.max_bytes // 2**20} MiB in all")
                 yield chunk
         finally:
+            if waiting is not None and not waiting.done():
+                waiting.cancel()
+                loop.run_until_complete(asyncio.gather(waiting, return_exceptions=True))
             loop.run_until_complete(chunks.aclose())  # closes the connection
             loop.run_until_complete(loop.shutdown_asyncgens())  # httpx's own readers, left by an early end
             loop.close()

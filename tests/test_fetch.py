@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from glimpse.fetch import Fetcher, FetchError, is_public
+from glimpse.fetch import Allowance, Fetcher, FetchError, is_public
 
 
 @contextmanager
@@ -157,10 +157,10 @@ def test_a_deadline_given_ends_the_fetch_sooner_and_later_urls_of_the_request_ar
 
     fetcher = Fetcher(allow_private=True, deadline_s=30.0)
     with _raw_server(slow_head) as (url, heads):
-        deadline = time.monotonic() + 1.0
+        allowance = Allowance(deadline=time.monotonic() + 1.0, max_bytes=2**20)
         for name in ("a.png", "b.png", "c.png"):
             with pytest.raises(FetchError, match="not fetched within"):
-                fetcher.fetch(f"{url}/{name}", deadline)
+                fetcher.fetch(f"{url}/{name}", allowance)
         time.sleep(0.3)
         assert len(heads) == 1  # the first used the whole deadline; the others never connected
 
@@ -181,3 +181,34 @@ def test_a_fetch_ended_early_leaves_no_task_behind(caplog):
 
             gc.collect()
     assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage() for r in caplog.records]
+
+
+def test_a_requests_urls_share_one_byte_budget_and_stop_when_its_client_leaves():
+    """Each URL is capped (50 MiB), but a request may hold many: 60 of 49 MiB each were all fetched and held
+    (server memory 2.9 -> 5.9 GB) before the prompt was refused. And a client that gave up left its fetches
+    running and its place in the queue taken, for every URL of the request."""
+    body = b"x" * (600 * 2**10)
+
+    def sized(connection, _):
+        connection.sendall(b"HTTP/1.1 200 OK\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    fetcher = Fetcher(allow_private=True, max_bytes=2**20)
+    with _raw_server(sized) as (url, heads):
+        allowance = Allowance(deadline=time.monotonic() + 30, max_bytes=2**20)
+        assert fetcher.fetch(url + "/a.png", allowance) == body  # 600 KiB of the request's 1 MiB
+        with pytest.raises(FetchError, match="hold more than 1 MiB in all"):
+            fetcher.fetch(url + "/b.png", allowance)
+
+    def slow_head(connection, _):
+        connection.sendall(b"HTTP/1.1 200 OK\r\n")
+        for i in range(100):
+            time.sleep(0.2)
+            connection.sendall(f"X-Slow-{i}: yes\r\n".encode())
+
+    with _raw_server(slow_head) as (url, _):
+        allowance = Allowance(deadline=time.monotonic() + 30, max_bytes=2**20)
+        threading.Timer(0.5, allowance.cancelled.set).start()
+        start = time.monotonic()
+        with pytest.raises(FetchError, match="the request was given up"):
+            fetcher.fetch(url + "/x.png", allowance)
+        assert time.monotonic() - start < 10  # noticed between slices, not at the 30 s deadline

@@ -758,6 +758,73 @@ def test_many_slow_media_urls_leave_the_server_its_threads(server, media):
         listener.close()
 
 
+def test_requests_given_up_while_fetching_or_waiting_to_free_their_places(server, media):
+    """Clients that give up while their media URLs are fetched (or wait to be): their fetches stop and their places
+    in the fetch queue go back within a second or so. Before, each kept its place until its 30 s deadline and then had every URL
+    fetched anyway: 40 abandoned requests held the queue for 150 s, and every other media request got 429."""
+    import socket
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from glimpse.api import FETCHING_THREADS, create_api
+
+    listener, release, connections = socket.create_server(("127.0.0.1", 0)), threading.Event(), []
+    listener.listen(64)
+
+    def slow_heads():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(connection)
+            threading.Thread(target=_slow_head, args=(connection, release), daemon=True).start()
+
+    class Picture(BaseHTTPRequestHandler):
+        def do_GET(self):
+            data = media["image"].read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    pictures = ThreadingHTTPServer(("127.0.0.1", 0), Picture)
+    threading.Thread(target=slow_heads, daemon=True).start()
+    threading.Thread(target=pictures.serve_forever, daemon=True).start()
+    app = create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True, queue_size=2)
+    slow = {"messages": _question(f"http://127.0.0.1:{listener.getsockname()[1]}/x.png"), "max_tokens": 2}
+    good = {"messages": _question(f"http://127.0.0.1:{pictures.server_port}/a.png"), "max_tokens": 2}
+    try:
+        for url in _serve(app):
+            def give_up():
+                with pytest.raises(httpx.TimeoutException):
+                    httpx.post(url + "/v1/chat/completions", json=slow, timeout=2.0)
+
+            quitters = [threading.Thread(target=give_up) for _ in range(FETCHING_THREADS + 2)]  # a full queue
+            for quitter in quitters:
+                quitter.start()
+            for quitter in quitters:
+                quitter.join()
+            for _ in range(40):  # until the places are back (they were held for the 30 s deadline)
+                reply = httpx.post(url + "/v1/chat/completions", json=good, timeout=60)
+                if reply.status_code != 429:
+                    break
+                time.sleep(0.25)
+            assert reply.status_code == 200, reply.text
+            for connection in connections:  # every fetch of theirs has stopped: the server hung up on the sender
+                connection.settimeout(10)  # (the fetch deadline is 30 s)
+                try:
+                    assert connection.recv(1) == b""
+                except ConnectionResetError:
+                    pass
+    finally:
+        release.set()
+        listener.close()
+        pictures.shutdown()
+
+
 def _slow_head(connection, release):
     """An HTTP response head that does not end: a header line every 0.3 s, until ``release``."""
     try:
