@@ -711,22 +711,9 @@ def test_many_slow_media_urls_leave_the_server_its_threads(server, media):
     so /health, /v1/models and a question without a URL are answered while every one of them is still being
     fetched or waiting for its turn. They used to take every worker thread the server has (40). No more wait
     their turn than the queue has room for: the rest get 429 at once."""
-    import socket
-
     from glimpse.api import FETCHING_THREADS, create_api
 
-    listener, release = socket.create_server(("127.0.0.1", 0)), threading.Event()
-    listener.listen(64)
-
-    def slow_heads():
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=_slow_head, args=(connection, release), daemon=True).start()
-
-    threading.Thread(target=slow_heads, daemon=True).start()
+    listener, release, _ = _slow_heads()
     app = create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True,  # the 30 s fetch deadline
                      queue_size=30)
     slow = {"messages": _question(f"http://127.0.0.1:{listener.getsockname()[1]}/x.png"), "max_tokens": 2}
@@ -760,24 +747,14 @@ def test_many_slow_media_urls_leave_the_server_its_threads(server, media):
 
 def test_requests_given_up_while_fetching_or_waiting_to_free_their_places(server, media):
     """Clients that give up while their media URLs are fetched (or wait to be): their fetches stop and their places
-    in the fetch queue go back within a second or so. Before, each kept its place until its 30 s deadline and then had every URL
-    fetched anyway: 40 abandoned requests held the queue for 150 s, and every other media request got 429."""
-    import socket
+    in the fetch queue go back within a second or so. Before, each kept its place until its 30 s deadline and then
+    had every URL fetched anyway: 40 abandoned requests held the queue for 150 s, and every other media request got
+    429."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from glimpse.api import FETCHING_THREADS, create_api
 
-    listener, release, connections = socket.create_server(("127.0.0.1", 0)), threading.Event(), []
-    listener.listen(64)
-
-    def slow_heads():
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:
-                return
-            connections.append(connection)
-            threading.Thread(target=_slow_head, args=(connection, release), daemon=True).start()
+    listener, release, connections = _slow_heads()
 
     class Picture(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -791,7 +768,6 @@ def test_requests_given_up_while_fetching_or_waiting_to_free_their_places(server
             pass
 
     pictures = ThreadingHTTPServer(("127.0.0.1", 0), Picture)
-    threading.Thread(target=slow_heads, daemon=True).start()
     threading.Thread(target=pictures.serve_forever, daemon=True).start()
     app = create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True, queue_size=2)
     slow = {"messages": _question(f"http://127.0.0.1:{listener.getsockname()[1]}/x.png"), "max_tokens": 2}
@@ -807,14 +783,14 @@ def test_requests_given_up_while_fetching_or_waiting_to_free_their_places(server
                 quitter.start()
             for quitter in quitters:
                 quitter.join()
-            for _ in range(40):  # until the places are back (they were held for the 30 s deadline)
+            for _ in range(80):  # until the places are back (they were held for the 30 s deadline)
                 reply = httpx.post(url + "/v1/chat/completions", json=good, timeout=60)
                 if reply.status_code != 429:
                     break
                 time.sleep(0.25)
             assert reply.status_code == 200, reply.text
             for connection in connections:  # every fetch of theirs has stopped: the server hung up on the sender
-                connection.settimeout(10)  # (the fetch deadline is 30 s)
+                connection.settimeout(20)  # (the fetch deadline is 30 s)
                 try:
                     assert connection.recv(1) == b""
                 except ConnectionResetError:
@@ -823,6 +799,27 @@ def test_requests_given_up_while_fetching_or_waiting_to_free_their_places(server
         release.set()
         listener.close()
         pictures.shutdown()
+
+
+def _slow_heads():
+    """A server on 127.0.0.1 whose every response head does not end (``_slow_head``): its listening socket, the event
+    that makes it give up, and the connections it accepted."""
+    import socket
+
+    listener, release, connections = socket.create_server(("127.0.0.1", 0)), threading.Event(), []
+    listener.listen(64)
+
+    def serve():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(connection)
+            threading.Thread(target=_slow_head, args=(connection, release), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, release, connections
 
 
 def _slow_head(connection, release):
