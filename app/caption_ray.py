@@ -512,7 +512,7 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                 # Every batch lost: a model that cannot load on the workers, or one poison batch that took the
                 # batches queued at its actor with it. A few inputs alone tell which, before all of them are tried.
                 probe = lost[:batch_size + 1] if len(lost) == len(pending) > batch_size else []
-                for group in (probe, [k for k in lost if k not in set(probe)]):
+                for group in (probe, lost[len(probe):]):  # (the probe is the first few)
                     if not group:
                         continue
                     for rows in _pipeline(ray, group, *options, 1, 1, gpus_per_actor, device, retrying=True):

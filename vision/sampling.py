@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from glimpse.vision.media import (DEFAULT_VIDEO_TIMEOUT_S, FrameTransform, MediaError, VideoInfo, _TooFewFramesError, probe_video,
-                    read_frames)
+from glimpse.vision.media import (DEFAULT_VIDEO_TIMEOUT_S, FrameTransform, MediaError, VideoInfo, _TooFewFramesError,
+                                  probe_video, read_frames)
 
 logger = logging.getLogger(__name__)
 
