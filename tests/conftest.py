@@ -104,3 +104,66 @@ def write_video(path: Path, frames: int, fps: int, size: tuple[int, int]) -> Pat
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+class RawServer:
+    """A TCP server on 127.0.0.1 that misbehaves as a test needs: every connection, once its request head has
+    arrived, is handed to ``answer(connection, head)`` in a thread of its own and closed after; without ``answer``,
+    a response head that does not end (``slow_head``). ``url``, the ``heads`` it was sent and the ``connections``
+    it accepted; ``close()`` (or leaving the ``with``) stops accepting and sets ``release``, on which slow heads
+    give up."""
+
+    def __init__(self, answer=None):
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.heads, self.connections, self.release = [], [], threading.Event()
+        answer = answer or (lambda connection, head: slow_head(self.release, connection, head))
+        threading.Thread(target=self._serve, args=(answer,), daemon=True).start()
+
+    def _serve(self, answer) -> None:
+        import threading
+
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections.append(connection)
+            head = b""
+            while b"\r\n\r\n" not in head and (piece := connection.recv(4096)):
+                head += piece
+            self.heads.append(head.decode("latin-1"))
+            threading.Thread(target=self._answer_and_close, args=(answer, connection, self.heads[-1]),
+                             daemon=True).start()
+
+    @staticmethod
+    def _answer_and_close(answer, connection, head) -> None:
+        try:
+            answer(connection, head)
+        except OSError:
+            pass  # the client gave up and closed its end
+        finally:
+            connection.close()
+
+    def close(self) -> None:
+        self.release.set()
+        self.listener.close()
+
+    def __enter__(self) -> "RawServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def slow_head(release, connection, head) -> None:
+    """A ``RawServer`` answer whose response head does not end: a header line every 0.2 s, until ``release`` is set
+    (at most 40 s). A read timeout starts again with every line."""
+    connection.sendall(b"HTTP/1.1 200 OK\r\n")
+    for i in range(200):
+        if release.wait(0.2):
+            return
+        connection.sendall(f"X-Slow-{i}: yes\r\n".encode())

@@ -6,61 +6,20 @@ from __future__ import annotations
 
 import gzip
 import ipaddress
-import socket
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 
 from glimpse.fetch import Allowance, Fetcher, FetchError, is_public
-
-
-@contextmanager
-def _raw_server(answer):
-    """A TCP server on 127.0.0.1 whose every connection is handed to ``answer(connection, request_head)``."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    heads = []
-
-    def serve():
-        while True:
-            try:
-                connection, _ = listener.accept()
-            except OSError:
-                return
-            head = b""
-            while b"\r\n\r\n" not in head:
-                head += connection.recv(4096)
-            heads.append(head.decode("latin-1"))
-            threading.Thread(target=_answer_and_close, args=(answer, connection, heads[-1]), daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}", heads
-    finally:
-        listener.close()
-
-
-def _answer_and_close(answer, connection, head):
-    try:
-        answer(connection, head)
-    except OSError:
-        pass  # the fetch gave up and closed its end
-    finally:
-        connection.close()
+from conftest import RawServer
 
 
 def test_a_response_head_sent_a_line_at_a_time_is_given_up_at_the_deadline():
     """httpx's read timeout starts again with every byte that arrives: a server that sends a header line every
     half second held a fetch (and a server thread) for as long as it liked. The deadline covers the head too."""
-    def slow_head(connection, _):
-        connection.sendall(b"HTTP/1.1 200 OK\r\n")
-        for i in range(40):  # 20 s of headers
-            time.sleep(0.5)
-            connection.sendall(f"X-Slow-{i}: yes\r\n".encode())
-        connection.sendall(b"Content-Length: 0\r\n\r\n")
-
-    with _raw_server(slow_head) as (url, _):
+    with RawServer() as server:  # a header line every 0.2 s
+        url = server.url
         start = time.monotonic()
         with pytest.raises(FetchError, match="not fetched within 2 s"):
             Fetcher(allow_private=True, deadline_s=2.0).fetch(url + "/x.png")
@@ -77,7 +36,8 @@ def test_a_compressed_body_is_asked_against_and_refused_unpacked():
         connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Encoding: gzip\r\n"
                            + f"Content-Length: {len(bomb)}\r\n\r\n".encode() + bomb)
 
-    with _raw_server(compressed) as (url, heads):
+    with RawServer(compressed) as server:
+        url, heads = server.url, server.heads
         with pytest.raises(FetchError, match=r"compressed \(gzip\)"):
             Fetcher(allow_private=True, max_bytes=2**20).fetch(url + "/x.png")
     assert "accept-encoding: identity" in heads[0].lower()
@@ -94,7 +54,8 @@ def test_the_body_is_kept_as_sent():
             connection.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
         connection.sendall(b"0\r\n\r\n")
 
-    with _raw_server(chunked) as (url, _):
+    with RawServer(chunked) as server:
+        url = server.url
         assert Fetcher(allow_private=True).fetch(url + "/x.png") == body
 
 
@@ -108,7 +69,8 @@ def test_a_redirect_that_cannot_be_followed_says_why(location, message):
         where = f"Location: {location}\r\n" if location else ""
         connection.sendall(f"HTTP/1.1 302 Found\r\n{where}Content-Length: 0\r\n\r\n".encode())
 
-    with _raw_server(redirect) as (url, _):
+    with RawServer(redirect) as server:
+        url = server.url
         with pytest.raises(FetchError, match=message.replace("(", r"\(").replace(")", r"\)")):
             Fetcher(allow_private=True).fetch(url + "/x.png")
 
@@ -149,14 +111,9 @@ def test_a_url_that_cannot_be_parsed_is_refused_as_such(url):
 def test_a_deadline_given_ends_the_fetch_sooner_and_later_urls_of_the_request_are_not_started():
     """The API gives all of a request's media URLs one deadline: a request of many slow URLs holds a worker no longer
     than one would (each had 30 s of its own)."""
-    def slow_head(connection, _):
-        connection.sendall(b"HTTP/1.1 200 OK\r\n")
-        for i in range(100):
-            time.sleep(0.2)
-            connection.sendall(f"X-Slow-{i}: yes\r\n".encode())
-
     fetcher = Fetcher(allow_private=True, deadline_s=30.0)
-    with _raw_server(slow_head) as (url, heads):
+    with RawServer() as server:  # a head that does not end
+        url, heads = server.url, server.heads
         allowance = Allowance(deadline=time.monotonic() + 1.0, max_bytes=2**20)
         for name in ("a.png", "b.png", "c.png"):
             with pytest.raises(FetchError, match="not fetched within"):
@@ -173,7 +130,8 @@ def test_a_fetch_ended_early_leaves_no_task_behind(caplog):
     def big(connection, _):
         connection.sendall(b"HTTP/1.1 200 OK\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
-    with _raw_server(big) as (url, _):
+    with RawServer(big) as server:
+        url = server.url
         with caplog.at_level("ERROR", logger="asyncio"):
             with pytest.raises(FetchError, match="larger than 1 MiB"):
                 Fetcher(allow_private=True, max_bytes=2**20).fetch(url + "/x.png")
@@ -193,19 +151,15 @@ def test_a_requests_urls_share_one_byte_budget_and_stop_when_its_client_leaves()
         connection.sendall(b"HTTP/1.1 200 OK\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
 
     fetcher = Fetcher(allow_private=True, max_bytes=2**20)
-    with _raw_server(sized) as (url, heads):
+    with RawServer(sized) as server:
+        url = server.url
         allowance = Allowance(deadline=time.monotonic() + 30, max_bytes=2**20)
         assert fetcher.fetch(url + "/a.png", allowance) == body  # 600 KiB of the request's 1 MiB
         with pytest.raises(FetchError, match="hold more than 1 MiB in all"):
             fetcher.fetch(url + "/b.png", allowance)
 
-    def slow_head(connection, _):
-        connection.sendall(b"HTTP/1.1 200 OK\r\n")
-        for i in range(100):
-            time.sleep(0.2)
-            connection.sendall(f"X-Slow-{i}: yes\r\n".encode())
-
-    with _raw_server(slow_head) as (url, _):
+    with RawServer() as server:  # a head that does not end
+        url = server.url
         allowance = Allowance(deadline=time.monotonic() + 30, max_bytes=2**20)
         threading.Timer(0.5, allowance.cancelled.set).start()
         start = time.monotonic()
