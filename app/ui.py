@@ -91,12 +91,23 @@ def metrics_markdown(result, baseline=None) -> str:
              row("peak memory (this request)", lambda m: m["peak_memory_bytes"], mib),
              row("prefill FLOPs", lambda m: m["prefill_flops_baseline"] / m["prefill_flops"],
                  lambda v: f"{v:.2f}x fewer")]
+    if baseline is not None:  # what the comparison is for: did pruning change the answer?
+        lines.insert(4, f"| answer | {_table_cell(result.text)} | {_table_cell(baseline.text)} |")
     observed = telemetry_text(result.metrics.get("policy_telemetry") or {})
     if observed:
         lines += ["", f"observed: {observed}"]
     if baseline is not None:
-        lines += ["", f"TTFT speedup **{baseline.metrics['ttft_s'] / result.metrics['ttft_s']:.2f}x**"]
+        same = result.text.strip() == baseline.text.strip()
+        lines += ["", ("the same answer as unpruned" if same else "**a different answer** from unpruned")
+                  + f"; TTFT speedup **{baseline.metrics['ttft_s'] / result.metrics['ttft_s']:.2f}x**"]
     return "\n".join(lines)
+
+
+def _table_cell(text: str, limit: int = 200) -> str:
+    """An answer as one markdown table cell: on one line, its pipes escaped, cut at ``limit`` characters."""
+    text = " ".join(text.split())
+    text = text if len(text) <= limit else text[:limit - 1] + "…"
+    return text.replace("\\", "\\\\").replace("|", "\\|") or "—"
 
 
 def telemetry_text(telemetry: dict, prefix: str = "") -> str:

@@ -609,6 +609,30 @@ def test_the_metrics_panel_says_what_the_policy_observed(checkpoints, media):
     plain = engine.generate(messages, policy="none", max_new_tokens=2)
     assert plain.metrics["policy_telemetry"] == {} and "observed" not in metrics_markdown(plain)
 
+def test_the_compare_column_shows_the_unpruned_answer_and_says_whether_pruning_changed_it(checkpoints, media):
+    """"Also run unpruned, to compare" is there to tell whether pruning changed the answer: the panel shows both
+    answers (on one line each, a pipe in one not breaking the table) and says whether they are the same."""
+    from dataclasses import replace
+
+    from glimpse.ui import metrics_markdown
+
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                             {"type": "text", "text": "What is it?"}]}]
+    plain = engine.generate(messages, policy="none", max_new_tokens=4)
+    pruned = engine.generate(messages, policy="fastv", speed=1.0, max_new_tokens=4)
+    other = replace(pruned, text="a | b\nc")  # an answer other than the unpruned one, with a pipe and a newline
+    assert other.text != plain.text
+    panel = metrics_markdown(other, plain)
+    row = next(line for line in panel.splitlines() if line.startswith("| answer |"))
+    shown = " ".join(plain.text.split()).replace("\\", "\\\\").replace("|", "\\|") or "—"
+    assert row == f"| answer | a \\| b c | {shown} |"
+    assert "**a different answer** from unpruned" in panel
+    same = metrics_markdown(replace(pruned, text=plain.text), plain)
+    assert "the same answer as unpruned" in same and "different answer" not in same
+    assert "| answer |" not in metrics_markdown(pruned)  # alone, the panel has no answer row
+
+
 def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, tmp_path):
     """LLaVA squeezes every image into a square grid; the map over a tall picture is drawn tall all the same."""
     from PIL import Image
