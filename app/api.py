@@ -57,7 +57,7 @@ from glimpse import vision
 from glimpse.vision import NamedBytes
 from glimpse.common import UserError
 from glimpse.connections import BodyLimits
-from glimpse.fetch import FETCH_DEADLINE_S, Allowance, Fetcher
+from glimpse.fetch import FETCH_DEADLINE_S, Allowance, Fetcher, FetchError
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.engine import StreamChunk
 from glimpse.pipeline.prompt import check_text_length
@@ -526,13 +526,16 @@ def _media_source(url: str, kind: str, root: Path | None, scratch: "Scratch", fe
         if not data:
             raise BadRequest(f"{where}: the data URL holds no data (data:<type>;base64,<data>)")
     elif scheme.startswith(("http://", "https://")):
-        data = NamedBytes(fetcher.fetch(url, allowance), f"{where} ({_url_name(url)})")
+        try:
+            data = NamedBytes(fetcher.fetch(url, allowance), f"{where} ({_url_name(url)})")
+        except FetchError as error:
+            raise FetchError(f"{where}: {error}") from None
     else:
         try:
             name = vision.local_path(url)  # file://localhost/..., percent-encoded names
-        except vision.MediaError as error:
+            return _local_file(name, url, root)
+        except (vision.MediaError, BadRequest) as error:
             raise BadRequest(f"{where}: {error}") from None
-        return _local_file(name, url, root)
     if kind == "image":
         return data
     folder = scratch.path() / uuid.uuid4().hex

@@ -72,8 +72,9 @@ class Fetcher:
     """``fetch(url)``: the body as bytes; ``pieces(url)``: the body piece by piece (a large video written to a
     file never sits in memory whole). ``max_bytes`` and ``deadline_s`` bound every fetch; ``allow_private``
     lets it reach private, loopback and link-local addresses (a server's ``--allow-private-urls``; a dataset's
-    own storage for the captioner). ``explain``: a failed fetch says why (the HTTP status, a refused connection)
-    — for an operator's own manifest; a server's clients are told nothing that would map its network."""
+    own storage for the captioner). A URL whose server answered with an error says its HTTP status; ``explain``:
+    a connection that failed says why too (refused, reset) — for an operator's own manifest; a server's clients
+    are told nothing that would map its network."""
 
     def __init__(self, allow_private: bool = False, deadline_s: float = FETCH_DEADLINE_S,
                  max_bytes: int = MAX_FETCH_BYTES, explain: bool = False):
@@ -128,7 +129,9 @@ class Fetcher:
 
         host = _split(url).hostname
         try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(10.0), follow_redirects=False) as client:
+            # No timeout of httpx's own: the deadline bounds every wait (a 10 s read timeout refused a server
+            # that took 12 s to answer, under a deadline of 30 s, as "could not be fetched").
+            async with httpx.AsyncClient(timeout=httpx.Timeout(None), follow_redirects=False) as client:
                 for _ in range(MAX_REDIRECTS + 1):
                     pinned, headers, extensions = await self._pin(url)
                     headers["Accept-Encoding"] = "identity"
@@ -152,8 +155,11 @@ class Fetcher:
             raise FetchError(f"{url}: more than {MAX_REDIRECTS} redirects")
         except httpx.InvalidURL:
             raise FetchError(f"{_shown(url)}: not a valid URL") from None
+        except httpx.HTTPStatusError as error:  # the server answered: its status is what the client can act on
+            raise FetchError(f"{url}: could not be fetched ({_cause(error)})") from None
         except httpx.HTTPError as error:
-            # No detail for a server's clients: it would map the network.
+            # No detail of a connection that failed for a server's clients: refused, reset or unreachable would
+            # map the network.
             why = f" ({_cause(error)})" if self.explain else ""
             raise FetchError(f"{url}: could not be fetched{why}") from None
 

@@ -26,6 +26,26 @@ def test_a_response_head_sent_a_line_at_a_time_is_given_up_at_the_deadline():
         assert time.monotonic() - start < 4.0
 
 
+def test_a_server_slow_to_answer_is_waited_for_until_the_deadline_and_an_error_status_is_said():
+    """The deadline is the one bound: a server that answers only after 11 s (within the 30 s deadline) is fetched
+    (httpx's own 10 s read timeout refused it as "could not be fetched"). A server that answers with an error
+    says which: the client can act on a 404."""
+    body = b"late but whole"
+
+    def late(connection, head):
+        time.sleep(11.0)
+        connection.sendall(b"HTTP/1.1 200 OK\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    def missing(connection, _):
+        connection.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+
+    with RawServer(late) as server:
+        assert Fetcher(allow_private=True, deadline_s=30.0).fetch(server.url + "/x.png") == body
+    with RawServer(missing) as server:
+        with pytest.raises(FetchError, match=r"could not be fetched \(HTTP 404 Not Found\)"):
+            Fetcher(allow_private=True).fetch(server.url + "/x.png")
+
+
 def test_a_compressed_body_is_asked_against_and_refused_unpacked():
     """A few kilobytes of gzip (or brotli) unpack to gigabytes in one step, before a cap on the unpacked bytes can
     look: the fetch asks for the body as it is (``Accept-Encoding: identity``), refuses a body sent compressed

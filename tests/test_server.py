@@ -297,7 +297,8 @@ def test_local_files_only_under_the_allowed_root(server, media):
     assert inside.choices[0].message.content is not None
     from openai import BadRequestError
 
-    with pytest.raises(BadRequestError, match="outside the allowed root"):
+    # The refusal names the part of the request it is about, as every error about a part does.
+    with pytest.raises(BadRequestError, match=r"messages\[0\]\.content\[0\]: .* outside the allowed root"):
         client.chat.completions.create(model="m", messages=_question(str(media["image"])), max_tokens=4)
     # Found from outside: names that cannot be paths were 500s, and a megabyte of "/x" held a server thread for
     # minutes resolving it (each refusal is now a 400 before the file system is asked, echoing at most 200 characters).
@@ -726,7 +727,9 @@ def test_a_media_url_that_drips_does_not_stall_the_server_and_is_refused_at_the_
             assert asking.is_alive()  # /health answered while the media was still dripping
             asking.join(timeout=60)
             reply = outcome["reply"]
-            assert reply.status_code == 400 and "not fetched within 4 s" in reply.json()["error"]["message"]
+            message = reply.json()["error"]["message"]
+            assert reply.status_code == 400 and "not fetched within 4 s" in message
+            assert message.startswith("messages[0].content[0]: http://")  # the part of the request it is about
     finally:
         drip.shutdown()
 
