@@ -614,7 +614,7 @@ def _usage(result) -> dict:
 
 def _glimpse(result, speed: float, promise: dict) -> dict:
     keys = ("ttft_s", "queue_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
-            "prefill_flops", "prefill_flops_baseline", "prefix_reused_tokens")
+            "prefill_flops", "prefill_flops_baseline", "prefill_flops_unpruned", "prefix_reused_tokens")
     return {"policy": result.policy, "speed": speed, "params": result.params, "summary": result.summary,
             "promise": promise, "metrics": {k: result.metrics[k] for k in keys}}
 

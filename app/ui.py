@@ -12,6 +12,7 @@ cannot be decoded leaves the conversation, anything else keeps it; the server ke
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -89,8 +90,12 @@ def metrics_markdown(result, baseline=None) -> str:
                  + (f" ({v[1]} taken from the prefix cache)" if v[1] else "")),
              row("KV cache", lambda m: m["kv_bytes"], mib),
              row("peak memory (this request)", lambda m: m["peak_memory_bytes"], mib),
-             row("prefill FLOPs", lambda m: m["prefill_flops_baseline"] / m["prefill_flops"],
-                 lambda v: f"{v:.2f}x fewer")]
+             # Pruning's saving apart from the prefix cache's: a question asked again computed almost nothing,
+             # and "341x fewer" beside "exact: no pruning" read as what pruning bought.
+             row("prefill FLOPs", lambda m: (m["prefill_flops_unpruned"] / m["prefill_flops"],
+                                             m["prefill_flops_baseline"] / m["prefill_flops_unpruned"]),
+                 lambda v: f"{v[0]:.2f}x fewer by pruning" + (f", {v[1]:.2f}x fewer by the prefix cache"
+                                                              if v[1] > 1.0 else ""))]
     if baseline is not None:  # what the comparison is for: did pruning change the answer?
         lines.insert(4, f"| answer | {_table_cell(result.text)} | {_table_cell(baseline.text)} |")
     observed = telemetry_text(result.metrics.get("policy_telemetry") or {})
@@ -305,14 +310,14 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                     continue
                 answer += chunk.text
                 result = chunk.result or result
-                yield answer, gr.skip(), gr.skip()
+                yield _shown(answer), gr.skip(), gr.skip()
             baseline = None
             if compare and policy != "none":  # (with no pruning the two runs are the same configuration)
-                yield answer, "*running the unpruned answer to compare ...*", gr.skip()
+                yield _shown(answer), "*running the unpruned answer to compare ...*", gr.skip()
                 baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"],
                                               caches=False)
         except Exception as error:  # after some of the answer: what was said stays, the error under it as a note
-            yield (answer + _note(f"the answer broke off: {_error_text(error).removeprefix(ERROR_NOTE)}") if answer
+            yield (_shown(answer) + _note(f"the answer broke off: {_error_text(error).removeprefix(ERROR_NOTE)}") if answer
                    else _error_text(error)), NO_METRICS, None
             return
         finally:
@@ -321,6 +326,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 tabs.get(session, set()).discard(ticket)
         if result is None:
             return
+        answer = _shown(answer)
         if result.finish_reason == "length":
             count = len(result.token_ids)
             answer += _note(f"cut at {count} token{'s' if count != 1 else ''}: raise max answer tokens for more")
@@ -592,13 +598,31 @@ def _without_notes(text: str) -> str:
     return text
 
 
+# A line that is only a number and a dot ("12.", "3)") is an empty ordered-list item in Markdown: the chat drew the
+# embedded model's counts as a list marker with no text (nothing to select or copy). Shown escaped ("12\."),
+# taken back as written when the conversation goes to the model again.
+EMPTY_LIST_ITEM = re.compile(r"^( {0,3}\d{1,9})([.)])([ \t]*)$", re.MULTILINE)
+ESCAPED_LIST_ITEM = re.compile(r"^( {0,3}\d{1,9})\\([.)])([ \t]*)$", re.MULTILINE)
+
+
+def _shown(answer: str) -> str:
+    """An answer as the chat shows it: the model's words, literally where Markdown would swallow them."""
+    return EMPTY_LIST_ITEM.sub(r"\1\\\2\3", answer)
+
+
+def _as_written(shown: str) -> str:
+    return ESCAPED_LIST_ITEM.sub(r"\1\2\3", shown)
+
+
 def _without_notes_in(content):
-    """A message's content (a string, or Gradio's list of parts) with the chat's notes taken off its text."""
+    """A message's content (a string, or Gradio's list of parts) with the chat's notes taken off its text, as the
+    model wrote it."""
+    words = lambda text: _as_written(_without_notes(text))  # noqa: E731
     if isinstance(content, str):
-        return _without_notes(content)
+        return words(content)
     if isinstance(content, list):
-        return [_without_notes(p) if isinstance(p, str) else
-                {**p, "text": _without_notes(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+        return [words(p) if isinstance(p, str) else
+                {**p, "text": words(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
                 for p in content]
     return content
 

@@ -956,6 +956,7 @@ class Engine:
             attention_tokens_per_layer=attending,
             prefill_flops=prefill_flops(counts, d, m, attending, past=ctx.reused_tokens),
             prefill_flops_baseline=prefill_flops([T] * len(counts), d, m),
+            prefill_flops_unpruned=prefill_flops([T - ctx.reused_tokens] * len(counts), d, m, past=ctx.reused_tokens),
             kv_bytes=ctx.cache.nbytes(),
             kv_bytes_per_step=ctx.kv_bytes_per_step,
             visual_kv_per_step=ctx.visual_kv_per_step,

@@ -28,7 +28,9 @@ class Metrics(TypedDict):
     active_tokens_per_layer: list[int]  # prefill: tokens each layer computed
     attention_tokens_per_layer: list[int]  # ... of which took part in attention (ZipVL)
     prefill_flops: int  # the FLOPs proxy (docs/pruning.md)
-    prefill_flops_baseline: int  # ... of the same prompt unpruned
+    prefill_flops_baseline: int  # ... of the same prompt unpruned, every token computed
+    prefill_flops_unpruned: int  # ... unpruned, of the tokens computed here (equal to the baseline unless a prefix
+    # came from the prefix cache): baseline / unpruned is the cache's saving, unpruned / prefill_flops pruning's
     kv_bytes: int  # the KV cache at the end of the answer
     kv_bytes_per_step: list[int]  # what each decode step attended to
     visual_kv_per_step: list[int]  # visual KV entries per decode step (ST3's annealing shrinks them)
@@ -75,28 +77,28 @@ def keep_map(prompt, active_per_layer: list[torch.Tensor],
             "entered": entered[visual].clamp(min=0).tolist(), "attended": attended[visual].tolist(), "media": spans}
 
 
-def layer_flops(n: int, d: int, m: int, cache: int | None = None, attending: int | None = None) -> int:
+def layer_flops(n: int, d: int, m: int, past: int = 0, attending: int | None = None) -> int:
     """FLOPs proxy of one decoder layer computing ``n`` tokens (hidden ``d``, FFN ``m``).
 
-    ``4nd^2`` (q, k, v, o projections) + ``2ncd`` (scores and weighted sum over ``c`` keys; ``c = n``
-    in prefill) + ``3ndm`` (SwiGLU: gate, up, down). FastV/DASH write ``2ndm`` for a two-matrix FFN;
-    every model Glimpse supports uses SwiGLU, so we count three matrices.
+    ``4nd^2`` (q, k, v, o projections) + ``2n(n + past)d`` (scores and weighted sum over the ``n``
+    tokens' keys and the ``past`` keys of a prefix reused from the cache) + ``3ndm`` (SwiGLU: gate, up,
+    down). FastV/DASH write ``2ndm`` for a two-matrix FFN; every model Glimpse supports uses SwiGLU, so we
+    count three matrices.
 
     ``attending``: when only ``p`` of the ``n`` tokens take part in attention, and only with each
-    other (ZipVL's sparse prefill), the attention term is ``2p^2d``; projections and FFN stay dense.
+    other and the reused prefix (ZipVL's sparse prefill), the attention term is ``2p(p + past)d``;
+    projections and FFN stay dense.
     """
-    if attending is not None:
-        return 4 * n * d * d + 2 * attending * attending * d + 3 * n * d * m
-    c = n if cache is None else cache
-    return 4 * n * d * d + 2 * n * c * d + 3 * n * d * m
+    p = n if attending is None else attending
+    return 4 * n * d * d + 2 * p * (p + past) * d + 3 * n * d * m
 
 
 def prefill_flops(active_per_layer: list[int], d: int, m: int, attending_per_layer: list[int] | None = None,
                   past: int = 0) -> int:
-    """``past``: keys of a reused prefix before the computed tokens, which each of them attends to."""
+    """``past``: keys of a reused prefix before the computed tokens, which each of them attends to (the engine
+    passes ``attending`` for every layer; the attention term counted the prefix only where it did not)."""
     attending = attending_per_layer or [None] * len(active_per_layer)
-    return sum(layer_flops(n, d, m, cache=n + past if past else None, attending=p)
-               for n, p in zip(active_per_layer, attending))
+    return sum(layer_flops(n, d, m, past=past, attending=p) for n, p in zip(active_per_layer, attending))
 
 
 def synchronize(device: torch.device) -> None:

@@ -797,6 +797,15 @@ def test_the_prefix_cache_answers_exactly_and_computes_only_what_is_new(checkpoi
         assert answer.metrics["active_tokens_per_layer"] == [len(prompt) - answer.metrics["prefix_reused_tokens"]] * len(engine.adapter.layers)
         assert (answer.metrics["prefill_flops"] < plain.metrics["prefill_flops"]) == (answer.metrics["prefix_reused_tokens"] > 0)
         assert answer.metrics["keep_map"]["depth"] == plain.metrics["keep_map"]["depth"]  # every entry is there
+        # Unpruned, pruning saved nothing: all of the saving is the cache's. The computed tokens attend to the
+        # reused prefix's keys as well as their own (the proxy left them out, and a question asked again
+        # read as cheaper than it was).
+        n, past, cfg = len(prompt) - answer.metrics["prefix_reused_tokens"], answer.metrics["prefix_reused_tokens"], \
+            engine.adapter.text_config
+        d, m, layers = cfg.hidden_size, cfg.intermediate_size, len(engine.adapter.layers)
+        assert answer.metrics["prefill_flops"] == layers * (4 * n * d * d + 2 * n * (n + past) * d + 3 * n * d * m)
+        assert answer.metrics["prefill_flops_unpruned"] == answer.metrics["prefill_flops"]
+        assert answer.metrics["prefill_flops_baseline"] == plain.metrics["prefill_flops_baseline"] == plain.metrics["prefill_flops"]
     assert answers[1].metrics["vision_encoder_s"] == 0.0 and answers[2].metrics["vision_encoder_s"] == 0.0
     assert answers[3].metrics["vision_encoder_s"] > 0.0
 

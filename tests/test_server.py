@@ -541,6 +541,29 @@ def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
     assert _usable(warned, set()) == [*warned[:3], {"role": "assistant", "content": "Because"}]
 
 
+def test_an_answer_that_is_a_number_and_a_dot_is_shown_as_text_and_sent_back_as_written():
+    """The embedded model answers counts as "12." or "3.": Markdown reads such a line as an empty ordered-list item,
+    and the chat showed only a list marker (no text to select or copy; a script reading the page saw a blank
+    answer). The chat shows it as text and the next turn sends the model its own words; a real list, and a number
+    inside a sentence, are left to Markdown."""
+    from markdown_it import MarkdownIt
+
+    from glimpse.ui import _shown, _usable
+
+    render = MarkdownIt("commonmark").render  # the chat's Markdown (marked, in the page) reads these lines as CommonMark
+    for answer in ("12.", "3)", "1.\n2.", "7.  "):
+        html = render(_shown(answer))
+        assert "<ol" not in html and "<li" not in html, html
+        assert render(answer).count("<li") >= 1  # what the chat drew before
+    assert render(_shown("12.")) == "<p>12.</p>\n"
+    for answer in ("1. Red\n2. Blue", "It has 3. Then more.", "Red."):  # Markdown as the model meant it
+        assert _shown(answer) == answer
+    history = [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": _shown("12.")},
+               {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": [{"type": "text", "text": _shown("3.")}]}]
+    usable = _usable(history, set())
+    assert usable[1]["content"] == "12." and usable[3]["content"] == [{"type": "text", "text": "3."}]
+
+
 def test_a_failed_turns_question_is_not_sent_again_but_its_upload_stays(tmp_path):
     """A turn that ended in an error (a typo in the overrides, a question too long for the context) was never
     answered: the next question is sent without it — not run into it, and not pushing out the turns before it —
@@ -1349,7 +1372,7 @@ def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compa
             answer, metrics, _ = client.predict(question, "fastv", 0.5, 4, "", True, api_name="/chat")
             assert "⚠️" not in answer and "unpruned" in metrics and "prefix cache" not in metrics
             flops = next(line for line in metrics.splitlines() if line.startswith("| prefill FLOPs"))
-            assert flops.split("|")[3].strip() == "1.00x fewer"  # the unpruned column computed every token
+            assert flops.split("|")[3].strip() == "1.00x fewer by pruning"  # the unpruned column computed every token
         # ... nor decodes or encodes the picture from the media and encoder caches: both columns pay for them.
         assert [(c.hits, c.misses) for c in caches] == looked_up
         client = Client(url + "/", verbose=False)  # a new chat, unpruned: its second turn reuses the first
@@ -1357,6 +1380,9 @@ def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compa
                  client.predict({"text": "And the colours?", "files": []}, "none", 0.0, 4, "", False,
                                 api_name="/chat")[1]]
         assert "taken from the prefix cache" in turns[1]
+        # What the prefix cache saved is not said to be pruning's: unpruned, pruning saved nothing.
+        flops = next(line for line in turns[1].splitlines() if line.startswith("| prefill FLOPs"))
+        assert flops.split("|")[2].strip().startswith("1.00x fewer by pruning, ") and "by the prefix cache" in flops
 
 
 def test_the_first_question_after_clear_starts_a_new_conversation_whatever_the_chat_state_says(server):
