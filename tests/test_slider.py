@@ -64,7 +64,24 @@ def test_auto_along_the_slider_is_exact_at_0_then_never_slower_never_pruning_les
     promise = frontier.promise(1.0)
     assert promise["configuration"] == "st3@0.5" and promise["agreement"] == 0.86
     assert "keeps 86% of answers" in promise["text"] and "2.2x fewer prefill FLOPs" in promise["text"]
-    assert promise["text"].count("at least 81%") == 1  # 0.86 less one standard error over 40 prompts
+    # 0.86 less one standard error over 40 prompts (taken at q = (34.4 + 1/2) / 41: 0.056)
+    assert promise["text"].count("at least 80%") == 1
+
+
+def test_agreement_on_every_prompt_of_a_small_set_is_not_promised_as_certain():
+    """A 12-prompt calibration that agreed on all 12 read "at least 100% within one standard error" (the standard
+    error of 12/12 is 0 at p = k/n) and was run from speed 0.25 on; on 40 prompts the same configuration kept 87.5%.
+    The bound of an unbroken run is below 100%, lower on fewer prompts; a run with disagreements keeps its bound
+    within a point of p - sqrt(p (1 - p) / n)."""
+    few, many = _point("lazyllm", 1.0, 0.5, 0.9), _point("lazyllm", 1.0, 0.5, 0.9)
+    few = Point(few.members, agreement=1.0, flops_ratio=0.5, e2e_ratio=0.9, prompts=12)
+    assert few.agreement_bound < many.agreement_bound < 1.0
+    frontier = Frontier([few], calibrated=True)
+    assert "at least 100%" not in frontier.promise(1.0)["text"]
+    for agreement in (0.9, 0.925, 0.95):  # the shipped frontier's points, on 40 prompts
+        point = _point("divprune", agreement, 0.5, 0.9)
+        wald = agreement - (agreement * (1 - agreement) / 40) ** 0.5
+        assert abs(point.agreement_bound - wald) < 0.01
 
 
 def test_a_frontier_survives_its_json_and_builds_the_same_policy():
