@@ -763,9 +763,10 @@ def run_calibrate(args) -> int:
 
 def run_calibrate_slider(args) -> int:
     from glimpse.pipeline import load_engine
-    from glimpse.pipeline.calibrate_slider import calibrate_slider, folder_prompts, shipped_prompts
+    from glimpse.pipeline.calibrate_slider import STEADY_PROMPTS, calibrate_slider, folder_prompts, shipped_prompts
+    from glimpse.pipeline.loading import slider_frontier
     from glimpse.pipeline.profiles import profile_path, save_profile
-    from glimpse.pruning.frontier import DEFAULT_FLOOR, candidates
+    from glimpse.pruning.frontier import DEFAULT_FLOOR, Frontier, candidates
 
     floor = DEFAULT_FLOOR if args.floor is None else args.floor
     if not 0.0 < floor <= 1.0:
@@ -791,6 +792,12 @@ def run_calibrate_slider(args) -> int:
     else:
         prompts = shipped_prompts(video)[: args.max_images]
         _log(f"no --images/--videos/--prompts: the {len(prompts)} calibration prompts that ship with Glimpse")
+    if len(prompts) < STEADY_PROMPTS:  # a 12-prompt run promised 100% of a setting that kept 87.5% on 40
+        _log(f"only {len(prompts)} calibration prompts: one answer that changes moves a candidate's agreement by "
+             f"{100 / len(prompts):.0f} points; {STEADY_PROMPTS} or more make a steadier frontier (more images or "
+             "videos: each is one prompt)")
+    if args.budget_minutes:
+        _log(f"--budget-minutes {args.budget_minutes:g}: no candidate starts after that; the one under way finishes")
     state = path.with_name(path.name + ".partial.jsonl")
     frontier = calibrate_slider(engine, prompts, candidates(), state_path=state, floor=floor, progress=_log,
                                 budget_s=args.budget_minutes * 60 if args.budget_minutes else None)
@@ -807,9 +814,26 @@ def run_calibrate_slider(args) -> int:
              "measured. The frontier stored holds only what was measured, and every promise made from it says so "
              "(at a speed nothing measured so far keeps the answers, auto prunes nothing): rerun the same command "
              "to measure the rest")
+    # What auto runs from now on, which is not always what was just stored: --out elsewhere, or a partial run
+    # beside the complete frontier that ships (calibrate said "speed 1: lazyllm@0.75" and ask ran divprune@1).
+    in_use = slider_frontier(args.model, len(engine.adapter.layers), engine.checkpoint)
+    stored = Frontier.from_json(profile, calibrated=True)
+    used = in_use.to_json() == stored.to_json()
+    if used:
+        _log("auto now runs this frontier:")
+    elif path.resolve() != profile_path(args.model, "slider").resolve():
+        _log(f"auto reads {profile_path(args.model, 'slider')}, not --out: it keeps running the frontier it ran "
+             f"before ({in_use.source}). This one would run:")
+    else:
+        _log(f"auto keeps running the frontier it ran before ({in_use.source}) until this calibration is complete "
+             "(rerun the same command). This partial one would run:")
     for speed in (0.0, 0.25, 0.5, 0.75, 1.0):
-        _log(f"  auto at speed {speed:g}: {frontier.promise(speed)['text']}")
-    print(json.dumps(profile))
+        _log(f"  auto at speed {speed:g}: {stored.promise(speed)['text']}")
+    # stdout: a summary a script can read (the whole profile, 14 KB of every measured candidate, is in the file)
+    print(json.dumps({"profile": str(path), "in_use": used, "complete": not frontier.unmeasured,
+                      "measured": len(frontier.measured), "unmeasured": frontier.unmeasured,
+                      "auto": {f"{speed:g}": stored.promise(speed)["configuration"]
+                               for speed in (0.0, 0.25, 0.5, 0.75, 1.0)}}))
     return 0
 
 

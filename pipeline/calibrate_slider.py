@@ -43,6 +43,8 @@ from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
 CALIBRATION_DIR = ASSETS / "calibration"  # the label-free set that ships (training/make_calibration_set.py)
 SHIPPED_FRONTIER = ASSETS / "embedded_frontier.json"  # the embedded model's calibrated frontier
+# Fewer calibration prompts than this: the command says that one changed answer moves an agreement by 100/n points.
+STEADY_PROMPTS = 30
 DEFAULT_QUESTIONS = {"image": "Describe the image in one sentence.", "video": "Describe the video in one sentence."}
 # A pruning candidate timed 0-15% slower end to end than unpruned is timed again before it is judged (``measure``);
 # slower than this it is slower (ZipVL's dequantising: 1.3-1.6x).
@@ -155,7 +157,8 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
                             typical_answer)
         except KeyboardInterrupt:  # Ctrl-C: what is kept, and how to go on (it said only "interrupted")
             progress(f"interrupted: {len(measured)} of {len(candidates)} candidates measured are kept in {state_path}; "
-                     "rerun the same command to measure the rest (no profile is written until then)")
+                     "rerun the same command to measure the rest (the profile is written when a run ends: until "
+                     "then auto runs what it ran before)")
             raise
         except UserError as error:  # a configuration this model cannot run (e.g. too shallow for its layers)
             progress(f"[{number}/{len(candidates)}] {name}: skipped, {error}")

@@ -307,7 +307,7 @@ def test_calibrate_slider_from_the_command_line_refuses_bad_input_before_loading
 
 
 def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budget_and_resumes(
-        deep_checkpoints, media, tmp_path, capsys):
+        deep_checkpoints, media, tmp_path, capsys, monkeypatch):
     from glimpse.cli import main
 
     images = tmp_path / "images"
@@ -320,8 +320,17 @@ def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budg
     command = ["calibrate", "slider", "--model", str(deep_checkpoints["llava"]), "--images", str(images),
                "--budget-minutes", "0.001", "--out", str(out), "--device", "cpu"]
     assert main(command) == 0
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "[1/" in err and "budget spent" in err  # one candidate measured, then the budget stops it
+    assert "only 3 calibration prompts: one answer that changes" in err  # 3 images, 3 prompts: said to be few
+    assert "no candidate starts after that; the one under way finishes" in err
+    # auto reads the cache, not --out: said, and stdout is a summary, not the whole profile
+    assert "not --out: it keeps running the frontier it ran before (uncalibrated" in err
+    summary = json.loads(captured.out)
+    assert summary == {"profile": str(out), "in_use": False, "complete": False, "measured": 1,
+                       "unmeasured": summary["unmeasured"], "auto": summary["auto"]} and summary["unmeasured"] > 0
+    assert set(summary["auto"]) == {"0", "0.25", "0.5", "0.75", "1"} and summary["auto"]["0"] == "none"
     assert "skipped prompt 3" in err and "c_broken.png" in err
     profile = json.loads(out.read_text())
     assert profile["num_layers"] == 12 and len(profile["measured"]) == 1 and profile["measured"][0]["prompts"] >= 1
@@ -334,6 +343,11 @@ def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budg
     err = capsys.readouterr().err
     assert "resuming: 1 of" in err and "[2/" in err
     assert len(json.loads(out.read_text())["measured"]) == 2
+    # Into the cache, where auto reads it: a partial frontier of a model with no complete one is what auto runs.
+    monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path / "cache"))
+    assert main(command[:-4] + ["--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "auto now runs this frontier:" in captured.err and json.loads(captured.out)["in_use"] is True
 
 
 class _TimedEngine:
