@@ -256,8 +256,13 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         except (UserError, TypeError, KeyError) as error:
             return f"{ERROR_NOTE}{error}"
         exact = promise.get("configuration") == "none"  # nothing pruned: there is nothing to calibrate
-        return f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] or exact
+        text = f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] or exact
                                                              else " *(uncalibrated)*")
+        if promise["calibrated"] and not exact:  # what the numbers are of, in a new user's words
+            text += ("\n\n*Measured on single questions about one picture or clip: the share of answers "
+                     "word for word the unpruned model's, and the compute before the first word (prefill FLOPs). "
+                     "Later turns of a conversation carry it as context, unpruned: they save less.*")
+        return text
 
     tabs: dict[str, set] = {}  # per browser session, the tickets it is waiting on: closing the tab cancels them
     cleared_sessions: set = set()  # browser sessions whose next question starts a new conversation (Clear)

@@ -335,5 +335,8 @@ def uncalibrated_frontier() -> Frontier:
 
 def end_to_end(speedup: float) -> str:
     """A measured end-to-end speed-up in words: "1.20x faster end to end", or "1.03x slower end to end" under 1
-    (a named policy can be slower: "0.97x faster" read as a speed-up)."""
+    (a named policy can be slower: "0.97x faster" read as a speed-up), or "as fast end to end" within half a
+    percent (0.998 read "1.00x slower")."""
+    if abs(speedup - 1.0) < 0.005:
+        return "as fast end to end"
     return (f"{speedup:.2f}x faster end to end" if speedup >= 1.0 else f"{1.0 / speedup:.2f}x slower end to end")

@@ -172,6 +172,7 @@ def test_moving_the_slider_shows_what_it_selects_and_its_measured_promise_before
         time.sleep(0.1)
     promise = page.locator("#promise").inner_text()
     assert chosen in promise and "keeps" in promise and "calibration set" in promise
+    assert "Measured on single questions" in promise  # what the numbers are of, for a new user
     members = {part.split("@")[0] for part in chosen.split("+")}
     deadline = time.monotonic() + 30
     while not all(f'"{m}"' in page.locator("#params").inner_text() for m in members) and time.monotonic() < deadline:

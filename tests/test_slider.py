@@ -436,3 +436,6 @@ def test_a_named_policy_measured_slower_end_to_end_is_said_to_be_slower():
     slow = Point((Member.of("lazyllm", 0.5),), agreement=0.9, flops_ratio=0.7, e2e_ratio=1.0 / 0.97, prompts=40)
     frontier = Frontier(points=[], calibrated=True, source="here", measured=[slow])
     assert frontier.promise_for("lazyllm", 0.5)["text"].endswith("1.03x slower end to end")
+    even = Point((Member.of("lazyllm", 0.75),), agreement=0.9, flops_ratio=0.6, e2e_ratio=1.002, prompts=40)
+    frontier = Frontier(points=[], calibrated=True, source="here", measured=[even])
+    assert frontier.promise_for("lazyllm", 0.75)["text"].endswith("as fast end to end")  # it read "1.00x slower"
