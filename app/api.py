@@ -307,6 +307,11 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             # "simple" types, without asking (no CORS preflight); only JSON is read.
             telemetry.refused("bad_request")
             return _error(415, "the request body must be JSON, sent as Content-Type: application/json")
+        encoding = request.headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):  # a compressed body is not unpacked (a few KB of gzip unpack to GBs)
+            telemetry.refused("bad_request")
+            return _error(415, f"the request body is sent compressed (Content-Encoding: {encoding[:40]}); send it "
+                               "uncompressed")
         try:
             raw = await request.body()  # bounded in size and time by connections.BodyLimits (413, 408)
         except ClientDisconnect:  # the client left while sending it
@@ -318,6 +323,8 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             telemetry.refused("bad_request")
             if isinstance(error, ValidationError):
                 return _error(400, _validation_message(error))
+            if "integer string conversion" in str(error):  # Python's limit on the digits of a JSON integer
+                return _error(400, "the request body holds an integer of more than 4300 digits")
             return _error(400, "the request body is not JSON")
         scratch = Scratch()
         # A whole answer is sent at once: its channel takes the last chunk only (and an error, or None for a

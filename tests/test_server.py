@@ -985,6 +985,15 @@ def test_client_mistakes_get_400_with_what_to_fix_never_a_server_error(server, m
     reply = httpx.post(url, json=untyped, timeout=60)
     assert reply.status_code == 400
     assert reply.json()["error"]["message"] == "messages.0.content.0: a content part needs a type (text, image_url, video_url)"
+    # Valid JSON that Python will not read (an integer of 5000 digits) was "not JSON"; a gzipped body too.
+    reply = httpx.post(url, content=json.dumps(good)[:-1] + ', "seed": ' + "9" * 5000 + "}", timeout=60,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and "integer of more than 4300 digits" in reply.json()["error"]["message"]
+    import gzip
+
+    reply = httpx.post(url, content=gzip.compress(json.dumps(good).encode()), timeout=60,
+                       headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert reply.status_code == 415 and "Content-Encoding: gzip" in reply.json()["error"]["message"]
     assert httpx.post(url, json=good, timeout=60).status_code == 200
 
 

@@ -211,6 +211,23 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image("https://example.com/cat.png")
 
 
+def test_an_image_whose_header_cannot_be_read_is_said_to_be_corrupt_not_of_an_unknown_type():
+    """A PNG cut short, a bare PNG signature and a PNG whose compressed text chunk unpacks past PIL's limit were
+    "not an image Glimpse can read (it reads JPEG, PNG, ...)": they are PNGs, and the message sent the user
+    looking for a format problem."""
+    from PIL.PngImagePlugin import PngInfo
+
+    whole = io.BytesIO()
+    Image.new("RGB", (64, 64), "red").save(whole, "PNG")
+    info = PngInfo()
+    info.add_text("comment", "x" * (4 * 2**20), zip=True)  # 4 MiB unpacked, a few KiB sent
+    bomb = io.BytesIO()
+    Image.new("RGB", (8, 8), "red").save(bomb, "PNG", pnginfo=info)
+    for source in (whole.getvalue()[:20], b"\x89PNG\r\n\x1a\n", bomb.getvalue(), b"\xff\xd8\xff\xe0garbage"):
+        with pytest.raises(vision.MediaError, match=r"the image is corrupt or truncated \(it starts as an image"):
+            vision.load_image(source)
+
+
 def test_a_text_file_named_as_media_is_said_to_hold_text(tmp_path):
     """A text file named .mp4 was called a corrupt or truncated video."""
     for name in ("notes.mp4", "notes.png", "notes.ts"):

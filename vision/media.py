@@ -220,9 +220,24 @@ def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> I
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
         if _is_video(src):  # the commonest mix-up: say what it is
             raise MediaError(f"{name}: this is a video, not an image; pass it as a video") from error
+        if _has_image_signature(src):  # a PNG cut short, or one whose text chunk unpacks past PIL's limit
+            raise MediaError(f"{name}: the image is corrupt or truncated (it starts as an image, but its header "
+                             "cannot be read)") from error
         suffix = Path(src).suffix.lower() if not isinstance(src, (bytes, bytearray)) else ""
         detail = f"unsupported type {suffix}; " if suffix and suffix not in IMAGE_EXTENSIONS else ""
         raise MediaError(f"{name}: not an image Glimpse can read ({detail}it reads {', '.join(IMAGE_FORMATS)})") from error
+
+
+def _has_image_signature(src: str | os.PathLike | bytes) -> bool:
+    """Whether ``src`` starts with the magic number of an image format (it said "not an image Glimpse can read
+    (it reads JPEG, PNG, ...)" of a truncated PNG)."""
+    if isinstance(src, (bytes, bytearray)):
+        return _sniff_kind(bytes(src[:32])) == "image"
+    try:
+        with open(src, "rb") as file:
+            return _sniff_kind(file.read(32)) == "image"
+    except OSError:
+        return False
 
 
 def _is_video(src: str | os.PathLike | bytes) -> bool:
