@@ -47,9 +47,20 @@ def _add_device_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
 
 
+def _version() -> str:
+    """The installed distribution's version (it is named glimpse-vl on PyPI's terms: `pip show glimpse-vl`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{version('glimpse-vl')} (pip: glimpse-vl)"
+    except PackageNotFoundError:  # run from a checkout without installing
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="glimpse", description="Chat with vision-language models about "
                                      "images and videos, faster, with training-free token pruning.")
+    parser.add_argument("--version", action="version", version=f"glimpse {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     ask = commands.add_parser("ask", help="answer one question, optionally about an image or a video")

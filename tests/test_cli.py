@@ -306,3 +306,17 @@ def test_a_local_checkpoint_s_depth_is_read_from_its_config_before_loading(check
         (tmp_path / "bad" / "config.json").write_text(text)
         assert checkpoint_depth(str(tmp_path / "bad")) is None  # the engine checks once the model is loaded
     assert checkpoint_depth("embedded") is None and checkpoint_depth("Qwen/Qwen2-VL-7B-Instruct") is None
+
+
+def test_glimpse_version_says_the_installed_version_and_the_name_pip_knows(capsys):
+    """`glimpse --version`: the version of the install (pyproject's), and the distribution's name — `pip show
+    glimpse` says nothing is installed, since the distribution is glimpse-vl."""
+    import tomllib
+
+    from glimpse.cli import main
+
+    declared = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"glimpse {declared['version']} (pip: {declared['name']})"
