@@ -324,7 +324,9 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             if isinstance(error, ValidationError):
                 return _error(400, _validation_message(error))
             if "integer string conversion" in str(error):  # Python's limit on the digits of a JSON integer
-                return _error(400, "the request body holds an integer of more than 4300 digits")
+                field = re.search(rb'"([^"\\]{1,64})"\s*:\s*-?\d{4300}', raw)
+                named = f"{field.group(1).decode('utf-8', 'replace')}: " if field else ""
+                return _error(400, f"{named}an integer of more than 4300 digits")
             return _error(400, "the request body is not JSON")
         scratch = Scratch()
         # A whole answer is sent at once: its channel takes the last chunk only (and an error, or None for a

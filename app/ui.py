@@ -94,8 +94,8 @@ def metrics_markdown(result, baseline=None) -> str:
              # and "341x fewer" beside "exact: no pruning" read as what pruning bought.
              row("prefill FLOPs", lambda m: (m["prefill_flops_unpruned"] / m["prefill_flops"],
                                              m["prefill_flops_baseline"] / m["prefill_flops_unpruned"]),
-                 lambda v: f"{v[0]:.2f}x fewer by pruning" + (f", {v[1]:.2f}x fewer by the prefix cache"
-                                                              if v[1] > 1.0 else ""))]
+                 lambda v: f"{_times(v[0])} fewer by pruning" + (f", {_times(v[1])} fewer by the prefix cache"
+                                                                 if v[1] > 1.0 else ""))]
     if baseline is not None:  # what the comparison is for: did pruning change the answer?
         lines.insert(4, f"| answer | {_table_cell(result.text)} | {_table_cell(baseline.text)} |")
     observed = telemetry_text(result.metrics.get("policy_telemetry") or {})
@@ -103,9 +103,17 @@ def metrics_markdown(result, baseline=None) -> str:
         lines += ["", f"observed: {observed}"]
     if baseline is not None:
         same = result.text.strip() == baseline.text.strip()
+        speedup = baseline.metrics["ttft_s"] / result.metrics["ttft_s"]
         lines += ["", ("the same answer as unpruned" if same else "**a different answer** from unpruned")
-                  + f"; TTFT speedup **{baseline.metrics['ttft_s'] / result.metrics['ttft_s']:.2f}x**"]
+                  + (f"; time to first token **{speedup:.2f}x faster**" if speedup >= 1.0
+                     else f"; time to first token **{1 / speedup:.2f}x slower** (one run each: timings move "
+                          "with what else the machine does)")]
     return "\n".join(lines)
+
+
+def _times(ratio: float) -> str:
+    """A ratio as the panel shows it: two decimals where they mean something, none past 100 ("294x")."""
+    return f"{ratio:.2f}x" if ratio < 10 else f"{ratio:.1f}x" if ratio < 100 else f"{ratio:.0f}x"
 
 
 def _table_cell(text: str, limit: int = 200) -> str:
@@ -317,7 +325,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 result = chunk.result or result
                 yield _shown(answer), gr.skip(), gr.skip()
             baseline = None
-            if compare and policy != "none":  # (with no pruning the two runs are the same configuration)
+            # With no pruning (policy none, or speed 0 as the slider sets it) the two runs are one configuration.
+            if compare and policy != "none" and (speed > 0 or parse_overrides(overrides)):
                 yield _shown(answer), "*running the unpruned answer to compare ...*", gr.skip()
                 baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"],
                                               caches=False)
@@ -604,19 +613,20 @@ def _without_notes(text: str) -> str:
 
 
 # A line that is only a number and a dot ("12.", "3)") is an empty ordered-list item in Markdown: the chat drew the
-# embedded model's counts as a list marker with no text (nothing to select or copy). Shown escaped ("12\."),
-# taken back as written when the conversation goes to the model again.
+# embedded model's counts as a list marker with no text (nothing to select or copy). Shown with a word joiner
+# (U+2060, invisible) before the dot, which makes it no list marker — a backslash escape showed in what the copy
+# button copied ("3\.") and what screen readers read — and taken back out when the conversation goes to the model.
 EMPTY_LIST_ITEM = re.compile(r"^( {0,3}\d{1,9})([.)])([ \t]*)$", re.MULTILINE)
-ESCAPED_LIST_ITEM = re.compile(r"^( {0,3}\d{1,9})\\([.)])([ \t]*)$", re.MULTILINE)
+JOINED_LIST_ITEM = re.compile(r"^( {0,3}\d{1,9})\u2060([.)])([ \t]*)$", re.MULTILINE)
 
 
 def _shown(answer: str) -> str:
     """An answer as the chat shows it: the model's words, literally where Markdown would swallow them."""
-    return EMPTY_LIST_ITEM.sub(r"\1\\\2\3", answer)
+    return EMPTY_LIST_ITEM.sub("\\1\u2060\\2\\3", answer)
 
 
 def _as_written(shown: str) -> str:
-    return ESCAPED_LIST_ITEM.sub(r"\1\2\3", shown)
+    return JOINED_LIST_ITEM.sub(r"\1\2\3", shown)
 
 
 def _without_notes_in(content):

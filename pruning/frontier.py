@@ -208,13 +208,14 @@ class Frontier:
         if point.e2e_ratio is None:  # stopped early: far below the floor
             out.update(configuration=label, calibrated=True, agreement=point.agreement, prompts=point.prompts,
                        text=f"{label}: keeps only {point.agreement:.0%} of answers on the first {point.prompts} "
-                            f"calibration prompts (rejected)")
+                            f"calibration prompts, far below what auto asks at any speed: auto never runs it; asked "
+                            f"by name, it runs as set")
             return out
         out.update(configuration=label, calibrated=True, agreement=point.agreement, prompts=point.prompts,
                    flops_speedup=1.0 / point.flops_ratio, e2e_speedup=1.0 / point.e2e_ratio,
                    text=f"{label}: keeps {point.agreement:.0%} of answers on the calibration set ({point.prompts} "
                         f"prompts), {1.0 / point.flops_ratio:.1f}x fewer prefill FLOPs, "
-                        f"{end_to_end(1.0 / point.e2e_ratio)}")
+                        f"{end_to_end(1.0 / point.e2e_ratio)} (prefill + {self.answer_tokens}-token answer)")
         return out
 
     def to_json(self) -> dict:

@@ -555,7 +555,8 @@ def test_an_answer_that_is_a_number_and_a_dot_is_shown_as_text_and_sent_back_as_
         html = render(_shown(answer))
         assert "<ol" not in html and "<li" not in html, html
         assert render(answer).count("<li") >= 1  # what the chat drew before
-    assert render(_shown("12.")) == "<p>12.</p>\n"
+    assert render(_shown("12.")) == "<p>12\u2060.</p>\n"  # a word joiner (invisible) before the dot
+    assert "\\" not in _shown("12.")  # a backslash escape was what the copy button copied, and screen readers read
     for answer in ("1. Red\n2. Blue", "It has 3. Then more.", "Red."):  # Markdown as the model meant it
         assert _shown(answer) == answer
     history = [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": _shown("12.")},
@@ -988,7 +989,7 @@ def test_client_mistakes_get_400_with_what_to_fix_never_a_server_error(server, m
     # Valid JSON that Python will not read (an integer of 5000 digits) was "not JSON"; a gzipped body too.
     reply = httpx.post(url, content=json.dumps(good)[:-1] + ', "seed": ' + "9" * 5000 + "}", timeout=60,
                        headers={"Content-Type": "application/json"})
-    assert reply.status_code == 400 and "integer of more than 4300 digits" in reply.json()["error"]["message"]
+    assert reply.status_code == 400 and reply.json()["error"]["message"] == "seed: an integer of more than 4300 digits"
     import gzip
 
     reply = httpx.post(url, content=gzip.compress(json.dumps(good).encode()), timeout=60,
@@ -1384,6 +1385,9 @@ def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compa
             assert flops.split("|")[3].strip() == "1.00x fewer by pruning"  # the unpruned column computed every token
         # ... nor decodes or encodes the picture from the media and encoder caches: both columns pay for them.
         assert [(c.hits, c.misses) for c in caches] == looked_up
+        # At speed 0 nothing is pruned: "compare" has nothing to compare, and ran the same answer twice.
+        _, metrics, _ = client.predict(question, "fastv", 0.0, 4, "", True, api_name="/chat")
+        assert "unpruned" not in metrics and "| answer |" not in metrics
         client = Client(url + "/", verbose=False)  # a new chat, unpruned: its second turn reuses the first
         turns = [client.predict(question, "none", 0.0, 4, "", False, api_name="/chat")[1],
                  client.predict({"text": "And the colours?", "files": []}, "none", 0.0, 4, "", False,

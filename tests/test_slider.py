@@ -435,7 +435,11 @@ def test_a_named_policy_measured_slower_end_to_end_is_said_to_be_slower():
     """ "lazyllm@0.5: ... 0.97x faster end to end" read as a speed-up."""
     slow = Point((Member.of("lazyllm", 0.5),), agreement=0.9, flops_ratio=0.7, e2e_ratio=1.0 / 0.97, prompts=40)
     frontier = Frontier(points=[], calibrated=True, source="here", measured=[slow])
-    assert frontier.promise_for("lazyllm", 0.5)["text"].endswith("1.03x slower end to end")
+    assert frontier.promise_for("lazyllm", 0.5)["text"].endswith("1.03x slower end to end (prefill + 64-token answer)")
     even = Point((Member.of("lazyllm", 0.75),), agreement=0.9, flops_ratio=0.6, e2e_ratio=1.002, prompts=40)
     frontier = Frontier(points=[], calibrated=True, source="here", measured=[even])
-    assert frontier.promise_for("lazyllm", 0.75)["text"].endswith("as fast end to end")  # it read "1.00x slower"
+    assert "as fast end to end" in frontier.promise_for("lazyllm", 0.75)["text"]  # it read "1.00x slower"
+    # A candidate stopped far below the floor said "(rejected)", and a user asking for it by name saw it run anyway.
+    stopped = Point((Member.of("fastv", 1.0),), agreement=0.35, flops_ratio=0.2, e2e_ratio=None, prompts=20)
+    text = Frontier(points=[], calibrated=True, source="here", measured=[stopped]).promise_for("fastv", 1.0)["text"]
+    assert "keeps only 35%" in text and "auto never runs it; asked by name, it runs as set" in text
