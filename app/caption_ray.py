@@ -42,11 +42,13 @@ from pathlib import Path
 from glimpse.caption import is_uri, resolved_path, unlisted_failures
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import user_message
+from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
 # Both forms pin the Ray that Glimpse is tested with (pyproject's `ray` extra).
 RAY_INSTALL = ('batch captioning on Ray needs Ray Data: pip install "glimpse-vl[ray]" '
                '(from a checkout of the repository: pip install -e ".[ray]")')
 MANIFEST_EXTENSIONS = (".parquet", ".jsonl")
+MEDIA_EXTENSIONS = tuple(IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
 SHARD_GLOB = "part-*.parquet"
 # The JSON-lines copy of the shards. The underscore: readers of the folder as one Parquet dataset (pyarrow, Ray
 # Data, Spark) skip files that start with "_" or ".", and would fail on this one.
@@ -54,6 +56,7 @@ JSONL_NAME = "_captions.jsonl"
 SHARD_ROWS, SHARD_SECONDS = 512, 30.0
 COPY_PIECE_BYTES = 8 * 2**20  # a remote input is copied to a local file this much at a time
 URL_MAX_BYTES, URL_DEADLINE_S = 4 * 2**30, 600.0  # a remote input: at most 4 GiB, fetched within 10 minutes
+DOWNLOAD_PREFIX = "glimpse-download-"  # a downloaded input's temporary file (videos are decoded from a file)
 URI_OPEN_DEADLINE_S = 60.0  # a storage URI's file opened within a minute (then URL_DEADLINE_S for the whole copy)
 ACTOR_TRIES = 3  # a batch whose model actor dies is retried on a restarted actor, this many tries in all
 COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s")
@@ -77,14 +80,18 @@ def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[
     from glimpse.caption import LIST_EXTENSIONS, collect_inputs, list_entries
 
     keys, seen, local = [], set(), []
+    repeated = 0
 
     def add(key: str) -> None:
+        nonlocal repeated
         if key not in seen:
             seen.add(key)
             keys.append(key)
+        else:
+            repeated += 1
 
     for item in items:
-        if item.lower().endswith(MANIFEST_EXTENSIONS) and (is_uri(item) or Path(item).is_file()):
+        if is_manifest(item):
             for value in _manifest_column(item, column, log):
                 add(value if is_uri(value) else str(_key_of(_under(item, value))))
         elif is_uri(item):
@@ -99,7 +106,26 @@ def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[
             add(str(_key_of(path)))
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
+    if repeated:  # as empty values are: said, not passed over (47 manifest lines became "46 inputs")
+        log(f"{repeated} input{'s' if repeated > 1 else ''} named more than once (the same file or URL): each "
+            "input is captioned once")
     return keys
+
+
+def is_manifest(item: str) -> bool:
+    """A Parquet or JSON-lines manifest: such a file (local or a URI), or a local folder of Parquet files (Spark's
+    and Ray Data's own output; a folder of 3 part files was searched for media and "no image or video files
+    found"). A folder that holds media as well is a folder of inputs."""
+    if item.lower().endswith(MANIFEST_EXTENSIONS) and (is_uri(item) or Path(item).is_file()):
+        return True
+    folder = Path(item)
+    if is_uri(item) or not folder.is_dir():
+        return False
+    try:
+        names = [p.name.lower() for p in folder.iterdir() if p.is_file() and not p.name.startswith(("_", "."))]
+    except OSError:
+        return False  # collect_inputs reports a folder it cannot list
+    return any(n.endswith(".parquet") for n in names) and not any(n.endswith(MEDIA_EXTENSIONS) for n in names)
 
 
 def _key_of(path: Path) -> Path:
@@ -124,7 +150,7 @@ def _manifest_column(manifest: str, column: str, log: Callable[[str], None] = la
     import pyarrow.dataset
 
     try:
-        if manifest.lower().endswith(".parquet"):  # a file, or a folder of them (Spark's and Ray's own output)
+        if manifest.lower().endswith(".parquet") or Path(manifest).is_dir():  # a file, or a folder of them
             table = pyarrow.dataset.dataset(manifest, format="parquet")
             if column in table.schema.names:  # (a missing column asked for: pyarrow's answer is its whole schema)
                 table = table.to_table(columns=[column])
@@ -262,7 +288,8 @@ def read_input(key: str):
     import tempfile
     from urllib.parse import urlsplit
 
-    handle, tmp = tempfile.mkstemp(suffix=Path(urlsplit(key).path).suffix)
+    _remove_stale_downloads()
+    handle, tmp = tempfile.mkstemp(prefix=DOWNLOAD_PREFIX, suffix=Path(urlsplit(key).path).suffix)
     try:
         with os.fdopen(handle, "wb") as f:
             if key.startswith(("http://", "https://")):
@@ -277,6 +304,23 @@ def read_input(key: str):
         os.unlink(tmp)  # a read that failed leaves nothing behind
         raise
     return tmp, tmp
+
+
+@functools.cache  # once per worker process
+def _remove_stale_downloads() -> None:
+    """Remove the downloads that a run stopped mid-fetch left in the temporary folder: a driver killed (or stopped
+    with Ctrl-C) takes its workers down with no chance to clean up, and an endless body left 19.5 MB. A download
+    untouched for twice the fetch deadline is no live run's: a fetch ends within the deadline, and its file is
+    decoded and removed at once."""
+    import tempfile
+
+    cutoff = time.time() - 2 * URL_DEADLINE_S
+    for leftover in Path(tempfile.gettempdir()).glob(f"{DOWNLOAD_PREFIX}*"):
+        try:
+            if leftover.is_file() and leftover.stat().st_mtime < cutoff:
+                leftover.unlink()
+        except OSError:
+            pass  # another user's, or already gone
 
 
 def _copy_from_storage(uri: str, f) -> None:
@@ -469,6 +513,8 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
         # A plain `kill` stops the run as Ctrl-C does ("interrupted"; the shards written are kept): Ray's own
         # handler, which ray.init installs (so ours goes in again after it), printed a crash dump for it.
         previous = _stop_on_sigterm()
+        writing, stop_writing = threading.Lock(), threading.Event()  # the shard writer's (below)
+        buffered: list[dict] = []  # rows not yet in a shard
         started_here = not ray.is_initialized()
         if started_here:
             context = _start_ray(ray, address, num_cpus)
@@ -477,22 +523,39 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
         try:
             gpus_per_actor = _check_cluster(ray, actors, gpus_per_actor, local=address is None, log=log)
             start = last_write = time.perf_counter()
-            buffered: list[dict] = []
             returned: set[str] = set()
+
+            def write_due() -> None:
+                """The rows held longer than SHARD_SECONDS since the last shard, written (under ``writing``)."""
+                nonlocal buffered, last_write
+                if buffered and time.perf_counter() - last_write >= SHARD_SECONDS:
+                    output.write(buffered)
+                    buffered, last_write = [], time.perf_counter()
+
+            def write_on_time() -> None:
+                # Rows are written when SHARD_SECONDS have passed, not only when more rows arrive: 40 rows done
+                # while one slow input held up the rest were never written, and a kill 2 minutes later lost them.
+                while not stop_writing.wait(1.0):
+                    with writing:
+                        try:
+                            write_due()
+                        except OSError as error:  # the next write in the driver's own thread raises it
+                            log(f"could not write a shard yet: {error}")
+
+            threading.Thread(target=write_on_time, name="shard writer", daemon=True).start()
 
             def take(rows: list[dict]) -> None:
                 nonlocal buffered, last_write
                 if report.first_rows_s is None:
                     report.first_rows_s = time.perf_counter() - start
-                buffered += rows
-                # A shard every shard_rows rows, or when rows arrive SHARD_SECONDS after the last shard: few files
-                # on big runs, little lost to a kill.
-                while len(buffered) >= shard_rows:
-                    output.write(buffered[:shard_rows])
-                    buffered, last_write = buffered[shard_rows:], time.perf_counter()
-                if buffered and time.perf_counter() - last_write >= SHARD_SECONDS:
-                    output.write(buffered)
-                    buffered, last_write = [], time.perf_counter()
+                with writing:
+                    buffered += rows
+                    # A shard every shard_rows rows, or once rows have waited SHARD_SECONDS since the last shard
+                    # (here, or in the writer above): few files on big runs, little lost to a kill.
+                    while len(buffered) >= shard_rows:
+                        output.write(buffered[:shard_rows])
+                        buffered, last_write = buffered[shard_rows:], time.perf_counter()
+                    write_due()
                 for row in rows:
                     returned.add(row["key"])
                     if row["error"]:
@@ -523,9 +586,13 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                 take([{**{c: None for c in COLUMNS}, "key": k, "speed": speed, "policy": policy, "prompt": prompt,
                        "error": f"a worker died on this input {ACTOR_TRIES} times (out of memory, or a crash decoding "
                                 "it or in the model; Ray's log has the cause)"} for k in lost if k not in returned])
-            output.write(buffered)
+            stop_writing.set()
+            with writing:
+                output.write(buffered)
+                buffered = []
             report.seconds = time.perf_counter() - start
         finally:
+            stop_writing.set()  # (stopped by Ctrl-C or a kill, the rows not yet written are captioned by the rerun)
             if started_here:
                 ray.shutdown()
     finally:

@@ -567,6 +567,10 @@ def run_caption(args) -> int:
     if args.retry_errors:
         raise UserError("--retry-errors is for --ray: the local captioner writes no row for an input that failed, "
                         "so every rerun tries it again")
+    manifests = [i for i in args.inputs if i.lower().endswith((".parquet", ".jsonl")) and not Path(i).is_dir()]
+    if manifests:  # it loaded the model, then called the manifest "not an image (unsupported type .jsonl)"
+        raise UserError(f"{manifests[0]}: a manifest; manifests (a column of paths or URLs) are read by --ray "
+                        "(pip install -e \".[ray]\"), the local captioner takes files, folders and .txt lists")
     args.format = args.format or "jsonl"
     if args.format == "txt" and args.out:
         raise UserError("--format txt writes sidecars next to the inputs: leave out --out")
@@ -630,8 +634,8 @@ def run_caption_on_ray(args) -> int:
                if report.earlier_errors else "")
     _log(f"done {report.captioned}, skipped {report.skipped}, failed {len(report.failed)}{earlier} -> {out} ({rate})"
          + (f"; Ray dashboard: {report.dashboard}" if report.dashboard else ""))
-    for key, reason in report.failed:
-        _log(f"  failed: {key}: {reason}")
+    for key, reason in report.failed:  # (a downloaded input's error names its URL for the row: not said twice here)
+        _log(f"  failed: {key}: {reason.replace(f'{key}: ', '', 1)}")
     # Error rows in the output, this run's or an earlier one's, mean inputs without a caption: a script sees it.
     return 1 if report.failed or report.earlier_errors else 0
 

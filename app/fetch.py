@@ -220,4 +220,6 @@ def _cause(error) -> str:
 
     if isinstance(error, httpx.HTTPStatusError):
         return f"HTTP {error.response.status_code} {error.response.reason_phrase}".strip()
+    if isinstance(error, httpx.ConnectError):  # httpx says "All connection attempts failed"
+        return f"could not connect: refused or unreachable ({error})" if str(error) else "could not connect"
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__

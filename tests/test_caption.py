@@ -216,6 +216,12 @@ def test_a_url_in_the_local_captioners_inputs_points_to_ray_before_the_model_loa
         err = capsys.readouterr().err
         assert "https://example.com/photo.jpg: a URL" in err and "--ray" in err and "loading" not in err
     assert not (tmp_path / "c.jsonl").exists()
+    # A manifest too: it loaded the model, then called the manifest "not an image (unsupported type .jsonl)".
+    manifest = tmp_path / "urls.jsonl"
+    manifest.write_text(json.dumps({"path": str(image)}) + "\n")
+    assert main(["caption", str(manifest), "--out", str(tmp_path / "c.jsonl")]) == 1
+    err = capsys.readouterr().err
+    assert f"{manifest}: a manifest" in err and "--ray" in err and "loading" not in err
 
 
 def test_a_subfolder_that_cannot_be_listed_is_reported_and_fails_the_run_while_the_rest_is_captioned(

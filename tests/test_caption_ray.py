@@ -170,7 +170,9 @@ def test_manifest_entries_are_read_as_list_files_and_arguments_are(tmp_path):
     said = []
     keys = collect_keys([str(manifest)], log=said.append)
     assert keys == [str(image.resolve()), str(folder / "dangling.png")]
-    assert said == [f"{manifest}: 2 empty or null values in column 'path' left out"]
+    # (the first two name one file: said, as the empty values are)
+    assert said == [f"{manifest}: 2 empty or null values in column 'path' left out",
+                    "1 input named more than once (the same file or URL): each input is captioned once"]
     with pytest.raises(UserError) as refused:
         collect_keys([str(manifest)], column="nope")
     assert str(refused.value) == f"{manifest}: no column 'nope' (it has path); use --column"
@@ -179,6 +181,17 @@ def test_manifest_entries_are_read_as_list_files_and_arguments_are(tmp_path):
     listing.mkdir()
     pyarrow.parquet.write_table(pa.table({"path": [str(image)]}), listing / "part-0.parquet")
     assert _manifest_column(str(listing), "path") == [str(image)]
+    # ... given as a local folder too, named .parquet or not, beside Spark's _SUCCESS: it was searched for media
+    # ("no image or video files found"). A folder that holds media as well is a folder of inputs.
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for i, chunk in enumerate(([str(image)], [str(folder / "dangling.png")])):
+        pyarrow.parquet.write_table(pa.table({"path": chunk}), parts / f"part-{i}.parquet")
+    (parts / "_SUCCESS").write_text("")
+    assert collect_keys([str(listing)]) == [str(image.resolve())]
+    assert collect_keys([str(parts)]) == [str(image.resolve()), str(folder / "dangling.png")]
+    Image.new("RGB", (8, 8)).save(parts / "photo.png")
+    assert collect_keys([str(parts)]) == [str((parts / "photo.png").resolve())]
 
 
 def test_what_would_wait_for_ever_is_refused(cluster, model, tmp_path):
@@ -322,6 +335,57 @@ def test_when_every_batch_fails_the_run_says_so_instead_of_blaming_each_input(cl
         _ray_caption([tmp_path / "in"], tmp_path / "out", model, batch_size=2)
     assert len(calls) == 2 and len(calls[1]) == 3  # the batches of two, then three inputs alone: no more
     assert not list((tmp_path / "out").glob("part-*.parquet"))  # and no rows
+
+
+def test_rows_done_are_written_once_their_time_is_up_even_while_no_more_arrive(cluster, model, tmp_path, monkeypatch):
+    """A shard is written every SHARD_SECONDS whether or not more rows arrive: 40 rows done while one slow URL
+    held up its block were written only when the next rows came, 10 minutes later, and a kill 2 minutes in lost
+    them all. Here the pipeline hands over two rows, then waits (as for a slow input) until they are on disk."""
+    from glimpse import caption_ray
+
+    monkeypatch.setattr(caption_ray, "SHARD_SECONDS", 0.5)
+    out = tmp_path / "out"
+    keys = [str(p) for p in _inputs(tmp_path / "in", 3, video=False)]
+    written_while_waiting = []
+
+    def pipeline(ray, pending, *args, **kwargs):
+        def row(key):
+            return {**{c: None for c in caption_ray.COLUMNS}, "key": key, "caption": "a caption", "answer_tokens": 2}
+
+        yield [row(k) for k in sorted(pending)[:2]]
+        deadline = time.monotonic() + 15
+        while not _rows(out) and time.monotonic() < deadline:  # the next rows are slow to come
+            time.sleep(0.1)
+        written_while_waiting.append(len(_rows(out)))
+        yield [row(k) for k in sorted(pending)[2:]]
+
+    monkeypatch.setattr(caption_ray, "_pipeline", pipeline)
+    report = _ray_caption([tmp_path / "in"], out, model)
+    assert written_while_waiting == [2]
+    assert report.captioned == 3 and sorted(r["key"] for r in _rows(out)) == sorted(str(caption_ray._key_of(Path(k)))
+                                                                                   for k in keys)
+
+
+def test_downloads_a_stopped_run_left_behind_are_removed_by_the_next_one(tmp_path, monkeypatch):
+    """A driver killed, or stopped with Ctrl-C, takes its workers down mid-download, and their temporary files stayed
+    in /tmp (a 19.5 MB partial body among them) run after run. The next worker to download removes those untouched
+    for twice the fetch deadline, and nothing else."""
+    import tempfile
+
+    from glimpse import caption_ray
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    caption_ray._remove_stale_downloads.cache_clear()
+    stale, fresh = tmp_path / f"{caption_ray.DOWNLOAD_PREFIX}old.png", tmp_path / f"{caption_ray.DOWNLOAD_PREFIX}new.mp4"
+    other = tmp_path / "someone-elses.png"
+    for path in (stale, fresh, other):
+        path.write_bytes(b"partial")
+    old = time.time() - 2 * caption_ray.URL_DEADLINE_S - 60
+    os.utime(stale, (old, old))
+    os.utime(other, (old, old))
+    caption_ray._remove_stale_downloads()
+    assert not stale.exists() and fresh.exists() and other.exists()
+    caption_ray._remove_stale_downloads.cache_clear()
 
 
 def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, capsys):

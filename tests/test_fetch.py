@@ -44,6 +44,17 @@ def test_a_server_slow_to_answer_is_waited_for_until_the_deadline_and_an_error_s
     with RawServer(missing) as server:
         with pytest.raises(FetchError, match=r"could not be fetched \(HTTP 404 Not Found\)"):
             Fetcher(allow_private=True).fetch(server.url + "/x.png")
+    # A port nobody listens on: an operator's manifest (explain) is told the connection was refused; a server's
+    # client only that the URL could not be fetched (refused, reset or unreachable would map the network).
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}/x.png"
+    with pytest.raises(FetchError, match=r"could not be fetched \(could not connect: refused or unreachable"):
+        Fetcher(allow_private=True, explain=True).fetch(closed)
+    with pytest.raises(FetchError, match=r"could not be fetched$"):
+        Fetcher(allow_private=True).fetch(closed)
 
 
 def test_a_compressed_body_is_asked_against_and_refused_unpacked():
