@@ -514,6 +514,7 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
         # handler, which ray.init installs (so ours goes in again after it), printed a crash dump for it.
         previous = _stop_on_sigterm()
         writing, stop_writing = threading.Lock(), threading.Event()  # the shard writer's (below)
+        writer: threading.Thread | None = None
         buffered: list[dict] = []  # rows not yet in a shard
         started_here = not ray.is_initialized()
         if started_here:
@@ -542,7 +543,8 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                         except OSError as error:  # the next write in the driver's own thread raises it
                             log(f"could not write a shard yet: {error}")
 
-            threading.Thread(target=write_on_time, name="shard writer", daemon=True).start()
+            writer = threading.Thread(target=write_on_time, name="shard writer", daemon=True)
+            writer.start()
 
             def take(rows: list[dict]) -> None:
                 nonlocal buffered, last_write
@@ -593,6 +595,8 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
             report.seconds = time.perf_counter() - start
         finally:
             stop_writing.set()  # (stopped by Ctrl-C or a kill, the rows not yet written are captioned by the rerun)
+            if writer is not None:
+                writer.join()  # a shard it is writing is finished before the output folder is closed
             if started_here:
                 ray.shutdown()
     finally:
