@@ -31,12 +31,12 @@ with sync_playwright() as p:
     page.wait_for_selector("#input .thumbnail-item", timeout=30_000)
     page.locator("#input textarea").fill(question)
     page.locator("#input textarea").press("Enter")
-    page.wait_for_function("document.querySelector('#metrics').innerText.includes('TTFT speedup')", timeout=300_000)
+    page.wait_for_function("document.querySelector('#metrics').innerText.includes('unpruned; time to first token')", timeout=300_000)
     # That first answer warmed the model up; the shot shows a regenerated one.
     first = page.locator("#metrics").inner_text()
     page.locator("#chat button[aria-label='Retry']").last.click()
     page.wait_for_function("old => { const t = document.querySelector('#metrics').innerText; "
-                           "return t !== old && t.includes('TTFT speedup'); }", arg=first, timeout=300_000)
+                           "return t !== old && t.includes('unpruned; time to first token'); }", arg=first, timeout=300_000)
     page.wait_for_timeout(1000)
     page.screenshot(path=out, full_page=True)
     browser.close()
