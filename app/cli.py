@@ -567,7 +567,9 @@ def run_caption(args) -> int:
     if args.retry_errors:
         raise UserError("--retry-errors is for --ray: the local captioner writes no row for an input that failed, "
                         "so every rerun tries it again")
-    manifests = [i for i in args.inputs if i.lower().endswith((".parquet", ".jsonl")) and not Path(i).is_dir()]
+    from glimpse.caption_ray import is_manifest
+
+    manifests = [i for i in args.inputs if is_manifest(i)]
     if manifests:  # it loaded the model, then called the manifest "not an image (unsupported type .jsonl)"
         raise UserError(f"{manifests[0]}: a manifest; manifests (a column of paths or URLs) are read by --ray "
                         "(pip install -e \".[ray]\"), the local captioner takes files, folders and .txt lists")
@@ -781,7 +783,7 @@ def run_calibrate_slider(args) -> int:
     from glimpse.pipeline.calibrate_slider import STEADY_PROMPTS, calibrate_slider, folder_prompts, shipped_prompts
     from glimpse.pipeline.loading import slider_frontier
     from glimpse.pipeline.profiles import profile_path, save_profile
-    from glimpse.pruning.frontier import DEFAULT_FLOOR, Frontier, candidates
+    from glimpse.pruning.frontier import DEFAULT_FLOOR, candidates
 
     floor = DEFAULT_FLOOR if args.floor is None else args.floor
     if not 0.0 < floor <= 1.0:
@@ -832,8 +834,7 @@ def run_calibrate_slider(args) -> int:
     # What auto runs from now on, which is not always what was just stored: --out elsewhere, or a partial run
     # beside the complete frontier that ships (calibrate said "speed 1: lazyllm@0.75" and ask ran divprune@1).
     in_use = slider_frontier(args.model, len(engine.adapter.layers), engine.checkpoint)
-    stored = Frontier.from_json(profile, calibrated=True)
-    used = in_use.to_json() == stored.to_json()
+    used = in_use.to_json() == frontier.to_json()
     if used:
         _log("auto now runs this frontier:")
     elif path.resolve() != profile_path(args.model, "slider").resolve():
@@ -843,11 +844,11 @@ def run_calibrate_slider(args) -> int:
         _log(f"auto keeps running the frontier it ran before ({in_use.source}) until this calibration is complete "
              "(rerun the same command). This partial one would run:")
     for speed in (0.0, 0.25, 0.5, 0.75, 1.0):
-        _log(f"  auto at speed {speed:g}: {stored.promise(speed)['text']}")
+        _log(f"  auto at speed {speed:g}: {frontier.promise(speed)['text']}")
     # stdout: a summary a script can read (the whole profile, 14 KB of every measured candidate, is in the file)
     print(json.dumps({"profile": str(path), "in_use": used, "complete": not frontier.unmeasured,
                       "measured": len(frontier.measured), "unmeasured": frontier.unmeasured,
-                      "auto": {f"{speed:g}": stored.promise(speed)["configuration"]
+                      "auto": {f"{speed:g}": frontier.promise(speed)["configuration"]
                                for speed in (0.0, 0.25, 0.5, 0.75, 1.0)}}))
     return 0
 

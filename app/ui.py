@@ -292,7 +292,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 _check_upload(path, allowed, unusable)
             # Compared, both answers compute everything (no media, encoder or prefix cache): the unpruned run
             # comes second, and the caches would otherwise hand it what the first one computed.
-            options = dict(policy=engine.make_policy(policy, speed, parse_overrides(overrides)),
+            overridden = parse_overrides(overrides)
+            options = dict(policy=engine.make_policy(policy, speed, overridden),
                            max_new_tokens=_token_limit(max_tokens, max_new_tokens), caches=not compare)
             earlier, left_out = _usable(history, unusable), 0
             while True:  # a conversation longer than the context goes on without its oldest turns
@@ -326,7 +327,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 yield _shown(answer), gr.skip(), gr.skip()
             baseline = None
             # With no pruning (policy none, or speed 0 as the slider sets it) the two runs are one configuration.
-            if compare and policy != "none" and (speed > 0 or parse_overrides(overrides)):
+            if compare and policy != "none" and (speed > 0 or overridden):
                 yield _shown(answer), "*running the unpruned answer to compare ...*", gr.skip()
                 baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"],
                                               caches=False)
