@@ -20,6 +20,10 @@ i.e. one request up to its first token, read through ``result.metrics``:
   (``vision_encoder_s`` counts as 0 when the engine does not report it).
 - FLOPs speedup: ``prefill_flops_baseline / prefill_flops`` (the SPEC's proxy, decoder layers only).
 - realised fraction: decoder-prefill speedup / FLOPs speedup (1.0 = the whole proxy saving realised).
+- own cost: the candidate's decoder prefill minus the baseline's divided by the FLOPs speedup, in seconds: the
+  time the FLOPs it saves do not explain (its scoring, cuts, gathers, host waits). On a GPU it is what decides
+  whether pruning pays on a short prompt, where a few tens of milliseconds are the whole decoder prefill; there
+  it also counts that a layer over a few hundred tokens is not proportionally faster than over more.
 - KV ratio: candidate ``kv_bytes`` / baseline ``kv_bytes``.
 - peak memory: on CUDA the peak allocated during the request (weights included), as a ratio, plus the
   ratio of the request's own working memory (peak minus what was allocated before the request); on
@@ -283,6 +287,7 @@ def _row(prompt: str, policy: str, speed: float, counts: dict, pairs: list[tuple
         "prefill_flops_baseline": flops_baseline,
         "flops_speedup": flops_speedup,
         "realised_fraction": (prefill_speedup / flops_speedup) if prefill_speedup and flops_speedup else None,
+        "own_cost_s": (cand["decoder_prefill_s"] - base["decoder_prefill_s"] / flops_speedup) if flops_speedup else None,
         "kv_bytes": cand["kv_bytes"],
         "baseline_kv_bytes": base["kv_bytes"],
         "kv_ratio": _ratio(cand["kv_bytes"], base["kv_bytes"]),
@@ -321,10 +326,11 @@ def format_markdown(report: dict) -> str:
     mem_header = "peak mem ratio | work mem ratio" if cuda else "peak RSS (GiB)"
     decode = report.get("new_tokens", 1) > 1
     lines.append("| prompt | policy | speed | TTFT base -> policy (s) [policy min-max] | TTFT speedup | "
-                 "decoder prefill base -> policy (s) | prefill speedup | FLOPs speedup | realised | KV ratio | "
+                 "decoder prefill base -> policy (s) | prefill speedup | FLOPs speedup | realised | own cost (ms) | "
+                 "KV ratio | "
                  + ("decode tok/s base -> policy | decode speedup | end-to-end speedup | " if decode else "")
                  + f"{mem_header} |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if decode else "")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if decode else "")
                  + ("---|---|" if cuda else "---|"))
     for row in report["rows"]:
         mem = (f"{_fmt(row['peak_memory_ratio'])} | {_fmt(row['request_memory_ratio'])}" if cuda
@@ -335,7 +341,7 @@ def format_markdown(report: dict) -> str:
             f"{row['ttft_range_s'][1]:.3f}] | {_fmt(row['ttft_speedup'])}x "
             f"| {row['baseline_decoder_prefill_s']:.3f} -> {row['decoder_prefill_s']:.3f} "
             f"| {_fmt(row['decoder_prefill_speedup'])}x | {_fmt(row['flops_speedup'])}x "
-            f"| {_fmt(row['realised_fraction'])} | {_fmt(row['kv_ratio'])} | "
+            f"| {_fmt(row['realised_fraction'])} | {_ms(row['own_cost_s'])} | {_fmt(row['kv_ratio'])} | "
             + (f"{_fmt(row['baseline_decode_tokens_per_s'])} -> {_fmt(row['decode_tokens_per_s'])} | "
                f"{_fmt(row['decode_speedup'])}x | {_fmt(row['e2e_speedup'])}x | " if decode else "") + f"{mem} |")
     return "\n".join(lines)
@@ -386,6 +392,10 @@ def text_prompt(tokenizer, tokens: int) -> list[dict]:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None or math.isnan(seconds) else f"{seconds * 1000:.1f}"
 
 
 # ---------------------------------------------------------------------------------- media synthesis

@@ -21,8 +21,9 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
 4. policies: each policy at its paper's operating point on its paper's shape — DASH, ZipVL, LazyLLM and
    auto on the Qwen2-VL-7B video prompts (LongVA-7B's decoder is Qwen2-7B, the same shapes as this one),
    HiDivDrop, ST3, DivPrune and auto on LLaVA-1.5-7B with a 576-token image — against the baseline, alternating
-   (``glimpse bench``'s runner): TTFT and decoder-prefill speedup, FLOPs speedup, realised fraction, KV
-   bytes, peak memory; beside each paper's headline figure.
+   (``glimpse bench``'s runner): TTFT and decoder-prefill speedup, FLOPs speedup, realised fraction, own cost
+   (the decoder time the FLOPs it saves do not explain), KV bytes, peak memory; beside each paper's headline
+   figure.
 5. rlt: RLT (leaving a video's repeated tokens out before the encoder) on a still-camera clip of the larger video
    size, alone and under LazyLLM, against the baseline: time to first token split into prompt building, vision
    encoder and decoder prefill.
@@ -96,6 +97,7 @@ PAPERS = {
 }
 QWEN_POLICIES = ["dash", "zipvl", "lazyllm", "auto"]
 LLAVA_POLICIES = ["hidivdrop", "st3", "divprune", "auto"]
+PROFILED_POLICY = "auto@1"  # the default policy at full speed (uncalibrated: LazyLLM in prefill)
 DECODE_POLICIES = [("none", 0.0), ("st3", 1.0), ("zipvl", 0.5), ("auto", 1.0)]  # auto: uncalibrated LazyLLM, prefill only
 
 
@@ -459,11 +461,15 @@ def _profiled(fn, device) -> dict:
             "top_device": top(device_time) if device.type == "cuda" else []}
 
 
-def _vision_first(engine, prompt):
-    """The engine's prefill with the vision encoder run first, in the calling thread (``parallel_vision``)."""
+def _vision_first(engine, prompt, policy=None):
+    """The engine's prefill with the vision encoder run first, in the calling thread (``parallel_vision``);
+    ``policy`` (a name@speed string) or none."""
     engine.parallel_vision = False
     try:
-        return engine.prefill(prompt, NoPruning())
+        if policy is None:
+            return engine.prefill(prompt, NoPruning())
+        name, speed = policy.split("@")
+        return engine.prefill(prompt, engine.make_policy(name, float(speed)))
     finally:
         engine.parallel_vision = True
 
@@ -484,7 +490,8 @@ def _decoding(engine, *, slots: bool = True, graphs: bool | None = None):
 
 def profile(suite: Suite) -> dict:
     """Where the time goes that the other sections only total: torch.profiler over (1) one prefill of the
-    smaller video by transformers' forward and by the engine (the engine's overhead), (2) four decode steps of
+    smaller video by transformers' forward and by the engine (the engine's overhead), unpruned and under
+    ``PROFILED_POLICY`` (what pruning's own work costs), (2) four decode steps of
     the LLaVA engine at batch 1 and at the decode batch, in KV slots, as a CUDA graph and per request (the host
     work that keeps decode behind ``generate``). Operator calls, host syncs and the ten heaviest operators on host
     and device."""
@@ -498,7 +505,10 @@ def profile(suite: Suite) -> dict:
         # first), as it does in transformers' forward; the wall time of the default (its own thread) beside it.
         sides = {"transformers forward": lambda: engine.model(**inputs, logits_to_keep=1, use_cache=True),
                  "engine prefill, vision first": lambda: _vision_first(engine, prompt),
-                 "engine prefill, vision in its thread (wall time only)": lambda: engine.prefill(prompt, NoPruning())}
+                 "engine prefill, vision in its thread (wall time only)": lambda: engine.prefill(prompt, NoPruning()),
+                 # What a pruning policy's prefill adds (the policies section's "own cost": 11-20 ms for auto's
+                 # LazyLLM at 8K-16K tokens on an H200, 2026-11-27), to read beside the unpruned rows above.
+                 f"engine prefill, {PROFILED_POLICY}, vision first": lambda: _vision_first(engine, prompt, PROFILED_POLICY)}
         for fn in sides.values():  # warm-up
             fn()
         for side, fn in sides.items():
@@ -759,10 +769,11 @@ def markdown(report: dict) -> str:
                              for r in section["rows"]])
         elif name == "policies":
             lines += _table(["model", "prompt", "policy@speed", "TTFT speedup", "decoder-prefill speedup",
-                             "FLOPs speedup", "realised", "KV ratio", "peak memory ratio",
+                             "FLOPs speedup", "realised", "own cost (ms)", "KV ratio", "peak memory ratio",
                              "TTFT (s) = prompt building + vision encoder + decoder", "paper's headline"],
                             [[r["model"], r["prompt"], f"{r['policy']}@{r['speed']:g}", _f(r["ttft_speedup"]),
                               _f(r["decoder_prefill_speedup"]), _f(r["flops_speedup"]), _f(r["realised_fraction"]),
+                              _f(None if r.get("own_cost_s") is None else r["own_cost_s"] * 1000, 1),
                               _f(r["kv_ratio"]), _f(r["peak_memory_ratio"]), _ttft_parts(r), r["paper"]]
                              for r in section["rows"]])
         elif name == "decode":

@@ -58,6 +58,9 @@ def test_ratios_follow_from_the_rows_own_numbers(report):
         assert row["decoder_prefill_speedup"] == pytest.approx(
             row["baseline_decoder_prefill_s"] / row["decoder_prefill_s"])
         assert row["realised_fraction"] == pytest.approx(row["decoder_prefill_speedup"] / row["flops_speedup"])
+        # The decoder time the saved FLOPs do not explain.
+        assert row["own_cost_s"] == pytest.approx(
+            row["decoder_prefill_s"] - row["baseline_decoder_prefill_s"] / row["flops_speedup"])
         assert row["kv_ratio"] == pytest.approx(row["kv_bytes"] / row["baseline_kv_bytes"])
         assert row["peak_memory_ratio"] is None  # CPU: lifetime peak RSS, no ratio
         assert row["peak_memory_bytes"] > 0

@@ -53,6 +53,11 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     slots, alone = profiled["4 decode steps, batch 2, KV slots"], profiled["4 decode steps, batch 2, per request"]
     assert slots["aten_calls"] < alone["aten_calls"]
     assert sum(slots["syncs"].values()) <= sum(alone["syncs"].values())
+    # A pruned prefill is profiled beside the unpruned one: fewer tokens, but the policy's own work (scoring,
+    # cutting, gathering the kept rows) runs operators the unpruned prefill does not.
+    pruned = next(r for what, r in profiled.items() if what.startswith("engine prefill, auto@1, vision first"))
+    unpruned = next(r for what, r in profiled.items() if what.startswith("engine prefill, vision first"))
+    assert pruned["aten_calls"] > unpruned["aten_calls"]
 
     skipped = " ".join(s["what"] + ": " + s["why"] for s in report["skipped"])
     assert "flash-attention 2: no CUDA device" in skipped and "CUDA stream" in skipped
