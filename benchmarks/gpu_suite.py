@@ -64,6 +64,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -97,7 +98,10 @@ PAPERS = {
 }
 QWEN_POLICIES = ["dash", "zipvl", "lazyllm", "auto"]
 LLAVA_POLICIES = ["hidivdrop", "st3", "divprune", "auto"]
-PROFILED_POLICY = "auto@1"  # the default policy at full speed (uncalibrated: LazyLLM in prefill)
+# Pruned prefills the profile section profiles beside the unpruned one: the default policy at full speed
+# (uncalibrated: LazyLLM in prefill) and ZipVL, whose own cost grew with the prompt (40 ms at 8K, 79 ms at 16K
+# on an H200, 2026-11-27).
+PROFILED_POLICIES = ("auto@1", "zipvl@0.5")
 DECODE_POLICIES = [("none", 0.0), ("st3", 1.0), ("zipvl", 0.5), ("auto", 1.0)]  # auto: uncalibrated LazyLLM, prefill only
 
 
@@ -491,7 +495,7 @@ def _decoding(engine, *, slots: bool = True, graphs: bool | None = None):
 def profile(suite: Suite) -> dict:
     """Where the time goes that the other sections only total: torch.profiler over (1) one prefill of the
     smaller video by transformers' forward and by the engine (the engine's overhead), unpruned and under
-    ``PROFILED_POLICY`` (what pruning's own work costs), (2) four decode steps of
+    ``PROFILED_POLICIES`` (what pruning's own work costs), (2) four decode steps of
     the LLaVA engine at batch 1 and at the decode batch, in KV slots, as a CUDA graph and per request (the host
     work that keeps decode behind ``generate``). Operator calls, host syncs and the ten heaviest operators on host
     and device."""
@@ -508,7 +512,8 @@ def profile(suite: Suite) -> dict:
                  "engine prefill, vision in its thread (wall time only)": lambda: engine.prefill(prompt, NoPruning()),
                  # What a pruning policy's prefill adds (the policies section's "own cost": 11-20 ms for auto's
                  # LazyLLM at 8K-16K tokens on an H200, 2026-11-27), to read beside the unpruned rows above.
-                 f"engine prefill, {PROFILED_POLICY}, vision first": lambda: _vision_first(engine, prompt, PROFILED_POLICY)}
+                 **{f"engine prefill, {policy}, vision first": partial(_vision_first, engine, prompt, policy)
+                    for policy in PROFILED_POLICIES}}
         for fn in sides.values():  # warm-up
             fn()
         for side, fn in sides.items():
