@@ -6,7 +6,9 @@
   ``stream: true`` answers with server-sent events (``chat.completion.chunk`` objects, then
   ``data: [DONE]``; with ``stream_options.include_usage`` a last chunk carries ``usage``). Extra request fields: ``policy`` and ``speed`` (the slider), ``params``
   (overrides). Decoding is greedy unless ``temperature`` > 0 (then ``top_p`` and ``seed`` apply);
-  ``max_tokens`` / ``max_completion_tokens`` default to 256 and are capped by ``--max-new-tokens``;
+  ``max_tokens`` / ``max_completion_tokens`` default to 256 and are capped by ``--max-new-tokens``; given,
+  they must fit in the context beside the prompt (400 otherwise, as OpenAI answers), while the default lets the
+  answer run to the context's end (``finish_reason`` "length");
   ``stop`` takes up to 4 strings, and the answer ends before the first one. The response's ``usage``
   counts tokens, and its ``glimpse`` field carries the policy, its parameters and the timing/memory
   metrics. Any other request field (``tools``, ``response_format``, ``logprobs``, penalties, ``n`` > 1,
@@ -15,7 +17,7 @@
 * ``GET /v1/models`` — the one model this server answers with; ``GET /v1/models/{id}`` — it, or 404. Any other
   ``/v1/...`` route is a 404 in OpenAI's error shape.
 * ``GET /health`` — ``{"status": "ok", ...}`` with the scheduler's state; 503 when the scheduler has
-  stopped or one of its iterations has run longer than ``STALL_S`` (wedged).
+  stopped or has worked for ``STALL_S`` without finishing a prefill or a decode step (wedged).
 * ``GET /metrics`` — Prometheus (``app/telemetry.py``).
 
 Requests are validated by declared models (``ChatRequest``): a bad one gets a 400 with an OpenAI-style
@@ -65,7 +67,7 @@ from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
 FETCHING_THREADS = 8  # requests whose media URLs are fetched at once; more wait their turn
 MAX_REQUEST_FETCH_BYTES = 64 * 2**20  # all of one request's media URLs, as much as its body may hold inline
-STALL_S = 300.0  # /health reports the scheduler wedged when one iteration (a prefill, a step) runs this long
+STALL_S = 300.0  # /health reports the scheduler wedged when it finishes no prefill or decode step for this long
 OFF_VALUES = (None, False, 0, [], {}, "")
 # Fields Glimpse does not implement whose value here asks for what it does anyway: a plain-text answer, no tools.
 ASKS_NOTHING = {"response_format": ({"type": "text"},), "tool_choice": ("none",)}
@@ -467,7 +469,10 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
     temperature = body.temperature or 0.0
     options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": temperature > 0,
                "temperature": float(temperature or 1.0), "top_p": float(1.0 if body.top_p is None else body.top_p),
-               "seed": body.seed, "stop": body.stops()}
+               "seed": body.seed, "stop": body.stops(),
+               # Asked for explicitly, max_tokens must fit beside the prompt (a 400 otherwise, as OpenAI answers);
+               # left out, the answer may run to the end of the context.
+               "refuse_past_context": (body.max_completion_tokens or body.max_tokens) is not None}
     return messages, options, promise
 
 

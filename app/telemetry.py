@@ -52,9 +52,13 @@ class Telemetry:
             self.prompt_tokens.labels(model_name, modality)
         state = scheduler.state
         gauges = {"glimpse_requests_running": ("Requests in the running batch.", "running"),
-                  "glimpse_requests_waiting": ("Requests waiting for the engine.", "waiting"),
+                  "glimpse_requests_prefilling": ("Requests taken from the queue whose prefill is under way or next.",
+                                                  "prefilling"),
+                  "glimpse_requests_waiting": ("Requests waiting for the engine (not those whose client left).",
+                                               "waiting"),
                   "glimpse_kv_cache_bytes": ("KV cache bytes held by running requests.", "kv_bytes"),
-                  "glimpse_kv_cache_reserved_bytes": ("KV bytes reserved by running requests.", "kv_reserved_bytes"),
+                  "glimpse_kv_cache_reserved_bytes": ("KV bytes reserved by running and prefilling requests.",
+                                                      "kv_reserved_bytes"),
                   "glimpse_kv_cache_budget_bytes": ("The KV budget admission keeps within.", "kv_budget_bytes")}
         for name, (help_text, key) in gauges.items():
             Gauge(name, help_text, registry=registry).set_function(lambda key=key: state()[key])

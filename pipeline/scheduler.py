@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import itertools
 import math
 import queue
 import threading
@@ -145,10 +146,14 @@ class Scheduler:
         self.engine, self.max_batch, self.queue_size = engine, max_batch, queue_size
         self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None else default_kv_budget(engine.device)
         self.waiting: collections.deque[Ticket] = collections.deque()
+        self.admitted: list[Ticket] = []  # taken from the queue by this iteration, their prefill not done yet
         self.running: list[Ticket] = []
         self.condition = threading.Condition()
         self.prepare_lock = threading.Lock()  # one prompt built at a time (the tokenizer is shared)
-        self.busy_since: float | None = None  # when the loop began its current iteration, while it works
+        # While the loop works: when it last finished a unit of work (a prefill, a decode step) or began the
+        # iteration. ``stalled_s`` is measured from it, so an iteration that prefills several long prompts one after
+        # another is not taken for a wedged one.
+        self.busy_since: float | None = None
         self.service_s = 10.0  # a running average of how long a request takes, for the wait estimates
         self.closed = False
         self.error: BaseException | None = None  # what stopped the loop, if anything did
@@ -169,15 +174,22 @@ class Scheduler:
     def submit(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                ignore_eos: bool = False, stop: tuple[str, ...] = (), caches: bool = True,
-               sink: Callable[[object], None] | None = None) -> Ticket:
+               sink: Callable[[object], None] | None = None, refuse_past_context: bool = False) -> Ticket:
         """Queue a request; raises ``QueueFull`` when the queue is full, ``UserError`` for a bad prompt or
         one that could never fit the KV budget. The prompt (media decoding included) is built here, in the
-        caller's thread."""
+        caller's thread. ``refuse_past_context``: a prompt that leaves fewer than ``max_new_tokens`` tokens of the
+        model's context is refused (the API's explicit ``max_tokens``, as OpenAI's API does) rather than answered
+        up to the context's end."""
         self.check_room()  # refuse before the work of building the prompt
         # A Policy object given here is a template: the request gets its own copy (policies keep state).
         policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
         with self.prepare_lock, one_torch_thread(self.engine.device):
             prompt = messages if isinstance(messages, Prompt) else self.engine.prepare(messages, caches)
+        context = self.engine.max_length
+        if refuse_past_context and context is not None and len(prompt) + max_new_tokens > context:
+            raise UserError(f"max_tokens: this model's context is {context:,} tokens and the prompt takes "
+                            f"{len(prompt):,}, which leaves {context - len(prompt):,}, not the {max_new_tokens:,} asked "
+                            "for; ask for fewer tokens or shorten the conversation")
         reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
         if reserved > self.kv_budget_bytes:
             raise UserError(f"this request may need {reserved / 2**20:,.0f} MiB of KV cache, more than the server's "
@@ -203,9 +215,16 @@ class Scheduler:
     def _refuse_if_full(self) -> None:
         if self.closed or self.error is not None:
             raise RuntimeError(f"the scheduler stopped: {self.error!r}")
-        would_wait = len(self.running) + len(self.waiting) >= self.max_batch
-        if would_wait and len(self.waiting) >= self.queue_size:
-            raise QueueFull(len(self.waiting), self.wait_estimate(len(self.waiting)))
+        waiting = len(self._still_waiting())
+        would_wait = len(self.running) + len(self.admitted) + waiting >= self.max_batch
+        if would_wait and waiting >= self.queue_size:
+            raise QueueFull(waiting, self.wait_estimate(waiting))
+
+    def _still_waiting(self) -> list[Ticket]:
+        """The queued tickets whose submitters still wait (under the condition). One that gave up (a client that
+        left, Stop) stays in the queue until the loop reaches it, which may be minutes away behind a long prefill,
+        but it holds no place there: it is not counted against ``queue_size``, in ``waiting`` or ahead of anyone."""
+        return [t for t in self.waiting if not t.cancel.is_set()]
 
     def generate(self, messages, **options) -> GenerationResult:
         return self.submit(messages, **options).result()
@@ -216,10 +235,10 @@ class Scheduler:
     def position(self, ticket: Ticket) -> int:
         """0 once the request runs (or ended); otherwise how many requests wait ahead of it, plus one."""
         with self.condition:
-            try:
-                return self.waiting.index(ticket) + 1
-            except ValueError:
+            if ticket not in self.waiting:
                 return 0
+            ahead = itertools.takewhile(lambda t: t is not ticket, self.waiting)
+            return sum(not t.cancel.is_set() for t in ahead) + 1
 
     def wait_estimate(self, position: int) -> float:
         """Seconds until a request at queue ``position`` starts, from the average request time: requests
@@ -227,15 +246,17 @@ class Scheduler:
         return math.ceil(position / self.max_batch) * self.service_s
 
     def state(self) -> dict:
-        """What ``/health`` and ``/metrics`` report. ``stalled_s``: how long the current iteration has run
-        (a wedged scheduler shows here); ``kv_bytes``: the running requests' caches now."""
+        """What ``/health`` and ``/metrics`` report. ``prefilling``: requests taken from the queue whose prefill is
+        under way or next (they hold their KV reservation, and are ``running`` once their first token is out);
+        ``stalled_s``: how long the loop has worked without finishing a prefill or a decode step (a wedged scheduler
+        shows here); ``kv_bytes``: the running requests' caches now."""
         with self.condition:
-            running = list(self.running)
-            waiting = len(self.waiting)
+            running, admitted = list(self.running), list(self.admitted)
+            waiting = len(self._still_waiting())
             busy = self.busy_since
         kv = sum(_cache_bytes(t.request) for t in running)
-        return {"running": len(running), "waiting": waiting, "kv_bytes": kv,
-                "kv_reserved_bytes": sum(t.reserved_bytes for t in running),
+        return {"running": len(running), "prefilling": len(admitted), "waiting": waiting, "kv_bytes": kv,
+                "kv_reserved_bytes": sum(t.reserved_bytes for t in running + admitted),
                 "kv_budget_bytes": self.kv_budget_bytes, "max_batch": self.max_batch, "queue_size": self.queue_size,
                 "stalled_s": 0.0 if busy is None else time.perf_counter() - busy,
                 "alive": self.thread.is_alive() and self.error is None}
@@ -271,8 +292,9 @@ class Scheduler:
         except BaseException as error:  # a bug: every request still here learns it, and /health reports it
             self.error = error
             with self.condition:
-                tickets = list(self.running) + list(self.waiting)
+                tickets = list(self.running) + list(self.admitted) + list(self.waiting)
                 self.running.clear()
+                self.admitted.clear()
                 self.waiting.clear()
             for ticket in tickets:
                 self._end(ticket, None, error)
@@ -293,6 +315,7 @@ class Scheduler:
             self.waiting.popleft()
             joining.append(ticket)
             reserved += ticket.reserved_bytes
+        self.admitted = list(joining)
         return joining
 
     def _iteration(self, joining: list[Ticket]) -> None:
@@ -300,23 +323,12 @@ class Scheduler:
         with engine._lock, torch.inference_mode():
             meter = MemoryMeter(engine.device)
             for ticket in joining:
-                if ticket.cancel.is_set():
-                    self._end(ticket, None, None)
-                    continue
                 try:
-                    request = engine.start(ticket.prompt, ticket.policy, 0.0, ticket.max_new_tokens, ticket.sampling,
-                                           ticket.ignore_eos, ticket.caches, defer=True)
-                except Exception as error:  # this request's own failure (a policy parameter, memory): it alone ends
-                    self._end(ticket, None, error)
-                    continue
-                request.cancel, request.t_queued, request.t_decode = ticket.cancel, ticket.submitted, time.perf_counter()
-                ticket.request = request
-                with self.condition:
-                    self.running.append(ticket)
-                # Its first token goes out now, not after the prefills of the others that arrived with it:
-                # with eight arrivals at once the last one's first token still waits for eight prefills,
-                # the first one's no longer does.
-                self._take(ticket, meter)
+                    self._prefill(ticket, meter)
+                finally:
+                    with self.condition:
+                        self.admitted.remove(ticket)
+                        self.busy_since = time.perf_counter()  # a prefill done: the loop is not stuck
             with self.condition:
                 running = [t for t in self.running if not any(t is j for j in joining)]
             for ticket in running:
@@ -329,6 +341,8 @@ class Scheduler:
                     ticket.batch = max(ticket.batch, len(stepping))
                 try:
                     engine.decode_step(stepping)
+                    with self.condition:
+                        self.busy_since = time.perf_counter()
                 except Exception as error:  # noqa: BLE001 — the step itself failed: its requests end, the server goes on
                     # (A policy's per-step work that fails is the request's own, in decode_step; this is a failure
                     # inside the pass through the model, which no single request can be named for.)
@@ -341,6 +355,27 @@ class Scheduler:
                     request.note_memory(meter)
             else:
                 engine.batch_kv = None  # no batch left: its KV slots go now, not at the next request
+
+    def _prefill(self, ticket: Ticket, meter: MemoryMeter) -> None:
+        """Prefill a request taken from the queue; it joins the running batch, or ends alone if it failed."""
+        if ticket.cancel.is_set():
+            self._end(ticket, None, None)
+            return
+        engine = self.engine
+        try:
+            request = engine.start(ticket.prompt, ticket.policy, 0.0, ticket.max_new_tokens, ticket.sampling,
+                                   ticket.ignore_eos, ticket.caches, defer=True)
+        except Exception as error:  # this request's own failure (a policy parameter, memory): it alone ends
+            self._end(ticket, None, error)
+            return
+        request.cancel, request.t_queued, request.t_decode = ticket.cancel, ticket.submitted, time.perf_counter()
+        ticket.request = request
+        with self.condition:
+            self.running.append(ticket)
+        # Its first token goes out now, not after the prefills of the others that arrived with it:
+        # with eight arrivals at once the last one's first token still waits for eight prefills,
+        # the first one's no longer does.
+        self._take(ticket, meter)
 
     def _take(self, ticket: Ticket, meter: MemoryMeter) -> None:
         """Hand the ticket its request's newest token (the prefill's, or the last decode step's)."""

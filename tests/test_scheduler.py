@@ -174,6 +174,60 @@ def test_a_request_cancelled_while_queued_is_never_computed_and_frees_its_place(
         scheduler.close()
 
 
+def test_a_client_that_gave_up_while_queued_holds_no_place_in_the_queue(engine, media):
+    """A queued request whose client left stays in the queue until the loop next takes requests from it (behind a
+    long prefill, minutes), but it no longer counts: a live client is not refused for it, and nobody waits behind it."""
+    conversations = _conversations(media)
+    scheduler = Scheduler(engine, max_batch=1, queue_size=1, start=False)  # the loop not running: nothing leaves
+    ended = []
+    scheduler.on_finish.append(lambda ticket, result, error: ended.append((ticket, ticket.request)))
+    gone = scheduler.submit(conversations[1], policy="none", max_new_tokens=3)
+    with pytest.raises(QueueFull):  # the queue's one place is taken
+        scheduler.submit(conversations[0], policy="none", max_new_tokens=3)
+    gone.cancel.set()  # its client left
+    live = scheduler.submit(conversations[0], policy="none", max_new_tokens=3)
+    assert scheduler.state()["waiting"] == 1 and scheduler.position(live) == 1
+    loop = threading.Thread(target=scheduler.run, daemon=True)
+    loop.start()
+    try:
+        assert len(live.result(timeout=120).token_ids) == 3
+    finally:
+        scheduler.close()
+        loop.join(timeout=60)
+    assert [(ticket, request is None) for ticket, request in ended] == [(gone, True), (live, False)]
+
+
+def test_prefills_under_way_are_in_the_state_and_each_one_counts_as_progress(engine, media, monkeypatch):
+    """Requests taken from the queue are 'prefilling' until their first token, with their KV reservation, not
+    invisible between 'waiting' and 'running'; and each finished prefill is progress, so several long prompts
+    prefilled one after another in one iteration are not read as a wedged scheduler (``stalled_s``)."""
+    conversations = _conversations(media)[:3]
+    scheduler = Scheduler(engine, max_batch=4, queue_size=8, start=False)
+    seen, start = [], engine.start
+
+    def recording_start(*args, **kwargs):
+        seen.append((scheduler.state(), scheduler.busy_since))
+        return start(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "start", recording_start)
+    tickets = [scheduler.submit(c, policy="none", max_new_tokens=3) for c in conversations]
+    reserved = [t.reserved_bytes for t in tickets]
+    loop = threading.Thread(target=scheduler.run, daemon=True)
+    loop.start()
+    try:
+        for ticket in tickets:
+            ticket.result(timeout=120)
+    finally:
+        scheduler.close()
+        loop.join(timeout=60)
+    states = [state for state, _ in seen]
+    assert [(s["running"], s["prefilling"], s["waiting"]) for s in states] == [(0, 3, 0), (1, 2, 0), (2, 1, 0)]
+    assert states[0]["kv_reserved_bytes"] == sum(reserved)  # the prefilling requests' reservations count
+    marks = [busy for _, busy in seen]
+    assert marks[0] < marks[1] < marks[2]  # measured from the last prefill, not from the iteration's start
+    assert scheduler.state()["prefilling"] == 0
+
+
 def test_admission_keeps_the_kv_reservations_within_the_budget(engine, media):
     conversations = _conversations(media)
     per_token = engine.kv_bytes_per_token()

@@ -1030,6 +1030,31 @@ def test_a_full_queue_answers_429_and_admits_again_once_there_is_room(server, me
         assert reply.status_code == 200
 
 
+def test_max_tokens_asked_for_must_fit_beside_the_prompt_and_the_default_runs_to_the_context_end(server, media):
+    """OpenAI's rule: an explicit max_tokens that the context cannot hold beside the prompt is a 400 naming the
+    numbers (it was answered with fewer tokens, silently); without max_tokens the answer stops at the context's end."""
+    engine, url = server["engine"], server["url"] + "/v1/chat/completions"
+    messages = _question(_data_url(media["image"]))
+    prompt = len(engine.prepare([{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                              {"type": "text", "text": "What is in the picture?"}]}]))
+    context = engine.max_length
+    engine.max_length = prompt + 4  # room for 4 answer tokens
+    try:
+        reply = httpx.post(url, json={"model": "m", "messages": messages, "max_tokens": 5}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        message = reply.json()["error"]["message"]
+        assert message.startswith("max_tokens:") and f"leaves {4}, not the {5} asked for" in message, message
+        fits = httpx.post(url, json={"model": "m", "messages": messages, "max_tokens": 4, "policy": "none"},
+                          timeout=60)
+        assert fits.status_code == 200, fits.text
+        default = httpx.post(url, json={"model": "m", "messages": messages, "policy": "none"}, timeout=60).json()
+    finally:
+        engine.max_length = context
+    usage = default["usage"]
+    assert usage["prompt_tokens"] == prompt and usage["completion_tokens"] <= 4
+    assert usage["completion_tokens"] == 4 or default["choices"][0]["finish_reason"] == "stop"
+
+
 def test_oversized_bodies_and_text_beyond_the_context_are_refused_before_any_work(server, media):
     """A body over the cap is 413 before it is parsed; text that cannot fit the model's context is 400
     before it is tokenized; deeply nested JSON is a 400, not a server error; the server keeps serving."""
