@@ -781,7 +781,7 @@ def run_calibrate(args) -> int:
 def run_calibrate_slider(args) -> int:
     from glimpse.pipeline import load_engine
     from glimpse.pipeline.calibrate_slider import STEADY_PROMPTS, calibrate_slider, folder_prompts, shipped_prompts
-    from glimpse.pipeline.loading import slider_frontier
+    from glimpse.pipeline.loading import local_frontier, slider_frontier
     from glimpse.pipeline.profiles import profile_path, save_profile
     from glimpse.pruning.frontier import DEFAULT_FLOOR, candidates
 
@@ -824,7 +824,20 @@ def run_calibrate_slider(args) -> int:
         from glimpse.pipeline import embedded
 
         profile["weights"] = embedded.checkpoint_name()
+    # A complete calibration in use is replaced only by a complete one: a run cut short (by its budget, or a run
+    # with other prompts, whose state starts over) goes beside it until a rerun completes it. Found from outside:
+    # a 10-second run with the default prompts replaced a complete calibration on the tester's images.
+    held, in_place = None, path.resolve() == profile_path(args.model, "slider").resolve()
+    incomplete_path = path.with_name(path.stem + ".incomplete" + path.suffix)
+    if in_place and frontier.unmeasured:
+        held = local_frontier(args.model, len(engine.adapter.layers), engine.checkpoint)
+        if held is not None and not held.unmeasured:
+            path = incomplete_path
+        else:
+            held = None
     save_profile(args.model, profile, path=path)
+    if in_place and not frontier.unmeasured:
+        incomplete_path.unlink(missing_ok=True)  # completed: what an earlier partial run set beside it is done
     _log(f"frontier ({len(frontier.points)} points) -> {path}")
     if frontier.unmeasured:
         _log(f"incomplete: {frontier.unmeasured} of {len(frontier.measured) + frontier.unmeasured} candidates not "
@@ -837,6 +850,9 @@ def run_calibrate_slider(args) -> int:
     used = in_use.to_json() == frontier.to_json()
     if used:
         _log("auto now runs this frontier:")
+    elif held is not None:
+        _log(f"auto keeps running the complete calibration it ran before ({held.source}): this incomplete one does "
+             f"not replace it, and is kept in {path} until a rerun of the same command completes it. It would run:")
     elif path.resolve() != profile_path(args.model, "slider").resolve():
         _log(f"auto reads {profile_path(args.model, 'slider')}, not --out: it keeps running the frontier it ran "
              f"before ({in_use.source}). This one would run:")

@@ -263,6 +263,18 @@ def _adapter(model: str, source: str, config, build):
     return ADAPTERS[config.model_type](vlm, tokenizer, image_processor)
 
 
+def local_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier | None:
+    """The frontier ``glimpse calibrate slider`` stored for this model, if it was measured on these weights
+    (complete or not); None if there is none, or it is damaged."""
+    profile = load_profile(model, "slider")
+    if not profile_matches(profile, checkpoint, num_layers) or profile.get("frontier") is None:
+        return None
+    try:
+        return Frontier.from_json(profile, calibrated=True)
+    except (KeyError, TypeError, ValueError):
+        return None  # a damaged profile: as if there were none
+
+
 def slider_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier:
     """What ``auto`` runs on this model: its own calibrated frontier (``glimpse calibrate slider``) when
     it was measured on these weights (``checkpoint``, see ``profiles.checkpoint_identity``), else for the
@@ -271,13 +283,7 @@ def slider_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier:
     replace the complete one that ships: it would run cheaper candidates it never got to compare (an 8-of-71 run
     made speed 1 a 1.7x LazyLLM that answered "Green." for a purple circle, where the shipped frontier runs 3.5x
     DivPrune and says "Purple."); it is used where nothing complete is there."""
-    local = None
-    profile = load_profile(model, "slider")
-    if profile_matches(profile, checkpoint, num_layers) and profile.get("frontier") is not None:
-        try:
-            local = Frontier.from_json(profile, calibrated=True)
-        except (KeyError, TypeError, ValueError):
-            pass  # a damaged profile: fall back as if there were none
+    local = local_frontier(model, num_layers, checkpoint)
     if local is not None and not local.unmeasured:
         return local
     if model == "embedded" and SHIPPED_FRONTIER.exists():

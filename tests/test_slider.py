@@ -348,6 +348,17 @@ def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budg
     assert main(command[:-4] + ["--device", "cpu"]) == 0
     captured = capsys.readouterr()
     assert "auto now runs this frontier:" in captured.err and json.loads(captured.out)["in_use"] is True
+    # A complete calibration in use is not replaced by one cut short (found from outside: a 10-second run with
+    # other prompts replaced a complete one); the short one goes beside it, and a complete one replaces it.
+    in_use = Path(json.loads(captured.out)["profile"])
+    complete = {**json.loads(in_use.read_text()), "unmeasured": 0, "source": "calibrated completely"}
+    in_use.write_text(json.dumps(complete))
+    assert main(command[:-4] + ["--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(in_use.read_text()) == complete
+    beside = in_use.with_name(in_use.stem + ".incomplete.json")
+    assert json.loads(captured.out)["profile"] == str(beside) and json.loads(beside.read_text())["unmeasured"] > 0
+    assert "auto keeps running the complete calibration it ran before (calibrated completely)" in captured.err
 
 
 class _TimedEngine:
