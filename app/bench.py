@@ -316,6 +316,9 @@ def format_markdown(report: dict) -> str:
     if not cuda:
         lines.append("CPU: absolute times are not a claim (shared machine); read the ratios. Peak memory is the "
                      "process's lifetime peak RSS, so no ratio is formed.")
+    if report["warmup"] == 0:
+        lines.append("No warm-up round (--warmup 0): the first baseline run pays the process's one-time costs, so "
+                     "the first candidate's ratios read too high; use --warmup 1 or more for ratios to read.")
     if not report.get("vision_encoder_timed", True):
         lines.append("The engine did not report vision_encoder_s: decoder prefill = the whole prefill.")
     for name, info in report["prompts"].items():

@@ -168,7 +168,7 @@ class Frontier:
         """What ``auto`` at ``speed`` selects and what was measured of it, for the UI and the reports."""
         point = self.choose(speed)
         out = {"policy": "auto", "speed": speed, "calibrated": self.calibrated, "source": self.source,
-               "floor": self.floor}
+               "floor": self.floor, **self._provenance()}
         incomplete = (f"; calibration incomplete: {self.unmeasured} of {self.unmeasured + len(self.measured)} "
                       "candidates not measured yet (rerun `glimpse calibrate slider`)"
                       if self.calibrated and self.unmeasured else "")
@@ -194,11 +194,19 @@ class Frontier:
         out["text"] = text
         return out
 
+    def _provenance(self) -> dict:
+        """Whose numbers a promise's fields are, for a reader of the JSON: this model's calibration (``complete``
+        once every candidate was measured) or, uncalibrated, the embedded model's measurements."""
+        if self.calibrated:
+            return {"measured_on": "this model", "complete": not self.unmeasured}
+        return {"measured_on": "the embedded model"}
+
     def promise_for(self, name: str, speed: float) -> dict:
         """A named policy at ``speed`` (not ``auto``): what calibration measured of it, if it did."""
-        out = {"policy": name, "speed": speed, "calibrated": False, "source": self.source}
-        if name == "none" or speed == 0.0:
-            out.update(configuration="none", agreement=1.0, text="exact: no pruning, the unpruned model's answer")
+        out = {"policy": name, "speed": speed, "calibrated": False, "source": self.source, **self._provenance()}
+        if name == "none" or speed == 0.0:  # exact whatever was measured: the model's calibration, as auto's speed 0
+            out.update(configuration="none", agreement=1.0, calibrated=self.calibrated,
+                       text="exact: no pruning, the unpruned model's answer")
             return out
         label = Member.of(name, speed).label
         point = next((p for p in self.measured if p.name == label), None)

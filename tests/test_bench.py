@@ -137,6 +137,8 @@ def test_cli_bench_synthesizes_media_and_prints_a_table(checkpoints, capsys):
     assert "Prompt image: " in captured.out and "image 12" in captured.out
     video = int(captured.out.split("Prompt video: ")[1].split("video ")[1].split(")")[0])
     assert abs(video - 400) <= 40
+    # --warmup 0 is a smoke test: the report says its first ratios read too high (a cold first baseline)
+    assert "No warm-up round (--warmup 0)" in captured.out
 
 
 def test_cli_bench_option_errors(checkpoints, capsys):

@@ -262,6 +262,7 @@ def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cac
     out = json.loads(proc.stdout)
     chosen = shipped.choose(1.0)
     assert out["promise"]["configuration"] == chosen.name and out["promise"]["calibrated"]
+    assert out["promise"]["measured_on"] == "this model" and out["promise"]["complete"] is True
     assert out["promise"]["agreement"] == chosen.agreement and chosen.agreement_bound >= shipped.floor
     assert set(out["params"]) == {m.policy for m in chosen.members}  # the configuration it promised is what ran
     flops = out["metrics"]["prefill_flops_baseline"] / out["metrics"]["prefill_flops"]
@@ -272,6 +273,8 @@ def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cac
                    "--max-new-tokens", "2", "--json", "What is in this picture?", cache=embedded_cache)
     out = json.loads(proc.stdout)
     assert out["promise"]["calibrated"] is False and out["promise"]["text"].startswith("uncalibrated")
+    # its numbers are another model's: the JSON says whose, as the text does (found from outside)
+    assert out["promise"]["measured_on"] == "the embedded model" and "complete" not in out["promise"]
 
 
 def test_ctrl_c_while_the_command_loads_its_libraries_ends_with_one_line(monkeypatch, capsys):

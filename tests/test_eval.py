@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from glimpse.cli import main
-from glimpse.eval import passkey_prompt, run_agreement, run_passkey
+from glimpse.eval import WARM_UP_TOKENS, passkey_prompt, run_agreement, run_passkey
 from glimpse.pipeline import load_engine
 
 
@@ -51,6 +51,29 @@ def test_passkey_report_is_consistent(qwen):
         for name in ("dash", "fastv"):  # speed 0 is exact: the same answers, so the same accuracy
             assert by[(name, 0.0, length)]["accuracy"] == by[("none", 0.0, length)]["accuracy"]
         assert all(r["accuracy"] in (0.0, 0.5, 1.0) for r in report["rows"])
+
+
+def test_no_timed_run_is_the_first_answer_of_its_kind(qwen, media, monkeypatch):
+    """A process's first answer of a kind (text, image) pays one-time costs; each runner answers every kind once,
+    untimed, before its timed runs (found from outside: DASH read 24x faster on a 64-token prompt it cannot prune,
+    and policies at speed 0, which run exactly as the baseline, 1.5x)."""
+    calls, generate = [], qwen.generate
+
+    def recording(messages, **options):
+        kind = "image" if isinstance(messages[0]["content"], list) else "text"
+        calls.append((kind, options["max_new_tokens"]))
+        return generate(messages, **options)
+
+    monkeypatch.setattr(qwen, "generate", recording)
+    prompts = {"image": [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                      {"type": "text", "text": "Describe it."}]}],
+               "text1": [{"role": "user", "content": "Tell me about the sea."}]}
+    run_agreement(qwen, prompts, ["dash"], [0.0], new_tokens=3)
+    # one untimed answer per kind, then the timed baseline and candidate of each prompt
+    assert calls == [("image", WARM_UP_TOKENS), ("text", WARM_UP_TOKENS)] + [("image", 3), ("text", 3)] * 2
+    calls.clear()
+    run_passkey(qwen, [128, 256], samples=1, policies=["dash"], speeds=[0.0], new_tokens=3)
+    assert calls == [("text", WARM_UP_TOKENS)] + [("text", 3)] * 4
 
 
 def test_fastvs_text_adaptation_drops_text_tokens_too(qwen):

@@ -454,3 +454,9 @@ def test_a_named_policy_measured_slower_end_to_end_is_said_to_be_slower():
     stopped = Point((Member.of("fastv", 1.0),), agreement=0.35, flops_ratio=0.2, e2e_ratio=None, prompts=20)
     text = Frontier(points=[], calibrated=True, source="here", measured=[stopped]).promise_for("fastv", 1.0)["text"]
     assert "keeps only 35%" in text and "auto never runs it; asked by name, it runs as set" in text
+    # No pruning is exact on any model: its promise states the model's calibration as auto's speed 0 does ("calibrated":
+    # false beside a source "calibrated on 40 prompts" read as a contradiction, found from outside).
+    partial = Frontier(points=[], calibrated=True, source="calibrated here", measured=[stopped], unmeasured=3)
+    for promise in (partial.promise_for("none", 1.0), partial.promise(0.0)):
+        assert promise["configuration"] == "none" and promise["calibrated"] is True
+        assert promise["measured_on"] == "this model" and promise["complete"] is False  # 3 candidates not measured
