@@ -881,6 +881,9 @@ def _check_writable_file(path: Path, flag: str) -> None:
     """Refuse, before any work, an output path that is a folder or whose folder cannot be made or written."""
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder: give a file name")
+    blocking = next((p for p in [path.parent, *path.parent.parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:  # mkdir says only "File exists"
+        raise UserError(f"{flag} {path}: {blocking} is a file, not a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:

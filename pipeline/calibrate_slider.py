@@ -143,6 +143,7 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
     if measured:
         progress(f"resuming: {len(measured)} of {len(candidates)} candidates already measured ({state_path})")
     unmeasured = 0  # left for a rerun by the budget (not those this model cannot run: a rerun skips them again)
+    cannot_run = 0
     for done_now, members in enumerate(todo):
         number = len(candidates) - len(todo) + done_now + 1
         # Every run measures at least one candidate, so a rerun always makes progress.
@@ -162,6 +163,7 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
             raise
         except UserError as error:  # a configuration this model cannot run (e.g. too shallow for its layers)
             progress(f"[{number}/{len(candidates)}] {name}: skipped, {error}")
+            cannot_run += 1
             continue
         measured.append(point)
         with state_path.open("a") as state:
@@ -172,8 +174,11 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
                  f"FLOPs {1 / point.flops_ratio:.2f}x, {verdict} ({time.perf_counter() - t0:.0f} s)")
 
     device = engine.device.type if engine.device.type != "cuda" else torch.cuda.get_device_name(engine.device)
+    # "66 of 71 measured" on a complete run read as unfinished: the candidates this model cannot run are said apart.
+    runnable = len(candidates) - cannot_run
     source = (f"calibrated on {len(usable)} prompts, {device}, {time.strftime('%Y-%m-%d')}, "
-              f"{len(measured)} of {len(candidates)} candidates measured")
+              f"{len(measured)} of {runnable} candidates measured"
+              + (f" ({cannot_run} more that this model cannot run)" if cannot_run else ""))
     return Frontier(pareto_frontier(measured), floor=floor, calibrated=True, source=source,
                     answer_tokens=typical_answer, measured=measured, unmeasured=unmeasured)
 

@@ -300,6 +300,7 @@ def test_calibrate_slider_from_the_command_line_refuses_bad_input_before_loading
     for extra, said in ((["--budget-minutes", "nan"], "--budget-minutes must be a positive number"),
                         (["--prompts", str(latin)], "is not UTF-8 text"),
                         (["--out", str(tmp_path / "folder")], "is a folder"),
+                        (["--out", str(latin / "x" / "slider.json")], f"{latin} is a file, not a folder"),
                         (["--images", str(latin)], "--images must be a folder")):
         assert main(["calibrate", "slider", "--model", absent, *extra]) == 1
         err = capsys.readouterr().err
