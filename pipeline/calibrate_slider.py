@@ -135,6 +135,9 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
                 "prompts": hashlib.sha256(json.dumps(prompts, sort_keys=True, default=str).encode()).hexdigest()}
     done = _read_state(state_path, settings)
     usable, references = _references(engine, prompts, answer_tokens, settings, state_path, progress)
+    if len(usable) < len(prompts) and len(usable) < STEADY_PROMPTS:  # the count warned about before the skips
+        progress(f"{len(prompts) - len(usable)} of {len(prompts)} calibration prompts skipped: {len(usable)} left, so "
+                 f"one answer that changes moves a candidate's agreement by {100 / len(usable):.0f} points")
     if done is None:  # a new calibration: only now that its prompts are known to be usable
         done = _start_state(state_path, settings, progress)
 
@@ -302,6 +305,23 @@ def _read_state(path: Path, settings: dict) -> dict[str, Point] | None:
     return done
 
 
+def _what_differs(path: Path, settings: dict) -> str:
+    """What an old state file was measured with that this run is not: "of other weights", "with other prompts", ...
+    (a tester whose weights had changed was told "other settings or prompts")."""
+    try:
+        old = json.loads(path.read_text(errors="replace").splitlines()[0])["settings"]
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+        return "with other settings or prompts"
+    if old.get("model") != settings["model"]:
+        return "of another model"
+    if old.get("checkpoint") != settings["checkpoint"]:
+        return "of other weights"
+    if old.get("prompts") != settings["prompts"]:
+        return "with other prompts"
+    changed = sorted(key for key in settings if old.get(key) != settings[key])
+    return f"with other settings ({', '.join(changed)})" if changed else "with other settings or prompts"
+
+
 def _start_state(path: Path, settings: dict, progress) -> dict[str, Point]:
     """A new state file for these settings. One of other settings that holds measurements is kept under a name of
     its own (never over an earlier one kept the same way): it may be the only copy of hours of measurements."""
@@ -309,7 +329,8 @@ def _start_state(path: Path, settings: dict, progress) -> dict[str, Point]:
     if path.exists() and len(path.read_text(errors="replace").splitlines()) > 1:
         kept = next(candidate for n in range(1, 10_000)
                     if not (candidate := path.with_name(f"{path.name}.previous{'' if n == 1 else f'-{n}'}")).exists())
+        differs = _what_differs(path, settings)
         path.replace(kept)
-        progress(f"{path} holds a calibration with other settings or prompts: starting afresh (the old one is {kept})")
+        progress(f"{path} holds a calibration {differs}: starting afresh (the old one is {kept})")
     path.write_text(json.dumps({"settings": settings}) + "\n")
     return {}

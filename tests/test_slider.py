@@ -173,7 +173,7 @@ def test_an_interrupted_calibration_resumes_without_measuring_again(engine, medi
     # other settings: the old measurements are not mixed in
     calibrate_slider(engine, prompts, todo[:1], state_path=state, answer_tokens=5, timing_prompts=1,
                      timing_tokens=3, progress=lines.append)
-    assert any("starting afresh" in line for line in lines)
+    assert any("holds a calibration with other settings (answer_tokens): starting afresh" in line for line in lines)
     kept = state.with_name(state.name + ".previous")  # the old measurements are moved aside, not lost
     assert json.loads(kept.read_text().splitlines()[1])["point"] == first
     # retrained weights under the same model name (another checkpoint identity): measured afresh, never
@@ -189,7 +189,8 @@ def test_an_interrupted_calibration_resumes_without_measuring_again(engine, medi
                          timing_tokens=3, progress=lines.append)
     finally:
         engine.checkpoint = identity
-    assert any("starting afresh" in line for line in lines) and not any(line.startswith("resuming") for line in lines)
+    assert any("holds a calibration of other weights: starting afresh" in line for line in lines)
+    assert not any(line.startswith("resuming") for line in lines)
 
 
 def test_measurements_are_never_lost_and_a_resume_does_not_answer_the_prompts_unpruned_again(engine, media,
@@ -333,6 +334,7 @@ def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budg
                        "unmeasured": summary["unmeasured"], "auto": summary["auto"]} and summary["unmeasured"] > 0
     assert set(summary["auto"]) == {"0", "0.25", "0.5", "0.75", "1"} and summary["auto"]["0"] == "none"
     assert "skipped prompt 3" in err and "c_broken.png" in err
+    assert "1 of 3 calibration prompts skipped: 2 left, so one answer that changes moves a candidate's agreement by 50" in err
     profile = json.loads(out.read_text())
     assert profile["num_layers"] == 12 and len(profile["measured"]) == 1 and profile["measured"][0]["prompts"] >= 1
     frontier = Frontier.from_json(profile)
