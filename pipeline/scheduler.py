@@ -327,7 +327,8 @@ class Scheduler:
                     self._prefill(ticket, meter)
                 finally:
                     with self.condition:
-                        self.admitted.remove(ticket)
+                        if ticket in self.admitted:  # it ended without joining (cancelled, or its prefill failed)
+                            self.admitted.remove(ticket)
                         self.busy_since = time.perf_counter()  # a prefill done: the loop is not stuck
             with self.condition:
                 running = [t for t in self.running if not any(t is j for j in joining)]
@@ -370,7 +371,8 @@ class Scheduler:
             return
         request.cancel, request.t_queued, request.t_decode = ticket.cancel, ticket.submitted, time.perf_counter()
         ticket.request = request
-        with self.condition:
+        with self.condition:  # from prefilling to running at once: counted in one of them, never both or neither
+            self.admitted.remove(ticket)
             self.running.append(ticket)
         # Its first token goes out now, not after the prefills of the others that arrived with it:
         # with eight arrivals at once the last one's first token still waits for eight prefills,
