@@ -139,39 +139,54 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
 
     log, rows, prompt_info = [], [], {}
     vision_timed = True
-    for prompt_name, messages in prompts.items():
-        counts = engine.prepare(messages).token_counts()
-        prompt_info[prompt_name] = {"prompt_tokens": counts, "total_tokens": sum(counts.values())}
-        progress(f"{prompt_name}: {sum(counts.values())} prompt tokens ("
-                 + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
 
-        def one(policy: str, speed: float, role: str, phase: str, round_index: int) -> dict:
-            nonlocal done, vision_timed
-            done += 1
-            label = "none (baseline)" if role == "baseline" else f"{policy}@{speed:g}"
-            stage = "warm-up" if phase == "warmup" else f"round {round_index + 1}/{runs}"
-            progress(f"[{done}/{total}] {prompt_name} {label} {stage} ...")
-            record = _measure(engine, messages, policy, speed, cuda, new_tokens)
-            vision_timed = vision_timed and record.pop("vision_timed")
-            record.update(prompt=prompt_name, policy=policy, speed=speed, role=role, phase=phase, round=round_index)
-            log.append(record)
-            return record
-
-        for w in range(warmup):
-            one(BASELINE, 0.0, "baseline", "warmup", w)
-            for name, speed in candidates:
-                one(name, speed, "candidate", "warmup", w)
-        pairs: dict[tuple[str, float], list[tuple[dict, dict]]] = {c: [] for c in candidates}
-        for r in range(runs):
-            for name, speed in candidates:
-                base = one(BASELINE, 0.0, "baseline", "timed", r)
-                cand = one(name, speed, "candidate", "timed", r)
-                pairs[(name, speed)].append((base, cand))
-
+    def summarise(prompt_name, counts, pairs) -> None:
+        """The prompt's rows, from the timed pairs there are (all of them, or those done before a Ctrl-C)."""
         baseline_runs = [b for c in candidates for b, _ in pairs[c]]
-        prompt_info[prompt_name]["baseline"] = _summary(baseline_runs, cuda)
+        if baseline_runs:
+            prompt_info[prompt_name]["baseline"] = _summary(baseline_runs, cuda)
         for name, speed in candidates:
-            rows.append(_row(prompt_name, name, speed, counts, pairs[(name, speed)], cuda))
+            if pairs[(name, speed)]:
+                rows.append(_row(prompt_name, name, speed, counts, pairs[(name, speed)], cuda))
+
+    interrupted, pending = False, None
+    try:
+        for prompt_name, messages in prompts.items():
+            counts = engine.prepare(messages).token_counts()
+            prompt_info[prompt_name] = {"prompt_tokens": counts, "total_tokens": sum(counts.values())}
+            progress(f"{prompt_name}: {sum(counts.values())} prompt tokens ("
+                     + ", ".join(f"{k} {v}" for k, v in counts.items()) + ")")
+
+            def one(policy: str, speed: float, role: str, phase: str, round_index: int) -> dict:
+                nonlocal done, vision_timed
+                done += 1
+                label = "none (baseline)" if role == "baseline" else f"{policy}@{speed:g}"
+                stage = "warm-up" if phase == "warmup" else f"round {round_index + 1}/{runs}"
+                progress(f"[{done}/{total}] {prompt_name} {label} {stage} ...")
+                record = _measure(engine, messages, policy, speed, cuda, new_tokens)
+                vision_timed = vision_timed and record.pop("vision_timed")
+                record.update(prompt=prompt_name, policy=policy, speed=speed, role=role, phase=phase,
+                              round=round_index)
+                log.append(record)
+                return record
+
+            pairs: dict[tuple[str, float], list[tuple[dict, dict]]] = {c: [] for c in candidates}
+            pending = (prompt_name, counts, pairs)
+            for w in range(warmup):
+                one(BASELINE, 0.0, "baseline", "warmup", w)
+                for name, speed in candidates:
+                    one(name, speed, "candidate", "warmup", w)
+            for r in range(runs):
+                for name, speed in candidates:
+                    base = one(BASELINE, 0.0, "baseline", "timed", r)
+                    cand = one(name, speed, "candidate", "timed", r)
+                    pairs[(name, speed)].append((base, cand))
+            pending = None
+            summarise(prompt_name, counts, pairs)
+    except KeyboardInterrupt:  # Ctrl-C: a report of what was measured, said to be partial (it kept nothing)
+        interrupted = True
+        if pending is not None:
+            summarise(*pending)
 
     return {
         "device": device_name(engine),
@@ -190,6 +205,7 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
         "prompts": prompt_info,
         "rows": rows,
         "log": log,
+        "interrupted": interrupted,  # Ctrl-C: rows only for what had a timed pair by then
     }
 
 
@@ -316,6 +332,9 @@ def format_markdown(report: dict) -> str:
     if not cuda:
         lines.append("CPU: absolute times are not a claim (shared machine); read the ratios. Peak memory is the "
                      "process's lifetime peak RSS, so no ratio is formed.")
+    if report.get("interrupted"):
+        lines.append(f"Interrupted (Ctrl-C) after {len(report['log'])} runs: the rows are those with a timed pair by "
+                     "then, each from the rounds it had.")
     if report["warmup"] == 0:
         lines.append("No warm-up round (--warmup 0): the first baseline run pays the process's one-time costs, so "
                      "the first candidate's ratios read too high; use --warmup 1 or more for ratios to read.")

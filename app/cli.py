@@ -743,9 +743,13 @@ def run_bench(args) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         _log(f"wrote {args.out}")
-    if args.plot:
+    if args.plot and report["rows"]:
         bench.plot(report, args.plot)
         _log(f"wrote {args.plot}")
+    if report["interrupted"]:
+        _log(f"interrupted: {len(report['rows'])} rows from the {len(report['log'])} runs done"
+             + (f" are in {args.out}" if args.out else ""))
+        return 130
     return 0
 
 

@@ -126,6 +126,30 @@ def test_cli_bench_json(checkpoints, media, tmp_path, capsys):
     assert "[1/" in captured.err  # progress on stderr
 
 
+def test_ctrl_c_keeps_a_report_of_the_runs_done(checkpoints, media, tmp_path, capsys, monkeypatch):
+    """Found from outside: Ctrl-C in a long bench ended cleanly but dropped every finished run and wrote no --out.
+    Now the report holds the candidates with a timed pair by then, says it is partial, and the exit code is 130."""
+    measure, calls = bench._measure, []
+
+    def interrupted_at_the_fifth_run(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # round 1: none, dash, none, fastv; round 2: none -> Ctrl-C
+            raise KeyboardInterrupt
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "_measure", interrupted_at_the_fifth_run)
+    out_file = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(checkpoints["qwen2_vl"]), "--image", str(media["image"]),
+                 "--policies", "dash,fastv", "--speeds", "0.5", "--runs", "2", "--warmup", "0", "--video-tokens", "0",
+                 "--out", str(out_file)])
+    captured = capsys.readouterr()
+    assert code == 130, captured.err
+    report = json.loads(out_file.read_text())
+    assert report["interrupted"] is True and len(report["log"]) == 4
+    assert [(r["policy"], r["runs"]) for r in report["rows"]] == [("dash", 1), ("fastv", 1)]
+    assert "Interrupted (Ctrl-C) after 4 runs" in captured.out and "interrupted: 2 rows" in captured.err
+
+
 def test_cli_bench_synthesizes_media_and_prints_a_table(checkpoints, capsys):
     # The tiny checkpoint's image processor caps images at 16 tokens; videos follow qwen-vl-utils' budget.
     code = main(["bench", "--model", str(checkpoints["qwen2_vl"]), "--image-tokens", "12", "--video-tokens", "400",
