@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--policies", default=None,
                           help=f"comma-separated (default: every policy for agreement and visual; {','.join(TEXT_PRUNING_NAMES)} for "
                                "passkey, FastV in its text adaptation)")
-    evaluate.add_argument("--speeds", default="0.25,0.5,0.75,1")
+    evaluate.add_argument("--speeds", default="0.25,0.5,0.75,1",
+                          help="comma-separated speeds in [0, 1] (default: 0.25,0.5,0.75,1)")
     evaluate.add_argument("--new-tokens", type=int, default=32, help="agreement: answer length compared")
     evaluate.add_argument("--image-tokens", type=int, default=256, help="agreement: synthesized image size")
     evaluate.add_argument("--video-tokens", type=int, default=512, help="agreement: synthesized video size")
