@@ -168,8 +168,8 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
                 continue
             tokens += media[-1].num_tokens
             if max_length and tokens >= max_length:
-                raise ContextOverflow(f"the images and videos alone take {tokens} tokens or more, over this model's "
-                                      f"context length of {max_length}; send fewer or smaller images, or fewer video "
+                raise ContextOverflow(f"the images and videos alone take {tokens:,} tokens or more, over this model's "
+                                      f"context length of {max_length:,}; send fewer or smaller images, or fewer video "
                                       "frames")
     return media
 
@@ -353,6 +353,6 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
         raise PromptError(f"the chat template wrote no placeholder for {leftover} image/video item(s)")
 
     if max_length is not None and len(expanded) >= max_length:
-        raise ContextOverflow(f"the prompt is {len(expanded)} tokens, over this model's context length of "
-                              f"{max_length}; use a shorter text, fewer or smaller images, or fewer video frames")
+        raise ContextOverflow(f"the prompt is {len(expanded):,} tokens, over this model's context length of "
+                              f"{max_length:,}; use a shorter text, fewer or smaller images, or fewer video frames")
     return Prompt(torch.tensor(expanded, dtype=torch.long), torch.tensor(modality, dtype=torch.long), media, text)
