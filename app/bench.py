@@ -113,14 +113,15 @@ def _cpu_model() -> str:
 # --------------------------------------------------------------------------------------- the runs
 def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: list[float], runs: int = 3,
               warmup: int = 1, progress: Callable[[str], None] | None = None, model: str | None = None,
-              new_tokens: int = 1) -> dict:
+              new_tokens: int = 1, keep_on_interrupt: bool = False) -> dict:
     """Measure every (policy, speed) against the baseline on every prompt; return the report.
 
     ``prompts`` maps a name ("image", "video", ...) to chat ``messages``. The report is a JSON-ready
     dict: ``device``, ``dtype``, ``attn``, ``runs``, ``warmup``, ``order``, ``prompts`` (token counts
     and baseline medians per prompt), ``rows`` (one per prompt x policy x speed, in that order) and
     ``log`` (every run in the order it ran: prompt, policy, speed, role baseline|candidate, phase
-    warmup|timed, round, and its measurements).
+    warmup|timed, round, and its measurements). ``keep_on_interrupt``: Ctrl-C returns the report of the runs done
+    (``interrupted`` true; rows for the candidates with a timed pair) instead of raising.
     """
     if runs < 1:
         raise BenchError("runs must be at least 1")
@@ -183,7 +184,9 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
                     pairs[(name, speed)].append((base, cand))
             pending = None
             summarise(prompt_name, counts, pairs)
-    except KeyboardInterrupt:  # Ctrl-C: a report of what was measured, said to be partial (it kept nothing)
+    except KeyboardInterrupt:  # Ctrl-C in `glimpse bench`: a report of what was measured, said to be partial
+        if not keep_on_interrupt:  # a caller of its own (the GPU suite) stops as it always did
+            raise
         interrupted = True
         if pending is not None:
             summarise(*pending)

@@ -739,7 +739,7 @@ def run_bench(args) -> int:
         if not prompts:
             raise UserError("nothing to benchmark on this model (it takes no video, and --image-tokens is 0)")
         report = bench.run_bench(engine, prompts, policies, speeds, runs=args.runs, warmup=args.warmup,
-                                 progress=_log, model=label, new_tokens=args.new_tokens)
+                                 progress=_log, model=label, new_tokens=args.new_tokens, keep_on_interrupt=True)
     print(json.dumps(report) if args.json else bench.format_markdown(report), flush=True)  # first: never lost
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
