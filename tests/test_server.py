@@ -838,8 +838,8 @@ def test_requests_given_up_while_fetching_or_waiting_to_free_their_places(server
                 time.sleep(0.25)
             assert reply.status_code == 200, reply.text
             for connection in media_server.connections:  # every fetch of theirs stopped: it hung up on the sender
-                connection.settimeout(20)  # (the fetch deadline is 30 s)
                 try:
+                    connection.settimeout(20)  # (the fetch deadline is 30 s)
                     hung_up = connection.recv(1) == b""
                 except TimeoutError:
                     hung_up = False
