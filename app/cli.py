@@ -858,7 +858,7 @@ def run_calibrate_slider(args) -> int:
     elif held is not None:
         _log(f"auto keeps running the complete calibration it ran before ({held.source}): this incomplete one does "
              f"not replace it, and is kept in {path} until a rerun of the same command completes it. It would run:")
-    elif path.resolve() != profile_path(args.model, "slider").resolve():
+    elif not in_place:
         _log(f"auto reads {profile_path(args.model, 'slider')}, not --out: it keeps running the frontier it ran "
              f"before ({in_use.source}). This one would run:")
     else:
