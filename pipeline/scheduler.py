@@ -25,7 +25,6 @@ import collections
 import contextlib
 import copy
 import itertools
-import math
 import queue
 import threading
 import time
@@ -99,6 +98,7 @@ class Ticket:
     caches: bool  # may use the engine's caches (Engine.start)
     sink: Callable[[object], None]
     submitted: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # when it left the queue for a place in the batch
     cancel: threading.Event = field(default_factory=threading.Event)
     request: Request | None = None
     text: str = ""  # what was sent so far
@@ -154,7 +154,9 @@ class Scheduler:
         # iteration. ``stalled_s`` is measured from it, so an iteration that prefills several long prompts one after
         # another is not taken for a wedged one.
         self.busy_since: float | None = None
-        self.service_s = 10.0  # a running average of how long a request takes, for the wait estimates
+        # A running average of how long a request holds its place in the batch (prefill and decode, not its wait in
+        # the queue, which would count the queue twice), for the wait estimates.
+        self.service_s = 10.0
         self.closed = False
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self.on_finish: list[Callable[[Ticket, GenerationResult | None, BaseException | None], None]] = []
@@ -218,7 +220,7 @@ class Scheduler:
         waiting = len(self._still_waiting())
         would_wait = len(self.running) + len(self.admitted) + waiting >= self.max_batch
         if would_wait and waiting >= self.queue_size:
-            raise QueueFull(waiting, self.wait_estimate(waiting))
+            raise QueueFull(waiting, self.wait_estimate(1))
 
     def _still_waiting(self) -> list[Ticket]:
         """The queued tickets whose submitters still wait (under the condition). One that gave up (a client that
@@ -241,9 +243,13 @@ class Scheduler:
             return sum(not t.cancel.is_set() for t in ahead) + 1
 
     def wait_estimate(self, position: int) -> float:
-        """Seconds until a request at queue ``position`` starts, from the average request time: requests
-        ahead of it leave the batch about ``max_batch`` at a time."""
-        return math.ceil(position / self.max_batch) * self.service_s
+        """Seconds until a request at queue ``position`` starts. With ``running`` requests in the batch, each holding
+        its place about ``service_s``, a place frees about every ``service_s / running`` seconds, and the request
+        starts when ``position`` places have freed (a 429's Retry-After is ``wait_estimate(1)``: when the queue has
+        room again). With nothing running yet, the batch's places free a whole ``service_s`` from now."""
+        with self.condition:
+            running = len(self.running) + len(self.admitted)
+        return position * self.service_s / max(1, running)
 
     def state(self) -> dict:
         """What ``/health`` and ``/metrics`` report. ``prefilling``: requests taken from the queue whose prefill is
@@ -313,6 +319,7 @@ class Scheduler:
             if reserved + ticket.reserved_bytes > self.kv_budget_bytes:
                 break  # first come, first served: it waits until enough of the budget is free
             self.waiting.popleft()
+            ticket.admitted = time.perf_counter()
             joining.append(ticket)
             reserved += ticket.reserved_bytes
         self.admitted = list(joining)
@@ -411,7 +418,7 @@ class Scheduler:
             else:
                 if ticket.stop.stops:
                     result.text = ticket.text  # the answer before its stop string
-                service = time.perf_counter() - ticket.submitted
+                service = time.perf_counter() - (ticket.admitted or ticket.submitted)
                 self.service_s = 0.8 * self.service_s + 0.2 * service
             request.ctx.cache = None  # the KV cache goes now, not when the submitter drops the ticket
             ticket.sink(error if error is not None else StreamChunk(tail, None, result))

@@ -152,6 +152,27 @@ def test_requests_arriving_together_each_get_their_first_token_right_after_their
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]
 
 
+def test_the_wait_estimates_count_a_request_s_time_in_the_batch_not_its_wait_in_the_queue(engine, media):
+    """The chat's "about N s" and a 429's Retry-After: places in the batch free about every service_s / running
+    seconds, and service_s is how long a request holds its place, not how long it waited before (which, with a
+    long queue, would make every estimate count the queue twice)."""
+    scheduler = Scheduler(engine, max_batch=4, queue_size=4)
+    try:
+        ticket = scheduler.submit(_conversations(media)[0], policy="none", max_new_tokens=3)
+        ticket.submitted -= 1000.0  # as if it had waited 1000 s in the queue
+        ticket.result(timeout=60)
+        assert 0 < scheduler.service_s < 0.8 * 10.0 + 0.2 * 60  # the default 10 s, moved by at most a minute
+        scheduler.service_s = 8.0
+        with scheduler.condition:
+            scheduler.running = [object(), object()]  # two requests hold places: one frees about every 4 s
+            assert scheduler.wait_estimate(1) == pytest.approx(4.0)
+            assert scheduler.wait_estimate(3) == pytest.approx(12.0)
+            scheduler.running = []
+        assert scheduler.wait_estimate(1) == pytest.approx(8.0)  # nothing running yet: a whole request's time
+    finally:
+        scheduler.close()
+
+
 def test_a_request_cancelled_while_queued_is_never_computed_and_frees_its_place(engine, media):
     conversations = _conversations(media)
     scheduler = Scheduler(engine, max_batch=1, queue_size=1)
