@@ -93,69 +93,83 @@ def build_parser() -> argparse.ArgumentParser:
                     "speedup, realised fraction, KV bytes and peak memory. By default a random-weights Qwen2-VL "
                     "with the 2B model's text shapes is built in a temporary folder, with a synthesized image and "
                     "video (--random-model picks another size, or LLaVA-1.5-7B). Progress goes to stderr.")
+    # Options of one mode given to the other are refused, not ignored: `glimpse bench --clients 8` would
+    # otherwise measure policies and say nothing of the clients asked for.
+    policies_only: dict[str, tuple[str, object]] = {}  # dest: (flag, default)
+    serve_only: dict[str, tuple[str, object]] = {}
+
+    def policies_option(group, *flags, **options):
+        action = group.add_argument(*flags, **options)
+        policies_only[action.dest] = (flags[0], action.default)
+
+    def serve_option(group, *flags, **options):
+        action = group.add_argument(*flags, **options)
+        serve_only[action.dest] = (flags[0], action.default)
+
     bench.add_argument("target", nargs="?", choices=["policies", "serve"], default="policies",
                        help="policies (default): each policy against the unpruned baseline; serve: a server under "
                             "concurrent clients against the same requests one at a time (options below)")
     source = bench.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="hub id or local checkpoint folder to benchmark")
-    source.add_argument("--random-model", choices=REAL_PRESETS, default=None,
-                        help="build a random-weights model with this model's shapes (default: qwen2-vl-2b; "
-                             "llava-1.5-7b takes no video and 576 tokens per image)")
-    bench.add_argument("--layers", type=int, default=None,
-                       help="decoder layers of the random model (default 8; the real Qwen2-VL models have 28, "
-                            "LLaVA-1.5-7B 32)")
+    policies_option(source, "--random-model", choices=REAL_PRESETS, default=None,
+                    help="build a random-weights model with this model's shapes (default: qwen2-vl-2b; "
+                    "llava-1.5-7b takes no video and 576 tokens per image)")
+    policies_option(bench, "--layers", type=int, default=None,
+                    help="decoder layers of the random model (default 8; the real Qwen2-VL models have 28, "
+                    "LLaVA-1.5-7B 32)")
     bench.add_argument("--image", action="append", default=[], metavar="PATH",
                        help="benchmark on this image (repeatable) instead of a synthesized one")
-    bench.add_argument("--video", metavar="PATH", help="benchmark on this video instead of a synthesized one")
-    bench.add_argument("--image-tokens", type=int, default=None,
-                       help="visual tokens of the synthesized image (0: no image prompt; default 2000; "
-                            "fixed at 576 for llava-1.5-7b)")
-    bench.add_argument("--video-tokens", type=int, default=4000,
-                       help="visual tokens of the synthesized video (0: no video prompt; default 4000)")
-    bench.add_argument("--policies", default=",".join(PRUNING_NAMES),
-                       help=f"comma-separated policies (default: {','.join(PRUNING_NAMES)})")
-    bench.add_argument("--speeds", default="0.5,0.8", help="comma-separated speeds in [0, 1] (default: 0.5,0.8)")
-    bench.add_argument("--runs", type=int, default=3, help="timed runs per configuration (default 3)")
-    bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per prompt (default 1)")
+    policies_option(bench, "--video", metavar="PATH", help="benchmark on this video instead of a synthesized one")
+    policies_option(bench, "--image-tokens", type=int, default=None,
+                    help="visual tokens of the synthesized image (0: no image prompt; default 2000; "
+                    "fixed at 576 for llava-1.5-7b)")
+    policies_option(bench, "--video-tokens", type=int, default=4000,
+                    help="visual tokens of the synthesized video (0: no video prompt; default 4000)")
+    policies_option(bench, "--policies", default=",".join(PRUNING_NAMES),
+                    help=f"comma-separated policies (default: {','.join(PRUNING_NAMES)})")
+    policies_option(bench, "--speeds", default="0.5,0.8", help="comma-separated speeds in [0, 1] (default: 0.5,0.8)")
+    policies_option(bench, "--runs", type=int, default=3, help="timed runs per configuration (default 3)")
+    policies_option(bench, "--warmup", type=int, default=1, help="untimed warm-up rounds per prompt (default 1)")
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="auto: bfloat16 on CUDA, float32 on CPU")
-    bench.add_argument("--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
-    bench.add_argument("--question", default=None, help="the text of every prompt (default: 'Describe the ...')")
-    bench.add_argument("--text-tokens", type=int, default=0,
-                       help="also a long text-only prompt of about this many tokens (default 0: none)")
-    bench.add_argument("--new-tokens", type=int, default=1,
-                       help="tokens generated per run (EOS ignored); above 1 the table adds decode tokens/s")
-    bench.add_argument("--plot", default=None, metavar="FILE.png", help="TTFT speedup over speed, per policy")
+    policies_option(bench, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto: bfloat16 on CUDA, float32 on CPU")
+    policies_option(bench, "--attn", default="auto", choices=["auto", "sdpa", "eager", "flash_attention_2"])
+    policies_option(bench, "--question", default=None, help="the text of every prompt (default: 'Describe the ...')")
+    policies_option(bench, "--text-tokens", type=int, default=0,
+                    help="also a long text-only prompt of about this many tokens (default 0: none)")
+    policies_option(bench, "--new-tokens", type=int, default=1,
+                    help="tokens generated per run (EOS ignored); above 1 the table adds decode tokens/s")
+    policies_option(bench, "--plot", default=None, metavar="FILE.png", help="TTFT speedup over speed, per policy")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bench.add_argument("--out", metavar="FILE", help="also write the JSON report to FILE")
     served = bench.add_argument_group("bench serve", "a running server (--url) or one started here (--model, "
                                                       "default embedded) under concurrent clients")
-    served.add_argument("--url", default=None, help="the server to measure (default: start glimpse serve here)")
-    served.add_argument("--workload", choices=["images", "text"], default="images",
-                        help="images (default): questions about an image (--image, default: the sample picture "
-                             "shipped with Glimpse); text: requests for stories, long answers")
-    served.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
-    served.add_argument("--requests", type=int, default=128,
-                        help="requests per phase (default 128: K clients' ramp-up and drain a small share of the run)")
-    served.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each request (default 32)")
-    served.add_argument("--policy", default="auto", help="the policy every request asks for (default auto)")
-    served.add_argument("--speed", type=float, default=0.0, help="the speed every request asks for (default 0)")
-    served.add_argument("--burst", type=int, default=0,
-                        help="then send this many requests at once and count admitted and refused (default 0: none)")
-    served.add_argument("--api-key", default=os.environ.get("GLIMPSE_API_KEY") or None, help="the server's key, if any")
-    served.add_argument("--max-batch", type=int, default=8, help="of the server started here (default 8)")
-    served.add_argument("--queue-size", type=int, default=32, help="of the server started here (default 32)")
-    served.add_argument("--kv-budget-mb", type=int, default=None, help="of the server started here")
-    served.add_argument("--prefix-cache-mb", type=int, default=None,
-                        help="of the server started here (default: serve's, 1024; 0 measures every prompt "
-                             "prefilled whole)")
-    served.add_argument("--media-cache-mb", type=int, default=None,
-                        help="of the server started here (default: serve's, 512; 0 decodes every request's picture)")
-    served.add_argument("--encoder-cache-mb", type=int, default=None,
-                        help="of the server started here (default: serve's, 256; the image workload asks about one "
-                             "picture, so with the cache on the encoder runs once)")
-    bench.set_defaults(run=run_bench)
+    serve_option(served, "--url", default=None, help="the server to measure (default: start glimpse serve here)")
+    serve_option(served, "--workload", choices=["images", "text"], default="images",
+                 help="images (default): questions about an image (--image, default: the sample picture "
+                 "shipped with Glimpse); text: requests for stories, long answers")
+    serve_option(served, "--clients", type=int, default=8, help="concurrent clients (default 8)")
+    serve_option(served, "--requests", type=int, default=128,
+                 help="requests per phase (default 128: K clients' ramp-up and drain a small share of the run)")
+    serve_option(served, "--max-tokens", type=int, default=32, help="max_tokens of each request (default 32)")
+    serve_option(served, "--policy", default="auto", help="the policy every request asks for (default auto)")
+    serve_option(served, "--speed", type=float, default=0.0, help="the speed every request asks for (default 0)")
+    serve_option(served, "--burst", type=int, default=0,
+                 help="then send this many requests at once and count admitted and refused (default 0: none)")
+    serve_option(served, "--api-key", default=os.environ.get("GLIMPSE_API_KEY") or None,
+                 help="the server's key, if any")
+    serve_option(served, "--max-batch", type=int, default=8, help="of the server started here (default 8)")
+    serve_option(served, "--queue-size", type=int, default=32, help="of the server started here (default 32)")
+    serve_option(served, "--kv-budget-mb", type=int, default=None, help="of the server started here")
+    serve_option(served, "--prefix-cache-mb", type=int, default=None,
+                 help="of the server started here (default: serve's, 1024; 0 measures every prompt "
+                 "prefilled whole)")
+    serve_option(served, "--media-cache-mb", type=int, default=None,
+                 help="of the server started here (default: serve's, 512; 0 decodes every request's picture)")
+    serve_option(served, "--encoder-cache-mb", type=int, default=None,
+                 help="of the server started here (default: serve's, 256; the image workload asks about one "
+                 "picture, so with the cache on the encoder runs once)")
+    bench.set_defaults(run=run_bench, policies_only=policies_only, serve_only=serve_only)
 
     calibrate = commands.add_parser(
         "calibrate", help="calibrate one model: the slider's speed/quality frontier, or HiDivDrop's ILVAS layers",
@@ -658,7 +672,18 @@ def run_bench_serve(args) -> int:
     return 0
 
 
+def _refuse_options_of_the_other_mode(args) -> None:
+    mode, other = ("policies", args.serve_only) if args.target == "policies" else ("serve", args.policies_only)
+    typed = {word.split("=", 1)[0] for word in args.argv if word.startswith("--")}
+    given = [flag for dest, (flag, default) in other.items() if getattr(args, dest) != default or flag in typed]
+    if given:
+        belong = "serve" if mode == "policies" else "policies"
+        raise UserError(f"{', '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of `glimpse bench "
+                        f"{belong}`, not of `glimpse bench {mode}`")
+
+
 def run_bench(args) -> int:
+    _refuse_options_of_the_other_mode(args)
     if args.target == "serve":
         return run_bench_serve(args)
     from glimpse import bench
@@ -911,6 +936,7 @@ def _quiet_libraries() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     _quiet_libraries()
     try:
         return args.run(args)

@@ -176,6 +176,15 @@ def test_cli_bench_option_errors(checkpoints, capsys):
         assert main(["bench", "--random-model", "qwen2-vl-2b", "--layers", "1", *extra]) == 1
         err = capsys.readouterr().err
         assert said in err and "building" not in err, (extra, err)
+    # One mode's options given to the other are refused before anything runs, not ignored (found from outside),
+    # also when the value typed is the default.
+    for argv, said in ((["bench", "--clients", "8", "--policies", "none"],
+                        "--clients is an option of `glimpse bench serve`"),
+                       (["bench", "serve", "--runs=3", "--speeds", "0.5"],
+                        "--speeds, --runs are options of `glimpse bench policies`")):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert said in err and "building" not in err and "starting" not in err, (argv, err)
 
 
 def test_random_checkpoint_loads_and_gives_the_requested_tokens(tmp_path):
