@@ -118,7 +118,8 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
 
     ``prompts`` maps a name ("image", "video", ...) to chat ``messages``. The report is a JSON-ready
     dict: ``device``, ``dtype``, ``attn``, ``runs``, ``warmup``, ``order``, ``prompts`` (token counts
-    and baseline medians per prompt), ``rows`` (one per prompt x policy x speed, in that order) and
+    and baseline medians per prompt), ``rows`` (one per prompt x policy x speed, in that order; ``none``, the
+    baseline against itself, once per prompt at speed 0) and
     ``log`` (every run in the order it ran: prompt, policy, speed, role baseline|candidate, phase
     warmup|timed, round, and its measurements). ``keep_on_interrupt``: Ctrl-C returns the report of the runs done
     (``interrupted`` true; rows for the candidates with a timed pair) instead of raising.
@@ -133,7 +134,10 @@ def run_bench(engine, prompts: dict[str, list], policies: list[str], speeds: lis
         raise BenchError("new_tokens must be at least 1")
     check_policies(policies, speeds)
     progress = progress or (lambda line: None)
-    candidates = [(name, float(speed)) for name in policies for speed in speeds]
+    # The baseline asked for as a candidate has no speed: it runs once, at 0, against itself (its row is the
+    # run-to-run noise of the measurement), not once per speed as identical rows.
+    candidates = list(dict.fromkeys((name, 0.0 if name == BASELINE else float(speed))
+                                    for name in policies for speed in speeds))
     per_prompt = warmup * (1 + len(candidates)) + runs * 2 * len(candidates)
     total, done = per_prompt * len(prompts), 0
     cuda = engine.device.type == "cuda"
