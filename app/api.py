@@ -69,6 +69,10 @@ FETCHING_THREADS = 8  # requests whose media URLs are fetched at once; more wait
 MAX_REQUEST_FETCH_BYTES = 64 * 2**20  # all of one request's media URLs, as much as its body may hold inline
 STALL_S = 300.0  # /health reports the scheduler wedged when it finishes no prefill or decode step for this long
 OFF_VALUES = (None, False, 0, [], {}, "")
+# Bounds checked before any item is validated, so that a body of a million empty messages is refused at once rather
+# than validated (and its million errors put in words) for a minute: OpenAI's limit on messages, and parts enough
+# for any interleaving of text and pictures a context holds.
+MAX_MESSAGES, MAX_PARTS = 2048, 512
 # Fields Glimpse does not implement whose value here asks for what it does anyway: a plain-text answer, no tools.
 ASKS_NOTHING = {"response_format": ({"type": "text"},), "tool_choice": ("none",)}
 
@@ -133,7 +137,7 @@ class Message(Declared):
     # "developer" is OpenAI's newer name for the system message (its clients send it for some models): the same
     # instructions, given to the model as its system message.
     role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | Annotated[list[Part], Field(min_length=1)]
+    content: StrictStr | Annotated[list[Part], Field(min_length=1, max_length=MAX_PARTS)]
     name: StrictStr | None = None  # a participant's name: the chat template has no place for it
 
 
@@ -147,7 +151,7 @@ class ChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # checked below: only "off" values pass
     model: StrictStr | None = None
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -178,6 +182,20 @@ class ChatRequest(BaseModel):
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+def _read_request(raw: bytes) -> "ChatRequest | str":
+    """The request body, declared and validated, or what is wrong with it (for a 400)."""
+    try:
+        return ChatRequest.model_validate(json.loads(raw))
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        if isinstance(error, ValidationError):
+            return _validation_message(error)
+        if "integer string conversion" in str(error):  # Python's limit on the digits of a JSON integer
+            field = re.search(rb'"([^"\\]{1,64})"\s*:\s*-?\d{4300}', raw)
+            named = f"{field.group(1).decode('utf-8', 'replace')}: " if field else ""
+            return f"{named}an integer of more than 4300 digits"
+        return "the request body is not JSON"
 
 
 def _validation_message(error: ValidationError) -> str:
@@ -319,17 +337,12 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         except ClientDisconnect:  # the client left while sending it
             telemetry.refused("cancelled")
             return _error(499, "the client closed the request", "cancelled")
-        try:
-            body = ChatRequest.model_validate(json.loads(raw))
-        except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        # Read off the event loop: tens of megabytes of JSON, and the words for a million validation errors, take
+        # seconds, which /health and every other client would wait out.
+        body = await anyio.to_thread.run_sync(_read_request, raw)
+        if isinstance(body, str):
             telemetry.refused("bad_request")
-            if isinstance(error, ValidationError):
-                return _error(400, _validation_message(error))
-            if "integer string conversion" in str(error):  # Python's limit on the digits of a JSON integer
-                field = re.search(rb'"([^"\\]{1,64})"\s*:\s*-?\d{4300}', raw)
-                named = f"{field.group(1).decode('utf-8', 'replace')}: " if field else ""
-                return _error(400, f"{named}an integer of more than 4300 digits")
-            return _error(400, "the request body is not JSON")
+            return _error(400, body)
         scratch = Scratch()
         # A whole answer is sent at once: its channel takes the last chunk only (and an error, or None for a
         # request cancelled before it started), so that its tokens do not wake the event loop one by one.
@@ -419,6 +432,8 @@ def _method_not_allowed(allowed: str):
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None,
            code: str | int | None = None) -> JSONResponse:
+    # A client's lone surrogate quoted back (a parameter named "\ud800") cannot be encoded as UTF-8 JSON: escaped.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse({"error": {"message": message, "type": kind, "code": code if code is not None else status}},
                         status_code=status, headers=headers)
 
@@ -575,7 +590,10 @@ def _url_name(url: str) -> str:
     """The last part of a URL's path, as a file name can hold it (for messages about what was fetched)."""
     from urllib.parse import unquote, urlsplit
 
-    name = unquote(urlsplit(url).path.rsplit("/", 1)[-1]).replace("/", "_").replace("\0", "")[:80]
+    name = unquote(urlsplit(url).path.rsplit("/", 1)[-1]).replace("/", "_").replace("\0", "")
+    # A video's file is named after it: at most 80 bytes of UTF-8 (a file name holds 255 bytes, and 80 emoji were
+    # 320).
+    name = name.encode("utf-8", "surrogatepass")[:80].decode("utf-8", "ignore")
     return name or "a URL"
 
 

@@ -347,6 +347,77 @@ def test_a_bad_video_s_bytes_are_named_by_the_part_of_the_request_they_came_in(t
         scratch.cleanup()
 
 
+def test_a_video_url_with_a_long_non_latin_file_name_is_fetched_into_a_file_the_system_can_name(tmp_path):
+    """Found from outside: a video's temporary file kept the URL's last 80 characters, and 70 emoji (280 bytes) are
+    past the 255 bytes a file name holds: a 500 that showed the server's temporary path."""
+    from urllib.parse import quote
+
+    from glimpse.api import Scratch, _media_source
+
+    class Fetched:
+        def fetch(self, url, allowance):
+            return b"\x00\x00\x00\x18ftypmp42 not a video"
+
+    scratch = Scratch()
+    try:
+        for name in ("😀" * 70, "視" * 120, "a" * 300):
+            path = _media_source("https://example.com/clips/" + quote(name), "video", None, scratch,
+                                 fetcher=Fetched(), where="messages[0].content[0]")
+            assert Path(path).is_file() and Path(path).name.startswith("messages[0].content[0] (")
+            with pytest.raises(Exception, match=r"^messages\[0\]\.content\[0\] \(.*\): the video is corrupt"):
+                vision.probe_video(path)
+    finally:
+        scratch.cleanup()
+
+
+def test_a_huge_body_is_read_off_the_event_loop_and_lists_past_their_bounds_are_refused_at_once(server, monkeypatch):
+    """Found from outside: 5 million empty messages (15 MB) held every endpoint, /health included, for 47 s while
+    the body was validated and a million errors put in words on the event loop. The body is read in a worker
+    thread, and messages and content parts past their bounds are refused before any item is validated."""
+    from glimpse import api
+
+    url = server["url"]
+    reading, answered = threading.Event(), threading.Event()
+    read = api._read_request
+
+    def read_once_health_answered(raw):  # a read that lasts until /health has answered
+        reading.set()
+        answered.wait(30)
+        return read(raw)
+
+    monkeypatch.setattr(api, "_read_request", read_once_health_answered)
+    outcome = {}
+    asking = threading.Thread(target=lambda: outcome.update(
+        reply=httpx.post(url + "/v1/chat/completions", json={"messages": [{}]}, timeout=60)))
+    asking.start()
+    assert reading.wait(30)
+    assert httpx.get(url + "/health", timeout=20).status_code == 200  # on the event loop it would wait 30 s
+    answered.set()
+    asking.join(timeout=60)
+    assert outcome["reply"].status_code == 400 and "role" in outcome["reply"].json()["error"]["message"]
+    monkeypatch.undo()
+
+    as_json = {"Content-Type": "application/json"}
+    many = b'{"messages": [' + b",".join([b"{}"] * 100_000) + b"]}"
+    reply = httpx.post(url + "/v1/chat/completions", content=many, headers=as_json, timeout=60)
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert message.startswith("messages: ") and f"at most {api.MAX_MESSAGES}" in message, message
+    parts = b'{"messages": [{"role": "user", "content": [' + b",".join([b"{}"] * 100_000) + b"]}]}"
+    reply = httpx.post(url + "/v1/chat/completions", content=parts, headers=as_json, timeout=60)
+    assert reply.status_code == 400 and f"at most {api.MAX_PARTS}" in reply.json()["error"]["message"], reply.text
+
+
+def test_a_lone_surrogate_quoted_back_in_an_error_is_escaped_not_a_server_error(server):
+    """Found from outside: a policy parameter named "\\ud800" was refused with its name quoted, and that 400 could
+    not be encoded as JSON: a plain-text 500."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "policy": "st3", "params": {"\ud800": 1}}
+    reply = httpx.post(server["url"] + "/v1/chat/completions", content=json.dumps(body), timeout=60,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    assert "\\ud800" in reply.json()["error"]["message"]
+
+
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, media):
     url = server["url"] + "/v1/chat/completions"
     corrupt = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n broken").decode()
