@@ -12,8 +12,9 @@ class).
 Past the head, ``BodyLimits`` (ASGI middleware, which ``api.create_api`` installs, so that it covers the API and
 the chat mounted beside it) bounds every request body but an upload's: at most ``MAX_BODY_BYTES`` (413) and all
 arrived within ``BODY_TIMEOUT_S`` (408). Without it a client could send the chat's JSON routes a body of any size,
-read whole into memory, or trickle one in for ever. Uploads have their own bounds (``--max-upload-mb``, the
-upload quota in ``glimpse.uploads``) and may take long on a slow link.
+read whole into memory, or trickle one in for ever. Uploads have their own size bounds (``--max-upload-mb``, the
+upload quota in ``glimpse.uploads``) and may take long on a slow link: ``BODY_TIMEOUT_S`` plus their length at
+``UPLOAD_MIN_BYTES_PER_S`` (a 200 MB video gets an hour and three quarters; a few bytes dripped in, two minutes).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; a real client se
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (an API request's data URLs included) gets 413
 BODY_TIMEOUT_S = 120.0  # a body that has not all arrived by then (a client trickling it in) gets 408; 64 MiB at
 # 4.5 Mbit/s
+UPLOAD_MIN_BYTES_PER_S = 32 * 2**10  # an upload gets BODY_TIMEOUT_S plus its Content-Length at this rate
 
 
 class RequestHeadDeadline(H11Protocol):
@@ -76,7 +78,8 @@ class RequestHeadDeadline(H11Protocol):
 class BodyLimits:
     """ASGI middleware: a request body (but an upload's, a POST to a path ending in ``/upload``) larger than
     ``MAX_BODY_BYTES`` is refused with 413 — from its Content-Length before it is read, or as soon as a body
-    sent without one passes the cap — and one not all arrived ``BODY_TIMEOUT_S`` after the request began gets 408.
+    sent without one passes the cap — and one not all arrived ``BODY_TIMEOUT_S`` after the request began gets 408
+    (an upload: ``BODY_TIMEOUT_S`` plus its Content-Length at ``UPLOAD_MIN_BYTES_PER_S``).
     The application then sees the client as gone (``http.disconnect``) and whatever it answers is replaced by the
     refusal. ``on_refused(path)`` is told of each refusal (the API counts its own in /metrics)."""
 
@@ -84,12 +87,16 @@ class BodyLimits:
         self.app, self.on_refused = app, on_refused
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"].rstrip("/").endswith("/upload"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        cap, deadline = MAX_BODY_BYTES, time.monotonic() + BODY_TIMEOUT_S  # deadline None once the body is in
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > cap:
-            return await self._refuse(scope, send, 413)
+        if scope["path"].rstrip("/").endswith("/upload"):  # no cap here (the upload quota's); time by its length
+            cap, allowed_s = None, BODY_TIMEOUT_S + (int(length) if length.isdigit() else 0) / UPLOAD_MIN_BYTES_PER_S
+        else:
+            cap, allowed_s = MAX_BODY_BYTES, BODY_TIMEOUT_S
+            if length.isdigit() and int(length) > cap:
+                return await self._refuse(scope, send, 413)
+        deadline = time.monotonic() + allowed_s  # None once the body is in
         refusal: int | None = None
         received, started = 0, False
 
@@ -106,7 +113,7 @@ class BodyLimits:
                 return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > cap:
+                if cap is not None and received > cap:
                     refusal = 413
                     return {"type": "http.disconnect"}
                 if not message.get("more_body", False):
@@ -129,13 +136,13 @@ class BodyLimits:
             if refusal is None:
                 raise  # not ours: reading a refused body raises in the application (Starlette's ClientDisconnect)
         if refusal is not None and not started:
-            await self._refuse(scope, send, refusal)
+            await self._refuse(scope, send, refusal, allowed_s)
 
-    async def _refuse(self, scope, send, status: int) -> None:
+    async def _refuse(self, scope, send, status: int, allowed_s: float = 0.0) -> None:
         self.on_refused(scope["path"])
         cap = f"{MAX_BODY_BYTES / 2**20:g} MiB" if MAX_BODY_BYTES >= 2**20 else f"{MAX_BODY_BYTES / 2**10:g} KiB"
         message = (f"the request body is larger than {cap}" if status == 413
-                   else f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
+                   else f"the request body did not arrive within {allowed_s:.0f} s")
         await refuse(send, status, message, headers=((b"connection", b"close"),))
 
 

@@ -207,6 +207,25 @@ def test_a_request_body_that_trickles_in_gets_408_and_the_server_goes_on(server,
     assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
 
 
+def test_an_upload_that_trickles_in_gets_408_once_its_length_at_the_slowest_rate_has_passed(server, monkeypatch):
+    """Uploads have no body cap here (the upload quota's) and may take long on a slow link, but not for ever: a few
+    bytes dripped into an upload held its connection open without end (found from outside)."""
+    from glimpse import connections
+
+    monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(connections, "UPLOAD_MIN_BYTES_PER_S", 1000)  # 0.5 s plus 1 s for its 1,000 bytes
+    port = int(server["url"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(b"POST /gradio_api/upload HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: multipart/form-data; boundary=b0undary\r\nContent-Length: 1000\r\n\r\n"
+                     b"--b0undary\r\n")  # then nothing
+        reply = b""
+        while not reply.endswith(b"}}") and (piece := sock.recv(4096)):
+            reply += piece
+    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in reply, reply
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+
+
 def test_a_client_that_leaves_halfway_through_its_body_leaves_no_traceback(server):
     import logging
 
@@ -221,6 +240,13 @@ def test_a_client_that_leaves_halfway_through_its_body_leaves_no_traceback(serve
                 sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"Content-Length: 1000\r\n\r\n{\"model\": ")  # then gone
             time.sleep(0.5)
+        # An upload abandoned halfway logged 100 lines of traceback (found from outside): a client could flood the log.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /gradio_api/upload HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: multipart/form-data; boundary=b0undary\r\nContent-Length: 100000\r\n\r\n"
+                         b"--b0undary\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.png\"\r\n"
+                         b"Content-Type: image/png\r\n\r\n" + b"x" * 1000)  # then gone
+        time.sleep(1.0)
         assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
     finally:
         logging.getLogger("uvicorn.error").removeHandler(handler)
