@@ -598,16 +598,16 @@ def _url_name(url: str) -> str:
 
 
 def _local_file(name: str, url: str, root: Path | None) -> str:
-    """A file under ``root`` named by a client, as its resolved path. Checked for what cannot be a path before
-    the file system sees it: resolving is a system call per component, and a megabyte of "/x" held a server
-    thread for minutes."""
+    """A file under ``root`` named by a client (a relative name: relative to ``root``; the server's working folder
+    means nothing to a client), as its resolved path. Checked for what cannot be a path before the file system
+    sees it: resolving is a system call per component, and a megabyte of "/x" held a server thread for minutes."""
     shown = url if len(url) <= 200 else url[:200] + "…"  # a refusal never echoes megabytes back
     if root is None:
         raise BadRequest("local files are not allowed (start the server with --allowed-root DIR)")
     if "\0" in name or len(name.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
         raise BadRequest(f"{shown}: not a file name (a NUL byte, or longer than {MAX_PATH_BYTES} bytes)")
     try:
-        resolved = Path(name).resolve()
+        resolved = (root / name).resolve()
         if not resolved.is_relative_to(root):
             raise BadRequest(f"{shown}: outside the allowed root")
         if not resolved.is_file():

@@ -321,6 +321,9 @@ def test_local_files_only_under_the_allowed_root(server, media):
     inside = client.chat.completions.create(model="m", messages=_question(str(server["root"] / "image.png")),
                                             max_tokens=4)
     assert inside.choices[0].message.content is not None
+    # A relative name is relative to the allowed root, not to the server's working folder (found from outside).
+    relative = client.chat.completions.create(model="m", messages=_question("image.png"), max_tokens=4)
+    assert relative.choices[0].message.content == inside.choices[0].message.content
     from openai import BadRequestError
 
     # The refusal names the part of the request it is about, as every error about a part does.
@@ -333,7 +336,7 @@ def test_local_files_only_under_the_allowed_root(server, media):
     loop = root / "loop.png"
     if not loop.is_symlink():
         loop.symlink_to(root / "loop.png")  # a link to itself
-    for name, word in ((f"{root}/image.png\0", "NUL"), ("/x" * 800_000, "longer than"), (str(loop), "loop"),
+    for name, word in ((f"{root}/image.png\0", "NUL"), ("../image.png", "outside"), ("/x" * 800_000, "longer than"), (str(loop), "loop"),
                        (f"{root}/{'n' * 300}.png", "cannot be read"), (f"FILE://{media['image']}", "outside")):
         reply = httpx.post(url, json={"messages": _question(name), "max_tokens": 2}, timeout=30)
         assert reply.status_code == 400 and word in reply.json()["error"]["message"], reply.text[:300]
