@@ -418,7 +418,8 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         # {"detail": ...}.
         if (refusal := unauthorized(request)) is not None:
             return refusal
-        return _error(404, f"/v1/{anything} is not served here: Glimpse serves /v1/chat/completions and /v1/models",
+        shown = anything if len(anything) <= 200 else anything[:200] + "…"  # never echo a 64 KB path back
+        return _error(404, f"/v1/{shown} is not served here: Glimpse serves /v1/chat/completions and /v1/models",
                       "invalid_request_error", code="not_found")
 
     return app

@@ -191,7 +191,8 @@ def _split(url: str):
     """``urlsplit``, its complaints (a port out of range, a broken IPv6 literal) said as a refusal of the URL."""
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 — parsed when asked for
+        if parts.port == 0:  # no server listens there; "or 80" would have fetched the default port instead
+            raise ValueError("port 0")
         return parts
     except ValueError:
         raise FetchError(f"{_shown(url)}: not a valid URL") from None

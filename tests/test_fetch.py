@@ -131,10 +131,11 @@ def test_a_shared_address_url_is_refused_before_connecting():
         Fetcher().fetch("http://100.100.100.200/latest/meta-data/")
 
 
-@pytest.mark.parametrize("url", ["http://example.com:99999/a.png", "http://[::1/a.png", "http://8.8.8.8/a\x01.png"])
+@pytest.mark.parametrize("url", ["http://example.com:99999/a.png", "http://[::1/a.png", "http://8.8.8.8/a\x01.png",
+                                 "http://8.8.8.8:0/a.png"])
 def test_a_url_that_cannot_be_parsed_is_refused_as_such(url):
     """A port out of range, a broken IPv6 literal, a control character: ValueError and httpx.InvalidURL reached the
-    API's last resort as a 500."""
+    API's last resort as a 500. Port 0 was fetched from port 80 (found from outside)."""
     with pytest.raises(FetchError, match="not a valid URL"):
         Fetcher().fetch(url)
 

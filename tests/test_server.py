@@ -1210,6 +1210,8 @@ def test_the_model_can_be_looked_up_and_what_is_not_served_is_an_openai_error(se
         assert reply.status_code == 404 and "not served here" in reply.json()["error"]["message"], (path, reply.text)
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert '"openapi"' not in httpx.get(server["url"] + path, timeout=30).text, path
+    reply = httpx.get(server["url"] + "/v1/" + "x" * 60_000, timeout=30)  # a long path is not echoed back whole
+    assert reply.status_code == 404 and len(reply.content) < 1000, len(reply.content)
 
 
 def test_a_stop_string_of_any_length_is_one_stop_string(server, media):
