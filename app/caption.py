@@ -244,6 +244,41 @@ def _refuse_what_is_not_a_captions_file(out: Path) -> None:
                         "caption); choose another --out, nothing was changed")
 
 
+def refuse_other_settings(rows: Iterable[dict], out: Path, policy: str, speed: float, prompt: str | None,
+                          afresh: str) -> None:
+    """A rerun skips the inputs already in ``out``: asked with another policy, speed or prompt, it would leave
+    captions of two kinds under one output and say nothing (found from outside). Refused, naming both, from what
+    the rows record (``policy``, ``speed``, ``prompt``: the instruction; older rows without a field pass it)."""
+    prompts = {prompt} if prompt is not None else {instruction(kind, None) for kind in ("image", "video")}
+    for row in rows:
+        differs = ((row.get("policy") is not None and row["policy"] != policy)
+                   or (row.get("speed") is not None and float(row["speed"]) != float(speed))
+                   or (row.get("prompt") is not None and row["prompt"] not in prompts))
+        if differs:
+            made_speed = speed if row.get("speed") is None else float(row["speed"])
+            made = f"--policy {row.get('policy') or policy} --speed {made_speed:g}" + (
+                f" --prompt {row['prompt']!r}" if row.get("prompt") is not None and row["prompt"] not in prompts
+                else "")
+            asked = f"--policy {policy} --speed {speed:g}" + (f" --prompt {prompt!r}" if prompt is not None else "")
+            raise UserError(f"{out} holds captions made with {made}, and this run asks for {asked}: the inputs "
+                            f"already there would be skipped and the output would mix the two. Rerun with the same "
+                            f"settings to finish it, give another --out for the new ones, or {afresh}")
+
+
+def records_in_jsonl(out: Path) -> Iterable[dict]:
+    """The records of a captions file, the lines that are not one skipped."""
+    if not out.exists():
+        return
+    with open(out, "rb") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
 def done_in_jsonl(out: Path) -> set[str]:
     """Keys (resolved paths) of the inputs already captioned in ``out``; a last line cut short by a kill
     is removed from the file. Lines written before keys existed are matched by their path, resolved."""
@@ -339,7 +374,8 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
             else:
                 metrics = {k: result.metrics[k] for k in KEPT_METRICS}
                 sink.write({"path": str(path), "key": input_key(path), "caption": caption, "policy": result.policy,
-                            "speed": speed, "params": result.params, "metrics": metrics})
+                            "speed": speed, "prompt": instruction(kind_of(path), prompt), "params": result.params,
+                            "metrics": metrics})
             report.captioned += 1
         if progress:
             progress(min(start + batch_size, len(pending)), len(pending), len(report.failed))

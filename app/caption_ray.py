@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glimpse.caption import is_uri, resolved_path, unlisted_failures
+from glimpse.caption import is_uri, refuse_other_settings, resolved_path, unlisted_failures
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import user_message
 from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
@@ -54,6 +54,7 @@ SHARD_GLOB = "part-*.parquet"
 # Data, Spark) skip files that start with "_" or ".", and would fail on this one.
 JSONL_NAME = "_captions.jsonl"
 SHARD_ROWS, SHARD_SECONDS = 512, 30.0
+PROGRESS_SECONDS = 10.0  # the driver says how far it is at most this often
 COPY_PIECE_BYTES = 8 * 2**20  # a remote input is copied to a local file this much at a time
 URL_MAX_BYTES, URL_DEADLINE_S = 4 * 2**30, 600.0  # a remote input: at most 4 GiB, fetched within 10 minutes
 DOWNLOAD_PREFIX = "glimpse-download-"  # a downloaded input's temporary file (videos are decoded from a file)
@@ -167,21 +168,35 @@ def _manifest_column(manifest: str, column: str, log: Callable[[str], None] = la
     return kept
 
 
-def done_keys(out: Path, errors: set[str] | None = None) -> set[str]:
-    """Keys already in ``out``'s shards (those of error rows also into ``errors``). Leftover temporary files of
-    a killed driver are removed: their inputs were never counted as done."""
-    import pyarrow.parquet
-
+def done_keys(out: Path, errors: set[str] | None = None, settings: list[dict] | None = None) -> set[str]:
+    """Keys already in ``out``'s shards (those of error rows also into ``errors``; each shard's distinct policy,
+    speed and prompt into ``settings``). Leftover temporary files of a killed driver are removed: their inputs
+    were never counted as done."""
     for stale in out.glob(".part-*.tmp"):
         stale.unlink(missing_ok=True)
     keys: set[str] = set()
     for shard in sorted(out.glob(SHARD_GLOB)):
-        table = pyarrow.parquet.read_table(shard, columns=["key", "error"])
+        table = read_shard(shard, ["key", "error", "policy", "speed", "prompt"])
         for key, error in zip(table.column("key").to_pylist(), table.column("error").to_pylist()):
             keys.add(key)
             if error is not None and errors is not None:
                 errors.add(key)
+        if settings is not None:
+            settings += table.select(["policy", "speed", "prompt"]).group_by(["policy", "speed", "prompt"]
+                                                                             ).aggregate([]).to_pylist()
     return keys
+
+
+def read_shard(shard: Path, columns: list[str] | None = None):
+    """One shard of the output, or a clear error naming it: a file cut short or another program's Parquet file in
+    the output folder ended the run with pyarrow's traceback (found from outside)."""
+    import pyarrow.parquet
+
+    try:
+        return pyarrow.parquet.read_table(shard, columns=columns or list(COLUMNS))
+    except (OSError, ValueError, KeyError) as error:  # pyarrow's errors derive from these
+        raise UserError(f"{shard}: not a shard written by glimpse caption --ray ({str(error).splitlines()[0]}); "
+                        f"move it out of {shard.parent} and rerun") from None
 
 
 def drop_error_rows(out: Path) -> int:
@@ -195,7 +210,7 @@ def drop_error_rows(out: Path) -> int:
 
     dropped = 0
     for shard in sorted(out.glob(SHARD_GLOB)):
-        table = pyarrow.parquet.read_table(shard)
+        table = read_shard(shard)
         kept = table.filter(pyarrow.compute.is_null(table.column("error")))
         if kept.num_rows == table.num_rows:
             continue
@@ -213,12 +228,10 @@ def rewrite_jsonl(out: Path) -> None:
     """Write ``out``'s JSON-lines copy afresh from its shards. A run appends to it after each shard is renamed
     into place, so a driver killed between the two leaves the copy short a shard (or a line cut in half);
     each run starts by rewriting it (under a temporary name, then a rename), so that it has every row once."""
-    import pyarrow.parquet
-
     tmp = out / f".{JSONL_NAME}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for shard in sorted(out.glob(SHARD_GLOB)):
-            f.writelines(_json_line(row) for row in pyarrow.parquet.read_table(shard).to_pylist())
+            f.writelines(_json_line(row) for row in read_shard(shard).to_pylist())
     os.replace(tmp, out / JSONL_NAME)
 
 
@@ -241,6 +254,7 @@ class OutputDir:
         self.out = out
         self.jsonl = out / JSONL_NAME if jsonl or (out / JSONL_NAME).exists() else None
         self.count = len(list(out.glob(SHARD_GLOB)))
+        self.written: set[str] = set()  # the keys of this run's shards
 
     def write(self, rows: list[dict]) -> None:
         import pyarrow
@@ -252,6 +266,9 @@ class OutputDir:
         name = f"part-{self.count:06d}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = self.out / f".{name}.tmp"
         pyarrow.parquet.write_table(table, tmp)
+        # Counted as written just before, so that a stop between the two can lose rows to the rerun, never write
+        # them twice.
+        self.written.update(row["key"] for row in rows)
         os.replace(tmp, self.out / name)  # a shard is there whole, or not at all
         self.count += 1
         if self.jsonl is not None:  # a convenience copy; the shards are what resuming reads (rewrite_jsonl)
@@ -391,13 +408,19 @@ def decode_input(row: dict, model: str, prompt: str | None) -> dict:
     except Exception as error:  # noqa: BLE001 — any input that cannot become a prompt is an error row
         # The instruction depends on the kind, unknown here: the row carries the user's --prompt, if any. A
         # downloaded input's errors name the URL, not the temporary file it was copied into.
-        message = f"{type(error).__name__}: {error}"
+        message = _error_text(error)
         if tmp is not None:
             message = message.replace(tmp, key).replace(Path(tmp).name, key)
         return {"key": key, "prompt_bytes": b"", "instruction": prompt or "", "error": message}
     finally:
         if tmp is not None:
             os.unlink(tmp)
+
+
+def _error_text(error: BaseException) -> str:
+    """An error row's words: a user's error (an unreadable file, a refused URL) as it is said; anything else with its
+    type, which is most of what it says (a TimeoutError, a MemoryError)."""
+    return str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
 
 
 class CaptionStage:
@@ -442,7 +465,7 @@ class CaptionStage:
             results = self.engine.generate_batch(prompts, **options)
         except Exception as error:  # noqa: BLE001 — find the input that failed; keep the others
             if len(prompts) == 1:
-                return [{"error": f"{type(error).__name__}: {error}"}]
+                return [{"error": _error_text(error)}]
             return [answer for p in prompts for answer in self._answer([p])]
         return [{"caption": r.text.strip(), "policy": r.policy, "speed": self.speed,
                  "prompt_tokens": sum(r.metrics["prompt_tokens"].values()), "answer_tokens": r.metrics["new_tokens"],
@@ -496,10 +519,14 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
     report = RayReport(failed=unlisted)
     previous = _NOT_INSTALLED
     try:
+        earlier_errors: set[str] = set()
+        settings: list[dict] = []
+        done = done_keys(out, earlier_errors, settings)
+        refuse_other_settings(settings, out, policy, speed, prompt, "remove its shards to start it afresh")
         if retry_errors and (dropped := drop_error_rows(out)):
             log(f"{dropped} error rows removed from {out}: their inputs are tried again")
-        earlier_errors: set[str] = set()
-        done = done_keys(out, earlier_errors)
+            earlier_errors = set()
+            done = done_keys(out, earlier_errors)
         if output.jsonl is not None:
             rewrite_jsonl(out)
         pending = [k for k in keys if k not in done]
@@ -546,8 +573,10 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
             writer = threading.Thread(target=write_on_time, name="shard writer", daemon=True)
             writer.start()
 
+            said = start
+
             def take(rows: list[dict]) -> None:
-                nonlocal buffered, last_write
+                nonlocal buffered, last_write, said
                 if report.first_rows_s is None:
                     report.first_rows_s = time.perf_counter() - start
                 with writing:
@@ -565,6 +594,11 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                     else:
                         report.captioned += 1
                         report.answer_tokens += row["answer_tokens"] or 0
+                now = time.perf_counter()
+                if now - said >= PROGRESS_SECONDS or len(returned) == len(pending):  # Glimpse's own count of its inputs
+                    said = now
+                    log(f"captioned {report.captioned} of {len(pending)}, failed {len(report.failed) - len(unlisted)} "
+                        f"({report.captioned / (now - start):.2f} inputs/s)")
 
             options = (model, policy, speed, prompt, max_new_tokens)
             for rows in _pipeline(ray, pending, *options, batch_size, actors, gpus_per_actor, device):
@@ -594,9 +628,16 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                 buffered = []
             report.seconds = time.perf_counter() - start
         finally:
-            stop_writing.set()  # (stopped by Ctrl-C or a kill, the rows not yet written are captioned by the rerun)
+            stop_writing.set()
             if writer is not None:
                 writer.join()  # a shard it is writing is finished before the output folder is closed
+            # Stopped by Ctrl-C (or a plain kill), the rows the driver holds are written, not captioned again by the
+            # rerun; those a shard of which was under way when the stop came are in it, or left to the rerun.
+            if unwritten := [row for row in buffered if row["key"] not in output.written]:
+                try:
+                    output.write(unwritten)
+                except OSError as error:
+                    log(f"could not write the last {len(unwritten)} rows ({error}): the rerun captions them")
             if started_here:
                 ray.shutdown()
     finally:
@@ -707,7 +748,10 @@ def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, batch_siz
             max_restarts=-1, max_task_retries=ACTOR_TRIES - 1, **placement)
     finally:
         context.max_errored_blocks = allowed
-    for batch in captioned.iter_batches(batch_size=None, batch_format="pyarrow"):
+    # No prefetch: with Ray's default of one batch ahead, each finished batch reached the driver only once the next
+    # one had finished too, so rows done behind a slow input waited with it, where a kill lost them (found from
+    # outside).
+    for batch in captioned.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=0):
         yield batch.to_pylist()
 
 

@@ -562,7 +562,7 @@ def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
 
 def run_caption(args) -> int:
     from glimpse.caption import (LIST_EXTENSIONS, CaptionOutput, ProgressBar, caption_inputs, check_sidecars,
-                                 collect_inputs, unlisted_failures)
+                                 collect_inputs, records_in_jsonl, refuse_other_settings, unlisted_failures)
     from glimpse.pipeline import load_engine
     from glimpse.pruning import make_policy
 
@@ -605,6 +605,9 @@ def run_caption(args) -> int:
     # Opened and locked before the model loads: an unwritable output or a second writer is refused at once.
     output = CaptionOutput(out) if args.format == "jsonl" else None
     try:
+        if output is not None and not args.overwrite:
+            refuse_other_settings(records_in_jsonl(out), out, args.policy, args.speed, args.prompt,
+                                  "--overwrite to start it afresh")
         _log(f"{len(inputs)} inputs; loading {args.model} ...")
         engine = load_engine(args.model, device=args.device, attn=args.attn)
         if not engine.grounded:

@@ -58,7 +58,8 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     records = _lines(out)
     assert sorted(r["path"] for r in records) == sorted(str(p) for p in good)
     for r in records:
-        assert set(r) == {"path", "key", "caption", "policy", "speed", "params", "metrics"}
+        assert set(r) == {"path", "key", "caption", "policy", "speed", "prompt", "params", "metrics"}
+        assert r["prompt"] == "Describe this image in one or two sentences."  # the instruction it was asked
         assert r["key"] == str(Path(r["path"]).resolve())
         assert r["policy"] == "auto" and r["speed"] == 0.5 and r["metrics"]["new_tokens"] >= 1
     assert max(r["metrics"]["batch_size"] for r in records) > 1  # inputs were decoded together
@@ -178,6 +179,30 @@ def test_a_second_writer_and_an_unwritable_output_are_refused_before_the_model_l
     assert main(["caption", str(tmp_path / "in"), "--model", str(tmp_path / "no-model"),
                  "--out", str(tmp_path / "file" / "captions.jsonl")]) == 1
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_a_rerun_asking_for_other_settings_is_refused_before_the_model_loads_unless_it_starts_afresh(
+        model, tmp_path, capsys):
+    """A rerun skips the inputs already captioned: asked with another policy, speed or prompt, it said "already done"
+    and left captions of two kinds in one file (found from outside). Refused before loading anything (a model that
+    does not exist would fail later); the same settings resume, and --overwrite starts afresh with the new ones."""
+    _images(tmp_path / "in", 2)
+    out = tmp_path / "captions.jsonl"
+    ask = ["caption", str(tmp_path / "in"), "--out", str(out), "--max-new-tokens", "4"]
+    assert main([*ask, "--model", model, "--speed", "0.5"]) == 0
+    capsys.readouterr()
+    before = out.read_bytes()
+    for change, said in ((["--speed", "1"], "made with --policy auto --speed 0.5, and this run asks for --policy "
+                                            "auto --speed 1"),
+                         (["--speed", "0.5", "--policy", "none"], "asks for --policy none --speed 0.5"),
+                         (["--speed", "0.5", "--prompt", "What colour?"], "--prompt 'What colour?'")):
+        assert main([*ask, "--model", str(tmp_path / "no-model"), *change]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "would mix the two" in err and "--overwrite" in err and "loading" not in err, err
+    assert out.read_bytes() == before
+    assert main([*ask, "--model", model, "--speed", "0.5"]) == 0 and "already done 2" in capsys.readouterr().err
+    assert main([*ask, "--model", model, "--speed", "1", "--overwrite"]) == 0
+    assert [r["speed"] for r in _lines(out)] == [1.0, 1.0]
 
 
 def test_an_out_that_is_not_a_captions_file_is_refused_and_left_as_it_was(tmp_path, capsys):

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -579,3 +580,83 @@ def test_a_folder_that_cannot_be_listed_is_reported_not_passed_over(tmp_path, mo
     unreadable: list = []
     assert collect_keys([str(tmp_path / "in")], unreadable=unreadable) == [str(p.resolve()) for p in good]
     assert unreadable == [(str(tmp_path / "in" / "locked"), "Permission denied")]
+
+
+def test_rows_finished_while_a_slow_url_holds_its_block_reach_the_output_before_it_is_done(cluster, model, tmp_path):
+    """Found from outside: the driver took each finished batch only once the next one had finished too (Ray's
+    default of fetching one batch ahead), so the rows finished before a slow URL's block waited with it, where a
+    kill lost them. Here a URL answers only once the first batch's rows are in a shard (or after 90 s)."""
+    import functools
+    import http.server
+
+    image = _inputs(tmp_path / "in", 3, video=False)
+    release, released_by_rows = threading.Event(), []
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            release.wait(90)
+            data = image[2].read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Slow))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    out = tmp_path / "out"
+
+    def watch():
+        deadline = time.monotonic() + 90
+        while not release.is_set() and time.monotonic() < deadline:
+            if out.is_dir() and _rows(out):
+                released_by_rows.append(len(_rows(out)))
+                release.set()
+            time.sleep(0.2)
+
+    listing = tmp_path / "inputs.txt"  # in this order: the first batch of 2, then the slow URL's batch
+    listing.write_text(f"{image[0]}\n{image[1]}\nhttp://127.0.0.1:{server.server_address[1]}/slow.png\n")
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        report = _ray_caption([listing], out, model, batch_size=2, shard_rows=2)
+    finally:
+        release.set()
+        server.shutdown()
+    watcher.join()
+    assert released_by_rows == [2]  # the first batch's rows were in a shard while the URL still held its block
+    assert report.captioned == 3 and len(_rows(out)) == 3
+
+
+def test_a_rerun_asking_for_other_settings_or_finding_a_foreign_shard_is_refused_before_it_starts(model, tmp_path):
+    """A rerun skips the inputs already in the output: with another policy, speed or prompt it mixed captions of
+    two kinds under one output without a word; a shard cut short or another program's Parquet file ended the run
+    with pyarrow's traceback (both found from outside). Each is refused, saying what to do, before Ray starts."""
+    from glimpse.caption_ray import COLUMNS, OutputDir, _key_of
+    from glimpse.common import UserError
+
+    keys = [str(_key_of(p)) for p in _inputs(tmp_path / "in", 2, video=False)]
+    out = tmp_path / "out"
+    output = OutputDir(out, jsonl=False)
+    output.write([{**{c: None for c in COLUMNS}, "key": keys[0], "caption": "a caption", "policy": "auto",
+                   "speed": 0.5, "prompt": "Describe this image in one or two sentences."}])
+    output.close()
+    for change, said in (({"speed": 1.0}, "--speed 0.5, and this run asks for --policy auto --speed 1"),
+                         ({"policy": "none"}, "--policy auto --speed 0.5, and this run asks for --policy none"),
+                         ({"prompt": "What colour?"}, "asks for --policy auto --speed 0.5 --prompt 'What colour?'")):
+        with pytest.raises(UserError, match="would mix the two") as refused:
+            _ray_caption([tmp_path / "in"], out, model, **change)
+        assert said in str(refused.value) and str(out) in str(refused.value), str(refused.value)
+    assert len(_rows(out)) == 1  # nothing changed
+    shard = next(out.glob("part-*.parquet"))
+    (out / "part-000009-deadbeef.parquet").write_bytes(shard.read_bytes()[:300])  # cut short
+    with pytest.raises(UserError, match=r"part-000009-deadbeef\.parquet: not a shard written by glimpse caption"):
+        _ray_caption([tmp_path / "in"], out, model)
+    import pyarrow
+    import pyarrow.parquet
+
+    pyarrow.parquet.write_table(pyarrow.table({"id": [1, 2]}), out / "part-000009-deadbeef.parquet")  # foreign
+    with pytest.raises(UserError, match=r"part-000009-deadbeef\.parquet: not a shard written by glimpse caption"):
+        _ray_caption([tmp_path / "in"], out, model)
