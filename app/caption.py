@@ -20,7 +20,7 @@ is an output that cannot be written.
 
 Inputs are decoded together in batches (``Engine.generate_batch``, each with its own policy state).
 An input that cannot be read (corrupt, truncated, empty, unsupported) is logged and skipped; a batch
-that fails is retried one input at a time so one bad file never costs its neighbours. A summary
+that fails is retried in halves down to the input that failed, so one bad file never costs its neighbours. A summary
 lists the failures at the end.
 """
 
@@ -300,9 +300,14 @@ def done_in_jsonl(out: Path) -> set[str]:
 
 
 def check_sidecars(inputs: list[Path], list_files: Iterable[Path] = ()) -> None:
-    """Refuse, before the model loads, sidecars that cannot be written (a read-only folder) or that would
-    replace a list file given as input (``list.txt`` beside ``list.png``: --overwrite would write a caption
+    """Refuse, before the model loads, sidecars that two inputs would share, that cannot be written (a read-only
+    folder) or that would replace a list file given as input (``list.txt`` beside ``list.png``: --overwrite would write a caption
     over the list, and without it the picture would count as captioned)."""
+    owners: dict[Path, Path] = {}
+    for path in inputs:  # pic.png and pic.jpg: one pic.txt
+        if (owner := owners.setdefault(resolved_path(sidecar(path)), path)) != path:
+            raise UserError(f"{owner} and {path} would share the caption file {sidecar(path)}: rename one, or use "
+                            "--out captions.jsonl")
     lists = {resolved_path(Path(p)) for p in list_files}
     if clash := next((path for path in inputs if resolved_path(sidecar(path)) in lists), None):
         raise UserError(f"the caption of {clash} would be written over the list file {sidecar(clash)}: rename one, "
@@ -369,7 +374,7 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
                     write_sidecar(path, caption)
                 except OSError as error:  # this folder (or the disk) refuses it: the others still get theirs
                     report.failed.append((str(path), f"cannot write {sidecar(path)} ({error.strerror or error})"))
-                    log(f"skipped {path}: cannot write {sidecar(path)} ({error.strerror or error})")
+                    log(f"failed {path}: cannot write {sidecar(path)} ({error.strerror or error})")
                     continue
             else:
                 metrics = {k: result.metrics[k] for k in KEPT_METRICS}
@@ -391,12 +396,13 @@ def _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
     except (MediaError, PromptError, OSError, torch.OutOfMemoryError) as error:
         if len(batch) == 1:
             report.failed.append((str(batch[0]), str(error)))
-            log(f"skipped {batch[0]}: {error}")
+            log(f"failed {batch[0]}: {error}")
             return []
-    answered = []  # one input of the batch failed: find it, keep the others
-    for path in batch:
-        answered += _answer(engine, [path], policy, speed, prompt, max_new_tokens, report, log)
-    return answered
+    # An input of the batch failed: find it by halves, so that the others are still decoded in batches (one by one,
+    # a corrupt file among 8 cost its 7 neighbours their batching).
+    half = len(batch) // 2
+    return [*_answer(engine, batch[:half], policy, speed, prompt, max_new_tokens, report, log),
+            *_answer(engine, batch[half:], policy, speed, prompt, max_new_tokens, report, log)]
 
 
 def instruction(kind: str, prompt: str | None) -> str:

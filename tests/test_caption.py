@@ -70,6 +70,19 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     assert "captioning: 100%" in err and "10/10" in err  # the progress bar (tqdm) reached the end
 
 
+def test_a_bad_input_is_found_by_halves_and_its_batch_mates_stay_batched(model, tmp_path):
+    """A batch with a corrupt file was answered one input at a time: its good inputs lost their batching. Halves
+    find the culprit and keep the others together."""
+    good = _images(tmp_path / "in", 3)
+    (tmp_path / "in" / "zz_broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")  # last of the batch of 4
+    out = tmp_path / "captions.jsonl"
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "4",
+                 "--batch-size", "4"]) == 1
+    batch = {Path(r["path"]).name: r["metrics"]["batch_size"] for r in _lines(out)}
+    assert sorted(batch) == [p.name for p in good]
+    assert batch["img000.png"] == batch["img001.png"] == 2 and batch["img002.png"] == 1  # [0, 1] and [2], [broken]
+
+
 def test_progress_starts_before_the_first_batch_and_counts_every_batch(model, tmp_path):
     """The bar appears when captioning starts, not when the first batch ends (which on a large model is
     minutes, and made tqdm's first rate count only the time after it)."""
@@ -285,6 +298,12 @@ def test_txt_sidecars_a_folder_refuses_are_refused_before_loading_and_a_failed_w
     assert "would be written over the list file" in capsys.readouterr().err
     assert listing.read_text() == "\n".join(map(str, images)) + "\n"
     listing.unlink()
+    twin = tmp_path / "in" / "img000.jpg"  # img000.png's sidecar too: refused before loading (it was after)
+    twin.write_bytes(images[0].read_bytes())
+    assert main(["caption", str(tmp_path / "in"), "--model", str(tmp_path / "no-model"), *txt]) == 1
+    err = capsys.readouterr().err
+    assert "would share the caption file" in err and "loading" not in err, err
+    twin.unlink()
 
     real_write = caption.write_sidecar
 

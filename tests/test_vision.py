@@ -188,6 +188,9 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image(tmp_path / "missing.jpg")
     with pytest.raises(vision.MediaError, match=r"^assets/nowhere\.png: file not found$"):
         vision.load_image("assets/nowhere.png")
+    (tmp_path / "gone.png").symlink_to(tmp_path / "moved.png")  # listed in its folder: "not found" read as a bug
+    with pytest.raises(vision.MediaError, match=r"gone\.png: a symbolic link to .*moved\.png, which does not exist$"):
+        vision.load_image(tmp_path / "gone.png")
     with pytest.raises(vision.MediaError, match=r"noise\.png: not an image Glimpse can read"):
         vision.load_image(tmp_path / "noise.png")
     with pytest.raises(vision.MediaError, match="a folder, not an image or video file"):

@@ -136,6 +136,8 @@ def _check_file(path: str | os.PathLike) -> Path:
     if path.is_dir():
         raise MediaError(f"{_display_name(path)}: a folder, not an image or video file")
     if not path.exists():  # the path as given: which folder it was looked for in is the point
+        if path.is_symlink():  # "file not found" for a name that is there, listed: say what is missing
+            raise MediaError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist")
         raise MediaError(f"{path}: file not found")
     if not path.is_file():  # a device, pipe or socket: reading it could block or never end
         raise MediaError(f"{_display_name(path)}: not a regular file (a device, pipe or socket)")
