@@ -301,8 +301,8 @@ def done_in_jsonl(out: Path) -> set[str]:
 
 def check_sidecars(inputs: list[Path], list_files: Iterable[Path] = ()) -> None:
     """Refuse, before the model loads, sidecars that two inputs would share, that cannot be written (a read-only
-    folder) or that would replace a list file given as input (``list.txt`` beside ``list.png``: --overwrite would write a caption
-    over the list, and without it the picture would count as captioned)."""
+    folder) or that would replace a list file given as input (``list.txt`` beside ``list.png``: --overwrite would
+    write a caption over the list, and without it the picture would count as captioned)."""
     owners: dict[Path, Path] = {}
     for path in inputs:  # pic.png and pic.jpg: one pic.txt
         if (owner := owners.setdefault(resolved_path(sidecar(path)), path)) != path:

@@ -14,9 +14,10 @@
   An input that cannot be read becomes a row with ``error`` set, never a failed job.
 * **Caption** (``CaptionStage``) decodes its batch together (``Engine.generate_batch``, the local
   captioner's batched decode: results equal captioning one by one); a batch that fails is retried in
-  halves down to the input that failed, so one bad input never costs its neighbours. Actors that die are restarted and their
-  batches retried, ``ACTOR_TRIES`` tries in all; a batch that kills its actor every time is set aside, and its
-  inputs go round again one at a time once the rest is done, so that only the culprit becomes an error row.
+  halves down to the input that failed, so one bad input never costs its neighbours. Actors that die are
+  restarted and their batches retried, ``ACTOR_TRIES`` tries in all; a batch that kills its actor every time is
+  set aside, and its inputs go round again one at a time once the rest is done, so that only the culprit becomes
+  an error row.
 * **Output.** The driver writes finished rows as Parquet shards (every ``SHARD_ROWS`` rows or
   ``SHARD_SECONDS``), atomically (a temporary name, then a rename), under ``DIR``: ``part-<n>-<id>.parquet`` with ``key``, ``caption``, ``error``,
   ``policy``, ``speed``, ``prompt``, ``prompt_tokens``, ``answer_tokens``, ``ttft_s`` (and a

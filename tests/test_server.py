@@ -336,7 +336,8 @@ def test_local_files_only_under_the_allowed_root(server, media):
     loop = root / "loop.png"
     if not loop.is_symlink():
         loop.symlink_to(root / "loop.png")  # a link to itself
-    for name, word in ((f"{root}/image.png\0", "NUL"), ("../image.png", "outside"), ("/x" * 800_000, "longer than"), (str(loop), "loop"),
+    for name, word in ((f"{root}/image.png\0", "NUL"), ("../image.png", "outside"), ("/x" * 800_000, "longer than"),
+                       (str(loop), "loop"),
                        (f"{root}/{'n' * 300}.png", "cannot be read"), (f"FILE://{media['image']}", "outside")):
         reply = httpx.post(url, json={"messages": _question(name), "max_tokens": 2}, timeout=30)
         assert reply.status_code == 400 and word in reply.json()["error"]["message"], reply.text[:300]
