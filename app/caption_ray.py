@@ -599,7 +599,8 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                         report.captioned += 1
                         report.answer_tokens += row["answer_tokens"] or 0
                 now = time.perf_counter()
-                if now - said >= PROGRESS_SECONDS or len(returned) == len(pending):  # Glimpse's own count of its inputs
+                finished = len(returned) == len(pending) and rows  # (the set-aside pass ends with an empty take)
+                if now - said >= PROGRESS_SECONDS or finished:  # Glimpse's own count of its inputs
                     said = now
                     log(f"captioned {report.captioned} of {len(pending)}, failed {len(report.failed) - len(unlisted)} "
                         f"({report.captioned / (now - start):.2f} inputs/s)")
