@@ -586,7 +586,6 @@ def test_rows_finished_while_a_slow_url_holds_its_block_reach_the_output_before_
     """Found from outside: the driver took each finished batch only once the next one had finished too (Ray's
     default of fetching one batch ahead), so the rows finished before a slow URL's block waited with it, where a
     kill lost them. Here a URL answers only once the first batch's rows are in a shard (or after 90 s)."""
-    import functools
     import http.server
 
     image = _inputs(tmp_path / "in", 3, video=False)
@@ -604,7 +603,7 @@ def test_rows_finished_while_a_slow_url_holds_its_block_reach_the_output_before_
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Slow))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     out = tmp_path / "out"
 
