@@ -58,7 +58,7 @@ from starlette.requests import ClientDisconnect
 from glimpse import vision
 from glimpse.vision import NamedBytes
 from glimpse.common import UserError
-from glimpse.connections import BodyLimits
+from glimpse.connections import AbsoluteFormTargets, BodyLimits
 from glimpse.fetch import FETCH_DEADLINE_S, Allowance, Fetcher, FetchError
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.engine import StreamChunk
@@ -266,6 +266,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
     # not all arrived in 120 s (glimpse.connections).
     app.add_middleware(BodyLimits, on_refused=lambda path: telemetry.refused("bad_request") if path.startswith("/v1/")
                        else None)
+    app.add_middleware(AbsoluteFormTargets)  # outermost: the limits and the routes see the path alone
 
     def unauthorized(request: Request) -> JSONResponse | None:
         if api_key is None:

@@ -75,6 +75,24 @@ class RequestHeadDeadline(H11Protocol):
             self.transport.close()
 
 
+class AbsoluteFormTargets:
+    """ASGI middleware: a request whose target is a whole URL (``GET http://host/v1/models HTTP/1.1``, the absolute
+    form a client sends through a forward proxy, which RFC 9112 (3.2.2) has servers accept) is routed by its path:
+    uvicorn hands the whole URL over as the path, which no route matched (a 404 not in the API's shape)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and scope["path"][:8].lower().startswith(("http://", "https://")):
+            from urllib.parse import urlsplit
+
+            raw = scope.get("raw_path") or scope["path"].encode()
+            scope = {**scope, "path": urlsplit(scope["path"]).path or "/",
+                     "raw_path": urlsplit(raw.decode("latin-1")).path.encode("latin-1") or b"/"}
+        await self.app(scope, receive, send)
+
+
 class BodyLimits:
     """ASGI middleware: a request body (but an upload's, a POST to a path ending in ``/upload``) larger than
     ``MAX_BODY_BYTES`` is refused with 413 — from its Content-Length before it is read, or as soon as a body

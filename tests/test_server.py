@@ -1211,6 +1211,15 @@ def test_the_model_can_be_looked_up_and_what_is_not_served_is_an_openai_error(se
         assert reply.status_code == 404 and "not served here" in reply.json()["error"]["message"], (path, reply.text)
     for path in ("/docs", "/redoc", "/openapi.json"):
         assert '"openapi"' not in httpx.get(server["url"] + path, timeout=30).text, path
+    # A target in absolute form (as sent through a forward proxy) is routed by its path (it was a 404 of another shape).
+    port = int(server["url"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"GET http://127.0.0.1:{port}/v1/models?x=1 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        reply = b""
+        while piece := sock.recv(65536):
+            reply += piece
+    assert reply.startswith(b"HTTP/1.1 200") and b'"tiny-llava"' in reply, reply[:300]
     reply = httpx.get(server["url"] + "/v1/" + "x" * 60_000, timeout=30)  # a long path is not echoed back whole
     assert reply.status_code == 404 and len(reply.content) < 1000, len(reply.content)
 
