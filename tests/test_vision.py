@@ -334,6 +334,37 @@ def test_seeking_picks_the_same_frames_as_sequential_decoding(tmp_path, monkeypa
     assert frames_decoded_with_seeks < len(decoded) - frames_decoded_with_seeks  # the seeks skipped frames
 
 
+def test_a_variable_frame_rate_video_is_sampled_whole_not_taken_for_a_truncated_one(tmp_path):
+    """Found from outside: 1,000 frames 10 ms apart then 100 a second apart, declared at 1 fps. Seeking by the
+    declared rate ran past the end of the timestamps, which read as "only 110 of the 1,100 frames it declares could
+    be decoded", and every sampled frame came from the first 1.1 s. Here 160 frames 10 ms apart, then 40 a second
+    apart."""
+    import fractions
+
+    path = tmp_path / "vfr.mkv"
+    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=1)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        stream.time_base = fractions.Fraction(1, 1000)
+        stream.codec_context.gop_size = 10
+        pts = 0
+        for index in range(200):
+            array = np.empty((32, 32, 3), dtype=np.uint8)
+            array[...] = _frame_colour(index)
+            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+            frame.pts, frame.time_base = pts, fractions.Fraction(1, 1000)
+            pts += 10 if index < 160 else 1000
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    assert _decodable_frame_count(path) == 200
+    indices = [0, 66, 133, 199]  # seeking to 66 at the declared 1 fps is 66 s: past the last timestamp (41.6 s)
+    frames = media_module._decode_pyav(path, indices, seek_min_gap=8)
+    assert [_frame_index(frame) for frame in frames] == indices
+
+
 def test_damaged_videos_raise_media_error(tmp_path, clip):
     data = clip.read_bytes()
     (tmp_path / "empty.mp4").write_bytes(b"")

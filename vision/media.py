@@ -448,6 +448,11 @@ def _iter_wanted_frames(
                 yield index, frame
                 break
         else:  # end of stream
+            if after_seek:
+                # Reached only by seeking: the timestamps, not the file, may have ended short of the target (variable
+                # frame rate: 1,000 frames 10 ms apart, then 100 a second apart, read as "110 of 1,100 frames").
+                # Counted frame by frame instead, which also tells a truncated file's real length.
+                raise _SeekFailed
             yield position, None
             return
 
