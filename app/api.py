@@ -354,8 +354,13 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         submitted = []
 
         def parse_and_submit():
-            messages, options, promise = _parse(body, engine, root, scratch, fetcher, max_new_tokens, allowance)
-            ticket = scheduler.submit(messages, sink=channel.put, **options)
+            local_parts: dict[str, str] = {}
+            messages, options, promise = _parse(body, engine, root, scratch, fetcher, max_new_tokens, allowance,
+                                                local_parts)
+            try:
+                ticket = scheduler.submit(messages, sink=channel.put, **options)
+            except vision.MediaError as error:
+                raise BadRequest(_naming_its_part(str(error), local_parts)) from None
             submitted.append(ticket)
             if allowance.cancelled.is_set():  # the client left meanwhile (its handler cancels what it finds too)
                 ticket.cancel.set()
@@ -451,9 +456,11 @@ def _text_length(messages: list) -> int:
 
 
 def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fetcher: "Fetcher", max_new_tokens: int,
-           allowance: Allowance | None = None) -> tuple[list[dict], dict, dict]:
+           allowance: Allowance | None = None, local_parts: dict[str, str] | None = None
+           ) -> tuple[list[dict], dict, dict]:
     """The engine's messages, the scheduler's options, and what the slider promises at the requested speed
-    (the calibrated agreement and cost, or that the model is uncalibrated)."""
+    (the calibrated agreement and cost, or that the model is uncalibrated). ``local_parts`` gets, for each local
+    file, its name and the part of the request that named it (for the errors about it, ``_naming_its_part``)."""
     # Text that cannot fit the context is refused before its media are fetched (build_prompt checks it again,
     # for every other entry point).
     check_text_length(_text_length(body.messages), engine.max_length)
@@ -481,7 +488,10 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
             media = "image" if isinstance(part, ImagePart) else "video"
             url = _url_of(part)
             where = f"messages[{number}].content[{index}]"  # as the request's JSON has it (the validation errors' words)
-            parts.append({"type": media, media: _media_source(url, media, root, scratch, fetcher, where, allowance)})
+            source = _media_source(url, media, root, scratch, fetcher, where, allowance)
+            if local_parts is not None and isinstance(source, str) and not Path(source).name.startswith("messages["):
+                local_parts.setdefault(Path(source).name, where)  # (a video's own file is named after its part)
+            parts.append({"type": media, media: source})
         messages.append({"role": role, "content": parts})
     temperature = body.temperature or 0.0
     options = {"policy": policy, "max_new_tokens": max_tokens, "do_sample": temperature > 0,
@@ -491,6 +501,15 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
                # left out, the answer may run to the end of the context.
                "refuse_past_context": (body.max_completion_tokens or body.max_tokens) is not None}
     return messages, options, promise
+
+
+def _naming_its_part(message: str, local_parts: dict[str, str]) -> str:
+    """An error about a local file ("clip.gif: this is an image, not a video"), led by the part of the request that
+    named it, as every error about a part is ("messages[0].content[1]: clip.gif: ...")."""
+    for name, where in local_parts.items():
+        if message.startswith(f"{name}: "):
+            return f"{where}: {message}"
+    return message
 
 
 MAX_PATH_BYTES = 4096  # PATH_MAX: a longer local path cannot name a file (and resolving one costs time)

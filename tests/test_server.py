@@ -321,6 +321,13 @@ def test_local_files_only_under_the_allowed_root(server, media):
     inside = client.chat.completions.create(model="m", messages=_question(str(server["root"] / "image.png")),
                                             max_tokens=4)
     assert inside.choices[0].message.content is not None
+    # An error about a local file names the part of the request, as one about a data URL does (found from outside).
+    (server["root"] / "notes.png").write_text("not a picture")
+    asked = [{"role": "user", "content": [{"type": "text", "text": "What is it?"},
+                                          {"type": "image_url", "image_url": {"url": "notes.png"}}]}]
+    reply = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": asked, "max_tokens": 2}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["message"].startswith("messages[0].content[1]: notes.png: "), reply.text
     # A relative name is relative to the allowed root, not to the server's working folder (found from outside).
     relative = client.chat.completions.create(model="m", messages=_question("image.png"), max_tokens=4)
     assert relative.choices[0].message.content == inside.choices[0].message.content
