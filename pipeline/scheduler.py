@@ -98,7 +98,7 @@ class Ticket:
     caches: bool  # may use the engine's caches (Engine.start)
     sink: Callable[[object], None]
     submitted: float = field(default_factory=time.perf_counter)
-    admitted: float | None = None  # when it left the queue for a place in the batch
+    admitted_at: float | None = None  # when it left the queue for a place in the batch
     cancel: threading.Event = field(default_factory=threading.Event)
     request: Request | None = None
     text: str = ""  # what was sent so far
@@ -319,7 +319,7 @@ class Scheduler:
             if reserved + ticket.reserved_bytes > self.kv_budget_bytes:
                 break  # first come, first served: it waits until enough of the budget is free
             self.waiting.popleft()
-            ticket.admitted = time.perf_counter()
+            ticket.admitted_at = time.perf_counter()
             joining.append(ticket)
             reserved += ticket.reserved_bytes
         self.admitted = list(joining)
@@ -418,7 +418,7 @@ class Scheduler:
             else:
                 if ticket.stop.stops:
                     result.text = ticket.text  # the answer before its stop string
-                service = time.perf_counter() - (ticket.admitted or ticket.submitted)
+                service = time.perf_counter() - (ticket.admitted_at or ticket.submitted)
                 self.service_s = 0.8 * self.service_s + 0.2 * service
             request.ctx.cache = None  # the KV cache goes now, not when the submitter drops the ticket
             ticket.sink(error if error is not None else StreamChunk(tail, None, result))
