@@ -266,7 +266,7 @@ def refuse_other_settings(rows: Iterable[dict], out: Path, policy: str, speed: f
 
 
 def records_in_jsonl(out: Path) -> Iterable[dict]:
-    """The records of a captions file, the lines that are not one skipped."""
+    """The records of a captions file (a line that is not a JSON object is passed over)."""
     if not out.exists():
         return
     with open(out, "rb") as f:
