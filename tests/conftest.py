@@ -106,6 +106,28 @@ def write_video(path: Path, frames: int, fps: int, size: tuple[int, int]) -> Pat
     return path
 
 
+def serve_bytes(body):
+    """An HTTP server on 127.0.0.1, in a thread, answering every GET with ``body()``'s bytes (``body`` may take its
+    time: a slow URL). Its port is ``server_port``; ``shutdown()`` it when done."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self):
+            data = body()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 class RawServer:
     """A TCP server on 127.0.0.1 that misbehaves as a test needs: every connection, once its request head has
     arrived, is handed to ``answer(connection, head)`` in a thread of its own and closed after; without ``answer``,

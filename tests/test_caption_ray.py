@@ -20,7 +20,7 @@ from PIL import Image
 ray = pytest.importorskip("ray")  # in the test install (README); the base install does without it
 
 from glimpse.caption_ray import caption_on_ray  # noqa: E402
-from conftest import refuse_listing, write_video  # noqa: E402
+from conftest import refuse_listing, serve_bytes, write_video  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -586,25 +586,14 @@ def test_rows_finished_while_a_slow_url_holds_its_block_reach_the_output_before_
     """Found from outside: the driver took each finished batch only once the next one had finished too (Ray's
     default of fetching one batch ahead), so the rows finished before a slow URL's block waited with it, where a
     kill lost them. Here a URL answers only once the first batch's rows are in a shard (or after 90 s)."""
-    import http.server
-
     image = _inputs(tmp_path / "in", 3, video=False)
     release, released_by_rows = threading.Event(), []
 
-    class Slow(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            release.wait(90)
-            data = image[2].read_bytes()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def slowly():
+        release.wait(90)
+        return image[2].read_bytes()
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve_bytes(slowly)
     out = tmp_path / "out"
 
     def watch():
@@ -616,7 +605,7 @@ def test_rows_finished_while_a_slow_url_holds_its_block_reach_the_output_before_
             time.sleep(0.2)
 
     listing = tmp_path / "inputs.txt"  # in this order: the first batch of 2, then the slow URL's batch
-    listing.write_text(f"{image[0]}\n{image[1]}\nhttp://127.0.0.1:{server.server_address[1]}/slow.png\n")
+    listing.write_text(f"{image[0]}\n{image[1]}\nhttp://127.0.0.1:{server.server_port}/slow.png\n")
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:

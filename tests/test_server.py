@@ -19,7 +19,7 @@ from glimpse import vision
 from glimpse.cli import build_server
 from glimpse.pipeline import load_engine
 from glimpse.pruning import NoPruning
-from conftest import RawServer
+from conftest import RawServer, serve_bytes
 
 
 def _serve(app, make=None):
@@ -906,25 +906,10 @@ def test_requests_given_up_while_fetching_or_waiting_to_free_their_places(server
     in the fetch queue go back within a second or so. Before, each kept its place until its 30 s deadline and then
     had every URL fetched anyway: 40 abandoned requests held the queue for 150 s, and every other media request got
     429."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from glimpse.api import FETCHING_THREADS, create_api
 
     media_server = RawServer()  # every response head a line at a time
-
-    class Picture(BaseHTTPRequestHandler):
-        def do_GET(self):
-            data = media["image"].read_bytes()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    pictures = ThreadingHTTPServer(("127.0.0.1", 0), Picture)
-    threading.Thread(target=pictures.serve_forever, daemon=True).start()
+    pictures = serve_bytes(lambda: media["image"].read_bytes())
     app = create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True, queue_size=2)
     slow = {"messages": _question(media_server.url + "/x.png"), "max_tokens": 2}
     good = {"messages": _question(f"http://127.0.0.1:{pictures.server_port}/a.png"), "max_tokens": 2}
