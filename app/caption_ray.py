@@ -528,8 +528,7 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
         refuse_other_settings(settings, out, policy, speed, prompt, "remove its shards to start it afresh")
         if retry_errors and (dropped := drop_error_rows(out)):
             log(f"{dropped} error rows removed from {out}: their inputs are tried again")
-            earlier_errors = set()
-            done = done_keys(out, earlier_errors)
+            done, earlier_errors = done - earlier_errors, set()  # (what is left is the good rows: no second read)
         if output.jsonl is not None:
             rewrite_jsonl(out)
         pending = [k for k in keys if k not in done]
