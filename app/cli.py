@@ -98,13 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     policies_only: dict[str, tuple[str, object]] = {}  # dest: (flag, default)
     serve_only: dict[str, tuple[str, object]] = {}
 
-    def policies_option(group, *flags, **options):
-        action = group.add_argument(*flags, **options)
-        policies_only[action.dest] = (flags[0], action.default)
+    def recorded_in(mode_options: dict):
+        def add(group, *flags, **options):
+            action = group.add_argument(*flags, **options)
+            mode_options[action.dest] = (flags[0], action.default)
+        return add
 
-    def serve_option(group, *flags, **options):
-        action = group.add_argument(*flags, **options)
-        serve_only[action.dest] = (flags[0], action.default)
+    policies_option, serve_option = recorded_in(policies_only), recorded_in(serve_only)
 
     bench.add_argument("target", nargs="?", choices=["policies", "serve"], default="policies",
                        help="policies (default): each policy against the unpruned baseline; serve: a server under "
