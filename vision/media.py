@@ -395,7 +395,10 @@ def _decoded_frames(container: av.container.InputContainer, stream: av.VideoStre
             yield from codec.decode(packet)  # the final, empty packet flushes the decoder
         return
     except av.FFmpegError as error:
-        logger.warning("%s: decoding stopped early (%s)", container.name, error)
+        # The file's name, not its path (for fetched media that is a temporary folder of the server's), and
+        # FFmpeg's reason without the path it appends.
+        logger.warning("%s: decoding stopped early (%s)", Path(container.name).name,
+                       getattr(error, "strerror", None) or error)
     try:
         yield from codec.decode(None)
     except av.FFmpegError:
