@@ -669,7 +669,7 @@ def _glimpse(result, speed: float, promise: dict) -> dict:
     keys = ("ttft_s", "queue_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
             "prefill_flops", "prefill_flops_baseline", "prefill_flops_unpruned", "prefix_reused_tokens")
     return {"policy": result.policy, "speed": speed, "params": result.params, "summary": result.summary,
-            "promise": promise, "metrics": {k: result.metrics[k] for k in keys}}
+            "promise": promise, "metrics": {k: result.metrics[k] for k in keys}, "warnings": result.warnings}
 
 
 def _completion(result, model_name: str, speed: float, promise: dict) -> dict:

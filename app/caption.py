@@ -380,7 +380,7 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
                 metrics = {k: result.metrics[k] for k in KEPT_METRICS}
                 sink.write({"path": str(path), "key": input_key(path), "caption": caption, "policy": result.policy,
                             "speed": speed, "prompt": instruction(kind_of(path), prompt), "params": result.params,
-                            "metrics": metrics})
+                            "metrics": metrics, **({"warnings": result.warnings} if result.warnings else {})})
             report.captioned += 1
         if progress:
             progress(min(start + batch_size, len(pending)), len(pending), len(report.failed))

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--seed", type=int, default=None)
     _add_device_options(ask)
     ask.add_argument("--json", action="store_true", help='print one JSON object: text, model, policy, speed, params, summary, promise, '
-                          'finish_reason, grounded and every metric (docs/engine.md)')
+                          'finish_reason, grounded, warnings and every metric (docs/engine.md)')
     ask.set_defaults(run=run_ask)
 
     bench = commands.add_parser(
@@ -362,7 +362,7 @@ def run_ask(args) -> int:
         result = engine.generate(messages, **options)
         out = {"text": result.text, "policy": result.policy, "speed": args.speed, "params": result.params,
                "summary": result.summary, "promise": promise, "metrics": result.metrics, "model": args.model,
-               "grounded": engine.grounded, "finish_reason": result.finish_reason}
+               "grounded": engine.grounded, "finish_reason": result.finish_reason, "warnings": result.warnings}
         print(json.dumps(out))
         return 0
     result = None

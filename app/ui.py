@@ -345,6 +345,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         if result.finish_reason == "length":
             count = len(result.token_ids)
             answer += _note(f"cut at {count} token{'s' if count != 1 else ''}: raise max answer tokens for more")
+        for warning in result.warnings:  # e.g. a damaged video: the answer is about the frames that decoded
+            answer += _note(warning)
         if left_out:
             answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
                             f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")

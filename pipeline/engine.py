@@ -50,6 +50,8 @@ class GenerationResult:
     summary: str = ""  # the policy's one-line description, e.g. "DASH rho=0.40 at layer 11"
     # The next-token logits after prefill (float32, on the device): calibration's first-token KL.
     first_logits: torch.Tensor | None = field(default=None, repr=False)
+    # What the answer could not see, said with it: e.g. a damaged video's frames sampled from the part that decoded.
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -662,7 +664,8 @@ class Engine:
         text = self.tokenizer.decode(request.tokens, skip_special_tokens=True)
         policy = request.policy
         return GenerationResult(text, request.tokens, metrics, policy.name, policy.params(), request.finish,
-                                policy.summary(), request.first_logits)
+                                policy.summary(), request.first_logits,
+                                [item.warning for item in request.prompt.media if item.warning])
 
     def embed_prompt(self, prompt: Prompt, encoded: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings with the vision encoder's output written over the placeholder tokens (over those

@@ -85,11 +85,11 @@ def refuse_listing(monkeypatch, locked: Path) -> None:
     monkeypatch.setattr(os, "scandir", scandir)
 
 
-def write_video(path: Path, frames: int, fps: int, size: tuple[int, int]) -> Path:
+def write_video(path: Path, frames: int, fps: int, size: tuple[int, int], container_options: dict | None = None) -> Path:
     """A small H.264/MPEG-4 clip whose frame i is a solid colour that encodes i."""
     import av
 
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", options=container_options or {}) as container:
         codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = size
@@ -103,6 +103,17 @@ def write_video(path: Path, frames: int, fps: int, size: tuple[int, int]) -> Pat
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+    return path
+
+
+def write_damaged_video(path: Path, frames: int = 30) -> Path:
+    """A clip that declares ``frames`` frames but decodes about half of them: its index is at the front (faststart),
+    and garbage overwrites part of its data, as a damaged download or disk would."""
+    data = bytearray(write_video(path, frames=frames, fps=10, size=(64, 48),
+                                 container_options={"movflags": "faststart"}).read_bytes())
+    start = int(len(data) * 0.9)
+    data[start:start + 200] = b"\xff" * 200
+    path.write_bytes(bytes(data))
     return path
 
 

@@ -70,6 +70,22 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     assert "captioning: 100%" in err and "10/10" in err  # the progress bar (tqdm) reached the end
 
 
+def test_a_damaged_video_captioned_from_the_frames_that_decoded_says_so_in_its_record(checkpoints, media, tmp_path):
+    from conftest import write_damaged_video
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_damaged_video(folder / "damaged.mp4", frames=30)
+    (folder / "whole.mp4").write_bytes(media["video"].read_bytes())
+    out = tmp_path / "captions.jsonl"
+    assert main(["caption", str(folder), "--model", str(checkpoints["qwen2_vl"]), "--out", str(out),
+                 "--max-new-tokens", "2"]) == 0
+    records = {Path(r["path"]).name: r for r in _lines(out)}
+    assert "warnings" not in records["whole.mp4"]
+    [warning] = records["damaged.mp4"]["warnings"]
+    assert warning.startswith("damaged.mp4: only ") and "of the 30 frames it declares could be decoded" in warning
+
+
 def test_a_bad_input_is_found_by_halves_and_its_batch_mates_stay_batched(model, tmp_path):
     """A batch with a corrupt file was answered one input at a time: its good inputs lost their batching. Halves
     find the culprit and keep the others together."""

@@ -92,6 +92,19 @@ def test_ask_corrupt_video_is_one_clear_line(checkpoints, media, tmp_path):
     _assert_clean_error(proc, "cut.mp4")
 
 
+def test_ask_json_says_when_a_damaged_video_was_answered_from_the_frames_that_decoded(checkpoints, tmp_path):
+    """The log said it, the answer did not: a client reading --json could not tell a partial video from a whole one."""
+    from conftest import write_damaged_video
+
+    path = write_damaged_video(tmp_path / "damaged.mp4", frames=30)
+    proc = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(path), "--max-new-tokens", "2",
+                   "--json", "What happens?")
+    assert proc.returncode == 0, proc.stderr
+    warnings = json.loads(proc.stdout)["warnings"]
+    assert len(warnings) == 1 and warnings[0].startswith("damaged.mp4: only ")
+    assert "of the 30 frames it declares could be decoded" in warnings[0] and str(tmp_path) not in warnings[0]
+
+
 def test_ask_video_on_an_image_only_model(checkpoints, media):
     proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--video", str(media["video"]), "hi")
     _assert_clean_error(proc, "video")

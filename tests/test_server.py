@@ -152,6 +152,37 @@ def test_a_video_sent_as_a_data_url_gets_the_engines_answer_and_leaves_no_file(c
     assert answer == direct.text and direct.metrics["prompt_tokens"]["video"] > 0
 
 
+def test_a_damaged_video_is_answered_from_the_frames_that_decode_and_the_reply_says_so(checkpoints, media, tmp_path):
+    """The API's ``glimpse.warnings`` (whole and streamed) and a note under the chat's answer carry what the log
+    says: the answer is about the part of the video that decoded. A whole video has none."""
+    from conftest import write_damaged_video
+
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    damaged = write_damaged_video(tmp_path / "damaged.mp4", frames=30)
+    data_url = "data:video/mp4;base64," + base64.b64encode(damaged.read_bytes()).decode()
+    for url in _serve(build_server(engine, "tiny-qwen", max_new_tokens=4)):
+        body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": data_url}}, {"type": "text", "text": "What happens?"}]}]}
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        warnings = reply.json()["glimpse"]["warnings"]
+        assert len(warnings) == 1 and "only " in warnings[0] and "of the 30 frames it declares" in warnings[0]
+        events = [json.loads(line[len("data: "):]) for line in httpx.post(
+            url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120).text.splitlines()
+            if line.startswith("data: {")]
+        assert [e["glimpse"]["warnings"] for e in events if "warnings" in e.get("glimpse", {})] == [warnings]
+        from gradio_client import Client, handle_file  # the chat: a note under the answer
+
+        question = {"text": "What happens?", "files": [handle_file(str(damaged))]}
+        answer, _, _ = Client(url + "/", verbose=False).predict(question, "none", 0.0, 2, "", False, api_name="/chat")
+        assert "⚠️" not in answer  # answered, not failed
+        assert "*(damaged.mp4: only " in answer and "of the 30 frames it declares could be decoded" in answer
+    whole = engine.generate([{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                                          {"type": "text", "text": "What happens?"}]}],
+                            max_new_tokens=2)
+    assert whole.warnings == []
+
+
 def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_kept(monkeypatch):
     """Slowloris, against the HTTP server of ``glimpse serve``: a connection left silent, and one fed its headers
     a line at a time and never finished, are closed once the head deadline passes; a client that sends whole

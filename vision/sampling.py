@@ -168,6 +168,17 @@ class SampledVideo:
     timestamps_s: list[float]  # index / source_fps
     sample_fps: float  # effective sampling rate: T / total_frames * source_fps (Qwen2-VL's `fps` input)
     source_fps: float
+    # Set when the file held fewer frames than it declares and these were sampled from the part that decoded:
+    # the answer is about that part, and the user is told so with it (not only in a log).
+    warning: str | None = None
+
+
+def _shortfall(path, declared: int, decoded: int) -> str | None:
+    """What a user is told when a damaged video's frames were sampled from the part that decoded."""
+    if decoded >= declared:
+        return None
+    return (f"{Path(str(path)).name}: only {decoded} of the {declared} frames it declares could be decoded (a "
+            "damaged or truncated file): the answer is about those")
 
 
 def _read_sampled(
@@ -197,9 +208,8 @@ def _read_sampled(
             if error.decodable_frames == 0 or error.decodable_frames >= total_frames:
                 raise
             # Said, not silent: the answer is about the part that decoded (an outside pass found a faststart file
-            # cut after 17 of its 40 frames answered with no word of it).
-            logger.warning("%s: only %d of the %d frames it declares could be decoded (a damaged or truncated "
-                           "file): sampling those", Path(str(path)).name, error.decodable_frames, total_frames)
+            # cut after 17 of its 40 frames answered with no word of it). SampledVideo.warning carries it further.
+            logger.warning("%s", _shortfall(path, total_frames, error.decodable_frames))
             total_frames = error.decodable_frames
     raise AssertionError("unreachable: the second attempt only asks for frames that decoded")
 
@@ -257,6 +267,7 @@ def sample_video_qwen(
         timestamps_s=[index / info.fps for index in indices],
         sample_fps=len(indices) / max(total_frames, 1e-6) * info.fps,
         source_fps=info.fps,
+        warning=_shortfall(path, info.num_frames, total_frames),
     )
 
 
@@ -293,4 +304,5 @@ def sample_video_uniform(
         timestamps_s=[index / info.fps for index in indices],
         sample_fps=len(indices) / total_frames * info.fps,
         source_fps=info.fps,
+        warning=_shortfall(path, info.num_frames, total_frames),
     )
