@@ -241,6 +241,29 @@ def test_a_text_file_named_as_media_is_said_to_hold_text(tmp_path):
     assert vision.detect_kind(tmp_path / "clip.ts") == "video"
 
 
+def test_decoding_a_text_file_as_a_video_says_it_holds_text_as_the_check_before_loading_does(tmp_path):
+    """`glimpse ask` said "it holds text" (check_media), the API and the captioner, which go straight to decoding,
+    said "corrupt or truncated". A text file is not handed to FFmpeg at all, a playlist among them (FFmpeg would open
+    what it lists); raw YUV, whose header is text, is still a video."""
+    (tmp_path / "notes.mp4").write_text("meeting notes: bring the clip\n")
+    (tmp_path / "list.mp4").write_text("#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\nhttp://127.0.0.1/a.ts\n")
+    for name in ("notes.mp4", "list.mp4"):
+        for read in (vision.probe_video, vision.sample_video_qwen, lambda p: vision.sample_video_uniform(p, 4)):
+            with pytest.raises(vision.MediaError, match=rf"^{re.escape(name)}: not an image or video: it holds text$"):
+                read(tmp_path / name)
+    raw = tmp_path / "raw.mp4"
+    with av.open(str(raw), "w", format="yuv4mpegpipe") as container:
+        stream = container.add_stream("rawvideo", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for index in range(10):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), index * 20, np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    assert raw.read_bytes().startswith(b"YUV4MPEG2 ") and vision.sample_video_uniform(raw, 4).indices == [0, 3, 6, 9]
+
+
 def test_only_the_common_image_formats_reach_a_decoder(tmp_path, monkeypatch):
     # PIL would open any of its ~40 formats; EPS runs Ghostscript on the upload when it is installed. An upload
     # in a format outside the list is refused before any decoder sees its bytes — even named .png.

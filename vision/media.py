@@ -160,9 +160,15 @@ def _sniff_kind(head: bytes) -> Literal["image", "video"] | None:
         if brand in (b"avif", b"avis"):
             return "image"
         return None if brand in (b"heic", b"heix", b"heim", b"heis", b"mif1", b"msf1") else "video"
-    if head.startswith((b"\x1aE\xdf\xa3", b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3", b"FLV", b"0&\xb2u")):
-        return "video"  # Matroska/WebM, MPEG-PS, MPEG video, FLV, ASF/WMV
+    if head.startswith((b"\x1aE\xdf\xa3", b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3", b"FLV", b"0&\xb2u", b"YUV4MPEG2")):
+        return "video"  # Matroska/WebM, MPEG-PS, MPEG video, FLV, ASF/WMV, raw YUV (whose header is text)
     return None
+
+
+def _holds_text(head: bytes) -> bool:
+    """First bytes that are all printable text: no image or video format Glimpse reads starts so (raw YUV is
+    recognised before this is asked)."""
+    return all(32 <= byte < 127 or byte in (9, 10, 13) for byte in head)
 
 
 def detect_kind(path: str | os.PathLike) -> Literal["image", "video"]:
@@ -177,8 +183,8 @@ def detect_kind(path: str | os.PathLike) -> Literal["image", "video"]:
     kind = _sniff_kind(head)
     suffix = path.suffix.lower()
     named_media = suffix in IMAGE_EXTENSIONS or suffix in VIDEO_EXTENSIONS
-    if kind is None and named_media and all(32 <= byte < 127 or byte in (9, 10, 13) for byte in head):
-        raise MediaError(f"{path.name}: not an image or video: it holds text")  # no format of those starts so
+    if kind is None and named_media and _holds_text(head):
+        raise MediaError(f"{path.name}: not an image or video: it holds text")
     if kind is None and suffix in IMAGE_EXTENSIONS:
         kind = "image"
     elif kind is None and suffix in VIDEO_EXTENSIONS:
@@ -615,8 +621,12 @@ def probe_video(
     """
     path = _check_file(path)
     with open(path, "rb") as file:
-        if _sniff_kind(file.read(32)) == "image":  # PyAV reads a picture as a one-frame clip (in which things "moved")
-            raise MediaError(f"{path.name}: this is an image, not a video; pass it as an image")
+        head = file.read(32)
+    kind = _sniff_kind(head)
+    if kind == "image":  # PyAV reads a picture as a one-frame clip (in which things "moved")
+        raise MediaError(f"{path.name}: this is an image, not a video; pass it as an image")
+    if kind is None and _holds_text(head):  # said as `glimpse ask` says it before loading (check_media), not
+        raise MediaError(f"{path.name}: not an image or video: it holds text")  # "corrupt"; nor is a playlist opened
     if _choose_backend(backend) == "decord":
         return _run_in_worker(_probe_decord, (path,), timeout_s=timeout_s, name=path.name)
     return _probe_pyav(path)
