@@ -84,8 +84,11 @@ def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None =
         by_member: dict[str, dict] = {}
         for key, value in (overrides or {}).items():
             member, _, param = key.partition(".")
+            if not members:  # speed 0 (or a frontier point that prunes nothing): nothing to set
+                raise UserError(f"auto prunes nothing at speed {speed:g}, so it has no parameters to set ({key!r}); "
+                                "raise the speed, or choose the policy by name to set its parameters")
             if member not in members or not param:
-                chosen = ", ".join(members) or "none: auto prunes nothing at this speed"
+                chosen = ", ".join(members)
                 raise UserError(f"auto's parameters are named member.param; its members at speed {speed:g}: "
                                  f"{chosen}; got {key!r}")
             by_member.setdefault(member, {})[param] = value
@@ -118,6 +121,8 @@ def parse_params(items) -> dict:
 def _override(policy: Policy, overrides: dict) -> Policy:
     allowed = {f.name for f in fields(policy) if f.init}
     unknown = set(overrides) - allowed
+    if unknown and not allowed:  # `none`
+        raise UserError(f"{policy.name} has no parameters to set (got {', '.join(sorted(unknown))})")
     if unknown:
         raise UserError(f"{policy.name} has no parameter {', '.join(sorted(unknown))}; "
                          f"its parameters: {', '.join(sorted(allowed))}")

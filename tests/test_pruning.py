@@ -535,6 +535,12 @@ def test_speed_outside_zero_one_and_unknown_parameters_are_clear_errors():
     assert members["dash"].start_layer == 5 and set(members) == {"hidivdrop", "dash", "st3"}
     with pytest.raises(ValueError, match="members at speed 0.5: hidivdrop, dash, st3"):
         make_policy("auto", 0.5, {"lazyllm.percentiles": [0.1, 0.1, 0.1]}, frontier=frontier)
+    # At speed 0 auto runs nothing: the message says so and what to do, not "its members at speed 0: none: ..."
+    with pytest.raises(ValueError, match=r"^auto prunes nothing at speed 0, so it has no parameters to set "
+                                         r"\('divprune.keep'\); raise the speed, or choose the policy by name"):
+        make_policy("auto", 0.0, {"divprune.keep": 0.3}, frontier=frontier)
+    with pytest.raises(ValueError, match=r"^none has no parameters to set \(got x\)$"):  # not "its parameters: "
+        make_policy("none", 0.5, {"x": 1})
 
 
 # Values each policy once took without a word: a stride of 0 read as "the default", a negative DASH guard, a
