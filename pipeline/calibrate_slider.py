@@ -257,8 +257,14 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
         more = prompts[timing_prompts:2 * timing_prompts] or prompts[:timing_prompts]
         ratios += _timed_ratios(engine, members, more, timing_tokens, typical_answer)
     e2e, prefill, decode = zip(*ratios)
-    return Point(members, e2e_ratio=statistics.median(e2e), prefill_ratio=statistics.median(prefill),
-                 decode_speedup=statistics.median(decode), **common)
+    e2e_ratio, decode_speedup = statistics.median(e2e), statistics.median(decode)
+    if 1.0 / e2e_ratio > IMPLAUSIBLE_ABOVE * saved:
+        # Timed again and still faster than its savings explain: the machine's load, not the candidate (an outside
+        # pass, with one prompt on a loaded machine, stored LazyLLM at 1.17x fewer FLOPs as 4.83x faster end to end
+        # and decoding 7.4x faster). Taken as what its savings allow at most, never more.
+        e2e_ratio, decode_speedup = 1.0 / saved, min(decode_speedup, saved)
+    return Point(members, e2e_ratio=e2e_ratio, prefill_ratio=statistics.median(prefill),
+                 decode_speedup=decode_speedup, **common)
 
 
 def _timed_ratios(engine, members, prompts, timing_tokens, typical_answer) -> list[tuple[float, float, float]]:

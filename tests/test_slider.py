@@ -393,7 +393,8 @@ def test_a_pruning_candidate_timed_slightly_slower_than_unpruned_is_timed_again_
     a shared machine, so a candidate that prunes and times 0-15% slower is timed on as many prompts again and
     judged on the median of all. Clearly slower (ZipVL's dequantising) or faster: timed once — unless faster than
     its savings can explain (here 2x fewer FLOPs: 20x faster is a machine that slowed the unpruned runs, found
-    from outside as "st3@0.75 ... 18.79x faster end to end" in a promise)."""
+    from outside as "st3@0.75 ... 18.79x faster end to end" in a promise); timed that fast again, it is stored as
+    what it saves (found from outside too: LazyLLM at 1.17x fewer FLOPs stored as 4.83x faster)."""
     from glimpse.pipeline.calibrate_slider import Reference, measure
 
     engine = _TimedEngine(slowdowns)
@@ -402,7 +403,11 @@ def test_a_pruning_candidate_timed_slightly_slower_than_unpruned_is_timed_again_
     point = measure(engine, (Member.of("divprune", 0.5),), prompts, references, floor=0.75, answer_tokens=4,
                     timing_prompts=3, timing_tokens=4, typical_answer=64)
     assert len(engine.timed) == timed and point.agreement == 1.0 and point.flops_ratio == 0.5
-    assert point.e2e_ratio == pytest.approx(statistics.median(engine.timed))
+    median = statistics.median(engine.timed)
+    if 1 / median <= 1.5 * 2:  # a speed-up its 2x fewer FLOPs can explain, once timed again if need be
+        assert point.e2e_ratio == pytest.approx(median)
+    else:  # still 20x after the second timing: stored as what it saves, 2x, never more (decode likewise)
+        assert point.e2e_ratio == pytest.approx(0.5) and point.decode_speedup <= 2
 
 
 @pytest.mark.parametrize("count,stopped_at", [(4, None), (18, None), (20, 10), (40, 20)])
