@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--seed", type=int, default=None)
     _add_device_options(ask)
     ask.add_argument("--json", action="store_true", help='print one JSON object: text, model, policy, speed, params, summary, promise, '
-                          'finish_reason, grounded, warnings and every metric (docs/engine.md)')
+                          'finish_reason, grounded, warnings and every metric (docs/engine.md); on an error, '
+                          '{"error": message} (exit status 1)')
     ask.set_defaults(run=run_ask)
 
     bench = commands.add_parser(
@@ -945,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except UserError as error:  # bad input, media, prompt or model (common.errors): the user can fix it
-        print(f"glimpse: error: {error}", file=sys.stderr)
+        _error(args, str(error))
         return 1
     except KeyboardInterrupt:
         print("glimpse: interrupted", file=sys.stderr)
@@ -955,13 +956,29 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except OSError as error:  # the machine's, not Glimpse's: a file it may not read, a full disk, a bad name
         where = f"{error.filename}: " if error.filename else ""
-        print(f"glimpse: error: {where}{error.strerror or error}", file=sys.stderr)
+        _error(args, f"{where}{error.strerror or error}")
         return 1
     except Exception:  # anything else is Glimpse's bug, never blamed on the input
         traceback.print_exc()
         print("glimpse: internal error: this is a bug in Glimpse, not a problem with your input; "
               "please report it with the traceback above", file=sys.stderr)
+        if _answers_in_json(args):
+            print(json.dumps({"error": "internal error: a bug in Glimpse (the traceback is on stderr)"}), flush=True)
         return 2
+
+
+def _answers_in_json(args) -> bool:
+    """`glimpse ask --json`: its one object on stdout is the answer, or the error. (bench and eval print their
+    report first and may fail after it, writing --out: an error object there would be a second one.)"""
+    return getattr(args, "run", None) is run_ask and args.json
+
+
+def _error(args, message: str) -> None:
+    """One line on stderr; for `ask --json` also ``{"error": message}`` on stdout, so that a script reading its
+    one JSON object gets one on failure too (it got nothing to parse)."""
+    print(f"glimpse: error: {message}", file=sys.stderr)
+    if _answers_in_json(args):
+        print(json.dumps({"error": message}), flush=True)
 
 
 if __name__ == "__main__":

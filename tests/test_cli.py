@@ -76,6 +76,16 @@ def test_ask_bad_image_is_one_clear_line(checkpoints, tmp_path, name, content):
     _assert_clean_error(proc, name)
 
 
+def test_ask_json_prints_one_error_object_on_stdout_when_it_fails(checkpoints, tmp_path):
+    """A script reading `ask --json`'s one object got nothing to parse on a failure (the error was on stderr only)."""
+    (tmp_path / "empty.png").write_bytes(b"")
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(tmp_path / "empty.png"), "--json", "hi")
+    _assert_clean_error(proc, "empty.png: the file is empty")
+    assert json.loads(proc.stdout) == {"error": "empty.png: the file is empty"}
+    plain = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(tmp_path / "empty.png"), "hi")
+    assert plain.returncode == 1 and plain.stdout == ""  # without --json, stdout stays the answer's alone
+
+
 def test_ask_oversized_image_is_refused(checkpoints, tmp_path):
     from PIL import Image
 
