@@ -925,6 +925,13 @@ def _check_writable_file(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: cannot make its folder ({error.strerror or error})") from None
     if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UserError(f"{flag} {path}: cannot write there")
+    # Tried, not only asked: access() tells root yes everywhere, /proc included, where no file can be made.
+    trial = path.with_name(f".{path.name}.{os.getpid()}.check")
+    try:
+        trial.touch(exist_ok=False)
+        trial.unlink()
+    except OSError as error:
+        raise UserError(f"{flag} {path}: cannot write there ({error.strerror or error})") from None
 
 
 def _log(message: str) -> None:

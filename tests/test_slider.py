@@ -302,6 +302,8 @@ def test_calibrate_slider_from_the_command_line_refuses_bad_input_before_loading
                         (["--prompts", str(latin)], "is not UTF-8 text"),
                         (["--out", str(tmp_path / "folder")], "is a folder"),
                         (["--out", str(latin / "x" / "slider.json")], f"{latin} is a file, not a folder"),
+                        # a folder where no file can be made, although access() says yes to root
+                        (["--out", "/proc/slider.json"], "--out /proc/slider.json: cannot write there"),
                         (["--images", str(latin)], "--images must be a folder")):
         assert main(["calibrate", "slider", "--model", absent, *extra]) == 1
         err = capsys.readouterr().err
