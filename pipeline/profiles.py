@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -73,9 +76,18 @@ def load_profile(model: str, policy: str = "hidivdrop") -> dict | None:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # a damaged profile is ignored: the policy falls back to its defaults
+        profile = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not a whole JSON profile"
+        # Ignored, and said: the policy falls back to its defaults (the slider to its shipped or uncalibrated
+        # frontier), which an outside pass found happening without a word after a profile was cut short.
+        logger.warning("ignoring the %s profile %s (%s): using the defaults; calibrate again to replace it",
+                       policy, path, reason)
+        return None
+    if not isinstance(profile, dict):
+        logger.warning("ignoring the %s profile %s (not a profile): using the defaults", policy, path)
+        return None
+    return profile
 
 
 def save_profile(model: str, profile: dict, policy: str = "hidivdrop", path: Path | None = None) -> Path:

@@ -470,3 +470,22 @@ def test_a_named_policy_measured_slower_end_to_end_is_said_to_be_slower():
     for promise in (partial.promise_for("none", 1.0), partial.promise(0.0)):
         assert promise["configuration"] == "none" and promise["calibrated"] is True
         assert promise["measured_on"] == "this model" and promise["complete"] is False  # 3 candidates not measured
+
+
+def test_a_damaged_profile_is_ignored_and_said_to_be(tmp_path, monkeypatch, caplog):
+    """Found from outside: a slider profile cut short was passed over without a word (the slider quietly went back
+    to the shipped frontier)."""
+    from glimpse.pipeline.profiles import load_profile, profile_path, save_profile
+
+    monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path))
+    path = save_profile("some/model", {"points": []}, "slider")
+    assert path == profile_path("some/model", "slider") and load_profile("some/model", "slider") == {"points": []}
+    path.write_text(path.read_text()[:5])  # cut short
+    with caplog.at_level("WARNING"):
+        assert load_profile("some/model", "slider") is None
+    assert f"ignoring the slider profile {path} (not a whole JSON profile)" in caplog.text
+    path.write_text("[1, 2]")  # JSON, but no profile
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert load_profile("some/model", "slider") is None
+    assert "(not a profile)" in caplog.text
