@@ -20,6 +20,7 @@ Errors a user can cause (bad media, unknown model, prompt too long) print one li
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
@@ -831,6 +832,14 @@ def run_calibrate_slider(args) -> int:
         raise UserError(f"--prompts must be a text file of questions, got {args.prompts}")
     path = Path(args.out) if args.out else profile_path(args.model, "slider")
     _check_writable_file(path, "--out")  # before the model loads, not after hours of measuring
+    # One calibration per profile at a time: two at once measured the same candidates, appended both to one state
+    # file, and the last to finish replaced the other's profile (an outside pass). Held until this command ends.
+    lock = open(path.with_name(path.name + ".lock"), "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"another glimpse calibrate slider is writing {path}; wait for it to finish (a rerun then "
+                        "resumes where it stopped) or give another --out") from None
     user_prompts = None
     if args.images or args.videos or args.prompts:  # the model's video support is checked once it is loaded
         user_prompts = folder_prompts(args.images, args.videos, args.prompts, None, args.max_images)

@@ -489,3 +489,21 @@ def test_a_damaged_profile_is_ignored_and_said_to_be(tmp_path, monkeypatch, capl
     with caplog.at_level("WARNING"):
         assert load_profile("some/model", "slider") is None
     assert "(not a profile)" in caplog.text
+
+
+def test_a_second_calibration_of_the_same_profile_is_refused_before_loading(tmp_path, capsys):
+    """Found from outside: two at once measured the same candidates into one state file, and the last to finish
+    replaced the other's profile."""
+    import fcntl
+
+    from glimpse.cli import main
+
+    out = tmp_path / "slider.json"
+    with open(tmp_path / "slider.json.lock", "a") as running:  # what the first calibration holds while it runs
+        fcntl.flock(running, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(["calibrate", "slider", "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert f"another glimpse calibrate slider is writing {out}" in err and "loading" not in err
+    # Once it has ended the next one goes on (here to the model, which does not exist).
+    assert main(["calibrate", "slider", "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 1
+    assert "another glimpse calibrate" not in capsys.readouterr().err
