@@ -953,6 +953,13 @@ def _quiet_libraries() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    # PIL warns of images of 89-179 MP above Glimpse's own error, which refuses them (over 64 MP) in words. Set for
+    # the command's process only (a filter is process-wide; a program importing Glimpse keeps its own).
+    import warnings
+
+    from PIL import Image
+
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 def main(argv: list[str] | None = None) -> int:

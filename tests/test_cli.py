@@ -93,6 +93,11 @@ def test_ask_oversized_image_is_refused(checkpoints, tmp_path):
     Image.new("1", (9000, 9000)).save(path)  # 81 MP: over the 64 MP cap, a few KB on disk
     proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
     _assert_clean_error(proc, "huge.png")
+    # 144 MP: past PIL's warning (89 MP), under its own error (179 MP); only Glimpse's line is said
+    Image.new("1", (12000, 12000)).save(path)
+    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
+    _assert_clean_error(proc, "huge.png: image too large (12000x12000 = 144 MP")
+    assert "DecompressionBombWarning" not in proc.stderr, proc.stderr
 
 
 def test_ask_corrupt_video_is_one_clear_line(checkpoints, media, tmp_path):
