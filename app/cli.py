@@ -37,6 +37,7 @@ from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_para
 from glimpse.pruning.base import check_speed
 
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
+PASSKEY_MIN_TOKENS = 128
 MAX_BENCH_TOKENS = 262_144  # past every supported model's context; the synthesized pictures' pixels grow with it
 NOT_GROUNDED = ("note: the embedded model's vision projector is not trained yet, so its answers about "
                 "images and videos are not grounded in them; text answers come from SmolLM2-135M-Instruct. "
@@ -393,8 +394,11 @@ def run_eval(args) -> int:
         raise UserError("--speeds and --lengths must be comma-separated numbers") from None
     if not speeds:
         raise UserError("--speeds needs at least one speed in [0, 1]")
-    if args.task == "passkey" and any(not 1 <= length <= MAX_BENCH_TOKENS for length in lengths):
-        raise UserError(f"--lengths are prompt lengths in tokens: from 1 to {MAX_BENCH_TOKENS:,}")
+    if args.task == "passkey" and any(not PASSKEY_MIN_TOKENS <= length <= MAX_BENCH_TOKENS for length in lengths):
+        # Below it every length makes the same prompt (its instructions, the key, one filler and the question take
+        # about 110 tokens), so a table of "10 tokens" would be about a prompt of 114 (an outside pass).
+        raise UserError(f"--lengths are prompt lengths in tokens: from {PASSKEY_MIN_TOKENS} (a pass-key prompt's "
+                        f"instructions, key and question alone take about 110) to {MAX_BENCH_TOKENS:,}")
     if args.task == "agreement" and not (0 <= args.image_tokens <= MAX_BENCH_TOKENS
                                          and 0 <= args.video_tokens <= MAX_BENCH_TOKENS):
         raise UserError(f"--image-tokens and --video-tokens must be from 0 to {MAX_BENCH_TOKENS:,}")

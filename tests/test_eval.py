@@ -110,6 +110,7 @@ def test_the_cli_prints_json_and_writes_a_plot(checkpoints, tmp_path, capsys):
                               ("passkey", ["--plot", str(tmp_path)], "a chart is written as"),
                               ("visual", ["--speeds", ",", "--policies", "bogus"], "--speeds needs at least one"),
                               ("passkey", ["--lengths", "0"], "--lengths are prompt lengths"),
+                              ("passkey", ["--lengths", "512,10"], "--lengths are prompt lengths in tokens: from 128"),
                               ("agreement", ["--image-tokens", "-1"], "--image-tokens and --video-tokens must be")):
         assert main(["eval", task, "--model", absent, *extra]) == 1
         err = capsys.readouterr().err
