@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "divprune.keep=0.3 (an error lists auto's members at that speed)")
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    ask.add_argument("--temperature", type=float, default=0.7)
-    ask.add_argument("--top-p", type=float, default=0.9)
-    ask.add_argument("--seed", type=int, default=None)
+    # Defaults None: given without --sample they are refused (greedy decoding ignored them without a word).
+    ask.add_argument("--temperature", type=float, default=None, help="with --sample (default 0.7)")
+    ask.add_argument("--top-p", type=float, default=None, help="with --sample (default 0.9)")
+    ask.add_argument("--seed", type=int, default=None, help="with --sample")
     _add_device_options(ask)
     ask.add_argument("--json", action="store_true", help='print one JSON object: text, model, policy, speed, params, summary, promise, '
                           'finish_reason, grounded, warnings and every metric (docs/engine.md); on an error, '
@@ -346,6 +347,13 @@ def run_ask(args) -> int:
     _check_before_loading(args.model, [(args.policy, args.speed)], overrides)
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1")
+    given = [flag for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p),
+                                      ("--seed", args.seed)) if value is not None]
+    if given and not args.sample:
+        raise UserError(f"{', '.join(given)} take{'s' if len(given) == 1 else ''} effect only when sampling: add "
+                        "--sample (without it the answer is greedy)")
+    args.temperature = 0.7 if args.temperature is None else args.temperature
+    args.top_p = 0.9 if args.top_p is None else args.top_p
     Sampling(args.sample, args.temperature, args.top_p, args.seed)  # so does a bad --temperature, --top-p, --seed
     media = [("image", path) for path in args.image] + [("video", path) for path in args.video]
     for kind, path in media:  # what the files' first bytes and headers tell, before the model loads

@@ -169,6 +169,10 @@ def test_what_the_machine_refuses_is_one_clear_line_not_a_bug_report(checkpoints
         proc = glimpse("ask", "--model", model, "--sample", option, value, "hi")
         _assert_clean_error(proc, word)
         assert "loading" not in proc.stderr  # refused before the model loads
+    # Without --sample they did nothing, without a word (the answer is greedy): an outside pass gave -3.
+    proc = glimpse("ask", "--model", model, "--temperature", "-3", "--seed", "1", "hi")
+    _assert_clean_error(proc, "--temperature, --seed take effect only when sampling: add --sample")
+    assert "loading" not in proc.stderr
     if os.geteuid() != 0:  # root reads whatever the mode says
         locked = tmp_path / "locked.png"
         locked.write_bytes(media["image"].read_bytes())
