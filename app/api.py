@@ -73,8 +73,13 @@ OFF_VALUES = (None, False, 0, [], {}, "")
 # than validated (and its million errors put in words) for a minute: OpenAI's limit on messages, and parts enough
 # for any interleaving of text and pictures a context holds.
 MAX_MESSAGES, MAX_PARTS = 2048, 512
-# Fields Glimpse does not implement whose value here asks for what it does anyway: a plain-text answer, no tools.
-ASKS_NOTHING = {"response_format": ({"type": "text"},), "tool_choice": ("none",)}
+# Fields Glimpse does not implement whose value here asks for what it does anyway: a plain-text answer, no tools,
+# a text reply, the default service tier.
+ASKS_NOTHING = {"response_format": ({"type": "text"},), "tool_choice": ("none",), "modalities": (["text"],),
+                "service_tier": ("auto", "default")}
+# Fields that ask the server for nothing it must do (an identifier for abuse reports, as `user` is, and a hint for
+# the provider's prompt cache, which Glimpse keys on the prompt itself): accepted, whatever their value.
+HINTS = ("safety_identifier", "prompt_cache_key")
 
 
 class BadRequest(Exception):
@@ -144,6 +149,9 @@ class Message(Declared):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    # OpenAI pads streamed chunks against length side channels unless this is false; Glimpse does not pad, so only
+    # false (or leaving it out) asks for what it does.
+    include_obfuscation: Literal[False] | None = None
 
 
 class ChatRequest(BaseModel):
@@ -162,14 +170,20 @@ class ChatRequest(BaseModel):
     n: StrictInt | None = Field(None, ge=1, le=1)  # one choice per request
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     user: StrictStr | None = None
-    speed: Number = Field(0.0, ge=0, le=1)
-    policy: StrictStr = "auto"
-    params: dict[str, Any] = Field(default_factory=dict)
+    # Glimpse's own fields; null is the default, as for OpenAI's (an SDK's extra_body sends None as null).
+    speed: Number | None = Field(0.0, ge=0, le=1)
+    policy: StrictStr | None = "auto"
+    params: dict[str, Any] | None = Field(default_factory=dict)
+
+    @field_validator("speed", "policy", "params", mode="after")
+    @classmethod
+    def null_is_the_default(cls, value, info):
+        return cls.model_fields[info.field_name].get_default(call_default_factory=True) if value is None else value
 
     @model_validator(mode="after")
     def refuse_unimplemented(self) -> "ChatRequest":
         asked = sorted(k for k, v in (self.model_extra or {}).items()
-                       if v not in OFF_VALUES and v not in ASKS_NOTHING.get(k, ()))
+                       if v not in OFF_VALUES and v not in ASKS_NOTHING.get(k, ()) and k not in HINTS)
         if asked:
             raise ValueError(f"unsupported field(s) {', '.join(asked)}: Glimpse implements "
                              f"{', '.join(sorted(ChatRequest.model_fields))}")
@@ -184,8 +198,8 @@ class ChatRequest(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-def _read_request(raw: bytes) -> "ChatRequest | str":
-    """The request body, declared and validated, or what is wrong with it (for a 400)."""
+def _read_request(raw: bytes) -> "ChatRequest | tuple[str, str | None]":
+    """The request body, declared and validated, or what is wrong with it and the field at fault (for a 400)."""
     try:
         return ChatRequest.model_validate(json.loads(raw))
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
@@ -193,33 +207,35 @@ def _read_request(raw: bytes) -> "ChatRequest | str":
             return _validation_message(error)
         if "integer string conversion" in str(error):  # Python's limit on the digits of a JSON integer
             field = re.search(rb'"([^"\\]{1,64})"\s*:\s*-?\d{4300}', raw)
-            named = f"{field.group(1).decode('utf-8', 'replace')}: " if field else ""
-            return f"{named}an integer of more than 4300 digits"
-        return "the request body is not JSON"
+            name = field.group(1).decode('utf-8', 'replace') if field else None
+            return f"{name + ': ' if name else ''}an integer of more than 4300 digits", name
+        return "the request body is not JSON", None
 
 
-def _validation_message(error: ValidationError) -> str:
-    """The first problem, naming its field (``messages.0.content``), in words a client can act on."""
+def _validation_message(error: ValidationError) -> tuple[str, str | None]:
+    """The first problem, naming its field (``messages.0.content``), in words a client can act on; and the field
+    (None: the body as a whole)."""
     # Of a union's alternatives, the one that got furthest (``content`` as a list of parts rather than a string),
     # and at the same depth one that is not just the wrong type (an empty list of parts: "at least 1 item").
     problems = error.errors(include_url=False)
     rank = lambda e: (len(e["loc"]), not e["type"].endswith("_type"))  # noqa: E731
     problem = max(problems, key=rank)
-    where = _field_name(problem["loc"])
+    where = _field_name(problem["loc"]) or None
     if not rank(problem)[1]:  # every alternative refused the type: name them all ("a valid string, or a valid list")
         wanted = list(dict.fromkeys(e["msg"].removeprefix("Input should be ") for e in problems
-                                    if rank(e) == rank(problem) and _field_name(e["loc"]) == where))
+                                    if rank(e) == rank(problem) and (_field_name(e["loc"]) or None) == where))
         problem = {**problem, "msg": "Input should be " + ", or ".join(wanted)}
     if problem["type"] == "union_tag_not_found":
-        return f"{where}: a content part needs a type (text, image_url, video_url)"
+        return f"{where}: a content part needs a type (text, image_url, video_url)", where
     if problem["type"] == "union_tag_invalid":
-        return f"{where}: unsupported content part type {problem['input'].get('type')!r} (text, image_url, video_url)"
+        return (f"{where}: unsupported content part type {problem['input'].get('type')!r} (text, image_url, "
+                "video_url)", where)
     if problem["type"] == "value_error":
         message = problem["msg"].removeprefix("Value error, ")
-        return f"{where}: {message}" if where else message
+        return f"{where}: {message}" if where else message, where
     if where == "n":
-        return "n must be 1: Glimpse answers one choice per request"
-    return f"{where or 'body'}: {problem['msg']}"
+        return "n must be 1: Glimpse answers one choice per request", where
+    return f"{where or 'body'}: {problem['msg']}", where
 
 
 def _field_name(loc: tuple) -> str:
@@ -341,9 +357,9 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         # Read off the event loop: tens of megabytes of JSON, and the words for a million validation errors, take
         # seconds, which /health and every other client would wait out.
         body = await anyio.to_thread.run_sync(_read_request, raw)
-        if isinstance(body, str):
+        if isinstance(body, tuple):
             telemetry.refused("bad_request")
-            return _error(400, body)
+            return _error(400, body[0], param=body[1])
         scratch = Scratch()
         # A whole answer is sent at once: its channel takes the last chunk only (and an error, or None for a
         # request cancelled before it started), so that its tokens do not wake the event loop one by one.
@@ -438,10 +454,12 @@ def _method_not_allowed(allowed: str):
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", headers: dict | None = None,
-           code: str | int | None = None) -> JSONResponse:
+           code: str | None = None, param: str | None = None) -> JSONResponse:
     # A client's lone surrogate quoted back (a parameter named "\ud800") cannot be encoded as UTF-8 JSON: escaped.
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code if code is not None else status}},
+    # OpenAI's shape: `code` a string or null, `param` the field at fault or null (typed clients parse them so).
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": None if code is None else str(code)}},
                         status_code=status, headers=headers)
 
 
@@ -470,8 +488,9 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
         raise BadRequest(f"policy: {error}") from None
     promise = engine.promise(body.policy, body.speed, body.params)
     max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_new_tokens)
-    if max_tokens > max_new_tokens:
-        raise BadRequest(f"max_tokens must be at most {max_new_tokens} on this server (--max-new-tokens)")
+    if max_tokens > max_new_tokens:  # named as sent (a client sending max_completion_tokens was told max_tokens)
+        field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        raise BadRequest(f"{field} must be at most {max_new_tokens} on this server (--max-new-tokens)")
     messages = []
     if allowance is None:  # one deadline and one byte budget for all of the request's media URLs
         allowance = Allowance(time.monotonic() + fetcher.deadline_s, MAX_REQUEST_FETCH_BYTES)

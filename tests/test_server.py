@@ -1260,8 +1260,41 @@ def test_fields_glimpse_does_not_implement_are_refused_not_ignored(server, media
     # ... and so do a plain-text answer format and no tool choice, which are what Glimpse does anyway
     plain = {"response_format": {"type": "text"}, "tool_choice": "none"}
     assert httpx.post(url, json={**good, **plain}, timeout=60).status_code == 200
+    # Found from outside with the OpenAI SDK: fields that ask for what Glimpse does anyway, or ask the server for
+    # nothing, were refused; a text reply, the default tier, no stream padding, an abuse-report id, a cache hint.
+    harmless = {"modalities": ["text"], "service_tier": "auto", "safety_identifier": "u1", "prompt_cache_key": "k"}
+    assert httpx.post(url, json={**good, **harmless}, timeout=60).status_code == 200
+    streamed = httpx.post(url, json={**good, "stream": True, "stream_options": {"include_usage": True,
+                                                                               "include_obfuscation": False}}, timeout=60)
+    assert streamed.status_code == 200 and "data: [DONE]" in streamed.text
+    for field, value in (("modalities", ["text", "audio"]), ("service_tier", "flex")):
+        reply = httpx.post(url, json={**good, field: value}, timeout=60)
+        assert reply.status_code == 400 and field in reply.json()["error"]["message"], (field, reply.text)
+    reply = httpx.post(url, json={**good, "stream": True, "stream_options": {"include_obfuscation": True}}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options.include_obfuscation"
     models = httpx.get(server["url"] + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-llava"]
+
+
+def test_errors_are_in_openais_shape_and_name_the_field_sent(server, media):
+    """Found from outside with the OpenAI SDK: `code` was the HTTP status as a number where OpenAI sends a string or
+    null, `param` was missing, a cap on `max_completion_tokens` was reported as `max_tokens`, and null for Glimpse's
+    own fields (an SDK's extra_body with None) was a 400 where null is the default for OpenAI's."""
+    url = server["url"] + "/v1/chat/completions"
+    good = {"model": "tiny-llava", "messages": _question(_data_url(media["image"])), "max_tokens": 3}
+    error = httpx.post(url, json={**good, "temperature": "hot"}, timeout=60).json()["error"]
+    assert error["param"] == "temperature" and error["code"] is None and error["type"] == "invalid_request_error"
+    error = httpx.post(url, json={**good, "messages": [{"role": "user", "content": []}]}, timeout=60).json()["error"]
+    assert error["param"] == "messages.0.content" and "messages.0.content" in error["message"]
+    del good["max_tokens"]
+    reply = httpx.post(url, json={**good, "max_completion_tokens": 1000}, timeout=60)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"].startswith("max_completion_tokens must be at most 12 on this server")
+    missing = httpx.get(server["url"] + "/v1/models/gpt-4", timeout=30).json()["error"]
+    assert missing["code"] == "model_not_found" and missing["param"] is None
+    reply = httpx.post(url, json={**good, "max_tokens": 3, "speed": None, "policy": None, "params": None}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["glimpse"]["speed"] == 0.0 and reply.json()["glimpse"]["policy"] == "auto"  # the defaults
 
 
 def test_the_model_can_be_looked_up_and_what_is_not_served_is_an_openai_error(server):
