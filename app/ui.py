@@ -224,7 +224,9 @@ class NoRemoteMedia:
     ``url(...)`` too. ``img-src`` covers all three; the chat's own pictures, uploads, previews and keep maps come
     from this server, ``data:`` or ``blob:`` URLs."""
 
-    POLICY = b"img-src 'self' data: blob:; media-src 'self' data: blob:"
+    # form-action too: a form in a message (the sanitiser keeps <form> and <button>) sent its fields elsewhere when
+    # clicked (an outside pass).
+    POLICY = b"img-src 'self' data: blob:; media-src 'self' data: blob:; form-action 'self'"
 
     def __init__(self, app):
         self.app = app

@@ -41,7 +41,10 @@ class MediaInput:
     grid: tuple[int, int, int] | None = None  # (t, h, w) of the visual tokens, for the keep-map
     sample_fps: float | None = None  # a video's frames per second as sampled
     timestamps_s: list[float] | None = None  # a video's time per temporal patch, where the prompt writes it
-    warning: str | None = None  # what the answer is told about a damaged video (``SampledVideo.warning``)
+    shortfall: tuple[int, int] | None = None  # a damaged video's frames decoded, of those declared (``SampledVideo``)
+    # What this request's answer is told about it, in words naming the file as this request named it (set per
+    # request by ``prompt.load_media``: the item itself may be shared through the media cache).
+    warning: str | None = None
     # A digest of ``tensors`` (``encoder_cache.item_key``), computed the first time a cache asks for it: the
     # encoder cache and the prefix cache key the same item by it, so its pixels are hashed once.
     key: str | None = field(default=None, repr=False, compare=False)
@@ -178,7 +181,7 @@ class Qwen2VLAdapter(Adapter):
         m = self.merge_size
         frames = [Image.fromarray(f) for f in sampled.frames[:: ip.temporal_patch_size]]
         return MediaInput(VIDEO, t * h * w // m**2, tensors, frames=frames, grid=(t, h // m, w // m),
-                          sample_fps=sampled.sample_fps, warning=sampled.warning)
+                          sample_fps=sampled.sample_fps, shortfall=sampled.shortfall)
 
     def encode(self, media, kind):
         return _joined(self._vision_output(media, kind).pooler_output)
@@ -396,7 +399,7 @@ class LlavaAdapter(Adapter):
         stride = self.config.spatial_pool_stride
         gh, gw = (n // stride for n in self._tokens_per_image(pixels))
         return MediaInput(VIDEO, len(frames) * gh * gw, {"pixel_values_videos": pixels},
-                          frames=frames, grid=(len(frames), gh, gw), warning=sampled.warning)
+                          frames=frames, grid=(len(frames), gh, gw), shortfall=sampled.shortfall)
 
     def vision_features(self, pixel_values: torch.Tensor, pool: int = 1) -> torch.Tensor:
         """The projector's input: the selected vision-tower layer without CLS, (N, tokens, C); ``pool`` > 1
@@ -515,7 +518,7 @@ class LlavaNextVideoAdapter(LlavaNextAdapter):
         pixels = torch.stack([_clip_preprocess(f, size, self.image_processor) for f in frames])[None]
         side = size // self.config.vision_config.patch_size // self.config.spatial_pool_stride
         return MediaInput(VIDEO, len(frames) * side * side, {"pixel_values_videos": pixels},
-                          frames=frames, grid=(len(frames), side, side), warning=sampled.warning)
+                          frames=frames, grid=(len(frames), side, side), shortfall=sampled.shortfall)
 
     def encode(self, media, kind):
         if kind == IMAGE:

@@ -16,8 +16,9 @@ import bisect
 import os
 import re
 import uuid
+from pathlib import Path
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from PIL import Image
@@ -163,7 +164,11 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
             elif item["type"] == "video":
                 if not adapter.supports_video:
                     raise vision.MediaError(f"this model ({adapter.name}) does not take video; send frames as images")
-                media.append(cache.prepared("video", _media_of(item), prepare_video))
+                source = _media_of(item)
+                video = cache.prepared("video", source, prepare_video)
+                if video.shortfall:  # said in words naming the file as this request named it (the item may be shared)
+                    video = replace(video, warning=vision.shortfall_warning(Path(str(source)).name, *video.shortfall))
+                media.append(video)
             else:
                 continue
             tokens += media[-1].num_tokens

@@ -331,7 +331,7 @@ def _cancelled(served) -> float:
                if sample.name == "glimpse_requests_total" and sample.labels["outcome"] == "cancelled")
 
 
-def test_a_message_holding_html_or_markdown_images_loads_nothing_from_another_server(page):
+def test_a_message_holding_html_or_markdown_images_loads_nothing_from_another_server(page, served):
     """The chat renders Markdown and the HTML Gradio's sanitiser keeps: an answer (or a message) holding
     ``<img src=...>``, ``![](...)`` or a style's ``url(...)`` pointing elsewhere had the browser fetch it, a way for
     a prompt-injected answer to send the conversation to another server. The page's policy allows this server's
@@ -353,5 +353,12 @@ def test_a_message_holding_html_or_markdown_images_loads_nothing_from_another_se
         page.wait_for_timeout(1000)  # what the page would load has had time to load
         assert page.locator("#chat .message.user").last.inner_text().strip().startswith("Hello")
         assert fetched == []
+        # A form the sanitiser keeps sent its fields elsewhere when its button was clicked.
+        _ask(page, f'<form action="{site}/form"><input type="hidden" name="leak" value="secret">'
+                   '<button id="leak">Continue</button></form>')
+        if page.locator("#chat button#leak").count():
+            page.locator("#chat button#leak").last.evaluate("button => button.click()")  # a navigation may follow
+            page.wait_for_timeout(1000)
+        assert fetched == [] and page.url.startswith(served)
     finally:
         elsewhere.shutdown()

@@ -181,6 +181,21 @@ def test_a_damaged_video_is_answered_from_the_frames_that_decode_and_the_reply_s
                                                           {"type": "text", "text": "What happens?"}]}],
                             max_new_tokens=2)
     assert whole.warnings == []
+    # With the media cache on (as `glimpse serve` runs), the same bytes under another name, from another user, are
+    # named as that request names them: the cached item carried the first request's words, file name included (an
+    # outside pass saw another user's file name in an API reply), and one request's copies all said content[0].
+    engine.media_cache.max_bytes = 2**30
+    renamed = tmp_path / "someone-else.mp4"
+    renamed.write_bytes(damaged.read_bytes())
+    for path in (damaged, renamed):
+        result = engine.generate([{"role": "user", "content": [{"type": "video", "video": str(path)},
+                                                               {"type": "text", "text": "What happens?"}]}],
+                                 max_new_tokens=1)
+        assert [w.split(":")[0] for w in result.warnings] == [path.name]
+    both = engine.generate([{"role": "user", "content": [{"type": "video", "video": str(damaged)},
+                                                         {"type": "video", "video": str(renamed)},
+                                                         {"type": "text", "text": "What happens?"}]}], max_new_tokens=1)
+    assert [w.split(":")[0] for w in both.warnings] == ["damaged.mp4", "someone-else.mp4"]
 
 
 def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_kept(monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,17 +169,23 @@ class SampledVideo:
     timestamps_s: list[float]  # index / source_fps
     sample_fps: float  # effective sampling rate: T / total_frames * source_fps (Qwen2-VL's `fps` input)
     source_fps: float
-    # Set when the file held fewer frames than it declares and these were sampled from the part that decoded:
-    # the answer is about that part, and the user is told so with it (not only in a log).
-    warning: str | None = None
+    # (frames decoded, frames declared) when the file held fewer frames than it declares and these were sampled
+    # from the part that decoded: the answer is about that part, and the user is told so with it (not only in a
+    # log; ``shortfall_warning``). Counts, not words: a cache of decoded media shares them between requests, and
+    # each names the file its own way.
+    shortfall: tuple[int, int] | None = None
 
 
-def _shortfall(path, declared: int, decoded: int) -> str | None:
-    """What a user is told when a damaged video's frames were sampled from the part that decoded."""
-    if decoded >= declared:
-        return None
-    return (f"{Path(str(path)).name}: only {decoded} of the {declared} frames it declares could be decoded (a "
-            "damaged or truncated file): the answer is about those")
+def shortfall_warning(name: str, decoded: int, declared: int) -> str:
+    """What a user is told when a damaged video's frames were sampled from the part that decoded. Control
+    characters in the name are escaped: a name holding a line break forged a second line in a log."""
+    name = re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\x{ord(m.group()):02x}", name)
+    return (f"{name}: only {decoded} of the {declared} frames it declares could be decoded (a damaged or truncated "
+            "file): the answer is about those")
+
+
+def _shortfall(declared: int, decoded: int) -> tuple[int, int] | None:
+    return (decoded, declared) if decoded < declared else None
 
 
 def _read_sampled(
@@ -208,8 +215,8 @@ def _read_sampled(
             if error.decodable_frames == 0 or error.decodable_frames >= total_frames:
                 raise
             # Said, not silent: the answer is about the part that decoded (an outside pass found a faststart file
-            # cut after 17 of its 40 frames answered with no word of it). SampledVideo.warning carries it further.
-            logger.warning("%s", _shortfall(path, total_frames, error.decodable_frames))
+            # cut after 17 of its 40 frames answered with no word of it). SampledVideo.shortfall carries it further.
+            logger.warning("%s", shortfall_warning(Path(str(path)).name, error.decodable_frames, total_frames))
             total_frames = error.decodable_frames
     raise AssertionError("unreachable: the second attempt only asks for frames that decoded")
 
@@ -267,7 +274,7 @@ def sample_video_qwen(
         timestamps_s=[index / info.fps for index in indices],
         sample_fps=len(indices) / max(total_frames, 1e-6) * info.fps,
         source_fps=info.fps,
-        warning=_shortfall(path, info.num_frames, total_frames),
+        shortfall=_shortfall(info.num_frames, total_frames),
     )
 
 
@@ -304,5 +311,5 @@ def sample_video_uniform(
         timestamps_s=[index / info.fps for index in indices],
         sample_fps=len(indices) / total_frames * info.fps,
         source_fps=info.fps,
-        warning=_shortfall(path, info.num_frames, total_frames),
+        shortfall=_shortfall(info.num_frames, total_frames),
     )
