@@ -59,8 +59,25 @@ def _version() -> str:
         return "(not installed)"
 
 
+class _UsageError(SystemExit):
+    """argparse's usage error (exit status 2), with its message: `ask --json` reports it as its JSON object too."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), whose usage error keeps its message for ``main``."""
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise _UsageError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glimpse", description="Chat with vision-language models about "
+    parser = _Parser(prog="glimpse", description="Chat with vision-language models about "
                                      "images and videos, faster, with training-free token pruning.")
     parser.add_argument("--version", action="version", version=f"glimpse {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -975,8 +992,14 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = sys.argv[1:] if argv is None else list(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as error:  # `ask --speed abc --json`: its one JSON object on stdout is the error too
+        if argv[:1] == ["ask"] and "--json" in argv:
+            print(json.dumps({"error": error.message}), flush=True)
+        raise
+    args.argv = argv
     _quiet_libraries()
     try:
         return args.run(args)

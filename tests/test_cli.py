@@ -84,6 +84,11 @@ def test_ask_json_prints_one_error_object_on_stdout_when_it_fails(checkpoints, t
     assert json.loads(proc.stdout) == {"error": "empty.png: the file is empty"}
     plain = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(tmp_path / "empty.png"), "hi")
     assert plain.returncode == 1 and plain.stdout == ""  # without --json, stdout stays the answer's alone
+    # argparse's own usage errors too (exit status 2, the usage on stderr as argparse gives it)
+    usage = glimpse("ask", "--speed", "abc", "--json", "hi")
+    assert usage.returncode == 2 and "usage: glimpse ask" in usage.stderr
+    assert json.loads(usage.stdout) == {"error": "argument --speed: invalid float value: 'abc'"}
+    assert glimpse("ask", "--speed", "abc", "hi").stdout == ""
 
 
 def test_ask_oversized_image_is_refused(checkpoints, tmp_path):
