@@ -20,6 +20,9 @@ import re
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+# The damaged profiles already warned of, as (path, size, modification time): the slider's profile is read for the
+# policy and again for its promise, and the warning printed twice.
+_WARNED: set[tuple[str, int, int]] = set()
 
 
 def cache_root() -> Path:
@@ -81,13 +84,25 @@ def load_profile(model: str, policy: str = "hidivdrop") -> dict | None:
         reason = error.strerror if isinstance(error, OSError) else "not a whole JSON profile"
         # Ignored, and said: the policy falls back to its defaults (the slider to its shipped or uncalibrated
         # frontier), which an outside pass found happening without a word after a profile was cut short.
-        logger.warning("ignoring the %s profile %s (%s): using the defaults; calibrate again to replace it",
-                       policy, path, reason)
+        _warn_once(path, f"ignoring the {policy} profile {path} ({reason}): using the defaults; calibrate again to "
+                         "replace it")
         return None
     if not isinstance(profile, dict):
-        logger.warning("ignoring the %s profile %s (not a profile): using the defaults", policy, path)
+        _warn_once(path, f"ignoring the {policy} profile {path} (not a profile): using the defaults")
         return None
     return profile
+
+
+def _warn_once(path: Path, message: str) -> None:
+    """``message`` once for this state of the file (changed, it is said again)."""
+    try:
+        state = path.stat()
+        seen = (str(path), state.st_size, state.st_mtime_ns)
+    except OSError:
+        seen = (str(path), -1, -1)
+    if seen not in _WARNED:
+        _WARNED.add(seen)
+        logger.warning("%s", message)
 
 
 def save_profile(model: str, profile: dict, policy: str = "hidivdrop", path: Path | None = None) -> Path:
