@@ -458,8 +458,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", heade
     # A client's lone surrogate quoted back (a parameter named "\ud800") cannot be encoded as UTF-8 JSON: escaped.
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     # OpenAI's shape: `code` a string or null, `param` the field at fault or null (typed clients parse them so).
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": None if code is None else str(code)}},
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from PIL import EpsImagePlugin, Image
 
+from conftest import write_damaged_video
 from glimpse import vision
 from glimpse.assets import ASSETS
 from glimpse.vision import media as media_module
@@ -426,20 +427,18 @@ def test_truncated_video_samples_the_frames_that_decode(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         sampled = vision.sample_video_uniform(path, num_frames=8)
     assert f"cut.mp4: only {decodable} of the {CLIP_FRAMES} frames it declares could be decoded" in caplog.text
+    expected = np.linspace(0, decodable - 1, 8, dtype=int).tolist()  # planned again over what decodes
+    assert sampled.indices == expected
+    assert [_frame_index(frame) for frame in sampled.frames] == expected
 
     # Garbage inside the data (not a cut) stops the decoder with an FFmpeg error. The log names the file, never
     # its folder: for a fetched URL that is the server's temporary folder.
-    damaged, start = bytearray(full), int(len(full) * 0.9)
-    damaged[start:start + 200] = b"\xff" * 200
-    (tmp_path / "damaged.mp4").write_bytes(bytes(damaged))
+    write_damaged_video(tmp_path / "damaged.mp4")
     caplog.clear()
     with caplog.at_level("WARNING"):
         vision.sample_video_uniform(tmp_path / "damaged.mp4", num_frames=8)
     assert "damaged.mp4: decoding stopped early (Invalid data" in caplog.text
     assert str(tmp_path) not in caplog.text
-    expected = np.linspace(0, decodable - 1, 8, dtype=int).tolist()  # planned again over what decodes
-    assert sampled.indices == expected
-    assert [_frame_index(frame) for frame in sampled.frames] == expected
 
 
 def test_decord_worker_timeout_kills_a_hanging_call():
