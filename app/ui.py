@@ -352,7 +352,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             count = len(result.token_ids)
             answer += _note(f"cut at {count} token{'s' if count != 1 else ''}: raise max answer tokens for more")
         for warning in result.warnings:  # e.g. a damaged video: the answer is about the frames that decoded
-            answer += _note(warning)
+            answer += _note(f"{WARNING_NOTE}{_literal(warning)}")
         if left_out:
             answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
                             f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")
@@ -603,8 +603,17 @@ NO_METRICS = "*no answer: no metrics for this turn*"
 STOPPED_METRICS = "*stopped: no metrics for this answer*"
 STOPPED_BEFORE_ANSWER = f"{ERROR_NOTE}stopped before the answer began: this question is left out of the conversation"
 NOTE_START, NOTE_END = "\n\n*(", ")*"
+WARNING_NOTE = "warning: "  # what the engine warns of (a damaged video): it names the user's file
 # Only these: a model may end on "*(...)*" too.
-NOTE_KINDS = ("cut at ", "stopped", "the conversation no longer fits", "the answer broke off")
+NOTE_KINDS = ("cut at ", "stopped", "the conversation no longer fits", "the answer broke off", WARNING_NOTE)
+# Characters Markdown (and the chat's LaTeX and HTML rendering) would read as markup in a user's file name.
+MARKUP = re.compile(r"([\\`*_\[\]<>~$&|#])")
+
+
+def _literal(text: str) -> str:
+    """``text`` shown as written inside the chat's Markdown: a file named "a_b_c.mp4" showed as "abc.mp4" with b in
+    italics, and one named "<b>x</b>.png" in bold."""
+    return MARKUP.sub(r"\\\1", text)
 
 
 def _is_chat_note(message: dict) -> bool:
@@ -727,6 +736,6 @@ def _token_limit(value, ceiling: int) -> int:
 
 
 def _error_text(error: Exception) -> str:
-    if isinstance(error, UserError):
-        return f"{ERROR_NOTE}{error}"
-    return f"{ERROR_NOTE}internal error (a bug in Glimpse, not your input): {type(error).__name__}: {error}"
+    if isinstance(error, UserError):  # its words may quote the user's file name or override
+        return f"{ERROR_NOTE}{_literal(str(error))}"
+    return f"{ERROR_NOTE}internal error (a bug in Glimpse, not your input): {type(error).__name__}: {_literal(str(error))}"

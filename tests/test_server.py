@@ -173,10 +173,15 @@ def test_a_damaged_video_is_answered_from_the_frames_that_decode_and_the_reply_s
         assert [e["glimpse"]["warnings"] for e in events if "warnings" in e.get("glimpse", {})] == [warnings]
         from gradio_client import Client, handle_file  # the chat: a note under the answer
 
-        question = {"text": "What happens?", "files": [handle_file(str(damaged))]}
+        # Named as users name files: the name is shown as written, not read as Markdown ("my_damaged_clip" showed
+        # "damaged" in italics).
+        upload = tmp_path / "my_damaged_clip.mp4"
+        upload.write_bytes(damaged.read_bytes())
+        question = {"text": "What happens?", "files": [handle_file(str(upload))]}
         answer, _, _ = Client(url + "/", verbose=False).predict(question, "none", 0.0, 2, "", False, api_name="/chat")
         assert "⚠️" not in answer  # answered, not failed
-        assert "*(damaged.mp4: only " in answer and "of the 30 frames it declares could be decoded" in answer
+        assert "*(warning: my\\_damaged\\_clip.mp4: only " in answer
+        assert "of the 30 frames it declares could be decoded" in answer
     whole = engine.generate([{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
                                                           {"type": "text", "text": "What happens?"}]}],
                             max_new_tokens=2)
@@ -722,6 +727,13 @@ def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
               {"role": "user", "content": "Why?"},
               {"role": "assistant", "content": "Because\n\n*(the answer broke off: out of memory)*"}]
     assert _usable(warned, set()) == [*warned[:3], {"role": "assistant", "content": "Because"}]
+    # A warning under an answer (a damaged video) is the chat's words too: sent back, the model read it as its own
+    # answer in every later turn.
+    damaged = [{"role": "user", "content": "What happens?"},
+               {"role": "assistant", "content": "A ball rolls.\n\n*(cut at 3 tokens: raise max answer tokens for more)*"
+                                                "\n\n*(warning: clip.mp4: only 4 of the 30 frames it declares could be "
+                                                "decoded (a damaged or truncated file): the answer is about those)*"}]
+    assert _usable(damaged, set())[1] == {"role": "assistant", "content": "A ball rolls."}
 
 
 def test_an_answer_that_is_a_number_and_a_dot_is_shown_as_text_and_sent_back_as_written():
