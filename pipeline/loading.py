@@ -18,7 +18,7 @@ from glimpse.pipeline.adapters import ADAPTERS
 from glimpse.pipeline.engine import Engine
 from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
 from glimpse.pipeline.cpu_linear import use_cpu_linears
-from glimpse.pipeline.profiles import checkpoint_identity, load_profile, profile_matches
+from glimpse.pipeline.profiles import checkpoint_identity, load_profile, profile_matches, warn_unusable
 from glimpse.pipeline.prompt import Prompt, build_prompt
 from glimpse.pruning.frontier import Frontier, uncalibrated_frontier
 
@@ -129,6 +129,8 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     profile = load_profile(str(model))
     if profile_matches(profile, engine.checkpoint, len(adapter.layers)):
         engine.profiles["hidivdrop"] = {"filter_layers": tuple(profile["filter_layers"])}
+    elif profile is not None:
+        warn_unusable(str(model), "hidivdrop", profile, len(adapter.layers))
     engine.frontier = slider_frontier(str(model), len(adapter.layers), engine.checkpoint)
     return engine
 
@@ -267,12 +269,16 @@ def local_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier | N
     """The frontier ``glimpse calibrate slider`` stored for this model, if it was measured on these weights
     (complete or not); None if there is none, or it is damaged."""
     profile = load_profile(model, "slider")
-    if not profile_matches(profile, checkpoint, num_layers) or profile.get("frontier") is None:
+    if profile is None:
+        return None
+    if not profile_matches(profile, checkpoint, num_layers):
+        warn_unusable(model, "slider", profile, num_layers)
         return None
     try:
         return Frontier.from_json(profile, calibrated=True)
-    except (KeyError, TypeError, ValueError):
-        return None  # a damaged profile: as if there were none
+    except (KeyError, TypeError, ValueError):  # a damaged profile: as if there were none, and said
+        warn_unusable(model, "slider", {}, num_layers)
+        return None
 
 
 def slider_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier:

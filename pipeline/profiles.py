@@ -93,6 +93,21 @@ def load_profile(model: str, policy: str = "hidivdrop") -> dict | None:
     return profile
 
 
+def warn_unusable(model: str, policy: str, profile: dict, num_layers: int) -> None:
+    """Say why a stored profile that ``profile_matches`` turned down is not used (once per state of the file): an
+    outside pass saw a profile of ``{}`` passed over without a word, and a profile of older weights is as silent."""
+    path = profile_path(model, policy)
+    if "checkpoint" not in profile or "num_layers" not in profile:
+        _warn_once(path, f"ignoring the {policy} profile {path} (not a profile): using the defaults; calibrate again "
+                         "to replace it")
+    elif profile.get("num_layers") != num_layers:
+        _warn_once(path, f"ignoring the {policy} profile {path}: it was measured on a model of "
+                         f"{profile['num_layers']} layers, this one has {num_layers}; calibrate again to replace it")
+    else:
+        _warn_once(path, f"ignoring the {policy} profile {path}: it was measured on other weights "
+                         f"({profile['checkpoint']}); calibrate again to replace it")
+
+
 def _warn_once(path: Path, message: str) -> None:
     """``message`` once for this state of the file (changed, it is said again)."""
     try:

@@ -490,6 +490,25 @@ def test_a_damaged_profile_is_ignored_and_said_to_be(tmp_path, monkeypatch, capl
     with caplog.at_level("WARNING"):
         assert load_profile("some/model", "slider") is None
     assert "(not a profile)" in caplog.text
+    # What `auto` would read: an empty object, a profile of other weights or of a model with other layers, and one
+    # without its frontier are passed over, each said once (`{}` was passed over without a word).
+    from glimpse.pipeline.loading import local_frontier
+
+    measured = {"checkpoint": "/models/m#abc", "num_layers": 30, "frontier": [], "floor": 0.9}
+    for stored, said in (({}, "(not a profile)"), ({**measured, "checkpoint": "/models/m#old"}, "on other weights"),
+                         ({**measured, "num_layers": 28}, "a model of 28 layers, this one has 30"),
+                         ({**measured, "frontier": None}, "(not a profile)")):
+        save_profile("some/model", stored, "slider")
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert local_frontier("some/model", 30, "/models/m#abc") is None
+            assert local_frontier("some/model", 30, "/models/m#abc") is None
+        assert caplog.text.count(f"ignoring the slider profile {path}") == 1 and said in caplog.text, stored
+    save_profile("some/model", measured, "slider")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert local_frontier("some/model", 30, "/models/m#abc").points == []  # the weights it was measured on
+    assert "ignoring" not in caplog.text
 
 
 def test_a_second_calibration_of_the_same_profile_is_refused_before_loading(tmp_path, capsys):
