@@ -211,7 +211,12 @@ class Frontier:
         label = Member.of(name, speed).label
         point = next((p for p in self.measured if p.name == label), None)
         if point is None or not self.calibrated:
-            out.update(configuration=label, text=f"{label}: not measured on this model (auto picks measured settings)")
+            # Said as what it is: "calibrated": false beside "measured_on": "this model" and "complete": true read as
+            # a contradiction (found from outside, for RLT, added after the shipped frontier was measured).
+            among = (f"not among the {len(self.measured) + self.unmeasured} candidates calibrated on this model"
+                     if self.calibrated else "not measured on this model")
+            out.update(configuration=label, text=f"{label}: {among} (auto picks measured settings; asked by name, "
+                                                 "it runs as set)")
             return out
         if point.e2e_ratio is None:  # stopped early: far below the floor
             out.update(configuration=label, calibrated=True, agreement=point.agreement, prompts=point.prompts,

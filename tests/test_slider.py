@@ -466,6 +466,10 @@ def test_a_named_policy_measured_slower_end_to_end_is_said_to_be_slower():
     assert "keeps only 35%" in text and "auto never runs it; asked by name, it runs as set" in text
     # No pruning is exact on any model: its promise states the model's calibration as auto's speed 0 does ("calibrated":
     # false beside a source "calibrated on 40 prompts" read as a contradiction, found from outside).
+    # A policy the calibration did not measure (RLT came after the shipped frontier) says so beside "complete".
+    text = Frontier(points=[], calibrated=True, source="here", measured=[stopped, slow]).promise_for("rlt", 0.5)["text"]
+    assert text == "rlt@0.5: not among the 2 candidates calibrated on this model (auto picks measured settings; " \
+                   "asked by name, it runs as set)"
     partial = Frontier(points=[], calibrated=True, source="calibrated here", measured=[stopped], unmeasured=3)
     for promise in (partial.promise_for("none", 1.0), partial.promise(0.0)):
         assert promise["configuration"] == "none" and promise["calibrated"] is True
