@@ -291,8 +291,9 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         # The scheme's name is case-insensitive (RFC 9110); the key is compared in constant time.
         if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode()):
             return None
+        # A 401 names the scheme to use (RFC 9110, 11.6.1): clients and proxies read it to know how to ask again.
         return _error(401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_request_error",
-                      code="invalid_api_key")
+                      headers={"WWW-Authenticate": 'Bearer realm="glimpse"'}, code="invalid_api_key")
 
     # HEAD as well as GET (probes and `curl -I`); another method is a 405 naming the one to use, where the chat
     # mounted at "/" would have answered 404.

@@ -1411,7 +1411,8 @@ def test_an_api_key_guards_the_api_and_cross_origin_text_posts_are_refused(serve
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=url + "/v1", api_key="wrong").chat.completions.create(model="m", **body)
         assert 'outcome="unauthorized"} 1.0' in httpx.get(url + "/metrics").text  # counted once (the client does not retry a 401)
-        assert httpx.get(url + "/v1/models").status_code == 401
+        refused = httpx.get(url + "/v1/models")
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == 'Bearer realm="glimpse"'
         assert httpx.get(url + "/v1/embeddings").status_code == 401  # what is not served asks for the key too
         reply = OpenAI(base_url=url + "/v1", api_key="s3cret").chat.completions.create(model="m", **body)
         assert reply.choices[0].message.content is not None
