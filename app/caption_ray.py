@@ -62,7 +62,11 @@ URL_MAX_BYTES, URL_DEADLINE_S = 4 * 2**30, 600.0  # a remote input: at most 4 Gi
 DOWNLOAD_PREFIX = "glimpse-download-"  # a downloaded input's temporary file (videos are decoded from a file)
 URI_OPEN_DEADLINE_S = 60.0  # a storage URI's file opened within a minute (then URL_DEADLINE_S for the whole copy)
 ACTOR_TRIES = 3  # a batch whose model actor dies is retried on a restarted actor, this many tries in all
-COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s")
+COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s",
+           "warnings")
+# What the answer could not see (a damaged video's frames past the damage): a list of strings, null if nothing. Added
+# after the first release of the output layout: a shard written before it is read as if it had none.
+LATER_COLUMNS = ("warnings",)
 
 
 def _require_ray():
@@ -194,11 +198,17 @@ def read_shard(shard: Path, columns: list[str] | None = None):
     the output folder ended the run with pyarrow's traceback (found from outside)."""
     import pyarrow.parquet
 
+    wanted = columns or list(COLUMNS)
     try:
-        return pyarrow.parquet.read_table(shard, columns=columns or list(COLUMNS))
+        present = set(pyarrow.parquet.read_schema(shard).names)
+        absent = [c for c in wanted if c in LATER_COLUMNS and c not in present]
+        table = pyarrow.parquet.read_table(shard, columns=[c for c in wanted if c not in absent])
     except (OSError, ValueError, KeyError) as error:  # pyarrow's errors derive from these
         raise UserError(f"{shard}: not a shard written by glimpse caption --ray ({str(error).splitlines()[0]}); "
                         f"move it out of {shard.parent} and rerun") from None
+    for column in absent:
+        table = table.append_column(_schema().field(column), pyarrow.nulls(table.num_rows, _schema().field(column).type))
+    return table.select(wanted)
 
 
 def drop_error_rows(out: Path) -> int:
@@ -295,7 +305,7 @@ def _schema():
 
     return pa.schema([("key", pa.string()), ("caption", pa.string()), ("error", pa.string()), ("policy", pa.string()),
                       ("speed", pa.float64()), ("prompt", pa.string()), ("prompt_tokens", pa.int64()),
-                      ("answer_tokens", pa.int64()), ("ttft_s", pa.float64())])
+                      ("answer_tokens", pa.int64()), ("ttft_s", pa.float64()), ("warnings", pa.list_(pa.string()))])
 
 
 # ---------------------------------------------------------------------------- the two stages
@@ -470,9 +480,12 @@ class CaptionStage:
                 return [{"error": _error_text(error)}]
             half = len(prompts) // 2  # by halves: the others are still decoded in batches
             return self._answer(prompts[:half]) + self._answer(prompts[half:])
+        # The warnings travel as JSON text: a batch where none has any would be a column of empty lists, of no
+        # element type, which Ray cannot put beside another batch's list of strings. The driver reads them back.
         return [{"caption": r.text.strip(), "policy": r.policy, "speed": self.speed,
                  "prompt_tokens": sum(r.metrics["prompt_tokens"].values()), "answer_tokens": r.metrics["new_tokens"],
-                 "ttft_s": r.metrics["ttft_s"], "error": ""} for r in results]
+                 "ttft_s": r.metrics["ttft_s"], "error": "", "warnings": json.dumps(r.warnings) if r.warnings else None}
+                for r in results]
 
     def _row(self, row: dict) -> dict:
         out = {c: row.get(c) for c in COLUMNS}
@@ -582,6 +595,9 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                 nonlocal buffered, last_write, said
                 if report.first_rows_s is None:
                     report.first_rows_s = time.perf_counter() - start
+                for row in rows:  # before the shard writer can see them
+                    if isinstance(row.get("warnings"), str):  # as the model actor sent them (_answer)
+                        row["warnings"] = json.loads(row["warnings"])
                 with writing:
                     buffered += rows
                     # A shard every shard_rows rows, or once rows have waited SHARD_SECONDS since the last shard

@@ -20,7 +20,7 @@ from PIL import Image
 ray = pytest.importorskip("ray")  # in the test install (README); the base install does without it
 
 from glimpse.caption_ray import caption_on_ray  # noqa: E402
-from conftest import refuse_listing, serve_bytes, write_video  # noqa: E402
+from conftest import refuse_listing, serve_bytes, write_damaged_video, write_video  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,6 +67,7 @@ def test_the_ray_pipeline_gives_the_local_captioners_captions(cluster, model, tm
     from glimpse.pipeline import load_engine
 
     paths = _inputs(tmp_path / "in", 5)
+    paths.append(write_damaged_video(tmp_path / "in" / "nested" / "damaged.mp4", frames=30))
     report = _ray_caption([tmp_path / "in"], tmp_path / "out", model, jsonl=True)
     assert report.captioned == len(paths) and not report.failed
     rows = {r["key"]: r for r in _rows(tmp_path / "out")}
@@ -79,6 +80,8 @@ def test_the_ray_pipeline_gives_the_local_captioners_captions(cluster, model, tm
         record = json.loads(line)
         row = rows[record["key"]]
         assert row["caption"] == record["caption"] and row["error"] is None
+        # What the answer could not see, as the local captioner says it (the damaged video's frames past the damage).
+        assert row["warnings"] == record.get("warnings"), record["key"]
         assert row["answer_tokens"] == record["metrics"]["new_tokens"] and row["policy"] == "auto"
         assert row["prompt"].startswith("Describe this video" if record["key"].endswith(".mp4") else "Describe this image")
     copy = tmp_path / "out" / "_captions.jsonl"
@@ -87,6 +90,12 @@ def test_the_ray_pipeline_gives_the_local_captioners_captions(cluster, model, tm
     import pyarrow.parquet  # the folder reads as one Parquet dataset, the JSONL copy beside the shards included
 
     assert sorted(pyarrow.parquet.read_table(tmp_path / "out").column("key").to_pylist()) == sorted(rows)
+    damaged = rows[str(paths[-1].resolve())]["warnings"]
+    assert len(damaged) == 1 and "damaged.mp4: only " in damaged[0] and "of the 30 frames" in damaged[0]
+
+    # A shard written before the warnings column was added reads as if it had none.
+    shard = sorted((tmp_path / "out").glob("part-*.parquet"))[0]
+    pyarrow.parquet.write_table(pyarrow.parquet.read_table(shard).drop_columns(["warnings"]), shard)
 
     again = _ray_caption([tmp_path / "in"], tmp_path / "out", model)  # a rerun finds everything done
     assert again.skipped == len(paths) and again.captioned == 0 and len(_rows(tmp_path / "out")) == len(paths)
