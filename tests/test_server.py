@@ -217,9 +217,9 @@ def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_k
     app.get("/ping")(lambda: {"ok": True})
     request = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n"
 
-    def response(sock) -> bytes:
+    def response(sock, end: bytes = b'{"ok":true}') -> bytes:
         data = b""
-        while not data.endswith(b'{"ok":true}'):
+        while not data.endswith(end):
             if not (piece := sock.recv(4096)):
                 break
             data += piece
@@ -241,6 +241,34 @@ def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_k
         assert httpx.get(url + "/ping").status_code == 200  # ... and the server goes on serving
         for sock in (silent, dribbling, good):
             sock.close()
+        # A request answered before its body is in (here a 405; a 401 or a 415 in the API): the rest of the body
+        # must come by the deadline too. One chunk after the answer, then silence, or a chunk now and then, held
+        # the connection for ever (found from outside).
+        early = b"POST /ping HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        quiet, trickling = (socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2))
+        for sock in (quiet, trickling):
+            sock.sendall(early)
+            assert response(sock, b'"Method Not Allowed"}').startswith(b"HTTP/1.1 405")
+            sock.sendall(b"1\r\na\r\n")
+        for _ in range(8):  # 1.6 s of a chunk every 0.2 s
+            time.sleep(0.2)
+            try:
+                trickling.sendall(b"1\r\na\r\n")
+            except OSError:
+                break  # closed under it
+        assert quiet.recv(1) == b""
+        try:
+            assert trickling.recv(1) == b""
+        except ConnectionResetError:
+            pass  # closed with the chunks it sent since unread: a reset, as closed
+        # A body that ends after the early answer lets the connection go on to its next request.
+        finishing = socket.create_connection(("127.0.0.1", port), timeout=5)
+        finishing.sendall(early)
+        assert response(finishing, b'"Method Not Allowed"}').startswith(b"HTTP/1.1 405")
+        finishing.sendall(b"1\r\na\r\n0\r\n\r\n" + request)
+        assert response(finishing).startswith(b"HTTP/1.1 200")
+        for sock in (quiet, trickling, finishing):
+            sock.close()
 
 
 def test_a_request_body_that_trickles_in_gets_408_and_the_server_goes_on(server, monkeypatch):
@@ -255,6 +283,25 @@ def test_a_request_body_that_trickles_in_gets_408_and_the_server_goes_on(server,
         while not reply.endswith(b"}}") and (piece := sock.recv(4096)):  # the head and the JSON error
             reply += piece
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within" in reply
+    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]  # the API's shape: a string code, a param
+    assert error["code"] == "request_timeout" and error["param"] is None
+    assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
+
+
+def test_a_request_framed_both_by_length_and_chunks_is_answered_once_and_its_connection_closed(server):
+    """Content-Length beside Transfer-Encoding: chunked: the chunks frame the body here, but a proxy in front that
+    trusts the length forwards what follows as part of this request. A request hidden after the chunks was
+    answered on the same connection (found from outside); RFC 9112 (6.3) has the connection closed instead."""
+    port = int(server["url"].rsplit(":", 1)[1])
+    body = b'{"messages": []}'
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while piece := sock.recv(4096):  # to the end: the server closes the connection
+            reply += piece
+    assert reply.startswith(b"HTTP/1.1 400") and reply.count(b"HTTP/1.1 ") == 1 and b"connection: close" in reply
     assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
 
 
