@@ -29,6 +29,7 @@ from glimpse.common import UserError
 MAX_FETCH_BYTES = 50 * 2**20  # the API: an http(s) image or video larger than this is refused
 FETCH_DEADLINE_S = 30.0  # the API: a media URL must be fetched within this, however slowly it drips
 MAX_REDIRECTS = 4
+REDIRECTS = (301, 302, 303, 307, 308)  # what is followed (same host, http(s), at most MAX_REDIRECTS)
 # IPv6 prefixes whose last 32 bits are an IPv4 address that the connection may end up at (IPv4-compatible, and
 # the well-known NAT64 prefix of RFC 6052).
 IPV4_CARRIERS = (ipaddress.ip_network("::/96"), ipaddress.ip_network("64:ff9b::/96"))
@@ -97,9 +98,9 @@ class Fetcher:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise FetchError(f"{url}: not fetched within {self.deadline_s:g} s")
+                    raise FetchError(f"{_shown(url)}: not fetched within {self.deadline_s:g} s")
                 if allowance is not None and allowance.cancelled.is_set():
-                    raise FetchError(f"{url}: not fetched: the request was given up")
+                    raise FetchError(f"{_shown(url)}: not fetched: the request was given up")
                 waiting = waiting or asyncio.ensure_future(anext(chunks), loop=loop)
                 # A slice at a time, so that a client that left is noticed between slices.
                 done, _ = loop.run_until_complete(asyncio.wait({waiting}, timeout=min(remaining, 0.5)))
@@ -113,7 +114,7 @@ class Fetcher:
                 if allowance is not None:
                     allowance.fetched += len(chunk)
                     if allowance.fetched > allowance.max_bytes:
-                        raise FetchError(f"{url}: the request's media URLs hold more than "
+                        raise FetchError(f"{_shown(url)}: the request's media URLs hold more than "
                                          f"{allowance.max_bytes // 2**20} MiB in all")
                 yield chunk
         finally:
@@ -136,32 +137,32 @@ class Fetcher:
                     pinned, headers, extensions = await self._pin(url)
                     headers["Accept-Encoding"] = "identity"
                     async with client.stream("GET", pinned, headers=headers, extensions=extensions) as response:
-                        if response.is_redirect:
+                        if response.status_code in REDIRECTS:  # (a 304 is no redirect: nothing was asked of it)
                             url = _redirect_target(url, host, response.headers.get("location"))
                             continue
                         response.raise_for_status()
                         encoding = response.headers.get("content-encoding", "").strip().lower()
                         if encoding not in ("", "identity"):
-                            raise FetchError(f"{url}: the server sent the body compressed ({encoding}) although "
+                            raise FetchError(f"{_shown(url)}: the server sent the body compressed ({encoding}) although "
                                              "asked not to; it is not unpacked")
                         size = 0
                         async with contextlib.aclosing(response.aiter_raw()) as body:  # as sent: nothing unpacked
                             async for chunk in body:
                                 size += len(chunk)
                                 if size > self.max_bytes:
-                                    raise FetchError(f"{url}: larger than {self.max_bytes // 2**20} MiB")
+                                    raise FetchError(f"{_shown(url)}: larger than {self.max_bytes // 2**20} MiB")
                                 yield chunk
                         return
-            raise FetchError(f"{url}: more than {MAX_REDIRECTS} redirects")
+            raise FetchError(f"{_shown(url)}: more than {MAX_REDIRECTS} redirects")
         except httpx.InvalidURL:
             raise FetchError(f"{_shown(url)}: not a valid URL") from None
         except httpx.HTTPStatusError as error:  # the server answered: its status is what the client can act on
-            raise FetchError(f"{url}: could not be fetched ({_cause(error)})") from None
+            raise FetchError(f"{_shown(url)}: could not be fetched ({_cause(error)})") from None
         except httpx.HTTPError as error:
             # No detail of a connection that failed for a server's clients: refused, reset or unreachable would
             # map the network.
             why = f" ({_cause(error)})" if self.explain else ""
-            raise FetchError(f"{url}: could not be fetched{why}") from None
+            raise FetchError(f"{_shown(url)}: could not be fetched{why}") from None
 
     async def _pin(self, url: str) -> tuple[str, dict, dict]:
         """The URL with its host replaced by the address checked here, the Host header and TLS name of the
@@ -169,16 +170,16 @@ class Fetcher:
         between the check and the connection (rebinding) cannot reach the server's own network."""
         parts = _split(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise FetchError(f"{url}: only http(s) URLs with a host are fetched")
+            raise FetchError(f"{_shown(url)}: only http(s) URLs with a host are fetched")
         port = parts.port or (443 if parts.scheme == "https" else 80)  # checked by _split
         try:  # in a worker thread of the loop: the deadline bounds a slow DNS answer too
             infos = await asyncio.get_running_loop().getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError):
-            raise FetchError(f"{url}: could not be fetched") from None
+            raise FetchError(f"{_shown(url)}: could not be fetched") from None
         address = ipaddress.ip_address(infos[0][4][0].split("%")[0])
         if not self.allow_private:
             if not all(is_public(ipaddress.ip_address(info[4][0].split("%")[0])) for info in infos):
-                raise FetchError(f"{url}: private, loopback and link-local addresses are not fetched "
+                raise FetchError(f"{_shown(url)}: private, loopback and link-local addresses are not fetched "
                                  "(start the server with --allow-private-urls to allow them)")
         literal = f"[{address}]" if address.version == 6 else str(address)
         netloc = f"{literal}:{port}"
@@ -199,19 +200,20 @@ def _split(url: str):
 
 
 def _shown(url: str) -> str:
+    """A URL as an error quotes it: its first 200 characters (a 1 MB URL came back whole in its error)."""
     return url if len(url) <= 200 else url[:200] + "…"
 
 
 def _redirect_target(url: str, host: str | None, location: str | None) -> str:
     """Where a redirect of ``url`` leads, if it may be followed: an http(s) URL on the same host."""
     if not location:
-        raise FetchError(f"{url}: redirects without saying where (no Location)")
+        raise FetchError(f"{_shown(url)}: redirects without saying where (no Location)")
     target = urljoin(url, location)
     parts = _split(target)
     if parts.scheme not in ("http", "https"):
-        raise FetchError(f"{url}: redirects to a URL that is not http(s)")
+        raise FetchError(f"{_shown(url)}: redirects to a URL that is not http(s)")
     if parts.hostname != host:
-        raise FetchError(f"{url}: redirects to another host ({parts.hostname})")
+        raise FetchError(f"{_shown(url)}: redirects to another host ({parts.hostname})")
     return target
 
 

@@ -106,6 +106,20 @@ def test_a_redirect_that_cannot_be_followed_says_why(location, message):
             Fetcher(allow_private=True).fetch(url + "/x.png")
 
 
+def test_a_not_modified_answer_is_an_error_status_not_a_redirect_and_a_long_url_is_quoted_short():
+    """A 304 was said to "redirect without saying where"; a 1 MB URL came back whole in its error (found from
+    outside)."""
+    def not_modified(connection, _):
+        connection.sendall(b"HTTP/1.1 304 Not Modified\r\n\r\n")
+
+    with RawServer(not_modified) as server:
+        with pytest.raises(FetchError, match=r"could not be fetched \(HTTP 304 Not Modified\)"):
+            Fetcher(allow_private=True).fetch(server.url + "/x.png")
+        with pytest.raises(FetchError) as refused:
+            Fetcher(allow_private=True).fetch(server.url + "/" + "a" * 30_000)  # (httpx takes up to 64 KiB)
+        assert len(str(refused.value)) < 300 and "HTTP 304" in str(refused.value)
+
+
 @pytest.mark.parametrize("address", [
     "127.0.0.1", "10.1.2.3", "192.168.0.1", "169.254.169.254", "0.0.0.0", "100.100.100.200",  # shared (RFC 6598)
     "198.18.0.1", "224.0.0.1", "::1", "::", "fe80::1", "fc00::1",
