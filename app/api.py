@@ -83,7 +83,11 @@ HINTS = ("safety_identifier", "prompt_cache_key")
 
 
 class BadRequest(Exception):
-    pass
+    """A client's mistake: a 400 whose ``param`` names the field at fault, where one is."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 # ---------------------------------------------------------------------------- the request, declared
@@ -411,7 +415,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             return _error(429, str(full), "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(full.retry_s)))})
         except (BadRequest, UserError) as error:
             telemetry.refused("bad_request")
-            return _error(400, str(error))
+            return _error(400, str(error), param=getattr(error, "param", None))
         except Exception as error:  # the server keeps serving; the client learns what happened
             telemetry.refused("error")
             return _error(500, f"{type(error).__name__}: {error}", "server_error")
@@ -485,12 +489,13 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
     try:
         policy = engine.make_policy(body.policy, body.speed, body.params)
     except (UserError, KeyError, TypeError) as error:  # the request's own policy, params or their values
-        raise BadRequest(f"policy: {error}") from None
+        param = "params" if body.params and not str(error).startswith("unknown policy") else "policy"
+        raise BadRequest(f"policy: {error}", param) from None
     promise = engine.promise(body.policy, body.speed, body.params)
     max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_new_tokens)
     if max_tokens > max_new_tokens:  # named as sent (a client sending max_completion_tokens was told max_tokens)
         field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        raise BadRequest(f"{field} must be at most {max_new_tokens} on this server (--max-new-tokens)")
+        raise BadRequest(f"{field} must be at most {max_new_tokens} on this server (--max-new-tokens)", field)
     messages = []
     if allowance is None:  # one deadline and one byte budget for all of the request's media URLs
         allowance = Allowance(time.monotonic() + fetcher.deadline_s, MAX_REQUEST_FETCH_BYTES)
@@ -507,7 +512,10 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
             media = "image" if isinstance(part, ImagePart) else "video"
             url = _url_of(part)
             where = f"messages[{number}].content[{index}]"  # as the request's JSON has it (the validation errors' words)
-            source = _media_source(url, media, root, scratch, fetcher, where, allowance)
+            try:
+                source = _media_source(url, media, root, scratch, fetcher, where, allowance)
+            except BadRequest as error:
+                raise BadRequest(str(error), f"messages.{number}.content.{index}.{media}_url.url") from None
             if local_parts is not None and isinstance(source, str) and not Path(source).name.startswith("messages["):
                 local_parts.setdefault(Path(source).name, where)  # (a video's own file is named after its part)
             parts.append({"type": media, media: source})

@@ -1364,6 +1364,12 @@ def test_errors_are_in_openais_shape_and_name_the_field_sent(server, media):
     reply = httpx.post(url, json={**good, "max_completion_tokens": 1000}, timeout=60)
     assert reply.status_code == 400
     assert reply.json()["error"]["message"].startswith("max_completion_tokens must be at most 12 on this server")
+    assert reply.json()["error"]["param"] == "max_completion_tokens"  # it was null
+    # The field at fault is named for a policy, its parameters and a media URL the server refuses, as for the rest.
+    for extra, param in (({"policy": "nope"}, "policy"), ({"policy": "dash", "params": {"nope": 1}}, "params"),
+                         ({"messages": _question("gopher://example.com/x.png")}, "messages.0.content.0.image_url.url")):
+        reply = httpx.post(url, json={**good, "max_tokens": 3, **extra}, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (extra, reply.text)
     missing = httpx.get(server["url"] + "/v1/models/gpt-4", timeout=30).json()["error"]
     assert missing["code"] == "model_not_found" and missing["param"] is None
     reply = httpx.post(url, json={**good, "max_tokens": 3, "speed": None, "policy": None, "params": None}, timeout=60)
