@@ -696,3 +696,12 @@ def test_ctrl_c_or_a_kill_while_ray_starts_takes_effect_once_it_has_started():
                 time.sleep(0.2)  # (a signal is handled between bytecodes: here, had it not been deferred)
                 finished.append(True)
         assert finished == [True] and signal.getsignal(number) is before
+    # ray.init puts in a SIGTERM handler of its own as it begins, which exits with status 15: a kill then stops the
+    # driver as any other stop does (it ended it with status 15 and no word).
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # as ray.init does
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+    assert signal.getsignal(signal.SIGTERM) is before
