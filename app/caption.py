@@ -37,6 +37,7 @@ import torch
 
 from glimpse.common import UserError
 from glimpse.pipeline import PromptError
+from glimpse.pipeline.profiles import model_key
 from glimpse.pipeline.prompt import user_message
 from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
 
@@ -245,21 +246,28 @@ def _refuse_what_is_not_a_captions_file(out: Path) -> None:
 
 
 def refuse_other_settings(rows: Iterable[dict], out: Path, policy: str, speed: float, prompt: str | None,
-                          afresh: str) -> None:
-    """A rerun skips the inputs already in ``out``: asked with another policy, speed or prompt, it would leave
+                          afresh: str, model: str | None = None) -> None:
+    """A rerun skips the inputs already in ``out``: asked with another model, policy, speed or prompt, it would leave
     captions of two kinds under one output and say nothing (found from outside). Refused, naming both, from what
-    the rows record (``policy``, ``speed``, ``prompt``: the instruction; older rows without a field pass it)."""
-    prompts = {prompt} if prompt is not None else {instruction(kind, None) for kind in ("image", "video")}
+    the rows record (``model``: ``profiles.model_key``, ``policy``, ``speed``, ``prompt``: the instruction; older
+    rows without a field pass it)."""
+    defaults = {instruction(kind, None) for kind in ("image", "video")}
+    prompts = {prompt} if prompt is not None else defaults
+    model = model_key(model) if model is not None else None
     for row in rows:
-        differs = ((row.get("policy") is not None and row["policy"] != policy)
+        other_model = model is not None and row.get("model") is not None and row["model"] != model
+        differs = (other_model or (row.get("policy") is not None and row["policy"] != policy)
                    or (row.get("speed") is not None and float(row["speed"]) != float(speed))
                    or (row.get("prompt") is not None and row["prompt"] not in prompts))
         if differs:
             made_speed = speed if row.get("speed") is None else float(row["speed"])
-            made = f"--policy {row.get('policy') or policy} --speed {made_speed:g}" + (
-                f" --prompt {row['prompt']!r}" if row.get("prompt") is not None and row["prompt"] not in prompts
-                else "")
-            asked = f"--policy {policy} --speed {speed:g}" + (f" --prompt {prompt!r}" if prompt is not None else "")
+            made = (f"--model {row['model']} " if other_model else "") + (
+                f"--policy {row.get('policy') or policy} --speed {made_speed:g}")
+            if row.get("prompt") is not None and row["prompt"] not in prompts:
+                # (the instruction a run without --prompt used was shown as if it had been asked for)
+                made += " and no --prompt" if row["prompt"] in defaults else f" --prompt {row['prompt']!r}"
+            asked = (f"--model {model} " if other_model else "") + f"--policy {policy} --speed {speed:g}" + (
+                f" --prompt {prompt!r}" if prompt is not None else "")
             raise UserError(f"{out} holds captions made with {made}, and this run asks for {asked}: the inputs "
                             f"already there would be skipped and the output would mix the two. Rerun with the same "
                             f"settings to finish it, give another --out for the new ones, or {afresh}")
@@ -378,7 +386,8 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
                     continue
             else:
                 metrics = {k: result.metrics[k] for k in KEPT_METRICS}
-                sink.write({"path": str(path), "key": input_key(path), "caption": caption, "policy": result.policy,
+                sink.write({"path": str(path), "key": input_key(path), "caption": caption,
+                            "model": model_key(engine.model_id), "policy": result.policy,
                             "speed": speed, "prompt": instruction(kind_of(path), prompt), "params": result.params,
                             "metrics": metrics, **({"warnings": result.warnings} if result.warnings else {})})
             report.captioned += 1

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glimpse.caption import is_uri, refuse_other_settings, resolved_path, unlisted_failures
+from glimpse.pipeline.profiles import model_key
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import user_message
 from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
@@ -63,10 +64,11 @@ DOWNLOAD_PREFIX = "glimpse-download-"  # a downloaded input's temporary file (vi
 URI_OPEN_DEADLINE_S = 60.0  # a storage URI's file opened within a minute (then URL_DEADLINE_S for the whole copy)
 ACTOR_TRIES = 3  # a batch whose model actor dies is retried on a restarted actor, this many tries in all
 COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s",
-           "warnings")
-# What the answer could not see (a damaged video's frames past the damage): a list of strings, null if nothing. Added
-# after the first release of the output layout: a shard written before it is read as if it had none.
-LATER_COLUMNS = ("warnings",)
+           "warnings", "model")
+# Added after the first release of the output layout (a shard written before them reads as null): what the answer
+# could not see (a damaged video's frames past the damage), a list of strings, null if nothing; the model that
+# captioned the row (``profiles.model_key``: a local folder's absolute path, else the hub id), checked by a rerun.
+LATER_COLUMNS = ("warnings", "model")
 
 
 def _require_ray():
@@ -176,20 +178,20 @@ def _manifest_column(manifest: str, column: str, log: Callable[[str], None] = la
 
 def done_keys(out: Path, errors: set[str] | None = None, settings: list[dict] | None = None) -> set[str]:
     """Keys already in ``out``'s shards (those of error rows also into ``errors``; each shard's distinct policy,
-    speed and prompt into ``settings``). Leftover temporary files of a killed driver are removed: their inputs
+    speed, prompt and model into ``settings``). Leftover temporary files of a killed driver are removed: their inputs
     were never counted as done."""
     for stale in out.glob(".part-*.tmp"):
         stale.unlink(missing_ok=True)
     keys: set[str] = set()
     for shard in sorted(out.glob(SHARD_GLOB)):
-        table = read_shard(shard, ["key", "error", "policy", "speed", "prompt"])
+        table = read_shard(shard, ["key", "error", "policy", "speed", "prompt", "model"])
         for key, error in zip(table.column("key").to_pylist(), table.column("error").to_pylist()):
             keys.add(key)
             if error is not None and errors is not None:
                 errors.add(key)
         if settings is not None:
-            settings += table.select(["policy", "speed", "prompt"]).group_by(["policy", "speed", "prompt"]
-                                                                             ).aggregate([]).to_pylist()
+            made_with = ["policy", "speed", "prompt", "model"]
+            settings += table.select(made_with).group_by(made_with).aggregate([]).to_pylist()
     return keys
 
 
@@ -305,7 +307,8 @@ def _schema():
 
     return pa.schema([("key", pa.string()), ("caption", pa.string()), ("error", pa.string()), ("policy", pa.string()),
                       ("speed", pa.float64()), ("prompt", pa.string()), ("prompt_tokens", pa.int64()),
-                      ("answer_tokens", pa.int64()), ("ttft_s", pa.float64()), ("warnings", pa.list_(pa.string()))])
+                      ("answer_tokens", pa.int64()), ("ttft_s", pa.float64()), ("warnings", pa.list_(pa.string())),
+                      ("model", pa.string())])
 
 
 # ---------------------------------------------------------------------------- the two stages
@@ -533,12 +536,13 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
         raise UserError("no image or video files found in the inputs")
     output = OutputDir(out, jsonl)
     report = RayReport(failed=unlisted)
+    made_by = model_key(model)  # each row's model column
     previous = _NOT_INSTALLED
     try:
         earlier_errors: set[str] = set()
         settings: list[dict] = []
         done = done_keys(out, earlier_errors, settings)
-        refuse_other_settings(settings, out, policy, speed, prompt, "remove its shards to start it afresh")
+        refuse_other_settings(settings, out, policy, speed, prompt, "remove its shards to start it afresh", model)
         if retry_errors and (dropped := drop_error_rows(out)):
             log(f"{dropped} error rows removed from {out}: their inputs are tried again")
             done, earlier_errors = done - earlier_errors, set()  # (what is left is the good rows: no second read)
@@ -598,6 +602,7 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                 for row in rows:  # before the shard writer can see them
                     if isinstance(row.get("warnings"), str):  # as the model actor sent them (_answer)
                         row["warnings"] = json.loads(row["warnings"])
+                    row["model"] = made_by
                 with writing:
                     buffered += rows
                     # A shard every shard_rows rows, or once rows have waited SHARD_SECONDS since the last shard

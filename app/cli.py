@@ -639,7 +639,7 @@ def run_caption(args) -> int:
     try:
         if output is not None and not args.overwrite:
             refuse_other_settings(records_in_jsonl(out), out, args.policy, args.speed, args.prompt,
-                                  "--overwrite to start it afresh")
+                                  "--overwrite to start it afresh", model=args.model)
         _log(f"{len(inputs)} inputs; loading {args.model} ...")
         engine = load_engine(args.model, device=args.device, attn=args.attn)
         if not engine.grounded:

@@ -17,6 +17,7 @@ from PIL import Image
 
 from conftest import refuse_listing
 from glimpse.cli import main
+from glimpse.pipeline.profiles import model_key
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -211,7 +212,7 @@ def test_a_second_writer_and_an_unwritable_output_are_refused_before_the_model_l
 
 
 def test_a_rerun_asking_for_other_settings_is_refused_before_the_model_loads_unless_it_starts_afresh(
-        model, tmp_path, capsys):
+        model, tmp_path, capsys, monkeypatch):
     """A rerun skips the inputs already captioned: asked with another policy, speed or prompt, it said "already done"
     and left captions of two kinds in one file (found from outside). Refused before loading anything (a model that
     does not exist would fail later); the same settings resume, and --overwrite starts afresh with the new ones."""
@@ -224,12 +225,21 @@ def test_a_rerun_asking_for_other_settings_is_refused_before_the_model_loads_unl
     for change, said in ((["--speed", "1"], "made with --policy auto --speed 0.5, and this run asks for --policy "
                                             "auto --speed 1"),
                          (["--speed", "0.5", "--policy", "none"], "asks for --policy none --speed 0.5"),
-                         (["--speed", "0.5", "--prompt", "What colour?"], "--prompt 'What colour?'")):
-        assert main([*ask, "--model", str(tmp_path / "no-model"), *change]) == 1
+                         (["--speed", "0.5", "--prompt", "What colour?"], "--speed 0.5 and no --prompt, and this run "
+                                                                           "asks for --policy auto --speed 0.5 --prompt "
+                                                                           "'What colour?'"),
+                         # another model's captions were added to the file without a word (found from outside)
+                         (["--speed", "0.5", "--model", str(tmp_path / "no-model")],
+                          f"made with --model {model_key(model)} --policy auto --speed 0.5, and this run asks for --model "
+                          f"{tmp_path / 'no-model'} --policy auto --speed 0.5")):
+        assert main([*ask, "--model", model, *change]) == 1
         err = capsys.readouterr().err
         assert said in err and "would mix the two" in err and "--overwrite" in err and "loading" not in err, err
     assert out.read_bytes() == before
-    assert main([*ask, "--model", model, "--speed", "0.5"]) == 0 and "already done 2" in capsys.readouterr().err
+    assert all(r["model"] == model_key(model) for r in _lines(out))
+    monkeypatch.chdir(Path(model).parent)  # the same model named by a relative path is the same model
+    relative = ["--model", os.path.join(".", Path(model).name)]
+    assert main([*ask, *relative, "--speed", "0.5"]) == 0 and "already done 2" in capsys.readouterr().err
     assert main([*ask, "--model", model, "--speed", "1", "--overwrite"]) == 0
     assert [r["speed"] for r in _lines(out)] == [1.0, 1.0]
 

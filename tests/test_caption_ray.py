@@ -20,6 +20,7 @@ from PIL import Image
 ray = pytest.importorskip("ray")  # in the test install (README); the base install does without it
 
 from glimpse.caption_ray import caption_on_ray  # noqa: E402
+from glimpse.pipeline.profiles import model_key  # noqa: E402
 from conftest import refuse_listing, serve_bytes, write_damaged_video, write_video  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +83,7 @@ def test_the_ray_pipeline_gives_the_local_captioners_captions(cluster, model, tm
         assert row["caption"] == record["caption"] and row["error"] is None
         # What the answer could not see, as the local captioner says it (the damaged video's frames past the damage).
         assert row["warnings"] == record.get("warnings"), record["key"]
+        assert row["model"] == record["model"] == model_key(model)
         assert row["answer_tokens"] == record["metrics"]["new_tokens"] and row["policy"] == "auto"
         assert row["prompt"].startswith("Describe this video" if record["key"].endswith(".mp4") else "Describe this image")
     copy = tmp_path / "out" / "_captions.jsonl"
@@ -638,13 +640,17 @@ def test_a_rerun_asking_for_other_settings_or_finding_a_foreign_shard_is_refused
     out = tmp_path / "out"
     output = OutputDir(out, jsonl=False)
     output.write([{**{c: None for c in COLUMNS}, "key": keys[0], "caption": "a caption", "policy": "auto",
-                   "speed": 0.5, "prompt": "Describe this image in one or two sentences."}])
+                   "speed": 0.5, "prompt": "Describe this image in one or two sentences.", "model": model_key(model)}])
     output.close()
+    # (the default instruction was shown as if it had been asked for with --prompt; another model was not checked)
     for change, said in (({"speed": 1.0}, "--speed 0.5, and this run asks for --policy auto --speed 1"),
                          ({"policy": "none"}, "--policy auto --speed 0.5, and this run asks for --policy none"),
-                         ({"prompt": "What colour?"}, "asks for --policy auto --speed 0.5 --prompt 'What colour?'")):
+                         ({"prompt": "What colour?"}, "made with --policy auto --speed 0.5 and no --prompt, and this "
+                                                      "run asks for --policy auto --speed 0.5 --prompt 'What colour?'"),
+                         ({"model": "embedded"}, f"made with --model {model_key(model)} --policy auto --speed 0.5, and this run "
+                                                 "asks for --model embedded --policy auto --speed 0.5")):
         with pytest.raises(UserError, match="would mix the two") as refused:
-            _ray_caption([tmp_path / "in"], out, model, **change)
+            _ray_caption([tmp_path / "in"], out, **{"model": model, **change})
         assert said in str(refused.value) and str(out) in str(refused.value), str(refused.value)
     assert len(_rows(out)) == 1  # nothing changed
     shard = next(out.glob("part-*.parquet"))
