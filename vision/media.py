@@ -21,6 +21,7 @@ Safety rules, and why:
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import io
 import itertools
@@ -137,6 +138,12 @@ def _check_file(path: str | os.PathLike) -> Path:
         raise MediaError(f"{_display_name(path)}: a folder, not an image or video file")
     if not path.exists():  # the path as given: which folder it was looked for in is the point
         if path.is_symlink():  # "file not found" for a name that is there, listed: say what is missing
+            try:
+                os.stat(path)
+            except OSError as error:  # links that lead back to themselves were said to lead to nothing
+                if error.errno == errno.ELOOP:
+                    raise MediaError(f"{path}: a symbolic link to {os.readlink(path)}, which leads round in a "
+                                     "loop") from None
             raise MediaError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist")
         raise MediaError(f"{path}: file not found")
     if not path.is_file():  # a device, pipe or socket: reading it could block or never end
