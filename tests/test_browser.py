@@ -181,10 +181,11 @@ def test_moving_the_slider_shows_what_it_selects_and_its_measured_promise_before
 
 
 def test_a_corrupt_upload_shows_an_error_in_the_chat_and_the_next_question_still_works(page, tmp_path):
-    broken = tmp_path / "broken.png"
+    broken = tmp_path / "_draft_ [v1] ~old~.png"  # named as users name files: shown as named, not read as Markdown
     broken.write_bytes(b"\x89PNG\r\n\x1a\n this is not an image")
     _ask(page, "And this one?", upload=broken)
-    assert "⚠️" in page.locator("#chat .message.bot").last.inner_text()
+    error = page.locator("#chat .message.bot").last.inner_text()
+    assert "⚠️" in error and "_draft_ [v1] ~old~.png" in error, error
     _ask(page, "What is the capital of France?")
     answer = page.locator("#chat .message.bot").last.inner_text()
     assert answer.strip() and "⚠️" not in answer
