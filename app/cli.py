@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--format", choices=["jsonl", "txt"], default=None,
                          help="txt: a <name>.txt sidecar next to each input instead of JSONL; with --ray, jsonl "
                               "also writes DIR/_captions.jsonl beside the shards")
-    caption.add_argument("--overwrite", action="store_true", help="caption again what is already captioned")
+    caption.add_argument("--overwrite", action="store_true",
+                         help="caption again what is already captioned (not with --ray: give a new --out)")
     caption.add_argument("--model", default="embedded", help="as for ask")
     caption.add_argument("--policy", default="auto", choices=NAMES)
     caption.add_argument("--speed", type=float, default=0.0)
