@@ -92,8 +92,9 @@ def test_the_installed_wheel_answers_from_outside_the_checkout(wheel, tmp_path, 
     assert found["file"].startswith(site) and found["assets"].startswith(site), found
     assert found["generic"] == [], found  # nothing but `glimpse` was installed
 
-    sample = REPO / "assets" / "sample.png"
-    proc = subprocess.run([str(env_dir / "bin" / "glimpse"), "ask", "--image", str(sample), "--max-new-tokens", "8",
+    sample = elsewhere / "sample.png"  # a user's own copy: nothing of the checkout is named
+    shutil.copy(REPO / "assets" / "sample.png", sample)
+    proc = subprocess.run([str(env_dir / "bin" / "glimpse"), "ask", "--image", sample.name, "--max-new-tokens", "8",
                            "--json", "What colour is the circle?"], cwd=elsewhere, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
