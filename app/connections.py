@@ -183,6 +183,7 @@ REFUSAL_CODES = {408: "request_timeout", 411: "length_required", 413: "request_t
 
 
 def _closing(send):
+    """``send`` with ``Connection: close`` added to the response head (uvicorn then closes after the response)."""
     async def send_closing(message):
         if message["type"] == "http.response.start":
             message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}

@@ -611,8 +611,8 @@ MARKUP = re.compile(r"([\\`*_\[\]<>~$&|#])")
 
 
 def _literal(text: str) -> str:
-    """``text`` shown as written inside the chat's Markdown: a file named "a_b_c.mp4" showed as "abc.mp4" with b in
-    italics, and one named "<b>x</b>.png" in bold."""
+    """``text`` shown as written inside the chat's Markdown: a file named "_draft_ [v1] ~old~.png" showed as
+    "draft [v1] old.png", "draft" in italics and "old" struck through."""
     return MARKUP.sub(r"\\\1", text)
 
 
