@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glimpse.caption import is_uri, refuse_other_settings, resolved_path, unlisted_failures
-from glimpse.pipeline.profiles import model_key
 from glimpse.common import UserError
+from glimpse.pipeline.profiles import model_key
 from glimpse.pipeline.prompt import user_message
 from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
