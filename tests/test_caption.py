@@ -59,7 +59,7 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     records = _lines(out)
     assert sorted(r["path"] for r in records) == sorted(str(p) for p in good)
     for r in records:
-        assert set(r) == {"path", "key", "caption", "policy", "speed", "prompt", "params", "metrics"}
+        assert set(r) == {"path", "key", "caption", "model", "policy", "speed", "prompt", "params", "metrics"}
         assert r["prompt"] == "Describe this image in one or two sentences."  # the instruction it was asked
         assert r["key"] == str(Path(r["path"]).resolve())
         assert r["policy"] == "auto" and r["speed"] == 0.5 and r["metrics"]["new_tokens"] >= 1
