@@ -124,6 +124,8 @@ def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | Non
                 add(local(entry, f"{path}: "))
         elif path.exists():
             add(path)
+        elif path.is_symlink():  # there, but leads nowhere (or round in a loop): an input that fails, saying why
+            add(path)
         else:
             raise FileNotFoundError(f"{item}: no such file or folder")
     if cannot_list and unreadable is None:
@@ -405,7 +407,7 @@ def _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
     except (MediaError, PromptError, OSError, torch.OutOfMemoryError) as error:
         if len(batch) == 1:
             report.failed.append((str(batch[0]), str(error)))
-            log(f"failed {batch[0]}: {error}")
+            log(f"failed {batch[0]}: {str(error).removeprefix(f'{batch[0]}: ')}")  # (a path it names: said once)
             return []
     # An input of the batch failed: find it by halves, so that the others are still decoded in batches (one by one,
     # a corrupt file among 8 cost its 7 neighbours their batching).

@@ -69,6 +69,13 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     assert "loop_a.png" in err and "loop_b.png" in err
     assert "pipe.png" not in err
     assert "captioning: 100%" in err and "10/10" in err  # the progress bar (tqdm) reached the end
+    # A link given by name that leads round in a loop is an input that fails saying so (it stopped the whole run
+    # as "no such file or folder"), its path said once in the summary (it was said twice).
+    link = str(tmp_path / "in" / "loop_a.png")
+    assert main(["caption", link, str(good[0]), "--model", model, "--out", str(tmp_path / "links.jsonl"),
+                 "--max-new-tokens", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "captioned 1" in err and "leads round in a loop" in err and f"{link}: {link}" not in err, err
 
 
 def test_a_damaged_video_captioned_from_the_frames_that_decoded_says_so_in_its_record(checkpoints, media, tmp_path):
