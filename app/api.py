@@ -514,7 +514,7 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
             where = f"messages[{number}].content[{index}]"  # as the request's JSON has it (the validation errors' words)
             try:
                 source = _media_source(url, media, root, scratch, fetcher, where, allowance)
-            except BadRequest as error:
+            except (BadRequest, FetchError) as error:  # refused, or could not be fetched: the URL is at fault
                 raise BadRequest(str(error), f"messages.{number}.content.{index}.{media}_url.url") from None
             if local_parts is not None and isinstance(source, str) and not Path(source).name.startswith("messages["):
                 local_parts.setdefault(Path(source).name, where)  # (a video's own file is named after its part)

@@ -1367,7 +1367,8 @@ def test_errors_are_in_openais_shape_and_name_the_field_sent(server, media):
     assert reply.json()["error"]["param"] == "max_completion_tokens"  # it was null
     # The field at fault is named for a policy, its parameters and a media URL the server refuses, as for the rest.
     for extra, param in (({"policy": "nope"}, "policy"), ({"policy": "dash", "params": {"nope": 1}}, "params"),
-                         ({"messages": _question("gopher://example.com/x.png")}, "messages.0.content.0.image_url.url")):
+                         ({"messages": _question("gopher://example.com/x.png")}, "messages.0.content.0.image_url.url"),
+                         ({"messages": _question("http://127.0.0.1:9/x.png")}, "messages.0.content.0.image_url.url")):
         reply = httpx.post(url, json={**good, "max_tokens": 3, **extra}, timeout=60)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (extra, reply.text)
     missing = httpx.get(server["url"] + "/v1/models/gpt-4", timeout=30).json()["error"]
