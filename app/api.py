@@ -489,8 +489,9 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
     try:
         policy = engine.make_policy(body.policy, body.speed, body.params)
     except (UserError, KeyError, TypeError) as error:  # the request's own policy, params or their values
-        param = "params" if body.params and not str(error).startswith("unknown policy") else "policy"
-        raise BadRequest(f"policy: {error}", param) from None
+        unknown = str(error).startswith("unknown policy")  # (said as it is: "policy: unknown policy ..." repeated it)
+        param = "params" if body.params and not unknown else "policy"
+        raise BadRequest(str(error) if unknown else f"policy: {error}", param) from None
     promise = engine.promise(body.policy, body.speed, body.params)
     max_tokens = body.max_completion_tokens or body.max_tokens or min(256, max_new_tokens)
     if max_tokens > max_new_tokens:  # named as sent (a client sending max_completion_tokens was told max_tokens)

@@ -1371,6 +1371,8 @@ def test_errors_are_in_openais_shape_and_name_the_field_sent(server, media):
                          ({"messages": _question("http://127.0.0.1:9/x.png")}, "messages.0.content.0.image_url.url")):
         reply = httpx.post(url, json={**good, "max_tokens": 3, **extra}, timeout=60)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (extra, reply.text)
+        if extra == {"policy": "nope"}:  # said once ("policy: unknown policy 'nope'" repeated it)
+            assert reply.json()["error"]["message"].startswith("unknown policy 'nope'"), reply.text
     missing = httpx.get(server["url"] + "/v1/models/gpt-4", timeout=30).json()["error"]
     assert missing["code"] == "model_not_found" and missing["param"] is None
     reply = httpx.post(url, json={**good, "max_tokens": 3, "speed": None, "policy": None, "params": None}, timeout=60)
