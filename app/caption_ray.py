@@ -209,7 +209,8 @@ def read_shard(shard: Path, columns: list[str] | None = None):
         raise UserError(f"{shard}: not a shard written by glimpse caption --ray ({str(error).splitlines()[0]}); "
                         f"move it out of {shard.parent} and rerun") from None
     for column in absent:
-        table = table.append_column(_schema().field(column), pyarrow.nulls(table.num_rows, _schema().field(column).type))
+        declared = _schema().field(column)
+        table = table.append_column(declared, pyarrow.nulls(table.num_rows, declared.type))
     return table.select(wanted)
 
 

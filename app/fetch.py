@@ -143,8 +143,8 @@ class Fetcher:
                         response.raise_for_status()
                         encoding = response.headers.get("content-encoding", "").strip().lower()
                         if encoding not in ("", "identity"):
-                            raise FetchError(f"{_shown(url)}: the server sent the body compressed ({encoding}) although "
-                                             "asked not to; it is not unpacked")
+                            raise FetchError(f"{_shown(url)}: the server sent the body compressed ({encoding}) "
+                                             "although asked not to; it is not unpacked")
                         size = 0
                         async with contextlib.aclosing(response.aiter_raw()) as body:  # as sent: nothing unpacked
                             async for chunk in body:

@@ -738,4 +738,5 @@ def _token_limit(value, ceiling: int) -> int:
 def _error_text(error: Exception) -> str:
     if isinstance(error, UserError):  # its words may quote the user's file name or override
         return f"{ERROR_NOTE}{_literal(str(error))}"
-    return f"{ERROR_NOTE}internal error (a bug in Glimpse, not your input): {type(error).__name__}: {_literal(str(error))}"
+    return (f"{ERROR_NOTE}internal error (a bug in Glimpse, not your input): {type(error).__name__}: "
+            f"{_literal(str(error))}")

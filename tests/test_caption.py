@@ -232,13 +232,13 @@ def test_a_rerun_asking_for_other_settings_is_refused_before_the_model_loads_unl
     for change, said in ((["--speed", "1"], "made with --policy auto --speed 0.5, and this run asks for --policy "
                                             "auto --speed 1"),
                          (["--speed", "0.5", "--policy", "none"], "asks for --policy none --speed 0.5"),
-                         (["--speed", "0.5", "--prompt", "What colour?"], "--speed 0.5 and no --prompt, and this run "
-                                                                           "asks for --policy auto --speed 0.5 --prompt "
-                                                                           "'What colour?'"),
+                         (["--speed", "0.5", "--prompt", "What colour?"],
+                          "--speed 0.5 and no --prompt, and this run asks for --policy auto --speed 0.5 --prompt "
+                          "'What colour?'"),
                          # another model's captions were added to the file without a word (found from outside)
                          (["--speed", "0.5", "--model", str(tmp_path / "no-model")],
-                          f"made with --model {model_key(model)} --policy auto --speed 0.5, and this run asks for --model "
-                          f"{tmp_path / 'no-model'} --policy auto --speed 0.5")):
+                          f"made with --model {model_key(model)} --policy auto --speed 0.5, and this run asks for "
+                          f"--model {tmp_path / 'no-model'} --policy auto --speed 0.5")):
         assert main([*ask, "--model", model, *change]) == 1
         err = capsys.readouterr().err
         assert said in err and "would mix the two" in err and "--overwrite" in err and "loading" not in err, err

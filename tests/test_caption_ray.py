@@ -647,8 +647,8 @@ def test_a_rerun_asking_for_other_settings_or_finding_a_foreign_shard_is_refused
                          ({"policy": "none"}, "--policy auto --speed 0.5, and this run asks for --policy none"),
                          ({"prompt": "What colour?"}, "made with --policy auto --speed 0.5 and no --prompt, and this "
                                                       "run asks for --policy auto --speed 0.5 --prompt 'What colour?'"),
-                         ({"model": "embedded"}, f"made with --model {model_key(model)} --policy auto --speed 0.5, and this run "
-                                                 "asks for --model embedded --policy auto --speed 0.5")):
+                         ({"model": "embedded"}, f"made with --model {model_key(model)} --policy auto --speed 0.5, "
+                                                 "and this run asks for --model embedded --policy auto --speed 0.5")):
         with pytest.raises(UserError, match="would mix the two") as refused:
             _ray_caption([tmp_path / "in"], out, **{"model": model, **change})
         assert said in str(refused.value) and str(out) in str(refused.value), str(refused.value)

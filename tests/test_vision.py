@@ -194,7 +194,8 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image(tmp_path / "gone.png")
     (tmp_path / "one.png").symlink_to(tmp_path / "two.png")  # each leads to the other: said as a loop (found from
     (tmp_path / "two.png").symlink_to(tmp_path / "one.png")  # outside: "to two.png, which does not exist")
-    with pytest.raises(vision.MediaError, match=r"one\.png: a symbolic link to .*two\.png, which leads round in a loop$"):
+    with pytest.raises(vision.MediaError, match=r"one\.png: a symbolic link to .*two\.png, which leads round in a "
+                                                r"loop$"):
         vision.load_image(tmp_path / "one.png")
     with pytest.raises(vision.MediaError, match=r"noise\.png: not an image Glimpse can read"):
         vision.load_image(tmp_path / "noise.png")
