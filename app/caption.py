@@ -365,6 +365,7 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
     if sink is not None and overwrite:
         sink.clear()
     done = sink.done() if sink is not None else set()
+    model = model_key(engine.model_id)  # each record's (a path resolved once, not per record)
     pending = []
     for path in inputs:
         finished = sidecar(path).exists() if fmt == "txt" else input_key(path) in done
@@ -389,7 +390,7 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
             else:
                 metrics = {k: result.metrics[k] for k in KEPT_METRICS}
                 sink.write({"path": str(path), "key": input_key(path), "caption": caption,
-                            "model": model_key(engine.model_id), "policy": result.policy,
+                            "model": model, "policy": result.policy,
                             "speed": speed, "prompt": instruction(kind_of(path), prompt), "params": result.params,
                             "metrics": metrics, **({"warnings": result.warnings} if result.warnings else {})})
             report.captioned += 1
@@ -406,8 +407,9 @@ def _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
         return list(zip(batch, engine.generate_batch(conversations, **options)))
     except (MediaError, PromptError, OSError, torch.OutOfMemoryError) as error:
         if len(batch) == 1:
-            report.failed.append((str(batch[0]), str(error)))
-            log(f"failed {batch[0]}: {str(error).removeprefix(f'{batch[0]}: ')}")  # (a path it names: said once)
+            reason = str(error).removeprefix(f"{batch[0]}: ")  # (a message naming the path as given: said once)
+            report.failed.append((str(batch[0]), reason))
+            log(f"failed {batch[0]}: {reason}")
             return []
     # An input of the batch failed: find it by halves, so that the others are still decoded in batches (one by one,
     # a corrupt file among 8 cost its 7 neighbours their batching).

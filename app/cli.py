@@ -660,8 +660,8 @@ def run_caption(args) -> int:
     report.failed += unlisted
     where = out if args.format == "jsonl" else ".txt sidecars"
     _log(f"captioned {report.captioned}, already done {report.skipped}, failed {len(report.failed)} -> {where}")
-    for path, reason in report.failed:  # (a reason that starts with the path as given: not said twice)
-        _log(f"  failed: {path}: {reason.removeprefix(f'{path}: ')}")
+    for path, reason in report.failed:
+        _log(f"  failed: {path}: {reason}")
     return 1 if report.failed else 0
 
 
