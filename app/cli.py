@@ -481,7 +481,7 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     from glimpse.api import create_api
     from glimpse.telemetry import Telemetry
     from glimpse.uploads import UploadQuota
-    from glimpse.ui import NoRemoteMedia, build_ui
+    from glimpse.ui import NoFetchingForClients, NoRemoteMedia, build_ui
     from glimpse.pipeline.scheduler import Scheduler
 
     scheduler = Scheduler(engine, max_batch=max_batch, queue_size=queue_size, kv_budget_bytes=kv_budget_bytes,
@@ -506,6 +506,7 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     demo.has_launched = True
     app.add_middleware(UploadQuota, folder=get_upload_folder(), quota_bytes=int(max_uploads_gb * 2**30))
     app.add_middleware(NoRemoteMedia)
+    app.add_middleware(NoFetchingForClients)
     return app
 
 

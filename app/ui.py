@@ -22,6 +22,7 @@ from PIL import Image
 
 from glimpse.assets import ASSETS
 from glimpse.common import UserError
+from glimpse.connections import refuse
 from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pruning import PRUNING_NAMES, parse_params
 from glimpse.vision.media import MediaError, detect_kind, load_image, probe_video
@@ -244,6 +245,63 @@ class NoRemoteMedia:
         await self.app(scope, receive, with_policy)
 
 
+class NoFetchingForClients:
+    """ASGI middleware: Gradio's file route fetches an http(s) URL named in it (``/gradio_api/file=https://...``) and
+    relays its bytes, and its proxy route (``/gradio_api/proxy=...``) those of another Gradio app: to anyone who can
+    reach the chat, an open proxy with no size cap or deadline (an outside pass relayed 63 MB, and a trickle held a
+    connection for a minute). The chat has no use for either (its files are uploads, served by path), so both are
+    refused with 403 before Gradio sees them."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and _names_a_url(scope["path"]):
+            return await refuse(send, 403, "this server serves its own files only, never another address's")
+        await self.app(scope, receive, send)
+
+
+def _names_a_url(path: str) -> bool:
+    """Whether a request path is Gradio's file route given a URL, or its proxy route."""
+    rest = path.partition("/file=")[2]
+    return "/proxy=" in path or bool(rest and _is_url(rest))
+
+
+def _is_url(value) -> bool:
+    # Gradio's own test is a case-sensitive "http://" or "https://" prefix; any spelling is refused here.
+    return isinstance(value, str) and value[:8].lower().startswith(("http://", "https://"))
+
+
+def _uploads_only(base):
+    """``base`` (a Gradio component class that takes files: the chat's input box, its history) taking files uploaded
+    to this server only. Gradio downloads a file part whose path is an http(s) URL into its upload folder before the
+    chat sees it, whatever its size and for as long as it takes (an outside pass had 27 MB fetched past
+    --max-upload-mb, and a trickle held the request a minute), and the copy then passed the chat's own check as an
+    upload. The API fetches media URLs within its limits (glimpse.fetch); the chat refuses them before anything is
+    fetched. (A subclass rather than a wrapper: Gradio moves a component's files through these two methods.)"""
+    import gradio as gr
+
+    def refuse_urls(url_or_file_path):
+        if _is_url(url_or_file_path):
+            raise gr.Error("the chat takes files uploaded to it, not URLs: upload the file instead (the API, "
+                           "/v1/chat/completions, takes image and video URLs)")
+
+    class UploadsOnly(base):
+        def get_block_name(self) -> str:  # the page draws it as the component it is
+            return base.__name__.lower()
+
+        def move_resource_to_block_cache(self, url_or_file_path):
+            refuse_urls(url_or_file_path)
+            return super().move_resource_to_block_cache(url_or_file_path)
+
+        async def async_move_resource_to_block_cache(self, url_or_file_path):
+            refuse_urls(url_or_file_path)
+            return await super().async_move_resource_to_block_cache(url_or_file_path)
+
+    UploadsOnly.__name__ = UploadsOnly.__qualname__ = f"UploadsOnly{base.__name__}"
+    return UploadsOnly
+
+
 def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: str | None = None, scheduler=None):
     """The chat, on ``gr.ChatInterface`` (multimodal input, streaming, Stop, Retry, Undo, Clear, examples);
     the slider, policy, max-tokens and overrides are its additional inputs, the metrics panel and the keep
@@ -445,8 +503,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             with left:
                 chat = _clear_cancels_chat(cleared_sessions, stopped_sessions, tabs_lock)(
                     respond, multimodal=True, api_name="chat", fill_height=False,
-                    chatbot=gr.Chatbot(label="chat", height=480, elem_id="chat"),
-                    textbox=gr.MultimodalTextbox(file_types=["image", "video"], file_count="multiple",
+                    chatbot=_uploads_only(gr.Chatbot)(label="chat", height=480, elem_id="chat"),
+                    textbox=_uploads_only(gr.MultimodalTextbox)(file_types=["image", "video"], file_count="multiple",
                                                  label="your question", placeholder="Ask about an image or a video…",
                                                  submit_btn=True, stop_btn=True, elem_id="input"),
                     additional_inputs=[policy, speed, max_tokens, overrides, compare],

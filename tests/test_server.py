@@ -1170,6 +1170,34 @@ def test_the_chats_routes_never_copy_a_file_named_by_path_into_the_uploads(serve
     assert Image.open(done[-1]).size == Image.open(keep_map).size  # the keep map, as a file
 
 
+def test_the_chat_fetches_no_url_named_as_a_file_and_its_file_routes_relay_none(server, media, monkeypatch):
+    """Gradio downloads a file part whose path is an http(s) URL into the upload folder before the chat sees it
+    (with none of the API's limits on media URLs: size, deadline, addresses), where the copy passed the chat's check
+    as an upload; and its file and proxy routes relay a URL's bytes to whoever asks. Both are refused before anything
+    is fetched. The media server here stands in for a public one: Gradio's address check is told it is one."""
+    import safehttpx
+
+    monkeypatch.setattr(safehttpx, "is_public_ip", lambda ip: True)
+    fetched = []
+    source = serve_bytes(lambda: fetched.append(1) or media["image"].read_bytes())
+    url, target = server["url"], f"http://127.0.0.1:{source.server_port}/picture.png"
+    try:
+        body = {"data": [{"text": "What colour?", "files": [{"path": target, "meta": {"_type": "gradio.FileData"}}]},
+                         "none", 0.0, 4, "", False]}
+        event = httpx.post(url + "/gradio_api/call/chat", json=body, timeout=30).json()["event_id"]
+        stream = httpx.get(f"{url}/gradio_api/call/chat/{event}", timeout=30).text
+        assert "event: error" in stream and "not URLs" in stream, stream[-500:]
+        for route in ("/gradio_api/file=", "/gradio_api/proxy=", "/gradio_api/file=HTTP://"):
+            relayed = httpx.get(url + route + (target if route.endswith("=") else target[7:]), timeout=30)
+            assert relayed.status_code == 403 and "its own files" in relayed.json()["error"]["message"], relayed.text
+        assert fetched == []
+        own = httpx.post(url + "/gradio_api/upload", timeout=30, files={
+            "files": ("a.png", media["image"].read_bytes(), "image/png")}).json()[0]
+        assert httpx.get(f"{url}/gradio_api/file={own}", timeout=30).content == media["image"].read_bytes()
+    finally:
+        source.shutdown()
+
+
 def test_uploads_past_the_quota_are_refused_old_ones_make_room_and_the_chat_goes_on_without_them(
         server, media, tmp_path, monkeypatch):
     """A client uploading in a loop cannot fill the disk: past --max-uploads-gb the upload route answers 507
