@@ -251,7 +251,23 @@ def rewrite_jsonl(out: Path) -> None:
 
 
 def _json_line(row: dict) -> str:
-    return json.dumps({c: row.get(c) for c in COLUMNS}) + "\n"
+    return json.dumps({c: stored(row.get(c)) for c in COLUMNS}) + "\n"
+
+
+def stored(value):
+    """``value`` as the output holds it. Linux allows any bytes in a file name but / and NUL, and Python hands the
+    ones that are not UTF-8 over as lone surrogates, which Parquet's strings cannot hold: a run over one such name
+    captioned everything and then failed at its first shard, and so did every rerun. Those bytes are written as
+    ``\\xNN``, as Python shows them (in keys, and in error messages that name the file); resuming compares keys in
+    this form too."""
+    if isinstance(value, list):  # warnings
+        return [stored(v) for v in value]
+    if not isinstance(value, str) or value.isascii():
+        return value
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name makes (a manifest's own "\ud800"): escaped as it is
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class OutputDir:
@@ -277,7 +293,7 @@ class OutputDir:
 
         if not rows:
             return
-        table = pyarrow.Table.from_pylist([{c: row.get(c) for c in COLUMNS} for row in rows], schema=_schema())
+        table = pyarrow.Table.from_pylist([{c: stored(row.get(c)) for c in COLUMNS} for row in rows], schema=_schema())
         name = f"part-{self.count:06d}-{uuid.uuid4().hex[:8]}.parquet"
         tmp = self.out / f".{name}.tmp"
         pyarrow.parquet.write_table(table, tmp)
@@ -549,9 +565,9 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
             done, earlier_errors = done - earlier_errors, set()  # (what is left is the good rows: no second read)
         if output.jsonl is not None:
             rewrite_jsonl(out)
-        pending = [k for k in keys if k not in done]
+        pending = [k for k in keys if stored(k) not in done]
         report.skipped = len(keys) - len(pending)
-        report.earlier_errors = sum(1 for k in keys if k in earlier_errors)
+        report.earlier_errors = sum(1 for k in keys if stored(k) in earlier_errors)
         log(f"{len(keys)} inputs: {report.skipped} already in {out}"
             + (f" ({report.earlier_errors} of them error rows: --retry-errors tries them again)"
                if report.earlier_errors else "") + f", {len(pending)} to caption")

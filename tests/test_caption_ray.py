@@ -161,6 +161,30 @@ def test_error_rows_are_done_until_a_rerun_retries_them_and_then_every_input_is_
     assert sorted(r["key"] for r in copy) == sorted(r["key"] for r in rows) and not any(r["error"] for r in copy)
 
 
+def test_file_names_that_are_not_utf8_are_captioned_and_stored_escaped_and_a_rerun_skips_them(cluster, model, tmp_path):
+    """Linux file names are bytes: one that is not UTF-8 reaches Python as lone surrogates, which Parquet's strings
+    cannot hold. A run over one captioned everything, then failed at its first shard, and so did every rerun. The
+    output holds such bytes as \\xNN escapes (key and error), and a rerun finds them done."""
+    folder = tmp_path / "in"
+    good = _inputs(folder, 1, video=False)[0]
+    odd = os.fsdecode(bytes(folder) + b"/caf\xe9 \xff.png")  # "café" in Latin-1 (not UTF-8 before a space), and 0xFF, which UTF-8 never uses
+    broken = os.fsdecode(bytes(folder) + b"/broken\xfe.png")
+    Path(odd).write_bytes(good.read_bytes())
+    Path(broken).write_bytes(b"\x89PNG\r\n\x1a\n cut off")
+    out = tmp_path / "out"
+    first = _ray_caption([folder], out, model, jsonl=True)
+    assert first.captioned == 2 and len(first.failed) == 1
+    rows = {r["key"]: r for r in _rows(out)}
+    assert set(rows) == {str(good.resolve()), str(folder.resolve()) + "/caf\\xe9 \\xff.png",
+                         str(folder.resolve()) + "/broken\\xfe.png"}
+    assert rows[str(folder.resolve()) + "/caf\\xe9 \\xff.png"]["caption"]
+    assert "broken\\xfe.png" in rows[str(folder.resolve()) + "/broken\\xfe.png"]["error"]
+    copy = [json.loads(line) for line in (out / "_captions.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert sorted(r["key"] for r in copy) == sorted(rows)
+    again = _ray_caption([folder], out, model)
+    assert again.skipped == 3 and again.captioned == 0 and again.earlier_errors == 1
+
+
 def test_manifest_entries_are_read_as_list_files_and_arguments_are(tmp_path):
     """file:// URLs as RFC 8089 writes them (they became "<manifest folder>/localhost/..." and "%20" names, error rows
     for files that were there), a manifest's suffix in any case, a link to nothing under its own name (not its
