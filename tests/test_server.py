@@ -1236,6 +1236,44 @@ def test_uploads_past_the_quota_are_refused_old_ones_make_room_and_the_chat_goes
     assert _usable(history, set())[0]["content"] == [{"type": "text", "text": "hi"}]
 
 
+def test_the_upload_quota_counts_what_files_take_on_the_disk_and_is_checked_off_the_event_loop(
+        server, tmp_path, monkeypatch):
+    """Counted by their sizes, 30,528 one-byte uploads were 20.9 MiB of the quota and 140 MiB of the disk (empty ones
+    counted for nothing), and the check walked the folder on the event loop that answers everyone. Each file and
+    folder now counts at least a block, and /health is answered while a check walks the folder."""
+    from glimpse import uploads
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    monkeypatch.setattr(uploads, "RESERVE_BYTES", 0)
+    monkeypatch.setattr(uploads, "REMEASURE_S", 0.0)  # every upload walks the folder
+    app = build_server(server["engine"], "tiny-llava", max_uploads_gb=2**20 / 2**30)  # 1 MiB
+
+    def upload(files):
+        return httpx.post(url + "/gradio_api/upload", files=[("files", f) for f in files], timeout=30)
+
+    for url in _serve(app):
+        tiny = upload([(f"{i}.png", str(i).encode(), "image/png") for i in range(200)])  # 490 bytes in all
+        assert tiny.status_code == 200, tiny.text
+        refused = upload([("one.png", b"1", "image/png")])  # 200 files and their folders fill 1 MiB of disk
+        assert refused.status_code == 507 and "(1 MiB," in refused.json()["error"]["message"], refused.text
+        walking, release, real = threading.Event(), threading.Event(), uploads.folder_bytes
+
+        def slow_walk(folder):
+            walking.set()
+            release.wait(30)
+            return real(folder)
+
+        monkeypatch.setattr(uploads, "folder_bytes", slow_walk)
+        waiting = threading.Thread(target=upload, args=([("two.png", b"2", "image/png")],), daemon=True)
+        waiting.start()
+        assert walking.wait(30)
+        try:
+            assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"  # while the walk is under way
+        finally:
+            release.set()
+            waiting.join(30)
+
+
 def test_client_mistakes_get_400_with_what_to_fix_never_a_server_error(server, media):
     """Wrong types and out-of-range values a client may send: each is a 400 naming the field, and the
     server's --max-new-tokens caps max_tokens (the fixture serves 12)."""
