@@ -480,7 +480,7 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
 
     from glimpse.api import create_api
     from glimpse.telemetry import Telemetry
-    from glimpse.uploads import UploadQuota
+    from glimpse.uploads import UploadQuota, malformed_upload
     from glimpse.ui import NoFetchingForClients, NoRemoteMedia, build_ui
     from glimpse.pipeline.scheduler import Scheduler
 
@@ -496,8 +496,9 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     # Compared in constant time, as the API compares its bearer token.
     auth = (lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode())) if api_key else None
     # The chat's app publishes no OpenAPI schema either (it was open under --api-key, at /openapi.json).
+    # A malformed upload is a 400 (glimpse.uploads.malformed_upload), not a 500 and a traceback.
     app = gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth,
-                              app_kwargs={"openapi_url": None},
+                              app_kwargs={"openapi_url": None, "exception_handlers": {Exception: malformed_upload}},
                               auth_message="Log in with any user name and the server's API key as the password.")
     # Gradio checks that a file its routes are given by path was uploaded (and refuses it before opening it)
     # only once the app "has launched", which `launch()` records and `mount_gradio_app` does not: mounted, every

@@ -84,6 +84,19 @@ class UploadQuota:
             problem = await anyio.to_thread.run_sync(self.room_for, int(length), limiter=self.walking)
             if problem is not None:
                 return await refuse(send, 507, problem)
+            status = []
+
+            async def noting_status(message):
+                if message["type"] == "http.response.start":
+                    status.append(message["status"])
+                await send(message)
+
+            try:
+                return await self.app(scope, receive, noting_status)
+            except Exception:
+                if status == [400]:  # answered by malformed_upload: the client's mistake, not a traceback in the log
+                    return
+                raise
         await self.app(scope, receive, send)
 
     def room_for(self, length: int) -> str | None:
@@ -115,3 +128,17 @@ def _size(count: int) -> str:
         if count >= scale:
             return f"{count / scale:.3g} {unit}"
     return f"{count} bytes"
+
+
+async def malformed_upload(request, error: Exception):
+    """The chat's handler of a request that raised (``exception_handlers`` of Gradio's app): on the upload route, a
+    400. Gradio's upload route raises on a file part with no file name (AttributeError, TypeError): a 500 for the
+    client's mistake. Any other route's, and a failure of the disk, stay a 500."""
+    from starlette.responses import JSONResponse, PlainTextResponse
+
+    if request.method == "POST" and request.url.path.rstrip("/").endswith("/upload") and not isinstance(error, OSError):
+        return JSONResponse({"error": {"message": "a malformed upload: each file part needs a file name "
+                                                  '(Content-Disposition: form-data; name="files"; filename="...")',
+                                       "type": "invalid_request_error", "param": None, "code": "bad_upload"}},
+                            status_code=400)
+    return PlainTextResponse("Internal Server Error", status_code=500)

@@ -1274,6 +1274,19 @@ def test_the_upload_quota_counts_what_files_take_on_the_disk_and_is_checked_off_
             waiting.join(30)
 
 
+@pytest.mark.parametrize("disposition", ['name="files"', "name=\"files\"; filename*=UTF-8''%2e"])
+def test_an_upload_part_without_a_usable_file_name_is_a_400_not_a_server_error(server, disposition, caplog):
+    """Gradio's upload route failed on a file part with no file name (none, or only RFC 5987's ``filename*``): a 500
+    and a traceback in the log for each."""
+    body = (f'--B\r\nContent-Disposition: form-data; {disposition}\r\nContent-Type: image/png\r\n\r\n'
+            'abc\r\n--B--\r\n').encode()
+    answer = httpx.post(server["url"] + "/gradio_api/upload", content=body, timeout=30,
+                        headers={"Content-Type": "multipart/form-data; boundary=B"})
+    assert answer.status_code == 400 and "file name" in answer.json()["error"]["message"], answer.text
+    assert not [r for r in caplog.records if r.exc_info]
+    assert httpx.get(server["url"] + "/health", timeout=10).json()["status"] == "ok"
+
+
 def test_client_mistakes_get_400_with_what_to_fix_never_a_server_error(server, media):
     """Wrong types and out-of-range values a client may send: each is a 400 naming the field, and the
     server's --max-new-tokens caps max_tokens (the fixture serves 12)."""
