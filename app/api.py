@@ -291,6 +291,9 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
     def unauthorized(request: Request) -> JSONResponse | None:
         if api_key is None:
             return None
+        if len(sent := request.headers.getlist("authorization")) > 1:  # the first one decided: right then wrong passed
+            return _error(400, f"one Authorization header, not {len(sent)}", "invalid_request_error",
+                          code="invalid_api_key")
         scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
         # The scheme's name is case-insensitive (RFC 9110); the key is compared in constant time.
         if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode()):

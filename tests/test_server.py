@@ -1554,6 +1554,9 @@ def test_an_api_key_guards_the_api_and_cross_origin_text_posts_are_refused(serve
         for header in ("bearer s3cret", "BEARER s3cret", "Bearer  s3cret"):  # the scheme's name is case-insensitive
             assert httpx.get(url + "/v1/models", headers={"Authorization": header}).status_code == 200, header
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Basic s3cret"}).status_code == 401
+        for pair in (["Bearer s3cret", "Bearer wrong"], ["Bearer wrong", "Bearer s3cret"]):  # which one? neither
+            twice = httpx.get(url + "/v1/models", headers=[("Authorization", value) for value in pair])
+            assert twice.status_code == 400 and "one Authorization header" in twice.text, twice.text
         assert httpx.get(url + "/health").status_code == 200  # health checks need no key
         assert httpx.get(url + "/config", timeout=30).status_code in (401, 403) or \
             "login" in httpx.get(url + "/", timeout=30).text.lower()  # the chat asks for a login
