@@ -1005,6 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     _quiet_libraries()
     try:
+        _refuse_a_closed_stdout(args)
         return args.run(args)
     except UserError as error:  # bad input, media, prompt or model (common.errors): the user can fix it
         _error(args, str(error))
@@ -1028,6 +1029,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _refuse_a_closed_stdout(args) -> None:
+    """A command whose result is what it prints, started with standard output closed (``glimpse ask ... >&-``),
+    is refused before any work: Python then has no ``sys.stdout``, and the answer was lost after the model's work
+    (``ask`` failed on it as an internal error, ``ask --json`` and ``eval`` exited 0 having printed nothing)."""
+    prints_its_result = args.run in (run_ask, run_eval) or (args.run is run_bench and not args.out)
+    if sys.stdout is None and prints_its_result:
+        raise UserError("standard output is closed: there is nowhere to write the answer (redirect it to a file, or "
+                        "to /dev/null)")
+
+
 def _answers_in_json(args) -> bool:
     """`glimpse ask --json`: its one object on stdout is the answer, or the error. (bench and eval print their
     report first and may fail after it, writing --out: an error object there would be a second one.)"""
@@ -1038,7 +1049,7 @@ def _error(args, message: str) -> None:
     """One line on stderr; for `ask --json` also ``{"error": message}`` on stdout, so that a script reading its
     one JSON object gets one on failure too (it got nothing to parse)."""
     print(f"glimpse: error: {message}", file=sys.stderr)
-    if _answers_in_json(args):
+    if _answers_in_json(args) and sys.stdout is not None:
         print(json.dumps({"error": message}), flush=True)
 
 

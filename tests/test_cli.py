@@ -91,6 +91,18 @@ def test_ask_json_prints_one_error_object_on_stdout_when_it_fails(checkpoints, t
     assert glimpse("ask", "--speed", "abc", "hi").stdout == ""
 
 
+def test_a_command_that_prints_its_answer_is_refused_when_stdout_is_closed(checkpoints, media):
+    """``glimpse ask ... >&-``: Python has no sys.stdout then. The answer was lost after the model's work: an
+    internal error (a traceback, exit 2), or with --json exit 0 and nothing printed. Now refused before loading."""
+    exe = Path(sys.executable).with_name("glimpse")
+    for extra in ([], ["--json"]):
+        command = [str(exe), "ask", "--model", str(checkpoints["llava"]), "--image", str(media["image"]), *extra, "hi"]
+        proc = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300,
+                              preexec_fn=lambda: os.close(1))  # closed in the child, after the redirection
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "standard output is closed" in proc.stderr and "loading" not in proc.stderr, proc.stderr
+
+
 def test_ask_oversized_image_is_refused(checkpoints, tmp_path):
     from PIL import Image
 
