@@ -114,10 +114,10 @@ def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | Non
         path = local(item, "")
         if path.is_dir():
             for child in _folder_files(path, cannot_list):
-                # A broken link is listed too, to become an error row: an input that went missing is reported.
-                # FIFOs and other special files are not media (and reading one could block for ever).
-                if (child.is_file() or (child.is_symlink() and not child.exists())) \
-                        and child.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
+                # Whatever is named as media is listed, to be captioned or fail saying why: a broken link (an input
+                # that went missing), a FIFO, socket or device (never opened: "not a regular file"; passed over
+                # without a word, they were inputs the summary never mentioned).
+                if child.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
                     add(child)
         elif path.suffix.lower() in LIST_EXTENSIONS and path.is_file():
             for entry in list_entries(path):

@@ -51,7 +51,7 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
     (tmp_path / "in" / "gone.png").symlink_to(tmp_path / "deleted.png")  # an input that went missing: reported
     (tmp_path / "in" / "loop_a.png").symlink_to(tmp_path / "in" / "loop_b.png")  # a loop of links: reported too
     (tmp_path / "in" / "loop_b.png").symlink_to(tmp_path / "in" / "loop_a.png")  # (it crashed the whole run)
-    os.mkfifo(tmp_path / "in" / "pipe.png")  # not a file: ignored, never opened (reading it would block)
+    os.mkfifo(tmp_path / "in" / "pipe.png")  # not a file: reported, never opened (reading it would block)
     out = tmp_path / "captions.jsonl"
     code = main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "6",
                  "--batch-size", "3", "--speed", "0.5"])
@@ -65,10 +65,10 @@ def test_a_folder_is_captioned_once_per_input_and_corrupt_files_are_skipped_with
         assert r["policy"] == "auto" and r["speed"] == 0.5 and r["metrics"]["new_tokens"] >= 1
     assert max(r["metrics"]["batch_size"] for r in records) > 1  # inputs were decoded together
     err = capsys.readouterr().err
-    assert "failed 5" in err and "broken.png" in err and "empty.jpg" in err and "gone.png" in err
+    assert "failed 6" in err and "broken.png" in err and "empty.jpg" in err and "gone.png" in err
     assert "loop_a.png" in err and "loop_b.png" in err
-    assert "pipe.png" not in err
-    assert "captioning: 100%" in err and "10/10" in err  # the progress bar (tqdm) reached the end
+    assert "pipe.png: not a regular file" in err  # (passed over without a word, it was never mentioned)
+    assert "captioning: 100%" in err and "11/11" in err  # the progress bar (tqdm) reached the end
     # A link given by name that leads round in a loop is an input that fails saying so (it stopped the whole run
     # as "no such file or folder"), its path said once in the summary (it was said twice).
     link = str(tmp_path / "in" / "loop_a.png")
