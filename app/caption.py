@@ -330,10 +330,18 @@ def check_sidecars(inputs: list[Path], list_files: Iterable[Path] = ()) -> None:
 
 
 def write_sidecar(path: Path, caption: str) -> None:
+    import uuid
+
     target = sidecar(path)
-    tmp = target.with_name(f".{target.name}.partial")
-    tmp.write_text(caption + "\n")
-    os.replace(tmp, target)  # atomic: a kill never leaves half a caption
+    # Written under a short name of its own beside it, then renamed over it: a kill never leaves half a caption. (The
+    # name was the sidecar's own with 9 bytes more, too long for an input named with 247-250 bytes.)
+    tmp = target.with_name(f".glimpse-{uuid.uuid4().hex[:12]}.partial")
+    try:
+        tmp.write_text(caption + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | None, fmt: str, overwrite: bool,

@@ -178,6 +178,12 @@ def test_txt_sidecars_are_written_next_to_inputs_skipped_when_present_and_rewrit
     assert main([*args, "--overwrite"]) == 0
     assert sidecars[0].read_text() != "kept by hand\n" and sidecars[0].read_text().endswith("\n")
     assert not list((tmp_path / "in").glob(".*partial"))
+    # A name of 250 bytes has a sidecar of 250 (its temporary file's name was 9 bytes longer: "File name too long")
+    long = (tmp_path / "long" / ("a" * 246 + ".png"))
+    long.parent.mkdir()
+    long.write_bytes(images[0].read_bytes())
+    assert main(["caption", str(long.parent), *args[2:]]) == 0
+    assert long.with_suffix(".txt").read_text().endswith("\n") and not list(long.parent.glob(".*partial"))
 
 
 def test_missing_inputs_and_folders_without_media_are_clear_errors(model, tmp_path, capsys):
