@@ -491,7 +491,8 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
                      allow_private_urls=allow_private_urls, max_new_tokens=max_new_tokens, api_key=api_key)
     # Every chat turn goes straight to the scheduler, which batches them and shows each its queue position;
     # Gradio's own queue only bounds how many event handlers run at once.
-    demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root, scheduler=scheduler).queue(
+    demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root, scheduler=scheduler,
+                    refused=telemetry.refused).queue(
         default_concurrency_limit=max_batch + queue_size, max_size=queue_size)
     # Compared in constant time, as the API compares its bearer token.
     auth = (lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode())) if api_key else None

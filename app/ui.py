@@ -302,10 +302,13 @@ def _uploads_only(base):
     return UploadsOnly
 
 
-def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: str | None = None, scheduler=None):
+def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: str | None = None, scheduler=None,
+             refused=lambda outcome: None):
     """The chat, on ``gr.ChatInterface`` (multimodal input, streaming, Stop, Retry, Undo, Clear, examples);
     the slider, policy, max-tokens and overrides are its additional inputs, the metrics panel and the keep
-    map its additional outputs. Every turn goes to ``scheduler`` (the server's, shared with the API)."""
+    map its additional outputs. Every turn goes to ``scheduler`` (the server's, shared with the API); one refused
+    before it gets there is counted by ``refused(outcome)`` ("rejected": the queue is full; "bad_request"), as the
+    API counts its own (``Telemetry.refused``)."""
     import gradio as gr
     from gradio.utils import get_upload_folder
 
@@ -372,9 +375,11 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             with tabs_lock:
                 tabs.setdefault(session, set()).add(ticket)
         except QueueFull as full:
+            refused("rejected")
             yield f"{ERROR_NOTE}{full}", NO_METRICS, None
             return
         except Exception as error:  # shown in the chat; the server keeps serving
+            refused("bad_request" if isinstance(error, UserError) else "error")
             yield _error_text(error), NO_METRICS, None
             return
         answer, result = "", None

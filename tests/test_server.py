@@ -1352,6 +1352,33 @@ def test_a_full_queue_answers_429_and_admits_again_once_there_is_room(server, me
         assert reply.status_code == 200
 
 
+def test_the_chats_refusals_are_counted_in_the_metrics_as_the_apis_are(server, monkeypatch):
+    """A chat turn refused before it reaches the model (the queue full, a bad override) was shown in the chat but
+    not counted: glimpse_requests_total said nothing was rejected while the chat told users the server was busy.
+    (The queue's own rule is tested with the API's 429; here the scheduler says it is full.)"""
+    from glimpse.pipeline.scheduler import QueueFull
+
+    app = build_server(server["engine"], "tiny-llava", max_new_tokens=4)
+
+    def chat(overrides: str) -> str:
+        body = {"data": [{"text": "What colour?", "files": []}, "none", 0.0, 4, overrides, False]}
+        event = httpx.post(url + "/gradio_api/call/chat", json=body, timeout=30).json()["event_id"]
+        return httpx.get(f"{url}/gradio_api/call/chat/{event}", timeout=60).text
+
+    def full():
+        raise QueueFull(waiting=32, retry_s=5)
+
+    for url in _serve(app):
+        before = _metrics(url)
+        assert "rho" in chat("dash.rho=abc")
+        monkeypatch.setattr(app.state.scheduler, "check_room", full)
+        assert "the server is busy" in chat("")
+        after = _metrics(url)
+        for outcome in ("bad_request", "rejected"):
+            assert _value(after, "glimpse_requests_total", outcome=outcome) == \
+                _value(before, "glimpse_requests_total", outcome=outcome) + 1, outcome
+
+
 def test_max_tokens_asked_for_must_fit_beside_the_prompt_and_the_default_runs_to_the_context_end(server, media):
     """OpenAI's rule: an explicit max_tokens that the context cannot hold beside the prompt is a 400 naming the
     numbers (it was answered with fewer tokens, silently); without max_tokens the answer stops at the context's end."""
