@@ -552,7 +552,7 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
     if not keys:
         raise UserError("no image or video files found in the inputs")
     output = OutputDir(out, jsonl)
-    report = RayReport(failed=unlisted)
+    report = RayReport(failed=list(unlisted))  # a copy: the progress line counts the failures past these
     made_by = model_key(model)  # each row's model column
     previous = _NOT_INSTALLED
     try:

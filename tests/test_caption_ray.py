@@ -172,8 +172,10 @@ def test_file_names_that_are_not_utf8_are_captioned_and_stored_escaped_and_a_rer
     Path(odd).write_bytes(good.read_bytes())
     Path(broken).write_bytes(b"\x89PNG\r\n\x1a\n cut off")
     out = tmp_path / "out"
-    first = _ray_caption([folder], out, model, jsonl=True)
+    said = []
+    first = _ray_caption([folder], out, model, jsonl=True, log=said.append)
     assert first.captioned == 2 and len(first.failed) == 1
+    assert [line for line in said if line.startswith("captioned 2 of 3, failed 1 ")], said  # (it said "failed 0")
     rows = {r["key"]: r for r in _rows(out)}
     assert set(rows) == {str(good.resolve()), str(folder.resolve()) + "/caf\\xe9 \\xff.png",
                          str(folder.resolve()) + "/broken\\xfe.png"}
