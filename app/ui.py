@@ -284,7 +284,8 @@ def _uploads_only(base):
     def refuse_urls(url_or_file_path):
         if _is_url(url_or_file_path):
             raise gr.Error("the chat takes files uploaded to it, not URLs: upload the file instead (the API, "
-                           "/v1/chat/completions, takes image and video URLs)")
+                           "/v1/chat/completions, takes image and video URLs)",
+                           print_exception=False)  # the client's mistake: no traceback in the server's log
 
     class UploadsOnly(base):
         def get_block_name(self) -> str:  # the page draws it as the component it is
