@@ -336,9 +336,12 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             promise = engine.promise(policy, speed, parsed)
         except (UserError, TypeError, KeyError) as error:
             return f"{ERROR_NOTE}{error}"
-        exact = promise.get("configuration") == "none"  # nothing pruned: there is nothing to calibrate
-        text = f"**speed {speed:g}** → {promise['text']}" + ("" if promise["calibrated"] or exact
-                                                             else " *(uncalibrated)*")
+        configuration = promise.get("configuration") or ""
+        exact = configuration == "none"  # nothing pruned: there is nothing to calibrate
+        said = promise["text"]
+        if "@" in configuration:  # as code: Markdown showed "divprune@0.25" as an e-mail link, "[keep=0.25]" as a link
+            said = said.replace(configuration, f"`{configuration}`")
+        text = f"**speed {speed:g}** → {said}" + ("" if promise["calibrated"] or exact else " *(uncalibrated)*")
         if promise["calibrated"] and not exact:  # what the numbers are of, in a new user's words
             text += ("\n\n*Measured on single questions about one picture or clip: the share of answers "
                      "word for word the unpruned model's, and the compute before the first word (prefill FLOPs). "

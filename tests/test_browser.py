@@ -178,6 +178,14 @@ def test_moving_the_slider_shows_what_it_selects_and_its_measured_promise_before
     while not all(f'"{m}"' in page.locator("#params").inner_text() for m in members) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(f'"{m}"' in page.locator("#params").inner_text() for m in members)  # auto's members, as run
+    page.locator("#speed input[type=number]").fill("0.25")
+    page.locator("#speed input[type=number]").press("Enter")
+    chosen = _shipped_choice(0.25)
+    deadline = time.monotonic() + 30
+    while chosen not in page.locator("#promise").inner_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert chosen in page.locator("#promise").inner_text()
+    assert page.locator("#promise a").count() == 0  # a configuration's name is no link ("divprune@0.25": an e-mail)
 
 
 def test_a_corrupt_upload_shows_an_error_in_the_chat_and_the_next_question_still_works(page, tmp_path):
