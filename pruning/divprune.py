@@ -75,7 +75,9 @@ class DivPrune(Policy):
         if self.keep >= 1.0:
             return "DivPrune off"
         unit = "image and video frame" if self.per_frame else "image and video"
-        return f"DivPrune keeps the {self.keep:.0%} most diverse visual tokens of each {unit} before layer 0"
+        # A share under 1% is not "0%": at least one token of each is kept (kept_count).
+        share = f"{self.keep:.0%}" if self.keep >= 0.01 else f"{self.keep * 100:.2g}% (at least one)"
+        return f"DivPrune keeps the {share} most diverse visual tokens of each {unit} before layer 0"
 
 
 def visual_groups(prompt, per_frame: bool) -> list[torch.Tensor]:

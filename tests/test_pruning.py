@@ -362,6 +362,15 @@ def test_divprune_keeps_one_token_of_each_group_of_near_duplicates():
     assert both.tolist() == [_greedy_max_min(features, 4), _greedy_max_min(other, 4)]
 
 
+def test_divprune_says_a_share_under_one_percent_as_it_is_not_as_zero():
+    """keep=1e-9 was described as "keeps the 0% most diverse visual tokens", though one of each image is kept."""
+    from glimpse.pruning.divprune import kept_count
+
+    assert "keeps the 1e-07% (at least one) most diverse" in DivPrune(keep=1e-9).summary()
+    assert kept_count(1e-9, 256) == 1
+    assert "keeps the 25% most diverse" in DivPrune(keep=0.25).summary()
+
+
 def test_divprune_waits_for_the_device_as_often_for_a_hundred_picks_as_for_two():
     """The greedy loop picks one token per step; a step that made the host wait (a Python value written through
     an index, copied from host memory on a GPU) would cost a wait per kept token."""
