@@ -272,13 +272,16 @@ def _is_url(value) -> bool:
     return isinstance(value, str) and value[:8].lower().startswith(("http://", "https://"))
 
 
-def _uploads_only(base):
-    """``base`` (a Gradio component class that takes files: the chat's input box, its history) taking files uploaded
-    to this server only. Gradio downloads a file part whose path is an http(s) URL into its upload folder before the
-    chat sees it, whatever its size and for as long as it takes (an outside pass had 27 MB fetched past
-    --max-upload-mb, and a trickle held the request a minute), and the copy then passed the chat's own check as an
-    upload. The API fetches media URLs within its limits (glimpse.fetch); the chat refuses them before anything is
-    fetched. (A subclass rather than a wrapper: Gradio moves a component's files through these two methods.)"""
+def _uploads_only(component):
+    """``component`` (one that takes files: the chat's input box, its history) taking files uploaded to this server
+    only. Gradio downloads a file part whose path is an http(s) URL into its upload folder before the chat sees it,
+    whatever its size and for as long as it takes (an outside pass had 27 MB fetched past --max-upload-mb, and a
+    trickle held the request a minute), and the copy then passed the chat's own check as an upload. The API fetches
+    media URLs within its limits (glimpse.fetch); the chat refuses them before anything is fetched.
+
+    Gradio moves a component's files through its two ``move_resource_to_block_cache`` methods; this component's
+    are wrapped. (Not a subclass: Gradio writes a type stub, ``ui.pyi``, beside the module of every component class
+    it sees defined.)"""
     import gradio as gr
 
     def refuse_urls(url_or_file_path):
@@ -287,20 +290,19 @@ def _uploads_only(base):
                            "/v1/chat/completions, takes image and video URLs)",
                            print_exception=False)  # the client's mistake: no traceback in the server's log
 
-    class UploadsOnly(base):
-        def get_block_name(self) -> str:  # the page draws it as the component it is
-            return base.__name__.lower()
+    move, move_async = component.move_resource_to_block_cache, component.async_move_resource_to_block_cache
 
-        def move_resource_to_block_cache(self, url_or_file_path):
-            refuse_urls(url_or_file_path)
-            return super().move_resource_to_block_cache(url_or_file_path)
+    def move_upload(url_or_file_path):
+        refuse_urls(url_or_file_path)
+        return move(url_or_file_path)
 
-        async def async_move_resource_to_block_cache(self, url_or_file_path):
-            refuse_urls(url_or_file_path)
-            return await super().async_move_resource_to_block_cache(url_or_file_path)
+    async def move_upload_async(url_or_file_path):
+        refuse_urls(url_or_file_path)
+        return await move_async(url_or_file_path)
 
-    UploadsOnly.__name__ = UploadsOnly.__qualname__ = f"UploadsOnly{base.__name__}"
-    return UploadsOnly
+    component.move_resource_to_block_cache, component.async_move_resource_to_block_cache = (move_upload,
+                                                                                              move_upload_async)
+    return component
 
 
 def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: str | None = None, scheduler=None,
@@ -510,12 +512,13 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 metrics.render()
                 keep.render()
             with left:
+                question = gr.MultimodalTextbox(file_types=["image", "video"], file_count="multiple",
+                                                label="your question", placeholder="Ask about an image or a video…",
+                                                submit_btn=True, stop_btn=True, elem_id="input")
                 chat = _clear_cancels_chat(cleared_sessions, stopped_sessions, tabs_lock)(
                     respond, multimodal=True, api_name="chat", fill_height=False,
-                    chatbot=_uploads_only(gr.Chatbot)(label="chat", height=480, elem_id="chat"),
-                    textbox=_uploads_only(gr.MultimodalTextbox)(file_types=["image", "video"], file_count="multiple",
-                                                 label="your question", placeholder="Ask about an image or a video…",
-                                                 submit_btn=True, stop_btn=True, elem_id="input"),
+                    chatbot=_uploads_only(gr.Chatbot(label="chat", height=480, elem_id="chat")),
+                    textbox=_uploads_only(question),
                     additional_inputs=[policy, speed, max_tokens, overrides, compare],
                     additional_outputs=[metrics, keep],
                     examples=[[{"text": text, "files": [str(assets / name)]}] for name, text in EXAMPLES

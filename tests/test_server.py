@@ -1196,6 +1196,9 @@ def test_the_chat_fetches_no_url_named_as_a_file_and_its_file_routes_relay_none(
         assert httpx.get(f"{url}/gradio_api/file={own}", timeout=30).content == media["image"].read_bytes()
     finally:
         source.shutdown()
+    import glimpse.ui  # (a component subclass there had Gradio write a type stub, ui.pyi, into the package)
+
+    assert not list(Path(glimpse.ui.__file__).parent.glob("*.pyi"))
 
 
 def test_uploads_past_the_quota_are_refused_old_ones_make_room_and_the_chat_goes_on_without_them(
