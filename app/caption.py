@@ -165,8 +165,25 @@ def sidecar(path: Path) -> Path:
 
 
 def input_key(path: Path) -> str:
-    """What identifies an input across runs: its resolved path."""
-    return str(resolved_path(path))
+    """What identifies an input across runs: its resolved path (as ``stored``)."""
+    return stored(str(resolved_path(path)))
+
+
+def stored(value):
+    """``value`` as the outputs hold it (the local JSONL, Ray's shards). Linux allows any bytes in a file name but /
+    and NUL, and Python hands the ones that are not UTF-8 over as lone surrogates, which Parquet's strings cannot
+    hold (a Ray run over one such name captioned everything and then failed at its first shard, and so did every
+    rerun) and JSON writes as escapes other readers refuse (pyarrow) or replace (jq). Those bytes are written as
+    ``\\xNN``, as Python shows them (in keys, paths, and messages that name the file); resuming compares keys in
+    this form too."""
+    if isinstance(value, list):  # warnings
+        return [stored(v) for v in value]
+    if not isinstance(value, str) or value.isascii():
+        return value
+    try:
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name makes (a manifest's own "\ud800"): escaped as it is
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def resolved_path(path: Path) -> Path:
@@ -397,10 +414,11 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
                     continue
             else:
                 metrics = {k: result.metrics[k] for k in KEPT_METRICS}
-                sink.write({"path": str(path), "key": input_key(path), "caption": caption,
+                sink.write({"path": stored(str(path)), "key": input_key(path), "caption": caption,
                             "model": model, "policy": result.policy,
-                            "speed": speed, "prompt": instruction(kind_of(path), prompt), "params": result.params,
-                            "metrics": metrics, **({"warnings": result.warnings} if result.warnings else {})})
+                            "speed": speed, "prompt": stored(instruction(kind_of(path), prompt)),
+                            "params": result.params, "metrics": metrics,
+                            **({"warnings": stored(result.warnings)} if result.warnings else {})})
             report.captioned += 1
         if progress:
             progress(min(start + batch_size, len(pending)), len(pending), len(report.failed))

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from glimpse.caption import is_uri, refuse_other_settings, resolved_path, unlisted_failures
+from glimpse.caption import is_uri, refuse_other_settings, resolved_path, stored, unlisted_failures
 from glimpse.common import UserError
 from glimpse.pipeline.profiles import model_key
 from glimpse.pipeline.prompt import user_message
@@ -252,22 +252,6 @@ def rewrite_jsonl(out: Path) -> None:
 
 def _json_line(row: dict) -> str:
     return json.dumps({c: stored(row.get(c)) for c in COLUMNS}) + "\n"
-
-
-def stored(value):
-    """``value`` as the output holds it. Linux allows any bytes in a file name but / and NUL, and Python hands the
-    ones that are not UTF-8 over as lone surrogates, which Parquet's strings cannot hold: a run over one such name
-    captioned everything and then failed at its first shard, and so did every rerun. Those bytes are written as
-    ``\\xNN``, as Python shows them (in keys, and in error messages that name the file); resuming compares keys in
-    this form too."""
-    if isinstance(value, list):  # warnings
-        return [stored(v) for v in value]
-    if not isinstance(value, str) or value.isascii():
-        return value
-    try:
-        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate no file name makes (a manifest's own "\ud800"): escaped as it is
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class OutputDir:

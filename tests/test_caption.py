@@ -186,6 +186,25 @@ def test_txt_sidecars_are_written_next_to_inputs_skipped_when_present_and_rewrit
     assert long.with_suffix(".txt").read_text().endswith("\n") and not list(long.parent.glob(".*partial"))
 
 
+def test_a_file_name_that_is_not_utf8_is_written_as_escapes_other_readers_take_and_the_rerun_finds_it(
+        model, tmp_path):
+    """Linux file names are bytes: one that is not UTF-8 was written into the JSONL as lone surrogates ("\\udce9"),
+    which pyarrow refuses and jq replaces, and under another key than Ray's output gives it. Both outputs now hold
+    the bytes as \\xNN (glimpse.caption.stored)."""
+    import pyarrow.json
+
+    folder = tmp_path / "in"
+    image = _images(folder, 1)[0]
+    odd = Path(os.fsdecode(bytes(folder) + b"/caf\xe9.png"))
+    image.rename(odd)
+    out = tmp_path / "captions.jsonl"
+    args = ["caption", str(folder), "--model", model, "--out", str(out), "--max-new-tokens", "3"]
+    assert main(args) == 0
+    (record,) = pyarrow.json.read_json(out).to_pylist()
+    assert record["key"] == str(folder.resolve()) + "/caf\\xe9.png" and record["path"].endswith("/caf\\xe9.png")
+    assert main(args) == 0 and len(_lines(out)) == 1  # done: not captioned again
+
+
 def test_missing_inputs_and_folders_without_media_are_clear_errors(model, tmp_path, capsys):
     assert main(["caption", str(tmp_path / "nope"), "--model", model]) == 1
     assert "no such file or folder" in capsys.readouterr().err
