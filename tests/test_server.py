@@ -1248,7 +1248,7 @@ def test_the_upload_quota_counts_what_files_take_on_the_disk_and_is_checked_off_
 
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
     monkeypatch.setattr(uploads, "RESERVE_BYTES", 0)
-    monkeypatch.setattr(uploads, "REMEASURE_S", 0.0)  # every upload walks the folder
+    monkeypatch.setattr(uploads, "REMEASURE_S", 3600.0)  # the folder is walked once, at the first upload
     app = build_server(server["engine"], "tiny-llava", max_uploads_gb=2**20 / 2**30)  # 1 MiB
 
     def upload(files):
@@ -1257,8 +1257,11 @@ def test_the_upload_quota_counts_what_files_take_on_the_disk_and_is_checked_off_
     for url in _serve(app):
         tiny = upload([(f"{i}.png", str(i).encode(), "image/png") for i in range(200)])  # 490 bytes in all
         assert tiny.status_code == 200, tiny.text
-        refused = upload([("one.png", b"1", "image/png")])  # 200 files and their folders fill 1 MiB of disk
+        # 200 files and their folders fill 1 MiB of disk: charged as they were read, before any walk counts them
+        refused = upload([("one.png", b"1", "image/png")])
         assert refused.status_code == 507 and "(1 MiB," in refused.json()["error"]["message"], refused.text
+        monkeypatch.setattr(uploads, "REMEASURE_S", 0.0)  # every upload walks the folder
+        assert upload([("one.png", b"1", "image/png")]).status_code == 507  # as walked
         walking, release, real = threading.Event(), threading.Event(), uploads.folder_bytes
 
         def slow_walk(folder):
