@@ -179,7 +179,8 @@ class BodyLimits:
 
 
 # The refusals' ``code``: a string, as the API's errors have (typed clients parse a number there as an error).
-REFUSAL_CODES = {403: "forbidden", 408: "request_timeout", 411: "length_required", 413: "request_too_large", 507: "insufficient_storage"}
+REFUSAL_CODES = {403: "forbidden", 408: "request_timeout", 411: "length_required", 413: "request_too_large",
+                 507: "insufficient_storage"}
 
 
 def _closing(send):

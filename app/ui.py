@@ -300,8 +300,8 @@ def _uploads_only(component):
         refuse_urls(url_or_file_path)
         return await move_async(url_or_file_path)
 
-    component.move_resource_to_block_cache, component.async_move_resource_to_block_cache = (move_upload,
-                                                                                              move_upload_async)
+    component.move_resource_to_block_cache = move_upload
+    component.async_move_resource_to_block_cache = move_upload_async
     return component
 
 

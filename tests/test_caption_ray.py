@@ -167,7 +167,8 @@ def test_file_names_that_are_not_utf8_are_captioned_and_stored_escaped_and_a_rer
     output holds such bytes as \\xNN escapes (key and error), and a rerun finds them done."""
     folder = tmp_path / "in"
     good = _inputs(folder, 1, video=False)[0]
-    odd = os.fsdecode(bytes(folder) + b"/caf\xe9 \xff.png")  # "café" in Latin-1 (not UTF-8 before a space), and 0xFF, which UTF-8 never uses
+    # "café" in Latin-1 (not UTF-8 before a space), and 0xFF, which UTF-8 never uses
+    odd = os.fsdecode(bytes(folder) + b"/caf\xe9 \xff.png")
     broken = os.fsdecode(bytes(folder) + b"/broken\xfe.png")
     Path(odd).write_bytes(good.read_bytes())
     Path(broken).write_bytes(b"\x89PNG\r\n\x1a\n cut off")
