@@ -1243,7 +1243,8 @@ def test_the_upload_quota_counts_what_files_take_on_the_disk_and_is_checked_off_
         server, tmp_path, monkeypatch):
     """Counted by their sizes, 30,528 one-byte uploads were 20.9 MiB of the quota and 140 MiB of the disk (empty ones
     counted for nothing), and the check walked the folder on the event loop that answers everyone. Each file and
-    folder now counts at least a block, and /health is answered while a check walks the folder."""
+    folder now counts at least a block, an upload's files are charged as its body is read (between walks, four POSTs
+    of 1,000 tiny files overshot a 1 MiB quota 16 times), and /health is answered while a check walks the folder."""
     from glimpse import uploads
 
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
