@@ -151,6 +151,18 @@ def _shipped_choice(speed: float) -> str:
     return Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text())).promise(speed)["configuration"]
 
 
+def _set_speed(page, speed: float) -> str:
+    """Type ``speed`` into the slider's box and wait (up to 30 s) for the promise of what it selects; returns that
+    configuration's name."""
+    page.locator("#speed input[type=number]").fill(f"{speed:g}")
+    page.locator("#speed input[type=number]").press("Enter")
+    chosen = _shipped_choice(speed)
+    deadline = time.monotonic() + 30
+    while chosen not in page.locator("#promise").inner_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return chosen
+
+
 def test_upload_ask_and_see_the_answer_stream_and_the_metrics_fill_in(page):
     _ask(page, "What is in this picture?", upload=REPO / "assets" / "sample.png")
     answer = page.locator("#chat .message.bot").last.inner_text()
@@ -164,12 +176,7 @@ def test_moving_the_slider_shows_what_it_selects_and_its_measured_promise_before
     page.get_by_text("advanced: parameters").click()
     page.wait_for_selector("#params", timeout=10_000)
     assert "exact" in page.locator("#promise").inner_text()  # speed 0: no pruning
-    page.locator("#speed input[type=number]").fill("1")
-    page.locator("#speed input[type=number]").press("Enter")
-    chosen = _shipped_choice(1.0)
-    deadline = time.monotonic() + 30
-    while chosen not in page.locator("#promise").inner_text() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    chosen = _set_speed(page, 1.0)
     promise = page.locator("#promise").inner_text()
     assert chosen in promise and "keeps" in promise and "calibration set" in promise
     assert "Measured on single questions" in promise  # what the numbers are of, for a new user
@@ -178,13 +185,7 @@ def test_moving_the_slider_shows_what_it_selects_and_its_measured_promise_before
     while not all(f'"{m}"' in page.locator("#params").inner_text() for m in members) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(f'"{m}"' in page.locator("#params").inner_text() for m in members)  # auto's members, as run
-    page.locator("#speed input[type=number]").fill("0.25")
-    page.locator("#speed input[type=number]").press("Enter")
-    chosen = _shipped_choice(0.25)
-    deadline = time.monotonic() + 30
-    while chosen not in page.locator("#promise").inner_text() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert chosen in page.locator("#promise").inner_text()
+    assert _set_speed(page, 0.25) in page.locator("#promise").inner_text()
     assert page.locator("#promise a").count() == 0  # a configuration's name is no link ("divprune@0.25": an e-mail)
 
 
