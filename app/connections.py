@@ -192,10 +192,14 @@ def _closing(send):
     return send_closing
 
 
+def error_content(message: str, code: str | None) -> dict:
+    """An error in the API's shape (OpenAI's), for what answers without the API's own routes."""
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+
+
 async def refuse(send, status: int, message: str, headers: tuple = ()) -> None:
     """An ASGI error response in the API's shape, sent without the application (the middlewares' refusals)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": REFUSAL_CODES.get(status)}}).encode()
+    body = json.dumps(error_content(message, REFUSAL_CODES.get(status))).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})

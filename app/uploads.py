@@ -19,7 +19,9 @@ import shutil
 import time
 from pathlib import Path
 
-from glimpse.connections import refuse
+import anyio
+
+from glimpse.connections import error_content, refuse
 
 
 RESERVE_BYTES = 2**30  # what uploads must leave free on the disk, whatever the quota
@@ -67,8 +69,6 @@ class UploadQuota:
     when they do not say their length (a browser always does)."""
 
     def __init__(self, app, folder: str | Path, quota_bytes: int, max_age_s: float = 24 * 3600):
-        import anyio
-
         self.app, self.folder = app, Path(folder)
         self.quota_bytes, self.max_age_s = quota_bytes, max_age_s
         self.walking = anyio.CapacityLimiter(1)  # uploads waiting for the check wait on the event loop, not in threads
@@ -76,8 +76,6 @@ class UploadQuota:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/").endswith("/upload"):
-            import anyio
-
             headers = dict(scope.get("headers") or [])
             length = headers.get(b"content-length")
             if length is None or not length.isdigit():
@@ -168,8 +166,6 @@ async def malformed_upload(request, error: Exception):
     from starlette.responses import JSONResponse, PlainTextResponse
 
     if request.method == "POST" and request.url.path.rstrip("/").endswith("/upload") and not isinstance(error, OSError):
-        return JSONResponse({"error": {"message": "a malformed upload: each file part needs a file name "
-                                                  '(Content-Disposition: form-data; name="files"; filename="...")',
-                                       "type": "invalid_request_error", "param": None, "code": "bad_upload"}},
-                            status_code=400)
+        return JSONResponse(error_content('a malformed upload: each file part needs a file name (Content-Disposition: '
+                                          'form-data; name="files"; filename="...")', "bad_upload"), status_code=400)
     return PlainTextResponse("Internal Server Error", status_code=500)
