@@ -247,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--categories", default=None,
                           help="visual: comma-separated question categories (default: every image category, and every "
                                "clip category when the model takes video), e.g. colour,shape,count,position")
+    evaluate.add_argument("--styled", type=float, default=0.0, metavar="SHARE",
+                          help="visual: the share of questions asked about scenes and clips given a look of other "
+                               "pictures (dark, graded, textured or striped backgrounds, turned, shadowed or outlined "
+                               "shapes, noise, JPEG); 0, the default: the plain look the model was first trained on")
+    evaluate.add_argument("--questions", default=None, metavar="FILE.jsonl",
+                          help='visual: ask your own questions instead of the generated set: JSON lines of '
+                               '{"image": PATH} or {"video": PATH}, "question", "answer" and optionally "category" '
+                               '(paths relative to the file); right when the reply starts with the answer\'s words')
     evaluate.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                           help="passkey, visual: a parameter of every policy in --policies, as for ask "
                                "(e.g. --policies fastv --param layer=6 --param merge=true)")
@@ -440,6 +448,15 @@ def run_eval(args) -> int:
     policies = [p for p in policies if p != "none"]
     if args.samples < 1 or args.new_tokens < 1 or not lengths:
         raise UserError("--samples and --new-tokens must be at least 1, --lengths non-empty")
+    if not 0.0 <= args.styled <= 1.0:
+        raise UserError(f"--styled is a share from 0 to 1, got {args.styled:g}")
+    if (args.styled or args.questions) and args.task != "visual":
+        raise UserError("--styled and --questions apply to the visual task")
+    if args.questions and (args.styled or args.seed is not None or args.categories):
+        raise UserError("--questions asks the file's questions: --seed, --styled and --categories choose among "
+                        "the generated ones")
+    if args.questions:
+        evaluation.read_questions(args.questions)  # a bad file is refused before the model loads
     if args.task == "visual" and args.seed == evaluation.tasks.TRAIN_SEED:
         raise UserError(f"--seed {args.seed} is the seed the projector was trained on; pick another for a held-out set")
     categories = tuple(c.strip() for c in args.categories.split(",")) if args.categories else None
@@ -456,7 +473,8 @@ def run_eval(args) -> int:
     elif args.task == "visual":
         seed = evaluation.tasks.HELDOUT_SEED if args.seed is None else args.seed
         report = evaluation.run_visual(engine, args.samples, policies, speeds, seed, progress=_log,
-                                       categories=categories, overrides=overrides)
+                                       categories=categories, overrides=overrides, styled=args.styled,
+                                       questions=args.questions)
     else:
         report = evaluation.run_passkey(engine, lengths, args.samples, policies, speeds, args.seed or 0,
                                         progress=_log, overrides=overrides)

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from glimpse.bench import FILLER, device_name, synthesize_prompts
+from glimpse.common import UserError
 from glimpse.pipeline.calibrate_slider import normalised
 from glimpse.pipeline.prompt import user_message
 from glimpse import tasks
@@ -167,14 +168,15 @@ def run_passkey(engine, lengths: list[int], samples: int, policies: list[str], s
 
 
 # ------------------------------------------------------------------------------------ visual task
-def visual_cases(folder: Path, samples: int, seed: int, video: bool, categories: tuple[str, ...] | None = None
-                 ) -> list[dict]:
+def visual_cases(folder: Path, samples: int, seed: int, video: bool, categories: tuple[str, ...] | None = None,
+                 styled: float = 0.0) -> list[dict]:
     """`samples` held-out questions of each category (default: every image category, and every clip category when
-    the model takes video), the media written into `folder`, as chat messages."""
+    the model takes video), the media written into `folder`, as chat messages; a `styled` share of the scenes and
+    clips drawn with a look of other pictures (`tasks.stylise`)."""
     if categories is None:
         categories = tasks.IMAGE_CATEGORIES + (tasks.VIDEO_CATEGORIES if video else ())
     cases = []
-    for i, (item, qa) in enumerate(tasks.heldout_set(seed, samples, categories)):
+    for i, (item, qa) in enumerate(tasks.heldout_set(seed, samples, categories, styled)):
         if item.is_video:
             media = ("video", str(tasks.write_clip(item.frames, folder / f"{i:04d}.mp4")))
         else:
@@ -190,28 +192,80 @@ def visual_reduction(metrics: dict) -> float:
     return 1.0 - sum(depth) / (len(depth) * layers) if depth else 0.0
 
 
+def read_questions(path: str | Path, video: bool = True) -> list[dict]:
+    """Cases from a question file of the user's: JSON lines of {"image": PATH} or {"video": PATH}, "question",
+    "answer" and optionally "category" (else "all"); a path relative to the file's folder. Right is judged as on
+    the generated set (`tasks.is_correct`: the reply's first words are the answer's). Every line and every file it
+    names is checked before a model runs, and an error names the line."""
+    import json
+
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--questions {path}: cannot read it ({error})") from None
+    cases = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--questions {path}, line {number}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{where}: not JSON ({error.msg})") from None
+        if not isinstance(entry, dict):
+            raise UserError(f"{where}: a line is a JSON object")
+        kinds = [k for k in ("image", "video") if k in entry]
+        texts = {k: entry.get(k) for k in ("question", "answer")}
+        if len(kinds) != 1 or not all(isinstance(v, str) and v.strip() for v in texts.values()):
+            raise UserError(f'{where}: a line has one of "image" or "video" (a path), and "question" and "answer" '
+                            f'(text)')
+        kind = kinds[0]
+        if kind == "video" and not video:
+            raise UserError(f"{where}: this model takes no video")
+        media = entry[kind]
+        if not isinstance(media, str) or not media:
+            raise UserError(f'{where}: "{kind}" is a path')
+        media_path = Path(media) if Path(media).is_absolute() else path.parent / media
+        if not media_path.is_file():
+            raise UserError(f"{where}: {media_path} is not a file")
+        category = entry.get("category", "all")
+        if not isinstance(category, str) or not category:
+            raise UserError(f'{where}: "category" is a name')
+        cases.append({"qa": tasks.QA(category, texts["question"], texts["answer"]),
+                      "messages": user_message(texts["question"], [(kind, str(media_path))]), "video": kind == "video"})
+    if not cases:
+        raise UserError(f"--questions {path}: no questions in it")
+    return cases
+
+
 def run_visual(engine, samples: int, policies: list[str], speeds: list[float], seed: int = tasks.HELDOUT_SEED,
                new_tokens: int = 8, progress=lambda line: None, categories: tuple[str, ...] | None = None,
-               overrides: dict | None = None) -> dict:
+               overrides: dict | None = None, styled: float = 0.0, questions: str | Path | None = None) -> dict:
+    """Accuracy of each configuration on the generated held-out set of `seed` (`samples` per category, a `styled`
+    share drawn with other looks), or on a question file of the user's (`questions`, `read_questions`)."""
     with tempfile.TemporaryDirectory(prefix="glimpse-visual-") as tmp:
-        cases = visual_cases(Path(tmp), samples, seed, engine.adapter.supports_video, categories)
+        if questions is not None:
+            cases = read_questions(questions, engine.adapter.supports_video)
+        else:
+            cases = visual_cases(Path(tmp), samples, seed, engine.adapter.supports_video, categories, styled)
+            for case in cases:
+                case["video"] = case["qa"].category in tasks.VIDEO_CATEGORIES
         categories = list(dict.fromkeys(c["qa"].category for c in cases))
+        asked = {c: sum(case["qa"].category == c for case in cases) for c in categories}
         configs = [("none", 0.0)] + [(name, speed) for name in policies for speed in speeds]
         warm_up(engine, [case["messages"] for case in cases])
         rows, base_ttft = [], 0.0
         for name, speed in configs:
-            right = dict.fromkeys(categories, 0)
             ttft = flops = flops_base = 0.0
-            reductions = []
-            answers = []
+            reductions, answers, right = [], [], []
             params = overrides if name != "none" else None
             promise = engine.promise(name, speed, params)  # what auto picked at this speed, calibrated or not
             configuration = promise["configuration"]
             for case in cases:
                 result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, False, overrides),
                                          max_new_tokens=new_tokens)
-                qa = case["qa"]
-                right[qa.category] += tasks.is_correct(result.text, qa)
+                right.append(tasks.is_correct(result.text, case["qa"]))
                 answers.append(result.text)
                 metrics = result.metrics
                 ttft += metrics["ttft_s"]
@@ -220,30 +274,25 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
                 reductions.append(visual_reduction(metrics))
             if name == "none":
                 base_ttft = ttft
-            accuracy = {c: right[c] / samples for c in categories}
-            image = [accuracy[c] for c in categories if c in tasks.IMAGE_CATEGORIES]
-            video = [accuracy[c] for c in categories if c in tasks.VIDEO_CATEGORIES]
-            if name == "none":
                 reference = answers
+            accuracy = {c: sum(r for r, case in zip(right, cases) if case["qa"].category == c) / asked[c]
+                        for c in categories}
+            by_kind = {kind: [r for r, case in zip(right, cases) if case["video"] == kind] for kind in (False, True)}
             agreement = sum(_same_answer(a, b) for a, b in zip(answers, reference)) / len(cases)
-            rows.append({"policy": name, "speed": speed, "accuracy": sum(right.values()) / len(cases),
+            rows.append({"policy": name, "speed": speed, "accuracy": sum(right) / len(cases),
                          "agreement": agreement, "configuration": configuration, "calibrated": promise["calibrated"],
-                         "image_accuracy": sum(image) / len(image) if image else None, "video_accuracy": sum(video) / len(video) if video else None,
+                         "image_accuracy": sum(by_kind[False]) / len(by_kind[False]) if by_kind[False] else None,
+                         "video_accuracy": sum(by_kind[True]) / len(by_kind[True]) if by_kind[True] else None,
                          "per_category": accuracy, "visual_reduction": sum(reductions) / len(reductions),
                          "flops_speedup": flops_base / flops, "ttft_speedup": base_ttft / ttft, "answers": answers})
             progress(f"{name} @ {speed:g}: accuracy {rows[-1]['accuracy']:.0%}, "
                      f"visual tokens removed {rows[-1]['visual_reduction']:.0%}")
-        questions = [{"category": c["qa"].category, "question": c["qa"].question, "answer": c["qa"].answer}
-                     for c in cases]
-    return {"task": "visual", "device": device_name(engine), "seed": seed, "samples": samples,
-            "categories": categories, "questions": questions, "rows": rows, "params": overrides or {}}
-
-
-def _label(row: dict) -> str:
-    """A table's policy cell: auto names the configuration it ran."""
-    if row["policy"] == "auto" and row.get("configuration"):
-        return f"auto ({row['configuration']}{'' if row.get('calibrated') else ', uncalibrated'})"
-    return row["policy"]
+        listed = [{"category": c["qa"].category, "question": c["qa"].question, "answer": c["qa"].answer}
+                  for c in cases]
+    source = {"questions": str(questions)} if questions is not None else {"seed": seed, "samples": samples,
+                                                                          "styled": styled}
+    return {"task": "visual", "device": device_name(engine), **source, "asked": asked,
+            "categories": categories, "questions": listed, "rows": rows, "params": overrides or {}}
 
 
 def _same_answer(a: str, b: str) -> bool:

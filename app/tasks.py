@@ -20,13 +20,14 @@ draws one question per item, balanced over categories, for `glimpse eval --task 
 
 from __future__ import annotations
 
+import io
 import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
 TRAIN_SEED = 0
 HELDOUT_SEED = 1
@@ -64,6 +65,7 @@ class Thing:
     x: float  # centre, canvas pixels
     y: float
     radius: float
+    angle: float = 0.0  # degrees, counter-clockwise; only a styled scene turns its shapes
 
     @property
     def name(self) -> str:
@@ -74,11 +76,30 @@ class Thing:
 
 
 @dataclass
+class Style:
+    """How a styled scene is drawn beyond the plain look: what users' pictures have and the plain scenes lack.
+
+    None of it changes an answer: backgrounds are grey (no hue of the palette), a shadow is a darker copy of the
+    background under a shape, an outline is near-black, and noise and JPEG move a pixel by a few levels."""
+
+    background: str = "plain"  # plain | gradient | texture | stripes (the scene's background tone is the base)
+    second_tone: tuple[int, int, int] = (128, 128, 128)  # the gradient's far end, the stripes' other tone
+    direction: str = "horizontal"  # gradient and stripes: horizontal | vertical | diagonal
+    stripe_width: int = 16
+    shadow: tuple[int, int] = (0, 0)  # a soft shadow under every shape, offset by (dx, dy) px; (0, 0): none
+    outline: int = 0  # a near-black outline this many px wide around every shape; 0: none
+    noise: float = 0.0  # standard deviation of Gaussian pixel noise, in levels of 255
+    jpeg: int = 0  # the picture is JPEG-compressed at this quality and decoded; 0: not
+    seed: int = 0  # the texture and the noise, so every frame of a clip gets the same
+
+
+@dataclass
 class Scene:
     background: tuple[int, int, int]
     things: list[Thing]
     word: str | None = None
     word_quadrant: str | None = None
+    style: Style | None = None  # None: the plain look (a flat light background, flat upright shapes)
 
 
 @dataclass
@@ -129,41 +150,78 @@ def _quadrant_centre(quadrant: str) -> tuple[float, float]:
     return half * col + half / 2, half * row + half / 2
 
 
-def _polygon(shape: str, x: float, y: float, r: float) -> list[tuple[float, float]]:
-    if shape == "square":
+def _polygon(shape: str, x: float, y: float, r: float, turn: float = 0.0) -> list[tuple[float, float]]:
+    if shape == "square" and not turn:  # as drawn before shapes could turn: the plain sets stay bit for bit
         s = r * 0.85
         return [(x - s, y - s), (x + s, y - s), (x + s, y + s), (x - s, y + s)]
-    if shape == "triangle":
-        return [(x + r * math.cos(math.radians(a)), y - r * math.sin(math.radians(a))) for a in (90, 210, 330)]
-    if shape == "star":
-        points = []
-        for i in range(10):
-            radius = r if i % 2 == 0 else r * 0.45
-            angle = math.radians(90 + 36 * i)
-            points.append((x + radius * math.cos(angle), y - radius * math.sin(angle)))
-        return points
-    raise ValueError(shape)
-
-
-def draw_thing(draw: ImageDraw.ImageDraw, thing: Thing, colour: str | None = None) -> None:
-    fill = COLOURS[colour or thing.colour]
-    x, y, r = thing.x, thing.y, thing.radius
-    if thing.shape == "circle":
-        draw.ellipse([x - r, y - r, x + r, y + r], fill=fill)
+    if shape == "square":
+        angles, radii = (45, 135, 225, 315), (r * 0.85 * math.sqrt(2),) * 4  # the corners' distance from the centre
+    elif shape == "triangle":
+        angles, radii = (90, 210, 330), (r,) * 3
+    elif shape == "star":
+        angles, radii = tuple(90 + 36 * i for i in range(10)), tuple(r if i % 2 == 0 else r * 0.45 for i in range(10))
     else:
-        draw.polygon(_polygon(thing.shape, x, y, r), fill=fill)
+        raise ValueError(shape)
+    return [(x + radius * math.cos(math.radians(a + turn)), y - radius * math.sin(math.radians(a + turn)))
+            for a, radius in zip(angles, radii)]
+
+
+def draw_thing(draw: ImageDraw.ImageDraw, thing: Thing, colour: str | None = None, fill=None, outline: int = 0,
+               offset: tuple[float, float] = (0.0, 0.0)) -> None:
+    fill = fill if fill is not None else COLOURS[colour or thing.colour]
+    x, y, r = thing.x + offset[0], thing.y + offset[1], thing.radius
+    edge = {"outline": (25, 25, 25), "width": outline} if outline else {}
+    if thing.shape == "circle":
+        draw.ellipse([x - r, y - r, x + r, y + r], fill=fill, **edge)
+    else:
+        draw.polygon(_polygon(thing.shape, x, y, r, thing.angle), fill=fill, **edge)
+
+
+def _styled_background(scene: Scene, style: Style) -> Image.Image:
+    base, other = np.array(scene.background, np.float32), np.array(style.second_tone, np.float32)
+    ys, xs = np.mgrid[0:CANVAS, 0:CANVAS].astype(np.float32) / (CANVAS - 1)
+    along = {"horizontal": xs, "vertical": ys, "diagonal": (xs + ys) / 2}[style.direction]
+    if style.background == "gradient":
+        pixels = base + (other - base) * along[..., None]
+    elif style.background == "stripes":
+        band = (np.floor(along * (CANVAS - 1) / style.stripe_width) % 2)[..., None]
+        pixels = base + (other - base) * band
+    elif style.background == "texture":  # blotchy grey, as paper, cloth or a wall
+        rng = np.random.default_rng(style.seed)
+        blotches = Image.fromarray(rng.integers(0, 256, (CANVAS, CANVAS), dtype=np.uint8))
+        blotches = np.asarray(blotches.filter(ImageFilter.GaussianBlur(3)), np.float32)
+        spread = (blotches - blotches.mean()) / (blotches.std() + 1e-6)
+        pixels = base + spread[..., None] * np.abs(other - base).mean() / 2
+    else:
+        pixels = np.broadcast_to(base, (CANVAS, CANVAS, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
 def render(scene: Scene, hidden: Thing | None = None, recolour: dict[int, str] | None = None) -> Image.Image:
-    image = Image.new("RGB", (CANVAS, CANVAS), scene.background)
+    style = scene.style
+    image = Image.new("RGB", (CANVAS, CANVAS), scene.background) if style is None else _styled_background(scene, style)
+    shown = [(i, t) for i, t in enumerate(scene.things) if t is not hidden]
+    if style is not None and style.shadow != (0, 0):
+        mask = Image.new("L", image.size, 0)
+        for _, thing in shown:
+            draw_thing(ImageDraw.Draw(mask), thing, fill=255, offset=style.shadow)
+        mask = mask.filter(ImageFilter.GaussianBlur(3)).point(lambda v: v * 0.55)
+        image.paste(Image.new("RGB", image.size, (0, 0, 0)), mask=mask)
     draw = ImageDraw.Draw(image)
-    for i, thing in enumerate(scene.things):
-        if thing is not hidden:
-            draw_thing(draw, thing, (recolour or {}).get(i))
+    for i, thing in shown:
+        draw_thing(draw, thing, (recolour or {}).get(i), outline=style.outline if style else 0)
     if scene.word:
         font = ImageFont.load_default(size=44)
         cx, cy = _quadrant_centre(scene.word_quadrant)
-        draw.text((cx, cy), scene.word, fill=(20, 20, 20), font=font, anchor="mm")
+        ink = (20, 20, 20) if sum(scene.background) > 3 * 128 else (235, 235, 235)
+        draw.text((cx, cy), scene.word, fill=ink, font=font, anchor="mm")
+    if style is not None and style.noise:
+        noise = np.random.default_rng(style.seed + 1).normal(0.0, style.noise, (CANVAS, CANVAS, 1))
+        image = Image.fromarray(np.clip(np.asarray(image, np.float32) + noise, 0, 255).astype(np.uint8))
+    if style is not None and style.jpeg:
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=style.jpeg)
+        image = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
     return image
 
 
@@ -195,9 +253,32 @@ def sample_scene(rng: random.Random, count: int | None = None, word: bool | None
     return scene
 
 
-def sample_clip(rng: random.Random, kind: str | None = None) -> Clip:
+def stylise(scene: Scene, rng: random.Random) -> Scene:
+    """Give the scene a random look of other pictures (`Style`): a dark, graded, textured or striped grey
+    background, turned shapes, soft shadows, outlines, noise, JPEG. Every answer stays what it was."""
+    dark = rng.random() < 0.3
+    level = rng.randint(25, 85) if dark else rng.randint(170, 250)
+    scene.background = tuple(min(255, max(0, level + rng.randint(-8, 8))) for _ in range(3))
+    spread = rng.randint(25, 60) * (1 if dark else -1)
+    second = tuple(min(255, max(0, c + spread)) for c in scene.background)
+    for thing in scene.things:
+        thing.angle = rng.uniform(0.0, 360.0) if rng.random() < 0.6 else 0.0
+    scene.style = Style(
+        background=rng.choice(("plain", "gradient", "texture", "stripes")), second_tone=second,
+        direction=rng.choice(("horizontal", "vertical", "diagonal")), stripe_width=rng.randint(6, 28),
+        shadow=(rng.randint(3, 8), rng.randint(3, 8)) if not dark and rng.random() < 0.35 else (0, 0),
+        outline=rng.randint(2, 4) if rng.random() < 0.25 else 0,
+        noise=rng.uniform(3.0, 10.0) if rng.random() < 0.35 else 0.0,
+        jpeg=rng.randint(25, 80) if rng.random() < 0.4 else 0, seed=rng.randrange(2**31))
+    return scene
+
+
+def sample_clip(rng: random.Random, kind: str | None = None, style_rng: random.Random | None = None) -> Clip:
+    """A clip of one event; with `style_rng`, of a scene given a random look (`stylise`) drawn from it."""
     kind = kind or rng.choice(VIDEO_CATEGORIES)
     scene = sample_scene(rng, count=rng.randint(1, 2), word=False)
+    if style_rng is not None:
+        stylise(scene, style_rng)
     if kind == "appear":
         free_shapes = [s for s in SHAPES if s not in {t.shape for t in scene.things}]
         free_colours = [c for c in COLOURS if c not in {t.colour for t in scene.things}]
@@ -328,37 +409,53 @@ class Item:
         return len(self.frames) > 1
 
 
-def training_items(seed: int, images: int, clips: int) -> list[Item]:
+def _style_draws(seed: int, share: float):
+    """Which items are styled, and the stream their looks come from: a stream of its own, so that the scenes,
+    questions and order of a seed are the same with and without styles (share 0 gives the plain set exactly)."""
+    draws = random.Random(f"style-{seed}")
+    return lambda: draws if share > 0 and draws.random() < share else None
+
+
+def training_items(seed: int, images: int, clips: int, styled: float = 0.0) -> list[Item]:
     """`images` scenes and `clips` clips, each with every question it supports (about every object of a scene,
     in random order). Binding an attribute to the right object is what the model finds hardest (asked about
-    one of several objects it tends to answer another's colour), so every object is asked about."""
+    one of several objects it tends to answer another's colour), so every object is asked about. A `styled`
+    share of the items get a random look of other pictures (`stylise`)."""
     rng = random.Random(seed)
+    style_draw = _style_draws(seed, styled)
     items = []
     for _ in range(images):
         scene = sample_scene(rng)
         qas = scene_questions(scene, rng, every_object=True)
         rng.shuffle(qas)
+        if (style_rng := style_draw()) is not None:
+            stylise(scene, style_rng)
         items.append(Item([render(scene)], qas, caption(scene), scene))
     for _ in range(clips):
-        clip = sample_clip(rng)
+        clip = sample_clip(rng, style_rng=style_draw())
         items.append(Item(clip.frames, clip_questions(clip, rng), clip_caption(clip)))
     rng.shuffle(items)
     return items
 
 
 def heldout_set(seed: int = HELDOUT_SEED, per_category: int = 10,
-                categories: tuple[str, ...] = IMAGE_CATEGORIES + VIDEO_CATEGORIES) -> list[tuple[Item, QA]]:
-    """`per_category` (item, question) pairs per category, each item drawn fresh from `seed`."""
+                categories: tuple[str, ...] = IMAGE_CATEGORIES + VIDEO_CATEGORIES,
+                styled: float = 0.0) -> list[tuple[Item, QA]]:
+    """`per_category` (item, question) pairs per category, each item drawn fresh from `seed`; a `styled` share of
+    them with a random look of other pictures (`stylise`), the questions unchanged."""
     rng = random.Random(seed)
+    style_draw = _style_draws(seed, styled)
     out = []
     for category in categories:
         for _ in range(per_category):
             if category in VIDEO_CATEGORIES:
-                clip = sample_clip(rng, category)
+                clip = sample_clip(rng, category, style_rng=style_draw())
                 item = Item(clip.frames, clip_questions(clip, rng), clip_caption(clip))
             else:
                 count = rng.randint(1, 3) if category == "word" else None  # a word needs a free quadrant
                 scene = sample_scene(rng, count=count, word=True if category == "word" else None)
+                if (style_rng := style_draw()) is not None:
+                    stylise(scene, style_rng)
                 item = Item([render(scene)], scene_questions(scene, rng), caption(scene), scene)
             qa = rng.choice([q for q in item.qas if q.category == category])
             out.append((item, qa))

@@ -179,3 +179,61 @@ def test_visual_task_param_configures_the_pruned_policies_not_the_reference(chec
     assert rows["fastv"]["flops_speedup"] < default["fastv"]["flops_speedup"]  # a later cut than layer 1 saves less
     assert main(args + ["--param", "nope=1"]) == 1
     assert "nope" in capsys.readouterr().err
+
+
+def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_before_loading(checkpoints, tmp_path,
+                                                                                            capsys):
+    """`--questions FILE.jsonl` asks the user's own questions about their own pictures (paths relative to the file),
+    judged as the generated set is; `--styled` draws the generated scenes with other looks, asking the same
+    questions. A bad line is refused before the model loads, naming the line."""
+    import random
+
+    from glimpse import tasks
+
+    rng = random.Random(3)
+    (tmp_path / "pics").mkdir()
+    lines = []
+    for i in range(3):
+        scene = tasks.sample_scene(rng, count=2)
+        tasks.render(scene).save(tmp_path / "pics" / f"{i}.png")
+        qa = tasks.scene_questions(scene, rng)[i]
+        lines.append({"image": f"pics/{i}.png", "question": qa.question, "answer": qa.answer,
+                      **({"category": "mine"} if i else {})})
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    base = ["eval", "visual", "--model", str(checkpoints["llava"]), "--policies", "fastv", "--speeds", "1", "--json"]
+    assert main(base + ["--questions", str(questions)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["questions"] == [{"category": line.get("category", "all"), "question": line["question"],
+                                    "answer": line["answer"]} for line in lines]
+    assert report["asked"] == {"all": 1, "mine": 2} and report["categories"] == ["all", "mine"]
+    for row in report["rows"]:
+        right = [tasks.is_correct(a, tasks.QA("", "", line["answer"])) for a, line in zip(row["answers"], lines)]
+        assert row["accuracy"] == sum(right) / 3 and row["per_category"]["mine"] == sum(right[1:]) / 2
+    absent = str(tmp_path / "no-model")  # never loaded: every refusal comes first
+    video_line = {"video": "pics/0.png", "question": "Which way?", "answer": "Left."}
+    for content, said in (('{"image": "pics/9.png", "question": "Q?", "answer": "A."}', "line 1: "),
+                          ('{"image": "pics/0.png", "question": "Q?", "answer": "A."}\nnot json', "line 2: not JSON"),
+                          ('{"image": "pics/0.png", "question": "", "answer": "A."}', '"question" and "answer"'),
+                          ('{"image": "pics/0.png", "video": "pics/0.png", "question": "Q", "answer": "A."}',
+                           'one of "image" or "video"'),
+                          ("", "no questions")):
+        questions.write_text(content)
+        assert main(["eval", "visual", "--model", absent, "--questions", str(questions)]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "loading" not in err, (content, err)
+    questions.write_text(json.dumps(video_line))
+    assert main(base + ["--questions", str(questions)]) == 1  # the tiny LLaVA takes no video
+    assert "line 1: this model takes no video" in capsys.readouterr().err
+    assert main(["eval", "visual", "--model", absent, "--questions", str(questions), "--seed", "5"]) == 1
+    assert "--questions asks the file's questions" in capsys.readouterr().err
+    for share in ("-0.1", "1.5"):
+        assert main(["eval", "visual", "--model", absent, "--styled", share]) == 1
+        assert "--styled is a share" in capsys.readouterr().err
+    args = ["eval", "visual", "--model", str(checkpoints["llava"]), "--policies", "none", "--samples", "1",
+            "--categories", "colour,count", "--seed", "7", "--json"]
+    assert main(args + ["--styled", "1"]) == 0
+    styled = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert styled["questions"] == plain["questions"] and styled["styled"] == 1.0 and plain["styled"] == 0.0

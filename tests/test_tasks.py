@@ -176,3 +176,62 @@ def test_alignment_labels_each_cell_with_what_covers_it():
         if scene.word:
             assert scene.word in words
         assert words.count(None) > len(words) // 2  # mostly background
+
+
+def _nearest_colour(pixel) -> tuple[str, float]:
+    distances = {c: float(np.linalg.norm(np.asarray(pixel, float) - rgb)) for c, rgb in tasks.COLOURS.items()}
+    name = min(distances, key=distances.get)
+    return name, distances[name]
+
+
+def near_colour_mask(image, colour: str, tolerance: float = 45.0) -> np.ndarray:
+    pixels = np.asarray(image, dtype=float)
+    return np.linalg.norm(pixels - np.array(tasks.COLOURS[colour], float), axis=-1) < tolerance
+
+
+def test_styled_scenes_ask_the_same_questions_and_the_pixels_still_give_every_answer():
+    """A styled held-out set (dark, graded, textured and striped backgrounds, turned, shadowed and outlined shapes,
+    noise, JPEG) asks what the plain set of its seed asks, and what its pictures show is still each answer: the
+    object's colour at its centre (the nearest palette colour, through noise and JPEG), as many palette colours on
+    the canvas as the count, each object's colour mass in its quadrant, and nothing of the look (shadows,
+    backgrounds) near a palette colour."""
+    plain = tasks.heldout_set(seed=8, per_category=4)
+    styled = tasks.heldout_set(seed=8, per_category=4, styled=1.0)
+    assert [(q.question, q.answer) for _, q in styled] == [(q.question, q.answer) for _, q in plain]
+    looks = {item.scene.style.background for item, _ in styled if item.scene is not None}
+    assert looks == {"plain", "gradient", "texture", "stripes"}
+    assert any(i.frames[0].tobytes() != j.frames[0].tobytes() for (i, _), (j, _) in zip(styled, plain))
+    for item, qa in styled:
+        if item.scene is None:
+            continue
+        image, scene = item.frames[0], item.scene
+        assert scene.style is not None
+        present = [c for c in tasks.COLOURS if near_colour_mask(image, c).sum() > 80]
+        assert sorted(present) == sorted(t.colour for t in scene.things)
+        for thing in scene.things:
+            y, x = round(thing.y), round(thing.x)
+            patch = np.median(np.asarray(image, float)[y - 2:y + 3, x - 2:x + 3].reshape(-1, 3), axis=0)
+            assert _nearest_colour(patch)[0] == thing.colour
+            assert quadrant_of(*centroid(near_colour_mask(image, thing.colour))) == thing.quadrant
+        if qa.category == "count":
+            assert int(answer_words(qa)) == len(present)
+
+
+def test_a_styled_clip_keeps_its_look_on_every_frame_and_its_event():
+    import random
+
+    for kind in tasks.VIDEO_CATEGORIES:
+        clip = tasks.sample_clip(random.Random(4), kind, style_rng=random.Random(9))
+        first, last = (np.asarray(f, float) for f in (clip.frames[0], clip.frames[-1]))
+        # away from the objects the background is the same picture in every frame (texture, noise and all)
+        away = ~(near_colour_mask(clip.frames[0], clip.subject.colour) | near_colour_mask(clip.frames[-1],
+                                                                                          clip.subject.colour))
+        assert np.abs(first - last)[away].mean() < 3.0
+        s = clip.subject
+        if kind == "change":
+            y, x = round(s.y), round(s.x)
+            assert _nearest_colour(first[y, x])[0] == s.colour
+            assert _nearest_colour(last[y, x])[0] == clip.new_colour
+        elif kind == "appear":
+            assert near_colour_mask(clip.frames[0], s.colour).sum() < 20 < near_colour_mask(clip.frames[-1],
+                                                                                          s.colour).sum()

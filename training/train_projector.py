@@ -332,10 +332,11 @@ def chats(item: tasks.Item, rng: random.Random, caption_share: float) -> list[li
     return [single_turn_chat(item, question, answer) for question, answer in turns]
 
 
-def features_cache(seed: int, images: int, clips: int) -> Path:
-    """Where the precomputed features of `training_items(seed, images, clips)` are cached (keyed by the data and
-    the embedded model's recipe, so a changed encoder conversion never reuses them)."""
-    recipe = hashlib.sha256(json.dumps([seed, images, clips, embedded.RECIPE]).encode()).hexdigest()[:12]
+def features_cache(seed: int, images: int, clips: int, styled: float = 0.0) -> Path:
+    """Where the precomputed features of `training_items(seed, images, clips, styled)` are cached (keyed by the data
+    and the embedded model's recipe, so a changed encoder conversion never reuses them)."""
+    data = [seed, images, clips, embedded.RECIPE] + ([styled] if styled else [])  # plain sets keep their old keys
+    recipe = hashlib.sha256(json.dumps(data).encode()).hexdigest()[:12]
     return CACHE / f"features-{recipe}.pt"
 
 
@@ -554,6 +555,10 @@ def main(argv=None) -> int:
                              "(training/pruned_forward.py); drawn after --hidivdrop-share's, never both on one item")
     parser.add_argument("--divprune-keep", default="0.2,0.6",
                         help="the share of vision tokens those items keep, drawn uniformly from LOW,HIGH")
+    parser.add_argument("--styled-share", type=float, default=0.0,
+                        help="share of the items drawn with a look of other pictures (tasks.stylise: dark, graded, "
+                             "textured or striped backgrounds, turned, shadowed or outlined shapes, noise, JPEG); "
+                             "its own random stream, so the scenes and questions are those of a plain run")
     args = parser.parse_args(argv)
     try:
         keep_low, keep_high = (float(x) for x in args.divprune_keep.split(","))
@@ -573,6 +578,11 @@ def main(argv=None) -> int:
         make_policy("hidivdrop", speed_high, hidivdrop_params)
     except UserError as error:
         parser.error(f"--hidivdrop-param: {error}")
+    if not 0.0 <= args.styled_share <= 1.0:
+        parser.error("--styled-share is a share in [0, 1]")
+    if args.styled_share and args.align_epochs and not args.from_assets:
+        parser.error("--styled-share needs --from-assets or --align-epochs 0: the alignment stage labels cells by "
+                     "their exact colours, which styled pictures do not keep")
     if args.from_assets and not all(f.is_file() for f in (embedded.PROJECTOR_FILE, embedded.PROJECTOR_RECORD,
                                                           embedded.ADAPTER_FILE)):
         parser.error("--from-assets needs the trained projector, its record and the adapters in assets/")
@@ -587,13 +597,14 @@ def main(argv=None) -> int:
         log.append(line)
         print(line, flush=True)
 
-    say(f"generating {args.images} images and {args.clips} clips from seed {args.seed}")
-    items = tasks.training_items(args.seed, args.images, args.clips)
+    say(f"generating {args.images} images and {args.clips} clips from seed {args.seed}"
+        + (f", {args.styled_share:.0%} of them styled" if args.styled_share else ""))
+    items = tasks.training_items(args.seed, args.images, args.clips, args.styled_share)
     model, processor = load_frozen_model()
     adapter = LlavaAdapter(model, processor.tokenizer, processor.image_processor)
     config = model.config
 
-    cached = features_cache(args.seed, args.images, args.clips)
+    cached = features_cache(args.seed, args.images, args.clips, args.styled_share)
     if cached.is_file():
         features = torch.load(cached)
         say(f"features loaded from {cached}")
@@ -683,11 +694,12 @@ def main(argv=None) -> int:
             "hidivdrop_share": args.hidivdrop_share, "hidivdrop_speeds": [speed_low, speed_high],
             "hidivdrop_params": hidivdrop_params,
             "divprune_share": args.divprune_share, "divprune_keep": [keep_low, keep_high],
+            "styled_share": args.styled_share,
             "adapter_rank": args.adapter_rank, "adapter_alpha": 2.0 * args.adapter_rank, "adapter_lr": args.adapter_lr,
             "adapted": [f"layers.*.self_attn.{n}" for n in ADAPTED] if adapters else [], "steps": steps,
             "passes": round(steps * args.batch / len(examples), 2), "precision": args.precision,
             "embedded_recipe": embedded.RECIPE,
-            "data": "app/tasks.py: training_items(seed, images, clips), every object of a scene asked about; "
+            "data": "app/tasks.py: training_items(seed, images, clips, styled), every object of a scene asked about; "
                     "every question a single-turn chat, packed per item",
             "validation": f"heldout_set({tasks.VALIDATION_SEED}, {args.validate_per_category}) every {args.validate_every} steps"
                           if args.validate_every else "none during training (--validate-every 0)",
