@@ -4,7 +4,8 @@
     glimpse bench serve [--url URL | --model M] [--clients K] [--requests N] [--max-tokens N] [--burst N] [--json]
     glimpse bench [--model M | --random-model PRESET] [--layers N] [--image P] [--video P] [--image-tokens N]
                   [--video-tokens N] [--policies P,Q] [--speeds S,T] [--runs N] [--warmup N] [--json] [--out FILE]
-    glimpse calibrate slider --model M [--images DIR] [--videos DIR] [--prompts FILE] [--budget-minutes N] [--out FILE]
+    glimpse calibrate slider --model M [--images DIR] [--videos DIR] [--prompts FILE] [--budget-minutes N]
+                             [--leave-out P,Q] [--out FILE]
     glimpse calibrate hidivdrop --model M --images DIR [--window N] [--top-k K] [--max-images N] [--out FILE]
     glimpse eval agreement|passkey|visual [--model M] [--policies P,Q] [--speeds S,T] [--json] [--plot FILE.png]
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
@@ -211,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--budget-minutes", type=float, default=None,
                            help="slider: start no new candidate after this long; the frontier of what was measured "
                                 "is stored, rerun to measure the rest")
+    calibrate.add_argument("--leave-out", default=None, metavar="POLICY[,POLICY]",
+                           help="slider: measure no candidate that runs one of these policies (alone or composed), "
+                                "for a kind of prompt the calibration set holds too few of to judge (the embedded "
+                                "model's shipped frontier leaves out rlt: docs/slider.md says why)")
     calibrate.add_argument("--floor", type=float, default=None,
                            help="slider: the answer agreement speed 1 may fall to, less one standard error (default 0.75)")
     calibrate.add_argument("--max-images", type=int, default=None,
@@ -881,6 +886,11 @@ def run_calibrate_slider(args) -> int:
         raise UserError("--max-images must be at least 1")
     if args.prompts and not Path(args.prompts).is_file():
         raise UserError(f"--prompts must be a text file of questions, got {args.prompts}")
+    left_out = sorted({name.strip() for name in args.leave_out.split(",")}) if args.leave_out is not None else []
+    if any(name not in PRUNING_NAMES for name in left_out):
+        raise UserError(f"--leave-out takes policies of {', '.join(PRUNING_NAMES)}, comma-separated; got "
+                        f"{args.leave_out!r}")
+    chosen = [c for c in candidates() if not any(member.policy in left_out for member in c)]
     path = Path(args.out) if args.out else profile_path(args.model, "slider")
     _check_writable_file(path, "--out")  # before the model loads, not after hours of measuring
     # One calibration per profile at a time: two at once measured the same candidates, appended both to one state
@@ -911,8 +921,12 @@ def run_calibrate_slider(args) -> int:
     if args.budget_minutes:
         _log(f"--budget-minutes {args.budget_minutes:g}: no candidate starts after that; the one under way finishes")
     state = path.with_name(path.name + ".partial.jsonl")
-    frontier = calibrate_slider(engine, prompts, candidates(), state_path=state, floor=floor, progress=_log,
+    if left_out:
+        _log(f"--leave-out {','.join(left_out)}: {len(candidates()) - len(chosen)} candidates not measured")
+    frontier = calibrate_slider(engine, prompts, chosen, state_path=state, floor=floor, progress=_log,
                                 budget_s=args.budget_minutes * 60 if args.budget_minutes else None)
+    if left_out:  # said in every promise's provenance: the frontier was chosen among fewer candidates
+        frontier.source += f", those running {' or '.join(left_out)} left out (--leave-out)"
     profile = {**frontier.to_json(), "model": args.model, "num_layers": len(engine.adapter.layers),
                "checkpoint": engine.checkpoint}
     if args.model == "embedded":  # which trained files it was measured on, the same on every machine

@@ -17,8 +17,8 @@ from glimpse.pipeline import embedded, load_engine
 from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER, calibrate_slider, folder_prompts, shipped_prompts
 from glimpse.pipeline.profiles import checkpoint_identity, profile_path, save_profile
 from glimpse.pruning import Frontier, Member, Point, make_policy
-from glimpse.pruning.frontier import (DEFAULT_FLOOR, candidates, design_pipeline_members, pareto_frontier,
-                              required_agreement, uncalibrated_frontier)
+from glimpse.pruning.frontier import (DEFAULT_FLOOR, candidates, configuration_name, design_pipeline_members,
+                              pareto_frontier, required_agreement, uncalibrated_frontier)
 
 SPEEDS = [i / 20 for i in range(21)]
 
@@ -304,7 +304,9 @@ def test_calibrate_slider_from_the_command_line_refuses_bad_input_before_loading
                         (["--out", str(latin / "x" / "slider.json")], f"{latin} is a file, not a folder"),
                         # a folder where no file can be made, although access() says yes to root
                         (["--out", "/proc/slider.json"], "--out /proc/slider.json: cannot write there"),
-                        (["--images", str(latin)], "--images must be a folder")):
+                        (["--images", str(latin)], "--images must be a folder"),
+                        (["--leave-out", "rlt,none"], "--leave-out takes policies of"),
+                        (["--leave-out", "auto"], "--leave-out takes policies of")):
         assert main(["calibrate", "slider", "--model", absent, *extra]) == 1
         err = capsys.readouterr().err
         assert said in err and "loading" not in err, (extra, err)
@@ -531,3 +533,29 @@ def test_a_second_calibration_of_the_same_profile_is_refused_before_loading(tmp_
     # Once it has ended the next one goes on (here to the model, which does not exist).
     assert main(["calibrate", "slider", "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 1
     assert "another glimpse calibrate" not in capsys.readouterr().err
+
+
+def test_calibrate_slider_leaves_out_the_policies_named_and_says_so_in_every_promise(deep_checkpoints, media,
+                                                                                    tmp_path, capsys):
+    """`--leave-out P,Q` measures no candidate that runs P or Q, alone or composed (the embedded model's shipped
+    frontier leaves out RLT, whose losses on clips 12 calibration clips could not show), and the profile's
+    provenance, which every promise carries, says so."""
+    from glimpse.cli import main
+
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "a.png").write_bytes(media["image"].read_bytes())
+    out = tmp_path / "slider.json"
+    first = candidates()[0][0].policy  # what an ordinary run measures first
+    kept = [c for c in candidates() if not any(m.policy in (first, "rlt") for m in c)]
+    assert main(["calibrate", "slider", "--model", str(deep_checkpoints["llava"]), "--images", str(images),
+                 "--budget-minutes", "0.001", "--out", str(out), "--device", "cpu", "--leave-out",
+                 f"rlt,{first}"]) == 0
+    err = capsys.readouterr().err
+    assert f"[1/{len(kept)}] {configuration_name(kept[0])}:" in err
+    assert f"{len(candidates()) - len(kept)} candidates not measured" in err
+    profile = json.loads(out.read_text())
+    assert [p["name"] for p in profile["measured"]] == [configuration_name(kept[0])]
+    frontier = Frontier.from_json(profile)
+    assert f"those running {' or '.join(sorted(('rlt', first)))} left out" in frontier.source
+    assert "left out (--leave-out)" in json.dumps(frontier.promise(1.0))
