@@ -295,6 +295,13 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
             "categories": categories, "questions": listed, "rows": rows, "params": overrides or {}}
 
 
+def _label(row: dict) -> str:
+    """A table's policy cell: auto names the configuration it ran."""
+    if row["policy"] == "auto" and row.get("configuration"):
+        return f"auto ({row['configuration']}{'' if row.get('calibrated') else ', uncalibrated'})"
+    return row["policy"]
+
+
 def _same_answer(a: str, b: str) -> bool:
     """The label-free agreement calibration measures: the same answer as the unpruned model's."""
     return normalised(a) == normalised(b)

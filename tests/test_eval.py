@@ -210,6 +210,9 @@ def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_bef
     for row in report["rows"]:
         right = [tasks.is_correct(a, tasks.QA("", "", line["answer"])) for a, line in zip(row["answers"], lines)]
         assert row["accuracy"] == sum(right) / 3 and row["per_category"]["mine"] == sum(right[1:]) / 2
+    assert main(base[:-1] + ["--policies", "auto", "--questions", str(questions)]) == 0  # the table, not JSON
+    table = capsys.readouterr().out
+    assert "| all | mine |" in table.splitlines()[0] and "| auto (" in table
     absent = str(tmp_path / "no-model")  # never loaded: every refusal comes first
     video_line = {"video": "pics/0.png", "question": "Which way?", "answer": "Left."}
     for content, said in (('{"image": "pics/9.png", "question": "Q?", "answer": "A."}', "line 1: "),
