@@ -58,7 +58,7 @@ from starlette.requests import ClientDisconnect
 from glimpse import vision
 from glimpse.vision import NamedBytes
 from glimpse.common import UserError
-from glimpse.connections import AbsoluteFormTargets, BodyLimits
+from glimpse.connections import AbsoluteFormTargets, BodyLimits, error_content
 from glimpse.fetch import FETCH_DEADLINE_S, Allowance, Fetcher, FetchError
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.engine import StreamChunk
@@ -465,9 +465,7 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", heade
            code: str | None = None, param: str | None = None) -> JSONResponse:
     # A client's lone surrogate quoted back (a parameter named "\ud800") cannot be encoded as UTF-8 JSON: escaped.
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    # OpenAI's shape: `code` a string or null, `param` the field at fault or null (typed clients parse them so).
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+    return JSONResponse(error_content(message, code, kind, param), status_code=status, headers=headers)
 
 
 def _text_length(messages: list) -> int:

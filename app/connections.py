@@ -192,9 +192,11 @@ def _closing(send):
     return send_closing
 
 
-def error_content(message: str, code: str | None) -> dict:
-    """An error in the API's shape (OpenAI's), for what answers without the API's own routes."""
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+def error_content(message: str, code: str | None, kind: str = "invalid_request_error",
+                  param: str | None = None) -> dict:
+    """An error in the API's shape (OpenAI's: `code` a string or null, `param` the field at fault or null; typed
+    clients parse them so), for the API's routes and for what answers without them."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 async def refuse(send, status: int, message: str, headers: tuple = ()) -> None:

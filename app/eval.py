@@ -33,6 +33,7 @@ policy over the speeds).
 
 from __future__ import annotations
 
+import json
 import random
 import tempfile
 from pathlib import Path
@@ -182,7 +183,7 @@ def visual_cases(folder: Path, samples: int, seed: int, video: bool, categories:
         else:
             item.frames[0].save(folder / f"{i:04d}.png")
             media = ("image", str(folder / f"{i:04d}.png"))
-        cases.append({"qa": qa, "messages": user_message(qa.question, [media])})
+        cases.append({"qa": qa, "messages": user_message(qa.question, [media]), "video": item.is_video})
     return cases
 
 
@@ -197,8 +198,6 @@ def read_questions(path: str | Path, video: bool = True) -> list[dict]:
     "answer" and optionally "category" (else "all"); a path relative to the file's folder. Right is judged as on
     the generated set (`tasks.is_correct`: the reply's first words are the answer's). Every line and every file it
     names is checked before a model runs, and an error names the line."""
-    import json
-
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -249,8 +248,6 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
             cases = read_questions(questions, engine.adapter.supports_video)
         else:
             cases = visual_cases(Path(tmp), samples, seed, engine.adapter.supports_video, categories, styled)
-            for case in cases:
-                case["video"] = case["qa"].category in tasks.VIDEO_CATEGORIES
         categories = list(dict.fromkeys(c["qa"].category for c in cases))
         asked = {c: sum(case["qa"].category == c for case in cases) for c in categories}
         configs = [("none", 0.0)] + [(name, speed) for name in policies for speed in speeds]
