@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from glimpse.common import Modality
+from glimpse.pipeline.cache import NO_LIMIT, UNRANKED
 
 WASTE = 1.5  # a batch's slots hold at most this many times the entries (and answer room) its members need
 SLACK = 1.125  # a slot's room beyond its largest member's need, so that a request like it can take a freed slot
@@ -75,6 +76,10 @@ class BatchKV:
         self.token = object()
         num_layers = len(requests[0].ctx.cache.layers)
         self.keys, self.values = [], []
+        # ST3's ranks of each slot's entries, per layer (``LayerKV.keep_top_visual``): a step masks out the entries
+        # ranked past what their layer keeps. Only when a member has them: other batches' steps have no such mask.
+        ranked = any(layer.slot_ranks() is not None for r in requests for layer in r.ctx.cache.layers)
+        self.ranks: list[torch.Tensor] | None = [] if ranked else None
         for layer_idx in range(num_layers):
             members = [r.ctx.cache.layers[layer_idx] for r in requests]
             sample = members[0].key
@@ -87,6 +92,10 @@ class BatchKV:
                 layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self.token)
             self.keys.append(keys)
             self.values.append(values)
+            if ranked:
+                self.ranks.append(torch.full(shape[::2], UNRANKED, dtype=torch.int32, device=keys.device))
+                for slot, layer in enumerate(members):
+                    self._write_ranks(layer_idx, slot, layer)
         self._members_changed()
         self.fixed_step = None  # its fixed-shape step (pipeline/decode_graph.py), made on first use
         self.free_steps = [0] * len(requests)  # per slot: the steps it has been free for
@@ -106,7 +115,8 @@ class BatchKV:
         self.slots = torch.tensor(taken, device=self.keys[0].device)
         self.all_slots = len(taken) == len(self.requests)  # no free slot: no gather, no scatter
         self.layers = [[r.ctx.cache.layers[i] for r in self.members] for i in range(len(self.keys))]
-        self._where_memo = None  # (lengths, dtype) -> (where, mask), for the layers of one step (``_where``)
+        self._where_memo = None  # lengths -> (where, at), for the layers of one step (``_where``)
+        self._mask_memo = None  # (lengths, dtype) -> mask, likewise (``_mask``)
 
     @classmethod
     def form(cls, candidates: list) -> "BatchKV | None":
@@ -137,8 +147,12 @@ class BatchKV:
             slot = next((i for i, r in enumerate(self.requests) if r is None and self._fits(request)), None)
             if slot is None:
                 return False
-            for layer, keys, values in zip(request.ctx.cache.layers, self.keys, self.values):
+            if self.ranks is None and any(layer.slot_ranks() is not None for layer in request.ctx.cache.layers):
+                return False  # its step needs the ranks' mask, which this batch's step does not have
+            for layer_idx, (layer, keys, values) in enumerate(zip(request.ctx.cache.layers, self.keys, self.values)):
                 layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self.token)
+                if self.ranks is not None:
+                    self._write_ranks(layer_idx, slot, layer)
             self.requests[slot], changed = request, True
         if changed:
             self._members_changed()
@@ -155,6 +169,19 @@ class BatchKV:
         """Whether ``layer`` (a member's ``LayerKV``) is all float and in place in one of these slots."""
         return layer.slot_of(self.token)
 
+    def _write_ranks(self, layer_idx: int, slot: int, layer) -> None:
+        """The ranks of the entries ``layer`` just moved into ``slot`` (``UNRANKED`` after them, and if unranked)."""
+        row = self.ranks[layer_idx][slot]
+        row.fill_(UNRANKED)
+        ranks = layer.slot_ranks()
+        if ranks is not None:
+            row[:ranks.numel()] = ranks.to(row.device, torch.int32, non_blocking=True)
+
+    def rank_limits(self, layer_idx: int) -> tuple[int, ...]:
+        """Per slot, the rank from which ``layer_idx``'s entries are hidden (``NO_LIMIT`` for a free slot)."""
+        layers = iter(self.layers[layer_idx])
+        return tuple(next(layers).rank_limit if r is not None else NO_LIMIT for r in self.requests)
+
     def _fits(self, request) -> bool:
         return all(_room(request, layer) <= keys.shape[2] for layer, keys in zip(request.ctx.cache.layers, self.keys))
 
@@ -163,42 +190,54 @@ class BatchKV:
         """The members' new tokens (``query``/``key``/``value``: (1, heads, members, head_dim), slot order)
         write their entries into their slots and attend to all their entries: (1, members, heads, head_dim)."""
         members, keys, values = self.layers[layer_idx], self.keys[layer_idx], self.values[layer_idx]
-        lengths = tuple(layer.tail_entries() for layer in members)
+        lengths = tuple(layer.slot_length() for layer in members)
         new_keys, new_values = key[0].transpose(0, 1), value[0].transpose(0, 1)  # (members, kv_heads, head_dim)
         query = query.transpose(0, 2)  # (members, heads, 1, head_dim)
-        if self.all_slots and min(lengths) == max(lengths):  # the usual case in a fixed batch: no mask at all
+        n = max(lengths) + 1
+        limits = self.rank_limits(layer_idx) if self.ranks is not None else ()
+        hiding = any(limit != NO_LIMIT for limit in limits)
+        if self.all_slots and min(lengths) == max(lengths) and not hiding:  # the usual case in a fixed batch: no mask
             keys[:, :, lengths[0]] = new_keys
             values[:, :, lengths[0]] = new_values
             mask = None
         else:
-            where, mask = self._where(lengths, query.dtype)
+            where, at = self._where(lengths)
             keys[self.slots, :, where] = new_keys
             values[self.slots, :, where] = new_values
+            if hiding:  # ST3's evicted entries, still stored: masked out with the rest past each slot's entries
+                limit = torch.tensor(limits, dtype=torch.int32).to(at.device, non_blocking=True)
+                mask = slot_mask(at, n, query.dtype, self.ranks[layer_idx], limit)
+            else:
+                mask = self._mask(lengths, at, n, query.dtype)
             if not self.all_slots:  # free slots take part with a zero query; their rows are dropped after
                 full = query.new_zeros(keys.shape[0], *query.shape[1:])
                 query = full.index_copy(0, self.slots, query)
         self.record_written(layer_idx)
-        n = max(lengths) + 1
         out = kernel(query, keys[:, :, :n], values[:, :, :n], mask)  # (slots, 1, heads, head_dim)
         if not self.all_slots:
             out = out.index_select(0, self.slots)
         return out.transpose(0, 1)
 
-    def _where(self, lengths: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the members' new entries go (their tail lengths, on the device) and the step's attention mask.
-        Made once per step: every layer of a step usually has the same lengths (a policy that evicts per layer
-        makes them differ), and building them per layer cost 30 small tensors per step."""
-        key = (lengths, dtype)
-        if self._where_memo is not None and self._where_memo[0] == key:
+    def _where(self, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the members' new entries go (their tail lengths, on the device), and per slot the last entry it
+        sees. Made once per step: every layer of a step usually has the same lengths (a policy that removes entries
+        per layer makes them differ), and building them per layer cost 30 small tensors per step."""
+        if self._where_memo is not None and self._where_memo[0] == lengths:
             return self._where_memo[1]
         device = self.keys[0].device
         where = torch.tensor(lengths).to(device, non_blocking=True)
         at = where
         if not self.all_slots:  # a free slot sees nothing but its entry 0 (its zero query's row is dropped)
             at = torch.zeros(len(self.requests), dtype=where.dtype, device=device).index_copy(0, self.slots, where)
-        made = where, slot_mask(at, max(lengths) + 1, dtype)  # the rest of a shorter slot is masked out
-        self._where_memo = key, made
-        return made
+        self._where_memo = lengths, (where, at)
+        return where, at
+
+    def _mask(self, lengths: tuple[int, ...], at: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The step's attention mask (the rest of a shorter slot masked out), made once for the layers of a step."""
+        key = (lengths, dtype)
+        if self._mask_memo is None or self._mask_memo[0] != key:
+            self._mask_memo = key, slot_mask(at, n, dtype)
+        return self._mask_memo[1]
 
     def record_written(self, layer_idx: int) -> None:
         """Each member wrote its new token's entry after its last one in layer ``layer_idx``."""
@@ -206,8 +245,12 @@ class BatchKV:
             layer.written_in_place(len(request.ctx.prompt) + request.ctx.generated, Modality.TEXT)
 
 
-def slot_mask(at: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """(slots, 1, 1, length) additive attention mask: slot i sees its entries up to ``at[i]``, its new one."""
+def slot_mask(at: torch.Tensor, length: int, dtype: torch.dtype, ranks: torch.Tensor | None = None,
+              limit: torch.Tensor | None = None) -> torch.Tensor:
+    """(slots, 1, 1, length) additive attention mask: slot i sees its entries up to ``at[i]``, its new one, and
+    with ``ranks`` ((slots, room): each entry's rank) none ranked ``limit[i]`` or more (ST3's evicted ones)."""
     hidden = torch.arange(length, device=at.device)[None, :] > at[:, None]
+    if ranks is not None:
+        hidden |= ranks[:, :length] >= limit[:, None]
     mask = torch.zeros(hidden.shape, dtype=dtype, device=at.device)
     return mask.masked_fill(hidden, torch.finfo(dtype).min)[:, None, None, :]

@@ -6,18 +6,24 @@ sequence (prompt tokens 0..T-1, generated tokens T, T+1, ...) and its modality (
 2 video): decode-time policies find visual entries through them.
 
 Entries can be packed to a few bits per value (ZipVL's mixed-precision KV, ``LayerKV.pack``) and
-evicted (ST3's annealing, ``LayerKV.keep``); readers get float keys and values from
-``LayerKV.keys_values``, dequantized on the fly, so the cache only ever holds the packed bytes.
+evicted (``LayerKV.keep``; ST3's annealing through ``rank_visual`` and ``keep_top_visual``); readers get
+float keys and values from ``LayerKV.keys_values``, dequantized on the fly, so the cache only ever holds the
+packed bytes.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
 
 from glimpse.common import Modality
 from glimpse.pipeline.quant import QuantizedTensor, dequantize, quantize
+
+# ST3's ranks (``LayerKV.rank_visual``): an entry no ranking covers (text, generated tokens) is ranked UNRANKED and
+# always kept; a layer that has hidden nothing keeps every rank below NO_LIMIT.
+UNRANKED, NO_LIMIT = -1, 2**31 - 1
 
 
 # Index lists made on the host (which entries a step reads, keeps or packs) go to the device with
@@ -67,11 +73,12 @@ class Growing:
         """The entries (a view of the buffer, no copy)."""
         return None if self.buffer is None else self.buffer.narrow(self.dim, 0, self.length)
 
-    def nbytes(self) -> int:
-        """Bytes of the entries held (not of the room after them)."""
+    def nbytes(self, entries: int | None = None) -> int:
+        """Bytes of the entries held (not of the room after them), or of ``entries`` of them."""
         if self.buffer is None or self.length == 0:
             return 0
-        return self.length * (self.buffer.numel() // self.buffer.shape[self.dim]) * self.buffer.element_size()
+        entries = self.length if entries is None else entries
+        return entries * (self.buffer.numel() // self.buffer.shape[self.dim]) * self.buffer.element_size()
 
     def extend(self, tensor: torch.Tensor) -> None:
         if self.buffer is None:  # the first entries are kept as they come
@@ -96,6 +103,14 @@ class LayerKV:
     see every entry they are given; prefill ran before anything was packed), so packing a subset of
     the tail into a new segment just moves those entries ahead of the tail. The tail and the records
     grow in place (``Growing``): a decode step writes its entry, it does not copy the cache.
+
+    ST3's annealing removes a layer's visual entries a few at a time at every decode step, least important
+    first. It ranks them once (``rank_visual``) and then says how many to keep (``keep_top_visual``). Outside a
+    decode batch's slots the rest go at once; in a slot they are *hidden*: left out of every count (``len``,
+    ``nbytes``, ``visual_entries``) at once, masked out by the slots' attention (pipeline/batch_kv.py), and
+    removed from storage the next time anything reads the entries (``_drop_hidden``) — at the latest when the
+    batch forms again, smaller. So an annealing step costs no operator per layer and keeps the step's shapes
+    (a CUDA graph replays it), where removing them at every step cost a dozen operators per layer and request.
     """
 
     def __init__(self):
@@ -107,20 +122,29 @@ class LayerKV:
         # tensor operation per request for them; they join ``index``/``modality`` when someone reads those.
         self._unrecorded: list[tuple[int, int]] = []
         self._visual: int | None = 0  # image and video entries: counted as records come, recounted after a keep
+        # ST3's ranking (``rank_visual``): each entry's rank in storage order (host; entries past its end are
+        # unranked), the ranks kept, the ranks held and kept (sorted), and entries hidden (stored, past the ranks kept).
+        self._rank: torch.Tensor | None = None
+        self.rank_limit = NO_LIMIT
+        self._ranks_held: list[int] = []
+        self._hidden = 0
 
     def __len__(self) -> int:
-        return self.packed_entries() + self.tail_entries()
+        return self.packed_entries() + self._key.length - self._hidden
 
     @property
     def key(self) -> torch.Tensor | None:
+        self._drop_hidden()
         return self._key.view()
 
     @property
     def value(self) -> torch.Tensor | None:
+        self._drop_hidden()
         return self._value.view()
 
     @property
     def index(self) -> torch.Tensor:
+        self._drop_hidden()
         self._record_written()
         return self._index.view()
 
@@ -132,6 +156,7 @@ class LayerKV:
 
     @property
     def modality(self) -> torch.Tensor:
+        self._drop_hidden()
         self._record_written()
         return self._modality.view()
 
@@ -144,7 +169,7 @@ class LayerKV:
     def visual_entries(self) -> int:
         if self._visual is None:
             self._visual = int((self.modality != Modality.TEXT).sum())
-        return self._visual
+        return self._visual - self._hidden  # hidden entries are visual (``rank_visual``)
 
     def _record_written(self) -> None:
         if self._unrecorded:
@@ -158,18 +183,25 @@ class LayerKV:
         self._value.replace(value)
 
     def tail_entries(self) -> int:
+        self._drop_hidden()
+        return self._key.length
+
+    def slot_length(self) -> int:
+        """Entries stored in the float tail, hidden ones included: where a decode batch's slot writes the next."""
         return self._key.length
 
     def packed_entries(self) -> int:
         return sum(k.tokens for k, _ in self.packed)
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self._drop_hidden()
         self._key.extend(key)
         self._value.extend(value)
 
     # -- a slot of a decode batch's KV (pipeline/batch_kv.py) --------------------------------------------------
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, owner) -> None:
         """Move the float entries into ``keys``/``values`` (1, kv_heads, room, head_dim), a slot known by ``owner``."""
+        self._drop_hidden()
         self._key.adopt(keys, owner)
         self._value.adopt(values, owner)
 
@@ -191,6 +223,7 @@ class LayerKV:
 
     def add_records(self, index: torch.Tensor, modality: torch.Tensor) -> None:
         """Which tokens the entries just appended belong to."""
+        self._drop_hidden()
         self._record_written()
         modality = modality.cpu()
         self._index.extend(index.cpu())
@@ -204,6 +237,7 @@ class LayerKV:
     def keys_values(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values in float — packed segments dequantized on the fly — for all entries, or
         for the entries at ``rows`` (positions in storage order), in the order of ``rows``."""
+        self._drop_hidden()
         if not self.packed:
             if rows is None:
                 return self.key, self.value
@@ -275,7 +309,13 @@ class LayerKV:
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only entries ``rows`` (sorted positions in storage order); the tensors — packed
         bytes included — really shrink."""
+        self._drop_hidden()
+        self._keep_stored(rows)
+
+    def _keep_stored(self, rows: torch.Tensor) -> None:
+        """``keep`` of stored entries, hidden ones counted (``_drop_hidden`` removes those this way)."""
         rows = rows.cpu()
+        ranks = None if self._rank is None else self._stored_ranks()
         start, packed = 0, []
         for key, value in self.packed:
             local = rows[(rows >= start) & (rows < start + key.tokens)] - start
@@ -287,13 +327,61 @@ class LayerKV:
             local = (rows[rows >= start] - start).to(self._key.buffer.device, non_blocking=True)  # one copy, for both
             self._key.keep(local)
             self._value.keep(local)
-        self.index, self.modality = self.index[rows], self.modality[rows]
+        self._record_written()
+        self.index, self.modality = self._index.view()[rows], self._modality.view()[rows]
+        if ranks is not None:
+            self._rank = ranks[rows]
+            self._ranks_held = sorted(r for r in self._rank.tolist() if UNRANKED < r < self.rank_limit)
+
+    # -- ST3's annealing -------------------------------------------------------------------------------------
+    def rank_visual(self, tokens: torch.Tensor) -> None:
+        """Rank this layer's entries of ``tokens`` (original indices of visual tokens, most important first) for
+        ``keep_top_visual``; every other entry stays whatever is kept."""
+        index = self.index
+        size = max(int(t.max()) + 1 if t.numel() else 0 for t in (index, tokens))
+        lookup = torch.full((size,), UNRANKED, dtype=torch.long)
+        lookup[tokens.cpu()] = torch.arange(tokens.numel())
+        self._rank, self.rank_limit = lookup[index], NO_LIMIT
+        self._ranks_held = sorted(r for r in self._rank.tolist() if r != UNRANKED)
+        if self._key.owner is not None:  # a slot's ranks are written when it is taken: take one again
+            self._key.replace(self._key.view().clone())
+            self._value.replace(self._value.view().clone())
+
+    def keep_top_visual(self, count: int) -> None:
+        """Keep only the ``count`` best ranked entries (``rank_visual``) of those ranked; never more than before."""
+        if self._rank is None:
+            raise RuntimeError("keep_top_visual before rank_visual")
+        if count >= self.rank_limit:
+            return
+        cut = bisect.bisect_left(self._ranks_held, count)
+        self._hidden += len(self._ranks_held) - cut
+        del self._ranks_held[cut:]
+        self.rank_limit = count
+        if self.packed or self._key.owner is None:  # not in a slot: no step masks them, so they go now
+            self._drop_hidden()
+
+    def slot_ranks(self) -> torch.Tensor | None:
+        """Each stored float entry's rank (``UNRANKED`` if none), for a slot's mask; None if nothing is ranked."""
+        return None if self._rank is None else self._stored_ranks()[self.packed_entries():]
+
+    def _stored_ranks(self) -> torch.Tensor:
+        stored = self.packed_entries() + self._key.length
+        rank = self._rank[:stored]
+        return torch.cat([rank, torch.full((stored - rank.numel(),), UNRANKED, dtype=torch.long)])
+
+    def _drop_hidden(self) -> None:
+        """Remove the hidden entries from storage (before anything reads the entries)."""
+        if not self._hidden:
+            return
+        self._hidden = 0
+        self._keep_stored((self._stored_ranks() < self.rank_limit).nonzero().squeeze(1))
 
     def pack(self, tail_rows: torch.Tensor, bits: int, group: int) -> None:
         """Quantize the tail entries at ``tail_rows`` (positions in the tail) to ``bits`` into a new
         packed segment; the float copies are freed."""
         if tail_rows.numel() == 0:
             return
+        self._drop_hidden()
         tail_rows = tail_rows.to(self.key.device, non_blocking=True)
         chosen = torch.zeros(self.key.shape[-2], dtype=torch.bool, device=self.key.device)
         chosen.index_fill_(0, tail_rows, True)
@@ -304,13 +392,17 @@ class LayerKV:
         start = self.packed_entries() - tail_rows.numel()  # where the tail began before packing
         order = torch.cat([torch.arange(start), start + tail_rows.cpu(), start + rest.cpu()])
         self.index, self.modality = self.index[order], self.modality[order]
+        if self._rank is not None:
+            self._rank = self._stored_ranks()[order]
 
     def nbytes(self) -> int:
         packed = sum(k.nbytes() + v.nbytes() for k, v in self.packed)
         if self._key.buffer is None:
             return packed
-        # The entries held, not the buffer's spare room (at most GROW entries per layer, or a decode batch's slot).
-        return packed + self._key.nbytes() + self._value.nbytes()
+        # The entries held, not the buffer's spare room (at most GROW entries per layer, or a decode batch's slot),
+        # nor the hidden ones (all in the float tail: ``keep_top_visual`` removes them at once from a packed layer).
+        held = self._key.length - self._hidden
+        return packed + self._key.nbytes(held) + self._value.nbytes(held)
 
 
 class KVCache:
@@ -338,10 +430,14 @@ class KVCache:
         layer = self.layers[layer_idx]
         return layer.index if modality is None else layer.index[layer.modality == modality]
 
-    def evict(self, layer_idx: int, tokens: torch.Tensor) -> None:
-        """Drop the entries of ``tokens`` (original indices) from ``layer_idx``; the memory is freed."""
-        layer = self.layers[layer_idx]
-        layer.keep((~torch.isin(layer.index, tokens.cpu())).nonzero().squeeze(1))
+    def rank_visual(self, layer_idx: int, tokens: torch.Tensor) -> None:
+        """Rank ``layer_idx``'s entries of the visual ``tokens`` (original indices, most important first)."""
+        self.layers[layer_idx].rank_visual(tokens)
+
+    def keep_top_visual(self, layer_idx: int, count: int) -> None:
+        """Evict all but the ``count`` best ranked visual entries of ``layer_idx`` (``rank_visual``); the memory is
+        freed (in a decode batch's slot: when the batch forms again, ``LayerKV``)."""
+        self.layers[layer_idx].keep_top_visual(count)
 
     def unpacked_entries(self, layer_idx: int) -> int:
         """How many of ``layer_idx``'s entries are still stored in float (appended since the last ``pack``)."""

@@ -18,10 +18,12 @@ address changes from step to step:
   positions, and where each slot's entry goes in each layer (``at``, from which the graph builds the
   mask).
 
-It serves steps in which every running request is a member of the slots and no policy acts during
-decode (``fixed_shape_step``): no unpruned-prompt end to compute, no eviction or scoring per step (ST3
-decodes eagerly, in the slots, while it anneals; once every layer's visual entries are gone its steps are
-plain, ``Policy.acts_in_decode``). On CUDA it is captured on the batch's first such step (after two eager
+It serves steps in which every running request is a member of the slots and no policy works inside a
+decode step (``fixed_shape_step``): no unpruned-prompt end to compute, no choice of rows or keys, no scoring
+per layer (``Policy.scores_in_decode``). Work between steps is fine when it keeps the slots: ST3's annealing
+hides evicted entries (``LayerKV.keep_top_visual``), and the step masks them out by their ranks, read from
+one more buffer (the rank from which each layer hides, per slot); ZipVL's packing moves a cache out of its
+slot, so a batch with a ZipVL request decodes eagerly. On CUDA it is captured on the batch's first such step (after two eager
 warm-ups on a side stream, which compute that step) and replayed while the batch keeps its slots; a
 new batch (``BatchKV.form``) captures again. Where capture fails the same function runs eagerly; off the GPU
 it runs only when ``Engine.decode_graphs`` is turned on, which is how the tests check it on a CPU.
@@ -39,10 +41,10 @@ log = logging.getLogger(__name__)
 
 
 def fixed_shape_step(running: list, slots) -> bool:
-    """Whether this step can run as the fixed-shape step: every request is in the slots and none has a
-    policy that still acts during decode (evicts, packs or scores; ST3 until its annealing is over)."""
+    """Whether this step can run as the fixed-shape step: every request is in the slots (so its cache is all
+    float and its policy picks no rows or keys per layer) and none has a policy that scores per layer."""
     return (slots is not None and len(slots.members) == len(running)
-            and not any(r.policy.acts_in_decode() for r in running))
+            and not any(r.policy.scores_in_decode() for r in running))
 
 
 class SlotStep:
@@ -55,6 +57,8 @@ class SlotStep:
         self.tokens = torch.zeros(1, count, dtype=torch.long, device=device)
         self.positions = torch.zeros(positions_rows, count, dtype=torch.long, device=device)
         self.at = torch.zeros(layers, count, dtype=torch.long, device=device)  # where each slot's entry goes
+        # Per layer and slot, the rank from which ST3's evicted entries are masked out (batches with ranks only).
+        self.limits = None if slots.ranks is None else torch.zeros(layers, count, dtype=torch.int32, device=device)
         self.every_slot = torch.arange(count, device=device)
         self.graph: "torch.cuda.CUDAGraph | None" = None
         self.logits: torch.Tensor | None = None  # the graph's output (replays write it)
@@ -85,10 +89,13 @@ class SlotStep:
             for row, start in enumerate(_first_position(request)):
                 positions[row][slot] = start + request.ctx.generated
         for layer_idx in range(layers):
-            at.append([0 if r is None else r.ctx.cache.layers[layer_idx].tail_entries() for r in slots.requests])
+            at.append([0 if r is None else r.ctx.cache.layers[layer_idx].slot_length() for r in slots.requests])
         self.tokens.copy_(torch.tensor([tokens]), non_blocking=True)
         self.positions.copy_(torch.tensor(positions), non_blocking=True)
         self.at.copy_(torch.tensor(at), non_blocking=True)
+        if self.limits is not None:
+            limits = [slots.rank_limits(layer_idx) for layer_idx in range(layers)]
+            self.limits.copy_(torch.tensor(limits, dtype=torch.int32), non_blocking=True)
 
     def forward(self, engine, slots) -> torch.Tensor:
         """The step itself, from the buffers: (slots, vocab) logits, free slots' rows included."""
@@ -143,7 +150,9 @@ class FixedSlotsLayer:
         keys[every, :, at] = key[0].transpose(0, 1)  # (slots, kv_heads, head_dim)
         values[every, :, at] = value[0].transpose(0, 1)
         query = query.transpose(0, 2)  # (slots, heads, 1, head_dim)
-        mask = slot_mask(at, keys.shape[2], query.dtype)  # the whole room, each slot's entries only
+        ranks = None if self.step.limits is None else self.slots.ranks[self.layer_idx]
+        limit = None if ranks is None else self.step.limits[self.layer_idx]
+        mask = slot_mask(at, keys.shape[2], query.dtype, ranks, limit)  # the whole room, each slot's entries only
         return kernel(query, keys, values, mask).transpose(0, 1)  # (1, slots, heads, head_dim)
 
     def attention_output(self, output: torch.Tensor) -> None:

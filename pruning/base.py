@@ -138,11 +138,12 @@ class Policy:
         per-layer work of a callback that does nothing (a decode step on a GPU is bound by host work)."""
         return getattr(type(self), callback) is not getattr(Policy, callback)
 
-    def acts_in_decode(self) -> bool:
-        """Whether this policy still has per-step decode work (``decode_step`` or ``decode_score``) after the
-        steps so far. A decode step in which no request's policy acts runs as one fixed-shape step, captured
-        as a CUDA graph on a GPU (pipeline/decode_graph.py). A policy whose decode work ends says so."""
-        return self.implements("decode_step") or self.implements("decode_score")
+    def scores_in_decode(self) -> bool:
+        """Whether this policy's ``decode_score`` does something at the next step (a policy whose scoring ends, or
+        that needs none with its parameters, says so). A decode step in which no request's policy scores (and none
+        picks rows or keys) runs as one fixed-shape step, captured as a CUDA graph on a GPU
+        (pipeline/decode_graph.py); work between steps (``decode_step``) does not stop it."""
+        return self.implements("decode_score")
 
     def summary(self) -> str:
         """One line for the UI, after plan: what this request runs with."""

@@ -87,8 +87,8 @@ class Pipeline(Policy):
     def implements(self, callback: str) -> bool:
         return any(p.implements(callback) for p in self.policies)
 
-    def acts_in_decode(self) -> bool:
-        return any(p.acts_in_decode() for p in self.policies)
+    def scores_in_decode(self) -> bool:
+        return any(p.scores_in_decode() for p in self.policies)
 
     def summary(self) -> str:
         return ", ".join(p.summary() for p in self.policies) or "no pruning"

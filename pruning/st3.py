@@ -21,8 +21,10 @@ most important of its ``V_l`` prefill visual KV entries, ``beta(g) = cos(g pi / 
 g < tau, else 0 (Eq. 5-6; the paper's linear ``1 - g/tau`` and exponential ``exp(-g/sigma)``
 schedules too, sigma = tau / 3). Importance is what prefill knew: the last prompt token's attention
 to each visual token in that layer (mean over heads), the ranking PVTP also uses. Evicted entries
-are really freed (``LayerKV.keep``); text entries and generated tokens are never touched. We round
-up (ceil) so a layer keeps at least one visual entry until g reaches tau, where beta is 0.
+are really freed (``KVCache.keep_top_visual``; in a decode batch's KV slots they are masked out at once and freed
+when the batch forms again, at the latest once it holds twice what its requests need); text entries and generated
+tokens are never touched. We round up (ceil) so a layer keeps at least one visual entry until g reaches tau, where
+beta is 0.
 """
 
 from __future__ import annotations
@@ -147,17 +149,14 @@ class ST3(ScoreThenCut):
             return
         if self.ranked_on_device:
             self._rankings_to_host()
+            for layer_idx, ranking in self.ranking.items():
+                ctx.cache.rank_visual(layer_idx, ranking)
         share = anneal_share(self.anneal, step, self.anneal_tau)
         for layer_idx, ranking in self.ranking.items():
             keep = math.ceil(share * ranking.shape[0] - 1e-9)
-            if keep >= self.kept[layer_idx]:
-                continue
-            ctx.cache.evict(layer_idx, ranking[keep:self.kept[layer_idx]])
-            self.kept[layer_idx] = keep
-
-    def acts_in_decode(self) -> bool:
-        # The annealing is over once every layer's visual entries are gone: the steps after it are plain.
-        return self.anneal_tau is not None and (bool(self.ranked_on_device) or any(self.kept.values()))
+            if keep < self.kept[layer_idx]:  # a few integers per layer: the cache hides or frees the rest
+                ctx.cache.keep_top_visual(layer_idx, keep)
+                self.kept[layer_idx] = keep
 
     def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         target = self.visual_total - math.floor(self.schedule[layer_idx] * self.visual_total + 1e-9)

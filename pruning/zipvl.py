@@ -135,7 +135,7 @@ class ZipVL(Policy):
         p = important_count(probs, self.resolved["tau"])
         self._pack(ctx, layer_idx, window_tokens[scores.topk(p).indices])
 
-    def acts_in_decode(self) -> bool:
+    def scores_in_decode(self) -> bool:
         return self.important_bits is not None  # without packed KV its work ends with the prefill
 
     def _pack(self, ctx, layer_idx: int, important: torch.Tensor) -> None:

@@ -25,6 +25,18 @@ from glimpse.pruning.st3 import anneal_share
 from conftest import DEEP_LAYERS
 from tiny_models import build_llava, reference_inputs
 
+
+class Operators(TorchDispatchMode):
+    """Counts the tensor operators run inside it (``with Operators() as operators: ...; operators.count``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
 LAYERS = 6
 
 
@@ -556,7 +568,7 @@ def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_c
         zipvl.policy.decode_step(1, zipvl.ctx)  # packs the prefill KV, as the first decode step does
         assert ([decodes_plainly(r) for r in (started[0], sliders_lazy, papers_lazy, zipvl)]
                 == [True, True, False, False])
-        assert not sliders_lazy.policy.acts_in_decode() and papers_lazy.policy.acts_in_decode()
+        assert not sliders_lazy.policy.scores_in_decode() and papers_lazy.policy.scores_in_decode()
 
 
 def test_st3_evicting_from_kv_slots_gives_the_memory_back(deep_checkpoints, media, monkeypatch):
@@ -637,8 +649,8 @@ def test_a_stream_its_client_leaves_gives_its_slots_back(deep_checkpoints, media
 def test_the_fixed_shape_decode_step_answers_as_the_slots_do(deep_checkpoints, media, monkeypatch, arch, policy, speed):
     """The step a CUDA graph captures (every slot, whole room, masked; inputs from buffers) gives each request
     the tokens, logits and KV of the eager slot step, with prompts of different lengths and (Qwen2-VL) 3-row
-    positions. It serves every step in which no policy acts during decode; ST3, which evicts and scores in
-    decode, keeps the eager step."""
+    positions. It serves every step in which no policy scores during decode: ST3's annealing too, whose evicted
+    entries it masks out by their ranks."""
     from glimpse.pipeline.decode_graph import SlotStep
 
     engine = load_engine(str(deep_checkpoints[arch]), device="cpu")
@@ -651,37 +663,44 @@ def test_the_fixed_shape_decode_step_answers_as_the_slots_do(deep_checkpoints, m
     monkeypatch.setattr(SlotStep, "forward", lambda self, *a: (steps.append(self), forward(self, *a))[1])
     engine.decode_graphs = True
     fixed = engine.generate_batch(conversations, policy=policy, speed=speed, max_new_tokens=8, ignore_eos=True)
-    assert len(steps) == (0 if policy == "st3" else 7)  # every step after the first token
+    assert len(steps) == 7  # every step after the first token
     for one, other in zip(fixed, eager):
         assert one.token_ids == other.token_ids
         assert one.metrics["kv_bytes"] == other.metrics["kv_bytes"]
         assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
 
 
-@pytest.mark.parametrize("make_policy,plain_from", [(lambda: ST3(anneal_tau=3), 3),
-                                                     (lambda: ZipVL(tau_image=0.9, tau_video=0.9), 1)])
-def test_a_policy_whose_decode_work_is_over_decodes_in_the_fixed_shape_step(deep_checkpoints, media, monkeypatch,
-                                                                            make_policy, plain_from):
-    """ST3 evicts visual KV at every step until its annealing has removed all of it (step tau), then decodes
-    plainly; ZipVL without packed KV does nothing in decode at all. From that step on they take the
-    fixed-shape step (a CUDA graph on a GPU), with the tokens and KV of the eager steps."""
+@pytest.mark.parametrize("make_policy", [lambda: ST3(anneal_tau=3), lambda: ST3(anneal_tau=5, anneal="linear"),
+                                         lambda: ZipVL(tau_image=0.9, tau_video=0.9)])
+def test_policies_that_work_between_steps_decode_in_the_fixed_shape_step_as_on_their_own_caches(
+        deep_checkpoints, media, monkeypatch, make_policy):
+    """ST3 evicts visual KV before every step until its annealing has removed all of it (step tau); ZipVL without
+    packed KV does nothing in decode. Neither works inside a step, so every step is the fixed-shape one (a CUDA
+    graph on a GPU). ST3's evicted entries are only hidden in the slots (masked by rank, freed when the batch
+    forms again): the answers and KV counts are those of decoding each request on its own cache, where evicted
+    entries are removed at once."""
     from glimpse.pipeline.decode_graph import SlotStep
 
     engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
     conversations = [_messages(media), [{"role": "user", "content": "Write one line about the sea."}]]
-    eager = engine.generate_batch(conversations, policy=make_policy(), max_new_tokens=8, ignore_eos=True)
+    engine.decode_slots = False  # each request attends over its own cache: evictions remove entries at once
+    own = engine.generate_batch(conversations, policy=make_policy(), max_new_tokens=8, ignore_eos=True)
+    engine.decode_slots = True
     steps = []
     forward = SlotStep.forward
     monkeypatch.setattr(SlotStep, "forward", lambda self, *a: (steps.append(self), forward(self, *a))[1])
     engine.decode_graphs = True
     fixed = engine.generate_batch(conversations, policy=make_policy(), max_new_tokens=8, ignore_eos=True)
-    assert len(steps) == 8 - plain_from  # decode steps g = plain_from .. 7 (g = 1 .. 7 feed tokens 1 .. 7)
-    for one, other in zip(fixed, eager):
+    assert len(steps) == 7  # decode steps g = 1 .. 7 (they feed tokens 1 .. 7)
+    for one, other in zip(fixed, own):
         assert one.token_ids == other.token_ids
         assert one.metrics["kv_bytes"] == other.metrics["kv_bytes"]
         assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
-    if isinstance(make_policy(), ST3):  # the annealing had removed every visual entry by step tau
-        assert fixed[0].metrics["visual_kv_per_step"][plain_from - 1:] == [0] * (8 - plain_from)
+    policy = make_policy()
+    if isinstance(policy, ST3):  # the annealing removed every visual entry by step tau, and some before
+        tau = int(policy.anneal_tau)
+        series = fixed[0].metrics["visual_kv_per_step"]
+        assert series[tau - 1:] == [0] * (8 - tau) and 0 < series[1] < series[0]
 
 
 def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints, media, monkeypatch):
@@ -758,13 +777,46 @@ def test_a_layer_s_visual_entry_count_follows_appends_written_entries_and_evicti
     layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
     layer.add_records(torch.tensor([next_index]), torch.tensor([Modality.TEXT]))
 
-    class Operators(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Operators.count += 1
-            return func(*args, **(kwargs or {}))
-
-    with torch.no_grad(), Operators():
+    with torch.no_grad(), Operators() as operators:
         assert layer.visual_entries() == sum(m != Modality.TEXT for m in held)
-    assert Operators.count == 0
+    assert operators.count == 0
+
+
+def _ranked_layer(seed: int, slot: bool):
+    """A layer of 12 entries, tokens 2-8 visual and ranked (5 first, then 2, 8, 3, 7, 4, 6), optionally in a slot."""
+    from glimpse.common import Modality
+
+    generator = torch.Generator().manual_seed(seed)
+    layer = LayerKV()
+    layer.append(torch.randn(1, 2, 12, 4, generator=generator), torch.randn(1, 2, 12, 4, generator=generator))
+    modality = torch.zeros(12, dtype=torch.long)
+    modality[2:9] = Modality.IMAGE
+    layer.add_records(torch.arange(12), modality)
+    layer.rank_visual(torch.tensor([5, 2, 8, 3, 7, 4, 6]))
+    owner = object()
+    if slot:
+        layer.adopt(torch.zeros(1, 2, 20, 4), torch.zeros(1, 2, 20, 4), owner)
+    return layer, owner
+
+
+def test_annealing_in_a_slot_hides_entries_at_once_with_no_operator_and_removes_them_when_read():
+    """ST3's eviction in a decode batch's slot: the layer's counts (entries, bytes, visual entries) drop at once,
+    and it runs no tensor operator (nothing per layer and request on the host, and the step keeps its shapes);
+    the entries leave storage when anything reads the layer, compacted in place in the slot, and what is read then
+    is what removing them at once gives. Outside a slot they go at once. Never more is kept than before."""
+    in_slot, owner = _ranked_layer(0, slot=True)
+    alone, _ = _ranked_layer(0, slot=False)
+    with torch.no_grad(), Operators() as operators:
+        in_slot.keep_top_visual(3)
+        counts = len(in_slot), in_slot.visual_entries(), in_slot.nbytes(), in_slot.slot_length()
+    assert operators.count == 0
+    alone.keep_top_visual(3)
+    assert alone.slot_length() == 8  # removed at once: 5 text entries and tokens 5, 2, 8
+    assert counts == (8, 3, alone.nbytes(), 12)  # counted as gone, still stored
+    assert in_slot.index.tolist() == alone.index.tolist() == [0, 1, 2, 5, 8, 9, 10, 11]
+    assert in_slot.slot_length() == 8 and in_slot.slot_of(owner)  # compacted in its slot
+    assert torch.equal(in_slot.key, alone.key) and torch.equal(in_slot.value, alone.value)
+    in_slot.keep_top_visual(5)  # more than it keeps: nothing comes back
+    assert len(in_slot) == 8 and in_slot.visual_entries() == 3
+    in_slot.keep_top_visual(0)
+    assert in_slot.modality.tolist() == [0] * 5 and in_slot.index.tolist() == [0, 1, 9, 10, 11]
