@@ -78,7 +78,7 @@ class BatchKV:
         self.keys, self.values = [], []
         # ST3's ranks of each slot's entries, per layer (``LayerKV.keep_top_visual``): a step masks out the entries
         # ranked past what their layer keeps. Only when a member has them: other batches' steps have no such mask.
-        ranked = any(layer.slot_ranks() is not None for r in requests for layer in r.ctx.cache.layers)
+        ranked = any(layer.ranked() for r in requests for layer in r.ctx.cache.layers)
         self.ranks: list[torch.Tensor] | None = [] if ranked else None
         for layer_idx in range(num_layers):
             members = [r.ctx.cache.layers[layer_idx] for r in requests]
@@ -95,7 +95,7 @@ class BatchKV:
             if ranked:
                 self.ranks.append(torch.full(shape[::2], UNRANKED, dtype=torch.int32, device=keys.device))
                 for slot, layer in enumerate(members):
-                    self._write_ranks(layer_idx, slot, layer)
+                    layer.show_ranks(self.ranks[layer_idx][slot])
         self._members_changed()
         self.fixed_step = None  # its fixed-shape step (pipeline/decode_graph.py), made on first use
         self.free_steps = [0] * len(requests)  # per slot: the steps it has been free for
@@ -147,12 +147,12 @@ class BatchKV:
             slot = next((i for i, r in enumerate(self.requests) if r is None and self._fits(request)), None)
             if slot is None:
                 return False
-            if self.ranks is None and any(layer.slot_ranks() is not None for layer in request.ctx.cache.layers):
+            if self.ranks is None and any(layer.ranked() for layer in request.ctx.cache.layers):
                 return False  # its step needs the ranks' mask, which this batch's step does not have
             for layer_idx, (layer, keys, values) in enumerate(zip(request.ctx.cache.layers, self.keys, self.values)):
                 layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self.token)
                 if self.ranks is not None:
-                    self._write_ranks(layer_idx, slot, layer)
+                    layer.show_ranks(self.ranks[layer_idx][slot])
             self.requests[slot], changed = request, True
         if changed:
             self._members_changed()
@@ -168,14 +168,6 @@ class BatchKV:
     def holds(self, layer) -> bool:
         """Whether ``layer`` (a member's ``LayerKV``) is all float and in place in one of these slots."""
         return layer.slot_of(self.token)
-
-    def _write_ranks(self, layer_idx: int, slot: int, layer) -> None:
-        """The ranks of the entries ``layer`` just moved into ``slot`` (``UNRANKED`` after them, and if unranked)."""
-        row = self.ranks[layer_idx][slot]
-        row.fill_(UNRANKED)
-        ranks = layer.slot_ranks()
-        if ranks is not None:
-            row[:ranks.numel()] = ranks.to(row.device, torch.int32, non_blocking=True)
 
     def rank_limits(self, layer_idx: int) -> tuple[int, ...]:
         """Per slot, the rank from which ``layer_idx``'s entries are hidden (``NO_LIMIT`` for a free slot)."""

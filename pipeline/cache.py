@@ -128,6 +128,7 @@ class LayerKV:
         self.rank_limit = NO_LIMIT
         self._ranks_held: list[int] = []
         self._hidden = 0
+        self._rank_row: torch.Tensor | None = None  # the ranks of this layer's slot in its decode batch (``show_ranks``)
 
     def __len__(self) -> int:
         return self.packed_entries() + self._key.length - self._hidden
@@ -167,8 +168,9 @@ class LayerKV:
         self._modality.replace(modality)
 
     def visual_entries(self) -> int:
-        if self._visual is None:
-            self._visual = int((self.modality != Modality.TEXT).sum())
+        if self._visual is None:  # of the stored entries: reading them (``modality``) would remove the hidden ones
+            self._record_written()
+            self._visual = int((self._modality.view() != Modality.TEXT).sum())
         return self._visual - self._hidden  # hidden entries are visual (``rank_visual``)
 
     def _record_written(self) -> None:
@@ -202,6 +204,7 @@ class LayerKV:
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, owner) -> None:
         """Move the float entries into ``keys``/``values`` (1, kv_heads, room, head_dim), a slot known by ``owner``."""
         self._drop_hidden()
+        self._rank_row = None
         self._key.adopt(keys, owner)
         self._value.adopt(values, owner)
 
@@ -332,6 +335,8 @@ class LayerKV:
         if ranks is not None:
             self._rank = ranks[rows]
             self._ranks_held = sorted(r for r in self._rank.tolist() if UNRANKED < r < self.rank_limit)
+        if self._rank_row is not None and self._key.owner is not None:  # compacted in its slot: the ranks moved too
+            self._write_rank_row()
 
     # -- ST3's annealing -------------------------------------------------------------------------------------
     def rank_visual(self, tokens: torch.Tensor) -> None:
@@ -360,9 +365,21 @@ class LayerKV:
         if self.packed or self._key.owner is None:  # not in a slot: no step masks them, so they go now
             self._drop_hidden()
 
-    def slot_ranks(self) -> torch.Tensor | None:
-        """Each stored float entry's rank (``UNRANKED`` if none), for a slot's mask; None if nothing is ranked."""
-        return None if self._rank is None else self._stored_ranks()[self.packed_entries():]
+    def ranked(self) -> bool:
+        return self._rank is not None
+
+    def show_ranks(self, row: torch.Tensor) -> None:
+        """Keep ``row`` (the ranks of this layer's slot in a decode batch, which masks hidden entries by them) equal to
+        the stored entries' ranks, ``UNRANKED`` after them: now, and whenever its slot is compacted in place."""
+        self._rank_row = row
+        self._write_rank_row()
+
+    def _write_rank_row(self) -> None:
+        row = self._rank_row
+        row.fill_(UNRANKED)
+        if self._rank is not None:
+            ranks = self._stored_ranks()[self.packed_entries():]
+            row[:ranks.numel()] = ranks.to(row.device, row.dtype, non_blocking=True)
 
     def _stored_ranks(self) -> torch.Tensor:
         stored = self.packed_entries() + self._key.length

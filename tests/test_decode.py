@@ -17,7 +17,7 @@ from glimpse.pipeline import load_engine
 from glimpse.pipeline.adapters import TEXT
 from glimpse.pipeline.batch_kv import FREE_STEPS_PER_SLOT, BatchKV, decodes_plainly
 from glimpse.pipeline.cache import Growing, KVCache, LayerKV
-from glimpse.pipeline.engine import Sampling
+from glimpse.pipeline.engine import Engine, Sampling
 from glimpse.pipeline.metrics import MemoryMeter
 from glimpse.pipeline.quant import dequantize, quantize
 from glimpse.pruning import ST3, LazyLLM, NoPruning, ZipVL, make_policy
@@ -571,20 +571,39 @@ def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_c
         assert not sliders_lazy.policy.scores_in_decode() and papers_lazy.policy.scores_in_decode()
 
 
-def test_st3_evicting_from_kv_slots_gives_the_memory_back(deep_checkpoints, media, monkeypatch):
-    """ST3 anneals the visual KV away during the answer: in slots its evictions compact each slot in place,
-    and once the slots are more than twice what the requests need they are formed again, smaller."""
+@pytest.mark.parametrize("reader", [False, True])
+def test_st3_evicting_from_kv_slots_gives_the_memory_back(deep_checkpoints, media, monkeypatch, reader):
+    """ST3 anneals the visual KV away during the answer: in slots its evictions are hidden (masked by rank), and
+    once the slots are more than twice what the requests need they are formed again, smaller, the hidden entries
+    left behind; the annealing goes on in the new slots. The answers and KV counts are those of decoding on each
+    request's own cache, where evicted entries go at once — also when something reads the entries between steps
+    (``reader``), which removes the hidden ones from the slot there and then."""
     engine = load_engine(str(deep_checkpoints["qwen2_vl"]), device="cpu")
-    seen = _spy_slots(monkeypatch)
     conversations = [[{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
                                                    {"type": "text", "text": "What happens?"}]}]] * 2
-    slotted = engine.generate_batch(conversations, policy=ST3(anneal_tau=6.0), max_new_tokens=12, ignore_eos=True)
+    engine.decode_slots = False
+    own = engine.generate_batch(conversations, policy=ST3(anneal_tau=10.0), max_new_tokens=14, ignore_eos=True)
+    engine.decode_slots = True
+    seen = _spy_slots(monkeypatch)
+    if reader:
+        step = Engine.decode_step
+
+        def read_every_layer_first(self, running):
+            for request in running:
+                for layer in request.ctx.cache.layers:
+                    layer.index  # noqa: B018 — a read: the hidden entries leave storage
+            return step(self, running)
+
+        monkeypatch.setattr(Engine, "decode_step", read_every_layer_first)
+    slotted = engine.generate_batch(conversations, policy=ST3(anneal_tau=10.0), max_new_tokens=14, ignore_eos=True)
     rooms = [room for _, room in seen["formed"]]
     assert len(rooms) >= 2 and rooms[-1] < rooms[0] / 2
-    alone = engine.generate(conversations[0], policy=ST3(anneal_tau=6.0), max_new_tokens=12, ignore_eos=True)
-    assert slotted[0].token_ids == alone.token_ids
-    assert slotted[0].metrics["visual_kv_per_step"] == alone.metrics["visual_kv_per_step"]
-    assert slotted[0].metrics["visual_kv_per_step"][-1] == 0
+    for one, other in zip(slotted, own):
+        assert one.token_ids == other.token_ids
+        assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
+        assert one.metrics["kv_bytes_per_step"] == other.metrics["kv_bytes_per_step"]
+    series = slotted[0].metrics["visual_kv_per_step"]
+    assert series[-1] == 0 and len(set(series)) > 5  # annealed step by step, to nothing
 
 
 def test_a_request_that_arrives_takes_a_freed_slot_and_a_finished_batch_frees_its_slots_at_once(
