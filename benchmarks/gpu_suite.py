@@ -29,7 +29,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    encoder and decoder prefill.
 6. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots; ST3, ZipVL's packed KV
    and auto at speed 1 — uncalibrated, LazyLLM pruning in prefill only, which decodes plainly and so in the CUDA
-   graph — as the engine runs them by default, ST3 in the CUDA graph once its annealing is over) against
+   graph — as the engine runs them by default: ST3 in the CUDA graph too since 2026-12-02, its annealing hiding
+   evicted entries in the slots instead of removing them at every step) against
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
    (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured
@@ -376,7 +377,7 @@ def decode(suite: Suite) -> dict:
             """The engine's decode rate (a batch counts every request) and its KV after the answer; ``slots``
             False: every request attends over its own cache on its own (the engine before pipeline/batch_kv.py);
             ``graphs``: the slot steps captured as a CUDA graph (pipeline/decode_graph.py), or not; None: as the
-            engine does by default (on CUDA: for the steps in which no policy acts, e.g. ST3's after annealing)."""
+            engine does by default (on CUDA: for the steps in which no policy works inside the step, ST3's too)."""
             with _decoding(engine, slots=slots, graphs=graphs):
                 results = engine.generate_batch([messages] * batch, policy=policy, speed=speed, max_new_tokens=n,
                                                 ignore_eos=True)
