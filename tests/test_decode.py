@@ -760,6 +760,51 @@ def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints,
         assert together.token_ids == single.token_ids
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_st3_requests_come_and_go_beside_other_policies_and_answer_as_alone(deep_checkpoints, media, graphs):
+    """Continuous batching with ST3 annealing in the slots beside unpruned, ZipVL (packed, on its own cache) and
+    prefill-only requests: requests arrive while others anneal, one leaves mid-answer; every answer and its visual
+    KV per step are what the request gets alone. A batch formed without ranked entries takes no ST3 newcomer into
+    a free slot (its step has no rank mask): the batch forms again."""
+    from glimpse.pipeline.scheduler import Scheduler
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    image, question = _messages(media), [{"role": "user", "content": "Say hi."}]
+    with torch.inference_mode():
+        plain = [engine.start(image, "none", 0.0, 8, Sampling()) for _ in range(4)]
+        annealing = engine.start(image, ST3(anneal_tau=4.0), 0.0, 8, Sampling())
+        annealing.policy.decode_step(1, annealing.ctx)  # ranks its visual entries, as its first decode step does
+        batch = BatchKV.form(plain[:3])
+        assert batch.ranks is None and not batch.take_step([plain[0], plain[1], annealing])
+        batch = BatchKV.form(plain[:3])
+        assert batch.take_step([plain[0], plain[1], plain[3]])  # an unranked newcomer takes the free slot
+        assert BatchKV.form([plain[0], annealing]).ranks is not None
+    cases = [(question, "none", 0.0, 6), (image, ST3(anneal_tau=4.0), 0.0, 9), (image, "zipvl", 1.0, 7),
+             (image, "st3", 1.0, 5), (question, "none", 0.0, 8), (image, ST3(anneal_tau=6.0, anneal="linear"), 0.0, 10),
+             (image, "divprune", 1.0, 6)]
+    alone = [engine.generate(c, policy=p, speed=s, max_new_tokens=n, ignore_eos=True) for c, p, s, n in cases]
+    engine.decode_graphs = graphs
+    scheduler = Scheduler(engine, max_batch=4, queue_size=16, start=False)  # all queued before the loop runs
+    leaving = scheduler.submit(image, policy=ST3(anneal_tau=5.0), max_new_tokens=40, ignore_eos=True)
+    tickets = [scheduler.submit(c, policy=p, speed=s, max_new_tokens=n, ignore_eos=True) for c, p, s, n in cases]
+    loop = threading.Thread(target=scheduler.run, daemon=True)
+    loop.start()
+    try:
+        chunks = leaving.chunks(timeout=60)
+        next(chunks), next(chunks), next(chunks)
+        leaving.cancel.set()  # its client left while it annealed
+        left = [c for c in chunks][-1].result
+        results = [t.result(timeout=120) for t in tickets]
+    finally:
+        scheduler.close()
+        loop.join(timeout=60)
+    assert left.finish_reason == "cancelled"
+    assert max(r.metrics["batch_size"] for r in results) == 4
+    for together, single in zip(results, alone):
+        assert together.token_ids == single.token_ids
+        assert together.metrics["visual_kv_per_step"] == single.metrics["visual_kv_per_step"]
+
+
 def test_a_layer_s_visual_entry_count_follows_appends_written_entries_and_evictions():
     """The count every decode step records (the metrics' visual KV): kept as records come, written in place or
     appended, and recounted after an eviction — always the number of image and video entries the layer holds."""
