@@ -29,6 +29,7 @@ import torch
 
 from glimpse.common import Modality
 from glimpse.pipeline.cache import NO_LIMIT, UNRANKED
+from glimpse.pipeline.quant import dequantize
 
 WASTE = 1.5  # a batch's slots hold at most this many times the entries (and answer room) its members need
 SLACK = 1.125  # a slot's room beyond its largest member's need, so that a request like it can take a freed slot
@@ -45,18 +46,18 @@ ANSWER_ROOM = 1024
 
 
 def decodes_plainly(request) -> bool:
-    """Whether ``request`` can take a slot: its next step computes its new token alone, attends to every
-    entry it holds, and every entry is float."""
+    """Whether ``request`` can take a slot: its next step computes its new token alone and attends to every
+    entry it holds (float, or packed: ZipVL's KV takes packed slots)."""
     policy = request.policy
     return (request.pending is None and not policy.implements("decode_rows")
             and not policy.implements("decode_attend")
-            and all(layer.all_float() for layer in request.ctx.cache.layers))
+            and all(layer.holds_entries() for layer in request.ctx.cache.layers))
 
 
 def _room(request, layer) -> int:
-    """Entries a slot needs for ``layer`` of ``request``: what it holds and one per step left, plus one, the steps
-    counted up to ``ANSWER_ROOM``."""
-    return len(layer) + min(request.budget - len(request.tokens), ANSWER_ROOM) + 1
+    """Float entries a slot needs for ``layer`` of ``request``: what it holds in float and one per step left, plus
+    one, the steps counted up to ``ANSWER_ROOM``. (Packed entries have slots of their own, ``BatchKV.parts``.)"""
+    return len(layer) - layer.packed_entries() + min(request.budget - len(request.tokens), ANSWER_ROOM) + 1
 
 
 def _need(request) -> int:
@@ -80,6 +81,12 @@ class BatchKV:
         # ranked past what their layer keeps. Only when a member has them: other batches' steps have no such mask.
         ranked = any(layer.ranked() for r in requests for layer in r.ctx.cache.layers)
         self.ranks: list[torch.Tensor] | None = [] if ranked else None
+        # ZipVL's packed entries, per layer: for each bit width the members use, one packed key and value tensor
+        # with a slot per request (quant.py packs token by token, so a slot is a row, as for float entries), and
+        # per slot the entries each holds. A step dequantizes each whole tensor at once and attends over it with
+        # the float entries, masked: a handful of operators per layer, whatever the batch size.
+        self.parts: list[dict] = []
+        self.part_lengths: list[torch.Tensor | None] = []
         for layer_idx in range(num_layers):
             members = [r.ctx.cache.layers[layer_idx] for r in requests]
             sample = members[0].key
@@ -96,12 +103,55 @@ class BatchKV:
                 self.ranks.append(torch.full(shape[::2], UNRANKED, dtype=torch.int32, device=keys.device))
                 for slot, layer in enumerate(members):
                     layer.show_ranks(self.ranks[layer_idx][slot])
+            self.parts.append(self._packed_slots(members))
+            self.part_lengths.append(torch.zeros(len(requests), len(self.parts[-1]), dtype=torch.long,
+                                                 device=keys.device) if self.parts[-1] else None)
+            for slot, layer in enumerate(members):
+                if self.parts[-1]:
+                    layer.adopt_packed(self._slot_parts(layer_idx, slot), owner=self.token)
         self._members_changed()
         self.fixed_step = None  # its fixed-shape step (pipeline/decode_graph.py), made on first use
         self.free_steps = [0] * len(requests)  # per slot: the steps it has been free for
         # Formed again once the members' slots are more than twice as large as they need (or, if they started
         # larger, half as large again as at the start: never one formation after another).
         self.limit = max(2.0, 1.5 * self._room() / sum(_need(r) for r in requests))
+
+    def _packed_slots(self, members: list) -> dict:
+        """Bit width -> (keys, values): zeroed packed tensors with a slot per member and room for the most entries
+        of that width a member holds, and SLACK more (highest width first: ZipVL's important entries)."""
+        counts = [layer.packed_counts() for layer in members]
+        parts = {}
+        for bits in sorted({b for c in counts for b in c}, reverse=True):
+            key, value = next((k, v) for layer in members for k, v in layer.packed if k.bits == bits)
+            room = int(max(c.get(bits, 0) for c in counts) * SLACK) + 1
+            parts[bits] = (key.slots(len(members), room), value.slots(len(members), room))
+        return parts
+
+    def _slot_parts(self, layer_idx: int, slot: int) -> dict:
+        return {bits: (key.narrow(0, slot, 1), value.narrow(0, slot, 1))
+                for bits, (key, value) in self.parts[layer_idx].items()}
+
+    def packed_layout(self, layer_idx: int) -> tuple[torch.Tensor, list[int]] | None:
+        """For ``slot_mask``: the entries each slot holds in each packed tensor (slots, parts), and their rooms."""
+        parts = self.parts[layer_idx]
+        return (self.part_lengths[layer_idx], [key.tokens for key, _ in parts.values()]) if parts else None
+
+    def with_packed(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values with its packed slots in front, dequantized: (slots, kv_heads, rooms + n, d)
+        (``keys``/``values``: the float slots' first n entries). Each packed tensor is dequantized straight into
+        its place, at once for every slot."""
+        parts = self.parts[layer_idx]
+        total = sum(key.tokens for key, _ in parts.values()) + keys.shape[2]
+        shape = (*keys.shape[:2], total, keys.shape[3])
+        all_keys, all_values = keys.new_empty(shape), values.new_empty(shape)
+        start = 0
+        for key, value in parts.values():
+            dequantize(key, out=all_keys.narrow(2, start, key.tokens))
+            dequantize(value, out=all_values.narrow(2, start, key.tokens))
+            start += key.tokens
+        all_keys.narrow(2, start, keys.shape[2]).copy_(keys)
+        all_values.narrow(2, start, keys.shape[2]).copy_(values)
+        return all_keys, all_values
 
     def _room(self) -> int:
         return sum(keys.shape[0] * keys.shape[2] for keys in self.keys)
@@ -115,6 +165,12 @@ class BatchKV:
         self.slots = torch.tensor(taken, device=self.keys[0].device)
         self.all_slots = len(taken) == len(self.requests)  # no free slot: no gather, no scatter
         self.layers = [[r.ctx.cache.layers[i] for r in self.members] for i in range(len(self.keys))]
+        for layer_idx, lengths in enumerate(self.part_lengths):
+            if lengths is not None:  # in place: a captured step reads this tensor
+                held = [[0] * lengths.shape[1] if r is None else
+                         [r.ctx.cache.layers[layer_idx].packed_counts().get(bits, 0) for bits in self.parts[layer_idx]]
+                         for r in self.requests]
+                lengths.copy_(torch.tensor(held), non_blocking=True)
         self._where_memo = None  # lengths -> (where, at), for the layers of one step (``_where``)
         self._mask_memo = None  # (lengths, dtype) -> mask, likewise (``_mask``)
 
@@ -153,6 +209,8 @@ class BatchKV:
                 layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self.token)
                 if self.ranks is not None:
                     layer.show_ranks(self.ranks[layer_idx][slot])
+                if self.parts[layer_idx]:
+                    layer.adopt_packed(self._slot_parts(layer_idx, slot), owner=self.token)
             self.requests[slot], changed = request, True
         if changed:
             self._members_changed()
@@ -175,7 +233,12 @@ class BatchKV:
         return tuple(next(layers).rank_limit if r is not None else NO_LIMIT for r in self.requests)
 
     def _fits(self, request) -> bool:
-        return all(_room(request, layer) <= keys.shape[2] for layer, keys in zip(request.ctx.cache.layers, self.keys))
+        for layer, keys, parts in zip(request.ctx.cache.layers, self.keys, self.parts):
+            if _room(request, layer) > keys.shape[2]:
+                return False
+            if any(bits not in parts or count > parts[bits][0].tokens for bits, count in layer.packed_counts().items()):
+                return False
+        return True
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                kernel) -> torch.Tensor:
@@ -188,7 +251,8 @@ class BatchKV:
         n = max(lengths) + 1
         limits = self.rank_limits(layer_idx) if self.ranks is not None else ()
         hiding = any(limit != NO_LIMIT for limit in limits)
-        if self.all_slots and min(lengths) == max(lengths) and not hiding:  # the usual case in a fixed batch: no mask
+        packed = self.packed_layout(layer_idx)
+        if self.all_slots and min(lengths) == max(lengths) and not hiding and packed is None:  # the usual case: no mask
             keys[:, :, lengths[0]] = new_keys
             values[:, :, lengths[0]] = new_values
             mask = None
@@ -196,16 +260,22 @@ class BatchKV:
             where, at = self._where(lengths)
             keys[self.slots, :, where] = new_keys
             values[self.slots, :, where] = new_values
-            if hiding:  # ST3's evicted entries, still stored: masked out with the rest past each slot's entries
-                limit = torch.tensor(limits, dtype=torch.int32).to(at.device, non_blocking=True)
-                mask = slot_mask(at, n, query.dtype, self.ranks[layer_idx], limit)
+            if hiding or packed is not None:  # ST3's evicted entries, still stored; ZipVL's packed slots in front
+                ranks, limit = None, None
+                if hiding:
+                    ranks = self.ranks[layer_idx]
+                    limit = torch.tensor(limits, dtype=torch.int32).to(at.device, non_blocking=True)
+                mask = slot_mask(at, n, query.dtype, ranks, limit, packed)
             else:
                 mask = self._mask(lengths, at, n, query.dtype)
             if not self.all_slots:  # free slots take part with a zero query; their rows are dropped after
                 full = query.new_zeros(keys.shape[0], *query.shape[1:])
                 query = full.index_copy(0, self.slots, query)
         self.record_written(layer_idx)
-        out = kernel(query, keys[:, :, :n], values[:, :, :n], mask)  # (slots, 1, heads, head_dim)
+        keys, values = keys[:, :, :n], values[:, :, :n]
+        if packed is not None:
+            keys, values = self.with_packed(layer_idx, keys, values)
+        out = kernel(query, keys, values, mask)  # (slots, 1, heads, head_dim)
         if not self.all_slots:
             out = out.index_select(0, self.slots)
         return out.transpose(0, 1)
@@ -238,11 +308,16 @@ class BatchKV:
 
 
 def slot_mask(at: torch.Tensor, length: int, dtype: torch.dtype, ranks: torch.Tensor | None = None,
-              limit: torch.Tensor | None = None) -> torch.Tensor:
-    """(slots, 1, 1, length) additive attention mask: slot i sees its entries up to ``at[i]``, its new one, and
-    with ``ranks`` ((slots, room): each entry's rank) none ranked ``limit[i]`` or more (ST3's evicted ones)."""
+              limit: torch.Tensor | None = None, packed: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+    """(slots, 1, 1, length) additive attention mask: slot i sees its entries up to ``at[i]``, its new one; with
+    ``ranks`` ((slots, room): each entry's rank) none ranked ``limit[i]`` or more (ST3's evicted ones); with
+    ``packed`` (``BatchKV.packed_layout``) the packed slots come first, slot i seeing the entries it holds there."""
     hidden = torch.arange(length, device=at.device)[None, :] > at[:, None]
     if ranks is not None:
         hidden |= ranks[:, :length] >= limit[:, None]
+    if packed is not None:
+        held, rooms = packed
+        hidden = torch.cat([torch.arange(room, device=at.device)[None, :] >= held[:, part:part + 1]
+                            for part, room in enumerate(rooms)] + [hidden], dim=1)
     mask = torch.zeros(hidden.shape, dtype=dtype, device=at.device)
     return mask.masked_fill(hidden, torch.finfo(dtype).min)[:, None, None, :]

@@ -19,7 +19,7 @@ import math
 import torch
 
 from glimpse.common import Modality
-from glimpse.pipeline.quant import QuantizedTensor, dequantize, quantize
+from glimpse.pipeline.quant import QuantizedTensor, cat_tokens, dequantize, quantize
 
 # ST3's ranks (``LayerKV.rank_visual``): an entry no ranking covers (text, generated tokens) is ranked UNRANKED and
 # always kept; a layer that has hidden nothing keeps every rank below NO_LIMIT.
@@ -129,6 +129,7 @@ class LayerKV:
         self._ranks_held: list[int] = []
         self._hidden = 0
         self._rank_row: torch.Tensor | None = None  # the ranks of this layer's slot in its decode batch (``show_ranks``)
+        self._packed_owner = None  # the decode batch whose packed slots ``packed`` are views of (``adopt_packed``)
 
     def __len__(self) -> int:
         return self.packed_entries() + self._key.length - self._hidden
@@ -208,13 +209,51 @@ class LayerKV:
         self._key.adopt(keys, owner)
         self._value.adopt(values, owner)
 
-    def all_float(self) -> bool:
-        """Whether the layer holds entries and all of them in float (nothing packed)."""
-        return not self.packed and self._key.buffer is not None
+    def holds_entries(self) -> bool:
+        """Whether the layer has its entries (a float tail, maybe empty once everything is packed)."""
+        return self._key.buffer is not None
 
     def slot_of(self, owner) -> bool:
-        """Whether every entry is float and in place in a slot of ``owner`` (nothing packed, not regrown)."""
-        return not self.packed and self._key.owner is owner and self._value.owner is owner
+        """Whether every entry is in place in a slot of ``owner``: the float tail not regrown, and the packed
+        segments, if any, the views ``adopt_packed`` made (not packed or cut since)."""
+        return (self._key.owner is owner and self._value.owner is owner
+                and (not self.packed or self._packed_owner is owner))
+
+    def packed_counts(self) -> dict[int, int]:
+        """Packed entries per bit width."""
+        counts: dict[int, int] = {}
+        for key, _ in self.packed:
+            counts[key.bits] = counts.get(key.bits, 0) + key.tokens
+        return counts
+
+    def adopt_packed(self, parts: dict, owner) -> None:
+        """Move the packed entries into ``parts`` (bit width -> (keys, values), a slot's packed tensors of that width,
+        (1, kv_heads, room, .), known by ``owner``): one segment per width, in the order of ``parts``. Entries
+        change places in storage (attention does not mind; their records follow)."""
+        self._drop_hidden()
+        segments, start = {}, 0
+        for key, value in self.packed:
+            segments.setdefault(key.bits, []).append((key, value, start))
+            start += key.tokens
+        if set(segments) - set(parts):
+            raise ValueError(f"no slot for packed entries of {sorted(set(segments) - set(parts))} bits")
+        packed, order = [], []
+        for bits, (slot_key, slot_value) in parts.items():
+            mine = segments.get(bits, [])
+            count = sum(key.tokens for key, _, _ in mine)
+            if not count:
+                continue
+            cat_tokens([key for key, _, _ in mine]).copy_into(slot_key.narrow(-2, 0, count))
+            cat_tokens([value for _, value, _ in mine]).copy_into(slot_value.narrow(-2, 0, count))
+            packed.append((slot_key.narrow(-2, 0, count), slot_value.narrow(-2, 0, count)))
+            order += [torch.arange(begin, begin + key.tokens) for key, _, begin in mine]
+        order = torch.cat(order + [torch.arange(start, start + self._key.length)])
+        if not torch.equal(order, torch.arange(order.numel())):  # the records follow the entries
+            ranks = None if self._rank is None else self._stored_ranks()
+            self.index, self.modality = self.index[order], self.modality[order]
+            if ranks is not None:
+                self._rank = ranks[order]
+        self.packed, self._packed_owner = packed, owner
 
     def written_in_place(self, index: int, modality: int) -> None:
         """The slot's owner wrote one entry, for token ``index`` of ``modality``, after the last one."""
@@ -325,7 +364,7 @@ class LayerKV:
             if local.numel():
                 packed.append((key.select(local), value.select(local)))
             start += key.tokens
-        self.packed = packed
+        self.packed, self._packed_owner = packed, None  # selected: copies, out of any slot
         if self._key.buffer is not None:
             local = (rows[rows >= start] - start).to(self._key.buffer.device, non_blocking=True)  # one copy, for both
             self._key.keep(local)
@@ -405,6 +444,7 @@ class LayerKV:
         rest = (~chosen).nonzero().squeeze(1)
         self.packed.append((quantize(self.key.index_select(-2, tail_rows), bits, group),
                             quantize(self.value.index_select(-2, tail_rows), bits, group)))
+        self._packed_owner = None  # a new segment: the layer no longer fits its slot's packed tensors
         self._set_tail(self.key.index_select(-2, rest), self.value.index_select(-2, rest))
         start = self.packed_entries() - tail_rows.numel()  # where the tail began before packing
         order = torch.cat([torch.arange(start), start + tail_rows.cpu(), start + rest.cpu()])

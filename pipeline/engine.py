@@ -312,7 +312,7 @@ class DecodeLayer:
             outputs.append(self.slots.attend(self.layer_idx, query[:, :, :start], key[:, :, :start],
                                              value[:, :, :start], kernel))
             for i, (request, rows) in enumerate(zip(self.requests[:start], self.batch)):
-                if request.policy.implements("decode_score"):  # it attended to every entry its layer holds
+                if request.policy.scores_in_decode():  # it attended to every entry its layer holds
                     layer_kv = request.ctx.cache.layers[self.layer_idx]
                     self.engine.decode_score(self.layer_idx, module, query[:, :, i:i + 1], rows, request,
                                              layer_kv.keys_values()[0], layer_kv.index)

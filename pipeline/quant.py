@@ -41,6 +41,32 @@ class QuantizedTensor:
         return QuantizedTensor(pick(self.packed), pick(self.scale), pick(self.minimum), self.bits, self.group,
                                self.dtype)
 
+    def _like(self, make) -> "QuantizedTensor":
+        return QuantizedTensor(make(self.packed), make(self.scale), make(self.minimum), self.bits, self.group,
+                               self.dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> "QuantizedTensor":
+        """A view of ``length`` rows from ``start`` along ``dim`` (a leading axis, or -2: tokens)."""
+        return self._like(lambda t: t.narrow(dim, start, length))
+
+    def slots(self, count: int, room: int) -> "QuantizedTensor":
+        """Zeros for ``count`` slots of ``room`` tokens each, of this tensor's kind: (count, ..., room, ...)."""
+        return self._like(lambda t: t.new_zeros(count, *t.shape[1:-2], room, t.shape[-1]))
+
+    def copy_into(self, target: "QuantizedTensor") -> None:
+        """Write these tokens into ``target`` (a view of as many tokens)."""
+        for mine, theirs in zip((self.packed, self.scale, self.minimum), (target.packed, target.scale, target.minimum)):
+            theirs.copy_(mine)
+
+
+def cat_tokens(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """The tokens of ``parts`` (of one kind: bits, group, dtype) one after the other."""
+    if len(parts) == 1:
+        return parts[0]
+    join = lambda name: torch.cat([getattr(q, name) for q in parts], dim=-2)  # noqa: E731
+    first = parts[0]
+    return QuantizedTensor(join("packed"), join("scale"), join("minimum"), first.bits, first.group, first.dtype)
+
 
 def quantize(x: torch.Tensor, bits: int, group: int = 32) -> QuantizedTensor:
     if bits not in (2, 4, 8):

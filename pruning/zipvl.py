@@ -82,6 +82,7 @@ class ZipVL(Policy):
         tau = self.tau_video if has_video else self.tau_image
         self.resolved = {"tau": tau, "paper": {"tau": tau}}
         self.telemetry = {"important_per_layer": []}  # the paper's p, one per prefill layer
+        self.fills_window = True  # until ``decode_step`` knows (``scores_in_decode``)
         if self.important_bits is not None:
             self.resolved["paper"].update(b_h=self.important_bits, b_l=self.other_bits)
 
@@ -112,13 +113,17 @@ class ZipVL(Policy):
         return importance.topk(p).indices.sort().values
 
     def decode_step(self, step: int, ctx) -> None:
-        if self.important_bits is None or step != 1:
+        if self.important_bits is None:
             return
-        # Before the first decode step: pack each layer's prefill KV by the prefill split.
-        for layer_idx, important in enumerate(ctx.attention_per_layer):
-            if important is None:  # every token of this layer took part in attention: all important
-                important = ctx.cache.unpacked_tokens(layer_idx)
-            self._pack(ctx, layer_idx, important)
+        if step == 1:  # before the first decode step: pack each layer's prefill KV by the prefill split
+            for layer_idx, important in enumerate(ctx.attention_per_layer):
+                if important is None:  # every token of this layer took part in attention: all important
+                    important = ctx.cache.unpacked_tokens(layer_idx)
+                self._pack(ctx, layer_idx, important)
+        # Whether a layer's float window fills in this step (its new entry is the window's last): only then does
+        # ``decode_score`` work inside the step; the other steps can be the fixed-shape one (a CUDA graph).
+        self.fills_window = any(ctx.cache.unpacked_entries(layer_idx) + 1 >= self.requantize_every
+                                for layer_idx in range(len(ctx.cache.layers)))
 
     def decode_score(self, layer_idx: int, ctx) -> None:
         # The window is the layer's float tail; until it is full there is nothing to do (and nothing to read).
@@ -136,7 +141,8 @@ class ZipVL(Policy):
         self._pack(ctx, layer_idx, window_tokens[scores.topk(p).indices])
 
     def scores_in_decode(self) -> bool:
-        return self.important_bits is not None  # without packed KV its work ends with the prefill
+        # Without packed KV its work ends with the prefill; with it, only a step that fills a window scores.
+        return self.important_bits is not None and self.fills_window
 
     def _pack(self, ctx, layer_idx: int, important: torch.Tensor) -> None:
         """Pack the layer's float entries: the ``important`` tokens' at high bits, the rest at low."""

@@ -3,6 +3,7 @@ revival from the Aux Cache; batched decode."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import sys
@@ -550,8 +551,9 @@ def test_requests_in_kv_slots_decode_as_each_on_its_own_cache(deep_checkpoints, 
 
 def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_checkpoints, media):
     """A batch is as long as its longest member needs: a prompt many times longer than the others is left to
-    decode on its own cache, and so are LazyLLM with the paper's re-selection (it revives prompt tokens in decode)
-    and ZipVL's packed KV; the slider's LazyLLM, which prunes in prefill only, decodes plainly (and as a graph)."""
+    decode on its own cache, and so is LazyLLM with the paper's re-selection (it revives prompt tokens in decode);
+    the slider's LazyLLM, which prunes in prefill only, decodes plainly (and as a graph), and so does ZipVL's packed
+    KV (in packed slots)."""
     engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
     short = [{"role": "user", "content": "Say hi."}]
     long = [{"role": "user", "content": "Read this. " + "The sea is calm and blue today. " * 60}]
@@ -567,7 +569,7 @@ def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_c
         zipvl = engine.start(_messages(media), "zipvl", 1.0, 8, Sampling())
         zipvl.policy.decode_step(1, zipvl.ctx)  # packs the prefill KV, as the first decode step does
         assert ([decodes_plainly(r) for r in (started[0], sliders_lazy, papers_lazy, zipvl)]
-                == [True, True, False, False])
+                == [True, True, False, True])
         assert not sliders_lazy.policy.scores_in_decode() and papers_lazy.policy.scores_in_decode()
 
 
@@ -720,6 +722,79 @@ def test_policies_that_work_between_steps_decode_in_the_fixed_shape_step_as_on_t
         tau = int(policy.anneal_tau)
         series = fixed[0].metrics["visual_kv_per_step"]
         assert series[tau - 1:] == [0] * (8 - tau) and 0 < series[1] < series[0]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_zipvl_packed_kv_decodes_in_packed_slots_as_on_its_own_cache(deep_checkpoints, media, monkeypatch, graphs):
+    """ZipVL's 4/2-bit KV in a batch's packed slots (one packed tensor per bit width and layer, a slot per request,
+    dequantized at once for the batch): the tokens and KV bytes per step of decoding each request on its own cache,
+    across windows of new tokens packed as the answer goes (every 3 here): a packed window moves a cache out of
+    its slots, and it takes one again. With the fixed-shape step, every step that fills no window is one (a CUDA
+    graph on a GPU); those that fill one score inside the step and run eagerly."""
+    from glimpse.pipeline.decode_graph import SlotStep
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    conversations = [_messages(media), [{"role": "user", "content": "Write one line about the sea."}],
+                     [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                   {"type": "text", "text": "What colours? Answer at length."}]}]]
+    packed = lambda: dataclasses.replace(ZipVL.from_speed(0.5), requantize_every=3)  # noqa: E731
+    engine.decode_slots = False
+    own = engine.generate_batch(conversations, policy=packed(), max_new_tokens=10, ignore_eos=True)
+    engine.decode_slots = True
+    seen = _spy_slots(monkeypatch)
+    parts = []
+    init = BatchKV.__init__
+    monkeypatch.setattr(BatchKV, "__init__", lambda self, requests: (init(self, requests),
+                                                                     parts.append(list(self.parts[0])))[0])
+    adopted = []
+    adopt = LayerKV.adopt_packed
+    monkeypatch.setattr(LayerKV, "adopt_packed", lambda self, *a, **k: (adopted.append(self), adopt(self, *a, **k))[1])
+    steps = []
+    forward = SlotStep.forward
+    monkeypatch.setattr(SlotStep, "forward", lambda self, *a: (steps.append(self), forward(self, *a))[1])
+    engine.decode_graphs = graphs
+    slotted = engine.generate_batch(conversations, policy=packed(), max_new_tokens=10, ignore_eos=True)
+    assert parts and all(bits == [4, 2] for bits in parts)  # the members' packed entries had packed slots
+    assert seen["calls"] > 0 and len(adopted) > 2 * len(conversations) * DEEP_LAYERS  # back in slots after windows
+    for one, other in zip(slotted, own):
+        assert one.token_ids == other.token_ids
+        assert one.metrics["kv_bytes_per_step"] == other.metrics["kv_bytes_per_step"]
+    # Steps g = 1 .. 9: those whose new entry is a window's third (g = 3, 6, 9) score inside the step.
+    assert len(steps) == (6 if graphs else 0)
+
+
+def test_a_packed_decode_step_in_slots_runs_the_same_operators_for_any_batch_size(deep_checkpoints, media):
+    """What a batch of ZipVL requests costs the host per step beyond the unpruned step does not grow with the
+    batch: its packed slots are dequantized and attended at once (per request it ran about 80 operators a layer,
+    the host's bound on a GPU). Counted with torch's dispatcher, one step after the first."""
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    counts = {}
+    step = Engine.decode_step
+
+    def counted(policy, batch):
+        seen = []
+
+        def spy(self, running):
+            if len(seen) == 2:
+                with Operators() as operators:
+                    step(self, running)
+                counts[policy, batch] = operators.count
+            seen.append(1)
+            if len(seen) != 3:
+                step(self, running)
+
+        Engine.decode_step = spy
+        try:
+            engine.generate_batch([_messages(media)] * batch, policy=policy, speed=0.5, max_new_tokens=6,
+                                  ignore_eos=True)
+        finally:
+            Engine.decode_step = step
+
+    for policy in ("none", "zipvl"):
+        for batch in (2, 4):
+            counted(policy, batch)
+    assert counts["zipvl", 4] - counts["zipvl", 2] == counts["none", 4] - counts["none", 2]
+    assert counts["zipvl", 2] > counts["none", 2]  # it does dequantize
 
 
 def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints, media, monkeypatch):
