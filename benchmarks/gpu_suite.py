@@ -29,8 +29,9 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    encoder and decoder prefill.
 6. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots; ST3, ZipVL's packed KV
    and auto at speed 1 — uncalibrated, LazyLLM pruning in prefill only, which decodes plainly and so in the CUDA
-   graph — as the engine runs them by default: ST3 in the CUDA graph too since 2026-12-02, its annealing hiding
-   evicted entries in the slots instead of removing them at every step) against
+   graph — as the engine runs them by default: ST3 and ZipVL in the CUDA graph too since 2026-12-02, ST3's
+   annealing hiding evicted entries in the slots instead of removing them at every step, ZipVL's packed KV in
+   packed slots) against
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
    (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured

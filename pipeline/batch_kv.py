@@ -11,8 +11,10 @@ slot, so policies, eviction (ST3, compacted in place) and metrics see their own 
 A request's float entries *move* into its slot once, when it joins (one copy of its own entries, never
 per step), and a slot has room for the rest of the request's answer, up to ``ANSWER_ROOM`` tokens, so no step
 reallocates until then. Members are
-the requests whose policy does nothing per decode layer (no revival, no choice of keys: not LazyLLM) and
-whose cache is all float (not ZipVL's packed KV); the others decode request by request beside them.
+the requests whose policy does nothing per decode layer (no revival, no choice of keys: not LazyLLM with the
+paper's re-selection); the others decode request by request beside them. ZipVL's packed entries have packed slots
+(``BatchKV.parts``: per layer and bit width, a packed tensor with a row per slot, zeros where a member holds
+fewer), dequantized at once for the batch at every step.
 Requests come and go between steps (the server's continuous batching): one that leaves frees its slot, one
 that arrives takes a free slot it fits in. The batch forms again (one copy of its members' entries) only
 when no free slot fits a newcomer, when a member's cache left its slot, when evictions left the members' slots
