@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from glimpse.common import UserError
 from glimpse.pipeline.adapters import Qwen2VLAdapter
@@ -546,6 +547,20 @@ def _messages(kind: str, media, question: str) -> list[dict]:
     return user_message(question, [(kind, media)])
 
 
-__all__ = ["BASELINE", "BenchError", "DEFAULT_SPEEDS", "available_policies", "check_policies",
+class OperatorCount(TorchDispatchMode):
+    """Counts the tensor operators run inside it (``with OperatorCount() as operators: ...; operators.count``): on a
+    GPU a decode step of a 7B model is bound by the host's operator count, which a CPU can count."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+__all__ = ["BASELINE", "BenchError", "DEFAULT_SPEEDS", "OperatorCount", "available_policies", "check_policies",
            "device_name", "format_markdown", "media_prompts", "plot", "run_bench", "synthesize_prompts",
            "text_prompt", "write_video"]
+

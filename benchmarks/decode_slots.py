@@ -25,9 +25,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from glimpse.bench import device_name
+from glimpse.bench import OperatorCount, device_name
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.cache import LayerKV
 from glimpse.pipeline.engine import Engine
@@ -63,16 +62,6 @@ def operators_of_one_step(engine, run) -> int:
     finally:
         Engine.decode_step = step
     return counted[0]
-
-
-class OperatorCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 # side -> (policy, speed, evictions removed at once, KV slots)

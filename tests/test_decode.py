@@ -12,8 +12,8 @@ import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from glimpse.bench import OperatorCount
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.adapters import TEXT
 from glimpse.pipeline.batch_kv import FREE_STEPS_PER_SLOT, BatchKV, decodes_plainly
@@ -25,18 +25,6 @@ from glimpse.pruning import ST3, LazyLLM, NoPruning, ZipVL, make_policy
 from glimpse.pruning.st3 import anneal_share
 from conftest import DEEP_LAYERS
 from tiny_models import build_llava, reference_inputs
-
-
-class Operators(TorchDispatchMode):
-    """Counts the tensor operators run inside it (``with Operators() as operators: ...; operators.count``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 LAYERS = 6
 
@@ -776,7 +764,7 @@ def test_a_packed_decode_step_in_slots_runs_the_same_operators_for_any_batch_siz
 
         def spy(self, running):
             if len(seen) == 2:
-                with Operators() as operators:
+                with OperatorCount() as operators:
                     step(self, running)
                 counts[policy, batch] = operators.count
             seen.append(1)
@@ -916,7 +904,7 @@ def test_a_layer_s_visual_entry_count_follows_appends_written_entries_and_evicti
     layer.append(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
     layer.add_records(torch.tensor([next_index]), torch.tensor([Modality.TEXT]))
 
-    with torch.no_grad(), Operators() as operators:
+    with torch.no_grad(), OperatorCount() as operators:
         assert layer.visual_entries() == sum(m != Modality.TEXT for m in held)
     assert operators.count == 0
 
@@ -945,7 +933,7 @@ def test_annealing_in_a_slot_hides_entries_at_once_with_no_operator_and_removes_
     is what removing them at once gives. Outside a slot they go at once. Never more is kept than before."""
     in_slot, owner = _ranked_layer(0, slot=True)
     alone, _ = _ranked_layer(0, slot=False)
-    with torch.no_grad(), Operators() as operators:
+    with torch.no_grad(), OperatorCount() as operators:
         in_slot.keep_top_visual(3)
         counts = len(in_slot), in_slot.visual_entries(), in_slot.nbytes(), in_slot.slot_length()
     assert operators.count == 0
