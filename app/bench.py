@@ -563,4 +563,3 @@ class OperatorCount(TorchDispatchMode):
 __all__ = ["BASELINE", "BenchError", "DEFAULT_SPEEDS", "OperatorCount", "available_policies", "check_policies",
            "device_name", "format_markdown", "media_prompts", "plot", "run_bench", "synthesize_prompts",
            "text_prompt", "write_video"]
-

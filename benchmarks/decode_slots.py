@@ -33,15 +33,15 @@ from glimpse.pipeline.engine import Engine
 from glimpse.pipeline.random_checkpoint import build_random_llava, random_image
 
 
+hides_now = LayerKV.keep_top_visual
+
+
 def removed_at_once(layer: LayerKV, count: int) -> None:
     """``keep_top_visual`` as it was before 2026-12-02: the entries leave storage at once, in a slot too."""
     kept_before = layer.rank_limit
     hides_now(layer, count)
     if layer.rank_limit < kept_before:
         layer.tail_entries()  # any read removes the hidden entries from storage
-
-
-hides_now = LayerKV.keep_top_visual
 
 
 def operators_of_one_step(engine, run) -> int:

@@ -106,10 +106,11 @@ class BatchKV:
                 for slot, layer in enumerate(members):
                     layer.show_ranks(self.ranks[layer_idx][slot])
             self.parts.append(self._packed_slots(members))
-            self.part_lengths.append(torch.zeros(len(requests), len(self.parts[-1]), dtype=torch.long,
-                                                 device=keys.device) if self.parts[-1] else None)
-            for slot, layer in enumerate(members):
-                if self.parts[-1]:
+            self.part_lengths.append(None)
+            if self.parts[-1]:
+                self.part_lengths[-1] = torch.zeros(len(requests), len(self.parts[-1]), dtype=torch.long,
+                                                    device=keys.device)
+                for slot, layer in enumerate(members):
                     layer.adopt_packed(self._slot_parts(layer_idx, slot), owner=self.token)
         self._members_changed()
         self.fixed_step = None  # its fixed-shape step (pipeline/decode_graph.py), made on first use

@@ -248,12 +248,15 @@ class LayerKV:
             packed.append((slot_key.narrow(-2, 0, count), slot_value.narrow(-2, 0, count)))
             order += [torch.arange(begin, begin + key.tokens) for key, _, begin in mine]
         order = torch.cat(order + [torch.arange(start, start + self._key.length)])
-        if not torch.equal(order, torch.arange(order.numel())):  # the records follow the entries
-            ranks = None if self._rank is None else self._stored_ranks()
-            self.index, self.modality = self.index[order], self.modality[order]
-            if ranks is not None:
-                self._rank = ranks[order]
+        if not torch.equal(order, torch.arange(order.numel())):
+            self._reorder(order)
         self.packed, self._packed_owner = packed, owner
+
+    def _reorder(self, order: torch.Tensor) -> None:
+        """The records (and ranks) follow entries that changed places in storage: entry i was at ``order[i]``."""
+        self.index, self.modality = self.index[order], self.modality[order]
+        if self._rank is not None:
+            self._rank = self._stored_ranks()[order]
 
     def written_in_place(self, index: int, modality: int) -> None:
         """The slot's owner wrote one entry, for token ``index`` of ``modality``, after the last one."""
@@ -447,10 +450,7 @@ class LayerKV:
         self._packed_owner = None  # a new segment: the layer no longer fits its slot's packed tensors
         self._set_tail(self.key.index_select(-2, rest), self.value.index_select(-2, rest))
         start = self.packed_entries() - tail_rows.numel()  # where the tail began before packing
-        order = torch.cat([torch.arange(start), start + tail_rows.cpu(), start + rest.cpu()])
-        self.index, self.modality = self.index[order], self.modality[order]
-        if self._rank is not None:
-            self._rank = self._stored_ranks()[order]
+        self._reorder(torch.cat([torch.arange(start), start + tail_rows.cpu(), start + rest.cpu()]))
 
     def nbytes(self) -> int:
         packed = sum(k.nbytes() + v.nbytes() for k, v in self.packed)
