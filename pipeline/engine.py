@@ -261,6 +261,20 @@ class DecodeRows:
                           self.hidden[:, on])
 
 
+def attend_among(rows: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention in which only ``rows`` (sorted positions) attend, and only to each other (ZipVL's important
+    tokens): (1, n, heads, head_dim), zero for the other rows (their FFN still runs; their keys and values are
+    in the cache all the same). ``query`` (1, heads, n, head_dim), ``key``/``value`` (1, kv_heads, n, head_dim)."""
+    # The queries are taken and the output put back token-major ((1, n, heads, head_dim): the projections' layout,
+    # where a row is one contiguous block), not along the strided token axis of their head-major view; the cache's
+    # keys and values are head-major.
+    n = query.shape[2]
+    out = query.new_zeros(1, n, query.shape[1], query.shape[3])
+    query = query.transpose(1, 2).index_select(1, rows).transpose(1, 2)
+    return out.index_copy_(1, rows, kernel(query, key.index_select(2, rows), value.index_select(2, rows), mask))
+
+
 @dataclass
 class PrefillLayer:
     """One prefill layer of one request (a ``pipeline.attention.LayerCall``): the active tokens'
@@ -282,12 +296,7 @@ class PrefillLayer:
         n = query.shape[2]
         if rows is None:  # ``key`` may begin with a reused prefix's entries, which every row sees
             return kernel(query, key, value, engine._causal_mask(n, query.dtype, past=key.shape[2] - n))
-        # Only ``rows`` attend, and only to each other; the other tokens get no attention update
-        # (their FFN still runs). Their keys and values are in the cache all the same.
-        out = query.new_zeros(1, n, query.shape[1], query.shape[3])
-        out[:, rows] = kernel(query[:, :, rows], key[:, :, rows], value[:, :, rows],
-                              engine._causal_mask(rows.shape[0], query.dtype))
-        return out
+        return attend_among(rows, query, key, value, kernel, engine._causal_mask(rows.shape[0], query.dtype))
 
     def attention_output(self, output: torch.Tensor) -> None:
         self.policy.score(self.layer_idx, output, self.ctx)

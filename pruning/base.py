@@ -204,10 +204,13 @@ def probe_attention(queries: torch.Tensor, keys: torch.Tensor, rows: torch.Tenso
     r, n = q.shape[1], k.shape[1]
     # Grouped-query attention: query head h reads kv head h // groups (transformers' repeat_kv).
     q = q.reshape(kv_heads, groups * r, q.shape[-1])
-    scores = (q @ k.transpose(1, 2)).reshape(heads, r, n) * scaling
+    # The causal mask enters as the product's bias and the scaling as its factor: one (heads, r, n) float32 tensor
+    # is written and softmaxed, not three (the product, the scaled one, the masked one). At 16K tokens that tensor
+    # is 238 MB per layer for ZipVL's 128 probes on Qwen2-VL-7B, so each pass counts (docs/pruning.md, ZipVL).
     future = torch.arange(n, device=k.device)[None, :] > rows.to(k.device)[:, None]  # (r, n)
-    scores = scores.masked_fill(future[None], float("-inf"))
-    return scores.softmax(dim=-1)
+    bias = torch.zeros(future.shape, device=k.device).masked_fill_(future, float("-inf"))
+    scores = torch.baddbmm(bias.repeat(groups, 1), q, k.transpose(1, 2), alpha=scaling)  # (kv_heads, groups * r, n)
+    return scores.reshape(heads, r, n).softmax(dim=-1)
 
 
 def last_token_attention(ctx) -> torch.Tensor:

@@ -110,7 +110,7 @@ class ZipVL(Policy):
         visible = (torch.arange(n, device=rows.device)[None, :] <= rows[:, None]).sum(dim=0)  # nnz per column
         importance = probs.sum(dim=0) / visible.clamp(min=1)
         importance[n - 1:].fill_(float("inf"))  # the last prompt token is always important (a scalar fill, no copy)
-        return importance.topk(p).indices.sort().values
+        return importance.topk(p, sorted=False).indices.sort().values  # in position order, so no sorted topk
 
     def decode_step(self, step: int, ctx) -> None:
         if self.important_bits is None:

@@ -108,6 +108,49 @@ def test_zipvl_p_is_the_fewest_tokens_reaching_tau():
     assert important_count(pattern, 0.81) == 3
 
 
+def test_zipvl_important_tokens_are_eq_6_to_8_over_each_layers_full_attention(checkpoints, media):
+    """Each layer's important set, recomputed from that layer's full attention matrix (the first layer's
+    from transformers' own eager forward): the probe rows' mean over heads, p by Eq. 6, importance by Eq. 7
+    (column sum over the probe rows that see the token), the top p by Eq. 8 with the last token always in."""
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu", attn="eager")
+    prompt = engine.prepare(_image_messages(media))
+    T, tau = len(prompt), 0.9
+    policy = ZipVL(tau_image=tau, recent_probes=8, random_probes=8)  # 16 probes of T, random ones among them
+    seen = []
+    choose = policy.attention_rows
+
+    def recorded(layer_idx, ctx):
+        rows = choose(layer_idx, ctx)
+        seen.append((ctx.layer.queries.clone(), ctx.layer.keys.clone(), ctx.layer.scaling, rows))
+        return rows
+
+    policy.attention_rows = recorded
+    with torch.no_grad():
+        engine.prefill(prompt, policy)
+    first_layer = _reference_attention(engine, prompt)[0][0].float()  # (heads, T, T)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    for layer_idx, (queries, keys, scaling, rows) in enumerate(seen):
+        keys = keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
+        full = (queries[0] @ keys[0].transpose(1, 2) * scaling).masked_fill(future, float("-inf")).softmax(dim=-1)
+        if layer_idx == 0:
+            assert torch.allclose(full, first_layer, atol=1e-5)
+        probes = policy.probe_rows(layer_idx, T, "cpu")
+        assert len(probes) == 16 and probes.unique().numel() == 16 and int(probes[-1]) == T - 1
+        mass = full[:, probes].mean(dim=0).sum(dim=0)  # a_j: column sums of A' (they add up to the 16 rows)
+        reached = mass.sort(descending=True).values.cumsum(dim=0) >= tau * 16 - 1e-6
+        p = int(reached.float().argmax()) + 1  # Eq. 6: the fewest tokens whose mass reaches tau * r
+        assert policy.telemetry["important_per_layer"][layer_idx] == p
+        if p == T:
+            assert rows is None
+            continue
+        importance = mass / (probes[:, None] >= torch.arange(T)[None, :]).sum(dim=0).clamp(min=1)  # Eq. 7
+        expected = importance.topk(p).indices  # Eq. 8
+        if T - 1 not in expected:
+            expected[-1] = T - 1
+        assert rows.tolist() == expected.sort().values.tolist()
+    assert any(rows is not None for *_, rows in seen)  # some layer did restrict its attention
+
+
 def test_zipvl_skips_attention_of_unimportant_tokens_while_their_ffn_runs(checkpoints, media):
     engine = load_engine(str(checkpoints["llava_next"]), device="cpu", attn="sdpa")
     prompt = engine.prepare(_image_messages(media))
