@@ -22,8 +22,9 @@ It serves steps in which every running request is a member of the slots and no p
 decode step (``fixed_shape_step``): no unpruned-prompt end to compute, no choice of rows or keys, no scoring
 per layer (``Policy.scores_in_decode``). Work between steps is fine when it keeps the slots: ST3's annealing
 hides evicted entries (``LayerKV.keep_top_visual``), and the step masks them out by their ranks, read from
-one more buffer (the rank from which each layer hides, per slot); ZipVL's packing moves a cache out of its
-slot, so a batch with a ZipVL request decodes eagerly. On CUDA it is captured on the batch's first such step (after two eager
+one more buffer (the rank from which each layer hides, per slot); ZipVL's packed entries are dequantized in
+front of the float slots, and only its steps that fill a window of new tokens (they score and pack it) decode
+eagerly. On CUDA it is captured on the batch's first such step (after two eager
 warm-ups on a side stream, which compute that step) and replayed while the batch keeps its slots; a
 new batch (``BatchKV.form``) captures again. Where capture fails the same function runs eagerly; off the GPU
 it runs only when ``Engine.decode_graphs`` is turned on, which is how the tests check it on a CPU.
