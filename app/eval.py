@@ -44,7 +44,7 @@ from glimpse.bench import FILLER, device_name, synthesize_prompts
 from glimpse.common import UserError
 from glimpse.pipeline.calibrate_slider import normalised
 from glimpse.pipeline.prompt import user_message
-from glimpse import tasks
+from glimpse import tasks, vision
 
 TEXT_QUESTIONS = ["Explain in a few sentences why the sky is blue.",
                   "Write a short story about a lighthouse keeper and a storm."]
@@ -197,45 +197,65 @@ def read_questions(path: str | Path, video: bool = True) -> list[dict]:
     """Cases from a question file of the user's: JSON lines of {"image": PATH} or {"video": PATH}, "question",
     "answer" and optionally "category" (else "all"); a path relative to the file's folder. Right is judged as on
     the generated set (`tasks.is_correct`: the reply's first words are the answer's). Every line and every file it
-    names is checked before a model runs, and an error names the line."""
+    names is checked before a model runs — each image decoded whole, each video's container read — and the error
+    names every line that cannot be asked, so that one fix of the file serves, and no evaluation stops half way
+    on a truncated picture."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
         raise UserError(f"--questions {path}: cannot read it ({error})") from None
-    cases = []
+    cases, problems = [], []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"--questions {path}, line {number}"
         try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"{where}: not JSON ({error.msg})") from None
-        if not isinstance(entry, dict):
-            raise UserError(f"{where}: a line is a JSON object")
-        kinds = [k for k in ("image", "video") if k in entry]
-        texts = {k: entry.get(k) for k in ("question", "answer")}
-        if len(kinds) != 1 or not all(isinstance(v, str) and v.strip() for v in texts.values()):
-            raise UserError(f'{where}: a line has one of "image" or "video" (a path), and "question" and "answer" '
-                            f'(text)')
-        kind = kinds[0]
-        if kind == "video" and not video:
-            raise UserError(f"{where}: this model takes no video")
-        media = entry[kind]
-        if not isinstance(media, str) or not media:
-            raise UserError(f'{where}: "{kind}" is a path')
-        media_path = Path(media) if Path(media).is_absolute() else path.parent / media
-        if not media_path.is_file():
-            raise UserError(f"{where}: {media_path} is not a file")
-        category = entry.get("category", "all")
-        if not isinstance(category, str) or not category:
-            raise UserError(f'{where}: "category" is a name')
-        cases.append({"qa": tasks.QA(category, texts["question"], texts["answer"]),
-                      "messages": user_message(texts["question"], [(kind, str(media_path))]), "video": kind == "video"})
+            cases.append(_question_case(line, path.parent, video))
+        except UserError as error:
+            problems.append(f"line {number}: {error}")
+    if problems:
+        shown = problems[:MAX_PROBLEMS_SHOWN] + ([f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more lines"]
+                                               if len(problems) > MAX_PROBLEMS_SHOWN else [])
+        raise UserError(f"--questions {path}, " + ("\n  ".join(shown) if len(problems) == 1 else
+                                                    f"{len(problems)} lines cannot be asked:\n  " + "\n  ".join(shown)))
     if not cases:
         raise UserError(f"--questions {path}: no questions in it")
     return cases
+
+
+MAX_PROBLEMS_SHOWN = 10  # of a question file's bad lines, in its error
+
+
+def _question_case(line: str, folder: Path, video: bool) -> dict:
+    """One line of a question file as a case; a `UserError` saying what is wrong with it."""
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise UserError(f"not JSON ({error.msg})") from None
+    if not isinstance(entry, dict):
+        raise UserError("a line is a JSON object")
+    kinds = [k for k in ("image", "video") if k in entry]
+    texts = {k: entry.get(k) for k in ("question", "answer")}
+    if len(kinds) != 1 or not all(isinstance(v, str) and v.strip() for v in texts.values()):
+        raise UserError('a line has one of "image" or "video" (a path), and "question" and "answer" (text)')
+    kind = kinds[0]
+    if kind == "video" and not video:
+        raise UserError("this model takes no video")
+    media = entry[kind]
+    if not isinstance(media, str) or not media:
+        raise UserError(f'"{kind}" is a path')
+    category = entry.get("category", "all")
+    if not isinstance(category, str) or not category:
+        raise UserError('"category" is a name')
+    media_path = Path(media) if Path(media).is_absolute() else folder / media
+    if not media_path.is_file():
+        raise UserError(f"{media_path} is not a file")
+    if kind == "image":
+        vision.load_image(media_path)  # decoded whole: a truncated picture is refused here, not mid-evaluation
+    else:
+        vision.check_media(media_path, kind)  # its container and stream; frames are read when it is asked
+    return {"qa": tasks.QA(category, texts["question"], texts["answer"]),
+            "messages": user_message(texts["question"], [(kind, str(media_path))]), "video": kind == "video"}
 
 
 def run_visual(engine, samples: int, policies: list[str], speeds: list[float], seed: int = tasks.HELDOUT_SEED,

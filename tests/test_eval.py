@@ -181,8 +181,8 @@ def test_visual_task_param_configures_the_pruned_policies_not_the_reference(chec
     assert "nope" in capsys.readouterr().err
 
 
-def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_before_loading(checkpoints, tmp_path,
-                                                                                            capsys):
+def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_before_loading(checkpoints, media,
+                                                                                            tmp_path, capsys):
     """`--questions FILE.jsonl` asks the user's own questions about their own pictures (paths relative to the file),
     judged as the generated set is; `--styled` draws the generated scenes with other looks, asking the same
     questions. A bad line is refused before the model loads, naming the line."""
@@ -214,7 +214,7 @@ def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_bef
     table = capsys.readouterr().out
     assert "| all | mine |" in table.splitlines()[0] and "| auto (" in table
     absent = str(tmp_path / "no-model")  # never loaded: every refusal comes first
-    video_line = {"video": "pics/0.png", "question": "Which way?", "answer": "Left."}
+    video_line = {"video": str(media["video"]), "question": "Which way?", "answer": "Left."}
     for content, said in (('{"image": "pics/9.png", "question": "Q?", "answer": "A."}', "line 1: "),
                           ('{"image": "pics/0.png", "question": "Q?", "answer": "A."}\nnot json', "line 2: not JSON"),
                           ('{"image": "pics/0.png", "question": "", "answer": "A."}', '"question" and "answer"'),
@@ -225,6 +225,18 @@ def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_bef
         assert main(["eval", "visual", "--model", absent, "--questions", str(questions)]) == 1
         err = capsys.readouterr().err
         assert said in err and "loading" not in err, (content, err)
+    # A truncated or empty picture is refused before the model loads too (not an evaluation stopped half way), and
+    # every line that cannot be asked is named at once.
+    (tmp_path / "pics" / "cut.png").write_bytes((tmp_path / "pics" / "1.png").read_bytes()[:200])
+    (tmp_path / "pics" / "empty.png").write_bytes(b"")
+    good = json.dumps(lines[0])
+    questions.write_text("\n".join([good, good.replace("0.png", "cut.png"), good, good.replace("0.png", "empty.png"),
+                                    good.replace('"image"', '"video"')]))
+    assert main(["eval", "visual", "--model", absent, "--questions", str(questions)]) == 1
+    err = capsys.readouterr().err
+    assert "3 lines cannot be asked" in err and "loading" not in err, err
+    assert "line 2: cut.png: the image is corrupt or truncated" in err and "line 4: empty.png" in err, err
+    assert "line 5: 0.png: this is an image, not a video" in err and "line 1:" not in err and "line 3:" not in err
     questions.write_text(json.dumps(video_line))
     assert main(base + ["--questions", str(questions)]) == 1  # the tiny LLaVA takes no video
     assert "line 1: this model takes no video" in capsys.readouterr().err
