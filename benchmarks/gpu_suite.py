@@ -10,7 +10,9 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
 1. exactness: the test suite's tiny model of every supported architecture, engine (policy none) against
    transformers' ``generate`` and forward, in float32 and bfloat16, sdpa and (when importable, on CUDA)
    flash-attention 2: greedy tokens identical in float32, first-step logits within bfloat16 tolerance; and
-   the engine's decode steps captured as a CUDA graph (``Engine.decode_graphs``) against ``generate`` too.
+   the engine's decode steps captured as a CUDA graph (``Engine.decode_graphs``) against ``generate`` too; and
+   ZipVL's packed KV decoded with the packed-attention kernel (pipeline/packed_attention.py, Triton, since
+   2026-12-02) against the packed slots dequantized first: the same tokens, eagerly and as the CUDA graph.
 2. overhead: random weights of Qwen2-VL-7B's shapes (28 decoder layers, the real 32-block vision tower),
    an 8K- and a 16K-token video prompt: the engine's prefill against transformers' own forward, alternating,
    the forward given its inputs on the device and from the host's tensors (the engine's starting point: the
@@ -31,7 +33,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    and auto at speed 1 — uncalibrated, LazyLLM pruning in prefill only, which decodes plainly and so in the CUDA
    graph — as the engine runs them by default: ST3 and ZipVL in the CUDA graph too since 2026-12-02, ST3's
    annealing hiding evicted entries in the slots instead of removing them at every step, ZipVL's packed KV in
-   packed slots) against
+   packed slots, attended by the packed-attention kernel where Triton is, and beside it dequantized first, as
+   before 2026-12-02) against
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
    (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured
@@ -78,12 +81,12 @@ from tiny_models import BUILDERS, reference_inputs  # noqa: E402
 
 from glimpse.assets import ASSETS  # noqa: E402
 from glimpse.bench import video_plan, generate_decode_rate, run_bench, synthesize_prompts, write_still_scene  # noqa: E402
-from glimpse.pipeline import load_engine  # noqa: E402
+from glimpse.pipeline import load_engine, packed_attention  # noqa: E402
 from glimpse.pipeline.engine import Sampling  # noqa: E402
 from glimpse.pipeline.metrics import synchronize  # noqa: E402
 from glimpse.pipeline.prompt import user_message  # noqa: E402
 from glimpse.pipeline.random_checkpoint import build_random, random_image  # noqa: E402
-from glimpse.pruning import RLT, HiDivDrop, LazyLLM, NoPruning, Pipeline  # noqa: E402
+from glimpse.pruning import RLT, HiDivDrop, LazyLLM, NoPruning, Pipeline, ZipVL  # noqa: E402
 
 TINY_ARCHS = BUILDERS  # every supported architecture, as the test suite builds it
 
@@ -294,6 +297,7 @@ def _exact_row(suite, arch, folder, dtype, attn, messages) -> dict:
         got = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
     with _decoding(engine, graphs=True):  # the decode steps captured as a CUDA graph (pipeline/decode_graph.py)
         graphed = engine.generate(messages, policy="none", max_new_tokens=n).token_ids
+    packed = _packed_kernel_check(engine, messages, n) if attn == "sdpa" else None
     same = sum(1 for _ in zip(got, expected))
     agree = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), same)
     diff = float((logits.float() - reference).abs().max())
@@ -305,7 +309,30 @@ def _exact_row(suite, arch, folder, dtype, attn, messages) -> dict:
             "tokens_identical": got == expected, "graph_tokens_identical": graphed == expected,
             "graph_error": engine.decode_graph_error, "agreeing_prefix": agree, "logits_max_abs_diff": diff,
             "logits_scale": scale, "tolerance": tolerance, "logits_close": diff <= tolerance,
-            "first_token_same": bool(logits.argmax() == reference.argmax())}
+            "first_token_same": bool(logits.argmax() == reference.argmax()), "packed_kv_kernel": packed}
+
+
+def _packed_kernel_check(engine, messages, n) -> dict | None:
+    """ZipVL's packed KV decoded in KV slots with the packed-attention kernel (pipeline/packed_attention.py) and
+    with the packed slots dequantized first, windows packed every 3 tokens, eagerly and as the CUDA graph: the same
+    tokens? None where the kernel does not run (no CUDA, or no Triton)."""
+    if not packed_attention.available(engine.device):
+        return None
+    conversations = [messages, user_message("Write one line about the sea.")]
+    policy = lambda: replace(ZipVL.from_speed(0.5), requantize_every=3)  # noqa: E731
+    answers = {}
+    for kernel in (True, False):
+        packed_attention.enabled = kernel
+        try:
+            for graphs in (False, True):
+                with _decoding(engine, graphs=graphs), torch.inference_mode():
+                    answers[kernel, graphs] = [r.token_ids for r in engine.generate_batch(
+                        conversations, policy=policy(), max_new_tokens=n, ignore_eos=True)]
+        finally:
+            packed_attention.enabled = packed_attention.failure is None
+    return {"tokens_identical": answers[True, False] == answers[False, False],
+            "graph_tokens_identical": answers[True, True] == answers[False, True],
+            "kernel_failure": packed_attention.failure}
 
 
 def overhead(suite: Suite) -> dict:
@@ -391,6 +418,8 @@ def decode(suite: Suite) -> dict:
         sides["none"] = lambda: ours("none", 0.0, graphs=False)  # the eager slot step; the graph is its own row
         sides["none, per request"] = lambda: ours("none", 0.0, slots=False)
         sides["none, CUDA graph"] = lambda: ours("none", 0.0, graphs=True)
+        if packed_attention.available(engine.device):  # ZipVL's packed slots dequantized first, not the kernel's
+            sides["zipvl, dequantized first"] = lambda: _without_packed_kernel(lambda: ours("zipvl", 0.5))
         # (Until 2026-11-27 the eager steps of none and ST3 also ran with SDPA's cuDNN backend left out: on an
         # H200 that was 1.49x faster for none at batch 16 and slower for ST3, docs/benchmarks.md, fourth run.)
         measured = {name: [] for name in sides}
@@ -478,6 +507,15 @@ def _vision_first(engine, prompt, policy=None):
         return engine.prefill(prompt, engine.make_policy(name, float(speed)))
     finally:
         engine.parallel_vision = True
+
+
+def _without_packed_kernel(run):
+    """``run()`` with ZipVL's packed slots dequantized before attention, as a CPU does (pipeline/batch_kv.py)."""
+    packed_attention.enabled = False
+    try:
+        return run()
+    finally:
+        packed_attention.enabled = packed_attention.failure is None
 
 
 @contextmanager
@@ -739,6 +777,14 @@ def goals(report: dict) -> list[str]:
     return lines or ["- nothing measured"]
 
 
+def _packed_cell(check: dict | None) -> str:
+    if check is None:
+        return "not run (no CUDA or no Triton)"
+    if check["kernel_failure"]:
+        return f"kernel failed: {check['kernel_failure']}"
+    return f"{check['tokens_identical']} (graph: {check['graph_tokens_identical']})"
+
+
 def markdown(report: dict) -> str:
     lines = [f"Device: {report['device']}; torch {report['torch']}, transformers {report['transformers']}; "
              f"{report['dtype']}; flash-attn {report['flash_attn'] or 'not installed'}"
@@ -755,12 +801,13 @@ def markdown(report: dict) -> str:
             # Without CUDA there is no graph: the column is the fixed-shape step the graph would capture, run eagerly.
             graph = "with the CUDA graph" if not report["device"].startswith("CPU") else "fixed-shape step (no CUDA)"
             lines += _table(["arch", "dtype", "attention", "tokens identical", graph,
-                             "agreeing prefix", "logits max diff", "tolerance"],
+                             "agreeing prefix", "logits max diff", "tolerance", "ZipVL: kernel = dequantized first"],
                             [[r["arch"], r["dtype"], r["attn"], r["tokens_identical"],
                               f"capture failed: {r['graph_error']}" if r.get("graph_error")
                               else r.get("graph_tokens_identical"),
                               f"{r['agreeing_prefix']}/{r['new_tokens']}", f"{r['logits_max_abs_diff']:.2e}",
-                              f"{r['tolerance']:.1e}"] for r in section["rows"]])
+                              f"{r['tolerance']:.1e}", _packed_cell(r.get("packed_kv_kernel"))]
+                             for r in section["rows"]])
         elif name == "overhead":
             lines += [f"{section['model']}, {section['attn']}, {section['dtype']} (vision encoder: "
                       f"{section.get('vision_dtype')}, {section.get('vision_attn')}), median of {section['runs']}", ""]

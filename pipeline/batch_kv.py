@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from glimpse.common import Modality
+from glimpse.pipeline import packed_attention
 from glimpse.pipeline.cache import NO_LIMIT, UNRANKED
 from glimpse.pipeline.quant import dequantize
 
@@ -156,6 +157,25 @@ class BatchKV:
         all_values.narrow(2, start, keys.shape[2]).copy_(values)
         return all_keys, all_values
 
+    def attend_with_packed(self, layer_idx: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           at: torch.Tensor, kernel, scaling: float, ranks: torch.Tensor | None = None,
+                           limit: torch.Tensor | None = None) -> torch.Tensor:
+        """Each slot's attention (``query``: (slots, heads, 1, head_dim)) over its packed entries and its float ones
+        (``keys``/``values``: the float slots, slot i seeing those up to ``at[i]``, none ranked ``limit[i]`` or
+        more): (slots, 1, heads, head_dim). On CUDA with Triton one kernel reads the packed bytes where they are
+        (pipeline/packed_attention.py); otherwise the packed slots are dequantized in front of a copy of the float
+        ones and ``kernel`` attends over the whole, masked."""
+        if packed_attention.available(keys.device):
+            try:
+                return packed_attention.attend(query, list(self.parts[layer_idx].values()),
+                                               self.part_lengths[layer_idx], keys, values, at + 1, scaling, ranks,
+                                               limit)
+            except Exception as error:  # noqa: BLE001 — a GPU or a Triton on which the kernel does not build
+                packed_attention.disable(error)
+        mask = slot_mask(at, keys.shape[2], query.dtype, ranks, limit, self.packed_layout(layer_idx))
+        keys, values = self.with_packed(layer_idx, keys, values)
+        return kernel(query, keys, values, mask)
+
     def _room(self) -> int:
         return sum(keys.shape[0] * keys.shape[2] for keys in self.keys)
 
@@ -244,7 +264,7 @@ class BatchKV:
         return True
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               kernel) -> torch.Tensor:
+               kernel, scaling: float) -> torch.Tensor:
         """The members' new tokens (``query``/``key``/``value``: (1, heads, members, head_dim), slot order)
         write their entries into their slots and attend to all their entries: (1, members, heads, head_dim)."""
         members, keys, values = self.layers[layer_idx], self.keys[layer_idx], self.values[layer_idx]
@@ -263,22 +283,21 @@ class BatchKV:
             where, at = self._where(lengths)
             keys[self.slots, :, where] = new_keys
             values[self.slots, :, where] = new_values
-            if hiding or packed is not None:  # ST3's evicted entries, still stored; ZipVL's packed slots in front
-                ranks, limit = None, None
-                if hiding:
-                    ranks = self.ranks[layer_idx]
-                    limit = torch.tensor(limits, dtype=torch.int32).to(at.device, non_blocking=True)
-                mask = slot_mask(at, n, query.dtype, ranks, limit, packed)
-            else:
-                mask = self._mask(lengths, at, n, query.dtype)
+            ranks, limit = None, None
+            if hiding:  # ST3's evicted entries, still stored
+                ranks = self.ranks[layer_idx]
+                limit = torch.tensor(limits, dtype=torch.int32).to(at.device, non_blocking=True)
+            if packed is None:
+                mask = slot_mask(at, n, query.dtype, ranks, limit) if hiding else self._mask(lengths, at, n, query.dtype)
             if not self.all_slots:  # free slots take part with a zero query; their rows are dropped after
                 full = query.new_zeros(keys.shape[0], *query.shape[1:])
                 query = full.index_copy(0, self.slots, query)
         self.record_written(layer_idx)
         keys, values = keys[:, :, :n], values[:, :, :n]
-        if packed is not None:
-            keys, values = self.with_packed(layer_idx, keys, values)
-        out = kernel(query, keys, values, mask)  # (slots, 1, heads, head_dim)
+        if packed is not None:  # ZipVL's packed slots, with the float ones
+            out = self.attend_with_packed(layer_idx, query, keys, values, at, kernel, scaling, ranks, limit)
+        else:
+            out = kernel(query, keys, values, mask)  # (slots, 1, heads, head_dim)
         if not self.all_slots:
             out = out.index_select(0, self.slots)
         return out.transpose(0, 1)

@@ -153,11 +153,13 @@ class FixedSlotsLayer:
         query = query.transpose(0, 2)  # (slots, heads, 1, head_dim)
         ranks = None if self.step.limits is None else self.slots.ranks[self.layer_idx]
         limit = None if ranks is None else self.step.limits[self.layer_idx]
-        packed = self.slots.packed_layout(self.layer_idx)
-        mask = slot_mask(at, keys.shape[2], query.dtype, ranks, limit, packed)  # the whole room, each slot's own
-        if packed is not None:  # ZipVL's packed slots, dequantized in front
-            keys, values = self.slots.with_packed(self.layer_idx, keys, values)
-        return kernel(query, keys, values, mask).transpose(0, 1)  # (1, slots, heads, head_dim)
+        if self.slots.packed_layout(self.layer_idx) is not None:  # ZipVL's packed slots, with the float ones
+            out = self.slots.attend_with_packed(self.layer_idx, query, keys, values, at, kernel, module.scaling,
+                                                ranks, limit)
+        else:
+            mask = slot_mask(at, keys.shape[2], query.dtype, ranks, limit)  # the whole room, each slot's own
+            out = kernel(query, keys, values, mask)
+        return out.transpose(0, 1)  # (1, slots, heads, head_dim)
 
     def attention_output(self, output: torch.Tensor) -> None:
         pass

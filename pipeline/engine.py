@@ -319,7 +319,7 @@ class DecodeLayer:
         if self.slots is not None:  # one call for all of them
             start = len(self.slots.members)
             outputs.append(self.slots.attend(self.layer_idx, query[:, :, :start], key[:, :, :start],
-                                             value[:, :, :start], kernel))
+                                             value[:, :, :start], kernel, module.scaling))
             for i, (request, rows) in enumerate(zip(self.requests[:start], self.batch)):
                 if request.policy.scores_in_decode():  # it attended to every entry its layer holds
                     layer_kv = request.ctx.cache.layers[self.layer_idx]
