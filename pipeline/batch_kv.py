@@ -165,7 +165,7 @@ class BatchKV:
         more): (slots, 1, heads, head_dim). On CUDA with Triton one kernel reads the packed bytes where they are
         (pipeline/packed_attention.py); otherwise the packed slots are dequantized in front of a copy of the float
         ones and ``kernel`` attends over the whole, masked."""
-        if packed_attention.available(keys.device):
+        if packed_attention.available(keys.device, keys.shape[-1]):
             try:
                 return packed_attention.attend(query, list(self.parts[layer_idx].values()),
                                                self.part_lengths[layer_idx], keys, values, at + 1, scaling, ranks,

@@ -45,9 +45,10 @@ enabled = True
 failure: str | None = None
 
 
-def available(device: torch.device) -> bool:
-    """Whether a step on ``device`` can attend with the kernel: CUDA and Triton (or Triton's interpreter)."""
-    if triton is None or not enabled:
+def available(device: torch.device, head_dim: int = 128) -> bool:
+    """Whether a step on ``device`` can attend with the kernel: CUDA and Triton (or Triton's interpreter), and a head
+    size it tiles (a power of two from 16 on: every supported architecture's)."""
+    if triton is None or not enabled or head_dim < 16 or head_dim & (head_dim - 1):
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
