@@ -8,7 +8,7 @@ on LLaVA-1.5-7B that is more memory traffic than the unpruned step's whole KV re
 memory costs decode time. Here the step reads the packed bytes once.
 
 How: flash-decoding. Every (slot, key/value head, split of the tokens) is one program; it unpacks a block of
-tokens' codes with their group's scale and minimum (rounded to the model's dtype, as the buffer held them), scores
+tokens' codes with their group's scale and minimum (in float32, as ``quant.dequantize`` computes them), scores
 the block against the query heads that read that key/value head, and keeps a running maximum, sum and weighted
 value sum (an online softmax). Each segment — one per packed bit width, then the float slots — gives those
 partial results, and ``merge`` combines them into the softmax over all of them, exactly as one softmax over the
@@ -97,6 +97,7 @@ def _segment(query, key, value, length, scaling, ranks=None, limit=None):
     packed = not isinstance(key, torch.Tensor)
     data_k, data_v = (key.packed, value.packed) if packed else (key, value)
     slots, kv_heads, room = data_k.shape[:3]
+    assert data_v.stride() == data_k.stride(), "keys and values are read with the same strides"
     heads, head_dim = query.shape[1], query.shape[3]
     groups = heads // kv_heads
     if query.stride(-1) != 1:
@@ -132,7 +133,8 @@ if triton is not None:
                         stride_scale_slot, stride_scale_head, stride_scale_token, stride_rank_slot,
                         GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
                         GROUP: tl.constexpr, RANKED: tl.constexpr, BLOCK: tl.constexpr):
-        slot, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        slot = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch's float slots may pass 2**31 values
+        kv_head, split = tl.program_id(1), tl.program_id(2)
         splits = tl.num_programs(2)
         group = tl.arange(0, GROUPS_PAD)
         channel = tl.arange(0, HEAD_DIM)
@@ -140,7 +142,7 @@ if triton is not None:
         heads = kv_head * GROUPS + group
         query = tl.load(q_ptr + slot * stride_q_slot + heads[:, None] * stride_q_head + channel[None, :],
                         mask=reads[:, None], other=0.0).to(tl.float32)
-        length = tl.load(length_ptr + slot)
+        length = tl.load(length_ptr + slot).to(tl.int32)  # the loop's bounds in one integer type
         start = split * chunk
         end = tl.minimum(start + chunk, length)
         if RANKED:
@@ -180,14 +182,14 @@ if triton is not None:
         """(BLOCK, HEAD_DIM) float32 keys or values of ``token``: loaded, or unpacked as ``quant.dequantize``
         computes them (code * scale + min, in float32, not rounded to the model's dtype as its buffer holds them);
         0 where not ``valid``."""
+        row = data_ptr + base + token[:, None] * stride_token
         if BITS == 16:  # FLOAT
-            return tl.load(data_ptr + base + token[:, None] * stride_token + channel[None, :], mask=valid[:, None],
-                           other=0.0).to(tl.float32)
-        per_byte: tl.constexpr = 8 // BITS
-        byte = tl.load(data_ptr + base + token[:, None] * stride_token + (channel // per_byte)[None, :],
-                       mask=valid[:, None], other=0).to(tl.int32)
-        code = (byte >> ((channel % per_byte) * BITS)[None, :]) & ((1 << BITS) - 1)
-        where = scale_base + token[:, None] * stride_scale_token + (channel // GROUP)[None, :]
-        scale = tl.load(scale_ptr + where, mask=valid[:, None], other=0.0).to(tl.float32)
-        minimum = tl.load(min_ptr + where, mask=valid[:, None], other=0.0).to(tl.float32)
-        return code.to(tl.float32) * scale + minimum
+            tokens = tl.load(row + channel[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        else:  # channel c: BITS bits from bit (c % per byte) * BITS of byte c // per byte (quant.py packs so)
+            byte = tl.load(row + (channel // (8 // BITS))[None, :], mask=valid[:, None], other=0).to(tl.int32)
+            code = (byte >> ((channel % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)
+            where = scale_base + token[:, None] * stride_scale_token + (channel // GROUP)[None, :]
+            scale = tl.load(scale_ptr + where, mask=valid[:, None], other=0.0).to(tl.float32)
+            minimum = tl.load(min_ptr + where, mask=valid[:, None], other=0.0).to(tl.float32)
+            tokens = code.to(tl.float32) * scale + minimum
+        return tokens
