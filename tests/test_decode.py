@@ -561,6 +561,32 @@ def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_c
         assert not sliders_lazy.policy.scores_in_decode() and papers_lazy.policy.scores_in_decode()
 
 
+def test_kv_slots_take_the_most_requests_that_fit_together(deep_checkpoints):
+    """Of requests of mixed sizes, the slots take the most that fit together (the largest need at most ``WASTE``
+    times the mean), and of those the most entries: every subset checked. Two short questions beside six longer
+    prompts: all eight share the slots (taking the smallest first and stopping at the first that did not fit kept
+    the two short ones and left the six to decode one by one)."""
+    import itertools
+
+    from glimpse.pipeline.batch_kv import WASTE, _need
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    text = lambda repeats: [{"role": "user", "content": "Read. " + "The sea is calm. " * repeats}]  # noqa: E731
+    with torch.inference_mode():
+        for mix in ((0, 0, 6, 6, 6, 6, 6, 6), (0, 0, 0, 0, 0, 0, 30, 30), (1, 3, 6, 12, 30), (0, 12, 12, 30, 30)):
+            requests = [engine.start(text(k), "none", 0.0, 8, Sampling()) for k in mix]
+            needs = [_need(r) for r in requests]
+            best = max((len(subset), sum(needs[i] for i in subset))
+                       for count in range(1, len(mix) + 1) for subset in itertools.combinations(range(len(mix)), count)
+                       if count * max(needs[i] for i in subset) <= WASTE * sum(needs[i] for i in subset))
+            batch = BatchKV.form(requests)
+            taken = [next(i for i, r in enumerate(requests) if r is member) for member in batch.requests]
+            assert (len(taken), sum(needs[i] for i in taken)) == best, (mix, needs, taken)
+            if mix[:2] == (0, 0) and mix[2] == 6:
+                assert len(taken) == 8
+            batch.take_step([])  # the slots go: the next mix forms its own
+
+
 @pytest.mark.parametrize("reader", [False, True])
 def test_st3_evicting_from_kv_slots_gives_the_memory_back(deep_checkpoints, media, monkeypatch, reader):
     """ST3 anneals the visual KV away during the answer: in slots its evictions are hidden (masked by rank), and
