@@ -70,7 +70,7 @@ def attend(query: torch.Tensor, parts: list, held: torch.Tensor, keys: torch.Ten
     ``keys``/``values`` the float slots (slots, kv_heads, room, head_dim), of which slot i sees the first
     ``length[i]``, except those whose ``ranks`` are ``limit[i]`` or more. Returns (slots, 1, heads, head_dim) in
     the query's dtype, as the attention kernels do."""
-    partials = [_segment(query, key, value, held[:, i].contiguous(), scaling) for i, (key, value) in enumerate(parts)]
+    partials = [_segment(query, key, value, held[:, i], scaling) for i, (key, value) in enumerate(parts)]
     partials.append(_segment(query, keys, values, length, scaling, ranks, limit))
     return merge(partials).to(query.dtype)
 
@@ -118,7 +118,7 @@ def _segment(query, key, value, length, scaling, ranks=None, limit=None):
         query.stride(0), query.stride(1),
         data_k.stride(0), data_k.stride(1), data_k.stride(2),
         scale_k.stride(0), scale_k.stride(1), scale_k.stride(2),
-        ranks.stride(0) if ranked else 0,
+        length.stride(0), ranks.stride(0) if ranked else 0,
         GROUPS=groups, GROUPS_PAD=max(16, triton.next_power_of_2(groups)), HEAD_DIM=head_dim,
         BITS=key.bits if packed else FLOAT, GROUP=key.group if packed else head_dim, RANKED=ranked,
         BLOCK=BLOCK_TOKENS)
@@ -130,7 +130,7 @@ if triton is not None:
     def _decode_segment(q_ptr, k_ptr, k_scale_ptr, k_min_ptr, v_ptr, v_scale_ptr, v_min_ptr, length_ptr,
                         rank_ptr, limit_ptr, max_ptr, total_ptr, weighted_ptr, scaling, chunk,
                         stride_q_slot, stride_q_head, stride_slot, stride_head, stride_token,
-                        stride_scale_slot, stride_scale_head, stride_scale_token, stride_rank_slot,
+                        stride_scale_slot, stride_scale_head, stride_scale_token, stride_length, stride_rank_slot,
                         GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
                         GROUP: tl.constexpr, RANKED: tl.constexpr, BLOCK: tl.constexpr):
         slot = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: a batch's float slots may pass 2**31 values
@@ -142,7 +142,7 @@ if triton is not None:
         heads = kv_head * GROUPS + group
         query = tl.load(q_ptr + slot * stride_q_slot + heads[:, None] * stride_q_head + channel[None, :],
                         mask=reads[:, None], other=0.0).to(tl.float32)
-        length = tl.load(length_ptr + slot).to(tl.int32)  # the loop's bounds in one integer type
+        length = tl.load(length_ptr + slot * stride_length).to(tl.int32)  # the loop's bounds in one integer type
         start = split * chunk
         end = tl.minimum(start + chunk, length)
         if RANKED:
