@@ -320,16 +320,14 @@ def _packed_kernel_check(engine, messages, n) -> dict | None:
         return None
     conversations = [messages, user_message("Write one line about the sea.")]
     policy = lambda: replace(ZipVL.from_speed(0.5), requantize_every=3)  # noqa: E731
-    answers = {}
-    for kernel in (True, False):
-        packed_attention.enabled = kernel
-        try:
-            for graphs in (False, True):
-                with _decoding(engine, graphs=graphs), torch.inference_mode():
-                    answers[kernel, graphs] = [r.token_ids for r in engine.generate_batch(
-                        conversations, policy=policy(), max_new_tokens=n, ignore_eos=True)]
-        finally:
-            packed_attention.enabled = packed_attention.failure is None
+
+    def answered(graphs):
+        with _decoding(engine, graphs=graphs), torch.inference_mode():
+            return [r.token_ids for r in engine.generate_batch(conversations, policy=policy(), max_new_tokens=n,
+                                                               ignore_eos=True)]
+
+    answers = {(True, graphs): answered(graphs) for graphs in (False, True)}
+    answers.update({(False, graphs): _without_packed_kernel(lambda g=graphs: answered(g)) for graphs in (False, True)})
     return {"tokens_identical": answers[True, False] == answers[False, False],
             "graph_tokens_identical": answers[True, True] == answers[False, True],
             "kernel_failure": packed_attention.failure}
