@@ -526,7 +526,7 @@ def _decoding(engine, *, slots: bool = True, graphs: bool | None = None):
     try:
         yield
     finally:
-        engine.decode_slots, engine.batch_kv = True, None
+        engine.decode_slots, engine.slot_groups = True, []
         engine.decode_graphs = default and engine.decode_graph_error is None
 
 

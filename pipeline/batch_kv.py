@@ -219,33 +219,37 @@ class BatchKV:
         chosen = sorted(i for _, i in needs[best[1]:best[2] + 1])
         return cls([candidates[i] for i in chosen])  # slots in the order the requests came: the step's rows too
 
-    def take_step(self, candidates: list) -> bool:
-        """Make this batch the slots of ``candidates``' next step: free the slots of requests no longer among
-        them, give free slots to new ones that fit; False if it cannot serve them (form a new batch)."""
+    def release(self, candidates: list) -> None:
+        """Free the slots of members no longer among ``candidates`` or no longer in their slot."""
         wanted = {id(r) for r in candidates}
         changed = False
         for slot, request in enumerate(self.requests):
             if request is not None and (id(request) not in wanted or not all(
                     self.holds(layer) for layer in request.ctx.cache.layers)):
                 self.requests[slot], changed = None, True
-        held = {id(r) for r in self.requests if r is not None}
-        for request in candidates:
-            if id(request) in held:
-                continue
-            slot = next((i for i, r in enumerate(self.requests) if r is None and self._fits(request)), None)
-            if slot is None:
-                return False
-            if self.ranks is None and any(layer.ranked() for layer in request.ctx.cache.layers):
-                return False  # its step needs the ranks' mask, which this batch's step does not have
-            for layer_idx, (layer, keys, values) in enumerate(zip(request.ctx.cache.layers, self.keys, self.values)):
-                layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self.token)
-                if self.ranks is not None:
-                    layer.show_ranks(self.ranks[layer_idx][slot])
-                if self.parts[layer_idx]:
-                    layer.adopt_packed(self._slot_parts(layer_idx, slot), owner=self.token)
-            self.requests[slot], changed = request, True
         if changed:
             self._members_changed()
+
+    def admit(self, request) -> bool:
+        """Give ``request`` a free slot its entries fit in (a copy of its own entries); False if there is none."""
+        slot = next((i for i, r in enumerate(self.requests) if r is None and self._fits(request)), None)
+        if slot is None:
+            return False
+        if self.ranks is None and any(layer.ranked() for layer in request.ctx.cache.layers):
+            return False  # its step needs the ranks' mask, which this batch's step does not have
+        for layer_idx, (layer, keys, values) in enumerate(zip(request.ctx.cache.layers, self.keys, self.values)):
+            layer.adopt(keys[slot:slot + 1], values[slot:slot + 1], owner=self.token)
+            if self.ranks is not None:
+                layer.show_ranks(self.ranks[layer_idx][slot])
+            if self.parts[layer_idx]:
+                layer.adopt_packed(self._slot_parts(layer_idx, slot), owner=self.token)
+        self.requests[slot] = request
+        self._members_changed()
+        return True
+
+    def keeps(self) -> bool:
+        """Called once per step, after ``release`` and ``admit``: whether these slots are still worth their memory
+        (members in them, no slot free for long, the members' slots at most ``limit`` times what they need)."""
         if not self.members:
             return False
         self.free_steps = [0 if r is not None else steps + 1 for r, steps in zip(self.requests, self.free_steps)]
@@ -336,6 +340,34 @@ class BatchKV:
         """Each member wrote its new token's entry after its last one in layer ``layer_idx``."""
         for request, layer in zip(self.members, self.layers[layer_idx]):
             layer.written_in_place(len(request.ctx.prompt) + request.ctx.generated, Modality.TEXT)
+
+
+def form_groups(candidates: list) -> list[BatchKV]:
+    """Slot groups for every candidate: the batch of the most that fit together (``BatchKV.form``), then of the
+    rest the same, until none is left. Each group is one attention call per layer: requests too different in size
+    for one batch (a text question beside long video prompts) decode in two or three calls, not one per request."""
+    groups, rest = [], list(candidates)
+    while rest:
+        groups.append(BatchKV.form(rest))
+        taken = {id(r) for r in groups[-1].requests}
+        rest = [r for r in rest if id(r) not in taken]
+    return groups
+
+
+def serve_step(groups: list[BatchKV], candidates: list) -> list[BatchKV] | None:
+    """The last step's slot groups, made the slots of ``candidates``' next step: members that stayed keep their
+    slots, newcomers take free slots they fit in, and a group none of whose members is left goes. None if they
+    cannot serve the step (a newcomer fits no free slot, or a group is past what ``BatchKV.keeps`` allows): then
+    every group forms again, together (forming only the newcomers' would leave a server whose clients come and
+    go with a group per newcomer, each its own attention call)."""
+    for group in groups:
+        group.release(candidates)
+    held = {id(r) for group in groups for r in group.members}
+    for request in candidates:
+        if id(request) not in held and not any(group.admit(request) for group in groups):
+            return None
+    groups = [group for group in groups if group.members]
+    return groups if all(group.keeps() for group in groups) else None
 
 
 def slot_mask(at: torch.Tensor, length: int, dtype: torch.dtype, ranks: torch.Tensor | None = None,

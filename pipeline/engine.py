@@ -27,7 +27,7 @@ import torch
 from glimpse.common import UserError
 from glimpse.pipeline import attention
 from glimpse.pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
-from glimpse.pipeline.batch_kv import BatchKV, decodes_plainly
+from glimpse.pipeline.batch_kv import BatchKV, decodes_plainly, form_groups, serve_step
 from glimpse.pipeline.cache import AuxCache, KVCache
 from glimpse.pipeline.decode_graph import SlotStep, fixed_shape_step
 from glimpse.pipeline.encoder_cache import EncoderCache, media_key
@@ -312,19 +312,21 @@ class DecodeLayer:
     requests: list["Request"]
     batch: list[DecodeRows]
     layer_idx: int
-    slots: BatchKV | None  # the KV slots of the first requests (``slots.members``, one row each), if any
+    # The KV slot groups of the first requests (each group's members in turn, one row each), if any.
+    groups: list[BatchKV]
 
     def attend(self, module, query, key, value, kernel) -> torch.Tensor:
         outputs, start = [], 0
-        if self.slots is not None:  # one call for all of them
-            start = len(self.slots.members)
-            outputs.append(self.slots.attend(self.layer_idx, query[:, :, :start], key[:, :, :start],
-                                             value[:, :, :start], kernel, module.scaling))
-            for i, (request, rows) in enumerate(zip(self.requests[:start], self.batch)):
+        for group in self.groups:  # one call for each group's members
+            part = slice(start, start + len(group.members))
+            outputs.append(group.attend(self.layer_idx, query[:, :, part], key[:, :, part], value[:, :, part],
+                                        kernel, module.scaling))
+            for i, request in enumerate(group.members, start=start):
                 if request.policy.scores_in_decode():  # it attended to every entry its layer holds
                     layer_kv = request.ctx.cache.layers[self.layer_idx]
-                    self.engine.decode_score(self.layer_idx, module, query[:, :, i:i + 1], rows, request,
+                    self.engine.decode_score(self.layer_idx, module, query[:, :, i:i + 1], self.batch[i], request,
                                              layer_kv.keys_values()[0], layer_kv.index)
+            start = part.stop
         for request, rows in zip(self.requests[start:], self.batch[start:]):
             part = slice(start, start + rows.count)
             outputs.append(self.engine.decode_attention(self.layer_idx, module, query[:, :, part], key[:, :, part],
@@ -383,10 +385,10 @@ class Engine:
         # Keys and values of recent unpruned prompts (pipeline/prefix_cache.py): an unpruned prompt that starts
         # like one of them prefills only the rest. Off unless given a size (``glimpse serve`` gives one).
         self.prefix_cache = PrefixCache(max_bytes=0)
-        # The KV slots of the requests decoding together (pipeline/batch_kv.py), between the steps of a batch;
-        # False decodes every request on its own cache (for measuring what the slots gain).
+        # The KV slot groups of the requests decoding together (pipeline/batch_kv.py), between the steps of a
+        # batch; False decodes every request on its own cache (for measuring what the slots gain).
         self.decode_slots = True
-        self.batch_kv: BatchKV | None = None
+        self.slot_groups: list[BatchKV] = []
         # Slot steps in which no policy acts run as one fixed-shape step (pipeline/decode_graph.py), captured as a
         # CUDA graph. On by default on a GPU: an H100 decoded 2.2x as many tokens/s as ``generate`` at batch 1
         # with it (1.0x without), the same tokens for every architecture (docs/benchmarks.md). Off on a CPU,
@@ -589,7 +591,7 @@ class Engine:
                     for request in running:
                         request.note_memory(meter)
         finally:  # ended, failed, or its consumer left (a closed stream): the slots go with the batch
-            self.batch_kv = None
+            self.slot_groups = []
 
     def take_token(self, request: "Request") -> int | None:
         """Append the request's chosen token to its answer and return it, or end the request (cancelled,
@@ -638,24 +640,26 @@ class Engine:
             if decodes:
                 request.ctx.kv_bytes_per_step.append(request.ctx.cache.nbytes())  # what this step attends to
                 request.ctx.visual_kv_per_step.append(request.ctx.cache.visual_entries())
-        # Requests that can share one attention call per layer go first, in their slots (pipeline/batch_kv.py).
+        # Requests that can share one attention call per layer go first, in their slot groups (pipeline/batch_kv.py).
         candidates = [request for request in running if self.decode_slots and decodes_plainly(request)]
-        if self.batch_kv is None or not self.batch_kv.take_step(candidates):
-            self.batch_kv = None  # the old slots go before the new ones are made
-            self.batch_kv = BatchKV.form(candidates) if candidates else None
-        slots = self.batch_kv
-        if self.decode_graphs and fixed_shape_step(running, slots):
+        groups = serve_step(self.slot_groups, candidates)
+        if groups is None:
+            self.slot_groups = []  # the old slots go before the new ones are made
+            groups = form_groups(candidates)
+        self.slot_groups = groups
+        if self.decode_graphs and len(groups) == 1 and fixed_shape_step(running, groups[0]):
+            slots = groups[0]
             if slots.fixed_step is None:
                 slots.fixed_step = SlotStep(slots, positions_rows=running[0].ctx.next_position.shape[0])
             running, decoding = slots.members, [True] * len(slots.members)
             logits = slots.fixed_step.run(self, slots)
         else:
-            if slots is not None:
-                members = {id(request) for request in slots.members}
-                order = slots.members + [request for request in running if id(request) not in members]
-                decoding = [request.pending is None for request in order]
-                running = order
-            logits = self.decode(running, slots)
+            if groups:
+                in_slots = [request for group in groups for request in group.members]
+                members = {id(request) for request in in_slots}
+                running = in_slots + [request for request in running if id(request) not in members]
+                decoding = [request.pending is None for request in running]
+            logits = self.decode(running, groups)
         for request, row, decodes in zip(running, logits, decoding):
             if not decodes:
                 self._prompt_done(request, row)
@@ -851,7 +855,7 @@ class Engine:
         MoE), on ``hidden``'s tokens; ``call`` decides what its attention sees (pipeline/attention.py)."""
         return layer(hidden, position_embeddings=position_embeddings, glimpse=call)
 
-    def decode(self, requests: list["Request"], slots: BatchKV | None = None) -> torch.Tensor:
+    def decode(self, requests: list["Request"], groups: list[BatchKV] = ()) -> torch.Tensor:
         """One decode step of one or more requests: (B, vocab) logits.
 
         Every request's rows (its new token, plus prompt tokens a policy revives on the way) are
@@ -859,7 +863,7 @@ class Engine:
         at each row's own position, the FFN — so the weights are read once per step for the whole
         batch. Attention runs over each request's own cache (whatever each layer kept, packed or
         evicted; each request's policy acts on its own cache): in one call for the requests in
-        ``slots`` (which come first), per request for the others.
+        each of ``groups`` (slot groups, whose members come first, group after group), per request for the others.
         """
         new = [r for r in requests if r.pending is None]
         tokens = torch.tensor([[r.next_token for r in new]], device=self.device, dtype=torch.long)
@@ -888,7 +892,7 @@ class Engine:
                     position_embeddings = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch],
                                                                                 dim=1))
             hidden = self.run_layer(layer, hidden, position_embeddings,
-                                    DecodeLayer(self, requests, batch, layer_idx, slots))
+                                    DecodeLayer(self, requests, batch, layer_idx, list(groups)))
             for request in requests:
                 request.ctx.layer = None  # the layer's view ends with it
             if not fixed_rows:

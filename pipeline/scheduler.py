@@ -360,14 +360,14 @@ class Scheduler:
                     # (A policy's per-step work that fails is the request's own, in decode_step; this is a failure
                     # inside the pass through the model, which no single request can be named for.)
                     traceback.print_exc()
-                    engine.batch_kv = None
+                    engine.slot_groups = []
                     for request in stepping:
                         request.error = error
                         engine.finish(request, "error")
                 for request in stepping:
                     request.note_memory(meter)
             else:
-                engine.batch_kv = None  # no batch left: its KV slots go now, not at the next request
+                engine.slot_groups = []  # no batch left: its KV slots go now, not at the next request
 
     def _prefill(self, ticket: Ticket, meter: MemoryMeter) -> None:
         """Prefill a request taken from the queue; it joins the running batch, or ends alone if it failed."""

@@ -16,7 +16,7 @@ import torch
 from glimpse.bench import OperatorCount
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.adapters import TEXT
-from glimpse.pipeline.batch_kv import FREE_STEPS_PER_SLOT, BatchKV, decodes_plainly
+from glimpse.pipeline.batch_kv import FREE_STEPS_PER_SLOT, BatchKV, decodes_plainly, form_groups, serve_step
 from glimpse.pipeline.cache import Growing, KVCache, LayerKV
 from glimpse.pipeline.engine import Engine, Sampling
 from glimpse.pipeline.metrics import MemoryMeter
@@ -530,7 +530,7 @@ def test_requests_in_kv_slots_decode_as_each_on_its_own_cache(deep_checkpoints, 
     slotted = engine.generate_batch(conversations, policy=policy, speed=speed, max_new_tokens=10, ignore_eos=True)
     assert seen["formed"] and seen["formed"][0][0] == len(conversations)
     assert seen["calls"] == 9 * DEEP_LAYERS  # every step after the first token, every layer
-    assert engine.batch_kv is None  # the slots went with the batch
+    assert engine.slot_groups == []  # the slots went with the batch
     for one, other in zip(slotted, separate):
         assert one.token_ids == other.token_ids
         assert one.metrics["kv_bytes"] == other.metrics["kv_bytes"]
@@ -584,7 +584,62 @@ def test_kv_slots_take_the_most_requests_that_fit_together(deep_checkpoints):
             assert (len(taken), sum(needs[i] for i in taken)) == best, (mix, needs, taken)
             if mix[:2] == (0, 0) and mix[2] == 6:
                 assert len(taken) == 8
-            batch.take_step([])  # the slots go: the next mix forms its own
+            serve_step([batch], [])  # the slots go: the next mix forms its own
+
+
+def test_requests_too_different_for_one_batch_decode_in_slot_groups(deep_checkpoints, monkeypatch):
+    """Six short questions beside two long prompts do not fit one batch (``WASTE``): the two long ones take a slot
+    group of their own, so every step attends in two calls per layer, one per group, and no request attends on its
+    own cache. Each group forms once: before 2026-12-02 one batch of slots existed at a time, the two decoded
+    request by request, and the batch formed again at every step (a copy of every member's entries), because
+    requests outside it looked like newcomers that fit no free slot. The answers and KV are those of decoding
+    every request on its own cache."""
+    from glimpse.pipeline.batch_kv import WASTE, _need
+
+    engine = _endless(load_engine(str(deep_checkpoints["llava"]), device="cpu"))
+    text = lambda repeats: [{"role": "user", "content": "Read. " + "The sea is calm. " * repeats}]  # noqa: E731
+    conversations = [text(0)] * 6 + [text(30)] * 2
+    with torch.inference_mode():
+        needs = [_need(engine.start(c, "none", 0.0, 8, Sampling())) for c in conversations]
+    assert len(needs) * max(needs) > WASTE * sum(needs)  # they do not fit one batch
+    engine.decode_slots = False
+    own = engine.generate_batch(conversations, policy="none", max_new_tokens=8)
+    engine.decode_slots = True
+    seen = _spy_slots(monkeypatch)
+    alone = []
+    decode_attention = Engine.decode_attention
+    monkeypatch.setattr(Engine, "decode_attention",
+                        lambda self, *args: (alone.append(1), decode_attention(self, *args))[1])
+    grouped = engine.generate_batch(conversations, policy="none", max_new_tokens=8)
+    assert sorted(members for members, _ in seen["formed"]) == [2, 6]
+    assert seen["calls"] == 2 * 7 * DEEP_LAYERS and not alone  # two groups, every step after the first token
+    assert engine.slot_groups == []
+    for one, other in zip(grouped, own):
+        assert one.token_ids == other.token_ids
+        assert one.metrics["kv_bytes_per_step"] == other.metrics["kv_bytes_per_step"]
+
+
+def test_slot_groups_keep_serving_as_requests_come_and_go(deep_checkpoints):
+    """Between steps the groups serve who is left: a group whose members all left goes and the other keeps its
+    slots (no copy), a newcomer takes a free slot of the group it fits, and one that fits no free slot makes every
+    group form again, together: the best grouping of all of them."""
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    text = lambda repeats: [{"role": "user", "content": "Read. " + "The sea is calm. " * repeats}]  # noqa: E731
+    with torch.inference_mode():
+        short = [engine.start(text(0), "none", 0.0, 8, Sampling()) for _ in range(4)]
+        long = [engine.start(text(30), "none", 0.0, 8, Sampling()) for _ in range(3)]
+        groups = form_groups(short[:3] + long[:1])  # a long one beside three short would make 4 slots of its length
+        short_group, long_group = groups
+        assert short_group.members == short[:3] and long_group.members == long[:1]
+        assert serve_step(groups, short[:2] + long[:1]) == groups  # a short one left: its slot is free
+        assert serve_step(groups, short[:2] + long[:1] + short[3:]) == groups  # and a short newcomer takes it
+        assert short_group.members == [short[0], short[1], short[3]]
+        # The long one leaves as another arrives: the newcomer takes the slot freed in the same step.
+        assert serve_step(groups, short[:2] + short[3:] + long[1:2]) == groups and long_group.members == long[1:2]
+        served = serve_step(groups, short[:2] + short[3:])  # the long one is done: its group goes, the other stays
+        assert served == [short_group] and short_group.members == [short[0], short[1], short[3]]
+        assert serve_step(served, short[:2] + short[3:] + long[2:]) is None  # a long newcomer fits no free slot
+        assert [g.members for g in form_groups(short[:2] + short[3:] + long[2:])] == [short[:2] + short[3:], long[2:]]
 
 
 @pytest.mark.parametrize("reader", [False, True])
@@ -634,19 +689,20 @@ def test_a_request_that_arrives_takes_a_freed_slot_and_a_finished_batch_frees_it
         first, second, third, fourth = (engine.start(question, "none", 0.0, 8, Sampling()) for _ in range(4))
         batch = BatchKV.form([first, second, third])
         room = batch._room()
-        assert batch.take_step([first, third])  # the second left: its slot is free, the batch stays
+        assert serve_step([batch], [first, third]) == [batch]  # the second left: its slot is free, the batch stays
         assert batch.members == [first, third] and not batch.all_slots
-        assert batch.take_step([first, third, fourth])  # the fourth arrived: it takes the free slot
+        assert serve_step([batch], [first, third, fourth]) == [batch]  # the fourth arrived: it takes the free slot
         assert batch.members == [first, fourth, third] and batch.all_slots and batch._room() == room
         assert all(batch.holds(layer) for layer in fourth.ctx.cache.layers)
         # Two of three left: their slots wait for newcomers (a server's clients come and go) ...
         for _ in range(FREE_STEPS_PER_SLOT * 3 - 1):
-            assert batch.take_step([first])
+            assert serve_step([batch], [first]) == [batch]
         # ... one that comes in that time takes a slot without a new batch ...
         fifth = engine.start(question, "none", 0.0, 8, Sampling())
-        assert batch.take_step([first, fifth]) and batch.members == [first, fifth] and batch._room() == room
+        assert serve_step([batch], [first, fifth]) == [batch]
+        assert batch.members == [first, fifth] and batch._room() == room
         # ... and once the other slot has been free for two steps per slot, its memory goes back: form anew.
-        assert not batch.take_step([first, fifth])
+        assert serve_step([batch], [first, fifth]) is None
     seen = _spy_slots(monkeypatch)
     formed = []
     init = BatchKV.__init__
@@ -672,9 +728,9 @@ def test_a_stream_its_client_leaves_gives_its_slots_back(deep_checkpoints, media
     engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
     stream = engine.stream(_messages(media), policy="none", max_new_tokens=20, ignore_eos=True)
     next(stream), next(stream), next(stream)  # decoding, in slots
-    assert engine.batch_kv is not None
+    assert engine.slot_groups
     stream.close()
-    assert engine.batch_kv is None
+    assert engine.slot_groups == []
     assert not engine._lock.locked()
 
 
@@ -864,9 +920,9 @@ def test_st3_requests_come_and_go_beside_other_policies_and_answer_as_alone(deep
         annealing = engine.start(image, ST3(anneal_tau=4.0), 0.0, 8, Sampling())
         annealing.policy.decode_step(1, annealing.ctx)  # ranks its visual entries, as its first decode step does
         batch = BatchKV.form(plain[:3])
-        assert batch.ranks is None and not batch.take_step([plain[0], plain[1], annealing])
+        assert batch.ranks is None and serve_step([batch], [plain[0], plain[1], annealing]) is None
         batch = BatchKV.form(plain[:3])
-        assert batch.take_step([plain[0], plain[1], plain[3]])  # an unranked newcomer takes the free slot
+        assert serve_step([batch], [plain[0], plain[1], plain[3]]) == [batch]  # an unranked newcomer takes the free slot
         assert BatchKV.form([plain[0], annealing]).ranks is not None
     cases = [(question, "none", 0.0, 6), (image, ST3(anneal_tau=4.0), 0.0, 9), (image, "zipvl", 1.0, 7),
              (image, "st3", 1.0, 5), (question, "none", 0.0, 8), (image, ST3(anneal_tau=6.0, anneal="linear"), 0.0, 10),
