@@ -22,7 +22,9 @@ more than twice what they need (so that ST3 gives its memory back), and when a s
 ``FREE_STEPS_PER_SLOT`` steps per slot (so that a server whose load dropped gives the memory back, while one
 whose clients come and go refills its free slots instead of forming a batch at every departure). Requests whose
 sizes differ too much are not put in one batch: the slots of a batch are as long as its longest member
-needs, and a batch takes no member that would make it hold more than ``WASTE`` times what its members need.
+needs, and a batch takes no member that would make it hold more than ``WASTE`` times what its members need. Those
+left out form batches of their own, *slot groups* (``form_groups``): a step attends with one call per group and
+layer, and the groups are served, and formed again, together (``serve_step``).
 """
 
 from __future__ import annotations
