@@ -647,12 +647,13 @@ class Engine:
             self.slot_groups = []  # the old slots go before the new ones are made
             groups = form_groups(candidates)
         self.slot_groups = groups
-        if self.decode_graphs and len(groups) == 1 and fixed_shape_step(running, groups[0]):
-            slots = groups[0]
-            if slots.fixed_step is None:
-                slots.fixed_step = SlotStep(slots, positions_rows=running[0].ctx.next_position.shape[0])
-            running, decoding = slots.members, [True] * len(slots.members)
-            logits = slots.fixed_step.run(self, slots)
+        if self.decode_graphs and fixed_shape_step(running, groups):
+            first = groups[0]  # it keeps the step (its graph) while the groups stay the same
+            if first.fixed_step is None or not first.fixed_step.serves(groups):
+                first.fixed_step = SlotStep(groups, positions_rows=running[0].ctx.next_position.shape[0])
+            running = [request for group in groups for request in group.members]
+            decoding = [True] * len(running)
+            logits = first.fixed_step.run(self, groups)
         else:
             if groups:
                 in_slots = [request for group in groups for request in group.members]

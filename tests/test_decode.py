@@ -761,6 +761,33 @@ def test_the_fixed_shape_decode_step_answers_as_the_slots_do(deep_checkpoints, m
         assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
 
 
+def test_slot_groups_decode_in_one_fixed_shape_step_as_on_their_own_caches(deep_checkpoints, media, monkeypatch):
+    """Short text questions beside long image prompts make two slot groups; the fixed-shape step (a CUDA graph on
+    a GPU) computes both in one step, each group attending over its own slots, ST3's evicted entries masked by
+    rank in the group that has them: the answers and KV counts of decoding every request on its own cache."""
+    from glimpse.pipeline.decode_graph import SlotStep
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    long = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                         {"type": "text", "text": "Read. " + "The sea is calm. " * 30}]}]
+    conversations = [[{"role": "user", "content": "Say hi."}]] * 6 + [long] * 2
+    engine.decode_slots = False
+    own = engine.generate_batch(conversations, policy=ST3(anneal_tau=4), max_new_tokens=8, ignore_eos=True)
+    engine.decode_slots = True
+    steps = []
+    forward = SlotStep.forward
+    monkeypatch.setattr(SlotStep, "forward", lambda self, *a: (steps.append(self), forward(self, *a))[1])
+    engine.decode_graphs = True
+    fixed = engine.generate_batch(conversations, policy=ST3(anneal_tau=4), max_new_tokens=8, ignore_eos=True)
+    assert len(steps) == 7 and all(len(step.spans) == 2 for step in steps)  # every step, both groups in it
+    assert steps[0].limits is not None  # one group's requests anneal, the other's have no visual entries
+    for one, other in zip(fixed, own):
+        assert one.token_ids == other.token_ids
+        assert one.metrics["kv_bytes_per_step"] == other.metrics["kv_bytes_per_step"]
+        assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
+    assert fixed[-1].metrics["visual_kv_per_step"][-1] == 0 < fixed[-1].metrics["visual_kv_per_step"][0]
+
+
 @pytest.mark.parametrize("make_policy", [lambda: ST3(anneal_tau=3), lambda: ST3(anneal_tau=5, anneal="linear"),
                                          lambda: ZipVL(tau_image=0.9, tau_video=0.9)])
 def test_policies_that_work_between_steps_decode_in_the_fixed_shape_step_as_on_their_own_caches(
@@ -881,8 +908,8 @@ def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints,
 
     full = []  # per fixed-shape step: whether every slot was taken
     run = SlotStep.run
-    monkeypatch.setattr(SlotStep, "run", lambda self, engine, slots: (full.append(slots.all_slots),
-                                                                      run(self, engine, slots))[1])
+    monkeypatch.setattr(SlotStep, "run", lambda self, engine, groups: (
+        full.append(all(group.all_slots for group in groups)), run(self, engine, groups))[1])
     engine.decode_graphs = True
     scheduler = Scheduler(engine, max_batch=3, queue_size=8, start=False)  # all queued before the loop runs
     leaving = scheduler.submit(question, policy="none", max_new_tokens=40, ignore_eos=True)
