@@ -2,7 +2,8 @@
 
 The workload is a fixed list of requests, each with an image: "API" requests (one question, not streamed)
 and "chat-like" requests (streamed, with an earlier turn in the conversation), alternating
-(``--workload text``: the same without the image, asking for stories, so that decoding dominates). They are sent
+(``--workload text``: the same without the image, asking for stories, so that decoding dominates; ``--workload
+mixed``: both, two of each in turn). They are sent
 twice to the same server: first one at a time (the serial baseline: every request alone), then by K
 clients at once, each sending its share back to back (closed loop). Reported per phase: throughput in
 requests/s and answer tokens/s, p50/p95 time to first token (first streamed content, or the server's own
@@ -84,14 +85,17 @@ TOPICS = ["a dragon by the sea", "a lighthouse keeper", "a city of glass", "a ro
           "a lost map", "a river that sings", "a clockmaker's cat"]
 
 
-def workload(image: Path | None, requests: int, max_tokens: int, policy: str, speed: float) -> list[dict]:
+def workload(image: Path | None, requests: int, max_tokens: int, policy: str, speed: float,
+             mixed: bool = False) -> list[dict]:
     """The request bodies: alternately an API question and a streamed chat-like turn, each with the image;
-    without an image (``--workload text``), requests for stories, whose answers are long: decode-bound."""
+    without an image (``--workload text``), requests for stories, whose answers are long: decode-bound; ``mixed``
+    (``--workload mixed``): two with the image, then two stories, and so on — prompts of very different sizes
+    decoding side by side, as on a chat server."""
     url = "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode() if image is not None else None
     bodies = []
     for i in range(requests):
         question = QUESTIONS[i % len(QUESTIONS)]
-        if url is None:
+        if url is None or (mixed and i // 2 % 2):
             picture = f"Write a story about {TOPICS[i % len(TOPICS)]}."
         else:
             picture = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
@@ -250,8 +254,8 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
 
 def run(args, progress) -> dict:
     image = Path(args.image[0]) if args.image else ASSETS / "sample.png"
-    bodies = workload(image if args.workload == "images" else None, args.requests, args.max_tokens, args.policy,
-                      args.speed)
+    bodies = workload(image if args.workload in ("images", "mixed") else None, args.requests, args.max_tokens,
+                      args.policy, args.speed, mixed=args.workload == "mixed")
     server = None
     url = args.url
     if url is None:

@@ -167,9 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     served = bench.add_argument_group("bench serve", "a running server (--url) or one started here (--model, "
                                                       "default embedded) under concurrent clients")
     serve_option(served, "--url", default=None, help="the server to measure (default: start glimpse serve here)")
-    serve_option(served, "--workload", choices=["images", "text"], default="images",
+    serve_option(served, "--workload", choices=["images", "text", "mixed"], default="images",
                  help="images (default): questions about an image (--image, default: the sample picture "
-                 "shipped with Glimpse); text: requests for stories, long answers")
+                 "shipped with Glimpse); text: requests for stories, long answers; mixed: two of each in turn")
     serve_option(served, "--clients", type=int, default=8, help="concurrent clients (default 8)")
     serve_option(served, "--requests", type=int, default=128,
                  help="requests per phase (default 128: K clients' ramp-up and drain a small share of the run)")

@@ -24,11 +24,11 @@ per layer (``Policy.scores_in_decode``). Work between steps is fine when it keep
 hides evicted entries (``LayerKV.keep_top_visual``), and the step masks them out by their ranks, read from
 one more buffer (the rank from which each layer hides, per slot); ZipVL's packed entries are dequantized in
 front of the float slots, and only its steps that fill a window of new tokens (they score and pack it) decode
-eagerly. On CUDA it is captured on the batch's first such step (after two eager
-warm-ups on a side stream, which compute that step) and replayed while the slot groups stay the same; new
-groups (``form_groups``), or a group fewer, capture again. Several groups (requests too different in size for one
-batch) are one step and one graph: each group attends over its own slots, one call per group and layer. Where capture fails the same function runs eagerly; off the GPU
-it runs only when ``Engine.decode_graphs`` is turned on, which is how the tests check it on a CPU.
+eagerly. Several slot groups (requests too different in size for one batch) are one step: each group attends
+over its own slots, one call per group and layer. On CUDA the step is captured on the groups' first such step
+(after two eager warm-ups on a side stream, which compute that step) and replayed while the groups stay the same;
+new groups (``form_groups``), or a group fewer, capture again. Where capture fails the same function runs eagerly;
+off the GPU it runs only when ``Engine.decode_graphs`` is turned on, which is how the tests check it on a CPU.
 """
 
 from __future__ import annotations

@@ -949,7 +949,8 @@ def test_st3_requests_come_and_go_beside_other_policies_and_answer_as_alone(deep
         batch = BatchKV.form(plain[:3])
         assert batch.ranks is None and serve_step([batch], [plain[0], plain[1], annealing]) is None
         batch = BatchKV.form(plain[:3])
-        assert serve_step([batch], [plain[0], plain[1], plain[3]]) == [batch]  # an unranked newcomer takes the free slot
+        # An unranked newcomer takes the free slot.
+        assert serve_step([batch], [plain[0], plain[1], plain[3]]) == [batch]
         assert BatchKV.form([plain[0], annealing]).ranks is not None
     cases = [(question, "none", 0.0, 6), (image, ST3(anneal_tau=4.0), 0.0, 9), (image, "zipvl", 1.0, 7),
              (image, "st3", 1.0, 5), (question, "none", 0.0, 8), (image, ST3(anneal_tau=6.0, anneal="linear"), 0.0, 10),

@@ -1735,6 +1735,18 @@ def test_bench_serve_measures_serial_and_concurrent_clients_and_a_burst(server, 
     assert "8 clients" not in bench_serve.format_report(report) and "3 clients" in bench_serve.format_report(report)
 
 
+def test_the_mixed_workload_puts_image_questions_and_stories_side_by_side(media):
+    """`glimpse bench serve --workload mixed`: two questions with the image, then two stories without, in turn, each
+    kind both as an API request and as a streamed chat turn: prompts of very different sizes decode together."""
+    from glimpse import bench_serve
+
+    bodies = bench_serve.workload(media["image"], 8, 16, "auto", 0.5, mixed=True)
+    with_image = ["image_url" in json.dumps(body["messages"]) for body in bodies]
+    assert with_image == [True, True, False, False] * 2
+    assert {(image, body["stream"]) for image, body in zip(with_image, bodies)} == {
+        (True, False), (True, True), (False, False), (False, True)}
+
+
 def test_a_request_that_fails_at_its_prefill_is_a_400_streamed_or_not(server, media):
     """A policy parameter only the model's depth rules out (fastv at layer 100 of a 4-layer model) is found
     when the prefill starts; the client still gets a 400 naming it, not an HTTP 200 stream of one error."""
