@@ -45,7 +45,7 @@ def one_batch_serve(groups: list[BatchKV], candidates: list) -> list[BatchKV] | 
     batch = groups[0]
     batch.release(candidates)
     held = {id(r) for r in batch.members}
-    served = all(batch.admit(r) for r in candidates if id(r) not in held) and batch.keeps()
+    served = all(batch.admit(r) for r in candidates if id(r) not in held) and batch.keeps(batch._room())
     return groups if served else None
 
 

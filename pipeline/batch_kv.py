@@ -249,13 +249,17 @@ class BatchKV:
         self._members_changed()
         return True
 
-    def keeps(self) -> bool:
+    def keeps(self, room_formed_again: int) -> bool:
         """Called once per step, after ``release`` and ``admit``: whether these slots are still worth their memory
-        (members in them, no slot free for long, the members' slots at most ``limit`` times what they need)."""
+        (members in them, no slot free for long, the members' slots at most ``limit`` times what they need).
+        ``room_formed_again``: the entries that forming again would copy (every group's, ``_room``)."""
         if not self.members:
             return False
         self.free_steps = [0 if r is not None else steps + 1 for r, steps in zip(self.requests, self.free_steps)]
-        if max(self.free_steps) > FREE_STEPS_PER_SLOT * len(self.requests):
+        # Rent or buy (``FREE_STEPS_PER_SLOT``): a free slot costs its room at every step, forming again copies
+        # ``room_formed_again`` once. For one group that is two steps per slot; a small group beside a large one
+        # waits longer, since giving its free slot back forms the large one again too.
+        if max(self.free_steps) * (self._room() // len(self.requests)) > FREE_STEPS_PER_SLOT * room_formed_again:
             return False  # nobody took a free slot for a while: give its memory back
         # What the members need stays the same step to step (one more entry, one step less) until a policy
         # evicts: then their slots are larger than needed, and past ``limit``, formed again.
@@ -369,7 +373,8 @@ def serve_step(groups: list[BatchKV], candidates: list) -> list[BatchKV] | None:
         if id(request) not in held and not any(group.admit(request) for group in groups):
             return None
     groups = [group for group in groups if group.members]
-    return groups if all(group.keeps() for group in groups) else None
+    room = sum(group._room() for group in groups)
+    return groups if all(group.keeps(room) for group in groups) else None
 
 
 def slot_mask(at: torch.Tensor, length: int, dtype: torch.dtype, ranks: torch.Tensor | None = None,

@@ -642,6 +642,26 @@ def test_slot_groups_keep_serving_as_requests_come_and_go(deep_checkpoints):
         assert [g.members for g in form_groups(short[:2] + short[3:] + long[2:])] == [short[:2] + short[3:], long[2:]]
 
 
+def test_a_free_slot_beside_a_larger_group_waits_as_long_as_forming_every_group_again_would_cost(deep_checkpoints):
+    """Rent or buy, with groups: a free slot is given back once it has cost (its room at every step) twice what
+    forming again copies, and forming again copies every group. A short question's free slot beside a long
+    prompt's group therefore waits more than the two steps per slot it would wait in a batch of its own."""
+    from glimpse.pipeline.batch_kv import FREE_STEPS_PER_SLOT
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    text = lambda repeats: [{"role": "user", "content": "Read. " + "The sea is calm. " * repeats}]  # noqa: E731
+    with torch.inference_mode():
+        short = [engine.start(text(0), "none", 0.0, 8, Sampling()) for _ in range(3)]
+        long = engine.start(text(30), "none", 0.0, 8, Sampling())
+        groups = form_groups(short + [long])
+        short_group = groups[0]
+        patience = FREE_STEPS_PER_SLOT * sum(g._room() for g in groups) // (short_group._room() // 3)
+        assert patience > FREE_STEPS_PER_SLOT * 3
+        for _ in range(patience):  # the third short question left: its slot waits for a newcomer
+            assert serve_step(groups, short[:2] + [long]) == groups
+        assert serve_step(groups, short[:2] + [long]) is None  # and then goes back: every group forms again
+
+
 @pytest.mark.parametrize("reader", [False, True])
 def test_st3_evicting_from_kv_slots_gives_the_memory_back(deep_checkpoints, media, monkeypatch, reader):
     """ST3 anneals the visual KV away during the answer: in slots its evictions are hidden (masked by rank), and
