@@ -64,6 +64,19 @@ def operators_of_one_step(engine, run) -> int:
     return counted[0]
 
 
+def random_llava_engine(preset: str, layers: int, device: str) -> Engine:
+    """A random LLaVA-1.5 of ``preset``'s shapes at ``layers`` layers, with a 576-token image (bfloat16 on CUDA); on
+    a CPU one thread, so that a step's time follows its operator count, not how they spread over cores."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    overrides = {"vision_image_size": 336} if preset == "llava-tiny" else {}  # 576 image tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = build_random_llava(Path(tmp) / "model", preset=preset, layers=layers, dtype=dtype, **overrides)
+        engine = load_engine(str(folder), device=device, dtype=str(dtype).replace("torch.", ""))
+    if device == "cpu":
+        torch.set_num_threads(1)
+    return engine
+
+
 # side -> (policy, speed, evictions removed at once, KV slots)
 SIDES = {"none": ("none", 0.0, False, True),
          "st3 (hidden in slots)": ("st3", 1.0, False, True),
@@ -84,14 +97,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    overrides = {"vision_image_size": 336} if args.preset == "llava-tiny" else {}  # 576 image tokens
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = build_random_llava(Path(tmp) / "model", preset=args.preset, layers=args.layers, dtype=dtype,
-                                    **overrides)
-        engine = load_engine(str(folder), device=args.device, dtype=str(dtype).replace("torch.", ""))
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # one thread: the step's operator count, not how they spread over cores
+    engine = random_llava_engine(args.preset, args.layers, args.device)
     messages = [{"role": "user", "content": [{"type": "image", "image": random_image(576)},
                                              {"type": "text", "text": "Describe the image in detail."}]}]
 

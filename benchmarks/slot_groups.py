@@ -23,19 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
-from pathlib import Path
-
-import torch
 
 from glimpse.bench import device_name
 from glimpse.pipeline import engine as engine_module
-from glimpse.pipeline import load_engine
 from glimpse.pipeline.batch_kv import BatchKV
 from glimpse.pipeline.engine import Engine
-from glimpse.pipeline.random_checkpoint import build_random_llava, random_image
+from glimpse.pipeline.random_checkpoint import random_image
 
-from decode_slots import operators_of_one_step  # run as a script: benchmarks/ is on the path
+from decode_slots import operators_of_one_step, random_llava_engine  # run as a script: benchmarks/ is on the path
 
 
 def one_batch_serve(groups: list[BatchKV], candidates: list) -> list[BatchKV] | None:
@@ -93,14 +88,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    overrides = {"vision_image_size": 336} if args.preset == "llava-tiny" else {}  # 576 image tokens
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = build_random_llava(Path(tmp) / "model", preset=args.preset, layers=args.layers, dtype=dtype,
-                                    **overrides)
-        engine = load_engine(str(folder), device=args.device, dtype=str(dtype).replace("torch.", ""))
-    if args.device == "cpu":
-        torch.set_num_threads(1)  # one thread: the step's operator count, not how they spread over cores
+    engine = random_llava_engine(args.preset, args.layers, args.device)
     image = random_image(576)
     conversations = ([[{"role": "user", "content": "Write one line about the sea."}]] * args.short
                      + [[{"role": "user", "content": [{"type": "image", "image": image},
