@@ -18,7 +18,7 @@ import copy
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -313,7 +313,7 @@ class DecodeLayer:
     batch: list[DecodeRows]
     layer_idx: int
     # The KV slot groups of the first requests (each group's members in turn, one row each), if any.
-    groups: list[BatchKV]
+    groups: Sequence[BatchKV]
 
     def attend(self, module, query, key, value, kernel) -> torch.Tensor:
         outputs, start = [], 0
@@ -647,16 +647,15 @@ class Engine:
             self.slot_groups = []  # the old slots go before the new ones are made
             groups = form_groups(candidates)
         self.slot_groups = groups
+        in_slots = [request for group in groups for request in group.members]  # the step's first rows, in order
         if self.decode_graphs and fixed_shape_step(running, groups):
             first = groups[0]  # it keeps the step (its graph) while the groups stay the same
             if first.fixed_step is None or not first.fixed_step.serves(groups):
                 first.fixed_step = SlotStep(groups, positions_rows=running[0].ctx.next_position.shape[0])
-            running = [request for group in groups for request in group.members]
-            decoding = [True] * len(running)
+            running, decoding = in_slots, [True] * len(in_slots)
             logits = first.fixed_step.run(self, groups)
         else:
             if groups:
-                in_slots = [request for group in groups for request in group.members]
                 members = {id(request) for request in in_slots}
                 running = in_slots + [request for request in running if id(request) not in members]
                 decoding = [request.pending is None for request in running]
@@ -856,7 +855,7 @@ class Engine:
         MoE), on ``hidden``'s tokens; ``call`` decides what its attention sees (pipeline/attention.py)."""
         return layer(hidden, position_embeddings=position_embeddings, glimpse=call)
 
-    def decode(self, requests: list["Request"], groups: list[BatchKV] = ()) -> torch.Tensor:
+    def decode(self, requests: list["Request"], groups: Sequence[BatchKV] = ()) -> torch.Tensor:
         """One decode step of one or more requests: (B, vocab) logits.
 
         Every request's rows (its new token, plus prompt tokens a policy revives on the way) are
@@ -893,7 +892,7 @@ class Engine:
                     position_embeddings = self.adapter.rotary(hidden, torch.cat([rows.positions for rows in batch],
                                                                                 dim=1))
             hidden = self.run_layer(layer, hidden, position_embeddings,
-                                    DecodeLayer(self, requests, batch, layer_idx, list(groups)))
+                                    DecodeLayer(self, requests, batch, layer_idx, groups))
             for request in requests:
                 request.ctx.layer = None  # the layer's view ends with it
             if not fixed_rows:
