@@ -127,6 +127,11 @@ class Adapter:
         features = self.encode(media, kind)
         return features[keep.to(features.device)]
 
+    def processor_tensors(self, item: MediaInput) -> dict[str, torch.Tensor]:
+        """The item's tensors as the checkpoint's own processor gives them to transformers' forward (they may be
+        kept in a more compact form until the encoder: Qwen2-VL's video patches)."""
+        return item.tensors
+
     def token_pixels(self, item: MediaInput) -> torch.Tensor | None:
         """(t, n, p, f) for a video: the processed pixels the encoder reads for each of its ``n`` visual tokens
         per temporal step, as the token's ``p`` encoder patches of ``f`` values each, the tokens in placeholder
@@ -173,9 +178,11 @@ class Qwen2VLAdapter(Adapter):
 
     def _video_input(self, sampled) -> MediaInput:
         ip = self.image_processor
-        tensors = vision.qwen2vl_video_inputs(
+        # The patches stay uint8 until the encoder normalizes them where it runs (``_video_pixels``):
+        # vision/qwen_video.py says why.
+        tensors = vision.qwen2vl_video_patches(
             sampled.frames, patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
-            merge_size=ip.merge_size, image_mean=ip.image_mean, image_std=ip.image_std, resize=False,
+            merge_size=ip.merge_size, resize=False,
         )
         t, h, w = (int(x) for x in tensors["video_grid_thw"][0])
         m = self.merge_size
@@ -190,8 +197,21 @@ class Qwen2VLAdapter(Adapter):
         if item.kind != VIDEO:
             return None
         t, h, w = item.grid
-        pixels = item.tensors["pixel_values_videos"]  # (patches, C*T*P*P), each token's m*m patches in a row
+        pixels = self._video_pixels([item])  # (patches, C*T*P*P), each token's m*m patches in a row
         return pixels.reshape(t, h * w, self.merge_size**2, -1)
+
+    def processor_tensors(self, item):
+        if item.kind != VIDEO:
+            return item.tensors
+        return {**item.tensors, "pixel_values_videos": self._video_pixels([item])}
+
+    def _video_pixels(self, items, device=None, rows=None) -> torch.Tensor:
+        """The videos' patches joined (only ``rows`` of them, a bool mask, if given), on ``device``, normalized
+        there: float32, as Qwen2-VL's video processor gives them."""
+        patches = [m.tensors["pixel_values_videos"] for m in items]
+        pixels = _joined(patches, device) if rows is None else _joined(patches)[rows].to(device)
+        ip = self.image_processor
+        return vision.normalize_video_patches(pixels, ip.image_mean, ip.image_std)
 
     def encode_kept(self, media, kind, keep):
         return self._vision_output_kept(media, kind, keep).pooler_output
@@ -204,8 +224,7 @@ class Qwen2VLAdapter(Adapter):
 
         vm = self.model.model
         items = [m for m in media if m.kind == kind]
-        name, grid_name = ("pixel_values", "image_grid_thw") if kind == IMAGE else ("pixel_values_videos", "video_grid_thw")
-        pixels = _joined([m.tensors[name] for m in items])
+        grid_name = "image_grid_thw" if kind == IMAGE else "video_grid_thw"
         grid = _joined([m.tensors[grid_name] for m in items])
         keep = keep.cpu()
         patches = keep.repeat_interleave(self.merge_size**2)  # a token is m*m consecutive patches
@@ -213,7 +232,11 @@ class Qwen2VLAdapter(Adapter):
         segments = {"position_ids": get_vision_position_ids(grid, self.merge_size)[patches],
                     "cu_seqlens": _kept_segments(step_sizes, patches), **self._kept_extras(grid, keep, patches)}
         device = vm.visual.device
-        return vm.visual(pixels[patches].to(device, vm.visual.dtype), grid_thw=grid.to(device),
+        if kind == IMAGE:
+            pixels = _joined([m.tensors["pixel_values"] for m in items])[patches].to(device, vm.visual.dtype)
+        else:
+            pixels = self._video_pixels(items, device, rows=patches).to(vm.visual.dtype)
+        return vm.visual(pixels, grid_thw=grid.to(device),
                          **{k: v.to(device) for k, v in segments.items()})
 
     def _kept_extras(self, grid: torch.Tensor, keep: torch.Tensor, patches: torch.Tensor) -> dict:
@@ -230,7 +253,7 @@ class Qwen2VLAdapter(Adapter):
             pixels = _joined([m.tensors["pixel_values"] for m in items], device)
             grid = _joined([m.tensors["image_grid_thw"] for m in items], device)
             return vm.get_image_features(pixels, grid, return_dict=True)
-        pixels = _joined([m.tensors["pixel_values_videos"] for m in items], device)
+        pixels = self._video_pixels(items, device)
         grid = _joined([m.tensors["video_grid_thw"] for m in items], device)
         return vm.get_video_features(pixels, grid, return_dict=True)
 

@@ -30,7 +30,7 @@ def item_key(item: MediaInput) -> str:
         for name in sorted(item.tensors):
             tensor = item.tensors[name].detach().cpu().contiguous()
             digest.update(f"|{name}:{tensor.dtype}:{tuple(tensor.shape)}|".encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # its bytes as they are, not a copy
         item.key = digest.hexdigest()
     return item.key
 

@@ -63,6 +63,29 @@ def test_no_pruning_reproduces_transformers_generate(checkpoints, media, arch, k
     torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])  # 14- and 16-pixel patches
+def test_a_qwen_video_s_patches_stay_bytes_until_the_encoder_reads_the_processor_s_values(checkpoints, media, arch):
+    """The prompt keeps a Qwen-VL video's patches as their uint8 bytes (a quarter of float32's: less to hash for the
+    caches, to keep in the media cache, to send to a GPU); the encoder reads exactly the float32 values Qwen2-VL's
+    video processor gives for the same frames (vision.qwen2vl_video_inputs, checked against transformers' own)."""
+    from glimpse import vision
+    from glimpse.pipeline.adapters import VIDEO
+
+    engine = load_engine(str(checkpoints[arch]), device="cpu")
+    adapter, ip = engine.adapter, engine.adapter.image_processor
+    item = adapter.prepare_video(media["video"])
+    processed = vision.qwen2vl_video_inputs(
+        adapter.sample_video(media["video"]).frames, patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
+        merge_size=ip.merge_size, image_mean=ip.image_mean, image_std=ip.image_std, resize=False)
+    stored, pixels = item.tensors["pixel_values_videos"], processed["pixel_values_videos"]
+    assert stored.dtype == torch.uint8 and stored.shape == pixels.shape
+    assert stored.nbytes * 4 == pixels.nbytes
+    with torch.no_grad():
+        features = adapter.encode([item], VIDEO)
+        reference = engine.model.model.get_video_features(pixels, processed["video_grid_thw"], return_dict=True)
+    assert torch.equal(features, torch.cat(list(reference.pooler_output)))
+
+
 def test_qwen2_5_vl_video_positions_are_absolute_time_as_transformers_computes_them(checkpoints, tmp_path):
     """A 1-second clip is sampled at 4 fps (qwen-vl-utils' minimum of 4 frames), so a temporal patch of 2
     frames spans 0.5 s: the temporal M-RoPE index advances tokens_per_second * 0.5 per patch, not the
@@ -196,7 +219,7 @@ def test_a_prompt_s_one_media_item_reaches_the_encoder_without_a_copy_on_the_hos
     engine.parallel_vision = False  # the encoder's operators in this thread
     prompt = engine.prepare(_messages(kind, media))
     pixels = [t for item in prompt.media for t in item.tensors.values()
-              if torch.is_tensor(t) and t.is_floating_point() and t.dim() > 1]
+              if torch.is_tensor(t) and (t.is_floating_point() or t.dtype == torch.uint8) and t.dim() > 1]
     assert pixels
     with torch.inference_mode(), Concatenated() as seen:
         engine.prefill(prompt, NoPruning())

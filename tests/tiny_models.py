@@ -179,8 +179,8 @@ def reference_inputs(engine, prompt) -> dict:
     kind = engine.model.config.model_type
     ids = prompt.input_ids[None]
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    images = [m.tensors for m in prompt.media if m.kind == IMAGE]
-    videos = [m.tensors for m in prompt.media if m.kind == VIDEO]
+    images = [engine.adapter.processor_tensors(m) for m in prompt.media if m.kind == IMAGE]
+    videos = [engine.adapter.processor_tensors(m) for m in prompt.media if m.kind == VIDEO]
     if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         inputs["mm_token_type_ids"] = prompt.modality[None].int()
         if images:

@@ -15,7 +15,13 @@ from glimpse.vision.media import (
     probe_video,
     read_frames,
 )
-from glimpse.vision.qwen_video import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, qwen2vl_video_inputs
+from glimpse.vision.qwen_video import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    normalize_video_patches,
+    qwen2vl_video_inputs,
+    qwen2vl_video_patches,
+)
 from glimpse.vision.sampling import (
     FPS,
     FPS_MAX_FRAMES,
@@ -71,7 +77,9 @@ __all__ = [
     "load_image",
     "local_path",
     "probe_video",
+    "normalize_video_patches",
     "qwen2vl_video_inputs",
+    "qwen2vl_video_patches",
     "read_frames",
     "resize_frames_bicubic",
     "resize_image_qwen",

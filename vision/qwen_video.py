@@ -16,6 +16,9 @@ processor fills the temporal patch by repeating the image. Values agree to float
 image processor rescales and normalizes in two steps, the video processor in one). With resizing, sizes
 agree exactly; pixels follow torchvision's CPU uint8 resize, which differs from the PIL processor's resize
 by at most a couple of grey levels.
+
+The engine uses the two halves apart: `qwen2vl_video_patches` (the bytes in patch order) when the prompt is
+built, `normalize_video_patches` where the encoder runs (`Qwen2VLAdapter._video_pixels`).
 """
 
 from __future__ import annotations
@@ -46,12 +49,38 @@ def qwen2vl_video_inputs(
     min_pixels: float = VIDEO_MIN_PIXELS,
     max_pixels: float = VIDEO_MAX_PIXELS,
 ) -> dict[str, torch.Tensor]:
-    """Turn uint8 RGB frames (T, H, W, 3) into Qwen2-VL's video inputs.
+    """Turn uint8 RGB frames (T, H, W, 3) into Qwen2-VL's video inputs, as its processor gives them.
 
     Returns `pixel_values_videos`, float32 (grid_t * grid_h * grid_w, 3 * temporal_patch_size *
     patch_size**2), and `video_grid_thw`, int64 (1, 3). `min_pixels`/`max_pixels` default to
     Qwen2VLVideoProcessor's size (128 and 768 tokens' worth of pixels per frame); frames from
     `sample_video_qwen` already have their final size, so resizing them again changes nothing.
+    `qwen2vl_video_patches` then `normalize_video_patches`: the engine runs the two apart, the second where the
+    encoder runs.
+    """
+    out = qwen2vl_video_patches(frames, patch_size=patch_size, temporal_patch_size=temporal_patch_size,
+                                merge_size=merge_size, resize=resize, min_pixels=min_pixels, max_pixels=max_pixels)
+    out["pixel_values_videos"] = normalize_video_patches(out["pixel_values_videos"], image_mean, image_std)
+    return out
+
+
+def qwen2vl_video_patches(
+    frames: np.ndarray,
+    *,
+    patch_size: int = 14,
+    temporal_patch_size: int = 2,
+    merge_size: int = 2,
+    resize: bool = True,
+    min_pixels: float = VIDEO_MIN_PIXELS,
+    max_pixels: float = VIDEO_MAX_PIXELS,
+) -> dict[str, torch.Tensor]:
+    """`qwen2vl_video_inputs` before rescaling and normalizing: `pixel_values_videos` as the frames' uint8 bytes
+    in the patch order, and `video_grid_thw`.
+
+    Why the engine keeps a video's patches as bytes until the encoder (`normalize_video_patches` there): a
+    quarter of the bytes to write on the host, to hash for the encoder and prefix caches, to keep in the media
+    cache, to send to a GPU and between the Ray captioner's stages (a 16K-token Qwen2-VL video: 78 MB of
+    uint8 against 312 MB of float32), for the same float32 values where they are normalized.
     """
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
         raise ValueError(f"frames must be a non-empty uint8 array (T, H, W, 3), got {frames.dtype} {frames.shape}")
@@ -73,16 +102,26 @@ def qwen2vl_video_inputs(
     blocks = video.reshape(grid_t, temporal_patch_size, grid_h // merge_size, merge_size, patch_size,
                            grid_w // merge_size, merge_size, patch_size, channels)
     # -> (t, block row, block col, row in block, col in block, channel, frame in pair, pixel row, pixel col):
-    # tokens in raster order of merge blocks, each patch flattened channel-major like a Conv3d kernel. The bytes
-    # are put in that order as they become float32, in one pass; the values are then normalized in place.
+    # tokens in raster order of merge blocks, each patch flattened channel-major like a Conv3d kernel.
     layout = blocks.permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    patches = torch.empty(layout.shape, dtype=torch.float32).copy_(layout)
-    # Rescale and normalize in one step: (x - mean / s) / (std / s) with s = 1/255, as transformers fuses them.
-    mean = torch.tensor(image_mean) * (1.0 / RESCALE_FACTOR)
-    std = torch.tensor(image_std) * (1.0 / RESCALE_FACTOR)
-    patches.sub_(mean[:, None, None, None]).div_(std[:, None, None, None])
+    patches = torch.empty(layout.shape, dtype=torch.uint8).copy_(layout)
     pixel_values_videos = patches.reshape(
         grid_t * grid_h * grid_w, channels * temporal_patch_size * patch_size * patch_size
     )
     video_grid_thw = torch.tensor([[grid_t, grid_h, grid_w]], dtype=torch.long)
     return {"pixel_values_videos": pixel_values_videos, "video_grid_thw": video_grid_thw}
+
+
+def normalize_video_patches(patches: torch.Tensor, image_mean: Sequence[float] = OPENAI_CLIP_MEAN,
+                            image_std: Sequence[float] = OPENAI_CLIP_STD) -> torch.Tensor:
+    """uint8 patches of `qwen2vl_video_patches` (rows of channel-major values) -> float32 on the same device,
+    rescaled and normalized in one step, (x - mean / s) / (std / s) with s = 1/255, as transformers fuses them.
+    A subtraction and a division, each correctly rounded on a CPU and on a GPU: the same values on both."""
+    if patches.dtype != torch.uint8:  # float values are normalized already (and would be changed in place below)
+        raise ValueError(f"patches must be uint8 bytes from qwen2vl_video_patches, got {patches.dtype}")
+    rows, channels = patches.shape[0], len(image_mean)
+    values = patches.to(torch.float32).reshape(rows, channels, -1)
+    mean = torch.tensor(image_mean) * (1.0 / RESCALE_FACTOR)
+    std = torch.tensor(image_std) * (1.0 / RESCALE_FACTOR)
+    values.sub_(mean.to(patches.device)[:, None]).div_(std.to(patches.device)[:, None])
+    return values.reshape(patches.shape)
