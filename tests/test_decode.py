@@ -953,6 +953,65 @@ def test_the_fixed_shape_step_serves_requests_that_come_and_go(deep_checkpoints,
 
 
 @pytest.mark.parametrize("graphs", [False, True])
+def test_clients_leaving_two_slot_groups_mid_answer_free_their_slots_and_the_others_answer_as_alone(
+        deep_checkpoints, monkeypatch, graphs):
+    """A served batch too mixed for one batch of slots (short questions beside long prompts: two slot groups), and
+    one client of each group leaves mid-answer (its stream cancels on its third chunk, from the scheduler's own
+    thread, so at a known step). From the next step on neither leaver holds a slot, the groups keep serving the
+    others, every other answer is the one it gets alone, and a request sent afterwards is served as alone too."""
+    from glimpse.pipeline.scheduler import Scheduler
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    short = [{"role": "user", "content": "Read. "}]
+    long = [{"role": "user", "content": "Read. " + "The sea is calm. " * 30}]
+    cases = [(short, 14), (short, 11), (long, 12), (long, 9)]
+    later = (long, 6)
+    alone = [engine.generate(c, policy="none", max_new_tokens=n, ignore_eos=True) for c, n in [*cases, later]]
+    steps = []  # per decode step: the members of each slot group, by id
+    decode_step = Engine.decode_step
+    monkeypatch.setattr(Engine, "decode_step", lambda self, running: (
+        decode_step(self, running), steps.append([{id(r) for r in g.members} for g in self.slot_groups]))[0])
+    engine.decode_graphs = graphs
+    scheduler = Scheduler(engine, max_batch=8, queue_size=8, start=False)  # all queued before the loop runs
+    left, cancelled_at = {}, {}
+
+    def leave_on_third_chunk(name):
+        seen = []
+
+        def sink(chunk):
+            seen.append(chunk)
+            if len(seen) == 3:
+                cancelled_at[name] = len(steps)  # the client leaves after this many steps
+                tickets[name].cancel.set()
+            if getattr(chunk, "result", None) is not None:
+                left[name] = chunk.result
+        return sink
+
+    tickets = {}
+    for name, conversation in (("short", short), ("long", long)):
+        tickets[name] = scheduler.submit(conversation, policy="none", max_new_tokens=60, ignore_eos=True,
+                                         sink=leave_on_third_chunk(name))
+    staying = [scheduler.submit(c, policy="none", max_new_tokens=n, ignore_eos=True) for c, n in cases]
+    loop = threading.Thread(target=scheduler.run, daemon=True)
+    loop.start()
+    try:
+        results = [t.result(timeout=120) for t in staying]
+        after = scheduler.submit(later[0], policy="none", max_new_tokens=later[1], ignore_eos=True).result(timeout=120)
+    finally:
+        scheduler.close()
+        loop.join(timeout=60)
+    assert sorted(left) == ["long", "short"]
+    for name, ticket in tickets.items():
+        assert left[name].finish_reason == "cancelled" and len(left[name].token_ids) < 60
+        leaver, at = id(ticket.request), cancelled_at[name]
+        assert len(steps[at - 1]) == 2 and any(leaver in group for group in steps[at - 1])  # two groups, it in one
+        assert not any(leaver in group for step in steps[at + 1:] for group in step)  # its slot freed
+        assert any(len(step) == 2 for step in steps[at + 1:])  # and both groups decoded on
+    for together, single in zip([*results, after], alone):
+        assert together.token_ids == single.token_ids
+
+
+@pytest.mark.parametrize("graphs", [False, True])
 def test_st3_requests_come_and_go_beside_other_policies_and_answer_as_alone(deep_checkpoints, media, graphs):
     """Continuous batching with ST3 annealing in the slots beside unpruned, ZipVL (packed, on its own cache) and
     prefill-only requests: requests arrive while others anneal, one leaves mid-answer; every answer and its visual
