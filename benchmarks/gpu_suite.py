@@ -38,7 +38,9 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    transformers' ``generate`` on the same model, and the engine without its KV slots (``Engine.decode_slots``:
    every request attending on its own), and with its slot steps captured as a CUDA graph and replayed
    (``Engine.decode_graphs``, pipeline/decode_graph.py; the engine's default on CUDA since this section measured
-   it); ST3's KV after 64 answer tokens against the baseline's.
+   it); ST3's KV after 64 answer tokens against the baseline's. Since 2026-12-02 also what capturing the step
+   costs: a capturing, an eager and a replayed decode step of the same requests at batch 1 and 16, and so how many
+   replays pay for a capture (a served batch forms new slot groups, and captures again, every few steps).
 7. caption: issue 26's pipeline on a GPU, its two stages measured apart (Ray itself is not on the lent machine:
    its wheel is larger than what a call may carry): the model stage, ``CaptionStage`` — what each Ray actor
    runs — over batches of decoded JPEG photos on the LLaVA-1.5-7B engine (images/s for one actor, one GPU),
@@ -434,10 +436,61 @@ def decode(suite: Suite) -> dict:
                          "vs_generate": rate[name] / rate["generate"],
                          "kv_bytes": kv.get(name), "kv_vs_baseline": kv[name] / kv["none"] if name in kv else None})
             suite.progress(f"  batch {batch} {name}: {rate[name]:.1f} tokens/s ({rows[-1]['vs_generate']:.2f}x generate)")
+    # Off CUDA the same steps run, the "capture" and "replay" ones as the fixed-shape step run eagerly: not a measurement.
+    with torch.inference_mode():
+        capture = [_graph_capture_cost(engine, messages, batch, repeats=3 + 2 * suite.shapes.runs)
+                   for batch in (1, suite.shapes.decode_batch)]
+    for c in capture:
+        suite.progress(f"  batch {c['batch']} capture: " + (c["error"] if "error" in c else
+                       f"{c['capture_step_s'] * 1000:.1f} ms against {c['eager_step_s'] * 1000:.1f} eager and "
+                       f"{c['replay_step_s'] * 1000:.1f} replayed; replays to pay for a capture: {_replays(c)}"))
     if engine.decode_graph_error:  # the "CUDA graph" rows then ran the fixed-shape step eagerly
         suite.skip("decode as a CUDA graph", f"capture failed: {engine.decode_graph_error}")
     return {"model": f"random {suite.shapes.llava_preset}", "prompt_tokens": prompt.token_counts(),
-            "runs": suite.shapes.runs, "rows": rows}
+            "runs": suite.shapes.runs, "rows": rows, "capture": capture}
+
+
+def _replays(capture: dict) -> str:
+    replays = capture["break_even_replays"]
+    return "never (a replay is no faster)" if replays is None else f"{replays:.1f}"
+
+
+def _graph_capture_cost(engine, messages, batch: int, repeats: int) -> dict:
+    """What capturing the decode step as a CUDA graph costs against what each replay saves, at ``batch``: a served
+    batch forms new slot groups (and captures again) every few steps (docs/benchmarks.md, slot groups), so whether to
+    capture at once or after some eager steps depends on this break-even. Three kinds of decode step of the same
+    requests, interleaved, each timed whole (``Engine.decode_step``: the host's work, the device's, the sampling):
+    one that captures (its step forgotten first, so it captures again), one eager (the plain slot step, graphs off),
+    one replayed; medians."""
+    with _decoding(engine, graphs=True):
+        requests = [engine.start(messages, "none", 0.0, 4 + 3 * repeats, Sampling(), ignore_eos=True)
+                    for _ in range(batch)]
+        engine.decode_step(requests)  # the prompts' last tokens
+        engine.decode_step(requests)  # the slot groups form, and the step is captured
+        if engine.decode_graph_error or not engine.slot_groups or engine.slot_groups[0].fixed_step is None:
+            return {"batch": batch, "error": engine.decode_graph_error or "no fixed-shape step to capture"}
+
+        def step(kind: str) -> float:
+            engine.decode_graphs = kind != "eager"
+            if kind == "capture":
+                engine.slot_groups[0].fixed_step = None  # the next step makes and captures it again
+            synchronize(engine.device)
+            start = time.perf_counter()
+            engine.decode_step(requests)
+            synchronize(engine.device)
+            return time.perf_counter() - start
+
+        seconds = {"capture": [], "eager": [], "replay": []}
+        for _ in range(repeats):
+            for kind in seconds:  # a replay after each capture: the graph just captured
+                seconds[kind].append(step(kind))
+        engine.decode_graphs = True
+    median = {kind: statistics.median(values) for kind, values in seconds.items()}
+    saved = median["eager"] - median["replay"]
+    return {"batch": batch, "capture_step_s": median["capture"], "eager_step_s": median["eager"],
+            "replay_step_s": median["replay"], "repeats": repeats,
+            # Replays it takes to win back the capture's cost over the eager step it replaces.
+            "break_even_replays": (median["capture"] - median["eager"]) / saved if saved > 0 else None}  # None: never
 
 
 def overlap(suite: Suite) -> dict:
@@ -835,6 +888,16 @@ def markdown(report: dict) -> str:
             lines += _table(["batch", "decoder", "tokens/s", "vs generate", "KV after the answer / baseline"],
                             [[r["batch"], r["decoder"], f"{r['decode_tokens_per_s']:.1f}", f"{r['vs_generate']:.2f}",
                               _f(r["kv_vs_baseline"])] for r in section["rows"]])
+            if section.get("capture"):
+                lines += ["", "The CUDA graph's capture against what a replay saves (whole decode steps, medians"
+                          + ("; no CUDA: no graph, the capturing and replayed steps are the fixed-shape step run eagerly"
+                             if report["device"].startswith("CPU") else "") + "):", ""]
+                lines += _table(["batch", "capturing step (ms)", "eager step (ms)", "replayed step (ms)",
+                                 "replays to pay for a capture"],
+                                [[c["batch"], "-", "-", "-", c["error"]] if "error" in c else
+                                 [c["batch"], f"{c['capture_step_s'] * 1000:.1f}", f"{c['eager_step_s'] * 1000:.1f}",
+                                  f"{c['replay_step_s'] * 1000:.1f}", _replays(c)]
+                                 for c in section["capture"]])
         elif name == "profile":
             lines += _table(["what", "wall (s)", "aten calls", "host syncs", "heaviest on host (ms)",
                              "heaviest on device (ms)"],
