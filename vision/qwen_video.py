@@ -116,7 +116,9 @@ def normalize_video_patches(patches: torch.Tensor, image_mean: Sequence[float] =
                             image_std: Sequence[float] = OPENAI_CLIP_STD) -> torch.Tensor:
     """uint8 patches of `qwen2vl_video_patches` (rows of channel-major values) -> float32 on the same device,
     rescaled and normalized in one step, (x - mean / s) / (std / s) with s = 1/255, as transformers fuses them.
-    A subtraction and a division, each correctly rounded on a CPU and on a GPU: the same values on both."""
+    A subtraction and a division per value, as the processor's own: on a CPU the processor's values bit for bit
+    (tested); on a GPU the same two IEEE operations, whose values the GPU suite's exactness section compares with
+    the host's."""
     if patches.dtype != torch.uint8:  # float values are normalized already (and would be changed in place below)
         raise ValueError(f"patches must be uint8 bytes from qwen2vl_video_patches, got {patches.dtype}")
     rows, channels = patches.shape[0], len(image_mean)
