@@ -277,19 +277,24 @@ def _exactness(suite: Suite) -> dict:
                 rows.append(_exact_row(suite, arch, folder, dtype, attn, messages))
                 suite.progress(f"  {arch} {rows[-1]['dtype']} {attn}: tokens identical {rows[-1]['tokens_identical']}, "
                                f"logits max diff {rows[-1]['logits_max_abs_diff']:.2e}")
-    # A Qwen-family video's patches stay uint8 until the encoder normalizes them on its device (vision/qwen_video.py):
-    # the values it reads there against the host's, which transformers' processor gives (tested on CPU).
-    video_pixels_identical = {}
+    # A Qwen-family image's or video's patches stay uint8 until the encoder normalizes them on its device
+    # (vision/qwen_video.py): the values it reads there against the host's, which transformers' processors give
+    # (tested on CPU).
+    from PIL import Image
+
+    pixels_identical = {}
     with torch.inference_mode():
         for arch in ("qwen2_vl", "qwen3_vl"):
             engine = load_engine(str(Path(suite.tmp.name) / "tiny" / arch), device=str(suite.device))
-            item = engine.adapter.prepare_video(ASSETS / "sample.mp4")
-            video_pixels_identical[arch] = torch.equal(engine.adapter._video_pixels([item], engine.device).cpu(),
-                                                       engine.adapter._video_pixels([item]))
-    suite.progress(f"  video patches normalized on {suite.device} = on the host: {video_pixels_identical}")
+            for item in (engine.adapter.prepare_image(Image.open(image).convert("RGB")),
+                         engine.adapter.prepare_video(ASSETS / "sample.mp4")):
+                pixels_identical[f"{arch} {item.kind.name.lower()}"] = torch.equal(
+                    engine.adapter._pixels([item], item.kind, engine.device).cpu(),
+                    engine.adapter._pixels([item], item.kind))
+    suite.progress(f"  patches normalized on {suite.device} = on the host: {pixels_identical}")
     float32 = [r for r in rows if r["dtype"] == "float32"]
     half = [r for r in rows if r["dtype"] != "float32"]
-    return {"rows": rows, "video_pixels_identical": video_pixels_identical,
+    return {"rows": rows, "pixels_identical": pixels_identical,
             "float32_tokens_identical": all(r["tokens_identical"] for r in float32),
             "float32_graph_tokens_identical": all(r["graph_tokens_identical"] for r in float32),
             "float32_logits_close": all(r["logits_close"] for r in float32),
@@ -871,9 +876,9 @@ def markdown(report: dict) -> str:
                               f"{r['agreeing_prefix']}/{r['new_tokens']}", f"{r['logits_max_abs_diff']:.2e}",
                               f"{r['tolerance']:.1e}", _packed_cell(r.get("packed_kv_kernel"))]
                              for r in section["rows"]])
-            if "video_pixels_identical" in section:
-                lines += ["", "A video's patches normalized where the encoder runs, against on the host (bit for bit): "
-                          + ", ".join(f"{arch} {same}" for arch, same in section["video_pixels_identical"].items())]
+            if "pixels_identical" in section:
+                lines += ["", "Qwen patches normalized where the encoder runs, against on the host (bit for bit): "
+                          + ", ".join(f"{what} {same}" for what, same in section["pixels_identical"].items())]
         elif name == "overhead":
             lines += [f"{section['model']}, {section['attn']}, {section['dtype']} (vision encoder: "
                       f"{section.get('vision_dtype')}, {section.get('vision_attn')}), median of {section['runs']}", ""]

@@ -162,11 +162,17 @@ class Qwen2VLAdapter(Adapter):
         return self.config.vision_config.spatial_merge_size
 
     def prepare_image(self, image):
-        out = self.image_processor(images=[image], return_tensors="pt")
+        # Resized and cut into patches, but kept as bytes: the encoder rescales and normalizes them on its device
+        # (``_pixels``), as a video's (vision/qwen_video.py says why).
+        out = self.image_processor(images=[image], do_rescale=False, do_normalize=False, return_tensors="pt")
+        pixels = out["pixel_values"].to(torch.uint8)
+        sample = slice(None, None, max(1, len(pixels) // 64))  # a processor that resized in floats would show it anywhere
+        if not torch.equal(pixels[sample].to(out["pixel_values"].dtype), out["pixel_values"][sample]):
+            raise RuntimeError(f"{type(self.image_processor).__name__} resized the image to values that are not bytes")
         grid = out["image_grid_thw"]
         t, h, w = (int(x) for x in grid[0])
         m = self.merge_size
-        return MediaInput(IMAGE, t * h * w // m**2, {"pixel_values": out["pixel_values"], "image_grid_thw": grid},
+        return MediaInput(IMAGE, t * h * w // m**2, {"pixel_values": pixels, "image_grid_thw": grid},
                           frames=[image], grid=(t, h // m, w // m))
 
     def sample_video(self, path):
@@ -178,7 +184,7 @@ class Qwen2VLAdapter(Adapter):
 
     def _video_input(self, sampled) -> MediaInput:
         ip = self.image_processor
-        # The patches stay uint8 until the encoder normalizes them where it runs (``_video_pixels``):
+        # The patches stay uint8 until the encoder normalizes them where it runs (``_pixels``):
         # vision/qwen_video.py says why.
         tensors = vision.qwen2vl_video_patches(
             sampled.frames, patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
@@ -197,20 +203,22 @@ class Qwen2VLAdapter(Adapter):
         if item.kind != VIDEO:
             return None
         t, h, w = item.grid
-        pixels = self._video_pixels([item])  # (patches, C*T*P*P), each token's m*m patches in a row
+        pixels = self._pixels([item], VIDEO)  # (patches, C*T*P*P), each token's m*m patches in a row
         return pixels.reshape(t, h * w, self.merge_size**2, -1)
 
     def processor_tensors(self, item):
-        if item.kind != VIDEO:
-            return item.tensors
-        return {**item.tensors, "pixel_values_videos": self._video_pixels([item])}
+        name = "pixel_values" if item.kind == IMAGE else "pixel_values_videos"
+        return {**item.tensors, name: self._pixels([item], item.kind)}
 
-    def _video_pixels(self, items, device=None, rows=None) -> torch.Tensor:
-        """The videos' patches joined (only ``rows`` of them, a bool mask, if given), on ``device``, normalized
-        there: float32, as Qwen2-VL's video processor gives them."""
-        patches = [m.tensors["pixel_values_videos"] for m in items]
+    def _pixels(self, items, kind, device=None, rows=None) -> torch.Tensor:
+        """The items' patches joined (only ``rows`` of them, a bool mask, if given), on ``device``, and rescaled and
+        normalized there: float32, as the checkpoint's image processor (an image) or Qwen2-VL's video processor (a
+        video) gives them."""
+        patches = [m.tensors["pixel_values" if kind == IMAGE else "pixel_values_videos"] for m in items]
         pixels = _joined(patches, device) if rows is None else _joined(patches)[rows].to(device)
         ip = self.image_processor
+        if kind == IMAGE:
+            return vision.normalize_image_patches(pixels, ip.rescale_factor, ip.image_mean, ip.image_std)
         return vision.normalize_video_patches(pixels, ip.image_mean, ip.image_std)
 
     def encode_kept(self, media, kind, keep):
@@ -232,10 +240,7 @@ class Qwen2VLAdapter(Adapter):
         segments = {"position_ids": get_vision_position_ids(grid, self.merge_size)[patches],
                     "cu_seqlens": _kept_segments(step_sizes, patches), **self._kept_extras(grid, keep, patches)}
         device = vm.visual.device
-        if kind == IMAGE:
-            pixels = _joined([m.tensors["pixel_values"] for m in items])[patches].to(device, vm.visual.dtype)
-        else:
-            pixels = self._video_pixels(items, device, rows=patches).to(vm.visual.dtype)
+        pixels = self._pixels(items, kind, device, rows=patches).to(vm.visual.dtype)
         return vm.visual(pixels, grid_thw=grid.to(device),
                          **{k: v.to(device) for k, v in segments.items()})
 
@@ -249,11 +254,10 @@ class Qwen2VLAdapter(Adapter):
         vm = self.model.model
         items = [m for m in media if m.kind == kind]
         device = vm.visual.device
+        pixels = self._pixels(items, kind, device)
         if kind == IMAGE:
-            pixels = _joined([m.tensors["pixel_values"] for m in items], device)
             grid = _joined([m.tensors["image_grid_thw"] for m in items], device)
             return vm.get_image_features(pixels, grid, return_dict=True)
-        pixels = self._video_pixels(items, device)
         grid = _joined([m.tensors["video_grid_thw"] for m in items], device)
         return vm.get_video_features(pixels, grid, return_dict=True)
 

@@ -63,27 +63,50 @@ def test_no_pruning_reproduces_transformers_generate(checkpoints, media, arch, k
     torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["image", "video"])
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])  # 14- and 16-pixel patches
-def test_a_qwen_video_s_patches_stay_bytes_until_the_encoder_reads_the_processor_s_values(checkpoints, media, arch):
-    """The prompt keeps a Qwen-VL video's patches as their uint8 bytes (a quarter of float32's: less to hash for the
-    caches, to keep in the media cache, to send to a GPU); the encoder reads exactly the float32 values Qwen2-VL's
-    video processor gives for the same frames (vision.qwen2vl_video_inputs, checked against transformers' own)."""
+def test_qwen_patches_stay_bytes_until_the_encoder_reads_the_processor_s_values(checkpoints, media, arch, kind):
+    """The prompt keeps a Qwen-VL image's or video's patches as their uint8 bytes (a quarter of float32's: less to hash
+    for the caches, to keep in the media cache, to send to a GPU); the encoder, on the whole item or on some of its
+    tokens, reads exactly the float32 values the processor gives: transformers' own image processor for an image,
+    Qwen2-VL's video processor for a video (vision.qwen2vl_video_inputs, checked against transformers')."""
     from glimpse import vision
-    from glimpse.pipeline.adapters import VIDEO
+    from glimpse.pipeline.adapters import IMAGE, VIDEO
 
     engine = load_engine(str(checkpoints[arch]), device="cpu")
     adapter, ip = engine.adapter, engine.adapter.image_processor
-    item = adapter.prepare_video(media["video"])
-    processed = vision.qwen2vl_video_inputs(
-        adapter.sample_video(media["video"]).frames, patch_size=ip.patch_size, temporal_patch_size=ip.temporal_patch_size,
-        merge_size=ip.merge_size, image_mean=ip.image_mean, image_std=ip.image_std, resize=False)
-    stored, pixels = item.tensors["pixel_values_videos"], processed["pixel_values_videos"]
+    if kind == "image":
+        image = Image.open(media["image"]).convert("RGB")
+        item, name, modality = adapter.prepare_image(image), "pixel_values", IMAGE
+        processed = ip(images=[image], return_tensors="pt")
+        grid = processed["image_grid_thw"]
+    else:
+        item, name, modality = adapter.prepare_video(media["video"]), "pixel_values_videos", VIDEO
+        processed = vision.qwen2vl_video_inputs(
+            adapter.sample_video(media["video"]).frames, patch_size=ip.patch_size,
+            temporal_patch_size=ip.temporal_patch_size, merge_size=ip.merge_size, image_mean=ip.image_mean,
+            image_std=ip.image_std, resize=False)
+        grid = processed["video_grid_thw"]
+    stored, pixels = item.tensors[name], processed[name]
     assert stored.dtype == torch.uint8 and stored.shape == pixels.shape
     assert stored.nbytes * 4 == pixels.nbytes
+    keep = torch.arange(item.num_tokens) % 3 != 1  # two tokens in three
     with torch.no_grad():
-        features = adapter.encode([item], VIDEO)
-        reference = engine.model.model.get_video_features(pixels, processed["video_grid_thw"], return_dict=True)
+        features = adapter.encode([item], modality)
+        kept = adapter.encode_kept([item], modality, keep)
+        model = engine.model.model
+        reference = (model.get_image_features if kind == "image" else model.get_video_features)(
+            pixels, grid, return_dict=True)
+        # The tower itself on the processor's values of the kept tokens' patches, as encode_kept calls it.
+        patches = keep.repeat_interleave(adapter.merge_size**2)
+        seen = []
+        hook = model.visual.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+        try:
+            adapter.encode_kept([item], modality, keep)
+        finally:
+            hook.remove()
     assert torch.equal(features, torch.cat(list(reference.pooler_output)))
+    assert torch.equal(seen[0], pixels[patches]) and kept.shape[0] == int(keep.sum())
 
 
 def test_qwen2_5_vl_video_positions_are_absolute_time_as_transformers_computes_them(checkpoints, tmp_path):

@@ -757,3 +757,23 @@ def test_video_patches_reject_bad_input():
         vision.qwen2vl_video_inputs(np.zeros((2, 50, 56, 3), dtype=np.uint8), resize=False)
     with pytest.raises(ValueError, match="uint8"):
         vision.qwen2vl_video_inputs(np.zeros((2, 56, 56, 3), dtype=np.float32))
+
+
+@pytest.mark.parametrize("rescale_factor", [1 / 255, 1 / 127.5])  # Qwen's; another checkpoint's (the float64 path)
+def test_image_patch_bytes_normalize_to_the_image_processor_s_values_for_every_byte(rescale_factor):
+    """normalize_image_patches gives, for each of the 256 byte values in each channel, what transformers' own
+    rescale (float64, then float32) and normalize give: a Qwen image's patches can stay bytes until the encoder."""
+    from transformers.image_transforms import normalize, rescale
+
+    import torch
+
+    values = np.arange(256, dtype=np.uint8)
+    patches = torch.from_numpy(np.tile(values, (4, 3, 2)).reshape(4, 3 * 512))  # 4 rows of (channel, value) runs
+    ours = vision.normalize_image_patches(patches, rescale_factor, vision.OPENAI_CLIP_MEAN, vision.OPENAI_CLIP_STD)
+    image = rescale(patches.numpy().reshape(4 * 3, 512).reshape(4, 3, 512).transpose(1, 0, 2), rescale_factor,
+                    input_data_format="channels_first")  # (C, rows, values): channels first, as the processor has it
+    reference = normalize(image, vision.OPENAI_CLIP_MEAN, vision.OPENAI_CLIP_STD, input_data_format="channels_first")
+    assert ours.dtype == torch.float32
+    np.testing.assert_array_equal(ours.numpy().reshape(4, 3, 512), reference.transpose(1, 0, 2))
+    with pytest.raises(ValueError, match="uint8"):
+        vision.normalize_image_patches(ours)

@@ -18,6 +18,7 @@ from glimpse.vision.media import (
 from glimpse.vision.qwen_video import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
+    normalize_image_patches,
     normalize_video_patches,
     qwen2vl_video_inputs,
     qwen2vl_video_patches,
@@ -77,6 +78,7 @@ __all__ = [
     "load_image",
     "local_path",
     "probe_video",
+    "normalize_image_patches",
     "normalize_video_patches",
     "qwen2vl_video_inputs",
     "qwen2vl_video_patches",

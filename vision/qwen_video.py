@@ -18,7 +18,8 @@ agree exactly; pixels follow torchvision's CPU uint8 resize, which differs from 
 by at most a couple of grey levels.
 
 The engine uses the two halves apart: `qwen2vl_video_patches` (the bytes in patch order) when the prompt is
-built, `normalize_video_patches` where the encoder runs (`Qwen2VLAdapter._video_pixels`).
+built, `normalize_video_patches` where the encoder runs (`Qwen2VLAdapter._pixels`). A Qwen image's patches, from its PIL
+image processor without rescaling and normalizing, are kept as bytes the same way (`normalize_image_patches`).
 """
 
 from __future__ import annotations
@@ -127,3 +128,25 @@ def normalize_video_patches(patches: torch.Tensor, image_mean: Sequence[float] =
     std = torch.tensor(image_std) * (1.0 / RESCALE_FACTOR)
     values.sub_(mean.to(patches.device)[:, None]).div_(std.to(patches.device)[:, None])
     return values.reshape(patches.shape)
+
+
+def normalize_image_patches(patches: torch.Tensor, rescale_factor: float = RESCALE_FACTOR,
+                            image_mean: Sequence[float] = OPENAI_CLIP_MEAN,
+                            image_std: Sequence[float] = OPENAI_CLIP_STD) -> torch.Tensor:
+    """uint8 patches of an image, from Qwen2-VL's PIL image processor with ``do_rescale=False, do_normalize=False``
+    -> float32 on the same device, as that processor rescales and normalizes them, in two steps: each byte times
+    ``rescale_factor`` in float64 then rounded to float32 (NumPy's rescale), then (x - mean) / std in float32. On a
+    CPU the processor's values bit for bit (tested); the GPU suite's exactness section compares a GPU's."""
+    if patches.dtype != torch.uint8:
+        raise ValueError(f"patches must be uint8 bytes, got {patches.dtype}")
+    rows, channels = patches.shape[0], len(image_mean)
+    if rescale_factor == RESCALE_FACTOR:
+        # For every byte b, float32(b * (1/255 in float64)) is b / 255 in float32 (tested over all 256): the same
+        # values without a float64 copy, which on a CPU costs several times the division.
+        values = patches.to(torch.float32).div_(255.0)
+    else:
+        values = (patches.to(torch.float64) * rescale_factor).to(torch.float32)
+    values = values.reshape(rows, channels, -1)
+    mean = torch.tensor(image_mean, dtype=torch.float32, device=patches.device)[:, None]
+    std = torch.tensor(image_std, dtype=torch.float32, device=patches.device)[:, None]
+    return values.sub_(mean).div_(std).reshape(patches.shape)
