@@ -13,7 +13,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    the engine's decode steps captured as a CUDA graph (``Engine.decode_graphs``) against ``generate`` too; and
    ZipVL's packed KV decoded with the packed-attention kernel (pipeline/packed_attention.py, Triton, since
    2026-12-02) against the packed slots dequantized first: the same tokens, eagerly and as the CUDA graph; and a
-   Qwen video's uint8 patches normalized on the device against on the host, bit for bit (since 2026-12-02).
+   Qwen image's and video's uint8 patches normalized on the device against on the host, bit for bit (since
+   2026-12-02).
 2. overhead: random weights of Qwen2-VL-7B's shapes (28 decoder layers, the real 32-block vision tower),
    an 8K- and a 16K-token video prompt: the engine's prefill against transformers' own forward, alternating,
    the forward given its inputs on the device and from the host's tensors (the engine's starting point: the
