@@ -502,7 +502,6 @@ def _graph_capture_cost(engine, messages, batch: int, repeats: int) -> dict:
         for _ in range(repeats):
             for kind in seconds:  # a replay after each capture: the graph just captured
                 seconds[kind].append(step(kind))
-        engine.decode_graphs = True
     median = {kind: statistics.median(values) for kind, values in seconds.items()}
     saved = median["eager"] - median["replay"]
     return {"batch": batch, "capture_step_s": median["capture"], "eager_step_s": median["eager"],

@@ -129,7 +129,7 @@ class Adapter:
 
     def processor_tensors(self, item: MediaInput) -> dict[str, torch.Tensor]:
         """The item's tensors as the checkpoint's own processor gives them to transformers' forward (they may be
-        kept in a more compact form until the encoder: Qwen2-VL's video patches)."""
+        kept in a more compact form until the encoder: a Qwen-family image's or video's patches, as bytes)."""
         return item.tensors
 
     def token_pixels(self, item: MediaInput) -> torch.Tensor | None:

@@ -91,20 +91,18 @@ def test_qwen_patches_stay_bytes_until_the_encoder_reads_the_processor_s_values(
     assert stored.dtype == torch.uint8 and stored.shape == pixels.shape
     assert stored.nbytes * 4 == pixels.nbytes
     keep = torch.arange(item.num_tokens) % 3 != 1  # two tokens in three
+    model = engine.model.model
+    seen = []  # what the tower itself is given when encode_kept calls it
     with torch.no_grad():
         features = adapter.encode([item], modality)
-        kept = adapter.encode_kept([item], modality, keep)
-        model = engine.model.model
         reference = (model.get_image_features if kind == "image" else model.get_video_features)(
             pixels, grid, return_dict=True)
-        # The tower itself on the processor's values of the kept tokens' patches, as encode_kept calls it.
-        patches = keep.repeat_interleave(adapter.merge_size**2)
-        seen = []
         hook = model.visual.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
         try:
-            adapter.encode_kept([item], modality, keep)
+            kept = adapter.encode_kept([item], modality, keep)
         finally:
             hook.remove()
+    patches = keep.repeat_interleave(adapter.merge_size**2)  # the kept tokens' patches
     assert torch.equal(features, torch.cat(list(reference.pooler_output)))
     assert torch.equal(seen[0], pixels[patches]) and kept.shape[0] == int(keep.sum())
 

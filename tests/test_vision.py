@@ -770,7 +770,7 @@ def test_image_patch_bytes_normalize_to_the_image_processor_s_values_for_every_b
     values = np.arange(256, dtype=np.uint8)
     patches = torch.from_numpy(np.tile(values, (4, 3, 2)).reshape(4, 3 * 512))  # 4 rows of (channel, value) runs
     ours = vision.normalize_image_patches(patches, rescale_factor, vision.OPENAI_CLIP_MEAN, vision.OPENAI_CLIP_STD)
-    image = rescale(patches.numpy().reshape(4 * 3, 512).reshape(4, 3, 512).transpose(1, 0, 2), rescale_factor,
+    image = rescale(patches.numpy().reshape(4, 3, 512).transpose(1, 0, 2), rescale_factor,
                     input_data_format="channels_first")  # (C, rows, values): channels first, as the processor has it
     reference = normalize(image, vision.OPENAI_CLIP_MEAN, vision.OPENAI_CLIP_STD, input_data_format="channels_first")
     assert ours.dtype == torch.float32
