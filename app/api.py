@@ -62,6 +62,7 @@ from glimpse.connections import AbsoluteFormTargets, BodyLimits, error_content
 from glimpse.fetch import FETCH_DEADLINE_S, Allowance, Fetcher, FetchError
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.engine import StreamChunk
+from glimpse.pipeline.out_of_memory import OutOfMemory
 from glimpse.pipeline.prompt import check_text_length
 from glimpse.pipeline.scheduler import QueueFull, Scheduler
 
@@ -428,6 +429,8 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             # Streamed or not, nothing is sent before the first token (or the answer): a request that fails
             # at its prefill (a policy parameter this model cannot take) is a plain 400, not a stream of one error.
             first = await _first(request, ticket, channel, whole=not body.stream)
+        except OutOfMemory as error:  # not the request's fault alone: beside fewer others it may fit
+            return _error(503, str(error), "server_error")
         except UserError as error:
             return _error(400, str(error))
         except Exception as error:
@@ -771,7 +774,8 @@ async def _events(ticket, channel: Channel, first, speed, promise, model_name, i
             if item is None:
                 break
             if isinstance(item, BaseException):
-                kind = "invalid_request_error" if isinstance(item, UserError) else "server_error"
+                kind = ("invalid_request_error" if isinstance(item, UserError) and not isinstance(item, OutOfMemory)
+                        else "server_error")
                 message = str(item) if isinstance(item, UserError) else f"{type(item).__name__}: {item}"
                 yield f"data: {json.dumps({'error': {'message': message, 'type': kind}})}\n\n"
                 break

@@ -33,10 +33,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from glimpse.common import UserError
-from glimpse.pipeline import PromptError
+from glimpse.pipeline import OutOfMemory, PromptError
 from glimpse.pipeline.profiles import model_key
 from glimpse.pipeline.prompt import user_message
 from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
@@ -431,7 +430,7 @@ def _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
     options = dict(policy=policy, speed=speed, max_new_tokens=max_new_tokens)
     try:
         return list(zip(batch, engine.generate_batch(conversations, **options)))
-    except (MediaError, PromptError, OSError, torch.OutOfMemoryError) as error:
+    except (MediaError, PromptError, OSError, OutOfMemory) as error:
         if len(batch) == 1:
             reason = str(error).removeprefix(f"{batch[0]}: ")  # (a message naming the path as given: said once)
             report.failed.append((str(batch[0]), reason))

@@ -12,8 +12,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from glimpse.common import UserError
+from glimpse.pipeline.out_of_memory import OutOfMemory
 
-OUTCOMES = ("ok", "cancelled", "bad_request", "rejected", "unauthorized", "error")
+OUTCOMES = ("ok", "cancelled", "bad_request", "rejected", "unauthorized", "out_of_memory", "error")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 SHARE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -75,7 +76,8 @@ class Telemetry:
 
     def finished(self, ticket, result, error) -> None:
         if error is not None:
-            self.refused("bad_request" if isinstance(error, UserError) else "error")
+            self.refused("out_of_memory" if isinstance(error, OutOfMemory) else
+                         "bad_request" if isinstance(error, UserError) else "error")
             return
         if result is None or result.finish_reason == "cancelled":  # cancelled while waiting, or mid-answer
             self.refused("cancelled")

@@ -2,6 +2,7 @@
 
 from glimpse.pipeline.engine import Engine, GenerationResult, StreamChunk
 from glimpse.pipeline.loading import ModelLoadError, Preprocessor, load_engine
+from glimpse.pipeline.out_of_memory import OutOfMemory
 from glimpse.pipeline.prompt import PromptError
 
-__all__ = ["Engine", "GenerationResult", "ModelLoadError", "Preprocessor", "PromptError", "StreamChunk", "load_engine"]
+__all__ = ["Engine", "GenerationResult", "ModelLoadError", "OutOfMemory", "Preprocessor", "PromptError", "StreamChunk", "load_engine"]

@@ -33,6 +33,7 @@ from glimpse.pipeline.decode_graph import SlotStep, fixed_shape_step
 from glimpse.pipeline.encoder_cache import EncoderCache, media_key
 from glimpse.pipeline.media_cache import MediaCache
 from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
+from glimpse.pipeline.out_of_memory import OutOfMemory, attempt
 from glimpse.pipeline.prefix_cache import PrefixCache, media_spans
 from glimpse.pipeline.prompt import Prompt, PromptError, build_prompt
 from glimpse.pruning import Frontier, Policy, configuration, make_policy, prunes_nothing
@@ -532,6 +533,18 @@ class Engine:
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        request, tried = attempt(lambda: self._prefill_request(prompt, policy, max_new_tokens, sampling, generator,
+                                                              ignore_eos, caches, defer, t_request))
+        if request is None:
+            counts = [f"{n:,} {kind}" for kind, n in prompt.token_counts().items() if n]
+            counts = " and ".join([", ".join(counts[:-1]), counts[-1]] if len(counts) > 1 else counts)
+            raise OutOfMemory(f"out of {self._memory_name()} memory prefilling this prompt of {counts} tokens{tried}: a "
+                              "shorter video, fewer or smaller images or a shorter conversation need less (beside "
+                              "other requests, it may fit once they end)")
+        return request
+
+    def _prefill_request(self, prompt, policy, max_new_tokens, sampling, generator, ignore_eos, caches, defer,
+                         t_request) -> "Request":
         t_prefill = time.perf_counter()
         stop_ids = set() if ignore_eos else self.eos_token_ids
         ctx, spans = self._prefill_context(prompt, policy, caches)
@@ -640,6 +653,26 @@ class Engine:
             if decodes:
                 request.ctx.kv_bytes_per_step.append(request.ctx.cache.nbytes())  # what this step attends to
                 request.ctx.visual_kv_per_step.append(request.ctx.cache.visual_entries())
+        passed, tried = attempt(lambda: self._decode_pass(running, decoding))
+        if passed is None:
+            self.slot_groups = []
+            raise OutOfMemory(f"out of {self._memory_name()} memory decoding {len(running)} request"
+                              f"{'s' * (len(running) > 1)} together{tried}: fewer at once need less (glimpse serve "
+                              "--max-batch, glimpse caption --batch-size)")
+        running, decoding, logits = passed
+        for request, row, decodes in zip(running, logits, decoding):
+            if not decodes:
+                self._prompt_done(request, row)
+                continue
+            request.ctx.generated += 1
+            request.next_token = request.sampling.next(row, request.generator)  # reads the device: synced
+        seconds = time.perf_counter() - t_step
+        for request, decodes in zip(running, decoding):
+            if decodes:
+                request.ctx.step_s.append(seconds)
+
+    def _decode_pass(self, running: list["Request"], decoding: list[bool]):
+        """The step's pass through the model: (requests in the logits' row order, whether each decodes, logits)."""
         # Requests that can share one attention call per layer go first, in their slot groups (pipeline/batch_kv.py).
         candidates = [request for request in running if self.decode_slots and decodes_plainly(request)]
         groups = serve_step(self.slot_groups, candidates)
@@ -652,24 +685,15 @@ class Engine:
             first = groups[0]  # it keeps the step (its graph) while the groups stay the same
             if first.fixed_step is None or not first.fixed_step.serves(groups):
                 first.fixed_step = SlotStep(groups, positions_rows=running[0].ctx.next_position.shape[0])
-            running, decoding = in_slots, [True] * len(in_slots)
-            logits = first.fixed_step.run(self, groups)
-        else:
-            if groups:
-                members = {id(request) for request in in_slots}
-                running = in_slots + [request for request in running if id(request) not in members]
-                decoding = [request.pending is None for request in running]
-            logits = self.decode(running, groups)
-        for request, row, decodes in zip(running, logits, decoding):
-            if not decodes:
-                self._prompt_done(request, row)
-                continue
-            request.ctx.generated += 1
-            request.next_token = request.sampling.next(row, request.generator)  # reads the device: synced
-        seconds = time.perf_counter() - t_step
-        for request, decodes in zip(running, decoding):
-            if decodes:
-                request.ctx.step_s.append(seconds)
+            return in_slots, [True] * len(in_slots), first.fixed_step.run(self, groups)
+        if groups:
+            members = {id(request) for request in in_slots}
+            running = in_slots + [request for request in running if id(request) not in members]
+            decoding = [request.pending is None for request in running]
+        return running, decoding, self.decode(running, groups)
+
+    def _memory_name(self) -> str:
+        return {"cuda": "GPU"}.get(self.device.type, self.device.type.upper())
 
     def _result(self, request: "Request", batch_size: int = 1) -> GenerationResult:
         synchronize(self.device)

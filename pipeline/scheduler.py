@@ -28,6 +28,7 @@ import itertools
 import queue
 import threading
 import time
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -359,7 +360,10 @@ class Scheduler:
                 except Exception as error:  # noqa: BLE001 — the step itself failed: its requests end, the server goes on
                     # (A policy's per-step work that fails is the request's own, in decode_step; this is a failure
                     # inside the pass through the model, which no single request can be named for.)
-                    traceback.print_exc()
+                    if isinstance(error, UserError):  # out of memory (pipeline/out_of_memory.py): said, not a bug
+                        print(f"glimpse: a decode step of {len(stepping)} requests failed: {error}", file=sys.stderr)
+                    else:
+                        traceback.print_exc()
                     engine.slot_groups = []
                     for request in stepping:
                         request.error = error

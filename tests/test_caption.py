@@ -410,3 +410,42 @@ def test_a_loop_of_symbolic_links_is_an_input_not_the_end_of_collecting_them(tmp
     assert names == ["img000.png", "loop_a.mp4", "loop_b.mp4"]
     assert sorted(p.name for p in collect_inputs([str(listing)])) == ["img000.png", "loop_a.mp4"]
     assert sorted(Path(k).name for k in collect_keys([str(tmp_path / "in"), str(listing)])) == names
+
+
+def test_a_batch_the_memory_cannot_hold_is_split_and_an_input_that_never_fits_fails_alone(model, checkpoints, tmp_path):
+    """Out of memory decoding a batch, the captioner halves it until it fits: every caption is the one made
+    without the shortage. An input whose prefill alone does not fit fails with what ran out; the others go on."""
+    from glimpse.caption import caption_inputs
+    from glimpse.pipeline import load_engine
+    from tiny_models import RunsOutOfMemory
+
+    engine = load_engine(model, device="cpu")
+    images = _images(tmp_path / "in", 4)
+    options = dict(fmt="jsonl", overwrite=False, policy="none", speed=0.0, prompt=None, max_new_tokens=4,
+                   batch_size=4)
+    caption_inputs(engine, images, out=tmp_path / "plenty.jsonl", **options)
+    # Prompts have dozens of rows: they still fit, as do decode steps of two requests; four together do not.
+    with RunsOutOfMemory(engine.adapter.layers[1].mlp, "cpu", lambda rows: 3 <= rows <= 8) as fault:
+        report = caption_inputs(engine, images, out=tmp_path / "short.jsonl", **options)
+    assert fault.refused and report.failed == []
+    short = _lines(tmp_path / "short.jsonl")
+    assert [r["caption"] for r in short] == [r["caption"] for r in _lines(tmp_path / "plenty.jsonl")]
+    assert [r["metrics"]["batch_size"] for r in short] == [2, 2, 2, 2]
+
+    # On Qwen2-VL a larger picture is a longer prompt: the one whose prefill does not fit.
+    qwen = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    huge = tmp_path / "huge.png"
+    Image.fromarray((np.random.RandomState(9).rand(224, 224, 3) * 255).astype("uint8")).save(huge)
+    rows = [qwen.prepare(_messages_for(path)).input_ids.shape[0] for path in (images[0], huge)]
+    assert rows[1] > max(rows[0], 8)
+    with RunsOutOfMemory(qwen.adapter.layers[1].mlp, "cuda", lambda n: n >= rows[1]):
+        report = caption_inputs(qwen, [*images, huge], out=tmp_path / "huge.jsonl", **options)
+    assert [path for path, _ in report.failed] == [str(huge)]
+    assert report.failed[0][1].startswith("out of CPU memory prefilling this prompt")
+    assert [r["path"] for r in _lines(tmp_path / "huge.jsonl")] == [str(p) for p in images]
+
+
+def _messages_for(path: Path) -> list[dict]:
+    from glimpse.caption import _messages
+
+    return _messages(path, None)

@@ -372,3 +372,28 @@ def test_glimpse_version_says_the_installed_version_and_the_name_pip_knows(capsy
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"glimpse {declared['version']} (pip: {declared['name']})"
+
+
+def test_running_out_of_memory_is_one_clear_line_not_a_bug_report(checkpoints, media, monkeypatch, capsys):
+    """A prompt the machine's memory cannot hold was "internal error: this is a bug in Glimpse" with a traceback;
+    now one line says what ran out and what needs less (exit 1), and --json prints it as the error."""
+    from glimpse import pipeline
+    from glimpse.cli import main
+    from tiny_models import RunsOutOfMemory
+
+    load = pipeline.load_engine
+
+    def load_short_of_memory(*args, **kwargs):
+        engine = load(*args, **kwargs)
+        RunsOutOfMemory(engine.adapter.layers[1].mlp, "cpu", lambda rows: rows > 1).__enter__()  # this engine only
+        return engine
+
+    monkeypatch.setattr(pipeline, "load_engine", load_short_of_memory)
+    ask = ["ask", "--model", str(checkpoints["llava"]), "--image", str(media["image"]), "What is it?"]
+    assert main(ask) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("glimpse: error:")]
+    assert len(lines) == 1 and lines[0].startswith("glimpse: error: out of CPU memory prefilling this prompt"), err
+    assert "Traceback" not in err and "internal error" not in err
+    assert main([*ask, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["error"].startswith("out of CPU memory prefilling this prompt")

@@ -983,3 +983,49 @@ def test_a_video_without_a_format_signature_or_a_name_still_reaches_the_video_re
     messages = [{"role": "user", "content": [{"type": "video", "video": str(path)},
                                              {"type": "text", "text": "What moves?"}]}]
     assert engine.prepare(messages).token_counts()["video"] > 0
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_running_out_of_memory_is_said_as_such_frees_the_failed_pass_and_the_next_request_answers_as_before(
+        checkpoints, media, kind):
+    """Out of memory in the prefill or in a decode step is ``OutOfMemory`` (a ``UserError``: the CLI, the chat and the
+    API say it, not "a bug in Glimpse"), naming the work and what torch tried to allocate; the failed pass's tensors
+    are already freed when the caller sees it (no garbage collection: reference counts alone), and the engine's
+    next answer is what it was before. Any other error of the model still propagates as itself."""
+    import gc
+
+    from glimpse.pipeline import OutOfMemory
+    from tiny_models import RunsOutOfMemory
+
+    PREFILL, DECODE = (lambda rows: rows > 1), (lambda rows: rows == 1)  # one request: a decode step has one row
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    messages = _messages("image", media)
+    before = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
+    mlp = engine.adapter.layers[1].mlp
+    tried = "2.00 GiB" if kind == "cuda" else f"{2**60 / 2**30:,.2f} GiB"
+    counts = engine.prepare(messages).token_counts()
+    prompt = f"prefilling this prompt of {counts['text']:,} text and {counts['image']:,} image tokens"
+    gc.disable()  # freed by reference counting, not by a later collection
+    try:
+        for when, words in ((PREFILL, prompt), (DECODE, "decoding 1 request together")):
+            with RunsOutOfMemory(mlp, kind, when) as fault, pytest.raises(OutOfMemory) as raised:
+                engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
+            message = str(raised.value)
+            assert message.startswith(f"out of CPU memory {words}") and f"tried to allocate {tried} more" in message
+            assert raised.value.__context__ is None and fault.refused
+            assert all(ref() is None for ref in fault.refused), "the failed pass's tensors are still held"
+            assert engine.slot_groups == []
+    finally:
+        gc.enable()
+    after = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
+    assert after.token_ids == before.token_ids
+
+    def broken(module, args):
+        raise RuntimeError("a bug in a layer")
+
+    handle = mlp.register_forward_pre_hook(broken)
+    try:
+        with pytest.raises(RuntimeError, match="a bug in a layer"):
+            engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
+    finally:
+        handle.remove()

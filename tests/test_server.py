@@ -1962,3 +1962,51 @@ def test_max_answer_tokens_in_the_chat_must_be_a_whole_number_in_range():
     for value in (2.5, "ten", None, float("nan"), 0, 11):
         with pytest.raises(UserError, match="max answer tokens must be"):
             _token_limit(value, 10)
+
+
+def test_a_request_the_memory_cannot_hold_is_a_503_that_says_so_and_the_next_answer_is_as_before(
+        server, tmp_path, monkeypatch):
+    """Out of memory in its prefill, a request gets a 503 (beside fewer others it may fit; not the client's
+    malformed request, not a bug) saying so, streamed or not; out of memory in a decode step, a streamed answer
+    ends with an error event of type server_error. The server then answers the same question as before."""
+    from PIL import Image
+
+    from tiny_models import RunsOutOfMemory
+
+    engine = server["engine"]
+    monkeypatch.setattr(engine, "eos_token_ids", set())  # answers that decode their max_tokens
+    url = server["url"] + "/v1/chat/completions"
+
+    def body(colour, stream=False):  # a picture of its own each time: a whole prefill, not one from the caches
+        path = tmp_path / f"{colour}.png"
+        Image.new("RGB", (40, 30), colour).save(path)
+        return {"messages": _question(_data_url(path)), "max_tokens": 4, "stream": stream}
+
+    answered = httpx.post(url, json=body("olive"), timeout=60)
+    assert answered.status_code == 200, answered.text
+    before = _metrics(server["url"])
+    mlp = engine.adapter.layers[1].mlp
+    with RunsOutOfMemory(mlp, "cpu", lambda rows: rows > 1) as fault:
+        for colour, stream in (("navy", False), ("teal", True)):
+            reply = httpx.post(url, json=body(colour, stream), timeout=60)
+            assert reply.status_code == 503, reply.text
+            error = reply.json()["error"]
+            assert error["type"] == "server_error" and error["message"].startswith(
+                "out of CPU memory prefilling this prompt"), error
+        assert len(fault.refused) == 2
+    with RunsOutOfMemory(mlp, "cpu", lambda rows: rows == 1) as fault:
+        reply = httpx.post(url, json=body("maroon", stream=True), timeout=60)
+        assert reply.status_code == 200  # its first token came from the prefill
+        events = [json.loads(line[6:]) for line in reply.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        assert events[-1]["error"]["type"] == "server_error", events[-1]
+        assert events[-1]["error"]["message"].startswith("out of CPU memory decoding 1 request together"), events[-1]
+        assert reply.text.rstrip().endswith("data: [DONE]") and fault.refused
+    again = httpx.post(url, json=body("olive"), timeout=60)
+    assert again.status_code == 200
+    assert again.json()["choices"][0]["message"]["content"] == answered.json()["choices"][0]["message"]["content"]
+    assert httpx.get(server["url"] + "/health").json()["running"] == 0
+    after = _metrics(server["url"])  # what an operator alerts on: counted apart from clients' mistakes and bugs
+    for outcome, more in (("out_of_memory", 3), ("bad_request", 0), ("error", 0), ("ok", 1)):
+        assert _value(after, "glimpse_requests_total", outcome=outcome) == \
+            _value(before, "glimpse_requests_total", outcome=outcome) + more, outcome

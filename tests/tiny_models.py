@@ -234,3 +234,36 @@ def masked_reference(engine, prompt, active_per_layer, attention_per_layer, enco
             if layer_idx < len(layers):
                 hidden[0, rows[is_active[rows]]] += layers[layer_idx][is_active[rows]]
     return adapter.lm_head(adapter.norm(hidden[:, -1:]))[0, -1]
+
+
+class RunsOutOfMemory:
+    """While active, ``module`` fails as an allocation inside it would when memory runs out, on the calls whose
+    input has a number of tokens (rows) that ``when`` accepts: a prefill has the prompt's, a decode step one per
+    request. "cpu" raises the CPU allocator's own error, for real (2**60 bytes, more than any address space holds,
+    whatever the kernel's overcommit setting); "cuda" raises ``torch.OutOfMemoryError`` in the words of CUDA's
+    allocator. Keeps a weak reference to each input it refused (``refused``): the tensors of the pass that failed."""
+
+    CUDA_WORDS = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                  "1.06 GiB is free. Of the allocated memory 75.10 GiB is allocated by PyTorch, and 1.20 GiB is "
+                  "reserved by PyTorch but unallocated.")
+
+    def __init__(self, module: torch.nn.Module, kind: str, when):
+        self.module, self.kind, self.when = module, kind, when
+        self.refused: list = []
+
+    def _hook(self, module, args):
+        if self.when(args[0].shape[-2]):
+            import weakref
+
+            self.refused.append(weakref.ref(args[0]))
+            if self.kind == "cuda":
+                raise torch.OutOfMemoryError(self.CUDA_WORDS)
+            torch.empty(2**60, dtype=torch.uint8)
+            raise AssertionError("2**60 bytes were allocated")
+
+    def __enter__(self) -> "RunsOutOfMemory":
+        self.handle = self.module.register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
