@@ -8,10 +8,9 @@ large the work was and what makes it smaller, so that the CLI exits 1 with that 
 API answers 503 (the same request may fit once other requests end), and the batch captioner splits the batch.
 
 The engine runs that work through ``attempt`` and raises ``OutOfMemory`` once it has returned: raised inside the
-``except`` block, the new error
-would keep torch's error as its context, and that error's traceback keeps every frame of the failed pass alive,
-with its hidden states and half-built KV cache, for as long as anyone holds the error (a server's response, a
-chat message). Raised after, they are freed before the caller sees the error.
+``except`` block, the new error would keep torch's error as its context, and that error's traceback keeps every
+frame of the failed pass alive, with its hidden states and half-built KV cache, for as long as anyone holds the
+error (a server's response, a chat message). Raised after, they are freed before the caller sees the error.
 """
 
 from __future__ import annotations
