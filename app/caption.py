@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from glimpse.common import UserError
 from glimpse.pipeline import OutOfMemory, PromptError
 from glimpse.pipeline.profiles import model_key
