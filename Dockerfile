@@ -11,9 +11,17 @@
 # pyproject.toml; what those pull in is resolved at build time (`pip freeze` in the image records it).
 
 ARG CUDA_VERSION=12.8.1
-FROM nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu24.04 AS build
+# The two base images and torch's package index are build arguments, for a registry mirror, another CUDA release,
+# or an image without a GPU (docs/docker.md, "Without a GPU": Debian's python3 and PyTorch's CPU index, GPU=0).
+ARG BUILD_IMAGE=nvidia/cuda:${CUDA_VERSION}-cudnn-devel-ubuntu24.04
+ARG RUNTIME_IMAGE=nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-ubuntu24.04
+FROM ${BUILD_IMAGE} AS build
 
 ARG CUDA_VERSION
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# GPU=0 leaves out what only a GPU box uses: torchvision and the [gpu] extra (qwen-vl-utils, decord), as the
+# README's CPU install does (torchvision from another build than torch's breaks transformers' image processors).
+ARG GPU=1
 ARG FLASH_ATTN=0
 ARG FLASH_ATTN_VERSION=2.8.3
 # flash-attention's compile needs ~4 GB of memory per job; raise it on big build machines.
@@ -29,7 +37,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
     && python3 -m venv /opt/venv
 
 # The CUDA build of the pinned torch (the same pin as pyproject.toml) and the torchvision built for it.
-RUN pip install torch==2.13.0 torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cu128
+RUN if [ "$GPU" = "1" ]; then pip install torch==2.13.0 torchvision==0.28.0 --index-url "$TORCH_INDEX_URL"; \
+    else pip install torch==2.13.0 --index-url "$TORCH_INDEX_URL"; fi
 
 # flash-attention first of all, so that a failing compile stops the build at once and says what to do
 # (it is optional: without it Glimpse uses PyTorch's sdpa attention).
@@ -53,10 +62,11 @@ COPY pipeline /src/pipeline
 COPY vision /src/vision
 COPY pruning /src/pruning
 COPY assets /src/assets
-RUN pip install "/src[gpu]" && python -c "import glimpse.pipeline, glimpse.assets; print('glimpse', glimpse.__version__)"
+RUN if [ "$GPU" = "1" ]; then extra="[gpu]"; else extra=""; fi \
+    && pip install "/src$extra" && python -c "import glimpse.pipeline, glimpse.assets; print('glimpse', glimpse.__version__)"
 
 
-FROM nvidia/cuda:${CUDA_VERSION}-cudnn-runtime-ubuntu24.04
+FROM ${RUNTIME_IMAGE}
 
 ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     HF_HOME=/home/glimpse/.cache/huggingface GLIMPSE_CACHE=/home/glimpse/.cache/glimpse
