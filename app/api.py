@@ -64,7 +64,7 @@ from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.engine import StreamChunk
 from glimpse.pipeline.out_of_memory import OutOfMemory
 from glimpse.pipeline.prompt import check_text_length
-from glimpse.pipeline.scheduler import QueueFull, Scheduler
+from glimpse.pipeline.scheduler import QueueFull, Scheduler, ServerStopping
 
 FETCHING_THREADS = 8  # requests whose media URLs are fetched at once; more wait their turn
 MAX_REQUEST_FETCH_BYTES = 64 * 2**20  # all of one request's media URLs, as much as its body may hold inline
@@ -417,6 +417,9 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         except QueueFull as full:
             telemetry.refused("rejected")
             return _error(429, str(full), "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(full.retry_s)))})
+        except ServerStopping as error:  # SIGTERM came: another instance, or this one restarted, can answer
+            telemetry.refused("rejected")
+            return _error(503, str(error), "server_error")
         except (BadRequest, UserError) as error:
             telemetry.refused("bad_request")
             return _error(400, str(error), param=getattr(error, "param", None))
@@ -429,7 +432,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             # Streamed or not, nothing is sent before the first token (or the answer): a request that fails
             # at its prefill (a policy parameter this model cannot take) is a plain 400, not a stream of one error.
             first = await _first(request, ticket, channel, whole=not body.stream)
-        except OutOfMemory as error:  # not the request's fault alone: beside fewer others it may fit
+        except (OutOfMemory, ServerStopping) as error:  # not the request's fault: beside fewer others, or later, it may fit
             return _error(503, str(error), "server_error")
         except UserError as error:
             return _error(400, str(error))
@@ -774,7 +777,8 @@ async def _events(ticket, channel: Channel, first, speed, promise, model_name, i
             if item is None:
                 break
             if isinstance(item, BaseException):
-                kind = ("invalid_request_error" if isinstance(item, UserError) and not isinstance(item, OutOfMemory)
+                kind = ("invalid_request_error"
+                        if isinstance(item, UserError) and not isinstance(item, (OutOfMemory, ServerStopping))
                         else "server_error")
                 message = str(item) if isinstance(item, UserError) else f"{type(item).__name__}: {item}"
                 yield f"data: {json.dumps({'error': {'message': message, 'type': kind}})}\n\n"

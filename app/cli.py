@@ -11,7 +11,7 @@
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
                   [--max-uploads-gb G] [--max-batch N] [--queue-size N] [--kv-budget-mb N] [--encoder-cache-mb N]
                   [--media-cache-mb N] [--prefix-cache-mb N]
-                  [--api-key KEY | --no-api-key]
+                  [--api-key KEY | --no-api-key] [--shutdown-grace S]
     glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
                     [--batch-size N] [--max-new-tokens N]
 
@@ -24,6 +24,7 @@ import argparse
 import fcntl
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -39,6 +40,9 @@ from glimpse.pruning.base import check_speed
 
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
 PASSKEY_MIN_TOKENS = 128
+# glimpse serve on SIGTERM: answers under way get this long to finish. docker stop kills 10 s after its SIGTERM, and
+# uvicorn waits up to a second more for the connections to close.
+SHUTDOWN_GRACE_S = 8.0
 MAX_BENCH_TOKENS = 262_144  # past every supported model's context; the synthesized pictures' pixels grow with it
 NOT_GROUNDED = ("note: the embedded model's vision projector is not trained yet, so its answers about "
                 "images and videos are not grounded in them; text answers come from SmolLM2-135M-Instruct. "
@@ -304,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "chat (default: $GLIMPSE_API_KEY); required with a non-loopback --host")
     serve.add_argument("--no-api-key", action="store_true",
                        help="serve a non-loopback --host without a key (anyone who reaches it can use the model)")
+    serve.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S, metavar="S",
+                       help="on SIGTERM (docker stop, systemd, Kubernetes) answers under way get S seconds to finish "
+                            f"before they are cut (default {SHUTDOWN_GRACE_S:g}: docker stop kills after 10); new "
+                            "requests are refused at once")
     _add_device_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -560,14 +568,16 @@ def _check_port_free(host: str, port: int) -> None:
                         "port? choose another with --port)") from None
 
 
-def http_server(app, host: str, port: int):
+def http_server(app, host: str, port: int, shutdown_s: float | None = None):
     """The HTTP server of ``glimpse serve``: uvicorn, closing connections that never send a whole request head
-    (glimpse.connections)."""
+    (glimpse.connections). Once told to stop, it waits at most ``shutdown_s`` for open connections (a chat's tab
+    holds one for as long as it is open)."""
     import uvicorn
 
     from glimpse.connections import RequestHeadDeadline
 
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", http=RequestHeadDeadline))
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", http=RequestHeadDeadline,
+                                         timeout_graceful_shutdown=shutdown_s))
 
 
 def run_serve(args) -> int:
@@ -575,6 +585,8 @@ def run_serve(args) -> int:
 
     if args.max_batch < 1 or args.queue_size < 0 or args.max_new_tokens < 1:
         raise UserError("--max-batch and --max-new-tokens must be at least 1, --queue-size at least 0")
+    if not 0 <= args.shutdown_grace <= 3600:  # NaN fails this too
+        raise UserError("--shutdown-grace must be between 0 and 3600 seconds")
     if not _loopback(args.host) and not args.api_key and not args.no_api_key:
         raise UserError(f"--host {args.host} is reachable from other machines: give --api-key KEY (or set "
                         "GLIMPSE_API_KEY), or --no-api-key to serve it open")
@@ -594,7 +606,7 @@ def run_serve(args) -> int:
                        kv_budget_bytes=budget, api_key=args.api_key, scheduler_thread=False)
     # The HTTP server in a thread, the scheduler (all model compute) in the main thread, which loaded the
     # model: on CPU, torch runs about 1.5x slower in any other thread (Scheduler.run).
-    server = http_server(app, args.host, args.port)
+    server = http_server(app, args.host, args.port, args.shutdown_grace + 1)
     http = threading.Thread(target=server.run, name="glimpse-http", daemon=True)
     http.start()
     while not server.started and http.is_alive():
@@ -602,6 +614,10 @@ def run_serve(args) -> int:
     if not http.is_alive():
         raise UserError(f"could not serve on {args.host}:{args.port} (is the port in use?)")
     _log(f"serving on http://{args.host}:{args.port} (chat at /, API at /v1/chat/completions)")
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, _on_sigterm(terminated))
+    threading.Thread(target=_shut_down_when, args=(terminated, server, app.state.scheduler, args.shutdown_grace),
+                     name="glimpse-shutdown", daemon=True).start()
     threading.Thread(target=_stop_scheduler_with, args=(http, app.state.scheduler), daemon=True).start()
     try:
         app.state.scheduler.run()
@@ -613,8 +629,34 @@ def run_serve(args) -> int:
     return 0
 
 
+def _on_sigterm(terminated: threading.Event):
+    """SIGTERM's handler for ``glimpse serve``: the first one starts the shutdown (``_shut_down_when``), a second one
+    stops at once, as Ctrl-C does. Without a handler, SIGTERM killed the server mid-answer, and in a container, where
+    it runs as process 1 and the kernel ignores signals it has no handler for, it did nothing: ``docker stop`` waited
+    its 10 s and killed it."""
+
+    def handle(_signum, _frame) -> None:
+        if terminated.is_set():
+            raise KeyboardInterrupt
+        terminated.set()  # the rest is done by another thread: a signal handler may interrupt the scheduler's loop
+
+    return handle
+
+
+def _shut_down_when(terminated: threading.Event, server, scheduler, grace_s: float) -> None:
+    """Once SIGTERM came: refuse new connections and requests (503), end the waiting ones with a 503, and let the
+    running ones finish within ``grace_s`` seconds before they are cut; the scheduler's loop then returns, and
+    ``run_serve`` with it, with exit status 0."""
+    terminated.wait()
+    state = scheduler.state()
+    _log(f"stopping: {state['running'] + state['prefilling']} answers under way get up to {grace_s:g} s to finish; "
+         f"{state['waiting']} waiting requests are turned away")
+    server.should_exit = True
+    scheduler.close(grace_s=grace_s, wait=False)
+
+
 def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
-    """When the HTTP server stops (SIGTERM, SIGINT), stop the scheduler too, so that the process exits."""
+    """When the HTTP server stops (SIGINT, or its own failure), stop the scheduler too, so that the process exits."""
     http.join()
     scheduler.close()
 

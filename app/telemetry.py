@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from glimpse.common import UserError
 from glimpse.pipeline.out_of_memory import OutOfMemory
+from glimpse.pipeline.scheduler import ServerStopping
 
 OUTCOMES = ("ok", "cancelled", "bad_request", "rejected", "unauthorized", "out_of_memory", "error")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -77,6 +78,7 @@ class Telemetry:
     def finished(self, ticket, result, error) -> None:
         if error is not None:
             self.refused("out_of_memory" if isinstance(error, OutOfMemory) else
+                         "rejected" if isinstance(error, ServerStopping) else  # shutting down
                          "bad_request" if isinstance(error, UserError) else "error")
             return
         if result is None or result.finish_reason == "cancelled":  # cancelled while waiting, or mid-answer

@@ -315,7 +315,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
     import gradio as gr
     from gradio.utils import get_upload_folder
 
-    from glimpse.pipeline.scheduler import QueueFull, Scheduler
+    from glimpse.pipeline.scheduler import QueueFull, Scheduler, ServerStopping
 
     scheduler = scheduler or Scheduler(engine)
     # The only files a chat turn may name: what was uploaded to this chat, and --allowed-root.
@@ -380,7 +380,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             ticket = scheduler.submit(prompt, **options)
             with tabs_lock:
                 tabs.setdefault(session, set()).add(ticket)
-        except QueueFull as full:
+        except (QueueFull, ServerStopping) as full:
             refused("rejected")
             yield f"{ERROR_NOTE}{full}", NO_METRICS, None
             return

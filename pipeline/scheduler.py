@@ -17,6 +17,10 @@ Submitters run in their own threads (the API's, the chat's): ``submit`` builds t
 decoding never stalls the running batch), and each ticket's chunks go to its own sink. A ticket's
 ``cancel`` (a client that left, Stop, Clear) ends it before its next step — or before its prefill,
 if it was still waiting — and frees its cache at once.
+
+``close`` stops it as a server stops on SIGTERM (``docker stop``): no new request is taken, those still waiting
+end with ``ServerStopping``, and the running ones decode on to their end — or, past a grace period, end with
+``ServerStopping`` after what they have said — and then the loop returns.
 """
 
 from __future__ import annotations
@@ -52,6 +56,11 @@ class QueueFull(Exception):
 
 class Cancelled(Exception):
     """The request was cancelled before it started: it has no answer."""
+
+
+class ServerStopping(UserError):
+    """The server is shutting down: it takes no new request, and a running one past the grace period is cut.
+    (A ``UserError`` so that the chat and the command line say it in these words; the API answers 503.)"""
 
 
 class StopText:
@@ -159,6 +168,7 @@ class Scheduler:
         # the queue, which would count the queue twice), for the wait estimates.
         self.service_s = 10.0
         self.closed = False
+        self.cut_at: float | None = None  # after close(): when requests still running are cut (perf_counter)
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self.on_finish: list[Callable[[Ticket, GenerationResult | None, BaseException | None], None]] = []
         self.torch_threads = torch.get_num_threads()  # for the thread that runs the model
@@ -221,8 +231,10 @@ class Scheduler:
             self._refuse_if_full()
 
     def _refuse_if_full(self) -> None:
-        if self.closed or self.error is not None:
+        if self.error is not None:
             raise RuntimeError(f"the scheduler stopped: {self.error!r}")
+        if self.closed:
+            raise ServerStopping(STOPPING)
         waiting = len(self._still_waiting())
         would_wait = len(self.running) + len(self.admitted) + waiting >= self.max_batch
         if would_wait and waiting >= self.queue_size:
@@ -273,13 +285,18 @@ class Scheduler:
                 "stalled_s": 0.0 if busy is None else time.perf_counter() - busy,
                 "alive": self.thread.is_alive() and self.error is None}
 
-    def close(self) -> None:
+    def close(self, grace_s: float | None = None, wait: bool = True) -> None:
+        """Take no new request (``submit`` raises ``ServerStopping``); requests still waiting end with it. Running
+        requests decode on to their end, or for at most ``grace_s`` seconds (None: no limit): then each ends with
+        ``ServerStopping``, its client keeping what it was sent. The loop returns once none runs. ``wait``: return
+        only then (at most a minute), unless called from the loop's own thread."""
         with self.condition:
             self.closed = True
-            for ticket in self.waiting:
-                ticket.cancel.set()
+            if grace_s is not None:
+                cut_at = time.perf_counter() + max(0.0, grace_s)
+                self.cut_at = cut_at if self.cut_at is None else min(self.cut_at, cut_at)
             self.condition.notify()
-        if self.thread is not threading.current_thread() and self.thread.is_alive():
+        if wait and self.thread is not threading.current_thread() and self.thread.is_alive():
             self.thread.join(timeout=60)
 
     # ------------------------------------------------------------------ the loop (the scheduler's thread)
@@ -294,10 +311,15 @@ class Scheduler:
                 with self.condition:
                     while not self.closed and not self.waiting and not self.running:
                         self.condition.wait()
-                    if self.closed and not self.running:
-                        break
-                    self.busy_since = time.perf_counter()
-                    joining = self._admit()
+                    turned_away = self._turn_away_waiting() if self.closed else []
+                    stop = self.closed and not self.running
+                    if not stop:
+                        self.busy_since = time.perf_counter()
+                        joining = self._admit()
+                for ticket in turned_away:
+                    self._end(ticket, None, None if ticket.cancel.is_set() else ServerStopping(STOPPING))
+                if stop:
+                    break
                 self._iteration(joining)
                 with self.condition:
                     self.busy_since = None
@@ -311,6 +333,12 @@ class Scheduler:
             for ticket in tickets:
                 self._end(ticket, None, error)
             raise
+
+    def _turn_away_waiting(self) -> list[Ticket]:
+        """The waiting tickets, taken from the queue: the scheduler is closing (under the condition)."""
+        tickets = list(self.waiting)
+        self.waiting.clear()
+        return tickets
 
     def _admit(self) -> list[Ticket]:
         """Waiting requests that fit beside the running ones, oldest first (under the condition)."""
@@ -345,6 +373,12 @@ class Scheduler:
                         self.busy_since = time.perf_counter()  # a prefill done: the loop is not stuck
             with self.condition:
                 running = [t for t in self.running if not any(t is j for j in joining)]
+                cut = self.cut_at is not None and time.perf_counter() >= self.cut_at
+            if cut:  # closing, and the grace period is over: each ends with what it has said
+                for ticket in running:
+                    if ticket.request.error is None and not ticket.request.done:
+                        ticket.request.error = ServerStopping(STOPPING_CUT)
+                        engine.finish(ticket.request, "error")
             for ticket in running:
                 self._take(ticket, meter)
             with self.condition:
@@ -436,6 +470,10 @@ class Scheduler:
             ticket.sink(error)
         for hook in self.on_finish:
             hook(ticket, result, error)
+
+
+STOPPING = "the server is shutting down and takes no new requests; try again once it is back"
+STOPPING_CUT = "the server shut down before this answer ended"
 
 
 def _cache_bytes(request: Request | None) -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from glimpse.common import UserError
 from glimpse.pipeline import load_engine
-from glimpse.pipeline.scheduler import Cancelled, QueueFull, Scheduler, StopText
+from glimpse.pipeline.scheduler import Cancelled, QueueFull, Scheduler, ServerStopping, StopText
 from glimpse.pruning import NoPruning
 
 
@@ -318,6 +318,49 @@ def test_a_failing_request_ends_alone_and_the_scheduler_keeps_serving(engine, me
         assert scheduler.state()["alive"]
     finally:
         scheduler.close()
+
+
+def test_closing_turns_the_waiting_away_and_lets_a_running_answer_finish_as_it_would_have(engine, media):
+    """What SIGTERM starts in `glimpse serve`: no new request is taken, one still queued ends with
+    ``ServerStopping`` without being computed, the one running decodes on to its end, token for token its answer
+    alone, and then the loop returns."""
+    conversations = _conversations(media)
+    alone = engine.generate(conversations[1], policy="none", max_new_tokens=30, ignore_eos=True)
+    scheduler = Scheduler(engine, max_batch=1, queue_size=4)
+    running = scheduler.submit(conversations[1], policy="none", max_new_tokens=30, ignore_eos=True)
+    queued = scheduler.submit(conversations[1], policy="none", max_new_tokens=4)
+    chunks = running.chunks(timeout=60)
+    got = [next(chunks)]
+    assert scheduler.state()["waiting"] == 1  # max_batch=1: the second waits behind the first's 30 tokens
+    scheduler.close(wait=False)
+    with pytest.raises(ServerStopping, match="shutting down"):
+        scheduler.submit(conversations[1], max_new_tokens=3)
+    got += list(chunks)
+    result = got[-1].result
+    assert result.token_ids == alone.token_ids and result.finish_reason == "length"
+    assert "".join(c.text for c in got) == alone.text  # every piece streamed once
+    with pytest.raises(ServerStopping, match="shutting down"):
+        queued.result(timeout=60)
+    assert queued.request is None  # never prefilled
+    scheduler.thread.join(timeout=60)
+    assert not scheduler.thread.is_alive() and scheduler.error is None and not engine._lock.locked()
+
+
+def test_closing_with_a_grace_period_cuts_an_answer_still_running_after_it_with_what_it_said(engine, media):
+    conversations = _conversations(media)
+    alone = engine.generate(conversations[1], policy="none", max_new_tokens=60, ignore_eos=True)
+    scheduler = Scheduler(engine, max_batch=2)
+    running = scheduler.submit(conversations[1], policy="none", max_new_tokens=60, ignore_eos=True)
+    chunks = running.chunks(timeout=60)
+    got = [next(chunks), next(chunks)]
+    scheduler.close(grace_s=0.0, wait=False)
+    with pytest.raises(ServerStopping, match="shut down before this answer ended"):
+        got += list(chunks)
+    said = "".join(c.text for c in got)
+    assert said and alone.text.startswith(said) and len(said) < len(alone.text)  # what it said stands, and is right
+    scheduler.thread.join(timeout=60)
+    assert not scheduler.thread.is_alive() and scheduler.error is None
+    assert running.request.ctx.cache is None and not engine._lock.locked()  # its KV went with it
 
 
 class _FailsAtStep(NoPruning):

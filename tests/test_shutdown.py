@@ -1,0 +1,155 @@
+"""`glimpse serve` stopped as `docker stop`, systemd or Kubernetes stop it: SIGTERM, then SIGKILL after a grace period.
+
+Found by building and running the Docker image: the server had no SIGTERM handler, so on a host SIGTERM killed it
+mid-answer, and in a container, where it is process 1 and the kernel ignores the signals process 1 has no handler
+for, it did nothing until `docker stop` killed it 10 s later. Now the first SIGTERM stops it in order: new requests
+are refused, waiting ones get a 503, answers under way finish (or, past `--shutdown-grace`, end with an error
+after what they said), and the process exits 0. The embedded model runs in a subprocess, as a user starts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+QUESTION = "Describe the history of Rome in detail."  # some thirty tokens from the embedded model: seconds on a CPU
+
+
+def _pid_namespace_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
+
+
+def _serve(cache: Path, *options: str, as_pid_1: bool = False):
+    """(the server process, the pid to signal, its URL). ``as_pid_1``: process 1 of a new PID namespace, as in a
+    container, signalled from outside it as the container runtime does."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "glimpse.cli", "serve", "--port", str(port), "--max-batch", "1", *options]
+    if as_pid_1:
+        command = ["unshare", "--pid", "--fork", *command]
+    env = {**os.environ, "GLIMPSE_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    while True:
+        assert process.poll() is None, process.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "glimpse serve did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    pid = process.pid
+    if as_pid_1:  # the server is unshare's child: process 1 inside, signalled by its pid outside
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+        assert len(children) == 1
+        pid = int(children[0])
+    return process, pid, url
+
+
+def _body(stream: bool, max_tokens: int = 40, question: str = QUESTION) -> dict:
+    return {"model": "glimpse", "stream": stream, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": question}]}
+
+
+def _events(response) -> "iter[dict | str]":
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def _stopped(process, seconds: float) -> tuple[int, str]:
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"glimpse serve was still running {seconds} s after SIGTERM")
+    return process.returncode, process.stderr.read()
+
+
+@pytest.mark.parametrize("as_pid_1", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not _pid_namespace_works(), reason="cannot make a PID namespace here (unshare --pid needs root)"))],
+    ids=["process", "process-1-as-in-a-container"])
+def test_sigterm_refuses_new_requests_turns_the_waiting_away_and_lets_the_answer_under_way_finish(embedded_cache,
+                                                                                                  as_pid_1):
+    process, pid, url = _serve(embedded_cache, "--shutdown-grace", "120", as_pid_1=as_pid_1)
+    try:
+        alone = httpx.post(url + "/v1/chat/completions", json=_body(False), timeout=120).json()
+        assert alone["choices"][0]["finish_reason"] in ("stop", "length")
+        waiting: dict = {}
+
+        def ask_behind() -> None:  # --max-batch 1: it waits behind the streamed answer
+            reply = httpx.post(url + "/v1/chat/completions", json=_body(False, 8, "Hi"), timeout=120)
+            waiting.update(status=reply.status_code, body=reply.json())
+
+        behind = threading.Thread(target=ask_behind)
+        with httpx.stream("POST", url + "/v1/chat/completions", json=_body(True), timeout=120) as response:
+            events = _events(response)
+            events_seen = [next(events)]  # the role chunk: sent with the first token, so the answer is under way
+            behind.start()
+            deadline = time.monotonic() + 30
+            while httpx.get(url + "/health", timeout=5).json()["waiting"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            os.kill(pid, signal.SIGTERM)
+            events_seen += list(events)
+        behind.join(timeout=60)
+        returncode, stderr = _stopped(process, 60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert returncode == 0, stderr[-2000:]
+    assert "stopping: 1 answers under way" in stderr and "1 waiting requests are turned away" in stderr
+    assert "Traceback" not in stderr
+    # The answer under way ended as it would have, and said so.
+    assert events_seen[-1] == "[DONE]"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events_seen[:-1] if e["choices"])
+    assert text == alone["choices"][0]["message"]["content"]
+    assert events_seen[-2]["choices"][0]["finish_reason"] == alone["choices"][0]["finish_reason"]
+    # The one waiting was told the server is stopping (503), not that it made a mistake or that it left.
+    assert waiting["status"] == 503, waiting
+    assert "shutting down" in waiting["body"]["error"]["message"]
+    # Nothing listens any more.
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=5)
+
+
+def test_sigterm_past_the_grace_period_ends_the_answer_with_an_error_after_what_it_said(embedded_cache):
+    process, pid, url = _serve(embedded_cache, "--shutdown-grace", "0")
+    try:
+        alone = httpx.post(url + "/v1/chat/completions", json=_body(False), timeout=120).json()
+        with httpx.stream("POST", url + "/v1/chat/completions", json=_body(True), timeout=120) as response:
+            events = _events(response)
+            events_seen = [next(events)]
+            t_signal = time.monotonic()
+            os.kill(pid, signal.SIGTERM)
+            events_seen += list(events)
+        returncode, stderr = _stopped(process, 30)
+        stopped_s = time.monotonic() - t_signal
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert returncode == 0, stderr[-2000:]
+    assert stopped_s < 10  # within docker stop's default grace, before its SIGKILL
+    assert events_seen[-1] == "[DONE]"
+    error = events_seen[-2]["error"]
+    assert error["type"] == "server_error" and "shut down before this answer ended" in error["message"]
+    said = "".join(e["choices"][0]["delta"].get("content", "") for e in events_seen[:-2] if e.get("choices"))
+    full = alone["choices"][0]["message"]["content"]
+    assert full.startswith(said) and len(said) < len(full)
