@@ -570,14 +570,14 @@ def _check_port_free(host: str, port: int) -> None:
 
 def http_server(app, host: str, port: int, shutdown_s: float | None = None):
     """The HTTP server of ``glimpse serve``: uvicorn, closing connections that never send a whole request head
-    (glimpse.connections). Once told to stop, it waits at most ``shutdown_s`` for open connections (a chat's tab
-    holds one for as long as it is open)."""
+    (glimpse.connections). Once told to stop, it waits at most ``shutdown_s`` for open connections; ``run_serve``
+    closes those still open (a chat tab's event stream) once the answers have ended."""
     import uvicorn
 
-    from glimpse.connections import RequestHeadDeadline
+    from glimpse.connections import ClosingServer, RequestHeadDeadline
 
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", http=RequestHeadDeadline,
-                                         timeout_graceful_shutdown=shutdown_s))
+    return ClosingServer(uvicorn.Config(app, host=host, port=port, log_level="warning", http=RequestHeadDeadline,
+                                        timeout_graceful_shutdown=shutdown_s))
 
 
 def run_serve(args) -> int:
@@ -606,7 +606,7 @@ def run_serve(args) -> int:
                        kv_budget_bytes=budget, api_key=args.api_key, scheduler_thread=False)
     # The HTTP server in a thread, the scheduler (all model compute) in the main thread, which loaded the
     # model: on CPU, torch runs about 1.5x slower in any other thread (Scheduler.run).
-    server = http_server(app, args.host, args.port, args.shutdown_grace + 1)
+    server = http_server(app, args.host, args.port, args.shutdown_grace + 2)  # a backstop: see the finally
     http = threading.Thread(target=server.run, name="glimpse-http", daemon=True)
     http.start()
     while not server.started and http.is_alive():
@@ -625,6 +625,8 @@ def run_serve(args) -> int:
         pass
     finally:
         server.should_exit = True
+        http.join(timeout=1.0)  # the answers' last chunks go out; then what is still open is closed (a chat tab's)
+        server.close_connections()
         http.join(timeout=30)
     return 0
 

@@ -26,6 +26,7 @@ from typing import Callable
 
 import h11
 from starlette.requests import ClientDisconnect
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; a real client sends its head in milliseconds
@@ -33,6 +34,32 @@ MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (an API request's
 BODY_TIMEOUT_S = 120.0  # a body that has not all arrived by then (a client trickling it in) gets 408; 64 MiB at
 # 4.5 Mbit/s
 UPLOAD_MIN_BYTES_PER_S = 32 * 2**10  # an upload gets BODY_TIMEOUT_S plus its Content-Length at this rate
+
+
+class ClosingServer(uvicorn.Server):
+    """uvicorn's server, which ``close_connections`` tells, from any thread, to close every connection still open.
+
+    Why: once a stopping server's answers have ended, what is still open is a chat tab's event stream, which Gradio
+    keeps open for as long as the tab. uvicorn's shutdown waits for every connection, so it waited for those until
+    its timeout and then cancelled them with a traceback each (10-12 s with one tab open: past ``docker stop``'s
+    SIGKILL). Closed, the stream sees its client leave and ends as for any client that leaves."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def close_connections(self) -> None:
+        def close() -> None:
+            for connection in list(self.server_state.connections):
+                connection.transport.close()
+
+        try:
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(close)
+        except RuntimeError:  # the loop has closed meanwhile: so have its connections
+            pass
 
 
 class RequestHeadDeadline(H11Protocol):

@@ -153,3 +153,41 @@ def test_sigterm_past_the_grace_period_ends_the_answer_with_an_error_after_what_
     said = "".join(e["choices"][0]["delta"].get("content", "") for e in events_seen[:-2] if e.get("choices"))
     full = alone["choices"][0]["message"]["content"]
     assert full.startswith(said) and len(said) < len(full)
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")
+def test_sigterm_with_a_chat_tab_open_stops_within_docker_s_grace_and_without_a_traceback(embedded_cache):
+    """A chat tab keeps an event stream open for as long as it is open: the server waited for it until uvicorn's
+    shutdown timeout and then cancelled it with a traceback (12 s with one tab, past `docker stop`'s SIGKILL). The
+    answer under way still ends whole in the tab."""
+    from playwright.sync_api import sync_playwright
+
+    process, pid, url = _serve(embedded_cache)  # the default grace
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(url + "/")
+            page.wait_for_selector("#input textarea", timeout=60_000)
+            page.fill("#input textarea", QUESTION)
+            page.keyboard.press("Enter")
+            deadline = time.monotonic() + 60
+            while httpx.get(url + "/health", timeout=5).json()["running"] < 1:  # the answer is under way
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            t_signal = time.monotonic()
+            os.kill(pid, signal.SIGTERM)
+            returncode, stderr = _stopped(process, 30)
+            stopped_s = time.monotonic() - t_signal
+            chat = page.inner_text("#chat")
+            browser.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert returncode == 0 and "stopping: 1 answers under way" in stderr, stderr[-2000:]
+    assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-2000:]
+    assert stopped_s < 10
+    assert "broke off" not in chat and QUESTION in chat
