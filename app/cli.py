@@ -40,8 +40,8 @@ from glimpse.pruning.base import check_speed
 
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
 PASSKEY_MIN_TOKENS = 128
-# glimpse serve on SIGTERM: answers under way get this long to finish. docker stop kills 10 s after its SIGTERM, and
-# uvicorn waits up to a second more for the connections to close.
+# glimpse serve on SIGTERM: answers under way get this long to finish. docker stop kills 10 s after its SIGTERM; the
+# connections still open are closed a second after the answers end, and the process takes about a second to exit.
 SHUTDOWN_GRACE_S = 8.0
 MAX_BENCH_TOKENS = 262_144  # past every supported model's context; the synthesized pictures' pixels grow with it
 NOT_GROUNDED = ("note: the embedded model's vision projector is not trained yet, so its answers about "
