@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -67,7 +68,7 @@ def _body(stream: bool, max_tokens: int = 40, question: str = QUESTION) -> dict:
             "messages": [{"role": "user", "content": question}]}
 
 
-def _events(response) -> "iter[dict | str]":
+def _events(response) -> Iterator[dict | str]:
     for line in response.iter_lines():
         if line.startswith("data: "):
             data = line.removeprefix("data: ")
