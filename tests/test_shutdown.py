@@ -192,3 +192,31 @@ def test_sigterm_with_a_chat_tab_open_stops_within_docker_s_grace_and_without_a_
     assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-2000:]
     assert stopped_s < 10
     assert "broke off" not in chat and QUESTION in chat
+
+
+def test_a_second_sigterm_stops_at_once_without_waiting_for_the_answer(embedded_cache):
+    """The operator who will not wait (a second `docker stop`, `kill` twice): the answer under way is not waited
+    for. It ends with an error, or its connection closes, before its end."""
+    process, pid, url = _serve(embedded_cache, "--shutdown-grace", "600")
+    events_seen = []
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=_body(True), timeout=120) as response:
+            events = _events(response)
+            events_seen.append(next(events))  # the answer is under way: some thirty tokens, seconds, to come
+            t_signal = time.monotonic()
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(0.3)  # two signals sent at once may arrive as one
+            os.kill(pid, signal.SIGTERM)
+            try:
+                events_seen += list(events)
+            except httpx.HTTPError:  # the connection closed under it
+                pass
+            returncode, stderr = _stopped(process, 30)
+            stopped_s = time.monotonic() - t_signal
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert returncode == 0, stderr[-2000:]
+    assert stopped_s < 10
+    finished = [e for e in events_seen if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]]
+    assert not finished, events_seen[-3:]  # the answer was not waited for
