@@ -18,7 +18,7 @@ import copy
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -123,6 +123,10 @@ class PrefillContext:
     # the host (the set is read from the device once, when a policy changes it). ``pruning.base.visual_in``
     # counts a set's visual tokens from it without a read of its own.
     host_active: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Asked before the vision encoder starts and before every decoder layer: True stops the prefill there with
+    # ``PrefillInterrupted`` (Engine.start's ``interrupted``). A long video's prefill on a CPU takes a minute; a
+    # client that left, or a server stopping, should not hold the model for all of it.
+    interrupted: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -163,7 +167,12 @@ class EngineBusy(RuntimeError):
 
 
 class RequestCancelled(RuntimeError):
-    """``generate`` with a ``cancel`` event that was set before the request began: nothing was computed."""
+    """``generate`` with a ``cancel`` event that was set before the request's first token: it has no answer."""
+
+
+class PrefillInterrupted(Exception):
+    """A prefill stopped between two decoder layers because its ``interrupted`` said so (a client that left, a
+    server past its shutdown grace): nothing of it is kept, and the engine is free for the next request."""
 
 
 class OneCallAtATime:
@@ -399,11 +408,11 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def generate(self, messages, **kwargs) -> GenerationResult:
-        """``stream``'s result. A ``cancel`` event set before the request began raises ``RequestCancelled``."""
+        """``stream``'s result. A ``cancel`` event set before the first token raises ``RequestCancelled``."""
         for chunk in self.stream(messages, **kwargs):
             if chunk.result is not None:
                 return chunk.result
-        raise RequestCancelled("the request was cancelled before it began: nothing was computed")
+        raise RequestCancelled("the request was cancelled before its first token: it has no answer")
 
     def stream(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
@@ -412,7 +421,8 @@ class Engine:
         """``ignore_eos``: decode exactly ``max_new_tokens`` (benchmarks and evaluations). ``cancel``: once
         set (a client that left), the request stops before its next step — or before prefill, if it was
         still waiting for the model — and the model is free for the next one; its result, if any, says
-        ``finish_reason == "cancelled"``; cancelled before it began, the stream yields nothing. One call at a time
+        ``finish_reason == "cancelled"``; cancelled before it began or during its prefill (which stops at the next
+        decoder layer), the stream yields nothing. One call at a time
         per engine: other threads wait; a call from the thread of a stream not read to its end raises
         ``EngineBusy``."""
         with self._lock:
@@ -509,20 +519,26 @@ class Engine:
     @torch.inference_mode()  # on a generator: entered around every resume, not across the caller's code
     def _stream(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos, cancel) -> Iterator[StreamChunk]:
         meter = MemoryMeter(self.device)
-        request = self.start(messages, policy, speed, max_new_tokens, sampling, ignore_eos)
+        try:
+            request = self.start(messages, policy, speed, max_new_tokens, sampling, ignore_eos,
+                                 interrupted=cancel.is_set if cancel is not None else None)
+        except PrefillInterrupted:
+            return  # cancelled during its prefill: no token was chosen, as if cancelled before it began
         request.cancel = cancel
         for _, token in self._decode_loop([request], meter):
             yield StreamChunk(request.detok.push(token), token)
         yield StreamChunk(request.detok.flush(), None, self._result(request))
 
     def start(self, messages, policy, speed, max_new_tokens, sampling, ignore_eos=False,
-              caches: bool = True, defer: bool = False) -> "Request":
+              caches: bool = True, defer: bool = False, interrupted: Callable[[], bool] | None = None) -> "Request":
         """Prefill one request and pick its first token. ``messages`` may be a ``Prompt`` already built.
         ``caches=False``: no cache is read or written — media, encoder, prefix: an answer measured against another
         answer to the same prompt (the chat's "compare") computes everything, as the other one does.
         ``defer=True`` (the scheduler): when all but a few text tokens of an unpruned prompt are in the prefix
         cache, those few are not prefilled here, in a pass of their own, but by the next ``decode_step``, in the
-        pass it makes for the running batch anyway; the request has no first token until then."""
+        pass it makes for the running batch anyway; the request has no first token until then.
+        ``interrupted``: asked before the vision encoder starts and before each decoder layer; once it says True the
+        prefill stops there and raises ``PrefillInterrupted`` (a vision encoder already running finishes first)."""
         t_request = time.perf_counter()
         _check_max_new_tokens(max_new_tokens)
         if isinstance(policy, Policy):
@@ -534,7 +550,7 @@ class Engine:
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         request, tried = attempt(lambda: self._prefill_request(prompt, policy, max_new_tokens, sampling, generator,
-                                                              ignore_eos, caches, defer, t_request))
+                                                              ignore_eos, caches, defer, t_request, interrupted))
         if request is None:
             counts = [f"{n:,} {kind}" for kind, n in prompt.token_counts().items() if n]
             counts = " and ".join([", ".join(counts[:-1]), counts[-1]] if len(counts) > 1 else counts)
@@ -544,10 +560,11 @@ class Engine:
         return request
 
     def _prefill_request(self, prompt, policy, max_new_tokens, sampling, generator, ignore_eos, caches, defer,
-                         t_request) -> "Request":
+                         t_request, interrupted) -> "Request":
         t_prefill = time.perf_counter()
         stop_ids = set() if ignore_eos else self.eos_token_ids
         ctx, spans = self._prefill_context(prompt, policy, caches)
+        ctx.interrupted = interrupted
         if defer and (rows := self._deferred_rows(ctx, spans)) is not None:
             return Request(prompt, policy, ctx, sampling, generator, self._budget(max_new_tokens, ctx), None,
                            t_request, t_prefill, 0.0, _IncrementalDecoder(self.tokenizer), stop_ids, pending=rows)
@@ -781,6 +798,7 @@ class Engine:
         # inside a reused prefix are not encoded again.
         start = ctx.reused_tokens
         needs_vision = bool(prompt.media) and (start == 0 or any(span.end > start for span in spans))
+        _stop_if_interrupted(ctx)  # before the encoder, which cannot be stopped once it runs
         vision = (VisionJob(self, prompt, parallel=self.parallel_vision, caches=ctx.caches, encoded=ctx.encoded)
                   if needs_vision else None)
         try:
@@ -834,6 +852,7 @@ class Engine:
             hidden = ctx.hidden = vision.join(hidden, ctx)
             vision = None
         for layer_idx, layer in enumerate(self.adapter.layers):
+            _stop_if_interrupted(ctx)
             chosen = policy.select(layer_idx, active, ctx)
             if chosen is not active:
                 host_chosen = _checked(chosen.cpu(), host_index, fresh)
@@ -1089,6 +1108,12 @@ class VisionJob:
              torch.cat([layers[l] for _, _, layers in self.features if l < len(layers)]))
             for l in range(depth)]
         return hidden
+
+
+def _stop_if_interrupted(ctx: PrefillContext) -> None:
+    # A Python call per layer, no device read: nothing a GPU prefill would notice.
+    if ctx.interrupted is not None and ctx.interrupted():
+        raise PrefillInterrupted("the prefill was interrupted")
 
 
 def _add_layer_features(hidden: torch.Tensor, ctx: PrefillContext, tokens: torch.Tensor, layers) -> torch.Tensor:

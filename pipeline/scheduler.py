@@ -16,11 +16,12 @@ without bound.
 Submitters run in their own threads (the API's, the chat's): ``submit`` builds the prompt there (media
 decoding never stalls the running batch), and each ticket's chunks go to its own sink. A ticket's
 ``cancel`` (a client that left, Stop, Clear) ends it before its next step — or before its prefill,
-if it was still waiting — and frees its cache at once.
+if it was still waiting, or at the next decoder layer of its prefill — and frees its cache at once.
 
 ``close`` stops it as a server stops on SIGTERM (``docker stop``): no new request is taken, those still waiting
 end with ``ServerStopping``, and the running ones decode on to their end — or, past a grace period, end with
-``ServerStopping`` after what they have said — and then the loop returns.
+``ServerStopping`` after what they have said (a prefill under way, at its next decoder layer) — and then the loop
+returns.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glimpse.common import UserError
-from glimpse.pipeline.engine import Engine, GenerationResult, Request, Sampling, StreamChunk
+from glimpse.pipeline.engine import Engine, GenerationResult, PrefillInterrupted, Request, Sampling, StreamChunk
 from glimpse.pipeline.metrics import MemoryMeter
 from glimpse.pipeline.prompt import Prompt
 from glimpse.pruning import Policy
@@ -55,7 +56,7 @@ class QueueFull(Exception):
 
 
 class Cancelled(Exception):
-    """The request was cancelled before it started: it has no answer."""
+    """The request was cancelled before its first token: it has no answer."""
 
 
 class ServerStopping(UserError):
@@ -96,7 +97,7 @@ class StopText:
 class Ticket:
     """A submitted request, as its submitter holds it: ``cancel`` it, read its ``chunks()`` (or give a
     ``sink`` that receives each ``StreamChunk``, then the final one with the result; or an exception;
-    or ``None`` for a request cancelled before it started, which has no result)."""
+    or ``None`` for a request cancelled before its first token, which has no result)."""
 
     prompt: Prompt
     policy: Policy
@@ -130,7 +131,7 @@ class Ticket:
                         raise TimeoutError(f"no answer within {timeout} s") from None
                     yield None
                     continue
-                if item is None:  # cancelled before it started
+                if item is None:  # cancelled before its first token
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -144,7 +145,7 @@ class Ticket:
         for chunk in self.chunks(timeout):
             if chunk.result is not None:
                 return chunk.result
-        raise Cancelled("the request was cancelled before it started")
+        raise Cancelled("the request was cancelled before its first token")
 
 
 class Scheduler:
@@ -373,8 +374,7 @@ class Scheduler:
                         self.busy_since = time.perf_counter()  # a prefill done: the loop is not stuck
             with self.condition:
                 running = [t for t in self.running if not any(t is j for j in joining)]
-                cut = self.cut_at is not None and time.perf_counter() >= self.cut_at
-            if cut:  # closing, and the grace period is over: each ends with what it has said
+            if self._past_grace():  # closing, and the grace period is over: each ends with what it has said
                 for ticket in running:
                     if ticket.request.error is None and not ticket.request.done:
                         ticket.request.error = ServerStopping(STOPPING_CUT)
@@ -409,13 +409,20 @@ class Scheduler:
 
     def _prefill(self, ticket: Ticket, meter: MemoryMeter) -> None:
         """Prefill a request taken from the queue; it joins the running batch, or ends alone if it failed."""
-        if ticket.cancel.is_set():
-            self._end(ticket, None, None)
-            return
         engine = self.engine
+        # Asked before the encoder and between decoder layers: a client that leaves, or a server whose grace ran
+        # out, during a long video's prefill frees the model within a layer, not at the prefill's end.
+        def interrupted() -> bool:
+            return ticket.cancel.is_set() or self._past_grace()
+
         try:
+            if interrupted():  # cancelled while it waited, or the grace ran out during the prefills before it
+                raise PrefillInterrupted("interrupted before its prefill")
             request = engine.start(ticket.prompt, ticket.policy, 0.0, ticket.max_new_tokens, ticket.sampling,
-                                   ticket.ignore_eos, ticket.caches, defer=True)
+                                   ticket.ignore_eos, ticket.caches, defer=True, interrupted=interrupted)
+        except PrefillInterrupted:  # nothing of it is kept: cancelled, it has no answer; cut, it is told why
+            self._end(ticket, None, None if ticket.cancel.is_set() else ServerStopping(STOPPING_CUT))
+            return
         except Exception as error:  # this request's own failure (a policy parameter, memory): it alone ends
             self._end(ticket, None, error)
             return
@@ -428,6 +435,11 @@ class Scheduler:
         # with eight arrivals at once the last one's first token still waits for eight prefills,
         # the first one's no longer does.
         self._take(ticket, meter)
+
+    def _past_grace(self) -> bool:
+        """Closing, and the grace period is over: what still runs is cut."""
+        cut_at = self.cut_at  # set once by close(), from another thread: read once
+        return cut_at is not None and time.perf_counter() >= cut_at
 
     def _take(self, ticket: Ticket, meter: MemoryMeter) -> None:
         """Hand the ticket its request's newest token (the prefill's, or the last decode step's)."""

@@ -461,7 +461,7 @@ def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(c
 
     cancelled = threading.Event()
     cancelled.set()
-    with pytest.raises(RequestCancelled, match="before it began"):
+    with pytest.raises(RequestCancelled, match="before its first token"):
         engine.generate(messages, cancel=cancelled)
     assert list(engine.stream(messages, cancel=cancelled)) == []
 

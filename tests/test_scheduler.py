@@ -364,6 +364,84 @@ def test_closing_with_a_grace_period_cuts_an_answer_still_running_after_it_with_
     assert running.request.ctx.cache is None and not engine._lock.locked()  # its KV went with it
 
 
+class _AtEachPrefillLayer(NoPruning):
+    """No pruning, and a call of ``on_layer(layer_idx)`` as each decoder layer of the prefill starts: a test's way to
+    act at a known point inside a prefill (a function survives the scheduler's copy of the policy as itself)."""
+
+    on_layer = None
+
+    def select(self, layer_idx: int, active, ctx):
+        self.on_layer(layer_idx)
+        return active
+
+
+def test_a_client_leaving_during_a_prefill_frees_the_model_at_the_next_layer_and_the_batch_goes_on(engine, media):
+    """A long video's prefill on a CPU takes a minute: a client that left during it held the model for all of it.
+    Now the prefill stops before its next decoder layer, the request ends with no answer, and the answer already
+    running beside it, and the next request, are token for token what they are alone."""
+    conversations = _conversations(media)
+    alone = engine.generate(conversations[1], policy="none", max_new_tokens=24, ignore_eos=True)
+    after_alone = engine.generate(conversations[0], max_new_tokens=6)
+    layers, leaving = [], []
+
+    def on_layer(layer_idx):
+        layers.append(layer_idx)
+        if layer_idx == 1:
+            leaving[0].cancel.set()  # the client leaves while layer 1 runs
+
+    policy = _AtEachPrefillLayer()
+    policy.on_layer = on_layer
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        running = scheduler.submit(conversations[1], policy="none", max_new_tokens=24, ignore_eos=True)
+        chunks = running.chunks(timeout=60)
+        got = [next(chunks)]
+        leaving.append(scheduler.submit(conversations[2], policy=policy, max_new_tokens=8, caches=False))
+        with pytest.raises(Cancelled):
+            leaving[0].result(timeout=60)
+        assert layers == [0, 1]  # layer 2 and after never ran
+        assert leaving[0].request is None  # no request was made: nothing of its prefill is kept
+        got += list(chunks)
+        assert got[-1].result.token_ids == alone.token_ids
+        assert "".join(c.text for c in got) == alone.text
+        assert scheduler.submit(conversations[0], max_new_tokens=6).result(timeout=60).token_ids == after_alone.token_ids
+        _wait(lambda: scheduler.state()["running"] == 0)
+        assert scheduler.state()["prefilling"] == 0 and scheduler.state()["alive"]
+    finally:
+        scheduler.close()
+    assert not engine._lock.locked()
+
+    # The engine's own stream: its cancel event stops the prefill the same way.
+    cancel = threading.Event()
+    layers.clear()
+    policy.on_layer = lambda layer_idx: (layers.append(layer_idx), layer_idx == 1 and cancel.set())
+    assert list(engine.stream(conversations[2], policy=policy, max_new_tokens=8, cancel=cancel)) == []
+    assert layers == [0, 1]
+    assert engine.generate(conversations[0], max_new_tokens=6).token_ids == after_alone.token_ids
+
+
+def test_a_prefill_under_way_when_the_grace_runs_out_stops_at_the_next_layer(engine, media):
+    """Stopping the server: a prefill still running when the grace period ends stops before its next decoder layer,
+    its client told the server shut down; it does not hold the server past the grace for the rest of the prompt."""
+    conversations = _conversations(media)
+    layers = []
+    scheduler = Scheduler(engine, max_batch=2)
+
+    def on_layer(layer_idx):
+        layers.append(layer_idx)
+        if layer_idx == 1:
+            scheduler.close(grace_s=0.0, wait=False)  # SIGTERM, with no grace, while layer 1 runs
+
+    policy = _AtEachPrefillLayer()
+    policy.on_layer = on_layer
+    ticket = scheduler.submit(conversations[2], policy=policy, max_new_tokens=8, caches=False)
+    with pytest.raises(ServerStopping, match="shut down before this answer ended"):
+        ticket.result(timeout=60)
+    assert layers == [0, 1] and ticket.request is None
+    scheduler.thread.join(timeout=60)
+    assert not scheduler.thread.is_alive() and scheduler.error is None and not engine._lock.locked()
+
+
 class _FailsAtStep(NoPruning):
     """A policy that fails in its third decode step (as ST3 did on a NaN share, before such values were
     refused): what any bug of one policy's per-step work looks like from the scheduler."""
