@@ -1,13 +1,14 @@
 """A client that leaves during a long prefill: how soon the server's model is free for the next request.
 
-Since 2026-12-05 a prefill stops before its next decoder layer once its client has left (or the server's shutdown
-grace has run out); before, it ran to its end and the next request waited for all of it. This measures both sides in
-one run on the scheduler ``glimpse serve`` uses: the "before" side turns the engine's check off
-(``glimpse.pipeline.engine._stop_if_interrupted``, replaced here and only here), the code path being otherwise the same.
+Since 2026-12-05 a prefill stops before the next block of its vision tower or its next decoder layer once its client
+has left (or the server's shutdown grace has run out); before, it ran to its end and the next request waited for all
+of it. This measures both sides in one run on the scheduler ``glimpse serve`` uses: the "before" side turns the
+engine's two checks off (``glimpse.pipeline.engine._stop_if_interrupted`` and ``_stop_between``, replaced here and
+only here), the code path being otherwise the same.
 
-The model is a random-weights Qwen2-VL of a real size (``--preset``, decoder at full depth; the vision tower keeps
-the real width with ``pipeline.random_checkpoint``'s reduced depth), asked about a noise image of about ``--tokens``
-visual tokens. Each side: the request is submitted, its client leaves ``--leave-after`` seconds later, a one-word
+The model is a random-weights Qwen2-VL of a real size (``--preset``, decoder at full depth; the vision tower at the
+real width and ``--vision-depth`` blocks of the real 32, so that a run takes minutes, not a quarter of an hour), asked
+about a noise image of about ``--tokens`` visual tokens. Each side: the request is submitted, its client leaves ``--leave-after`` seconds later, a one-word
 request is submitted at that moment, and the time until that one's answer is reported. The prefill's own time
 (encoder included) is measured first, alone.
 
@@ -17,6 +18,7 @@ request is submitted at that moment, and the time until that one's answer is rep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +35,12 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen2-vl-2b")
     parser.add_argument("--tokens", type=int, default=3000, help="visual tokens of the image (about)")
     parser.add_argument("--leave-after", type=float, default=1.0, help="seconds into the prefill the client leaves")
+    parser.add_argument("--vision-depth", type=int, default=4, help="vision tower blocks (the real towers have 32)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
 
     folder = Path(tempfile.mkdtemp(prefix="glimpse-cancel-"))
-    build_random(folder, preset=args.preset)
+    build_random(folder, preset=args.preset, vision_depth=args.vision_depth)
     engine = load_engine(str(folder), device=args.device)
     image = folder / "noise.png"
     random_image(args.tokens).save(image)
@@ -50,11 +53,12 @@ def main() -> None:
         start = time.perf_counter()
         alone = scheduler.submit(long, policy="none", max_new_tokens=1, caches=False)
         metrics = alone.result(timeout=3600).metrics
-        print(f"{device_name(engine)}, {args.preset}: a prompt of {len(alone.request.prompt):,} tokens; its prefill "
+        print(f"{device_name(engine)}, {args.preset} with {args.vision_depth} vision blocks: a prompt of {len(alone.request.prompt):,} tokens; its prefill "
               f"alone takes {time.perf_counter() - start:.2f} s (vision encoder {metrics['vision_encoder_s']:.2f} s)")
-        check = engine_module._stop_if_interrupted
+        checks = engine_module._stop_if_interrupted, engine_module._stop_between
         for side, interrupts in (("now (interrupted)", True), ("before (runs to its end)", False)):
-            engine_module._stop_if_interrupted = check if interrupts else (lambda ctx: None)
+            engine_module._stop_if_interrupted, engine_module._stop_between = checks if interrupts else (
+                lambda ctx: None, lambda blocks, interrupted: contextlib.nullcontext())
             leaving = scheduler.submit(long, policy="none", max_new_tokens=1, caches=False)  # its prompt is built here
             time.sleep(args.leave_after)
             leaving.cancel.set()
@@ -66,7 +70,7 @@ def main() -> None:
                 leaving.result(timeout=1)
             except Cancelled:
                 pass  # the interrupted side: no answer
-        engine_module._stop_if_interrupted = check
+        engine_module._stop_if_interrupted, engine_module._stop_between = checks
     finally:
         scheduler.close()
 

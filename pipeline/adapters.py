@@ -113,6 +113,12 @@ class Adapter:
         """Vision encoder + projector: one row per placeholder token of ``kind``, in prompt order."""
         raise NotImplementedError
 
+    def vision_blocks(self) -> torch.nn.ModuleList | None:
+        """The vision tower's transformer blocks, in order: before each one the engine asks whether the prefill should
+        stop (a client that left during a long video's encoder, on a CPU minutes of work). None: the encoder runs as
+        one call that cannot be stopped."""
+        return None
+
     def encode_with_layers(self, media: list[MediaInput], kind: Modality, keep: torch.Tensor | None = None,
                            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``encode``, plus what the architecture adds to the visual tokens after decoder layers 0, 1, ...
@@ -198,6 +204,9 @@ class Qwen2VLAdapter(Adapter):
 
     def encode(self, media, kind):
         return _joined(self._vision_output(media, kind).pooler_output)
+
+    def vision_blocks(self):
+        return self.model.model.visual.blocks  # Qwen2-VL, Qwen2.5-VL and Qwen3-VL alike
 
     def token_pixels(self, item):
         if item.kind != VIDEO:
@@ -441,6 +450,12 @@ class LlavaAdapter(Adapter):
             grid = hidden.reshape(len(hidden), gh, gw, -1).permute(0, 3, 1, 2)
             hidden = torch.nn.functional.avg_pool2d(grid, pool).flatten(2).transpose(1, 2)
         return hidden
+
+    def vision_blocks(self):
+        tower = self.model.model.vision_tower
+        encoder = getattr(getattr(tower, "vision_model", tower), "encoder", None)  # CLIP, SigLIP; DINOv2 (embedded)
+        blocks = getattr(encoder, "layers", None) or getattr(encoder, "layer", None)
+        return blocks if isinstance(blocks, torch.nn.ModuleList) else None
 
     def token_pixels(self, item):
         if item.kind != VIDEO:

@@ -123,9 +123,9 @@ class PrefillContext:
     # the host (the set is read from the device once, when a policy changes it). ``pruning.base.visual_in``
     # counts a set's visual tokens from it without a read of its own.
     host_active: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # Asked before the vision encoder starts and before every decoder layer: True stops the prefill there with
-    # ``PrefillInterrupted`` (Engine.start's ``interrupted``). A long video's prefill on a CPU takes a minute; a
-    # client that left, or a server stopping, should not hold the model for all of it.
+    # Asked before the vision encoder starts, before each block of its tower and before every decoder layer: True
+    # stops the prefill there with ``PrefillInterrupted`` (Engine.start's ``interrupted``). A long video's prefill on
+    # a CPU takes minutes; a client that left, or a server stopping, should not hold the model for all of it.
     interrupted: Callable[[], bool] | None = None
 
 
@@ -171,8 +171,9 @@ class RequestCancelled(RuntimeError):
 
 
 class PrefillInterrupted(Exception):
-    """A prefill stopped between two decoder layers because its ``interrupted`` said so (a client that left, a
-    server past its shutdown grace): nothing of it is kept, and the engine is free for the next request."""
+    """A prefill stopped between two blocks of the vision tower or two decoder layers because its ``interrupted``
+    said so (a client that left, a server past its shutdown grace): nothing of it is kept, and the engine is free
+    for the next request."""
 
 
 class OneCallAtATime:
@@ -537,8 +538,9 @@ class Engine:
         ``defer=True`` (the scheduler): when all but a few text tokens of an unpruned prompt are in the prefix
         cache, those few are not prefilled here, in a pass of their own, but by the next ``decode_step``, in the
         pass it makes for the running batch anyway; the request has no first token until then.
-        ``interrupted``: asked before the vision encoder starts and before each decoder layer; once it says True the
-        prefill stops there and raises ``PrefillInterrupted`` (a vision encoder already running finishes first)."""
+        ``interrupted``: asked before the vision encoder starts, before each block of its tower the adapter names
+        (``Adapter.vision_blocks``) and before each decoder layer; once it says True the prefill stops there and
+        raises ``PrefillInterrupted``."""
         t_request = time.perf_counter()
         _check_max_new_tokens(max_new_tokens)
         if isinstance(policy, Policy):
@@ -798,8 +800,9 @@ class Engine:
         # inside a reused prefix are not encoded again.
         start = ctx.reused_tokens
         needs_vision = bool(prompt.media) and (start == 0 or any(span.end > start for span in spans))
-        _stop_if_interrupted(ctx)  # before the encoder, which cannot be stopped once it runs
-        vision = (VisionJob(self, prompt, parallel=self.parallel_vision, caches=ctx.caches, encoded=ctx.encoded)
+        _stop_if_interrupted(ctx)  # before the encoder starts (which then asks before each of its blocks)
+        vision = (VisionJob(self, prompt, parallel=self.parallel_vision, caches=ctx.caches, encoded=ctx.encoded,
+                            interrupted=ctx.interrupted)
                   if needs_vision else None)
         try:
             logits = self._layers(ctx.hidden, cos, sin, policy, ctx, vision, start)
@@ -1055,8 +1058,9 @@ class VisionJob:
     """
 
     def __init__(self, engine: "Engine", prompt: Prompt, parallel: bool, caches: bool = True,
-                 encoded: torch.Tensor | None = None):
+                 encoded: torch.Tensor | None = None, interrupted: Callable[[], bool] | None = None):
         self.engine, self.prompt, self.caches, self.encoded = engine, prompt, caches, encoded
+        self.interrupted = interrupted
         self.features: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
         self.error: BaseException | None = None
         self.seconds = 0.0
@@ -1080,7 +1084,9 @@ class VisionJob:
             # The side stream keeps the encoder off the main one.
             stream = torch.cuda.stream(side_stream) if side_stream is not None else contextlib.nullcontext()
             inference, grad = self.modes
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad), stream:
+            blocks = self.engine.adapter.vision_blocks()
+            with (torch.inference_mode(inference), torch.set_grad_enabled(grad), stream,
+                  _stop_between(blocks, self.interrupted)):
                 self.features = self.engine.encode_media(self.prompt, self.caches, self.encoded)
                 if side_stream is not None:
                     side_stream.synchronize()
@@ -1114,6 +1120,27 @@ def _stop_if_interrupted(ctx: PrefillContext) -> None:
     # A Python call per layer, no device read: nothing a GPU prefill would notice.
     if ctx.interrupted is not None and ctx.interrupted():
         raise PrefillInterrupted("the prefill was interrupted")
+
+
+@contextlib.contextmanager
+def _stop_between(blocks: torch.nn.ModuleList | None, interrupted: Callable[[], bool] | None) -> Iterator[None]:
+    """While inside, each of the vision tower's ``blocks`` first asks ``interrupted`` and raises ``PrefillInterrupted``
+    when it says True: a forward pre-hook, PyTorch's own way to run code before a module, removed on the way out
+    (the engine's lock keeps any other encoder call out meanwhile)."""
+    if blocks is None or interrupted is None:
+        yield
+        return
+
+    def ask(module, args) -> None:
+        if interrupted():
+            raise PrefillInterrupted("the prefill was interrupted in the vision encoder")
+
+    handles = [block.register_forward_pre_hook(ask) for block in blocks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _add_layer_features(hidden: torch.Tensor, ctx: PrefillContext, tokens: torch.Tensor, layers) -> torch.Tensor:

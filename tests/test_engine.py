@@ -1029,3 +1029,29 @@ def test_running_out_of_memory_is_said_as_such_frees_the_failed_pass_and_the_nex
             engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "embedded"])
+def test_an_interrupted_prefill_stops_before_the_next_block_of_every_architecture_s_vision_tower(
+        checkpoints, media, embedded_cache, monkeypatch, arch):
+    """``Adapter.vision_blocks`` names the tower's real block stack for every architecture: asked to stop once the
+    first block has run, the prefill raises ``PrefillInterrupted`` before the second (and before any decoder layer),
+    and the engine then answers as before."""
+    from glimpse.pipeline.engine import PrefillInterrupted, Sampling
+
+    monkeypatch.setenv("GLIMPSE_CACHE", str(embedded_cache))
+    engine = load_engine("embedded" if arch == "embedded" else str(checkpoints[arch]), device="cpu")
+    messages = _messages("image", media)
+    expected = engine.generate(messages, policy="none", max_new_tokens=4).token_ids
+    blocks = engine.adapter.vision_blocks()
+    ran = []
+    handles = [block.register_forward_hook(lambda module, args, out, i=i: ran.append(i)) for i, block in enumerate(blocks)]
+    handles += [layer.register_forward_hook(lambda *_: ran.append("decoder")) for layer in engine.adapter.layers]
+    try:
+        with pytest.raises(PrefillInterrupted):
+            engine.start(messages, "none", 0.0, 4, Sampling(), caches=False, interrupted=lambda: len(ran) >= 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert ran == [0] and len(blocks) >= 2
+    assert engine.generate(messages, policy="none", max_new_tokens=4).token_ids == expected

@@ -420,6 +420,36 @@ def test_a_client_leaving_during_a_prefill_frees_the_model_at_the_next_layer_and
     assert engine.generate(conversations[0], max_new_tokens=6).token_ids == after_alone.token_ids
 
 
+def test_a_client_leaving_while_the_vision_encoder_runs_stops_it_before_its_next_block(engine, media):
+    """On a CPU a long video's vision tower is most of its prefill: a client that leaves while it runs stops it
+    before its next block, and no decoder layer runs. Nothing of it stays behind: the same image asked again gets the
+    answer it gets alone (a stop hook left on the tower would interrupt it, its ticket's flag being still set)."""
+    conversations = _conversations(media)
+    alone = engine.generate(conversations[0], policy="none", max_new_tokens=6)
+    blocks = engine.adapter.vision_blocks()
+    assert blocks is not None and len(blocks) >= 2
+    done, leaving = [], []
+    watch = [block.register_forward_hook(lambda module, args, out, i=i: done.append(("vision", i)))
+             for i, block in enumerate(blocks)]
+    watch += [layer.register_forward_hook(lambda module, args, kwargs, out, i=i: done.append(("decoder", i)),
+                                          with_kwargs=True) for i, layer in enumerate(engine.adapter.layers)]
+    watch.append(blocks[0].register_forward_hook(lambda *_: leaving[0].cancel.set()))  # leaves during block 0
+    scheduler = Scheduler(engine, max_batch=2)
+    try:
+        leaving.append(scheduler.submit(conversations[0], policy="none", max_new_tokens=6, caches=False))
+        with pytest.raises(Cancelled):
+            leaving[0].result(timeout=60)
+        assert done == [("vision", 0)]  # block 1 and every decoder layer never ran
+    finally:
+        for handle in watch:
+            handle.remove()
+    try:
+        again = scheduler.submit(conversations[0], policy="none", max_new_tokens=6, caches=False).result(timeout=60)
+        assert again.token_ids == alone.token_ids
+    finally:
+        scheduler.close()
+
+
 def test_a_prefill_under_way_when_the_grace_runs_out_stops_at_the_next_layer(engine, media):
     """Stopping the server: a prefill still running when the grace period ends stops before its next decoder layer,
     its client told the server shut down; it does not hold the server past the grace for the rest of the prompt."""
