@@ -1031,16 +1031,18 @@ def test_running_out_of_memory_is_said_as_such_frees_the_failed_pass_and_the_nex
         handle.remove()
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "embedded"])
+@pytest.mark.parametrize("arch,parallel", [(arch, False) for arch in [*ARCHS, "embedded"]] + [("qwen2_vl", True)])
 def test_an_interrupted_prefill_stops_before_the_next_block_of_every_architecture_s_vision_tower(
-        checkpoints, media, embedded_cache, monkeypatch, arch):
+        checkpoints, media, embedded_cache, monkeypatch, arch, parallel):
     """``Adapter.vision_blocks`` names the tower's real block stack for every architecture: asked to stop once the
     first block has run, the prefill raises ``PrefillInterrupted`` before the second (and before any decoder layer),
-    and the engine then answers as before."""
+    and the engine then answers as before. ``parallel``: the tower in the engine's vision worker thread, as on a GPU,
+    where the stop is raised in that thread and reaches the request's at the join."""
     from glimpse.pipeline.engine import PrefillInterrupted, Sampling
 
     monkeypatch.setenv("GLIMPSE_CACHE", str(embedded_cache))
     engine = load_engine("embedded" if arch == "embedded" else str(checkpoints[arch]), device="cpu")
+    engine.parallel_vision = parallel
     messages = _messages("image", media)
     expected = engine.generate(messages, policy="none", max_new_tokens=4).token_ids
     blocks = engine.adapter.vision_blocks()
