@@ -45,6 +45,7 @@ import re
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -64,7 +65,7 @@ from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.engine import StreamChunk
 from glimpse.pipeline.out_of_memory import OutOfMemory
 from glimpse.pipeline.prompt import check_text_length
-from glimpse.pipeline.scheduler import QueueFull, Scheduler, ServerStopping
+from glimpse.pipeline.scheduler import STOPPING, QueueFull, Scheduler, ServerStopping
 
 FETCHING_THREADS = 8  # requests whose media URLs are fetched at once; more wait their turn
 MAX_REQUEST_FETCH_BYTES = 64 * 2**20  # all of one request's media URLs, as much as its body may hold inline
@@ -405,7 +406,8 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
                     raise QueueFull(waiting, fetch_deadline_s * (1 + waiting // FETCHING_THREADS))
                 fetches["in"] += 1
                 try:
-                    parsed = await _unless_client_leaves(request, allowance, parse_and_submit, fetching)
+                    parsed = await _unless_client_leaves(request, allowance, parse_and_submit, fetching,
+                                                         stopping=lambda: scheduler.closed)
                 finally:
                     fetches["in"] -= 1
                 if parsed is None:  # the client left while its media were fetched, or while it waited to be
@@ -550,15 +552,23 @@ def _naming_its_part(message: str, local_parts: dict[str, str]) -> str:
 MAX_PATH_BYTES = 4096  # PATH_MAX: a longer local path cannot name a file (and resolving one costs time)
 
 
-async def _unless_client_leaves(request: Request, allowance: Allowance, parse_and_submit, limiter):
+async def _unless_client_leaves(request: Request, allowance: Allowance, parse_and_submit, limiter,
+                                stopping: Callable[[], bool] = lambda: False):
     """``parse_and_submit()`` in a worker thread of ``limiter``, or None once the client has left: waiting for a
     thread, it gives up its place; fetching, its fetches stop within half a second (``allowance.cancelled``). An
-    abandoned request kept its place and had every URL fetched: 40 of them held the queue for 150 s."""
+    abandoned request kept its place and had every URL fetched: 40 of them held the queue for 150 s.
+    Once ``stopping()`` (SIGTERM) the same, and ``ServerStopping`` is raised: the client is told (503) while the
+    server can still answer, where a slow media URL had it fetching until the server closed the connection under it."""
     outcome = {}
     async with anyio.create_task_group() as group:
         async def watch():
-            while not await request.is_disconnected():
+            while not stopping():
+                if await request.is_disconnected():
+                    outcome["left"] = True
+                    break
                 await anyio.sleep(0.25)
+            else:
+                outcome["stopping"] = True
             allowance.cancelled.set()
             group.cancel_scope.cancel()
 
@@ -569,9 +579,13 @@ async def _unless_client_leaves(request: Request, allowance: Allowance, parse_an
         except Exception as error:  # raised below as itself: out of the group it would be an ExceptionGroup
             outcome["error"] = error
         group.cancel_scope.cancel()  # parsed: the watch ends
-    if "error" in outcome and not allowance.cancelled.is_set():
-        raise outcome["error"]
-    return None if allowance.cancelled.is_set() else outcome.get("parsed")
+    if outcome.get("left"):
+        return None
+    if "parsed" in outcome:  # submitted, if only just: the scheduler answers it (a closing one with ServerStopping)
+        return outcome["parsed"]
+    if outcome.get("stopping"):  # its fetch was stopped: whatever it raised for that is not the request's fault
+        raise ServerStopping(STOPPING)
+    raise outcome["error"]
 
 
 def _fetches(body: ChatRequest) -> bool:

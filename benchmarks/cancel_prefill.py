@@ -8,11 +8,11 @@ only here), the code path being otherwise the same.
 
 The model is a random-weights Qwen2-VL of a real size (``--preset``, decoder at full depth; the vision tower at the
 real width and ``--vision-depth`` blocks of the real 32, so that a run takes minutes, not a quarter of an hour), asked
-about a noise image of about ``--tokens`` visual tokens. Each side: the request is submitted, its client leaves ``--leave-after`` seconds later, a one-word
-request is submitted at that moment, and the time until that one's answer is reported. The prefill's own time
-(encoder included) is measured first, alone.
+about a noise image of about ``--tokens`` visual tokens. Each side: the request is submitted, its client leaves
+``--leave-after`` seconds later, a one-word request is submitted at that moment, and the time until that one's answer
+is reported. The prefill's own time (encoder included) is measured first, alone.
 
-    python benchmarks/cancel_prefill.py            # this CPU (docs/serving.md, "Cancellation")
+    python benchmarks/cancel_prefill.py --leave-after 10    # this CPU (docs/serving.md, "Cancellation")
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def main() -> None:
     engine = load_engine(str(folder), device=args.device)
     image = folder / "noise.png"
     random_image(args.tokens).save(image)
-    long = [{"role": "user", "content": [{"type": "image", "image": str(image)}, {"type": "text", "text": "Describe it."}]}]
+    long = [{"role": "user", "content": [{"type": "image", "image": str(image)},
+                                         {"type": "text", "text": "Describe it."}]}]
     short = [{"role": "user", "content": "hello"}]
     engine.generate(short, policy="none", max_new_tokens=2)  # warm
 
@@ -53,8 +54,9 @@ def main() -> None:
         start = time.perf_counter()
         alone = scheduler.submit(long, policy="none", max_new_tokens=1, caches=False)
         metrics = alone.result(timeout=3600).metrics
-        print(f"{device_name(engine)}, {args.preset} with {args.vision_depth} vision blocks: a prompt of {len(alone.request.prompt):,} tokens; its prefill "
-              f"alone takes {time.perf_counter() - start:.2f} s (vision encoder {metrics['vision_encoder_s']:.2f} s)")
+        print(f"{device_name(engine)}, {args.preset} with {args.vision_depth} vision blocks: a prompt of "
+              f"{len(alone.request.prompt):,} tokens; its prefill alone takes {time.perf_counter() - start:.2f} s "
+              f"(vision encoder {metrics['vision_encoder_s']:.2f} s)")
         checks = engine_module._stop_if_interrupted, engine_module._stop_between
         for side, interrupts in (("now (interrupted)", True), ("before (runs to its end)", False)):
             engine_module._stop_if_interrupted, engine_module._stop_between = checks if interrupts else (

@@ -169,6 +169,7 @@ class Scheduler:
         # the queue, which would count the queue twice), for the wait estimates.
         self.service_s = 10.0
         self.closed = False
+        self.preparing = 0  # submitters inside ``submit`` (building a prompt): a closing server answers them first
         self.cut_at: float | None = None  # after close(): when requests still running are cut (perf_counter)
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self.on_finish: list[Callable[[Ticket, GenerationResult | None, BaseException | None], None]] = []
@@ -194,31 +195,43 @@ class Scheduler:
         caller's thread. ``refuse_past_context``: a prompt that leaves fewer than ``max_new_tokens`` tokens of the
         model's context is refused (the API's explicit ``max_tokens``, as OpenAI's API does) rather than answered
         up to the context's end."""
-        self.check_room()  # refuse before the work of building the prompt
-        # A Policy object given here is a template: the request gets its own copy (policies keep state).
-        policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
-        prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches)
-        context = self.engine.max_length
-        if refuse_past_context and context is not None and len(prompt) + max_new_tokens > context:
-            raise UserError(f"max_tokens: this model's context is {context:,} tokens and the prompt takes "
-                            f"{len(prompt):,}, which leaves {context - len(prompt):,}, not the {max_new_tokens:,} asked "
-                            "for; ask for fewer tokens or shorten the conversation")
-        reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
-        if reserved > self.kv_budget_bytes:
-            raise UserError(f"this request may need {reserved / 2**20:,.0f} MiB of KV cache, more than the server's "
-                            f"budget of {self.kv_budget_bytes / 2**20:,.0f} MiB: shorten the prompt, send fewer "
-                            "frames or ask for fewer tokens")
-        own_queue = None
-        if sink is None:
-            own_queue = queue.Queue()
-            sink = own_queue.put
-        ticket = Ticket(prompt, policy, max_new_tokens, Sampling(do_sample, temperature, top_p, seed), ignore_eos,
-                        StopText(tuple(stop)), reserved, caches, sink, _queue=own_queue)
+        with self._building():  # counted while it builds its prompt, for ``wait_for_submitters``
+            self.check_room()  # refuse before the work of building the prompt
+            # A Policy object given here is a template: the request gets its own copy (policies keep state).
+            policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
+            prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches)
+            context = self.engine.max_length
+            if refuse_past_context and context is not None and len(prompt) + max_new_tokens > context:
+                raise UserError(f"max_tokens: this model's context is {context:,} tokens and the prompt takes "
+                                f"{len(prompt):,}, which leaves {context - len(prompt):,}, not the {max_new_tokens:,} "
+                                "asked for; ask for fewer tokens or shorten the conversation")
+            reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
+            if reserved > self.kv_budget_bytes:
+                raise UserError(f"this request may need {reserved / 2**20:,.0f} MiB of KV cache, more than the "
+                                f"server's budget of {self.kv_budget_bytes / 2**20:,.0f} MiB: shorten the prompt, send fewer "
+                                "frames or ask for fewer tokens")
+            own_queue = None
+            if sink is None:
+                own_queue = queue.Queue()
+                sink = own_queue.put
+            ticket = Ticket(prompt, policy, max_new_tokens, Sampling(do_sample, temperature, top_p, seed), ignore_eos,
+                            StopText(tuple(stop)), reserved, caches, sink, _queue=own_queue)
+            with self.condition:
+                self._refuse_if_full()
+                self.waiting.append(ticket)
+                self.condition.notify()
+            return ticket
+
+    @contextlib.contextmanager
+    def _building(self) -> Iterator[None]:
         with self.condition:
-            self._refuse_if_full()
-            self.waiting.append(ticket)
-            self.condition.notify()
-        return ticket
+            self.preparing += 1
+        try:
+            yield
+        finally:
+            with self.condition:
+                self.preparing -= 1
+                self.condition.notify_all()  # ``wait_for_submitters`` (and the loop, which finds nothing new)
 
     def prepare(self, messages, caches: bool = True) -> Prompt:
         """The prompt of ``messages`` (media decoded), built in the caller's thread, one at a time; ``submit``
@@ -299,6 +312,14 @@ class Scheduler:
             self.condition.notify()
         if wait and self.thread is not threading.current_thread() and self.thread.is_alive():
             self.thread.join(timeout=60)
+
+    def wait_for_submitters(self) -> None:
+        """After ``close(grace_s)``: until no submitter is still building its prompt, or the grace period is over.
+        Such a submitter's ``submit`` raises ``ServerStopping`` once its prompt is built, and ``glimpse serve`` waits
+        for that, so that its client is told (503) rather than left with a connection closed under it."""
+        with self.condition:
+            while self.preparing and self.cut_at is not None and (left := self.cut_at - time.perf_counter()) > 0:
+                self.condition.wait(timeout=left)
 
     # ------------------------------------------------------------------ the loop (the scheduler's thread)
     def _loop(self) -> None:

@@ -1047,7 +1047,8 @@ def test_an_interrupted_prefill_stops_before_the_next_block_of_every_architectur
     expected = engine.generate(messages, policy="none", max_new_tokens=4).token_ids
     blocks = engine.adapter.vision_blocks()
     ran = []
-    handles = [block.register_forward_hook(lambda module, args, out, i=i: ran.append(i)) for i, block in enumerate(blocks)]
+    handles = [block.register_forward_hook(lambda module, args, out, i=i: ran.append(i))
+               for i, block in enumerate(blocks)]
     handles += [layer.register_forward_hook(lambda *_: ran.append("decoder")) for layer in engine.adapter.layers]
     try:
         with pytest.raises(PrefillInterrupted):

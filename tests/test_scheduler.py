@@ -364,6 +364,53 @@ def test_closing_with_a_grace_period_cuts_an_answer_still_running_after_it_with_
     assert running.request.ctx.cache is None and not engine._lock.locked()  # its KV went with it
 
 
+def test_closing_waits_within_the_grace_for_submitters_building_prompts_to_be_told(engine, media, monkeypatch):
+    """SIGTERM while a request still builds its prompt (decoding a long video, in its submitter's thread): the loop
+    ends at once, nothing running, and `glimpse serve` used to close that request's connection a second later. Now
+    ``wait_for_submitters`` waits, within the grace period, until that submitter has got its ``ServerStopping``
+    (the API's 503); past the grace it waits no more."""
+    conversations = _conversations(media)
+    real_prepare, building, release = engine.prepare, threading.Event(), threading.Event()
+
+    def slow_prepare(messages, caches=True):
+        building.set()
+        release.wait(timeout=60)
+        return real_prepare(messages, caches)
+
+    monkeypatch.setattr(engine, "prepare", slow_prepare)
+    for grace_s in (60.0, 0.3):
+        building.clear()
+        release.clear()
+        scheduler = Scheduler(engine)
+        told = []
+
+        def submit():
+            try:
+                scheduler.submit(conversations[0], max_new_tokens=4)
+            except ServerStopping as error:
+                told.append(error)
+
+        submitter = threading.Thread(target=submit)
+        submitter.start()
+        assert building.wait(timeout=30)
+        scheduler.close(grace_s=grace_s)  # the loop returns: nothing runs or waits
+        assert not scheduler.thread.is_alive() and scheduler.preparing == 1
+        waiter = threading.Thread(target=scheduler.wait_for_submitters)
+        waiter.start()
+        if grace_s > 1:
+            waiter.join(timeout=0.5)
+            assert waiter.is_alive()  # the submitter has not been told yet: it still builds its prompt
+            release.set()
+            waiter.join(timeout=60)
+            assert not waiter.is_alive() and len(told) == 1 and "shutting down" in str(told[0])
+        else:
+            waiter.join(timeout=30)
+            assert not waiter.is_alive() and not told  # the grace is over: it is not waited for
+            release.set()
+        submitter.join(timeout=60)
+        assert len(told) == 1 and scheduler.preparing == 0
+
+
 class _AtEachPrefillLayer(NoPruning):
     """No pruning, and a call of ``on_layer(layer_idx)`` as each decoder layer of the prefill starts: a test's way to
     act at a known point inside a prefill (a function survives the scheduler's copy of the policy as itself)."""
@@ -404,7 +451,8 @@ def test_a_client_leaving_during_a_prefill_frees_the_model_at_the_next_layer_and
         got += list(chunks)
         assert got[-1].result.token_ids == alone.token_ids
         assert "".join(c.text for c in got) == alone.text
-        assert scheduler.submit(conversations[0], max_new_tokens=6).result(timeout=60).token_ids == after_alone.token_ids
+        after = scheduler.submit(conversations[0], max_new_tokens=6).result(timeout=60)
+        assert after.token_ids == after_alone.token_ids
         _wait(lambda: scheduler.state()["running"] == 0)
         assert scheduler.state()["prefilling"] == 0 and scheduler.state()["alive"]
     finally:

@@ -9,6 +9,7 @@ after what they said), and the process exits 0. The embedded model runs in a sub
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shutil
@@ -220,3 +221,59 @@ def test_a_second_sigterm_stops_at_once_without_waiting_for_the_answer(embedded_
     assert stopped_s < 10
     finished = [e for e in events_seen if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]]
     assert not finished, events_seen[-3:]  # the answer was not waited for
+
+
+def test_sigterm_while_a_media_url_is_fetched_stops_the_fetch_and_tells_the_client(embedded_cache):
+    """Found by trying it: SIGTERM while a request's image was still coming from a slow URL closed its connection
+    under it (the client saw the server disconnect, and could not tell whether its request had been done). Now its
+    fetch stops and it gets the 503 the waiting requests get."""
+    image = (REPO / "assets" / "sample.png").read_bytes()
+    sent = {"bytes": 0}
+
+    class Slow(http.server.BaseHTTPRequestHandler):  # 64 bytes every half second: minutes for the whole image
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(image)))
+            self.end_headers()
+            for start in range(0, len(image), 64):
+                try:
+                    self.wfile.write(image[start:start + 64])
+                    self.wfile.flush()
+                except OSError:  # the fetch was stopped
+                    return
+                sent["bytes"] += 64
+                time.sleep(0.5)
+
+        def log_message(self, *args):
+            pass
+
+    media = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=media.serve_forever, daemon=True).start()
+    process, pid, url = _serve(embedded_cache, "--allow-private-urls")
+    reply: dict = {}
+
+    def ask() -> None:
+        body = {"model": "glimpse", "max_tokens": 8, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{media.server_address[1]}/a.png"}},
+            {"type": "text", "text": "What colour is it?"}]}]}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        reply.update(status=response.status_code, body=response.json())
+
+    try:
+        asking = threading.Thread(target=ask)
+        asking.start()
+        deadline = time.monotonic() + 30
+        while sent["bytes"] < 128:  # the fetch is under way
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGTERM)
+        returncode, stderr = _stopped(process, 30)
+        asking.join(timeout=30)
+    finally:
+        media.shutdown()
+        if process.poll() is None:
+            process.kill()
+    assert returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
+    assert reply["status"] == 503 and "shutting down" in reply["body"]["error"]["message"], reply
+    assert sent["bytes"] < len(image)  # the fetch stopped; the image was not read to its end
