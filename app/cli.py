@@ -581,7 +581,12 @@ def http_server(app, host: str, port: int, shutdown_s: float | None = None):
 
 
 def run_serve(args) -> int:
+    from glimpse.connections import CappedWrites
     from glimpse.pipeline import load_engine
+
+    # Before anything logs (uvicorn's handlers take the stream they are given at their start): what one request makes
+    # a library log is bounded, so that clients cannot fill the disk through the log (glimpse.connections).
+    sys.stderr = CappedWrites(sys.stderr)
 
     if args.max_batch < 1 or args.queue_size < 0 or args.max_new_tokens < 1:
         raise UserError("--max-batch and --max-new-tokens must be at least 1, --queue-size at least 0")

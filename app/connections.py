@@ -15,11 +15,13 @@ arrived within ``BODY_TIMEOUT_S`` (408). Without it a client could send the chat
 read whole into memory, or trickle one in for ever. Uploads have their own size bounds (``--max-upload-mb``, the
 upload quota in ``glimpse.uploads``) and may take long on a slow link: ``BODY_TIMEOUT_S`` plus their length at
 ``UPLOAD_MIN_BYTES_PER_S`` (a 200 MB video gets an hour and three quarters; a few bytes dripped in, two minutes).
+And what a request makes the server log is bounded too (``CappedWrites``, its standard error under ``glimpse serve``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import time
 from typing import Callable
@@ -34,6 +36,42 @@ MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (an API request's
 BODY_TIMEOUT_S = 120.0  # a body that has not all arrived by then (a client trickling it in) gets 408; 64 MiB at
 # 4.5 Mbit/s
 UPLOAD_MIN_BYTES_PER_S = 32 * 2**10  # an upload gets BODY_TIMEOUT_S plus its Content-Length at this rate
+MAX_LOG_WRITE = 16 * 2**10  # characters: one write to the server's log longer than this is cut in its middle
+
+
+class CappedWrites(io.TextIOBase):
+    """The server's standard error, where any one write longer than ``limit`` characters is cut in its middle,
+    saying how much was left out. Why: libraries log what a client sent. The chat's routes take files as paths, and
+    Gradio prints the traceback of a refused one with the path in it: a client sending a 30 MB path wrote 30 MB to the
+    server's log, a request at a time, until the disk (or Docker's log) was full (found from outside). Bounded here,
+    for whatever library logs it, a request's traceback stays a few kilobytes, its beginning and end both shown."""
+
+    def __init__(self, stream, limit: int = MAX_LOG_WRITE):
+        self.stream, self.limit = stream, limit
+
+    def write(self, text: str) -> int:
+        given = len(text)
+        if given > self.limit:
+            keep = self.limit // 2
+            text = f"{text[:keep]} [... {given - 2 * keep:,} characters left out ...] {text[-keep:]}"
+        self.stream.write(text)
+        return given
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:
+        return self.stream.encoding
 
 
 class ClosingServer(uvicorn.Server):

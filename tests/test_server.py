@@ -2010,3 +2010,18 @@ def test_a_request_the_memory_cannot_hold_is_a_503_that_says_so_and_the_next_ans
     for outcome, more in (("out_of_memory", 3), ("bad_request", 0), ("error", 0), ("ok", 1)):
         assert _value(after, "glimpse_requests_total", outcome=outcome) == \
             _value(before, "glimpse_requests_total", outcome=outcome) + more, outcome
+
+
+def test_a_write_to_the_server_log_past_the_cap_is_cut_in_its_middle_saying_how_much_went():
+    import io
+
+    from glimpse.connections import CappedWrites
+
+    sink = io.StringIO()
+    log = CappedWrites(sink, limit=100)
+    assert log.write("short line\n") == len("short line\n") and sink.getvalue() == "short line\n"
+    long = "BEGIN" + "x" * 10_000 + "END\n"
+    assert log.write(long) == len(long)  # what print() is told: all of it written
+    cut = sink.getvalue()[len("short line\n"):]
+    assert cut.startswith("BEGIN") and cut.endswith("END\n") and len(cut) < 200
+    assert f"{len(long) - 100:,} characters left out" in cut

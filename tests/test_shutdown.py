@@ -1,4 +1,5 @@
-"""`glimpse serve` stopped as `docker stop`, systemd or Kubernetes stop it: SIGTERM, then SIGKILL after a grace period.
+"""`glimpse serve` run as a user runs it, as a process: stopped as `docker stop`, systemd or Kubernetes stop it (SIGTERM,
+then SIGKILL after a grace period), and what it writes to its log.
 
 Found by building and running the Docker image: the server had no SIGTERM handler, so on a host SIGTERM killed it
 mid-answer, and in a container, where it is process 1 and the kernel ignores the signals process 1 has no handler
@@ -277,3 +278,25 @@ def test_sigterm_while_a_media_url_is_fetched_stops_the_fetch_and_tells_the_clie
     assert returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
     assert reply["status"] == 503 and "shutting down" in reply["body"]["error"]["message"], reply
     assert sent["bytes"] < len(image)  # the fetch stopped; the image was not read to its end
+
+
+def test_what_a_request_makes_the_server_log_is_bounded(embedded_cache):
+    """Found from outside: the chat's routes take files as paths, and Gradio prints the traceback of a refused one with
+    the path in it; a 30 MB path wrote 30 MB to the server's log, a request at a time, until the disk was full. Each
+    write to the log is now cut in its middle past 16 KiB (``glimpse.connections.CappedWrites``)."""
+    process, pid, url = _serve(embedded_cache)
+    try:
+        path = "/x" * 500_000  # a megabyte
+        body = {"data": [{"text": "What colour?", "files": [{"path": path, "meta": {"_type": "gradio.FileData"}}]},
+                         "none", 0.0, 4, "", False]}
+        event = httpx.post(url + "/gradio_api/call/chat", json=body, timeout=30).json()["event_id"]
+        stream = httpx.get(f"{url}/gradio_api/call/chat/{event}", timeout=30).text
+        assert "event: error" in stream
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+        os.kill(pid, signal.SIGTERM)
+        returncode, stderr = _stopped(process, 30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert returncode == 0
+    assert "characters left out" in stderr and len(stderr) < 100_000, len(stderr)
