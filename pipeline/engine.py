@@ -422,8 +422,8 @@ class Engine:
         """``ignore_eos``: decode exactly ``max_new_tokens`` (benchmarks and evaluations). ``cancel``: once
         set (a client that left), the request stops before its next step — or before prefill, if it was
         still waiting for the model — and the model is free for the next one; its result, if any, says
-        ``finish_reason == "cancelled"``; cancelled before it began or during its prefill (which stops at the next
-        decoder layer), the stream yields nothing. One call at a time
+        ``finish_reason == "cancelled"``; cancelled before it began or during its prefill (which stops before the next
+        block of the vision tower or the next decoder layer), the stream yields nothing. One call at a time
         per engine: other threads wait; a call from the thread of a stream not read to its end raises
         ``EngineBusy``."""
         with self._lock:

@@ -16,12 +16,13 @@ without bound.
 Submitters run in their own threads (the API's, the chat's): ``submit`` builds the prompt there (media
 decoding never stalls the running batch), and each ticket's chunks go to its own sink. A ticket's
 ``cancel`` (a client that left, Stop, Clear) ends it before its next step — or before its prefill,
-if it was still waiting, or at the next decoder layer of its prefill — and frees its cache at once.
+if it was still waiting, or during its prefill before the next vision block or decoder layer — and frees its cache
+at once.
 
 ``close`` stops it as a server stops on SIGTERM (``docker stop``): no new request is taken, those still waiting
 end with ``ServerStopping``, and the running ones decode on to their end — or, past a grace period, end with
-``ServerStopping`` after what they have said (a prefill under way, at its next decoder layer) — and then the loop
-returns.
+``ServerStopping`` after what they have said (a prefill under way, before its next vision block or decoder layer) —
+and then the loop returns.
 """
 
 from __future__ import annotations
@@ -208,8 +209,8 @@ class Scheduler:
             reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
             if reserved > self.kv_budget_bytes:
                 raise UserError(f"this request may need {reserved / 2**20:,.0f} MiB of KV cache, more than the "
-                                f"server's budget of {self.kv_budget_bytes / 2**20:,.0f} MiB: shorten the prompt, send fewer "
-                                "frames or ask for fewer tokens")
+                                f"server's budget of {self.kv_budget_bytes / 2**20:,.0f} MiB: shorten the prompt, send "
+                                "fewer frames or ask for fewer tokens")
             own_queue = None
             if sink is None:
                 own_queue = queue.Queue()
@@ -431,8 +432,9 @@ class Scheduler:
     def _prefill(self, ticket: Ticket, meter: MemoryMeter) -> None:
         """Prefill a request taken from the queue; it joins the running batch, or ends alone if it failed."""
         engine = self.engine
-        # Asked before the encoder and between decoder layers: a client that leaves, or a server whose grace ran
-        # out, during a long video's prefill frees the model within a layer, not at the prefill's end.
+        # Asked before the encoder, before each of its blocks and before each decoder layer: a client that leaves, or
+        # a server whose grace ran out, during a long video's prefill frees the model within a block or a layer, not
+        # at the prefill's end.
         def interrupted() -> bool:
             return ticket.cancel.is_set() or self._past_grace()
 
