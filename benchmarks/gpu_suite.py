@@ -86,7 +86,7 @@ from tiny_models import BUILDERS, reference_inputs  # noqa: E402
 from glimpse.assets import ASSETS  # noqa: E402
 from glimpse.bench import video_plan, generate_decode_rate, run_bench, synthesize_prompts, write_still_scene  # noqa: E402
 from glimpse.pipeline import load_engine, packed_attention  # noqa: E402
-from glimpse.pipeline.engine import Sampling  # noqa: E402
+from glimpse.pipeline.engine import PrefillInterrupted, Sampling  # noqa: E402
 from glimpse.pipeline.metrics import synchronize  # noqa: E402
 from glimpse.pipeline.prompt import user_message  # noqa: E402
 from glimpse.pipeline.random_checkpoint import build_random, random_image  # noqa: E402
@@ -293,9 +293,12 @@ def _exactness(suite: Suite) -> dict:
                     engine.adapter._pixels([item], item.kind, engine.device).cpu(),
                     engine.adapter._pixels([item], item.kind))
     suite.progress(f"  patches normalized on {suite.device} = on the host: {pixels_identical}")
+    interrupts_clean = {arch: _interrupt_is_clean(Path(suite.tmp.name) / "tiny" / arch, suite.device, messages)
+                        for arch in TINY_ARCHS}
+    suite.progress(f"  a prefill stopped in the vision worker leaves the engine as it was: {interrupts_clean}")
     float32 = [r for r in rows if r["dtype"] == "float32"]
     half = [r for r in rows if r["dtype"] != "float32"]
-    return {"rows": rows, "pixels_identical": pixels_identical,
+    return {"rows": rows, "pixels_identical": pixels_identical, "interrupts_clean": interrupts_clean,
             "float32_tokens_identical": all(r["tokens_identical"] for r in float32),
             "float32_graph_tokens_identical": all(r["graph_tokens_identical"] for r in float32),
             "float32_logits_close": all(r["logits_close"] for r in float32),
@@ -330,6 +333,31 @@ def _exact_row(suite, arch, folder, dtype, attn, messages) -> dict:
             "graph_error": engine.decode_graph_error, "agreeing_prefix": agree, "logits_max_abs_diff": diff,
             "logits_scale": scale, "tolerance": tolerance, "logits_close": diff <= tolerance,
             "first_token_same": bool(logits.argmax() == reference.argmax()), "packed_kv_kernel": packed}
+
+
+def _interrupt_is_clean(folder: Path, device: torch.device, messages) -> bool:
+    """A prefill interrupted once the vision tower's first block has run, the tower in the engine's vision worker
+    thread on its own CUDA stream (as a server's request whose client left): it stops before the second block and
+    before any decoder layer, and the same question then gets the same tokens as before (tested on CPU, where no side
+    stream exists)."""
+    engine = load_engine(str(folder), device=str(device))
+    engine.parallel_vision = True
+    expected = engine.generate(messages, policy="none", max_new_tokens=8).token_ids
+    ran = []
+    handles = [block.register_forward_hook(lambda module, args, out, i=i: ran.append(i))
+               for i, block in enumerate(engine.adapter.vision_blocks())]
+    handles += [layer.register_forward_hook(lambda *_: ran.append("decoder")) for layer in engine.adapter.layers]
+    try:
+        with torch.inference_mode():
+            engine.start(messages, "none", 0.0, 8, Sampling(), caches=False, interrupted=lambda: len(ran) >= 1)
+        stopped = False
+    except PrefillInterrupted:
+        stopped = True
+    finally:
+        for handle in handles:
+            handle.remove()
+    again = engine.generate(messages, policy="none", max_new_tokens=8).token_ids
+    return stopped and ran == [0] and again == expected
 
 
 def _packed_kernel_check(engine, messages, n) -> dict | None:
@@ -879,6 +907,10 @@ def markdown(report: dict) -> str:
             if "pixels_identical" in section:
                 lines += ["", "Qwen patches normalized where the encoder runs, against on the host (bit for bit): "
                           + ", ".join(f"{what} {same}" for what, same in section["pixels_identical"].items())]
+            if "interrupts_clean" in section:
+                lines += ["", "A prefill stopped after the vision tower's first block, in the vision worker: stopped "
+                          "there, and the engine answers as before: "
+                          + ", ".join(f"{arch} {clean}" for arch, clean in section["interrupts_clean"].items())]
         elif name == "overhead":
             lines += [f"{section['model']}, {section['attn']}, {section['dtype']} (vision encoder: "
                       f"{section.get('vision_dtype')}, {section.get('vision_attn')}), median of {section['runs']}", ""]
