@@ -10,6 +10,7 @@ after what they said), and the process exits 0. The embedded model runs in a sub
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -36,9 +37,11 @@ def _pid_namespace_works() -> bool:
     return subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
 
 
-def _serve(cache: Path, *options: str, as_pid_1: bool = False):
-    """(the server process, the pid to signal, its URL). ``as_pid_1``: process 1 of a new PID namespace, as in a
-    container, signalled from outside it as the container runtime does."""
+@contextlib.contextmanager
+def _serving(cache: Path, *options: str, as_pid_1: bool = False) -> Iterator[tuple[subprocess.Popen, int, str]]:
+    """(the server process, the pid to signal, its URL), killed on the way out if a test left it running.
+    ``as_pid_1``: process 1 of a new PID namespace, as in a container, signalled from outside it as the container
+    runtime does."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -62,7 +65,11 @@ def _serve(cache: Path, *options: str, as_pid_1: bool = False):
         children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
         assert len(children) == 1
         pid = int(children[0])
-    return process, pid, url
+    try:
+        yield process, pid, url
+    finally:
+        if process.poll() is None:
+            process.kill()
 
 
 def _body(stream: bool, max_tokens: int = 40, question: str = QUESTION) -> dict:
@@ -91,8 +98,7 @@ def _stopped(process, seconds: float) -> tuple[int, str]:
     ids=["process", "process-1-as-in-a-container"])
 def test_sigterm_refuses_new_requests_turns_the_waiting_away_and_lets_the_answer_under_way_finish(embedded_cache,
                                                                                                   as_pid_1):
-    process, pid, url = _serve(embedded_cache, "--shutdown-grace", "120", as_pid_1=as_pid_1)
-    try:
+    with _serving(embedded_cache, "--shutdown-grace", "120", as_pid_1=as_pid_1) as (process, pid, url):
         alone = httpx.post(url + "/v1/chat/completions", json=_body(False), timeout=120).json()
         assert alone["choices"][0]["finish_reason"] in ("stop", "length")
         waiting: dict = {}
@@ -114,9 +120,6 @@ def test_sigterm_refuses_new_requests_turns_the_waiting_away_and_lets_the_answer
             events_seen += list(events)
         behind.join(timeout=60)
         returncode, stderr = _stopped(process, 60)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert returncode == 0, stderr[-2000:]
     assert "stopping: 1 answers under way" in stderr and "1 waiting requests are turned away" in stderr
     assert "Traceback" not in stderr
@@ -134,8 +137,7 @@ def test_sigterm_refuses_new_requests_turns_the_waiting_away_and_lets_the_answer
 
 
 def test_sigterm_past_the_grace_period_ends_the_answer_with_an_error_after_what_it_said(embedded_cache):
-    process, pid, url = _serve(embedded_cache, "--shutdown-grace", "0")
-    try:
+    with _serving(embedded_cache, "--shutdown-grace", "0") as (process, pid, url):
         alone = httpx.post(url + "/v1/chat/completions", json=_body(False), timeout=120).json()
         with httpx.stream("POST", url + "/v1/chat/completions", json=_body(True), timeout=120) as response:
             events = _events(response)
@@ -145,9 +147,6 @@ def test_sigterm_past_the_grace_period_ends_the_answer_with_an_error_after_what_
             events_seen += list(events)
         returncode, stderr = _stopped(process, 30)
         stopped_s = time.monotonic() - t_signal
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert returncode == 0, stderr[-2000:]
     assert stopped_s < 10  # within docker stop's default grace, before its SIGKILL
     assert events_seen[-1] == "[DONE]"
@@ -168,8 +167,7 @@ def test_sigterm_with_a_chat_tab_open_stops_within_docker_s_grace_and_without_a_
     answer under way still ends whole in the tab."""
     from playwright.sync_api import sync_playwright
 
-    process, pid, url = _serve(embedded_cache)  # the default grace
-    try:
+    with _serving(embedded_cache) as (process, pid, url):  # the default grace
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
             page = browser.new_page()
@@ -187,9 +185,6 @@ def test_sigterm_with_a_chat_tab_open_stops_within_docker_s_grace_and_without_a_
             stopped_s = time.monotonic() - t_signal
             chat = page.inner_text("#chat")
             browser.close()
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert returncode == 0 and "stopping: 1 answers under way" in stderr, stderr[-2000:]
     assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-2000:]
     assert stopped_s < 10
@@ -199,9 +194,8 @@ def test_sigterm_with_a_chat_tab_open_stops_within_docker_s_grace_and_without_a_
 def test_a_second_sigterm_stops_at_once_without_waiting_for_the_answer(embedded_cache):
     """The operator who will not wait (a second `docker stop`, `kill` twice): the answer under way is not waited
     for. It ends with an error, or its connection closes, before its end."""
-    process, pid, url = _serve(embedded_cache, "--shutdown-grace", "600")
     events_seen = []
-    try:
+    with _serving(embedded_cache, "--shutdown-grace", "600") as (process, pid, url):
         with httpx.stream("POST", url + "/v1/chat/completions", json=_body(True), timeout=120) as response:
             events = _events(response)
             events_seen.append(next(events))  # the answer is under way: some thirty tokens, seconds, to come
@@ -215,9 +209,6 @@ def test_a_second_sigterm_stops_at_once_without_waiting_for_the_answer(embedded_
                 pass
             returncode, stderr = _stopped(process, 30)
             stopped_s = time.monotonic() - t_signal
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert returncode == 0, stderr[-2000:]
     assert stopped_s < 10
     finished = [e for e in events_seen if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]]
@@ -251,7 +242,6 @@ def test_sigterm_while_a_media_url_is_fetched_stops_the_fetch_and_tells_the_clie
 
     media = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     threading.Thread(target=media.serve_forever, daemon=True).start()
-    process, pid, url = _serve(embedded_cache, "--allow-private-urls")
     reply: dict = {}
 
     def ask() -> None:
@@ -262,19 +252,18 @@ def test_sigterm_while_a_media_url_is_fetched_stops_the_fetch_and_tells_the_clie
         reply.update(status=response.status_code, body=response.json())
 
     try:
-        asking = threading.Thread(target=ask)
-        asking.start()
-        deadline = time.monotonic() + 30
-        while sent["bytes"] < 128:  # the fetch is under way
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGTERM)
-        returncode, stderr = _stopped(process, 30)
-        asking.join(timeout=30)
+        with _serving(embedded_cache, "--allow-private-urls") as (process, pid, url):
+            asking = threading.Thread(target=ask)
+            asking.start()
+            deadline = time.monotonic() + 30
+            while sent["bytes"] < 128:  # the fetch is under way
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGTERM)
+            returncode, stderr = _stopped(process, 30)
+            asking.join(timeout=30)
     finally:
         media.shutdown()
-        if process.poll() is None:
-            process.kill()
     assert returncode == 0 and "Traceback" not in stderr, stderr[-2000:]
     assert reply["status"] == 503 and "shutting down" in reply["body"]["error"]["message"], reply
     assert sent["bytes"] < len(image)  # the fetch stopped; the image was not read to its end
@@ -284,8 +273,7 @@ def test_what_a_request_makes_the_server_log_is_bounded(embedded_cache):
     """Found from outside: the chat's routes take files as paths, and Gradio prints the traceback of a refused one with
     the path in it; a 30 MB path wrote 30 MB to the server's log, a request at a time, until the disk was full. Each
     write to the log is now cut in its middle past 16 KiB (``glimpse.connections.CappedWrites``)."""
-    process, pid, url = _serve(embedded_cache)
-    try:
+    with _serving(embedded_cache) as (process, pid, url):
         path = "/x" * 500_000  # a megabyte
         body = {"data": [{"text": "What colour?", "files": [{"path": path, "meta": {"_type": "gradio.FileData"}}]},
                          "none", 0.0, 4, "", False]}
@@ -295,8 +283,5 @@ def test_what_a_request_makes_the_server_log_is_bounded(embedded_cache):
         assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
         os.kill(pid, signal.SIGTERM)
         returncode, stderr = _stopped(process, 30)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert returncode == 0
     assert "characters left out" in stderr and len(stderr) < 100_000, len(stderr)
