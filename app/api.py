@@ -27,8 +27,9 @@ With ``--api-key``, ``/v1/*`` requires ``Authorization: Bearer <key>``.
 
 Requests go to the scheduler (``pipeline/scheduler.py``), shared with the chat: a full queue answers
 429 with Retry-After. A client that leaves — a dropped stream, or a request given up while waiting —
-cancels its request at the next decode step. Parsing a request and fetching its media never run on
-the event loop (requests with media URLs in at most ``FETCHING_THREADS`` worker threads at once), and a
+cancels its request at the next decode step, or stops the fetching and decoding of its media. Parsing a request,
+fetching and decoding its media never run on the event loop (requests with media URLs in at most
+``FETCHING_THREADS`` worker threads at once); a request's media get ``--media-timeout`` to decode, and a
 media URL gets ``FETCH_DEADLINE_S`` in all, no redirect to another host, no compressed body, and no address
 that is not globally reachable unless the server allows them (``--allow-private-urls``); the address
 checked is the address connected to (no second DNS lookup to rebind): ``app/fetch.py``.
@@ -384,7 +385,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             messages, options, promise = _parse(body, engine, root, scratch, fetcher, max_new_tokens, allowance,
                                                 local_parts)
             try:
-                ticket = scheduler.submit(messages, sink=channel.put, **options)
+                ticket = scheduler.submit(messages, sink=channel.put, left=allowance.cancelled.is_set, **options)
             except vision.MediaError as error:
                 raise BadRequest(_naming_its_part(str(error), local_parts)) from None
             submitted.append(ticket)
@@ -396,20 +397,25 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             scheduler.check_room()  # refuse a full server before fetching anything
             # Off the event loop, in one hop to a worker thread: fetching a slow media URL must not stall
             # /health or other requests; each hop waits for a CPU that the model's threads keep busy.
-            if not _fetches(body):
+            if not _has_media(body):
                 ticket, promise = await anyio.to_thread.run_sync(parse_and_submit)  # the pool others share
             else:
+                # With media, the request's thread is watched: a client that leaves while its media are fetched or
+                # decoded stops that work (a video whose frames can only be reached by decoding all of them is
+                # minutes of a core for a few megabytes).
+                fetching_urls = _fetches(body)
                 # Counted here, not read from the limiter (a request joins its wait queue only after a checkpoint):
                 # no more wait for a fetching thread than the queue has room for.
-                if fetches["in"] >= FETCHING_THREADS + queue_size:
+                if fetching_urls and fetches["in"] >= FETCHING_THREADS + queue_size:
                     waiting = fetches["in"] - FETCHING_THREADS
                     raise QueueFull(waiting, fetch_deadline_s * (1 + waiting // FETCHING_THREADS))
-                fetches["in"] += 1
+                fetches["in"] += int(fetching_urls)
                 try:
-                    parsed = await _unless_client_leaves(request, allowance, parse_and_submit, fetching,
+                    parsed = await _unless_client_leaves(request, allowance, parse_and_submit,
+                                                         fetching if fetching_urls else None,
                                                          stopping=lambda: scheduler.closed)
                 finally:
-                    fetches["in"] -= 1
+                    fetches["in"] -= int(fetching_urls)
                 if parsed is None:  # the client left while its media were fetched, or while it waited to be
                     for ticket in submitted:
                         ticket.cancel.set()
@@ -554,8 +560,9 @@ MAX_PATH_BYTES = 4096  # PATH_MAX: a longer local path cannot name a file (and r
 
 async def _unless_client_leaves(request: Request, allowance: Allowance, parse_and_submit, limiter,
                                 stopping: Callable[[], bool] = lambda: False):
-    """``parse_and_submit()`` in a worker thread of ``limiter``, or None once the client has left: waiting for a
-    thread, it gives up its place; fetching, its fetches stop within half a second (``allowance.cancelled``). An
+    """``parse_and_submit()`` in a worker thread of ``limiter`` (None: the pool every request shares), or None once the
+    client has left: waiting for a thread, it gives up its place; fetching, its fetches stop within half a second
+    (``allowance.cancelled``); decoding its media, that stops within half a second too (``Scheduler.prepare``). An
     abandoned request kept its place and had every URL fetched: 40 of them held the queue for 150 s.
     Once ``stopping()`` (SIGTERM) the same, and ``ServerStopping`` is raised: the client is told (503) while the
     server can still answer, where a slow media URL had it fetching until the server closed the connection under it."""
@@ -586,6 +593,12 @@ async def _unless_client_leaves(request: Request, allowance: Allowance, parse_an
     if outcome.get("stopping"):  # its fetch was stopped: whatever it raised for that is not the request's fault
         raise ServerStopping(STOPPING)
     raise outcome["error"]
+
+
+def _has_media(body: ChatRequest) -> bool:
+    """Whether ``body`` holds an image or a video (a URL, a data URL or a path)."""
+    return any(isinstance(part, (ImagePart, VideoPart)) for message in body.messages
+               for part in (message.content if isinstance(message.content, list) else ()))
 
 
 def _fetches(body: ChatRequest) -> bool:

@@ -35,6 +35,7 @@ from pathlib import Path
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import check_text, check_text_length, user_message
 from glimpse.pipeline.random_checkpoint import REAL_PRESETS
+from glimpse.pipeline.scheduler import MEDIA_TIMEOUT_S
 from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
 from glimpse.pruning.base import check_speed
 
@@ -312,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM (docker stop, systemd, Kubernetes) answers under way get S seconds to finish "
                             f"before they are cut (default {SHUTDOWN_GRACE_S:g}: docker stop kills after 10); new "
                             "requests are refused at once")
+    serve.add_argument("--media-timeout", type=float, default=MEDIA_TIMEOUT_S, metavar="S",
+                       help="the longest one request's images and videos may take to decode, all together "
+                            f"(default {MEDIA_TIMEOUT_S:g}); past it the request is refused (400)")
     _add_device_options(serve)
     serve.set_defaults(run=run_serve)
 
@@ -501,7 +505,7 @@ def run_eval(args) -> int:
 
 def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=200, max_uploads_gb=20.0, queue_size=32,
                  max_new_tokens=256, allow_private_urls=False, max_batch=8, kv_budget_bytes=None, api_key=None,
-                 scheduler_thread=True):
+                 media_timeout_s=MEDIA_TIMEOUT_S, scheduler_thread=True):
     """The FastAPI app `glimpse serve` runs: one scheduler owning the engine, the API routes on it, and the
     Gradio chat on it, mounted at /. ``scheduler_thread=False``: the caller runs ``app.state.scheduler.run()``."""
     import hmac
@@ -516,7 +520,7 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     from glimpse.pipeline.scheduler import Scheduler
 
     scheduler = Scheduler(engine, max_batch=max_batch, queue_size=queue_size, kv_budget_bytes=kv_budget_bytes,
-                          start=scheduler_thread)
+                          media_timeout_s=media_timeout_s, start=scheduler_thread)
     telemetry = Telemetry(scheduler, model_name)
     app = create_api(engine, model_name=model_name, scheduler=scheduler, telemetry=telemetry, allowed_root=allowed_root,
                      allow_private_urls=allow_private_urls, max_new_tokens=max_new_tokens, api_key=api_key)
@@ -592,6 +596,8 @@ def run_serve(args) -> int:
         raise UserError("--max-batch and --max-new-tokens must be at least 1, --queue-size at least 0")
     if not 0 <= args.shutdown_grace <= 3600:  # NaN fails this too
         raise UserError("--shutdown-grace must be between 0 and 3600 seconds")
+    if not 0 < args.media_timeout <= 86400:
+        raise UserError("--media-timeout must be more than 0 and at most 86400 seconds")
     if not _loopback(args.host) and not args.api_key and not args.no_api_key:
         raise UserError(f"--host {args.host} is reachable from other machines: give --api-key KEY (or set "
                         "GLIMPSE_API_KEY), or --no-api-key to serve it open")
@@ -608,7 +614,8 @@ def run_serve(args) -> int:
                        max_uploads_gb=args.max_uploads_gb,
                        queue_size=args.queue_size, max_new_tokens=args.max_new_tokens,
                        allow_private_urls=args.allow_private_urls, max_batch=args.max_batch,
-                       kv_budget_bytes=budget, api_key=args.api_key, scheduler_thread=False)
+                       kv_budget_bytes=budget, api_key=args.api_key, media_timeout_s=args.media_timeout,
+                       scheduler_thread=False)
     # The HTTP server in a thread, the scheduler (all model compute) in the main thread, which loaded the
     # model: on CPU, torch runs about 1.5x slower in any other thread (Scheduler.run).
     server = http_server(app, args.host, args.port, args.shutdown_grace + 2)  # a backstop: see the finally

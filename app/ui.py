@@ -385,6 +385,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             yield f"{ERROR_NOTE}{full}", NO_METRICS, None
             return
         except Exception as error:  # shown in the chat; the server keeps serving
+            if isinstance(error, MediaError):  # this turn's file could not be read (past --media-timeout): later turns
+                unusable.update(str(p) for p in files if str(error).startswith(f"{Path(str(p)).name}: "))  # leave it out
             refused("bad_request" if isinstance(error, UserError) else "error")
             yield _error_text(error), NO_METRICS, None
             return

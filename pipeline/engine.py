@@ -367,6 +367,10 @@ class Engine:
         self.max_length = getattr(self.adapter.text_config, "max_position_embeddings", None)
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self._lock = OneCallAtATime()  # one request at a time: the model and its caches are shared
+        # Prompts are built in the submitters' threads (a server's), several at once: the tokenizer they share
+        # works for one at a time (a Rust tokenizer used from two threads can fail "Already borrowed"), while
+        # decoding their media runs side by side (``prepare``).
+        self._tokenizing = threading.Lock()
         # Run the vision encoder beside the layers that need no visual token (late injection);
         # False runs it first, always. On GPU the two overlap on two streams. On a CPU they would share the
         # same cores, and the worker thread's OpenMP team would slow every later kernel of this thread:
@@ -514,7 +518,7 @@ class Engine:
     def prepare(self, messages, caches: bool = True) -> Prompt:
         """The prompt of ``messages``; ``caches=False``: every image and video decoded again (no media cache)."""
         return build_prompt(self.adapter, messages, self.chat_template, self.max_length,
-                            self.media_cache if caches else None)
+                            self.media_cache if caches else None, self._tokenizing)
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()  # on a generator: entered around every resume, not across the caller's code

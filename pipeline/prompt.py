@@ -13,6 +13,7 @@ placeholder tokens as the encoder will produce for it, in the order the media ap
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import re
 import uuid
@@ -159,6 +160,8 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
     media, tokens = [], 0
     for m in messages:
         for item in m["content"]:
+            if item["type"] in ("image", "video"):
+                vision.check_reading(_media_of(item))  # a server's time limit for them all, or its stop (reading_limit)
             if item["type"] == "image":
                 media.append(cache.prepared("image", _media_of(item), prepare_image))
             elif item["type"] == "video":
@@ -312,7 +315,11 @@ def check_text_length(characters: int, max_length: int | None) -> None:
 
 
 def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
-                 max_length: int | None = None, media_cache: MediaCache | None = None) -> Prompt:
+                 max_length: int | None = None, media_cache: MediaCache | None = None,
+                 tokenizing: contextlib.AbstractContextManager | None = None) -> Prompt:
+    """The prompt of ``messages``: their media decoded and preprocessed, the chat rendered and tokenized.
+    ``tokenizing``: held while the (shared) tokenizer works, a lock where several threads build prompts; the media
+    are read before it is taken, so that one request's long video does not hold up everyone else's prompt."""
     messages = normalise_messages(messages)
     check_text_length(sum(len(item["text"]) for m in messages for item in m["content"] if item["type"] == "text"),
                       max_length)
@@ -320,15 +327,16 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
     placeholders = {"image": adapter.placeholder(IMAGE)}
     if adapter.supports_video:
         placeholders["video"] = adapter.placeholder(VIDEO)
-    text = render(adapter.tokenizer, chat_template, messages, placeholders)
-    controls = control_pattern(adapter)
-    typed = []
-    # All the typed text run together: a control string split over two text parts is found too (a second
-    # rendering, ``typed_spans``, then tells typed text from the template's).
-    if controls is not None and controls.search("".join(item["text"] for m in messages for item in m["content"]
-                                                        if item["type"] == "text")):
-        typed = typed_spans(adapter.tokenizer, chat_template, messages, placeholders, text)
-    ids = tokenize(adapter, text, media, typed)
+    with tokenizing or contextlib.nullcontext():
+        text = render(adapter.tokenizer, chat_template, messages, placeholders)
+        controls = control_pattern(adapter)
+        typed = []
+        # All the typed text run together: a control string split over two text parts is found too (a second
+        # rendering, ``typed_spans``, then tells typed text from the template's).
+        if controls is not None and controls.search("".join(item["text"] for m in messages for item in m["content"]
+                                                            if item["type"] == "text")):
+            typed = typed_spans(adapter.tokenizer, chat_template, messages, placeholders, text)
+        ids = tokenize(adapter, text, media, typed)
 
     placeholder = {IMAGE: adapter.image_token_id, VIDEO: adapter.video_token_id}
     queues = {k: [m for m in media if m.kind == k] for k in (IMAGE, VIDEO)}

@@ -14,7 +14,8 @@ wait. A request beyond that is refused at once (``QueueFull``, with how long to 
 without bound.
 
 Submitters run in their own threads (the API's, the chat's): ``submit`` builds the prompt there (media
-decoding never stalls the running batch), and each ticket's chunks go to its own sink. A ticket's
+decoding never stalls the running batch, nor another submitter's prompt, and is bounded by ``media_timeout_s``), and
+each ticket's chunks go to its own sink. A ticket's
 ``cancel`` (a client that left, Stop, Clear) ends it before its next step — or before its prefill,
 if it was still waiting, or during its prefill before the next vision block or decoder layer — and frees its cache
 at once.
@@ -41,11 +42,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from glimpse import vision
 from glimpse.common import UserError
 from glimpse.pipeline.engine import Engine, GenerationResult, PrefillInterrupted, Request, Sampling, StreamChunk
 from glimpse.pipeline.metrics import MemoryMeter
 from glimpse.pipeline.prompt import Prompt
 from glimpse.pruning import Policy
+
+# The longest a request's images and videos may take to read (decoded and preprocessed, all of them together): the
+# bound on what a crafted file can make the server do for one request, well past what real media take
+# (docs/serving.md, "Admission, queue and limits"). ``glimpse serve --media-timeout``.
+MEDIA_TIMEOUT_S = 60.0
 
 
 class QueueFull(Exception):
@@ -151,17 +158,19 @@ class Ticket:
 
 class Scheduler:
     def __init__(self, engine: Engine, *, max_batch: int = 8, queue_size: int = 32,
-                 kv_budget_bytes: int | None = None, start: bool = True):
-        """``start=False``: the caller runs the loop itself, in its own thread, with ``run()``."""
+                 kv_budget_bytes: int | None = None, media_timeout_s: float | None = MEDIA_TIMEOUT_S,
+                 start: bool = True):
+        """``media_timeout_s``: the longest a request's images and videos may take to read (None: no limit).
+        ``start=False``: the caller runs the loop itself, in its own thread, with ``run()``."""
         if max_batch < 1 or queue_size < 0:
             raise UserError("the batch size must be at least 1 and the queue size at least 0")
         self.engine, self.max_batch, self.queue_size = engine, max_batch, queue_size
+        self.media_timeout_s = media_timeout_s
         self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None else default_kv_budget(engine.device)
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.admitted: list[Ticket] = []  # taken from the queue by this iteration, their prefill not done yet
         self.running: list[Ticket] = []
         self.condition = threading.Condition()
-        self.prepare_lock = threading.Lock()  # one prompt built at a time (the tokenizer is shared)
         # While the loop works: when it last finished a unit of work (a prefill, a decode step) or began the
         # iteration. ``stalled_s`` is measured from it, so an iteration that prefills several long prompts one after
         # another is not taken for a wedged one.
@@ -190,17 +199,18 @@ class Scheduler:
     def submit(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                ignore_eos: bool = False, stop: tuple[str, ...] = (), caches: bool = True,
-               sink: Callable[[object], None] | None = None, refuse_past_context: bool = False) -> Ticket:
+               sink: Callable[[object], None] | None = None, refuse_past_context: bool = False,
+               left: Callable[[], bool] | None = None) -> Ticket:
         """Queue a request; raises ``QueueFull`` when the queue is full, ``UserError`` for a bad prompt or
         one that could never fit the KV budget. The prompt (media decoding included) is built here, in the
-        caller's thread. ``refuse_past_context``: a prompt that leaves fewer than ``max_new_tokens`` tokens of the
-        model's context is refused (the API's explicit ``max_tokens``, as OpenAI's API does) rather than answered
-        up to the context's end."""
+        caller's thread (``prepare``; ``left``: whether its client has left meanwhile). ``refuse_past_context``: a
+        prompt that leaves fewer than ``max_new_tokens`` tokens of the model's context is refused (the API's explicit
+        ``max_tokens``, as OpenAI's API does) rather than answered up to the context's end."""
         with self._building():  # counted while it builds its prompt, for ``wait_for_submitters``
             self.check_room()  # refuse before the work of building the prompt
             # A Policy object given here is a template: the request gets its own copy (policies keep state).
             policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
-            prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches)
+            prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches, left)
             context = self.engine.max_length
             if refuse_past_context and context is not None and len(prompt) + max_new_tokens > context:
                 raise UserError(f"max_tokens: this model's context is {context:,} tokens and the prompt takes "
@@ -234,11 +244,25 @@ class Scheduler:
                 self.preparing -= 1
                 self.condition.notify_all()  # ``wait_for_submitters`` (and the loop, which finds nothing new)
 
-    def prepare(self, messages, caches: bool = True) -> Prompt:
-        """The prompt of ``messages`` (media decoded), built in the caller's thread, one at a time; ``submit``
-        takes it. ``PromptError`` (``ContextOverflow``) for one that cannot be a prompt."""
-        with self.prepare_lock, one_torch_thread(self.engine.device):
-            return self.engine.prepare(messages, caches)
+    def prepare(self, messages, caches: bool = True, left: Callable[[], bool] | None = None) -> Prompt:
+        """The prompt of ``messages`` (media decoded), built in the caller's thread; ``submit`` takes it.
+        ``PromptError`` (``ContextOverflow``) for one that cannot be a prompt.
+
+        Several are built at once: their media are read side by side and only the tokenizer takes one at a time
+        (``Engine.prepare``). Reading them stops at ``media_timeout_s`` (``MediaError``), once ``left()`` (its client
+        left: ``vision.ReadingStopped``) and once the server closes (``ServerStopping``): they are the server's work
+        that a client sets by what it sends, and a 600 KB video whose frames can only be reached by decoding all
+        20,000 of them took 18 s, all other requests' prompts waiting behind it (found from outside, 2026-12-05)."""
+        def stop() -> bool:
+            return self.closed or (left is not None and left())
+
+        try:
+            with one_torch_thread(self.engine.device), vision.reading_limit(self.media_timeout_s, stop):
+                return self.engine.prepare(messages, caches)
+        except vision.ReadingStopped:
+            if self.closed:
+                raise ServerStopping(STOPPING) from None
+            raise
 
     def check_room(self) -> None:
         """Raise ``QueueFull`` if a request submitted now would be refused."""

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from glimpse import vision
 from glimpse.common import UserError
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.scheduler import Cancelled, QueueFull, Scheduler, ServerStopping, StopText
@@ -409,6 +410,71 @@ def test_closing_waits_within_the_grace_for_submitters_building_prompts_to_be_to
             release.set()
         submitter.join(timeout=60)
         assert len(told) == 1 and scheduler.preparing == 0
+
+
+def test_a_request_whose_media_are_still_read_holds_up_no_other_prompt(engine, media):
+    """Prompts are built in their submitters' threads. They were built one at a time, so a request whose video took
+    long to decode (a 600 KB MP4 of 20,000 frames behind one keyframe: 18 s) held up every other request, a text
+    question too, until it was decoded (found from outside). Now only the tokenizer takes them one at a time: while a
+    request's video is still being read — held here where reading asks whether to stop — a question is answered;
+    then the video's answer is what it is alone."""
+    conversations = _conversations(media)
+    video, text = conversations[2], conversations[1]
+    alone = [engine.generate(c, policy="none", max_new_tokens=4).token_ids for c in (video, text)]
+    reading, release = threading.Event(), threading.Event()
+
+    def held() -> bool:  # asked before each image or video and each packet of a video: the client is still there
+        reading.set()
+        release.wait(timeout=120)
+        return False
+
+    scheduler = Scheduler(engine)
+    results = {}
+
+    def ask(name, conversation, left=None):
+        ticket = scheduler.submit(conversation, policy="none", max_new_tokens=4, left=left)
+        results[name] = ticket.result(timeout=120).token_ids
+
+    try:
+        reader = threading.Thread(target=ask, args=("video", video, held))
+        reader.start()
+        assert reading.wait(timeout=60)
+        asker = threading.Thread(target=ask, args=("text", text))
+        asker.start()
+        asker.join(timeout=120)
+        assert not asker.is_alive() and "text" in results  # answered ...
+        assert reader.is_alive() and "video" not in results  # ... while the video was still being read
+        release.set()
+        reader.join(timeout=120)
+    finally:
+        release.set()
+        scheduler.close()
+    assert [results["video"], results["text"]] == alone
+
+
+def test_reading_a_requests_media_ends_at_the_time_limit_when_its_client_leaves_and_when_the_server_closes(engine,
+                                                                                                           media):
+    """What a request's media make the server do is bounded: past ``media_timeout_s`` the request is refused with a
+    ``MediaError`` naming the file (the API's 400); a client that left stops the reading (``ReadingStopped``); SIGTERM
+    during it tells the request the server is stopping. Nothing of them is queued, and the server answers on."""
+    video = _conversations(media)[2]
+    scheduler = Scheduler(engine, media_timeout_s=0.0)
+    try:
+        with pytest.raises(vision.MediaError) as refused:
+            scheduler.submit(video, max_new_tokens=2)
+        assert not isinstance(refused.value, vision.ReadingStopped)
+        assert str(refused.value).startswith("clip.mp4: reading the images and videos of this request took longer "
+                                             "than 0 s")
+        scheduler.media_timeout_s = None  # no limit
+        with pytest.raises(vision.ReadingStopped):
+            scheduler.submit(video, max_new_tokens=2, left=lambda: True)
+        assert scheduler.state()["waiting"] == 0 and scheduler.preparing == 0
+        answered = scheduler.submit(video, policy="none", max_new_tokens=2).result(timeout=120)
+        assert answered.token_ids == engine.generate(video, policy="none", max_new_tokens=2).token_ids
+        with pytest.raises(ServerStopping, match="shutting down"):  # SIGTERM comes while the video is read
+            scheduler.submit(video, max_new_tokens=2, left=lambda: scheduler.close(wait=False))
+    finally:
+        scheduler.close()
 
 
 class _AtEachPrefillLayer(NoPruning):

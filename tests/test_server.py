@@ -700,6 +700,26 @@ def test_the_chat_answers_through_gradio_client_and_shows_errors_in_the_chat(ser
     assert "⚠️" not in answer  # the broken file left the conversation; the next turn is answered
 
 
+def test_a_chat_upload_that_takes_too_long_to_read_is_refused_and_left_out_of_later_turns(server, media):
+    """A chat's picture or video past the server's time limit for reading (``--media-timeout``; 0 s here, so that any
+    is): the turn says so, naming the file, and the next turns leave the file out, as they do a file that does not
+    decode, rather than read it again and fail again, a minute each time."""
+    from gradio_client import Client, handle_file
+
+    app = build_server(server["engine"], "tiny-llava", max_new_tokens=4, media_timeout_s=0.0)
+    try:
+        for url in _serve(app):
+            client = Client(url + "/", verbose=False)
+            question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
+            answer, _, _ = client.predict(question, "none", 0.0, 4, "", False, api_name="/chat")
+            assert "⚠️" in answer and "image.png: reading the images and videos of this request took longer" in answer
+            answer, _, _ = client.predict({"text": "Say hi.", "files": []}, "none", 0.0, 4, "", False,
+                                          api_name="/chat")
+            assert answer and "⚠️" not in answer
+    finally:
+        app.state.scheduler.close()
+
+
 def test_a_chat_longer_than_the_context_goes_on_without_its_oldest_turns_and_says_so(checkpoints):
     """Each chat turn sends the whole conversation: once it no longer fits the model's context, the oldest turns
     are left out (the answer says how many) instead of every later question failing; a question that alone
@@ -1014,6 +1034,52 @@ def test_a_media_url_that_drips_does_not_stall_the_server_and_is_refused_at_the_
             assert message.startswith("messages[0].content[0]: http://")  # the part of the request it is about
     finally:
         drip.shutdown()
+
+
+def test_a_client_that_leaves_while_its_picture_is_decoded_stops_the_decoding(server, media, monkeypatch):
+    """Decoding what a request sends inline (a data URL) can be long: a few megabytes of video whose frames can only be
+    reached by decoding all of them are minutes of a core. A client that leaves meanwhile stops it (before, only
+    requests with media URLs were watched, and the decoding went on to its end): the decoding, here a stand-in that
+    asks what a video's decoding asks before each packet, is told to stop within a second or so, and the server answers
+    the next request. A text question sent while it decodes is answered too."""
+    from glimpse.api import create_api
+
+    engine = server["engine"]
+    real_prepare, decoding, outcome = engine.adapter.prepare_image, threading.Event(), {}
+
+    def slow_prepare(image):
+        decoding.set()
+        try:
+            for _ in range(1200):  # two minutes at most
+                vision.check_reading("picture.png")
+                time.sleep(0.1)
+        except vision.ReadingStopped as stopped:
+            outcome["stopped"] = stopped
+            raise
+        return real_prepare(image)
+
+    monkeypatch.setattr(engine.adapter, "prepare_image", slow_prepare)
+    app = create_api(engine, model_name="tiny-llava")
+    for url in _serve(app):
+        body = {"messages": _question(_data_url(media["image"])), "max_tokens": 2}
+        leaving = threading.Thread(target=lambda: pytest.raises(httpx.TimeoutException, httpx.post,
+                                                                url + "/v1/chat/completions", json=body, timeout=3.0))
+        leaving.start()
+        assert decoding.wait(timeout=30)
+        text = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
+        assert text.status_code == 200 and "stopped" not in outcome  # answered while the picture was decoded
+        leaving.join(timeout=30)
+        deadline = time.monotonic() + 30  # a liveness bound: the watcher asks every quarter second
+        while "stopped" not in outcome and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "stopped" in outcome
+        while app.state.scheduler.preparing and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert app.state.scheduler.preparing == 0 and app.state.scheduler.state()["waiting"] == 0
+        monkeypatch.undo()
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200
 
 
 def test_many_slow_media_urls_leave_the_server_its_threads(server, media):

@@ -453,6 +453,36 @@ def test_decord_worker_timeout_kills_a_hanging_call():
     assert time.monotonic() - start < 15
 
 
+def test_reading_a_video_asks_before_each_packet_whether_to_stop_and_stops_there(clip, tmp_path):
+    """A server reads videos for clients it does not trust, and a 600 KB MP4 can hold 20,000 frames behind one keyframe,
+    which no seek can skip (18 s of decoding on two cores; found from outside). Under ``reading_limit`` decoding asks
+    before every packet whether to stop: told to at the sixth, it stops there, not at the end of the clip; a
+    Matroska file's frames counted by demuxing are asked about the same way. Outside it, the same reads go on."""
+    asked = iter(range(1, 1000))
+    with vision.reading_limit(None, stop=lambda: next(asked) > 5):
+        with pytest.raises(vision.ReadingStopped, match=r"^clip\.mp4: reading it was stopped"):
+            vision.read_frames(clip, [CLIP_FRAMES - 1])
+    assert next(asked) == 7  # asked six times, of the clip's 30 packets
+    assert [_frame_index(f) for f in vision.read_frames(clip, [CLIP_FRAMES - 1])] == [CLIP_FRAMES - 1]
+
+    matroska = _write_video(tmp_path / "clip.mkv")  # no frame count stored: probing demuxes every packet
+    asked = iter(range(1, 1000))
+    with vision.reading_limit(None, stop=lambda: next(asked) > 5), pytest.raises(vision.ReadingStopped):
+        vision.probe_video(matroska)
+    assert next(asked) == 7 and vision.probe_video(matroska).num_frames == CLIP_FRAMES
+
+
+def test_reading_past_the_time_limit_is_refused_in_words_naming_the_file(clip):
+    """The time limit of ``reading_limit`` counts from the start of the block: a video read once it is over is refused
+    with a ``MediaError`` naming it and the limit (the server's 400), not as a stop from outside."""
+    with vision.reading_limit(0.0), pytest.raises(vision.MediaError) as refused:
+        vision.read_frames(clip, [0])
+    assert not isinstance(refused.value, vision.ReadingStopped)
+    assert str(refused.value).startswith("clip.mp4: reading the images and videos of this request took longer than 0 s")
+    with vision.reading_limit(3600.0):  # within it, the frames as ever
+        assert [_frame_index(f) for f in vision.read_frames(clip, [3, 1])] == [3, 1]
+
+
 def test_worker_returns_results_and_media_errors(tmp_path, clip):
     (tmp_path / "noise.mp4").write_bytes(np.random.default_rng(3).bytes(512))
     info = media_module._run_in_worker(media_module._probe_pyav, (clip,), timeout_s=60, name="clip.mp4")

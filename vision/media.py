@@ -17,6 +17,10 @@ Safety rules, and why:
 - decord is faster than PyAV but can hang on some files, so when it is selected it runs in a separate
   'spawn' process that is killed after a timeout. PyAV, the default, runs in-process (no process start,
   no copy of the frames between processes); it returns errors on damaged files rather than hanging.
+- Reading can be bounded in time and stopped from outside (`reading_limit`): a server reads media for
+  clients it does not trust, and a 600 KB MP4 can hold 20,000 frames with one keyframe, which no seek can
+  skip (18 s of decoding on two cores; 50 MB of it, half an hour). The limit is checked between a video's
+  packets and between a request's images and videos, not on a timer: no thread is interrupted.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ import math
 import multiprocessing
 import os
 import re
+import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -88,6 +95,52 @@ class NamedBytes(bytes):
 
 class MediaError(UserError):
     """A file Glimpse cannot use as an image or video; the message names the file and the problem."""
+
+
+class ReadingStopped(MediaError):
+    """Reading was stopped by whoever asked for it (``reading_limit``'s ``stop``): its client left, or the server
+    is shutting down. Not the file's fault."""
+
+
+@dataclass(frozen=True)
+class _ReadingLimit:
+    seconds: float | None
+    deadline: float | None  # time.monotonic()
+    stop: Callable[[], bool] | None
+
+
+# The limit of the reading under way in this thread (a context variable, as ``decimal``'s context or anyio's cancel
+# scopes are): set once around a request's media by whoever serves it, and read where the work is, a video's packets,
+# without threading a parameter through every model's sampling code in between.
+_READING_LIMIT: ContextVar[_ReadingLimit | None] = ContextVar("glimpse_media_reading_limit", default=None)
+
+
+@contextmanager
+def reading_limit(seconds: float | None, stop: Callable[[], bool] | None = None) -> Iterator[None]:
+    """Within the block, in this thread: reading images and videos raises ``MediaError`` once ``seconds`` have passed
+    since the block began (all of its media together: one request's), and ``ReadingStopped`` once ``stop()`` is
+    true. Checked before each packet of a video is demuxed or decoded and before each image or video
+    (``check_reading``); an image's decoding, at most 64 MP, is not interrupted. ``seconds=None``: no time limit."""
+    deadline = None if seconds is None else time.monotonic() + seconds
+    token = _READING_LIMIT.set(_ReadingLimit(seconds, deadline, stop))
+    try:
+        yield
+    finally:
+        _READING_LIMIT.reset(token)
+
+
+def check_reading(source: Any) -> None:
+    """Raise if the reading under way (``reading_limit``) is to stop now; ``source``: what is being read (a path, an
+    image's bytes), for the message."""
+    limit = _READING_LIMIT.get()
+    if limit is None:
+        return
+    if limit.stop is not None and limit.stop():
+        raise ReadingStopped(f"{_display_name(source)}: reading it was stopped")
+    if limit.deadline is not None and time.monotonic() > limit.deadline:
+        raise MediaError(f"{_display_name(source)}: reading the images and videos of this request took longer than "
+                         f"{limit.seconds:g} s, the limit, and was stopped: send a shorter or smaller video (one whose "
+                         "frames can only be reached by decoding all of them takes longest), or fewer pictures")
 
 
 class _TooFewFramesError(MediaError):
@@ -374,10 +427,14 @@ def _count_packets(container: av.container.InputContainer, stream: av.VideoStrea
 
     One packet holds one frame for the codecs Glimpse meets; the final flush packet is empty.
     """
+    count = 0
     try:
-        return sum(1 for packet in container.demux(stream) if packet.size > 0)
+        for packet in container.demux(stream):
+            check_reading(container.name)  # a few megabytes of tiny packets are millions of them
+            count += packet.size > 0
     except av.FFmpegError:
         return 0
+    return count
 
 
 def _check_frame_size(width: int, height: int, name: str) -> None:
@@ -405,6 +462,7 @@ def _decoded_frames(container: av.container.InputContainer, stream: av.VideoStre
     codec = stream.codec_context
     try:
         for packet in container.demux(stream):
+            check_reading(container.name)  # a video's work is in its packets: where a time limit or a stop acts
             yield from codec.decode(packet)  # the final, empty packet flushes the decoder
         return
     except av.FFmpegError as error:
@@ -585,12 +643,16 @@ def _run_in_worker(function: Callable[..., Any], args: tuple, *, timeout_s: floa
     process = context.Process(target=_worker_main, args=(sender, function, args), daemon=True)
     process.start()
     sender.close()  # the child holds the only sending end: EOF now means the child died
+    killed_at = time.monotonic() + timeout_s
     try:
-        if not receiver.poll(timeout_s):
-            raise MediaError(
-                f"{name}: reading the video took longer than {timeout_s:g} s and was stopped; "
-                "the file may be damaged"
-            )
+        # Waited for in slices, so that ``reading_limit``'s time limit and stop act on it too.
+        while not receiver.poll(min(0.25, max(0.0, killed_at - time.monotonic()))):
+            check_reading(name)
+            if time.monotonic() >= killed_at:
+                raise MediaError(
+                    f"{name}: reading the video took longer than {timeout_s:g} s and was stopped; "
+                    "the file may be damaged"
+                )
         succeeded, payload = receiver.recv()
     except EOFError:
         process.join(5)
@@ -655,7 +717,7 @@ def read_frames(
 
     The backend is PyAV unless `backend="decord"` or $GLIMPSE_VIDEO_BACKEND=decord and decord is
     installed; decord then runs in a worker process killed after `timeout_s` seconds (PyAV runs
-    in-process; `timeout_s` does not apply to it). Frames are numbered as decoded, in presentation order;
+    in-process; `timeout_s` does not apply to it, `reading_limit` applies to both). Frames are numbered as decoded, in presentation order;
     rotation metadata of phone videos is not applied (neither qwen-vl-utils nor decord applies it).
     A file that cannot be decoded, or that holds fewer frames than asked for, raises `MediaError`.
     """
