@@ -633,9 +633,9 @@ def run_serve(args) -> int:
     threading.Thread(target=_stop_scheduler_with, args=(http, app.state.scheduler), daemon=True).start()
     try:
         app.state.scheduler.run()
-        # After SIGTERM the loop ends with the last answer. A request still building its prompt (decoding a long
-        # video) is refused once it is built: it is given until the grace ends to be told so (503), rather than have
-        # its connection closed under it.
+        # After SIGTERM the loop ends with the last answer. A request still building its prompt is refused once its
+        # decoding stops (at the next packet of a video, Scheduler.prepare): it is given until the grace ends to be
+        # told so (503), rather than have its connection closed under it.
         app.state.scheduler.wait_for_submitters()
     except KeyboardInterrupt:
         pass

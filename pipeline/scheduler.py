@@ -340,8 +340,9 @@ class Scheduler:
 
     def wait_for_submitters(self) -> None:
         """After ``close(grace_s)``: until no submitter is still building its prompt, or the grace period is over.
-        Such a submitter's ``submit`` raises ``ServerStopping`` once its prompt is built, and ``glimpse serve`` waits
-        for that, so that its client is told (503) rather than left with a connection closed under it."""
+        Such a submitter's ``submit`` raises ``ServerStopping`` once its media reading stops (``prepare``: at the next
+        packet of a video or the next image) or its prompt is built, and ``glimpse serve`` waits for that, so that its
+        client is told (503) rather than left with a connection closed under it."""
         with self.condition:
             while self.preparing and self.cut_at is not None and (left := self.cut_at - time.perf_counter()) > 0:
                 self.condition.wait(timeout=left)
