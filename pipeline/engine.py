@@ -515,10 +515,13 @@ class Engine:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return 2 * len(self.adapter.layers) * kv_heads * head_dim * self.dtype.itemsize
 
-    def prepare(self, messages, caches: bool = True) -> Prompt:
-        """The prompt of ``messages``; ``caches=False``: every image and video decoded again (no media cache)."""
+    def prepare(self, messages, caches: bool = True,
+                reading: contextlib.AbstractContextManager | None = None) -> Prompt:
+        """The prompt of ``messages``; ``caches=False``: every image and video decoded again (no media cache).
+        Several threads may build prompts at once: their media are read side by side, the tokenizer works for one at a
+        time. ``reading``: entered around the reading of the media, if any (a server's limits on it)."""
         return build_prompt(self.adapter, messages, self.chat_template, self.max_length,
-                            self.media_cache if caches else None, self._tokenizing)
+                            self.media_cache if caches else None, self._tokenizing, reading)
 
     # ------------------------------------------------------------------ the loop
     @torch.inference_mode()  # on a generator: entered around every resume, not across the caller's code

@@ -316,14 +316,19 @@ def check_text_length(characters: int, max_length: int | None) -> None:
 
 def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
                  max_length: int | None = None, media_cache: MediaCache | None = None,
-                 tokenizing: contextlib.AbstractContextManager | None = None) -> Prompt:
+                 tokenizing: contextlib.AbstractContextManager | None = None,
+                 reading: contextlib.AbstractContextManager | None = None) -> Prompt:
     """The prompt of ``messages``: their media decoded and preprocessed, the chat rendered and tokenized.
     ``tokenizing``: held while the (shared) tokenizer works, a lock where several threads build prompts; the media
-    are read before it is taken, so that one request's long video does not hold up everyone else's prompt."""
+    are read before it is taken, so that one request's long video does not hold up everyone else's prompt.
+    ``reading``: entered around the reading of the media, if there are any (a server's turn to decode, and its limits:
+    ``Scheduler.prepare``)."""
     messages = normalise_messages(messages)
     check_text_length(sum(len(item["text"]) for m in messages for item in m["content"] if item["type"] == "text"),
                       max_length)
-    media = load_media(adapter, messages, max_length, media_cache)
+    has_media = any(item["type"] in ("image", "video") for m in messages for item in m["content"])
+    with reading if reading is not None and has_media else contextlib.nullcontext():
+        media = load_media(adapter, messages, max_length, media_cache)
     placeholders = {"image": adapter.placeholder(IMAGE)}
     if adapter.supports_video:
         placeholders["video"] = adapter.placeholder(VIDEO)

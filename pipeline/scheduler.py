@@ -32,6 +32,7 @@ import collections
 import contextlib
 import copy
 import itertools
+import os
 import queue
 import threading
 import time
@@ -53,6 +54,7 @@ from glimpse.pruning import Policy
 # bound on what a crafted file can make the server do for one request, well past what real media take
 # (docs/serving.md, "Admission, queue and limits"). ``glimpse serve --media-timeout``.
 MEDIA_TIMEOUT_S = 60.0
+MEDIA_READERS = max(2, os.cpu_count() or 2)  # requests whose media are decoded at once (Scheduler.media_readers)
 
 
 class QueueFull(Exception):
@@ -159,13 +161,17 @@ class Ticket:
 class Scheduler:
     def __init__(self, engine: Engine, *, max_batch: int = 8, queue_size: int = 32,
                  kv_budget_bytes: int | None = None, media_timeout_s: float | None = MEDIA_TIMEOUT_S,
-                 start: bool = True):
-        """``media_timeout_s``: the longest a request's images and videos may take to read (None: no limit).
-        ``start=False``: the caller runs the loop itself, in its own thread, with ``run()``."""
-        if max_batch < 1 or queue_size < 0:
-            raise UserError("the batch size must be at least 1 and the queue size at least 0")
+                 media_readers: int = MEDIA_READERS, start: bool = True):
+        """``media_timeout_s``: the longest a request's images and videos may take to read (None: no limit);
+        ``media_readers``: requests whose media are read at once. ``start=False``: the caller runs the loop itself, in
+        its own thread, with ``run()``."""
+        if max_batch < 1 or queue_size < 0 or media_readers < 1:
+            raise UserError("the batch size and the media readers must be at least 1 and the queue size at least 0")
         self.engine, self.max_batch, self.queue_size = engine, max_batch, queue_size
         self.media_timeout_s = media_timeout_s
+        # Decoding is CPU work and holds the frames it decodes: past a reader a core, more at once only share the
+        # cores and multiply the memory (a Qwen2-VL video's frames, hundreds of megabytes each).
+        self.media_readers = threading.BoundedSemaphore(media_readers)
         self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None else default_kv_budget(engine.device)
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.admitted: list[Ticket] = []  # taken from the queue by this iteration, their prefill not done yet
@@ -257,12 +263,25 @@ class Scheduler:
             return self.closed or (left is not None and left())
 
         try:
-            with one_torch_thread(self.engine.device), vision.reading_limit(self.media_timeout_s, stop):
-                return self.engine.prepare(messages, caches)
+            with one_torch_thread(self.engine.device):
+                return self.engine.prepare(messages, caches, reading=self._reading_turn(stop))
         except vision.ReadingStopped:
             if self.closed:
                 raise ServerStopping(STOPPING) from None
             raise
+
+    @contextlib.contextmanager
+    def _reading_turn(self, stop: Callable[[], bool]) -> Iterator[None]:
+        """One of the ``media_readers`` places (waited for until ``stop()``), and in it the reading's limits: the time
+        limit counts from the place, not from the wait for it."""
+        while not self.media_readers.acquire(timeout=0.25):
+            if stop():
+                raise vision.ReadingStopped("the request's media: reading them was stopped before it began")
+        try:
+            with vision.reading_limit(self.media_timeout_s, stop):
+                yield
+        finally:
+            self.media_readers.release()
 
     def check_room(self) -> None:
         """Raise ``QueueFull`` if a request submitted now would be refused."""
@@ -568,8 +587,6 @@ def default_kv_budget(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.5)
     try:
-        import os
-
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * 0.25)
     except (ValueError, OSError, AttributeError):
         return 4 * 2**30

@@ -373,10 +373,10 @@ def test_closing_waits_within_the_grace_for_submitters_building_prompts_to_be_to
     conversations = _conversations(media)
     real_prepare, building, release = engine.prepare, threading.Event(), threading.Event()
 
-    def slow_prepare(messages, caches=True):
+    def slow_prepare(messages, caches=True, **options):
         building.set()
         release.wait(timeout=60)
-        return real_prepare(messages, caches)
+        return real_prepare(messages, caches, **options)
 
     monkeypatch.setattr(engine, "prepare", slow_prepare)
     for grace_s in (60.0, 0.3):
@@ -450,6 +450,53 @@ def test_a_request_whose_media_are_still_read_holds_up_no_other_prompt(engine, m
         release.set()
         scheduler.close()
     assert [results["video"], results["text"]] == alone
+
+
+def test_media_are_read_by_a_bounded_number_of_requests_at_once_and_a_waiting_one_can_leave(engine, media):
+    """Decoding is CPU work that holds the frames it decodes: at most ``media_readers`` requests read media at once.
+    With one place, held by a request whose video is still being read: a text question needs no place and is
+    answered; a question about a picture waits for the place, and gives up when its client leaves; once the place is
+    free again, a question about the picture is answered, and the video's answer is what it is alone."""
+    conversations = _conversations(media)
+    video, text, picture = conversations[2], conversations[1], conversations[0]
+    alone = engine.generate(video, policy="none", max_new_tokens=3).token_ids
+    reading, release, leaves = threading.Event(), threading.Event(), threading.Event()
+
+    def held() -> bool:
+        reading.set()
+        release.wait(timeout=120)
+        return False
+
+    scheduler = Scheduler(engine, media_readers=1)
+    results = {}
+
+    def ask(name, conversation, left=None):
+        try:
+            ticket = scheduler.submit(conversation, policy="none", max_new_tokens=3, left=left)
+            results[name] = ticket.result(timeout=120).token_ids
+        except vision.ReadingStopped as stopped:
+            results[name] = stopped
+
+    try:
+        reader = threading.Thread(target=ask, args=("video", video, held))
+        reader.start()
+        assert reading.wait(timeout=60)
+        waiter = threading.Thread(target=ask, args=("picture", picture, leaves.is_set))
+        waiter.start()
+        ask("text", text)  # answered while the one place is held
+        assert isinstance(results["text"], list) and waiter.is_alive() and "picture" not in results
+        leaves.set()  # the picture's client leaves while it waits for the place
+        waiter.join(timeout=30)
+        assert not waiter.is_alive() and isinstance(results["picture"], vision.ReadingStopped)
+        assert reader.is_alive() and "video" not in results
+        release.set()
+        reader.join(timeout=120)
+        ask("picture again", picture)  # the place was given back
+        assert isinstance(results["picture again"], list)
+    finally:
+        release.set()
+        scheduler.close()
+    assert results["video"] == alone
 
 
 def test_reading_a_requests_media_ends_at_the_time_limit_when_its_client_leaves_and_when_the_server_closes(engine,
