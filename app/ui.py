@@ -25,7 +25,7 @@ from glimpse.common import UserError
 from glimpse.connections import refuse
 from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pruning import PRUNING_NAMES, parse_params
-from glimpse.vision.media import MediaError, detect_kind, load_image, probe_video
+from glimpse.vision.media import MediaError, detect_kind, load_image, probe_video, reading_limit
 
 POLICIES = ["auto", *PRUNING_NAMES, "none"]  # the dropdown: the default first, no pruning last
 
@@ -366,8 +366,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         turn = [{"role": "user", "content": [{"type": "file", "file": {"path": p}} for p in files]
                  + ([{"type": "text", "text": message["text"]}] if message.get("text") else [])}]
         try:
-            for path in files:
-                _check_upload(path, allowed, unusable)
+            with reading_limit(scheduler.media_timeout_s, lambda: scheduler.closed):  # a Matroska file is demuxed whole
+                for path in files:
+                    _check_upload(path, allowed, unusable)
             # Compared, both answers compute everything (no media, encoder or prefix cache): the unpruned run
             # comes second, and the caches would otherwise hand it what the first one computed.
             overridden = parse_overrides(overrides)
@@ -385,8 +386,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             yield f"{ERROR_NOTE}{full}", NO_METRICS, None
             return
         except Exception as error:  # shown in the chat; the server keeps serving
-            if isinstance(error, MediaError):  # this turn's file could not be read (past --media-timeout): later turns
-                unusable.update(str(p) for p in files if str(error).startswith(f"{Path(str(p)).name}: "))  # leave it out
+            if isinstance(error, MediaError):  # this turn's file could not be read (past --media-timeout): later
+                # turns leave it out, as they do a file that does not decode
+                unusable.update(str(p) for p in files if str(error).startswith(f"{Path(str(p)).name}: "))
             refused("bad_request" if isinstance(error, UserError) else "error")
             yield _error_text(error), NO_METRICS, None
             return

@@ -169,8 +169,8 @@ class Scheduler:
             raise UserError("the batch size and the media readers must be at least 1 and the queue size at least 0")
         self.engine, self.max_batch, self.queue_size = engine, max_batch, queue_size
         self.media_timeout_s = media_timeout_s
-        # Decoding is CPU work and holds the frames it decodes: past a reader a core, more at once only share the
-        # cores and multiply the memory (a Qwen2-VL video's frames, hundreds of megabytes each).
+        # Decoding is CPU work that holds the frames it decodes: more readers than cores only share the cores and
+        # multiply the memory (a long Qwen2-VL video's frames are hundreds of megabytes).
         self.media_readers = threading.BoundedSemaphore(media_readers)
         self.kv_budget_bytes = kv_budget_bytes if kv_budget_bytes is not None else default_kv_budget(engine.device)
         self.waiting: collections.deque[Ticket] = collections.deque()

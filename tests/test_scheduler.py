@@ -703,9 +703,9 @@ def test_submitters_prepare_prompts_on_one_torch_thread_and_the_model_thread_kee
     seen = {"prepare": [], "step": []}
     prepare, decode_step = engine.prepare, engine.decode_step
 
-    def watched_prepare(messages, *args):
+    def watched_prepare(messages, *args, **kwargs):
         seen["prepare"].append(torch.get_num_threads())
-        return prepare(messages, *args)
+        return prepare(messages, *args, **kwargs)
 
     def watched_step(*args, **kwargs):
         seen["step"].append(torch.get_num_threads())

@@ -18,8 +18,8 @@ Safety rules, and why:
   'spawn' process that is killed after a timeout. PyAV, the default, runs in-process (no process start,
   no copy of the frames between processes); it returns errors on damaged files rather than hanging.
 - Reading can be bounded in time and stopped from outside (`reading_limit`): a server reads media for
-  clients it does not trust, and a 600 KB MP4 can hold 20,000 frames with one keyframe, which no seek can
-  skip (18 s of decoding on two cores; 50 MB of it, half an hour). The limit is checked between a video's
+  clients it does not trust, and a 600 KB MP4 can hold 20,000 frames behind one keyframe, which no seek can
+  skip (18 s of decoding on two cores; 50 MB can hold 80 times as many). The limit is checked between a video's
   packets and between a request's images and videos, not on a timer: no thread is interrupted.
 """
 
@@ -717,8 +717,8 @@ def read_frames(
 
     The backend is PyAV unless `backend="decord"` or $GLIMPSE_VIDEO_BACKEND=decord and decord is
     installed; decord then runs in a worker process killed after `timeout_s` seconds (PyAV runs
-    in-process; `timeout_s` does not apply to it, `reading_limit` applies to both). Frames are numbered as decoded, in presentation order;
-    rotation metadata of phone videos is not applied (neither qwen-vl-utils nor decord applies it).
+    in-process; `timeout_s` does not apply to it, `reading_limit` applies to both). Frames are numbered as decoded,
+    in presentation order; rotation metadata of phone videos is not applied (neither qwen-vl-utils nor decord applies it).
     A file that cannot be decoded, or that holds fewer frames than asked for, raises `MediaError`.
     """
     path = _check_file(path)
