@@ -25,7 +25,7 @@ from glimpse.common import UserError
 from glimpse.connections import refuse
 from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pruning import PRUNING_NAMES, parse_params
-from glimpse.vision.media import MediaError, detect_kind, load_image, probe_video, reading_limit
+from glimpse.vision.media import MediaError, check_reading, detect_kind, load_image, probe_video, reading_limit
 
 POLICIES = ["auto", *PRUNING_NAMES, "none"]  # the dropdown: the default first, no pruning last
 
@@ -366,8 +366,11 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         turn = [{"role": "user", "content": [{"type": "file", "file": {"path": p}} for p in files]
                  + ([{"type": "text", "text": message["text"]}] if message.get("text") else [])}]
         try:
-            with reading_limit(scheduler.media_timeout_s, lambda: scheduler.closed):  # a Matroska file is demuxed whole
+            # Under the server's time limit for media: a turn may bring a thousand pictures, and a Matroska file is
+            # demuxed whole to count its frames.
+            with reading_limit(scheduler.media_timeout_s, lambda: scheduler.closed):
                 for path in files:
+                    check_reading(path)
                     _check_upload(path, allowed, unusable)
             # Compared, both answers compute everything (no media, encoder or prefix cache): the unpruned run
             # comes second, and the caches would otherwise hand it what the first one computed.
