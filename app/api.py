@@ -595,19 +595,20 @@ async def _unless_client_leaves(request: Request, allowance: Allowance, parse_an
     raise outcome["error"]
 
 
+def _media_parts(body: ChatRequest) -> list[ImagePart | VideoPart]:
+    """The image and video parts of ``body`` (URLs, data URLs and paths), in order."""
+    return [part for message in body.messages
+            for part in (message.content if isinstance(message.content, list) else ())
+            if isinstance(part, (ImagePart, VideoPart))]
+
+
 def _has_media(body: ChatRequest) -> bool:
-    """Whether ``body`` holds an image or a video (a URL, a data URL or a path)."""
-    return any(isinstance(part, (ImagePart, VideoPart)) for message in body.messages
-               for part in (message.content if isinstance(message.content, list) else ()))
+    return bool(_media_parts(body))
 
 
 def _fetches(body: ChatRequest) -> bool:
     """Whether parsing ``body`` fetches a media URL."""
-    for message in body.messages:
-        for part in message.content if isinstance(message.content, list) else ():
-            if isinstance(part, (ImagePart, VideoPart)) and _url_of(part)[:8].lower().startswith(("http://", "https://")):
-                return True
-    return False
+    return any(_url_of(part)[:8].lower().startswith(("http://", "https://")) for part in _media_parts(body))
 
 
 def _url_of(part: ImagePart | VideoPart) -> str:

@@ -160,20 +160,19 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
     media, tokens = [], 0
     for m in messages:
         for item in m["content"]:
-            if item["type"] in ("image", "video"):
-                vision.check_reading(_media_of(item))  # a server's time limit for them all, or its stop (reading_limit)
+            if item["type"] not in ("image", "video"):
+                continue
+            if item["type"] == "video" and not adapter.supports_video:
+                raise vision.MediaError(f"this model ({adapter.name}) does not take video; send frames as images")
+            source = _media_of(item)
+            vision.check_reading(source)  # a server's time limit for them all, or its stop (reading_limit)
             if item["type"] == "image":
-                media.append(cache.prepared("image", _media_of(item), prepare_image))
-            elif item["type"] == "video":
-                if not adapter.supports_video:
-                    raise vision.MediaError(f"this model ({adapter.name}) does not take video; send frames as images")
-                source = _media_of(item)
+                media.append(cache.prepared("image", source, prepare_image))
+            else:
                 video = cache.prepared("video", source, prepare_video)
                 if video.shortfall:  # said in words naming the file as this request named it (the item may be shared)
                     video = replace(video, warning=vision.shortfall_warning(Path(str(source)).name, *video.shortfall))
                 media.append(video)
-            else:
-                continue
             tokens += media[-1].num_tokens
             if max_length and tokens >= max_length:
                 raise ContextOverflow(f"the images and videos alone take {tokens:,} tokens or more, over this model's "
