@@ -18,9 +18,11 @@ output: it holds an exclusive lock on it (released by the system when the proces
 ends), and a second ``glimpse caption`` on the same output is refused before it loads the model, as
 is an output that cannot be written.
 
-Inputs are decoded together in batches (``Engine.generate_batch``, each with its own policy state).
-An input that cannot be read (corrupt, truncated, empty, unsupported) is logged and skipped; a batch
-that fails is retried in halves down to the input that failed, so one bad file never costs its neighbours. A summary
+Each input's prompt is built on its own (its file read, decoded, sampled and tokenized), once, in a reading thread
+that builds the next batch's prompts while the model answers this one; then the batch is decoded together
+(``Engine.generate_batch``, each with its own policy state). An input that cannot be read (corrupt, truncated, empty,
+unsupported, or slower to read than ``--media-timeout``) is logged and skipped; a batch that fails in the model (out of
+memory) is retried in halves down to the input that failed, so one bad file never costs its neighbours. A summary
 lists the failures at the end.
 """
 
@@ -29,15 +31,18 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from glimpse.common import UserError
 from glimpse.pipeline import OutOfMemory, PromptError
 from glimpse.pipeline.profiles import model_key
+from glimpse.pipeline.scheduler import MEDIA_READERS
 from glimpse.pipeline.prompt import user_message
-from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError
+from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, reading_limit
 
 LIST_EXTENSIONS = (".txt", ".lst")
 DEFAULT_PROMPT = "Describe this {kind} in one or two sentences."
@@ -361,9 +366,11 @@ def write_sidecar(path: Path, caption: str) -> None:
 
 def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | None, fmt: str, overwrite: bool,
                    policy: str, speed: float, prompt: str | None, max_new_tokens: int, batch_size: int,
+                   media_timeout_s: float | None = None, readers: int = MEDIA_READERS,
                    progress: Callable[[int, int, int], None] | None = None,
                    log: Callable[[str], None] = lambda message: None) -> CaptionReport:
     """Caption ``inputs`` into ``out`` (a path, or a ``CaptionOutput`` already opened and locked);
+    ``media_timeout_s``: the longest one input may take to read (None: no limit); ``readers``: inputs read at once;
     ``progress(done, total, failed)`` after every batch."""
     report = CaptionReport()
     sidecars = {}
@@ -377,14 +384,14 @@ def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | No
         sink = out if isinstance(out, CaptionOutput) else CaptionOutput(out)
     try:
         return _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size,
-                        progress, log, report)
+                        media_timeout_s, readers, progress, log, report)
     finally:
         if sink is not None and sink is not out:
             sink.close()
 
 
-def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size, progress,
-             log, report) -> CaptionReport:
+def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size, media_timeout_s,
+             readers, progress, log, report) -> CaptionReport:
     if sink is not None and overwrite:
         sink.clear()
     done = sink.done() if sink is not None else set()
@@ -399,9 +406,12 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
 
     if progress:  # the bar from the start: it shows before the first batch ends, and its rate counts that batch
         progress(0, len(pending), 0)
-    for start in range(0, len(pending), batch_size):
-        batch = pending[start:start + batch_size]
-        for path, result in _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
+    batches = [pending[start:start + batch_size] for start in range(0, len(pending), batch_size)]
+    for end, prompts, unreadable in _read_ahead(engine, batches, prompt, media_timeout_s, readers):
+        for path, reason in unreadable:
+            report.failed.append((str(path), reason))
+            log(f"failed {path}: {reason}")
+        for path, result in _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
             caption = result.text.strip()
             if fmt == "txt":
                 try:
@@ -419,27 +429,63 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
                             **({"warnings": stored(result.warnings)} if result.warnings else {})})
             report.captioned += 1
         if progress:
-            progress(min(start + batch_size, len(pending)), len(pending), len(report.failed))
+            progress(end, len(pending), len(report.failed))
     return report
 
 
-def _answer(engine, batch, policy, speed, prompt, max_new_tokens, report, log):
-    """(path, result) for every input of ``batch`` that could be captioned."""
-    conversations = [_messages(path, prompt) for path in batch]
+def _read_ahead(engine, batches: list[list[Path]], prompt: str | None, media_timeout_s: float | None, readers: int):
+    """(inputs done after this batch, its prompts, its unreadable inputs) for each batch in turn. The inputs of a batch
+    are read side by side, ``readers`` at a time (decoding a video is mostly one core's work), and the next
+    batch's while the model answers this one: on a GPU box the GPU would otherwise wait for the CPU to decode every
+    batch's videos. At most two batches of prompts are held. When the caller stops early (an error, Ctrl-C), the
+    readings under way stop at their next check (``vision.check_reading``) and the others do not start."""
+    stopped = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="glimpse-caption-read")
+
+    def read(batch: list[Path]) -> list:
+        return [pool.submit(_prompt, engine, path, prompt, media_timeout_s, stopped.is_set) for path in batch]
+
+    try:
+        ahead = read(batches[0]) if batches else []
+        done = 0
+        for number, batch in enumerate(batches):
+            built = [(path, future.result()) for path, future in zip(batch, ahead)]
+            ahead = read(batches[number + 1]) if number + 1 < len(batches) else []
+            done += len(batch)
+            yield (done, [(path, made) for path, made in built if not isinstance(made, str)],
+                   [(path, made) for path, made in built if isinstance(made, str)])
+    finally:
+        stopped.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _prompt(engine, path: Path, prompt: str | None, media_timeout_s: float | None, stopped: Callable[[], bool]):
+    """The input's prompt, or why it cannot be read. Each input is read once, within ``media_timeout_s`` of its own: a
+    batch split after a failure in the model reuses the prompts."""
+    try:
+        return engine.prepare(_messages(path, prompt), reading=reading_limit(media_timeout_s, stopped))
+    except (MediaError, PromptError, OSError) as error:
+        return str(error).removeprefix(f"{path}: ")  # (a message naming the path as given: said once)
+
+
+def _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
+    """(path, result) for every (path, prompt) of ``prompts`` that could be captioned."""
+    if not prompts:
+        return []
     options = dict(policy=policy, speed=speed, max_new_tokens=max_new_tokens)
     try:
-        return list(zip(batch, engine.generate_batch(conversations, **options)))
-    except (MediaError, PromptError, OSError, OutOfMemory) as error:
-        if len(batch) == 1:
-            reason = str(error).removeprefix(f"{batch[0]}: ")  # (a message naming the path as given: said once)
-            report.failed.append((str(batch[0]), reason))
-            log(f"failed {batch[0]}: {reason}")
+        return list(zip([path for path, _ in prompts], engine.generate_batch([p for _, p in prompts], **options)))
+    except (PromptError, OutOfMemory) as error:
+        if len(prompts) == 1:
+            reason = str(error).removeprefix(f"{prompts[0][0]}: ")
+            report.failed.append((str(prompts[0][0]), reason))
+            log(f"failed {prompts[0][0]}: {reason}")
             return []
-    # An input of the batch failed: find it by halves, so that the others are still decoded in batches (one by one,
-    # a corrupt file among 8 cost its 7 neighbours their batching).
-    half = len(batch) // 2
-    return [*_answer(engine, batch[:half], policy, speed, prompt, max_new_tokens, report, log),
-            *_answer(engine, batch[half:], policy, speed, prompt, max_new_tokens, report, log)]
+    # An input of the batch failed in the model (out of memory): find it by halves, so that the others are still
+    # decoded in batches (one by one, a long video among 8 cost its 7 neighbours their batching).
+    half = len(prompts) // 2
+    return [*_answer(engine, prompts[:half], policy, speed, max_new_tokens, report, log),
+            *_answer(engine, prompts[half:], policy, speed, max_new_tokens, report, log)]
 
 
 def instruction(kind: str, prompt: str | None) -> str:

@@ -11,7 +11,8 @@
 * **Decode** (``DecodeStage``) builds each input's whole prompt in a CPU task: the file read, the image
   decoded, a video's frames sampled and resized, the chat template and the tokens — with the model's
   ``Preprocessor`` (its modules on the meta device: no weights). Actors get prompts ready to prefill.
-  An input that cannot be read becomes a row with ``error`` set, never a failed job.
+  An input that cannot be read, or whose reading takes longer than ``--media-timeout``, becomes a row with ``error``
+  set, never a failed job.
 * **Caption** (``CaptionStage``) decodes its batch together (``Engine.generate_batch``, the local
   captioner's batched decode: results equal captioning one by one); a batch that fails is retried in
   halves down to the input that failed, so one bad input never costs its neighbours. Actors that die are
@@ -407,10 +408,11 @@ def _preprocessor(model: str):
     return Preprocessor(model)  # once per worker process: Ray reuses workers between tasks
 
 
-def decode_input(row: dict, model: str, prompt: str | None) -> dict:
-    """The decode stage, a CPU task: one input's key -> its prompt (pickled) and instruction, or its error."""
+def decode_input(row: dict, model: str, prompt: str | None, media_timeout_s: float | None = None) -> dict:
+    """The decode stage, a CPU task: one input's key -> its prompt (pickled) and instruction, or its error.
+    ``media_timeout_s``: the longest its reading may take, once it is fetched (None: no limit)."""
     from glimpse.caption import instruction, kind_of
-    from glimpse.vision.media import detect_kind
+    from glimpse.vision.media import detect_kind, reading_limit
 
     key, tmp = row["key"], None
     try:
@@ -419,7 +421,8 @@ def decode_input(row: dict, model: str, prompt: str | None) -> dict:
         # by its content (a URL's path need not end in an extension, and its query is not one).
         kind = kind_of(Path(key)) if tmp is None else detect_kind(source)
         text = instruction(kind, prompt)
-        built = _preprocessor(model).prepare(user_message(text, [(kind, source)]))
+        with reading_limit(media_timeout_s):
+            built = _preprocessor(model).prepare(user_message(text, [(kind, source)]))
         return {"key": key, "prompt_bytes": pickle.dumps(built), "instruction": text, "error": ""}
     except Exception as error:  # noqa: BLE001 — any input that cannot become a prompt is an error row
         # The instruction depends on the kind, unknown here: the row carries the user's --prompt, if any. A
@@ -526,7 +529,7 @@ def _refuse_a_shadowing_folder(folder: Path) -> None:
 def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, speed: float, prompt: str | None,
                    max_new_tokens: int, batch_size: int, actors: int, gpus_per_actor: float | None, address: str | None,
                    column: str = "path", jsonl: bool = False, device: str = "auto", num_cpus: int | None = None,
-                   shard_rows: int = SHARD_ROWS, retry_errors: bool = False,
+                   shard_rows: int = SHARD_ROWS, retry_errors: bool = False, media_timeout_s: float | None = None,
                    log: Callable[[str], None] = lambda message: None) -> RayReport:
     ray = _require_ray()
     _refuse_a_shadowing_folder(Path.cwd())
@@ -626,7 +629,7 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                     log(f"captioned {report.captioned} of {len(pending)}, failed {len(report.failed) - len(unlisted)} "
                         f"({report.captioned / (now - start):.2f} inputs/s)")
 
-            options = (model, policy, speed, prompt, max_new_tokens)
+            options = (model, policy, speed, prompt, max_new_tokens, media_timeout_s)
             for rows in _pipeline(ray, pending, *options, batch_size, actors, gpus_per_actor, device):
                 take(rows)
             # A batch whose actor died on every try (an input that exhausts memory or crashes the model) was
@@ -772,8 +775,8 @@ def _check_cluster(ray, actors: int, gpus_per_actor: float | None, *, local: boo
     return gpus_per_actor
 
 
-def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, batch_size, actors, gpus_per_actor, device,
-              retrying: bool = False):
+def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, media_timeout_s, batch_size, actors,
+              gpus_per_actor, device, retrying: bool = False):
     """The finished rows, one list per caption batch, as the pipeline streams them out. A batch whose actor died
     ``ACTOR_TRIES`` times (restarted each time) is left out rather than retried for ever or failing the run:
     the caller finds its inputs missing. ``retrying``: a second pass over such inputs, whose CPU actor takes one
@@ -785,7 +788,8 @@ def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, batch_siz
         # only what was in flight.
         dataset = ray.data.from_items([{"key": k} for k in keys],
                                       override_num_blocks=max(1, -(-len(keys) // batch_size)))
-        decoded = dataset.map(decode_input, fn_kwargs={"model": model, "prompt": prompt}, num_cpus=1)
+        decoded = dataset.map(decode_input, fn_kwargs={"model": model, "prompt": prompt,
+                                                       "media_timeout_s": media_timeout_s}, num_cpus=1)
         if gpus_per_actor:
             placement = {"num_gpus": gpus_per_actor, "num_cpus": 1}
         elif retrying:

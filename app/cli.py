@@ -342,6 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the instruction (default: 'Describe this image/video in one or two sentences.')")
     caption.add_argument("--max-new-tokens", type=int, default=64)
     caption.add_argument("--batch-size", type=int, default=8, help="inputs decoded together (default 8)")
+    caption.add_argument("--media-timeout", type=float, default=None, metavar="S",
+                         help="the longest one input may take to read (default: no limit); an input past it fails "
+                              "(a video whose frames can only be reached by decoding all of them, in a scraped "
+                              "dataset) and the others go on")
     _add_device_options(caption)
     spread = caption.add_argument_group("on Ray (docs/scale.md)")
     spread.add_argument("--ray", action="store_true", help="run as a Ray Data pipeline: decode tasks and a pool of "
@@ -688,6 +692,8 @@ def run_caption(args) -> int:
     check_speed(args.speed)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--batch-size and --max-new-tokens must be at least 1")
+    if args.media_timeout is not None and not 0 < args.media_timeout <= 86400:
+        raise UserError("--media-timeout must be more than 0 and at most 86400 seconds")
     make_policy(args.policy, args.speed)
     if args.prompt is not None:  # one instruction for every input: refused once, not once per input
         if not args.prompt.strip():
@@ -739,7 +745,7 @@ def run_caption(args) -> int:
         report = caption_inputs(engine, inputs, out=output, fmt=args.format, overwrite=args.overwrite,
                                 policy=args.policy, speed=args.speed, prompt=args.prompt,
                                 max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                progress=ProgressBar(), log=_log)
+                                media_timeout_s=args.media_timeout, progress=ProgressBar(), log=_log)
     finally:
         if output is not None:
             output.close()
@@ -766,7 +772,7 @@ def run_caption_on_ray(args) -> int:
                             prompt=args.prompt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                             actors=args.actors, gpus_per_actor=gpus, address=args.ray_address, column=args.column,
                             jsonl=args.format == "jsonl", device=args.device, shard_rows=args.shard_rows,
-                            retry_errors=args.retry_errors, log=_log)
+                            retry_errors=args.retry_errors, media_timeout_s=args.media_timeout, log=_log)
     rate = (f"{report.captioned / report.seconds:.2f} inputs/s, {report.answer_tokens / report.seconds:.1f} answer "
             f"tokens/s" if report.seconds else "nothing to do")
     earlier = (f" ({report.earlier_errors} skipped as error rows of earlier runs: --retry-errors tries them again)"

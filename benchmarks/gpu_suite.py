@@ -48,7 +48,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    runs — over batches of decoded JPEG photos on the LLaVA-1.5-7B engine (images/s for one actor, one GPU),
    and the decode stage, ``decode_input`` on one CPU thread as each Ray task runs it (CPU-seconds per image,
    and per video for the Qwen2-VL-7B videos when an earlier section made them); from the two, the CPUs of
-   decoding that keep one GPU actor fed, and which stage bounds a node.
+   decoding that keep one GPU actor fed, and which stage bounds a node. Then the local captioner
+   (``glimpse caption``) over the same photos, reading included, against the actor's rate.
 8. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
    over four decode steps at batch 1 and 16 (KV slots and per request): operator calls, host syncs and the
    heaviest operators on host and device — where the time goes that the sections above only total.
@@ -681,6 +682,7 @@ def caption(suite: Suite) -> dict:
     the two rates docs/scale.md's arithmetic takes (``r`` and ``d``)."""
     from PIL import Image
 
+    from glimpse.caption import caption_inputs
     from glimpse.caption_ray import CaptionStage, decode_input
 
     engine = suite.engine("llava")
@@ -742,6 +744,18 @@ def caption(suite: Suite) -> dict:
               "cpus_to_feed_one_actor": r * d_image}
     suite.progress(f"  one actor: {r:.2f} images/s ({answer_tokens / seconds:.0f} answer tokens/s); decode: "
                    f"{d_image * 1000:.1f} CPU-ms per image: {r * d_image:.2f} CPUs keep one actor fed")
+    # The local captioner (`glimpse caption`) over the same photos, reading included: it reads the next batch beside
+    # the model, so its rate is the actor's where reading keeps up (since 2026-12-05; before, the GPU waited for each
+    # batch to be read).
+    start = time.perf_counter()
+    report = caption_inputs(engine, images, out=Path(suite.tmp.name) / "captions.jsonl", fmt="jsonl", overwrite=True,
+                            policy="auto", speed=0.0, prompt=None, max_new_tokens=CAPTION_NEW_TOKENS,
+                            batch_size=CAPTION_BATCH)
+    local = len(images) / (time.perf_counter() - start)
+    if report.failed:
+        raise RuntimeError(f"the local captioner failed: {report.failed[0]}")
+    result.update({"local_images_per_s": local, "local_vs_actor": local / r})
+    suite.progress(f"  glimpse caption, reading included: {local:.2f} images/s ({local / r:.2f}x the actor's)")
     if videos:
         d_video, (row,) = decode_stage(videos, model=str(Path(suite.tmp.name) / "qwen"))
         tokens = pickle.loads(row["prompt_bytes"]).token_counts()["video"]
@@ -963,11 +977,13 @@ def markdown(report: dict) -> str:
                       f"at most {section['max_new_tokens']} answer tokens ({section['answer_tokens_per_image']:.0f} "
                       "on average)", ""]
             lines += _table(["one actor (images/s)", "answer tokens/s", "decode (CPU-ms per image)",
-                             "CPUs of decoding that keep one actor fed", "decode (CPU-s per video)"],
+                             "CPUs of decoding that keep one actor fed", "decode (CPU-s per video)",
+                             "glimpse caption, reading included (images/s)"],
                             [[f"{section['actor_images_per_s']:.2f}", f"{section['actor_answer_tokens_per_s']:.0f}",
                               f"{section['decode_cpu_s_per_image'] * 1000:.1f}", f"{section['cpus_to_feed_one_actor']:.2f}",
                               _f(section.get("decode_cpu_s_per_video")) + (f" ({section['video']})" if "video"
-                                                                           in section else "")]])
+                                                                           in section else ""),
+                              f"{section['local_images_per_s']:.2f} ({section['local_vs_actor']:.2f}x the actor)"]])
         elif name == "rlt":
             lines += [f"A still-camera clip ({section['prompt_tokens']['video']} video tokens), median of {section['runs']}", ""]
             lines += _table(["configuration", "video tokens left out", "TTFT (s)", "TTFT speedup",

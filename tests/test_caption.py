@@ -94,17 +94,101 @@ def test_a_damaged_video_captioned_from_the_frames_that_decoded_says_so_in_its_r
     assert warning.startswith("damaged.mp4: only ") and "of the 30 frames it declares could be decoded" in warning
 
 
-def test_a_bad_input_is_found_by_halves_and_its_batch_mates_stay_batched(model, tmp_path):
-    """A batch with a corrupt file was answered one input at a time: its good inputs lost their batching. Halves
-    find the culprit and keep the others together."""
+def test_a_bad_input_is_read_once_and_its_batch_mates_stay_batched(model, tmp_path):
+    """A batch with a corrupt file was answered one input at a time, then found by halves, reading the file again at
+    every split. Each input's prompt is now built once, on its own: the corrupt one fails there and the three others
+    are decoded as one batch."""
     good = _images(tmp_path / "in", 3)
     (tmp_path / "in" / "zz_broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")  # last of the batch of 4
     out = tmp_path / "captions.jsonl"
     assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "4",
                  "--batch-size", "4"]) == 1
     batch = {Path(r["path"]).name: r["metrics"]["batch_size"] for r in _lines(out)}
-    assert sorted(batch) == [p.name for p in good]
-    assert batch["img000.png"] == batch["img001.png"] == 2 and batch["img002.png"] == 1  # [0, 1] and [2], [broken]
+    assert batch == {p.name: 3 for p in good}
+
+
+class _Reading:
+    """``engine.prepare`` as the captioner calls it, counting the calls per input; an input named in ``slow`` takes
+    that many seconds to read, inside its reading limit (as a video that is slow to decode does), and ``endless``
+    reads until its limit stops it (its ``ReadingStopped`` is kept in ``stopped``)."""
+
+    def __init__(self, engine, slow: dict | None = None, endless: str | None = None):
+        self.engine, self.prepare = engine, engine.prepare
+        self.slow, self.endless = slow or {}, endless
+        self.calls: dict[str, int] = {}
+        self.stopped = []
+
+    def __enter__(self) -> "_Reading":
+        self.engine.prepare = self._prepare
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.prepare
+
+    def _prepare(self, messages, caches=True, reading=None):
+        from glimpse import vision
+
+        name = Path(messages[0]["content"][0]["image"]).name
+        self.calls[name] = self.calls.get(name, 0) + 1
+        with reading:
+            if name in self.slow:
+                time.sleep(self.slow[name])
+            give_up = time.monotonic() + 60  # (a reading that is never stopped fails the test, not hangs it)
+            while name == self.endless and time.monotonic() < give_up:
+                try:
+                    vision.check_reading(name)
+                except vision.ReadingStopped as stop:
+                    self.stopped.append(stop)
+                    raise
+                time.sleep(0.01)
+            return self.prepare(messages, caches)
+
+
+def test_media_timeout_fails_the_input_slower_to_read_and_counts_for_each_input_on_its_own(model, tmp_path, capsys):
+    """``--media-timeout``: a crafted video in a scraped dataset decodes to its end (18 s for 600 KB). Past the limit
+    the input fails with the limit's words, read once, and the others are captioned: its limit is its own, so the
+    input read after it in the same batch (one reader: one input at a time) is not refused."""
+    from glimpse.caption import caption_inputs
+    from glimpse.pipeline import load_engine
+
+    engine = load_engine(model, device="cpu")
+    images = _images(tmp_path / "in", 3)
+    with _Reading(engine, slow={"img001.png": 1.5}) as reading:
+        report = caption_inputs(engine, images, out=tmp_path / "c.jsonl", fmt="jsonl", overwrite=False, policy="none",
+                                speed=0.0, prompt=None, max_new_tokens=2, batch_size=3, media_timeout_s=1.0,
+                                readers=1)
+    assert report.captioned == 2 and [path for path, _ in report.failed] == [str(images[1])]
+    assert report.failed[0][1].startswith("img001.png: reading the images and videos of this request took longer "
+                                          "than 1 s, the limit")
+    assert reading.calls == {p.name: 1 for p in images}
+    assert [Path(r["path"]).name for r in _lines(tmp_path / "c.jsonl")] == ["img000.png", "img002.png"]
+    capsys.readouterr()
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--media-timeout", "0"]) == 1
+    assert "--media-timeout must be more than 0" in capsys.readouterr().err
+
+
+def test_the_next_batch_is_read_ahead_and_a_stopped_run_stops_its_reading(model, tmp_path):
+    """The next batch's inputs are read while the model answers this one (a GPU would otherwise wait for the CPU to
+    decode every batch's videos). A run stopped meanwhile (Ctrl-C, an error) stops that reading at its next check
+    rather than waiting for it to end, and its reading thread is gone when the call returns."""
+    import threading
+
+    from glimpse.caption import caption_inputs
+    from glimpse.pipeline import load_engine
+
+    engine = load_engine(model, device="cpu")
+    images = _images(tmp_path / "in", 4)
+
+    def stop_after_the_first_batch(done, total, failed):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with _Reading(engine, endless="img002.png") as reading, pytest.raises(KeyboardInterrupt):
+        caption_inputs(engine, images, out=tmp_path / "c.jsonl", fmt="jsonl", overwrite=False, policy="none",
+                       speed=0.0, prompt=None, max_new_tokens=2, batch_size=2, progress=stop_after_the_first_batch)
+    assert len(reading.stopped) == 1  # the second batch's reading had begun, and was stopped
+    assert not [t for t in threading.enumerate() if t.name.startswith("glimpse-caption-read")]
+    assert [Path(r["path"]).name for r in _lines(tmp_path / "c.jsonl")] == ["img000.png", "img001.png"]
 
 
 def test_progress_starts_before_the_first_batch_and_counts_every_batch(model, tmp_path):
@@ -425,9 +509,11 @@ def test_a_batch_the_memory_cannot_hold_is_split_and_an_input_that_never_fits_fa
                    batch_size=4)
     caption_inputs(engine, images, out=tmp_path / "plenty.jsonl", **options)
     # Prompts have dozens of rows: they still fit, as do decode steps of two requests; four together do not.
-    with RunsOutOfMemory(engine.adapter.layers[1].mlp, "cpu", lambda rows: 3 <= rows <= 8) as fault:
+    with RunsOutOfMemory(engine.adapter.layers[1].mlp, "cpu", lambda rows: 3 <= rows <= 8) as fault, \
+            _Reading(engine) as reading:
         report = caption_inputs(engine, images, out=tmp_path / "short.jsonl", **options)
     assert fault.refused and report.failed == []
+    assert reading.calls == {p.name: 1 for p in images}  # the halves decode the prompts already built
     short = _lines(tmp_path / "short.jsonl")
     assert [r["caption"] for r in short] == [r["caption"] for r in _lines(tmp_path / "plenty.jsonl")]
     assert [r["metrics"]["batch_size"] for r in short] == [2, 2, 2, 2]

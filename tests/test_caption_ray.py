@@ -288,6 +288,18 @@ def test_a_downloaded_inputs_error_names_its_url_and_a_failed_fetch_says_why(mod
         assert "tmp" not in row["error"].replace(base, ""), row["error"]
 
 
+def test_an_input_slower_to_read_than_media_timeout_is_an_error_row_naming_it(model, media):
+    """``--media-timeout`` reaches the decode tasks: past it, reading stops and the input is an error row in the limit's
+    words; with no limit the same video becomes a prompt."""
+    from glimpse.caption_ray import decode_input
+
+    row = decode_input({"key": str(media["video"])}, model, None, media_timeout_s=0.0)
+    assert row["prompt_bytes"] == b"" and row["error"].startswith(
+        "clip.mp4: reading the images and videos of this request took longer than 0 s, the limit"), row["error"]
+    row = decode_input({"key": str(media["video"])}, model, None)
+    assert row["error"] == "" and row["prompt_bytes"]
+
+
 def _driver(inputs: Path, out: Path, model: str, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "glimpse.cli", "caption", str(inputs), "--ray", "--out", str(out), "--model", model,
                "--max-new-tokens", "6", "--batch-size", "2", "--shard-rows", "2", "--device", "cpu"]

@@ -48,6 +48,7 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert captioning["images"] == 4 and captioning["actor_images_per_s"] > 0 and captioning["answer_tokens_per_image"] >= 1
     assert captioning["decode_cpu_s_per_image"] > 0 and captioning["decode_cpu_s_per_video"] > 0
     assert captioning["cpus_to_feed_one_actor"] == captioning["actor_images_per_s"] * captioning["decode_cpu_s_per_image"]
+    assert captioning["local_images_per_s"] > 0  # glimpse caption over the same photos, reading included
     # The profile counts operators, not time: in KV slots a decode step of two requests runs fewer operators than
     # attending request by request (the host work a GPU step is bound by), and reads values no more often (each
     # request's next token; the per-request path's extra reads were the visual-KV recount, gone since 2026-11-27).
