@@ -19,6 +19,10 @@ outside it, and the hostile and odd media of ``media_corpus`` there.
 events, whole answers abandoned after 0.05 or 0.3 s (a fifth of each run to the end); it prints what they got,
 then the server's running and waiting requests and KV once it settles (all should be 0: nothing leaked).
 
+``--large-bodies N`` then has N clients send 60 MiB data URLs at once, and asks a text question every second
+meanwhile: how long the refusals and the questions took (2026-12-05: decoding a data URL's base64 took 1.8 s of a core
+per 60 MB, and 16 such requests took 46 s to refuse).
+
 ``--slow-clients N`` then opens N connections that send nothing and N that send a request head a line at a time
 without ever ending it (slowloris), checks that the server answers others meanwhile, and after the server's
 head deadline (``glimpse.connections.HEAD_TIMEOUT_S``, 30 s) counts how many of them it closed.
@@ -40,6 +44,7 @@ from urllib.parse import urlsplit
 import httpx
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ONE_PIXEL_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
 
 
 def corpus(ROOT: str, PORT: str) -> tuple[dict, dict]:  # noqa: N803 — spelled as they read in the URLs below
@@ -146,6 +151,10 @@ def corpus(ROOT: str, PORT: str) -> tuple[dict, dict]:  # noqa: N803 — spelled
         "path name too long": img(f"{ROOT}/{'n' * 300}.png"),
         "video as image": img("data:video/mp4;base64," + base64.b64encode((ASSETS / "sample.mp4").read_bytes()).decode()),
         "image as video": msg([{"type": "video_url", "video_url": {"url": "data:image/png;base64," + png}}]),
+        # 2026-12-05: a million parts fit the per-message and per-request limits; 250,000 took 12 s to refuse.
+        "250,000 tiny data URLs": {"messages": [msg([{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + ONE_PIXEL_PNG}}] * 500)["messages"][0]] * 500, "max_tokens": 2},
+        "data URL non-ASCII": img("data:image/png;base64," + png[:40] + "\u00e9" + png[40:]),
     }
     raw = {
         "not json": (b"{not json", "application/json"),
@@ -314,6 +323,38 @@ def disconnects(url: str, seconds: float, client: httpx.Client) -> str:
             f"{counts['left']} left early, {counts['failed']} failed); then /health {health['status']}: {state}")
 
 
+def large_bodies(url: str, count: int, client: httpx.Client) -> str:
+    """``count`` clients at once, each sending a 60 MiB data URL (random bytes: refused as no picture); a text question
+    every second meanwhile. How long the refusals took, and how long the text questions waited (alone about 0.3 s on
+    the embedded model)."""
+    payload = base64.b64encode(os.urandom(45 * 2**20)).decode()
+    body = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64," + payload}}]}], "max_tokens": 2}).encode()
+    statuses: list = []
+
+    def send() -> None:
+        try:
+            statuses.append(httpx.post(url + "/v1/chat/completions", content=body, timeout=600,
+                                       headers={"content-type": "application/json"}).status_code)
+        except httpx.HTTPError as error:
+            statuses.append(type(error).__name__)
+
+    senders = [threading.Thread(target=send) for _ in range(count)]
+    start = time.monotonic()
+    for sender in senders:
+        sender.start()
+    waits = []
+    while any(sender.is_alive() for sender in senders):
+        asked = time.monotonic()
+        client.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2})
+        waits.append(time.monotonic() - asked)
+        time.sleep(1)
+    took = time.monotonic() - start
+    return (f"large bodies: {count} x {len(body) / 2**20:.0f} MiB at once answered {sorted(set(map(str, statuses)))} "
+            f"within {took:.1f} s; text questions meanwhile waited {', '.join(f'{w:.1f}' for w in waits)} s")
+
+
 def slow_clients(url: str, count: int, client: httpx.Client) -> str:
     """Open ``count`` silent connections and ``count`` that dribble an endless request head; report whether the
     server kept serving and how many of them it had closed once its head deadline passed."""
@@ -361,6 +402,8 @@ def main() -> None:
                         help="then S seconds of 16 clients that mostly leave before their answer ends")
     parser.add_argument("--slow-clients", type=int, default=0, metavar="N",
                         help="then N silent and N slowly dribbling connections (takes about 40 s)")
+    parser.add_argument("--large-bodies", type=int, default=0, metavar="N",
+                        help="then N clients at once sending 60 MiB data URLs, and text questions meanwhile")
     args = parser.parse_args()
     root = Path(args.allowed_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -418,6 +461,8 @@ def main() -> None:
         print(disconnects(args.url, args.disconnects, client))
     if args.slow_clients:
         print(slow_clients(args.url, args.slow_clients, client))
+    if args.large_bodies:
+        print(large_bodies(args.url, args.large_bodies, client))
     health = client.get(args.url + "/health")
     print(f"\n{sum(counts.values())} requests: " + ", ".join(f"{n} {k}" for k, n in counts.items())
           + f"; /health afterwards: {health.status_code} {health.json().get('status')}")
