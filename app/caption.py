@@ -18,8 +18,8 @@ output: it holds an exclusive lock on it (released by the system when the proces
 ends), and a second ``glimpse caption`` on the same output is refused before it loads the model, as
 is an output that cannot be written.
 
-Each input's prompt is built on its own (its file read, decoded, sampled and tokenized), once, in a reading thread
-that builds the next batch's prompts while the model answers this one; then the batch is decoded together
+Each input's prompt is built on its own (its file read, decoded, sampled and tokenized), once, in reading threads
+that build the next batch's prompts while the model answers this one; then the batch is decoded together
 (``Engine.generate_batch``, each with its own policy state). An input that cannot be read (corrupt, truncated, empty,
 unsupported, or slower to read than ``--media-timeout``) is logged and skipped; a batch that fails in the model (out of
 memory) is retried in halves down to the input that failed, so one bad file never costs its neighbours. A summary
@@ -28,6 +28,7 @@ lists the failures at the end.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -407,29 +408,31 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
     if progress:  # the bar from the start: it shows before the first batch ends, and its rate counts that batch
         progress(0, len(pending), 0)
     batches = [pending[start:start + batch_size] for start in range(0, len(pending), batch_size)]
-    for end, prompts, unreadable in _read_ahead(engine, batches, prompt, media_timeout_s, readers):
-        for path, reason in unreadable:
-            report.failed.append((str(path), reason))
-            log(f"failed {path}: {reason}")
-        for path, result in _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
-            caption = result.text.strip()
-            if fmt == "txt":
-                try:
-                    write_sidecar(path, caption)
-                except OSError as error:  # this folder (or the disk) refuses it: the others still get theirs
-                    report.failed.append((str(path), f"cannot write {sidecar(path)} ({error.strerror or error})"))
-                    log(f"failed {path}: cannot write {sidecar(path)} ({error.strerror or error})")
-                    continue
-            else:
-                metrics = {k: result.metrics[k] for k in KEPT_METRICS}
-                sink.write({"path": stored(str(path)), "key": input_key(path), "caption": caption,
-                            "model": model, "policy": result.policy,
-                            "speed": speed, "prompt": stored(instruction(kind_of(path), prompt)),
-                            "params": result.params, "metrics": metrics,
-                            **({"warnings": stored(result.warnings)} if result.warnings else {})})
-            report.captioned += 1
-        if progress:
-            progress(end, len(pending), len(report.failed))
+    # Closed on the way out, whatever ends the loop: the readings under way stop then, not when the generator is freed.
+    with contextlib.closing(_read_ahead(engine, batches, prompt, media_timeout_s, readers)) as read:
+        for end, prompts, unreadable in read:
+            for path, reason in unreadable:
+                report.failed.append((str(path), reason))
+                log(f"failed {path}: {reason}")
+            for path, result in _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
+                caption = result.text.strip()
+                if fmt == "txt":
+                    try:
+                        write_sidecar(path, caption)
+                    except OSError as error:  # this folder (or the disk) refuses it: the others still get theirs
+                        report.failed.append((str(path), f"cannot write {sidecar(path)} ({error.strerror or error})"))
+                        log(f"failed {path}: cannot write {sidecar(path)} ({error.strerror or error})")
+                        continue
+                else:
+                    metrics = {k: result.metrics[k] for k in KEPT_METRICS}
+                    sink.write({"path": stored(str(path)), "key": input_key(path), "caption": caption,
+                                "model": model, "policy": result.policy,
+                                "speed": speed, "prompt": stored(instruction(kind_of(path), prompt)),
+                                "params": result.params, "metrics": metrics,
+                                **({"warnings": stored(result.warnings)} if result.warnings else {})})
+                report.captioned += 1
+            if progress:
+                progress(end, len(pending), len(report.failed))
     return report
 
 
@@ -449,23 +452,24 @@ def _read_ahead(engine, batches: list[list[Path]], prompt: str | None, media_tim
         ahead = read(batches[0]) if batches else []
         done = 0
         for number, batch in enumerate(batches):
-            built = [(path, future.result()) for path, future in zip(batch, ahead)]
+            prompts, unreadable = [], []
+            for path, future in zip(batch, ahead):
+                try:
+                    prompts.append((path, future.result()))
+                except (MediaError, PromptError, OSError) as error:
+                    unreadable.append((path, str(error).removeprefix(f"{path}: ")))  # (a message naming the path)
             ahead = read(batches[number + 1]) if number + 1 < len(batches) else []
             done += len(batch)
-            yield (done, [(path, made) for path, made in built if not isinstance(made, str)],
-                   [(path, made) for path, made in built if isinstance(made, str)])
+            yield done, prompts, unreadable
     finally:
         stopped.set()
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _prompt(engine, path: Path, prompt: str | None, media_timeout_s: float | None, stopped: Callable[[], bool]):
-    """The input's prompt, or why it cannot be read. Each input is read once, within ``media_timeout_s`` of its own: a
-    batch split after a failure in the model reuses the prompts."""
-    try:
-        return engine.prepare(_messages(path, prompt), reading=reading_limit(media_timeout_s, stopped))
-    except (MediaError, PromptError, OSError) as error:
-        return str(error).removeprefix(f"{path}: ")  # (a message naming the path as given: said once)
+    """The input's prompt. Each input is read once, within ``media_timeout_s`` of its own: a batch split after a
+    failure in the model reuses the prompts."""
+    return engine.prepare(_messages(path, prompt), reading=reading_limit(media_timeout_s, stopped))
 
 
 def _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
