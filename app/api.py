@@ -77,7 +77,7 @@ OFF_VALUES = (None, False, 0, [], {}, "")
 # for any interleaving of text and pictures a context holds.
 MAX_MESSAGES, MAX_PARTS = 2048, 512
 # Content parts in all the messages together. The two limits above allow a million, and each part costs about 18 us to
-# validate and 30 us more to decode: 250,000 tiny data URLs (40 MB) took 12 s before the prompt's length refused them
+# validate and 30 us more to decode: 250,000 one-pixel data URLs (39 MB) took 12 s before the prompt's length refused them
 # (found from outside).
 MAX_REQUEST_PARTS = 8192
 # Fields Glimpse does not implement whose value here asks for what it does anyway: a plain-text answer, no tools,
@@ -678,7 +678,7 @@ ASCII_WHITESPACE = b" \t\n\r\x0b\x0c"  # what MIME base64 may hold between its c
 def _base64(payload: str, where: str) -> bytes:
     """A data URL's bytes: base64 as written in MIME (line breaks), percent-encoded or URL-safe, padded or not.
     Worked on as bytes: regular expressions over a 60 MB payload took 1.8 s of CPU (found from outside: 16 such
-    requests took 46 s to refuse, and a text question sent meanwhile waited up to 23 s); this takes 0.13 s."""
+    requests at once took 49 s to refuse, and a text question sent meanwhile waited up to 27 s); this takes 0.13 s."""
     from urllib.parse import unquote
 
     try:

@@ -558,7 +558,7 @@ def test_a_lone_surrogate_quoted_back_in_an_error_is_escaped_not_a_server_error(
 
 def test_a_request_of_more_content_parts_than_any_model_takes_is_refused_before_they_are_read():
     """The limits per message (512 parts) and on messages (2,048) allowed a million parts, and each costs time to read:
-    250,000 tiny data URLs (40 MB) took 12 s to refuse (found from outside). The parts of all the messages together are
+    250,000 one-pixel data URLs (39 MB) took 12 s to refuse (found from outside). The parts of all the messages together are
     counted before any is validated."""
     from glimpse.api import MAX_REQUEST_PARTS, ChatRequest, _read_request
 
