@@ -77,8 +77,8 @@ OFF_VALUES = (None, False, 0, [], {}, "")
 # for any interleaving of text and pictures a context holds.
 MAX_MESSAGES, MAX_PARTS = 2048, 512
 # Content parts in all the messages together. The two limits above allow a million, and each part costs about 18 us to
-# validate and 30 us more to decode: 250,000 one-pixel data URLs (39 MB) took 12 s before the prompt's length refused them
-# (found from outside).
+# validate and 30 us more to decode: 250,000 one-pixel data URLs (39 MB) took 12 s before the prompt's length refused
+# them (found from outside).
 MAX_REQUEST_PARTS = 8192
 # Fields Glimpse does not implement whose value here asks for what it does anyway: a plain-text answer, no tools,
 # a text reply, the default service tier.
@@ -191,7 +191,8 @@ class ChatRequest(BaseModel):
     def few_enough_parts(cls, messages):
         """Counted before any part is validated."""
         if isinstance(messages, list):
-            count = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+            count = sum(len(m["content"]) for m in messages
+                        if isinstance(m, dict) and isinstance(m.get("content"), list))
             if count > MAX_REQUEST_PARTS:
                 raise ValueError(f"{count:,} content parts in all the messages; at most {MAX_REQUEST_PARTS:,}")
         return messages

@@ -558,8 +558,8 @@ def test_a_lone_surrogate_quoted_back_in_an_error_is_escaped_not_a_server_error(
 
 def test_a_request_of_more_content_parts_than_any_model_takes_is_refused_before_they_are_read():
     """The limits per message (512 parts) and on messages (2,048) allowed a million parts, and each costs time to read:
-    250,000 one-pixel data URLs (39 MB) took 12 s to refuse (found from outside). The parts of all the messages together are
-    counted before any is validated."""
+    250,000 one-pixel data URLs (39 MB) took 12 s to refuse (found from outside). The parts of all the messages
+    together are counted before any is validated."""
     from glimpse.api import MAX_REQUEST_PARTS, ChatRequest, _read_request
 
     def body(parts: int) -> bytes:
@@ -580,7 +580,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, medi
     cases = [
         ({"messages": _question(corrupt)}, "image"),
         ({"messages": _question("data:image/png;base64,@@@")}, "base64"),
-        ({"messages": _question("data:image/png;base64,iVBORw0K\u00e9")}, "not valid base64"),  # no base64 outside ASCII
+        ({"messages": _question("data:image/png;base64,iVBORw0K\u00e9")}, "not valid base64"),  # (all base64 is ASCII)
         ({"messages": _question("data:image/png;base64,QQ==QQ==")}, "not valid base64"),  # data after the padding
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "speed": 3}, "speed"),
