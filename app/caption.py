@@ -480,10 +480,10 @@ def _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
     try:
         return list(zip([path for path, _ in prompts], engine.generate_batch([p for _, p in prompts], **options)))
     except (PromptError, OutOfMemory) as error:
-        if len(prompts) == 1:
-            reason = str(error).removeprefix(f"{prompts[0][0]}: ")
-            report.failed.append((str(prompts[0][0]), reason))
-            log(f"failed {prompts[0][0]}: {reason}")
+        if len(prompts) == 1:  # (a failure in the model names no file: the prompt was built already)
+            (path, _), = prompts
+            report.failed.append((str(path), str(error)))
+            log(f"failed {path}: {error}")
             return []
     # An input of the batch failed in the model (out of memory): find it by halves, so that the others are still
     # decoded in batches (one by one, a long video among 8 cost its 7 neighbours their batching).
