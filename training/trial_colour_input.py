@@ -95,7 +95,8 @@ def main(argv=None) -> int:
         optimizer.zero_grad()
         loss, _ = tp.accumulate_gradient(model, projector, [e for e, _, _ in chunk], [f for _, f, _ in chunk],
                                          config.image_token_id, config.video_token_id,
-                                         [code(item, positions[item.is_video]) for *_, item in chunk])
+                                         [code(item, positions[item.is_video]) for *_, item in chunk],
+                                         bf16=tp.native_bf16())  # as train_projector's --precision auto
         optimizer.step()
         if step % 5 == 0:
             print(f"step {step} loss {loss:.3f} colour-map norm {colour_map.weight.norm():.3f} "
