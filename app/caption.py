@@ -41,9 +41,8 @@ from pathlib import Path
 from glimpse.common import UserError
 from glimpse.pipeline import OutOfMemory, PromptError
 from glimpse.pipeline.profiles import model_key
-from glimpse.pipeline.scheduler import MEDIA_READERS
 from glimpse.pipeline.prompt import user_message
-from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, reading_limit
+from glimpse.vision.media import IMAGE_EXTENSIONS, MEDIA_READERS, VIDEO_EXTENSIONS, MediaError, reading_limit
 
 LIST_EXTENSIONS = (".txt", ".lst")
 DEFAULT_PROMPT = "Describe this {kind} in one or two sentences."

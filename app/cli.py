@@ -35,9 +35,9 @@ from pathlib import Path
 from glimpse.common import UserError
 from glimpse.pipeline.prompt import check_text, check_text_length, user_message
 from glimpse.pipeline.random_checkpoint import REAL_PRESETS
-from glimpse.pipeline.scheduler import MEDIA_TIMEOUT_S
 from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
 from glimpse.pruning.base import check_speed
+from glimpse.vision import MEDIA_TIMEOUT_S
 
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
 PASSKEY_MIN_TOKENS = 128
@@ -384,7 +384,7 @@ def _check_before_loading(model: str, policies: list[tuple[str, float]], overrid
 def run_ask(args) -> int:
     from glimpse import vision
     from glimpse.pipeline import load_engine
-    from glimpse.pipeline.engine import Sampling
+    from glimpse.pipeline.sampling import Sampling
 
     check_speed(args.speed)
     if not args.question.strip():  # an unset shell variable, most likely: the model would answer nothing at all

@@ -66,27 +66,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import onnx
 import torch
-from onnx import numpy_helper
 from safetensors.torch import load_file, save_file
-from transformers import (
-    AutoConfig,
-    AutoTokenizer,
-    BitImageProcessorPil,
-    Dinov2Config,
-    GenerationConfig,
-    LlamaForCausalLM,
-    LlavaConfig,
-    LlavaForConditionalGeneration,
-    LlavaProcessor,
-)
-from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from glimpse.assets import ASSETS
 from glimpse.common import UserError
+
+# The conversion's libraries (transformers' model classes, onnx) are imported by the conversion, which runs once
+# per machine: importing them here cost every command that only asks where the converted model is (a check before
+# loading, `glimpse ask` refusing a missing file) 5 s.
+if TYPE_CHECKING:
+    from transformers import AutoConfig, Dinov2Config, LlavaConfig
 
 __all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint", "merge_adapters"]
 
@@ -235,6 +228,9 @@ def _package_files() -> tuple[Path, Path]:
 
 def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str], object],
            trained: bool = True) -> None:
+    from transformers import AutoTokenizer, BitImageProcessorPil, GenerationConfig, LlavaConfig, LlavaProcessor
+    from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
     progress(f"  SmolLM2-135M-Instruct: dequantizing {gguf_path.name} to float32")
     text_config, text_state = _smollm2_from_gguf(gguf_path)
     if trained and ADAPTER_FILE.is_file():
@@ -310,6 +306,9 @@ def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str]
 def _smollm2_from_gguf(gguf_path: Path) -> tuple[AutoConfig, dict[str, torch.Tensor]]:
     # transformers' own GGUF reader (de-quantization, Llama q/k head permutation, names); the
     # from_pretrained(gguf_file=...) route to the same code insists on accelerate, which Glimpse does not need.
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config._name_or_path = ""  # the site-packages path of this machine; keep config.json machine-independent
     with torch.device("meta"):
@@ -327,6 +326,10 @@ def _dinov2_from_onnx(onnx_path: Path) -> tuple[Dinov2Config, dict[str, torch.Te
     unnamed tensors: the CLS part (1, 1, 384), consumed by a Concat, and the 37x37 grid (1, 1369, 384),
     consumed by the Reshape that feeds the bicubic resize.
     """
+    import onnx
+    from onnx import numpy_helper
+    from transformers import Dinov2Config
+
     graph = onnx.load(str(onnx_path)).graph
     consumer = {}
     for node in graph.node:
@@ -412,6 +415,8 @@ def merge_adapters(text_state: dict[str, torch.Tensor], adapters: dict[str, torc
 
 def _check_state(config: LlavaConfig, state: dict[str, torch.Tensor]) -> None:
     """Fail the build, rather than the first load, if any name or shape disagrees with the model class."""
+    from transformers import LlavaForConditionalGeneration
+
     with torch.device("meta"):
         expected = LlavaForConditionalGeneration(config).state_dict()
     if config.tie_word_embeddings:

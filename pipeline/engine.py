@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +35,7 @@ from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flo
 from glimpse.pipeline.out_of_memory import OutOfMemory, attempt
 from glimpse.pipeline.prefix_cache import PrefixCache, media_spans
 from glimpse.pipeline.prompt import Prompt, PromptError, build_prompt
+from glimpse.pipeline.sampling import Sampling
 from glimpse.pruning import Frontier, Policy, configuration, make_policy, prunes_nothing
 from glimpse.pruning.frontier import uncalibrated_frontier
 
@@ -127,34 +127,6 @@ class PrefillContext:
     # stops the prefill there with ``PrefillInterrupted`` (Engine.start's ``interrupted``). A long video's prefill on
     # a CPU takes minutes; a client that left, or a server stopping, should not hold the model for all of it.
     interrupted: Callable[[], bool] | None = None
-
-
-@dataclass
-class Sampling:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        # Checked when asked, not at the first sampled token: NaN or an infinite temperature made NaN
-        # probabilities, and a top_p outside (0, 1] or a seed torch cannot take failed deep in decode.
-        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise UserError(f"{name} must be a number, got {value!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise UserError(f"seed must be a whole number, got {self.seed!r}")
-        if not self.do_sample:
-            return
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise UserError(f"temperature must be a finite number > 0 when sampling (got {self.temperature})")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise UserError(f"top_p must be in (0, 1] (got {self.top_p})")
-        if self.seed is not None and not -2**63 <= self.seed < 2**64:
-            raise UserError(f"seed must be in [-2^63, 2^64) (got {self.seed})")
-
-    def next(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-        return sample_next(logits, self.do_sample, self.temperature, self.top_p, generator)
 
 
 def _check_max_new_tokens(value) -> None:
@@ -1160,30 +1132,6 @@ def _add_layer_features(hidden: torch.Tensor, ctx: PrefillContext, tokens: torch
         pick = torch.isin(rows, tokens)
         hidden = hidden.index_add(1, rows[pick], features[pick][None].to(hidden.dtype))
     return hidden
-
-
-def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> int:
-    """Greedy argmax, or temperature + nucleus sampling (transformers' warper order)."""
-    if not do_sample:
-        return int(logits.argmax())
-    if temperature <= 0:
-        raise UserError("temperature must be > 0 when sampling")
-    scores = logits / temperature
-    if not bool(torch.isfinite(scores).all()):
-        # A temperature so small that the division overflows (1e-40 in float32) or is by 0 (1e-46 is 0 in float32):
-        # inf - inf and 0 / 0 made NaNs. Such a temperature's distribution is the limit one, all its mass on the
-        # largest logit(s) (a gap that 1e-38 times a float32 logit would not swamp cannot be told from a tie), in
-        # the logits' own dtype and device (float64, tried first, is not on every device: MPS has none).
-        scores = torch.zeros_like(logits).masked_fill(logits < logits.max(), float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, order = scores.sort(descending=False)
-        cumulative = sorted_scores.softmax(-1).cumsum(-1)
-        remove = cumulative <= (1 - top_p)
-        remove[-1:].fill_(False)  # always keep the most likely token (a scalar fill: no host copy)
-        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    probs = scores.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

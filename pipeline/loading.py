@@ -10,17 +10,20 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from glimpse.common import UserError
 from glimpse.pipeline.adapters import ADAPTERS
-from glimpse.pipeline.engine import Engine
 from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
 from glimpse.pipeline.cpu_linear import use_cpu_linears
 from glimpse.pipeline.profiles import checkpoint_identity, load_profile, profile_matches, warn_unusable
 from glimpse.pipeline.prompt import Prompt, build_prompt
 from glimpse.pruning.frontier import Frontier, uncalibrated_frontier
+
+if TYPE_CHECKING:
+    from glimpse.pipeline.engine import Engine
 
 
 class ModelLoadError(UserError):
@@ -116,6 +119,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto",
                 dtype: str | torch.dtype = "auto") -> Engine:
     """Load a Qwen2-VL, LLaVA-1.5, LLaVA-NeXT or LongVA checkpoint (hub id or folder) as an Engine."""
+    # Imported here, with the model: the engine brings transformers' modeling code (seconds of imports), which the
+    # checks a command makes before loading (``checkpoint_depth``, ``expected_frontier``) never need.
+    from glimpse.pipeline.engine import Engine
+
     source, grounded, config = _checkpoint(model)
     torch_device = resolve_device(device)
     attn_implementation = resolve_attn(attn, torch_device)

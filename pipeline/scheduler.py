@@ -44,17 +44,13 @@ from dataclasses import dataclass, field
 import torch
 
 from glimpse import vision
+from glimpse.vision import MEDIA_READERS, MEDIA_TIMEOUT_S
 from glimpse.common import UserError
 from glimpse.pipeline.engine import Engine, GenerationResult, PrefillInterrupted, Request, Sampling, StreamChunk
 from glimpse.pipeline.metrics import MemoryMeter
 from glimpse.pipeline.prompt import Prompt
 from glimpse.pruning import Policy
 
-# The longest a request's images and videos may take to read (decoded and preprocessed, all of them together): the
-# bound on what a crafted file can make the server do for one request, well past what real media take
-# (docs/serving.md, "Admission, queue and limits"). ``glimpse serve --media-timeout``.
-MEDIA_TIMEOUT_S = 60.0
-MEDIA_READERS = max(2, os.cpu_count() or 2)  # requests whose media are decoded at once (Scheduler.media_readers)
 
 
 class QueueFull(Exception):

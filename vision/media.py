@@ -64,6 +64,12 @@ MAX_IMAGE_ASPECT = 200
 # frames (200 MB each once decoded). 8K UHD (33 MP) is the largest frame cameras record.
 MAX_VIDEO_FRAME_PIXELS = 7680 * 4320
 DEFAULT_VIDEO_TIMEOUT_S = 60.0
+# The longest a request's images and videos may take to read (decoded and preprocessed, all of them together): the
+# bound on what a crafted file can make the server do for one request, well past what real media take
+# (docs/serving.md, "Admission, queue and limits"). ``glimpse serve --media-timeout``.
+MEDIA_TIMEOUT_S = 60.0
+# Inputs whose media are read at once: the server's requests (Scheduler.media_readers), glimpse caption's inputs.
+MEDIA_READERS = max(2, os.cpu_count() or 2)
 # Environment variable that opts into decord ("decord") instead of PyAV ("pyav", the default).
 VIDEO_BACKEND_ENV = "GLIMPSE_VIDEO_BACKEND"
 # Seeking only pays off when it skips more than a keyframe interval (x264's default is 250 frames):
