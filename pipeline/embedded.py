@@ -65,7 +65,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import numpy as np

@@ -454,7 +454,8 @@ def native_bf16() -> bool:
 
     Elsewhere torch converts every operand: on an AVX2-only AMD EPYC a bfloat16-autocast training step of the
     embedded model took 168 s against 14 s in float32, the backward's matrix products 95% of it. Linux's
-    /proc/cpuinfo is read; where it is missing the answer is no (float32 is never the slow choice)."""
+    /proc/cpuinfo is read; where it is missing (not Linux) the answer is no: float32 is at worst 1.6x slower,
+    bfloat16 without the hardware 12x."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
