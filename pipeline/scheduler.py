@@ -52,7 +52,6 @@ from glimpse.pipeline.prompt import Prompt
 from glimpse.pruning import Policy
 
 
-
 class QueueFull(Exception):
     """The server cannot take this request now: ``waiting`` requests already wait; retry in ``retry_s``."""
 
