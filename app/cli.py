@@ -579,11 +579,13 @@ def _check_port_free(host: str, port: int) -> None:
 def http_server(app, host: str, port: int, shutdown_s: float | None = None):
     """The HTTP server of ``glimpse serve``: uvicorn, closing connections that never send a whole request head
     (glimpse.connections). Once told to stop, it waits at most ``shutdown_s`` for open connections; ``run_serve``
-    closes those still open (a chat tab's event stream) once the answers have ended."""
+    closes those still open (a chat tab's event stream) once the answers have ended. It first raises the limit on
+    open files, which bounds how many connections it can hold (glimpse.connections.raise_open_file_limit)."""
     import uvicorn
 
-    from glimpse.connections import ClosingServer, RequestHeadDeadline
+    from glimpse.connections import ClosingServer, RequestHeadDeadline, raise_open_file_limit
 
+    raise_open_file_limit(log=_log)
     return ClosingServer(uvicorn.Config(app, host=host, port=port, log_level="warning", http=RequestHeadDeadline,
                                         timeout_graceful_shutdown=shutdown_s))
 

@@ -36,6 +36,7 @@ MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (an API request's
 BODY_TIMEOUT_S = 120.0  # a body that has not all arrived by then (a client trickling it in) gets 408; 64 MiB at
 # 4.5 Mbit/s
 UPLOAD_MIN_BYTES_PER_S = 32 * 2**10  # an upload gets BODY_TIMEOUT_S plus its Content-Length at this rate
+LOW_OPEN_FILE_LIMIT = 4096  # below this many open files, glimpse serve says so as it starts
 MAX_LOG_WRITE = 16 * 2**10  # characters: one write to the server's log longer than this is cut in its middle
 
 
@@ -72,6 +73,33 @@ class CappedWrites(io.TextIOBase):
     @property
     def encoding(self) -> str:
         return self.stream.encoding
+
+
+def raise_open_file_limit(log: Callable[[str], None] | None = None) -> int:
+    """Raise this process's soft limit on open files to its hard limit, as Go's runtime does at every start, and
+    return the limit now in force (-1 where there is none to read). Each connection holds a file descriptor, and
+    the soft limit is often 1,024 (a login shell's, and a container's under Docker 25 and later, whose hard limit
+    is 524,288): a client holding 1,024 connections open — idle ones are closed only at the head deadline, 30 s —
+    left none for anyone else until then, and a client reconnecting as they close kept everyone out for as long
+    as it liked (found here: 400 idle connections against a soft limit of 256 made /health time out for 30 s).
+    The soft limit is there for programs that still wait on descriptors with select(), which takes none above
+    1,024; the server waits with epoll, and nothing in the serving process uses select()."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit to raise
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 2**20  # Linux's default ceiling, fs.nr_open
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):  # a ceiling below the hard limit (fs.nr_open): keep the soft limit
+            pass
+    if log is not None and soft != resource.RLIM_INFINITY and soft < LOW_OPEN_FILE_LIMIT:
+        log(f"warning: this process may open only {soft} files, so at most about {soft} connections at once; "
+            "raise the hard limit (ulimit -Hn, or docker run --ulimit nofile=65536)")
+    return soft if soft != resource.RLIM_INFINITY else -1
 
 
 class ClosingServer(uvicorn.Server):

@@ -7,6 +7,8 @@ import base64
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -269,6 +271,52 @@ def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_k
         assert response(finishing).startswith(b"HTTP/1.1 200")
         for sock in (quiet, trickling, finishing):
             sock.close()
+
+
+def test_a_client_holding_more_connections_than_the_soft_open_file_limit_does_not_lock_others_out():
+    """Each connection holds a file descriptor. Under a soft limit of 256 (a login shell's is often 1,024, and so is
+    a container's under Docker 25 and later), 400 connections opened and left silent made the server refuse
+    everyone else until its head deadline closed them, 30 s later. The server of ``glimpse serve`` raises the soft
+    limit to the hard one as it starts, so others are still answered while the 400 are held."""
+    resource = pytest.importorskip("resource")
+    held = 400
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 2 * held:
+        pytest.skip(f"the hard limit on open files here ({hard}) leaves no room above the soft limit to raise it to")
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < held + 64:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (held + 64, hard))  # room for this test's own ends
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "from fastapi import FastAPI\n"
+        "from glimpse.cli import http_server\n"
+        "app = FastAPI()\n"
+        "app.get('/ping')(lambda: {'ok': True})\n"
+        f"http_server(app, '127.0.0.1', {port}).run()\n")
+    served = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    sockets = []
+    try:
+        url = f"http://127.0.0.1:{port}/ping"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert httpx.get(url, timeout=1).status_code == 200
+                break
+            except httpx.TransportError:
+                assert served.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.1)
+        sockets = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(held)]
+        for _ in range(3):  # another client, while they are held (the limit once reached, answered only at 30 s)
+            assert httpx.get(url, timeout=5).json() == {"ok": True}
+    finally:
+        for sock in sockets:
+            sock.close()
+        served.kill()
+        log = served.communicate()[1]
+    assert "Too many open files" not in log
 
 
 def test_a_request_body_that_trickles_in_gets_408_and_the_server_goes_on(server, monkeypatch):
