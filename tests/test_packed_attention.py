@@ -109,13 +109,13 @@ def test_splits_of_a_long_slot_combine_into_one_softmax():
 
 @inside
 @pytest.mark.parametrize("graphs", [False, True])
-def test_zipvl_decodes_the_same_tokens_with_the_kernel(deep_checkpoints, media, monkeypatch, graphs):
+def test_zipvl_decodes_the_same_tokens_with_the_kernel(checkpoints, media, monkeypatch, graphs):
     """End to end: ZipVL's requests in packed slots, windows packed every 3 tokens, eagerly and with the fixed-shape
     step: the kernel gives each request the tokens and KV bytes of dequantizing first."""
     from glimpse.pipeline import load_engine, packed_attention
     from glimpse.pruning import ZipVL
 
-    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")  # ZipVL packs each layer alike: no depth needed
     engine.decode_graphs = graphs
     conversations = [[{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
                                                    {"type": "text", "text": "Describe it."}]}],
