@@ -16,9 +16,9 @@
 * **Caption** (``CaptionStage``) decodes its batch together (``Engine.generate_batch``, the local
   captioner's batched decode: results equal captioning one by one); a batch that fails is retried in
   halves down to the input that failed, so one bad input never costs its neighbours. Actors that die are
-  restarted and their batches retried, ``ACTOR_TRIES`` tries in all; a batch that kills its actor every time is
-  set aside, and its inputs go round again one at a time once the rest is done, so that only the culprit becomes
-  an error row.
+  restarted and their batches retried, ``tries`` in all (``--tries``, default ``ACTOR_TRIES``); a batch that kills
+  its actor every time is set aside, and its inputs go round again one at a time once the rest is done, so that
+  only the culprit becomes an error row.
 * **Output.** The driver writes finished rows as Parquet shards (every ``SHARD_ROWS`` rows or
   ``SHARD_SECONDS``), atomically (a temporary name, then a rename), under ``DIR``: ``part-<n>-<id>.parquet`` with ``key``, ``caption``, ``error``,
   ``policy``, ``speed``, ``prompt``, ``prompt_tokens``, ``answer_tokens``, ``ttft_s`` (and a
@@ -63,7 +63,7 @@ COPY_PIECE_BYTES = 8 * 2**20  # a remote input is copied to a local file this mu
 URL_MAX_BYTES, URL_DEADLINE_S = 4 * 2**30, 600.0  # a remote input: at most 4 GiB, fetched within 10 minutes
 DOWNLOAD_PREFIX = "glimpse-download-"  # a downloaded input's temporary file (videos are decoded from a file)
 URI_OPEN_DEADLINE_S = 60.0  # a storage URI's file opened within a minute (then URL_DEADLINE_S for the whole copy)
-ACTOR_TRIES = 3  # a batch whose model actor dies is retried on a restarted actor, this many tries in all
+ACTOR_TRIES = 3  # a batch whose model actor dies is retried on a restarted actor, this many tries in all (--tries)
 COLUMNS = ("key", "caption", "error", "policy", "speed", "prompt", "prompt_tokens", "answer_tokens", "ttft_s",
            "warnings", "model")
 # Added after the first release of the output layout (a shard written before them reads as null): what the answer
@@ -530,7 +530,7 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                    max_new_tokens: int, batch_size: int, actors: int, gpus_per_actor: float | None, address: str | None,
                    column: str = "path", jsonl: bool = False, device: str = "auto", num_cpus: int | None = None,
                    shard_rows: int = SHARD_ROWS, retry_errors: bool = False, media_timeout_s: float | None = None,
-                   log: Callable[[str], None] = lambda message: None) -> RayReport:
+                   tries: int = ACTOR_TRIES, log: Callable[[str], None] = lambda message: None) -> RayReport:
     ray = _require_ray()
     _refuse_a_shadowing_folder(Path.cwd())
     unreadable: list[tuple[str, str]] = []
@@ -630,12 +630,12 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                         f"({report.captioned / (now - start):.2f} inputs/s)")
 
             options = (model, policy, speed, prompt, max_new_tokens, media_timeout_s)
-            for rows in _pipeline(ray, pending, *options, batch_size, actors, gpus_per_actor, device):
+            for rows in _pipeline(ray, pending, *options, batch_size, actors, gpus_per_actor, device, tries):
                 take(rows)
             # A batch whose actor died on every try (an input that exhausts memory or crashes the model) was
             # dropped with its neighbours: those inputs go round again one at a time, so only the culprit fails.
             if lost := [k for k in pending if k not in returned]:
-                log(f"{len(lost)} inputs lost with a batch that failed {ACTOR_TRIES} times (a worker died): "
+                log(f"{len(lost)} inputs lost with a batch that failed {tries} times (a worker died): "
                     "trying them again one at a time")
                 # Every batch lost: a model that cannot load on the workers, or one poison batch that took the
                 # batches queued at its actor with it. A few inputs alone tell which, before all of them are tried.
@@ -643,13 +643,13 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                 for group in (probe, lost[len(probe):]):  # (the probe is the first few)
                     if not group:
                         continue
-                    for rows in _pipeline(ray, group, *options, 1, 1, gpus_per_actor, device, retrying=True):
+                    for rows in _pipeline(ray, group, *options, 1, 1, gpus_per_actor, device, tries, retrying=True):
                         take(rows)
                     if group is probe and not any(k in returned for k in probe):
                         raise UserError(f"every batch failed ({len(lost)} inputs): Ray's log above has the cause (a "
                                         "model that cannot load on the workers, a missing package, out of memory, ...)")
                 take([{**{c: None for c in COLUMNS}, "key": k, "speed": speed, "policy": policy, "prompt": prompt,
-                       "error": f"a worker died on this input {ACTOR_TRIES} times (out of memory, or a crash decoding "
+                       "error": f"a worker died on this input {tries} times (out of memory, or a crash decoding "
                                 "it or in the model; Ray's log has the cause)"} for k in lost if k not in returned])
             stop_writing.set()
             with writing:
@@ -776,9 +776,9 @@ def _check_cluster(ray, actors: int, gpus_per_actor: float | None, *, local: boo
 
 
 def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, media_timeout_s, batch_size, actors,
-              gpus_per_actor, device, retrying: bool = False):
+              gpus_per_actor, device, tries: int = ACTOR_TRIES, retrying: bool = False):
     """The finished rows, one list per caption batch, as the pipeline streams them out. A batch whose actor died
-    ``ACTOR_TRIES`` times (restarted each time) is left out rather than retried for ever or failing the run:
+    ``tries`` times (restarted each time) is left out rather than retried for ever or failing the run:
     the caller finds its inputs missing. ``retrying``: a second pass over such inputs, whose CPU actor takes one
     CPU (the first pass's actor holds its CPUs until Ray has stopped restarting it, up to a minute)."""
     context = ray.data.DataContext.get_current()  # a dataset takes a copy of it when it is created
@@ -804,7 +804,7 @@ def _pipeline(ray, keys, model, policy, speed, prompt, max_new_tokens, media_tim
             CaptionStage, batch_size=batch_size, **pool,
             fn_constructor_kwargs={"model": model, "policy": policy, "speed": speed,
                                    "max_new_tokens": max_new_tokens, "device": device},
-            max_restarts=-1, max_task_retries=ACTOR_TRIES - 1, **placement)
+            max_restarts=-1, max_task_retries=tries - 1, **placement)
     finally:
         context.max_errored_blocks = allowed
     # No prefetch: with Ray's default of one batch ahead, each finished batch reached the driver only once the next

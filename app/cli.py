@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     spread.add_argument("--retry-errors", action="store_true",
                         help="caption again the inputs that are error rows in --out (fixed files, reads that "
                              "timed out); their error rows are removed first")
+    spread.add_argument("--tries", type=int, default=3,
+                        help="tries of a batch whose model actor dies (out of memory, a crash; default 3); a batch "
+                             "that kills its actor every time is set aside and its inputs tried alone as often")
     spread.add_argument("--shard-rows", type=int, default=512,
                         help="rows per Parquet shard (default 512; a shard is also written every 30 s)")
     caption.set_defaults(run=run_caption)
@@ -764,8 +767,9 @@ def run_caption_on_ray(args) -> int:
 
     if args.format == "txt":
         raise UserError("--ray writes Parquet shards (and JSONL with --format jsonl), not sidecars")
-    if args.actors < 1 or args.shard_rows < 1 or (args.gpus_per_actor is not None and args.gpus_per_actor < 0):
-        raise UserError("--actors and --shard-rows must be at least 1, --gpus-per-actor at least 0")
+    if (args.actors < 1 or args.shard_rows < 1 or args.tries < 1
+            or (args.gpus_per_actor is not None and args.gpus_per_actor < 0)):
+        raise UserError("--actors, --shard-rows and --tries must be at least 1, --gpus-per-actor at least 0")
     if args.overwrite:
         raise UserError("--ray resumes from the shards in --out; to start afresh, give a new --out")
     out = Path(args.out or "captions")
@@ -774,7 +778,8 @@ def run_caption_on_ray(args) -> int:
                             prompt=args.prompt, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                             actors=args.actors, gpus_per_actor=gpus, address=args.ray_address, column=args.column,
                             jsonl=args.format == "jsonl", device=args.device, shard_rows=args.shard_rows,
-                            retry_errors=args.retry_errors, media_timeout_s=args.media_timeout, log=_log)
+                            retry_errors=args.retry_errors, media_timeout_s=args.media_timeout, tries=args.tries,
+                            log=_log)
     rate = (f"{report.captioned / report.seconds:.2f} inputs/s, {report.answer_tokens / report.seconds:.1f} answer "
             f"tokens/s" if report.seconds else "nothing to do")
     earlier = (f" ({report.earlier_errors} skipped as error rows of earlier runs: --retry-errors tries them again)"

@@ -401,8 +401,8 @@ def test_running_out_of_memory_is_one_clear_line_not_a_bug_report(checkpoints, m
 
 def test_what_is_refused_before_loading_is_refused_before_the_model_code_is_imported(tmp_path):
     """A missing file, a file that is not an image, a value out of range, a bad policy parameter, a missing caption
-    input: refused without importing the engine or transformers' modeling code, whose imports took 5 of the 9 s
-    such a refusal took on a 2-core CPU. Each command's refusal is its usual one line."""
+    input, a Ray option out of range: refused without importing the engine or transformers' modeling code, whose
+    imports took 5 of the 9 s such a refusal took on a 2-core CPU. Each command's refusal is its usual one line."""
     not_an_image = tmp_path / "notes.png"
     not_an_image.write_text("not a picture")
     script = f"""
@@ -411,7 +411,7 @@ from glimpse.cli import main
 commands = [["ask", "--image", "/nonexistent/photo.png", "hi"], ["ask", "--image", {str(not_an_image)!r}, "hi"],
             ["ask", "--speed", "7", "hi"], ["ask", "--sample", "--temperature", "-1", "hi"],
             ["ask", "--policy", "dash", "--param", "rho=7", "hi"], ["caption", "/nonexistent/folder"],
-            ["eval", "agreement", "--speeds", "9"]]
+            ["eval", "agreement", "--speeds", "9"], ["caption", {str(tmp_path)!r}, "--ray", "--tries", "0"]]
 codes = [main(command) for command in commands]
 heavy = [name for name in ("glimpse.pipeline.engine", "transformers.modeling_utils") if name in sys.modules]
 print(codes, heavy)
@@ -419,6 +419,7 @@ print(codes, heavy)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "GLIMPSE_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "[1, 1, 1, 1, 1, 1, 1] []", proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[1, 1, 1, 1, 1, 1, 1, 1] []", proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("glimpse: error:")]
-    assert len(errors) == 7 and "file not found" in errors[0] and "speed must be in [0, 1]" in errors[2], errors
+    assert "--tries must be at least 1" in errors[7]
+    assert len(errors) == 8 and "file not found" in errors[0] and "speed must be in [0, 1]" in errors[2], errors
