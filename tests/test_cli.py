@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,13 @@ def glimpse(*args, cache: Path | None = None, timeout: int = 300) -> subprocess.
     if cache is not None:
         env["GLIMPSE_CACHE"] = str(cache)
     return subprocess.run(command + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def glimpse_each(*commands: list[str], cache: Path | None = None) -> list[subprocess.CompletedProcess]:
+    """Each command run as by ``glimpse``, two at a time (a command's start-up, Python importing torch, uses one
+    core: the tests run on 2), in the order given."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda args: glimpse(*args, cache=cache), commands))
 
 
 def _assert_clean_error(proc, *fragments):
@@ -79,16 +87,17 @@ def test_ask_bad_image_is_one_clear_line(checkpoints, tmp_path, name, content):
 def test_ask_json_prints_one_error_object_on_stdout_when_it_fails(checkpoints, tmp_path):
     """A script reading `ask --json`'s one object got nothing to parse on a failure (the error was on stderr only)."""
     (tmp_path / "empty.png").write_bytes(b"")
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(tmp_path / "empty.png"), "--json", "hi")
+    asked = ["ask", "--model", str(checkpoints["llava"]), "--image", str(tmp_path / "empty.png")]
+    proc, plain, usage, plain_usage = glimpse_each([*asked, "--json", "hi"], [*asked, "hi"],
+                                                   ["ask", "--speed", "abc", "--json", "hi"],
+                                                   ["ask", "--speed", "abc", "hi"])
     _assert_clean_error(proc, "empty.png: the file is empty")
     assert json.loads(proc.stdout) == {"error": "empty.png: the file is empty"}
-    plain = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(tmp_path / "empty.png"), "hi")
     assert plain.returncode == 1 and plain.stdout == ""  # without --json, stdout stays the answer's alone
     # argparse's own usage errors too (exit status 2, the usage on stderr as argparse gives it)
-    usage = glimpse("ask", "--speed", "abc", "--json", "hi")
     assert usage.returncode == 2 and "usage: glimpse ask" in usage.stderr
     assert json.loads(usage.stdout) == {"error": "argument --speed: invalid float value: 'abc'"}
-    assert glimpse("ask", "--speed", "abc", "hi").stdout == ""
+    assert plain_usage.stdout == ""
 
 
 def test_a_command_that_prints_its_answer_is_refused_when_stdout_is_closed(checkpoints, media):
@@ -176,25 +185,25 @@ def test_what_the_machine_refuses_is_one_clear_line_not_a_bug_report(checkpoints
     a picture it may not read, a name too long for the file system, sampling values torch cannot take."""
     import torch
 
-    model = str(checkpoints["llava"])
+    ask = ["ask", "--model", str(checkpoints["llava"])]
+    cases = [([*ask, "--device", "banana", "hi"], "unknown device", False),
+             ([*ask, "--image", "a" * 5000 + ".png", "hi"], "too long", False)]
     if not torch.cuda.is_available():
-        _assert_clean_error(glimpse("ask", "--model", model, "--device", "cuda", "hi"), "no CUDA GPU")
-    _assert_clean_error(glimpse("ask", "--model", model, "--device", "banana", "hi"), "unknown device")
-    _assert_clean_error(glimpse("ask", "--model", model, "--image", "a" * 5000 + ".png", "hi"), "too long")
+        cases.append(([*ask, "--device", "cuda", "hi"], "no CUDA GPU", False))
     for option, value, word in (("--temperature", "nan", "temperature"), ("--top-p", "2", "top_p"),
                                 ("--seed", str(2**64), "seed")):
-        proc = glimpse("ask", "--model", model, "--sample", option, value, "hi")
-        _assert_clean_error(proc, word)
-        assert "loading" not in proc.stderr  # refused before the model loads
+        cases.append(([*ask, "--sample", option, value, "hi"], word, True))  # refused before the model loads
     # Without --sample they did nothing, without a word (the answer is greedy): an outside pass gave -3.
-    proc = glimpse("ask", "--model", model, "--temperature", "-3", "--seed", "1", "hi")
-    _assert_clean_error(proc, "--temperature, --seed take effect only when sampling: add --sample")
-    assert "loading" not in proc.stderr
+    cases.append(([*ask, "--temperature", "-3", "--seed", "1", "hi"],
+                  "--temperature, --seed take effect only when sampling: add --sample", True))
     if os.geteuid() != 0:  # root reads whatever the mode says
         locked = tmp_path / "locked.png"
         locked.write_bytes(media["image"].read_bytes())
         locked.chmod(0)
-        _assert_clean_error(glimpse("ask", "--model", model, "--image", str(locked), "hi"), "locked.png")
+        cases.append(([*ask, "--image", str(locked), "hi"], "locked.png", False))
+    for proc, (_, fragment, before_loading) in zip(glimpse_each(*(command for command, *_ in cases)), cases):
+        _assert_clean_error(proc, fragment)
+        assert not before_loading or "loading" not in proc.stderr
 
 
 def test_ask_piped_into_head_ends_quietly(checkpoints):
@@ -215,19 +224,20 @@ def test_ask_rejects_an_unknown_policy_parameter_before_loading(checkpoints, med
 
 
 def test_ask_refuses_a_value_out_of_range_before_loading_and_a_layer_past_the_last_before_decoding(checkpoints):
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--policy", "st3", "--param", "stride=0", "hi")
-    assert proc.returncode == 1 and "ST3 stride must be >= 1" in proc.stderr and "loading" not in proc.stderr
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--policy", "lazyllm", "--param",
-                   "percentiles=(0.3,0.4,0.5)", "hi")
-    assert proc.returncode == 1 and "write a list as JSON" in proc.stderr and "loading" not in proc.stderr
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", "missing.png", "--policy", "dash",
-                   "--param", "start_layer=1000", "hi")
-    assert proc.returncode == 1 and "-layer model, got 1000" in proc.stderr and "Traceback" not in proc.stderr
-    assert "missing.png" not in proc.stderr  # refused before the picture is looked at
-    assert "loading" not in proc.stderr  # and before the model loads: a local checkpoint's config gives its depth
-    proc = glimpse("eval", "visual", "--model", str(checkpoints["llava"]), "--policies", "fastv",
-                   "--speeds", "1", "--param", "layer=1000")
-    assert proc.returncode == 1 and "-layer model, got 1000" in proc.stderr and "loading" not in proc.stderr
+    model = str(checkpoints["llava"])
+    stride, percentiles, layer, evaluated = glimpse_each(
+        ["ask", "--model", model, "--policy", "st3", "--param", "stride=0", "hi"],
+        ["ask", "--model", model, "--policy", "lazyllm", "--param", "percentiles=(0.3,0.4,0.5)", "hi"],
+        ["ask", "--model", model, "--image", "missing.png", "--policy", "dash", "--param", "start_layer=1000", "hi"],
+        ["eval", "visual", "--model", model, "--policies", "fastv", "--speeds", "1", "--param", "layer=1000"])
+    assert stride.returncode == 1 and "ST3 stride must be >= 1" in stride.stderr and "loading" not in stride.stderr
+    assert percentiles.returncode == 1 and "write a list as JSON" in percentiles.stderr
+    assert "loading" not in percentiles.stderr
+    assert layer.returncode == 1 and "-layer model, got 1000" in layer.stderr and "Traceback" not in layer.stderr
+    assert "missing.png" not in layer.stderr  # refused before the picture is looked at
+    assert "loading" not in layer.stderr  # and before the model loads: a local checkpoint's config gives its depth
+    assert evaluated.returncode == 1 and "-layer model, got 1000" in evaluated.stderr
+    assert "loading" not in evaluated.stderr
 
 
 def test_ask_refuses_media_its_first_bytes_and_header_refuse_before_loading_and_takes_several_videos(
@@ -241,13 +251,13 @@ def test_ask_refuses_media_its_first_bytes_and_header_refuse_before_loading_and_
              (["--video", str(tmp_path / "folder.mp4")], "folder.mp4: a folder"),
              (["--video", str(media["image"])], f"{media['image'].name}: this is an image, not a video"),
              (["--image", str(media["video"])], f"{media['video'].name}: this is a video, not an image")]
-    for flags, message in cases:
-        proc = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), *flags, "What moves?")
+    ask = ["ask", "--model", str(checkpoints["qwen2_vl"])]
+    video = ["--video", str(media["video"])]
+    *refused, one, two = glimpse_each(*([*ask, *flags, "What moves?"] for flags, _ in cases),
+                                      [*ask, *video, "--json", "--max-new-tokens", "2", "What moves?"],
+                                      [*ask, *video, *video, "--json", "--max-new-tokens", "2", "What moves?"])
+    for proc, (_, message) in zip(refused, cases):
         assert proc.returncode == 1 and message in proc.stderr and "loading" not in proc.stderr, proc.stderr
-    one = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(media["video"]), "--json",
-                  "--max-new-tokens", "2", "What moves?")
-    two = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(media["video"]), "--video",
-                  str(media["video"]), "--json", "--max-new-tokens", "2", "What moves?")
     assert one.returncode == two.returncode == 0, two.stderr
     tokens = [json.loads(p.stdout)["metrics"]["prompt_tokens"]["video"] for p in (one, two)]
     assert tokens[1] == 2 * tokens[0] > 0
