@@ -315,8 +315,11 @@ def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cac
 
     shipped = pruning.Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()))
     sample = Path(__file__).resolve().parents[1] / "assets" / "sample.png"
-    proc = glimpse("ask", "--image", str(sample), "--speed", "1", "--max-new-tokens", "4", "--json",
-                   "What colour is the circle?", cache=embedded_cache)
+    proc, uncalibrated = glimpse_each(
+        ["ask", "--image", str(sample), "--speed", "1", "--max-new-tokens", "4", "--json",
+         "What colour is the circle?"],
+        ["ask", "--model", str(checkpoints["llava"]), "--image", str(media["image"]), "--speed", "1",
+         "--max-new-tokens", "2", "--json", "What is in this picture?"], cache=embedded_cache)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     chosen = shipped.choose(1.0)
@@ -328,9 +331,7 @@ def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cac
     assert flops > 1.0
     assert f"keeps {chosen.agreement:.0%} of answers" in proc.stderr  # said before the answer, in the terminal too
     # a model nobody calibrated: auto is the labelled uncalibrated default
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(media["image"]), "--speed", "1",
-                   "--max-new-tokens", "2", "--json", "What is in this picture?", cache=embedded_cache)
-    out = json.loads(proc.stdout)
+    out = json.loads(uncalibrated.stdout)
     assert out["promise"]["calibrated"] is False and out["promise"]["text"].startswith("uncalibrated")
     # its numbers are another model's: the JSON says whose, as the text does (found from outside)
     assert out["promise"]["measured_on"] == "the embedded model" and "complete" not in out["promise"]
