@@ -75,9 +75,9 @@ class CappedWrites(io.TextIOBase):
         return self.stream.encoding
 
 
-def raise_open_file_limit(log: Callable[[str], None] | None = None) -> int:
+def raise_open_file_limit(log: Callable[[str], None]) -> None:
     """Raise this process's soft limit on open files to its hard limit, as Go's runtime does at every start, and
-    return the limit now in force (-1 where there is none to read). Each connection holds a file descriptor, and
+    ``log`` a warning if it is still under ``LOW_OPEN_FILE_LIMIT``. Each connection holds a file descriptor, and
     the soft limit is often 1,024 (a login shell's, and a container's under Docker 25 and later, whose hard limit
     is 524,288): a client holding 1,024 connections open — idle ones are closed only at the head deadline, 30 s —
     left none for anyone else until then, and a client reconnecting as they close kept everyone out for as long
@@ -87,7 +87,7 @@ def raise_open_file_limit(log: Callable[[str], None] | None = None) -> int:
     try:
         import resource
     except ImportError:  # Windows: no such limit to raise
-        return -1
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard if hard != resource.RLIM_INFINITY else 2**20  # Linux's default ceiling, fs.nr_open
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -96,10 +96,9 @@ def raise_open_file_limit(log: Callable[[str], None] | None = None) -> int:
             soft = target
         except (ValueError, OSError):  # a ceiling below the hard limit (fs.nr_open): keep the soft limit
             pass
-    if log is not None and soft != resource.RLIM_INFINITY and soft < LOW_OPEN_FILE_LIMIT:
+    if soft != resource.RLIM_INFINITY and soft < LOW_OPEN_FILE_LIMIT:
         log(f"warning: this process may open only {soft} files, so at most about {soft} connections at once; "
             "raise the hard limit (ulimit -Hn, or docker run --ulimit nofile=65536)")
-    return soft if soft != resource.RLIM_INFINITY else -1
 
 
 class ClosingServer(uvicorn.Server):

@@ -190,8 +190,8 @@ def test_validation_counts_a_question_right_exactly_when_greedy_decoding_answers
                                max_new_tokens=8).text.strip() for item, qa in pairs]
     assert verdicts == [reply == qa.answer for reply, (_, qa) in zip(replies, pairs)]
     together = validate(adapter.model, projector, examples, adapter.image_token_id, adapter.video_token_id, batch=5)
-    assert together == {qa.category: float(v) for v, (_, qa) in zip(verdicts, pairs)}  # batches of 5 and 2, padded:
-    # batching changes nothing
+    # Batches of 5 and 2, padded: batching changes nothing.
+    assert together == {qa.category: float(v) for v, (_, qa) in zip(verdicts, pairs)}
 
 
 def test_passes_show_every_item_once_before_any_item_again():
