@@ -341,7 +341,9 @@ def _smollm2_from_gguf(gguf_path: Path) -> tuple[LlamaConfig, dict[str, torch.Te
     state = {}
     for info, stored in zip(header.tensors, load_gguf_state_dict(header).values(), strict=True):
         weight = stored[...]  # the bytes as stored: quantised blocks, or float values (the norms)
-        weight = dequantize(weight, info.ggml_type).reshape(info.shape) if info.ggml_type in GGML_BLOCK else weight.float()
+        if info.ggml_type in GGML_BLOCK:
+            weight = dequantize(weight, info.ggml_type).reshape(info.shape)
+        weight = weight.float()
         state[_llama_name(info.name)] = _unpermute_rows(weight, info.name, config).contiguous()
     return config, state
 
@@ -351,7 +353,8 @@ _GGUF_LLAMA_NAMES = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
 
