@@ -1,10 +1,14 @@
-"""`glimpse ask` as a user runs it: one JSON object with --json, one clear line on bad input."""
+"""`glimpse ask` as a user runs it: one JSON object with --json, one clear line on bad input.
+
+Most commands run as a process (``glimpse``); those whose subject is what the command says and returns, not what
+only a process shows, run by the same entry point in the test's process (``glimpse_here``)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 from pathlib import Path
@@ -24,11 +28,26 @@ def glimpse(*args, cache: Path | None = None, timeout: int = 300) -> subprocess.
     return subprocess.run(command + list(args), capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def glimpse_each(*commands: list[str], cache: Path | None = None) -> list[subprocess.CompletedProcess]:
-    """Each command run as by ``glimpse``, two at a time (a command's start-up, Python importing torch, uses one
-    core: the tests run on 2), in the order given."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(lambda args: glimpse(*args, cache=cache), commands))
+def glimpse_here(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    """``glimpse *args`` run by its entry point (``glimpse.cli.main``, what the ``glimpse`` script calls) in this
+    process: the same code, exit status and output, without the 5 s a new Python spends importing torch and
+    transformers. What only a process shows (a closed stdout, a pipe, Ctrl-C, what gets imported) and the README's
+    own command are run by ``glimpse``."""
+    from glimpse.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as env, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        if cache is not None:
+            env.setenv("GLIMPSE_CACHE", str(cache))
+        try:
+            status = main(list(args))
+        except SystemExit as exit:  # argparse's usage errors
+            status = exit.code
+    return subprocess.CompletedProcess(["glimpse", *args], status, out.getvalue(), err.getvalue())
+
+
+def glimpse_here_each(*commands: list[str], cache: Path | None = None) -> list[subprocess.CompletedProcess]:
+    return [glimpse_here(*command, cache=cache) for command in commands]
 
 
 def _assert_clean_error(proc, *fragments):
@@ -41,7 +60,7 @@ def _assert_clean_error(proc, *fragments):
 
 
 def test_ask_json_reports_the_spec_metrics(checkpoints, media):
-    proc = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--image", str(media["image"]),
+    proc = glimpse_here("ask", "--model", str(checkpoints["qwen2_vl"]), "--image", str(media["image"]),
                    "--max-new-tokens", "4", "--json", "What is in this picture?")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # stdout is exactly one JSON object
@@ -53,7 +72,7 @@ def test_ask_json_reports_the_spec_metrics(checkpoints, media):
 
 
 def test_ask_embedded_answers_a_text_question(embedded_cache):
-    proc = glimpse("ask", "--max-new-tokens", "20", "What is the capital of France?", cache=embedded_cache)
+    proc = glimpse_here("ask", "--max-new-tokens", "20", "What is the capital of France?", cache=embedded_cache)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
 
@@ -80,7 +99,7 @@ def test_ask_embedded_about_the_sample_image(embedded_cache):
 def test_ask_bad_image_is_one_clear_line(checkpoints, tmp_path, name, content):
     path = tmp_path / name
     path.write_bytes(content)
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
+    proc = glimpse_here("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
     _assert_clean_error(proc, name)
 
 
@@ -88,7 +107,7 @@ def test_ask_json_prints_one_error_object_on_stdout_when_it_fails(checkpoints, t
     """A script reading `ask --json`'s one object got nothing to parse on a failure (the error was on stderr only)."""
     (tmp_path / "empty.png").write_bytes(b"")
     asked = ["ask", "--model", str(checkpoints["llava"]), "--image", str(tmp_path / "empty.png")]
-    proc, plain, usage, plain_usage = glimpse_each([*asked, "--json", "hi"], [*asked, "hi"],
+    proc, plain, usage, plain_usage = glimpse_here_each([*asked, "--json", "hi"], [*asked, "hi"],
                                                    ["ask", "--speed", "abc", "--json", "hi"],
                                                    ["ask", "--speed", "abc", "hi"])
     _assert_clean_error(proc, "empty.png: the file is empty")
@@ -117,11 +136,11 @@ def test_ask_oversized_image_is_refused(checkpoints, tmp_path):
 
     path = tmp_path / "huge.png"
     Image.new("1", (9000, 9000)).save(path)  # 81 MP: over the 64 MP cap, a few KB on disk
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
+    proc = glimpse_here("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
     _assert_clean_error(proc, "huge.png")
     # 144 MP: past PIL's warning (89 MP), under its own error (179 MP); only Glimpse's line is said
     Image.new("1", (12000, 12000)).save(path)
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
+    proc = glimpse_here("ask", "--model", str(checkpoints["llava"]), "--image", str(path), "hi")
     _assert_clean_error(proc, "huge.png: image too large (12000x12000 = 144 MP")
     assert "DecompressionBombWarning" not in proc.stderr, proc.stderr
 
@@ -129,7 +148,7 @@ def test_ask_oversized_image_is_refused(checkpoints, tmp_path):
 def test_ask_corrupt_video_is_one_clear_line(checkpoints, media, tmp_path):
     path = tmp_path / "cut.mp4"
     path.write_bytes(media["video"].read_bytes()[:300])
-    proc = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(path), "hi")
+    proc = glimpse_here("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(path), "hi")
     _assert_clean_error(proc, "cut.mp4")
 
 
@@ -138,7 +157,7 @@ def test_ask_json_says_when_a_damaged_video_was_answered_from_the_frames_that_de
     from conftest import write_damaged_video
 
     path = write_damaged_video(tmp_path / "damaged.mp4", frames=30)
-    proc = glimpse("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(path), "--max-new-tokens", "2",
+    proc = glimpse_here("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(path), "--max-new-tokens", "2",
                    "--json", "What happens?")
     assert proc.returncode == 0, proc.stderr
     warnings = json.loads(proc.stdout)["warnings"]
@@ -147,19 +166,19 @@ def test_ask_json_says_when_a_damaged_video_was_answered_from_the_frames_that_de
 
 
 def test_ask_video_on_an_image_only_model(checkpoints, media):
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--video", str(media["video"]), "hi")
+    proc = glimpse_here("ask", "--model", str(checkpoints["llava"]), "--video", str(media["video"]), "hi")
     _assert_clean_error(proc, "video")
 
 
 def test_ask_unknown_model(tmp_path):
-    proc = glimpse("ask", "--model", str(tmp_path / "no-such-model"), "hi")
+    proc = glimpse_here("ask", "--model", str(tmp_path / "no-such-model"), "hi")
     _assert_clean_error(proc, "no-such-model")
 
 
 def test_ask_json_reports_policy_parameters_active_tokens_flops_and_keep_map(checkpoints, media):
     from glimpse.pipeline.metrics import prefill_flops
 
-    proc = glimpse("ask", "--model", str(checkpoints["llava_next"]), "--image", str(media["image"]),
+    proc = glimpse_here("ask", "--model", str(checkpoints["llava_next"]), "--image", str(media["image"]),
                    "--policy", "dash", "--speed", "0.5", "--param", "keep_first=4", "--param", "keep_last=2",
                    "--max-new-tokens", "2", "--json", "What is in this picture?")
     assert proc.returncode == 0, proc.stderr
@@ -201,7 +220,7 @@ def test_what_the_machine_refuses_is_one_clear_line_not_a_bug_report(checkpoints
         locked.write_bytes(media["image"].read_bytes())
         locked.chmod(0)
         cases.append(([*ask, "--image", str(locked), "hi"], "locked.png", False))
-    for proc, (_, fragment, before_loading) in zip(glimpse_each(*(command for command, *_ in cases)), cases):
+    for proc, (_, fragment, before_loading) in zip(glimpse_here_each(*(command for command, *_ in cases)), cases):
         _assert_clean_error(proc, fragment)
         assert not before_loading or "loading" not in proc.stderr
 
@@ -218,14 +237,14 @@ def test_ask_piped_into_head_ends_quietly(checkpoints):
 
 
 def test_ask_rejects_an_unknown_policy_parameter_before_loading(checkpoints, media):
-    proc = glimpse("ask", "--model", str(checkpoints["llava"]), "--policy", "dash", "--param", "rhoo=1", "hi")
+    proc = glimpse_here("ask", "--model", str(checkpoints["llava"]), "--policy", "dash", "--param", "rhoo=1", "hi")
     assert proc.returncode == 1
     assert "dash has no parameter rhoo" in proc.stderr and "loading" not in proc.stderr
 
 
 def test_ask_refuses_a_value_out_of_range_before_loading_and_a_layer_past_the_last_before_decoding(checkpoints):
     model = str(checkpoints["llava"])
-    stride, percentiles, layer, evaluated = glimpse_each(
+    stride, percentiles, layer, evaluated = glimpse_here_each(
         ["ask", "--model", model, "--policy", "st3", "--param", "stride=0", "hi"],
         ["ask", "--model", model, "--policy", "lazyllm", "--param", "percentiles=(0.3,0.4,0.5)", "hi"],
         ["ask", "--model", model, "--image", "missing.png", "--policy", "dash", "--param", "start_layer=1000", "hi"],
@@ -253,7 +272,7 @@ def test_ask_refuses_media_its_first_bytes_and_header_refuse_before_loading_and_
              (["--image", str(media["video"])], f"{media['video'].name}: this is a video, not an image")]
     ask = ["ask", "--model", str(checkpoints["qwen2_vl"])]
     video = ["--video", str(media["video"])]
-    *refused, one, two = glimpse_each(*([*ask, *flags, "What moves?"] for flags, _ in cases),
+    *refused, one, two = glimpse_here_each(*([*ask, *flags, "What moves?"] for flags, _ in cases),
                                       [*ask, *video, "--json", "--max-new-tokens", "2", "What moves?"],
                                       [*ask, *video, *video, "--json", "--max-new-tokens", "2", "What moves?"])
     for proc, (_, message) in zip(refused, cases):
@@ -274,12 +293,12 @@ def test_auto_s_member_overrides_are_checked_against_the_members_this_model_s_sl
     members = [m.policy for m in shipped.choose(1.0).members]
     absent = next(name for name in ("lazyllm", "divprune", "dash") if name not in members)
     sample = Path(__file__).resolve().parents[1] / "assets" / "sample.png"
-    proc = glimpse("ask", "--image", str(sample), "--speed", "1", "--param", f"{absent}.keep=0.3", "hi",
+    proc = glimpse_here("ask", "--image", str(sample), "--speed", "1", "--param", f"{absent}.keep=0.3", "hi",
                    cache=embedded_cache)
     assert proc.returncode == 1 and f"its members at speed 1: {', '.join(members)}" in proc.stderr
     assert "loading" not in proc.stderr
     if "divprune" in members:  # the example docs/slider.md and --help give
-        proc = glimpse("ask", "--image", str(sample), "--speed", "1", "--param", "divprune.keep=0.3", "--json",
+        proc = glimpse_here("ask", "--image", str(sample), "--speed", "1", "--param", "divprune.keep=0.3", "--json",
                        "--max-new-tokens", "2", "What colour is the circle?", cache=embedded_cache)
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["params"]["divprune"]["keep"] == 0.3
@@ -304,7 +323,7 @@ def test_the_frontier_a_model_will_run_is_known_before_it_loads(checkpoints, emb
 
 def test_ask_refuses_an_empty_question_before_loading(checkpoints):
     for question in ("", "  \n\t"):  # `glimpse ask "$Q"` with Q unset: the model would answer a blank turn
-        proc = glimpse("ask", "--model", str(checkpoints["llava"]), question)
+        proc = glimpse_here("ask", "--model", str(checkpoints["llava"]), question)
         assert proc.returncode == 1 and "the question is empty" in proc.stderr and "loading" not in proc.stderr
 
 
@@ -315,7 +334,7 @@ def test_ask_states_what_the_speed_selects_and_its_measured_promise(embedded_cac
 
     shipped = pruning.Frontier.from_json(json.loads(SHIPPED_FRONTIER.read_text()))
     sample = Path(__file__).resolve().parents[1] / "assets" / "sample.png"
-    proc, uncalibrated = glimpse_each(
+    proc, uncalibrated = glimpse_here_each(
         ["ask", "--image", str(sample), "--speed", "1", "--max-new-tokens", "4", "--json",
          "What colour is the circle?"],
         ["ask", "--model", str(checkpoints["llava"]), "--image", str(media["image"]), "--speed", "1",
