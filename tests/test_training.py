@@ -212,7 +212,7 @@ def test_training_moves_the_projector_and_adapters_only(engine):
                                           native_bf16, pack, precompute, reset_projector, tokenize, with_colours)
 
     model, adapter = engine.adapter.model, engine.adapter
-    items = tasks.training_items(4, 2, 0)
+    items = tasks.training_items(4, 1, 0)  # one scene, every question about it: one packed sequence
     features = with_colours(items, precompute(items, adapter), adapter)
     rng = random.Random(0)
     batch = [pack([tokenize(chat, adapter.tokenizer, adapter.image_token_id, 256) for chat in chats(item, rng, 0.0)])
