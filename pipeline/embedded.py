@@ -310,8 +310,8 @@ def _smollm2_from_gguf(gguf_path: Path) -> tuple[LlamaConfig, dict[str, torch.Te
     The file is read with transformers' GGUF reader and de-quantised with its block decoders; only the Llama
     names and llama.cpp's q/k row order are undone here. Why not `load_gguf_checkpoint`, transformers' general
     route: it parses the whole file (49,152 vocabulary strings one by one) once for the config and again for the
-    weights, and maps the names by walking every module, which made the first run 42 s instead of 12 s. The result
-    is the same to the bit (tests/test_embedded.py compares it with that route's model).
+    weights, and maps the names by walking every module: the first run took 42 s, now 8 s on a 2-core CPU. Config
+    and weights are that route's to the bit (test_smollm2_is_read_as_transformers_gguf_route_reads_it).
     """
     from transformers import LlamaConfig
     from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize

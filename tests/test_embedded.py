@@ -81,6 +81,21 @@ def test_vision_tower_matches_onnx_backbone(model):
     np.testing.assert_allclose(feature.numpy(), expected_feature, atol=1e-4, rtol=0)
 
 
+def test_smollm2_is_read_as_transformers_gguf_route_reads_it(smollm2):
+    """The conversion reads the GGUF itself (one pass); transformers' general route gives the same config and the
+    same float32 weights, to the bit."""
+    reference, _ = smollm2
+    config, state = embedded._smollm2_from_gguf(embedded._package_files()[0])
+    expected = reference.state_dict()
+    del expected["lm_head.weight"]  # tied to the embeddings: the file has no output matrix
+    assert sorted(state) == sorted(expected)
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
+    # Names aside (where the file was read from, and the GGUF's own title for it): every field, the same value.
+    names = ("_name_or_path", "_model_name_or_path")
+    ours, theirs = config.to_dict(), reference.config.to_dict()
+    assert {k: ours.get(k) for k in theirs if k not in names} == {k: v for k, v in theirs.items() if k not in names}
+
+
 def test_text_logits_equal_smollm2(model, processor, smollm2):
     """The language model is SmolLM2 as packaged, plus the shipped attention adapters (W + B A) if any."""
     reference, tokenizer = smollm2
