@@ -61,7 +61,7 @@ def _assert_clean_error(proc, *fragments):
 
 def test_ask_json_reports_the_spec_metrics(checkpoints, media):
     proc = glimpse_here("ask", "--model", str(checkpoints["qwen2_vl"]), "--image", str(media["image"]),
-                   "--max-new-tokens", "4", "--json", "What is in this picture?")
+                        "--max-new-tokens", "4", "--json", "What is in this picture?")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # stdout is exactly one JSON object
     assert {"text", "policy", "params", "metrics"} <= set(out)
@@ -108,8 +108,8 @@ def test_ask_json_prints_one_error_object_on_stdout_when_it_fails(checkpoints, t
     (tmp_path / "empty.png").write_bytes(b"")
     asked = ["ask", "--model", str(checkpoints["llava"]), "--image", str(tmp_path / "empty.png")]
     proc, plain, usage, plain_usage = glimpse_here_each([*asked, "--json", "hi"], [*asked, "hi"],
-                                                   ["ask", "--speed", "abc", "--json", "hi"],
-                                                   ["ask", "--speed", "abc", "hi"])
+                                                        ["ask", "--speed", "abc", "--json", "hi"],
+                                                        ["ask", "--speed", "abc", "hi"])
     _assert_clean_error(proc, "empty.png: the file is empty")
     assert json.loads(proc.stdout) == {"error": "empty.png: the file is empty"}
     assert plain.returncode == 1 and plain.stdout == ""  # without --json, stdout stays the answer's alone
@@ -158,7 +158,7 @@ def test_ask_json_says_when_a_damaged_video_was_answered_from_the_frames_that_de
 
     path = write_damaged_video(tmp_path / "damaged.mp4", frames=30)
     proc = glimpse_here("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(path), "--max-new-tokens", "2",
-                   "--json", "What happens?")
+                        "--json", "What happens?")
     assert proc.returncode == 0, proc.stderr
     warnings = json.loads(proc.stdout)["warnings"]
     assert len(warnings) == 1 and warnings[0].startswith("damaged.mp4: only ")
@@ -179,8 +179,8 @@ def test_ask_json_reports_policy_parameters_active_tokens_flops_and_keep_map(che
     from glimpse.pipeline.metrics import prefill_flops
 
     proc = glimpse_here("ask", "--model", str(checkpoints["llava_next"]), "--image", str(media["image"]),
-                   "--policy", "dash", "--speed", "0.5", "--param", "keep_first=4", "--param", "keep_last=2",
-                   "--max-new-tokens", "2", "--json", "What is in this picture?")
+                        "--policy", "dash", "--speed", "0.5", "--param", "keep_first=4", "--param", "keep_last=2",
+                        "--max-new-tokens", "2", "--json", "What is in this picture?")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     params, metrics = out["params"], out["metrics"]
@@ -273,8 +273,8 @@ def test_ask_refuses_media_its_first_bytes_and_header_refuse_before_loading_and_
     ask = ["ask", "--model", str(checkpoints["qwen2_vl"])]
     video = ["--video", str(media["video"])]
     *refused, one, two = glimpse_here_each(*([*ask, *flags, "What moves?"] for flags, _ in cases),
-                                      [*ask, *video, "--json", "--max-new-tokens", "2", "What moves?"],
-                                      [*ask, *video, *video, "--json", "--max-new-tokens", "2", "What moves?"])
+                                           [*ask, *video, "--json", "--max-new-tokens", "2", "What moves?"],
+                                           [*ask, *video, *video, "--json", "--max-new-tokens", "2", "What moves?"])
     for proc, (_, message) in zip(refused, cases):
         assert proc.returncode == 1 and message in proc.stderr and "loading" not in proc.stderr, proc.stderr
     assert one.returncode == two.returncode == 0, two.stderr
@@ -294,12 +294,12 @@ def test_auto_s_member_overrides_are_checked_against_the_members_this_model_s_sl
     absent = next(name for name in ("lazyllm", "divprune", "dash") if name not in members)
     sample = Path(__file__).resolve().parents[1] / "assets" / "sample.png"
     proc = glimpse_here("ask", "--image", str(sample), "--speed", "1", "--param", f"{absent}.keep=0.3", "hi",
-                   cache=embedded_cache)
+                        cache=embedded_cache)
     assert proc.returncode == 1 and f"its members at speed 1: {', '.join(members)}" in proc.stderr
     assert "loading" not in proc.stderr
     if "divprune" in members:  # the example docs/slider.md and --help give
         proc = glimpse_here("ask", "--image", str(sample), "--speed", "1", "--param", "divprune.keep=0.3", "--json",
-                       "--max-new-tokens", "2", "What colour is the circle?", cache=embedded_cache)
+                            "--max-new-tokens", "2", "What colour is the circle?", cache=embedded_cache)
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["params"]["divprune"]["keep"] == 0.3
 
