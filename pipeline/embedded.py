@@ -305,13 +305,14 @@ def _build(out: Path, gguf_path: Path, onnx_path: Path, progress: Callable[[str]
 
 
 def _smollm2_from_gguf(gguf_path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """SmolLM2's Llama config and float32 weights, read from the GGUF file in one pass.
+    """SmolLM2's Llama config and float32 weights, each tensor read from the GGUF file once.
 
-    The file is read with transformers' GGUF reader and de-quantised with its block decoders; only the Llama
-    names and llama.cpp's q/k row order are undone here. Why not `load_gguf_checkpoint`, transformers' general
-    route: it parses the whole file (49,152 vocabulary strings one by one) once for the config and again for the
-    weights, and maps the names by walking every module: the first run took 42 s, now 8 s on a 2-core CPU. Config
-    and weights are that route's to the bit (test_smollm2_is_read_as_transformers_gguf_route_reads_it).
+    The metadata is read with transformers' GGUF reader (in milliseconds), the tensors straight from their bytes in
+    the file, de-quantised with its block decoders; only the Llama names and llama.cpp's q/k row order are undone
+    here. Why not `load_gguf_checkpoint`, transformers' general route: it parses the whole file (49,152 vocabulary
+    strings one by one) once for the config and again for the weights, and maps the names by walking every module:
+    the first run took 42 s, now 8 s on a 2-core CPU. Config and weights are that route's to the bit
+    (test_smollm2_is_read_as_transformers_gguf_route_reads_it).
     """
     from transformers import LlamaConfig
     from transformers.integrations.gguf.dequant import GGML_BLOCK, dequantize
@@ -344,7 +345,11 @@ def _smollm2_from_gguf(gguf_path: Path) -> tuple[LlamaConfig, dict[str, torch.Te
         if info.ggml_type in GGML_BLOCK:
             weight = dequantize(weight, info.ggml_type).reshape(info.shape)
         weight = weight.float()
-        state[_llama_name(info.name)] = _unpermute_rows(weight, info.name, config).contiguous()
+        name = _llama_name(info.name)
+        if ".self_attn.q_proj." in name or ".self_attn.k_proj." in name:  # weight and bias alike, as transformers
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            weight = _unpermute_rows(weight, heads)
+        state[name] = weight.contiguous()
     return config, state
 
 
@@ -365,13 +370,9 @@ def _llama_name(gguf_name: str) -> str:
     return f"{_GGUF_LLAMA_NAMES[parts[0]]}.{parts[1]}"
 
 
-def _unpermute_rows(weight: torch.Tensor, gguf_name: str, config: LlamaConfig) -> torch.Tensor:
+def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     # llama.cpp's converter interleaves the two rotary halves of each q and k head (its `permute`) for its own
     # RoPE kernel; transformers' rotate_half wants them back in two blocks: rows (head, pair, 2) -> (head, 2, pair).
-    part = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-    if part not in ("attn_q", "attn_k"):
-        return weight
-    heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
     rows = weight.shape[0]
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
