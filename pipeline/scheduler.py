@@ -48,6 +48,7 @@ from glimpse.vision import MEDIA_READERS, MEDIA_TIMEOUT_S
 from glimpse.common import UserError
 from glimpse.pipeline.engine import Engine, GenerationResult, PrefillInterrupted, Request, Sampling, StreamChunk
 from glimpse.pipeline.metrics import MemoryMeter
+from glimpse.pipeline.out_of_memory import OutOfMemory
 from glimpse.pipeline.prompt import Prompt
 from glimpse.pruning import Policy
 
@@ -219,9 +220,7 @@ class Scheduler:
                                 "asked for; ask for fewer tokens or shorten the conversation")
             reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
             if reserved > self.kv_budget_bytes:
-                raise UserError(f"this request may need {reserved / 2**20:,.0f} MiB of KV cache, more than the "
-                                f"server's budget of {self.kv_budget_bytes / 2**20:,.0f} MiB: shorten the prompt, send "
-                                "fewer frames or ask for fewer tokens")
+                raise self._over_budget(reserved)
             own_queue = None
             if sink is None:
                 own_queue = queue.Queue()
@@ -233,6 +232,11 @@ class Scheduler:
                 self.waiting.append(ticket)
                 self.condition.notify()
             return ticket
+
+    def _over_budget(self, reserved: int) -> UserError:
+        return UserError(f"this request may need {reserved / 2**20:,.0f} MiB of KV cache, more than the server's "
+                         f"budget of {self.kv_budget_bytes / 2**20:,.0f} MiB: shorten the prompt, send fewer frames "
+                         "or ask for fewer tokens")
 
     @contextlib.contextmanager
     def _building(self) -> Iterator[None]:
@@ -412,6 +416,10 @@ class Scheduler:
                 self.waiting.popleft()
                 self._end(ticket, None, None)
                 continue
+            if ticket.reserved_bytes > self.kv_budget_bytes:  # it fitted when it came; the budget was lowered since
+                self.waiting.popleft()
+                self._end(ticket, None, self._over_budget(ticket.reserved_bytes))
+                continue
             if reserved + ticket.reserved_bytes > self.kv_budget_bytes:
                 break  # first come, first served: it waits until enough of the budget is free
             self.waiting.popleft()
@@ -444,7 +452,8 @@ class Scheduler:
                 self._take(ticket, meter)
             with self.condition:
                 self.running = [t for t in self.running if not t.ended]
-                stepping = [t.request for t in self.running]
+                step_tickets = list(self.running)
+            stepping = [t.request for t in step_tickets]
             if stepping:
                 for ticket in self.running:
                     ticket.batch = max(ticket.batch, len(stepping))
@@ -459,6 +468,8 @@ class Scheduler:
                         print(f"glimpse: a decode step of {len(stepping)} requests failed: {error}", file=sys.stderr)
                     else:
                         traceback.print_exc()
+                    if isinstance(error, OutOfMemory) and len(step_tickets) > 1:
+                        self._reserve_less_after([t.reserved_bytes for t in step_tickets])
                     engine.slot_groups = []
                     for request in stepping:
                         request.error = error
@@ -467,6 +478,21 @@ class Scheduler:
                     request.note_memory(meter)
             else:
                 engine.slot_groups = []  # no batch left: its KV slots go now, not at the next request
+
+    def _reserve_less_after(self, reservations: list[int]) -> None:
+        """A decode step of requests holding these KV reservations ran out of memory: the budget promised more
+        than the device holds beside the weights and the step's own work (another process on the GPU, a
+        ``--kv-budget-mb`` set too high). From now on, until the server restarts, the running requests may reserve
+        half of what these did, but never less than the largest of them, which may still run alone: requests
+        like these then decode in smaller batches instead of failing together again."""
+        lowered = max(max(reservations), sum(reservations) // 2)
+        with self.condition:
+            if lowered >= self.kv_budget_bytes:
+                return
+            before, self.kv_budget_bytes = self.kv_budget_bytes, lowered
+        print(f"glimpse: the KV budget is now {lowered / 2**20:,.1f} MiB (was {before / 2**20:,.1f} MiB): "
+              f"{len(reservations)} requests reserving {sum(reservations) / 2**20:,.1f} MiB ran out of memory "
+              "decoding together", file=sys.stderr)
 
     def _prefill(self, ticket: Ticket, meter: MemoryMeter) -> None:
         """Prefill a request taken from the queue; it joins the running batch, or ends alone if it failed."""

@@ -270,6 +270,45 @@ def test_admission_keeps_the_kv_reservations_within_the_budget(engine, media):
     assert all(len(r.token_ids) == 8 for r in results)
 
 
+
+def test_running_out_of_memory_decoding_together_lowers_the_budget_so_that_requests_like_them_decode_apart(
+        engine, media):
+    """The KV budget is a promise about the device's memory. When a decode step of two requests runs out of memory
+    (both end, saying so), the budget drops to what one of them reserves: a request queued behind them that needs
+    more than that now is refused with the budget's reason instead of waiting for ever at the head of the queue, and
+    the next two like them are answered one after the other, each as it is alone."""
+    from tiny_models import RunsOutOfMemory
+
+    from glimpse.pipeline import OutOfMemory
+
+    conversation = _conversations(media)[1]
+    alone = engine.generate(conversation, policy="none", max_new_tokens=12, ignore_eos=True)
+    scheduler = Scheduler(engine, max_batch=2, start=False)
+    budget = scheduler.kv_budget_bytes
+    batches = []
+    scheduler.on_finish.append(lambda ticket, result, error: error or batches.append(result.metrics["batch_size"]))
+
+    def ask(tokens):  # caches=False: every prompt is prefilled whole, none joins a step as a prompt's rest
+        return scheduler.submit(conversation, policy="none", max_new_tokens=tokens, ignore_eos=True, caches=False)
+
+    try:
+        with RunsOutOfMemory(engine.adapter.layers[1].mlp, "cpu", lambda rows: rows == 2) as fault:
+            pair, larger = [ask(12), ask(12)], ask(48)  # all queued before the loop starts: the pair is admitted
+            scheduler.thread.start()
+            for ticket in pair:
+                with pytest.raises(OutOfMemory, match="decoding 2 requests together"):
+                    ticket.result(timeout=60)
+            with pytest.raises(UserError, match="more than the server's budget"):
+                larger.result(timeout=60)
+        assert fault.refused and batches == []
+        assert pair[0].reserved_bytes == pair[1].reserved_bytes < larger.reserved_bytes <= budget
+        assert scheduler.kv_budget_bytes == pair[0].reserved_bytes == scheduler.state()["kv_budget_bytes"]
+        results = [ticket.result(timeout=60) for ticket in [ask(12), ask(12)]]
+    finally:
+        scheduler.close()
+    assert [result.token_ids for result in results] == [alone.token_ids] * 2
+    assert batches == [1, 1]  # one at a time now
+
 def test_stop_strings_end_the_answer_before_them(engine, media):
     conversation = _conversations(media)[1]
     alone = engine.generate(conversation, policy="none", max_new_tokens=16, ignore_eos=True)
