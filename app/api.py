@@ -60,7 +60,7 @@ from starlette.requests import ClientDisconnect
 from glimpse import vision
 from glimpse.vision import NamedBytes
 from glimpse.common import UserError
-from glimpse.connections import AbsoluteFormTargets, BodyLimits, error_content
+from glimpse.connections import BODY_DONE, AbsoluteFormTargets, BodyLimits, error_content
 from glimpse.fetch import FETCH_DEADLINE_S, Allowance, Fetcher, FetchError
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.engine import StreamChunk
@@ -301,7 +301,8 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
     fetches = {"in": 0}  # requests fetching their media or waiting to (only the event loop changes it)
     app.state.scheduler, app.state.telemetry = scheduler, telemetry
     # Every request body but an upload's, here and in the chat mounted on this app: 413 past 64 MiB, 408 if it has
-    # not all arrived in 120 s (glimpse.connections).
+    # not all arrived in 120 s; large ones wait while the bodies of the requests under way hold 256 MiB
+    # (glimpse.connections).
     app.add_middleware(BodyLimits, on_refused=lambda path: telemetry.refused("bad_request") if path.startswith("/v1/")
                        else None)
     app.add_middleware(AbsoluteFormTargets)  # outermost: the limits and the routes see the path alone
@@ -376,7 +377,9 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             return _error(415, f"the request body is sent compressed (Content-Encoding: {encoding[:40]}); send it "
                                "uncompressed")
         try:
-            raw = await request.body()  # bounded in size and time by connections.BodyLimits (413, 408)
+            # Bounded in size and time by connections.BodyLimits (413, 408). Read as a stream: ``request.body()`` would
+            # keep the bytes on the request for as long as it is answered.
+            raw = b"".join([chunk async for chunk in request.stream()])
         except ClientDisconnect:  # the client left while sending it
             telemetry.refused("cancelled")
             return _error(499, "the client closed the request", "cancelled")
@@ -413,7 +416,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             # Off the event loop, in one hop to a worker thread: fetching a slow media URL must not stall
             # /health or other requests; each hop waits for a CPU that the model's threads keep busy.
             if not _has_media(body):
-                ticket, promise = await anyio.to_thread.run_sync(parse_and_submit)  # the pool others share
+                ticket, promise = await _in_worker_thread(parse_and_submit)  # the pool others share
             else:
                 # With media, the request's thread is watched: a client that leaves while its media are fetched or
                 # decoded stops that work (a video whose frames can only be reached by decoding all of them is
@@ -451,6 +454,12 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             return _error(500, f"{type(error).__name__}: {error}", "server_error")
         finally:
             scratch.cleanup()  # the prompt is built: its media are decoded into it
+        # The body's text (data URLs: tens of megabytes, raw and parsed) is not needed past the prompt: it goes now,
+        # and with it the room it held among the large bodies under way (connections.BodyLimits), not at the end of
+        # the answer.
+        del raw
+        body = body.model_copy(update={"messages": []})
+        request.scope.get(BODY_DONE, lambda: None)()
         try:
             # Streamed or not, nothing is sent before the first token (or the answer): a request that fails
             # at its prefill (a policy parameter this model cannot take) is a plain 400, not a stream of one error.
@@ -596,8 +605,7 @@ async def _unless_client_leaves(request: Request, allowance: Allowance, parse_an
 
         group.start_soon(watch)
         try:
-            outcome["parsed"] = await anyio.to_thread.run_sync(parse_and_submit, limiter=limiter,
-                                                               abandon_on_cancel=True)
+            outcome["parsed"] = await _in_worker_thread(parse_and_submit, limiter=limiter, abandon_on_cancel=True)
         except Exception as error:  # raised below as itself: out of the group it would be an ExceptionGroup
             outcome["error"] = error
         group.cancel_scope.cancel()  # parsed: the watch ends
@@ -607,7 +615,19 @@ async def _unless_client_leaves(request: Request, allowance: Allowance, parse_an
         return outcome["parsed"]
     if outcome.get("stopping"):  # its fetch was stopped: whatever it raised for that is not the request's fault
         raise ServerStopping(STOPPING)
-    raise outcome["error"]
+    raise outcome.pop("error")  # left in ``outcome``, held by this frame in its traceback: a cycle (_in_worker_thread)
+
+
+async def _in_worker_thread(work, **options):
+    """``anyio.to_thread.run_sync(work, **options)``, where an error that is the client's (its message says it all)
+    comes without its traceback. anyio keeps an error raised in a worker thread in a future that a frame of its
+    traceback holds: a cycle, which kept the request's body, parsed and decoded (hundreds of MB for large data URLs),
+    until Python's next full garbage collection, far apart in a process holding a model's objects (found here,
+    2026-12-06: twenty refused 60 MB data URLs left 3.4 GB behind until then)."""
+    try:
+        return await anyio.to_thread.run_sync(work, **options)
+    except (BadRequest, UserError) as error:
+        raise error.with_traceback(None)
 
 
 def _media_parts(body: ChatRequest) -> list[ImagePart | VideoPart]:

@@ -10,10 +10,12 @@ runs uvicorn with it (``uvicorn.Config(http=RequestHeadDeadline)``, uvicorn's ex
 class).
 
 Past the head, ``BodyLimits`` (ASGI middleware, which ``api.create_api`` installs, so that it covers the API and
-the chat mounted beside it) bounds every request body but an upload's: at most ``MAX_BODY_BYTES`` (413) and all
-arrived within ``BODY_TIMEOUT_S`` (408). Without it a client could send the chat's JSON routes a body of any size,
-read whole into memory, or trickle one in for ever. Uploads have their own size bounds (``--max-upload-mb``, the
-upload quota in ``glimpse.uploads``) and may take long on a slow link: ``BODY_TIMEOUT_S`` plus their length at
+the chat mounted beside it) bounds every request body but an upload's: at most ``MAX_BODY_BYTES`` (413), all
+arrived within ``BODY_TIMEOUT_S`` (408), and large ones ``MAX_BODIES_BYTES`` of room all together (a body finding
+none waits for it, its client's sending held up, within its time). Without it a client could send the chat's JSON
+routes a body of any size, read whole into memory, trickle one in for ever, or send the API so many large bodies at
+once that the server ran out of memory. Uploads have their own size bounds (``--max-upload-mb``, the upload quota
+in ``glimpse.uploads``) and may take long on a slow link: ``BODY_TIMEOUT_S`` plus their length at
 ``UPLOAD_MIN_BYTES_PER_S`` (a 200 MB video gets an hour and three quarters; a few bytes dripped in, two minutes).
 And what a request makes the server log is bounded too (``CappedWrites``, its standard error under ``glimpse serve``).
 """
@@ -33,6 +35,17 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; a real client sends its head in milliseconds
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (an API request's data URLs included) gets 413
+# Room for the large bodies of all the requests under way together (not uploads'). Twenty 60 MB bodies at once took
+# the server from 1.9 to 6.4 GB (the body, its JSON parsed, the data URLs decoded: copies of each, up to ~300 MB per
+# request), so a client sending a hundred could have it killed for memory (found here, 2026-12-06). Four of the
+# largest size fit at once: more would not parse faster on a few cores, and a question's pictures are rarely megabytes.
+MAX_BODIES_BYTES = 4 * MAX_BODY_BYTES
+# A body takes room only once this much of it has arrived: a question in words, or media sent as URLs, never waits,
+# and a client that announces a large body and sends nothing holds no room.
+SMALL_BODY_BYTES = 256 * 2**10
+# The scope key of a function the application calls once what it made of the body no longer needs its room (the API,
+# once the prompt is built); otherwise the room is given back when the response has been sent.
+BODY_DONE = "glimpse.body_done"
 BODY_TIMEOUT_S = 120.0  # a body that has not all arrived by then (a client trickling it in) gets 408; 64 MiB at
 # 4.5 Mbit/s
 UPLOAD_MIN_BYTES_PER_S = 32 * 2**10  # an upload gets BODY_TIMEOUT_S plus its Content-Length at this rate
@@ -199,11 +212,38 @@ class BodyLimits:
     ``MAX_BODY_BYTES`` is refused with 413 — from its Content-Length before it is read, or as soon as a body
     sent without one passes the cap — and one not all arrived ``BODY_TIMEOUT_S`` after the request began gets 408
     (an upload: ``BODY_TIMEOUT_S`` plus its Content-Length at ``UPLOAD_MIN_BYTES_PER_S``).
+    Once ``SMALL_BODY_BYTES`` of a body have arrived it takes room for all of it (its Content-Length, or
+    ``MAX_BODY_BYTES`` when it has none) out of ``MAX_BODIES_BYTES``, waiting for the room within its
+    ``BODY_TIMEOUT_S`` (the application reads no more of it meanwhile, so neither does the server from its
+    connection), and gives it back when the application calls ``scope[BODY_DONE]()`` or the response has been sent. A
+    burst of large bodies is so received a few at a time, each answered whole. (A 503 would have reached few of their
+    clients: closing a connection whose body is unread resets it. Room taken as bytes arrive instead deadlocked: twenty
+    bodies half arrived filled it, and all waited for one another until their 408.) Small bodies never wait, and a
+    request the application refuses before reading its body (a 401) takes none.
     The application then sees the client as gone (``http.disconnect``) and whatever it answers is replaced by the
     refusal. ``on_refused(path)`` is told of each refusal (the API counts its own in /metrics)."""
 
     def __init__(self, app, on_refused: Callable[[str], None] = lambda path: None):
         self.app, self.on_refused = app, on_refused
+        self.bodies_bytes = 0  # the room the large bodies under way hold (only the event loop changes it)
+        self.freed: asyncio.Event | None = None  # set when room is given back (made in the event loop, as needed)
+
+    async def _take_room(self, size: int, deadline: float) -> bool:
+        """Take ``size`` bytes of room, waiting for it until ``deadline`` at the latest (then False)."""
+        while self.bodies_bytes + size > MAX_BODIES_BYTES:
+            self.freed = self.freed or asyncio.Event()
+            try:
+                await asyncio.wait_for(self.freed.wait(), timeout=max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                return False
+        self.bodies_bytes += size
+        return True
+
+    def _give_room(self, size: int) -> None:
+        self.bodies_bytes -= size
+        freed, self.freed = self.freed, None
+        if freed is not None:
+            freed.set()  # every waiter looks again
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -222,14 +262,26 @@ class BodyLimits:
                 return await self._refuse(scope, send, 413)
         deadline = time.monotonic() + allowed_s  # None once the body is in
         refusal: int | None = None
-        received, started = 0, False
+        received, room, started = 0, None, False  # room: what this body holds of MAX_BODIES_BYTES (None: none yet)
+
+        def body_done() -> None:
+            nonlocal room
+            if room:
+                self._give_room(room)
+            room = 0  # taken once, given back once
 
         async def limited_receive():
-            nonlocal refusal, received, deadline
+            nonlocal refusal, received, room, deadline
             if refusal is not None:
                 return {"type": "http.disconnect"}
             if deadline is None:  # the body is in: what the application waits for now is the client leaving
                 return await receive()
+            if cap is not None and room is None and received >= SMALL_BODY_BYTES:
+                size = int(length) if length.isdigit() else cap
+                if not await self._take_room(size, deadline):  # meanwhile no more of it is read
+                    refusal = 408
+                    return {"type": "http.disconnect"}
+                room = size
             try:
                 message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
@@ -252,13 +304,15 @@ class BodyLimits:
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, watched_send)
+            await self.app({**scope, BODY_DONE: body_done}, limited_receive, watched_send)
         except ClientDisconnect:
             if refusal is None:
                 return  # the client left while sending its body: nobody to answer, nothing to log
         except Exception:
             if refusal is None:
                 raise  # not ours: reading a refused body raises in the application (Starlette's ClientDisconnect)
+        finally:
+            body_done()
         if refusal is not None and not started:
             await self._refuse(scope, send, refusal, allowed_s)
 
