@@ -619,14 +619,15 @@ async def _unless_client_leaves(request: Request, allowance: Allowance, parse_an
 
 
 async def _in_worker_thread(work, **options):
-    """``anyio.to_thread.run_sync(work, **options)``, where an error that is the client's (its message says it all)
-    comes without its traceback. anyio keeps an error raised in a worker thread in a future that a frame of its
-    traceback holds: a cycle, which kept the request's body, parsed and decoded (hundreds of MB for large data URLs),
-    until Python's next full garbage collection, far apart in a process holding a model's objects (found here,
-    2026-12-06: twenty refused 60 MB data URLs left 3.4 GB behind until then)."""
+    """``anyio.to_thread.run_sync(work, **options)``, where an error comes without its traceback (the handler answers
+    every error with its message, and logs none). anyio keeps an error raised in a worker thread in a future that a
+    frame of its traceback holds: a cycle, which kept the request's body, parsed and decoded (hundreds of MB for large
+    data URLs), until Python's next full garbage collection, far apart in a process holding a model's objects (found
+    here, 2026-12-06: twenty refused 60 MB data URLs left 3.4 GB behind until then; a 429 after its prompt was built,
+    its pictures)."""
     try:
         return await anyio.to_thread.run_sync(work, **options)
-    except (BadRequest, UserError) as error:
+    except Exception as error:
         raise error.with_traceback(None)
 
 
