@@ -590,32 +590,40 @@ async def _unless_client_leaves(request: Request, allowance: Allowance, parse_an
     abandoned request kept its place and had every URL fetched: 40 of them held the queue for 150 s.
     Once ``stopping()`` (SIGTERM) the same, and ``ServerStopping`` is raised: the client is told (503) while the
     server can still answer, where a slow media URL had it fetching until the server closed the connection under it."""
-    outcome = {}
+    # What the watch saw: "left" or "stopping". Only that: the watch, cancelled, ends up in a reference cycle of
+    # anyio's (its CancelledError's traceback holds its frame), and whatever its closure reaches stays until Python's
+    # next full garbage collection; the parsed request (the ticket, and with it the prompt's pictures and the answer's
+    # prefill) must not be among it.
+    seen: dict[str, bool] = {}
+    parsed, failure = None, None
     async with anyio.create_task_group() as group:
         async def watch():
             while not stopping():
                 if await request.is_disconnected():
-                    outcome["left"] = True
+                    seen["left"] = True
                     break
                 await anyio.sleep(0.25)
             else:
-                outcome["stopping"] = True
+                seen["stopping"] = True
             allowance.cancelled.set()
             group.cancel_scope.cancel()
 
         group.start_soon(watch)
         try:
-            outcome["parsed"] = await _in_worker_thread(parse_and_submit, limiter=limiter, abandon_on_cancel=True)
+            parsed = await _in_worker_thread(parse_and_submit, limiter=limiter, abandon_on_cancel=True)
         except Exception as error:  # raised below as itself: out of the group it would be an ExceptionGroup
-            outcome["error"] = error
+            failure = error
         group.cancel_scope.cancel()  # parsed: the watch ends
-    if outcome.get("left"):
+    if seen.get("left"):
         return None
-    if "parsed" in outcome:  # submitted, if only just: the scheduler answers it (a closing one with ServerStopping)
-        return outcome["parsed"]
-    if outcome.get("stopping"):  # its fetch was stopped: whatever it raised for that is not the request's fault
+    if parsed is not None:  # submitted, if only just: the scheduler answers it (a closing one with ServerStopping)
+        return parsed
+    if seen.get("stopping"):  # its fetch was stopped: whatever it raised for that is not the request's fault
         raise ServerStopping(STOPPING)
-    raise outcome.pop("error")  # left in ``outcome``, held by this frame in its traceback: a cycle (_in_worker_thread)
+    try:
+        raise failure
+    finally:  # else this frame, in the error's traceback, holds the error: a cycle (_in_worker_thread)
+        del failure
 
 
 async def _in_worker_thread(work, **options):
@@ -817,7 +825,10 @@ async def _first(request: Request, ticket, channel: Channel, whole: bool):
         if item is None:  # ended before it started (cancelled)
             return None
         if isinstance(item, BaseException):
-            raise item
+            try:
+                raise item
+            finally:  # else this frame, in the error's traceback, holds the error: a cycle (_in_worker_thread)
+                del item
         if not whole or item.result is not None:
             return item
 

@@ -140,7 +140,10 @@ class Ticket:
                 if item is None:  # cancelled before its first token
                     return
                 if isinstance(item, BaseException):
-                    raise item
+                    try:
+                        raise item
+                    finally:  # else this frame, in the error's traceback, holds the error: a cycle (_first, in api)
+                        del item
                 yield item
                 if item.result is not None:
                     return
