@@ -618,7 +618,7 @@ class Engine:
             error, request.error = request.error, None
             try:
                 raise error
-            finally:  # held by the request or this frame, both in the error's traceback: a cycle (VisionJob.join)
+            finally:  # held by the request or this frame, both in the error's traceback: a reference cycle
                 del error
         if request.cancel is not None and request.cancel.is_set():
             self.finish(request, "cancelled")
@@ -798,6 +798,11 @@ class Engine:
         finally:
             if vision is not None:
                 vision.wait()  # never leave the encoder running on a failed request
+                # The encoder's error, raised at the join or never joined (the prefill stopped first), goes now. Kept
+                # on the job, whose frames its traceback holds, it was a reference cycle, which kept the prefill's
+                # hidden states (GPU memory) until Python's next full garbage collection: a client leaving during the
+                # vision encoder ends its prefill this way.
+                vision.error = None
         if spans is not None:
             self.prefix_cache.put(prompt.input_ids, ctx.positions, spans, ctx.cache)
         return logits
@@ -1091,14 +1096,7 @@ class VisionJob:
         ctx.vision_encoder_s = self.seconds
         ctx.vision_wait_s = self.seconds if self.running is None else time.perf_counter() - start
         if self.error is not None:
-            # Raised from neither the job nor this frame: both are in the error's traceback, and holding it there
-            # is a reference cycle, which kept the prefill's hidden states and cache (GPU memory) until Python's next
-            # full garbage collection. A client leaving during the vision encoder ends its prefill this way.
-            error, self.error = self.error, None
-            try:
-                raise error
-            finally:
-                del error
+            raise self.error  # (the prefill drops it from the job when it ends: Engine._prefill_layers)
         for rows, features, layers in self.features:
             for tensor in (features, *layers):
                 if tensor.is_cuda:  # made on the side stream, used from now on on the main one
