@@ -37,6 +37,8 @@ with sync_playwright() as p:
     page.locator("#chat button[aria-label='Retry']").last.click()
     page.wait_for_function("old => { const t = document.querySelector('#metrics').innerText; "
                            "return t !== old && t.includes('unpruned; time to first token'); }", arg=first, timeout=300_000)
-    page.wait_for_timeout(1000)
+    # The metrics may change before the chat is done (a shot once caught "processing" over a greyed-out table).
+    page.wait_for_function("!document.body.innerText.includes('processing |')", timeout=300_000)
+    page.wait_for_timeout(3000)
     page.screenshot(path=out, full_page=True)
     browser.close()
