@@ -48,6 +48,12 @@ SMALL_BODY_BYTES = 256 * 2**10
 BODY_DONE = "glimpse.body_done"
 BODY_TIMEOUT_S = 120.0  # a body that has not all arrived by then (a client trickling it in) gets 408; 64 MiB at
 # 4.5 Mbit/s
+# A body that holds room yields it early, with the 408 it would get at its deadline anyway, when other bodies wait for
+# room and, at the rate it has arrived since it took the room, it would not be in by its deadline: four clients that
+# announced 64 MiB, sent 256 KiB and fell silent held all the room for 120 s, a picture sent by anyone else waiting that
+# long (found here, 2026-12-06). Judged only after this long holding it (a rate over less is noise).
+ROOM_GRACE_S = 5.0
+ROOM_POLL_S = 0.5  # how often a body found too slow looks again whether others wait for its room
 UPLOAD_MIN_BYTES_PER_S = 32 * 2**10  # an upload gets BODY_TIMEOUT_S plus its Content-Length at this rate
 LOW_OPEN_FILE_LIMIT = 4096  # below this many open files, glimpse serve says so as it starts
 MAX_LOG_WRITE = 16 * 2**10  # characters: one write to the server's log longer than this is cut in its middle
@@ -218,8 +224,10 @@ class BodyLimits:
     connection), and gives it back when the application calls ``scope[BODY_DONE]()`` or the response has been sent. A
     burst of large bodies is so received a few at a time, each answered whole. (A 503 would have reached few of their
     clients: closing a connection whose body is unread resets it. Room taken as bytes arrive instead deadlocked: twenty
-    bodies half arrived filled it, and all waited for one another until their 408.) Small bodies never wait, and a
-    request the application refuses before reading its body (a 401) takes none.
+    bodies half arrived filled it, and all waited for one another until their 408.) A body holding room that, at the
+    rate it has arrived since it took it, would not be in by its deadline gets that 408 early, once it has held the room
+    ``ROOM_GRACE_S`` and another body waits for room: a client that stops sending holds room only while nobody needs
+    it. Small bodies never wait, and a request the application refuses before reading its body (a 401) takes none.
     The application then sees the client as gone (``http.disconnect``) and whatever it answers is replaced by the
     refusal. ``on_refused(path)`` is told of each refusal (the API counts its own in /metrics)."""
 
@@ -227,15 +235,19 @@ class BodyLimits:
         self.app, self.on_refused = app, on_refused
         self.bodies_bytes = 0  # the room the large bodies under way hold (only the event loop changes it)
         self.freed: asyncio.Event | None = None  # set when room is given back (made in the event loop, as needed)
+        self.waiting = 0  # bodies waiting for room now
 
     async def _take_room(self, size: int, deadline: float) -> bool:
         """Take ``size`` bytes of room, waiting for it until ``deadline`` at the latest (then False)."""
         while self.bodies_bytes + size > MAX_BODIES_BYTES:
             self.freed = self.freed or asyncio.Event()
+            self.waiting += 1
             try:
                 await asyncio.wait_for(self.freed.wait(), timeout=max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
                 return False
+            finally:
+                self.waiting -= 1
         self.bodies_bytes += size
         return True
 
@@ -262,7 +274,9 @@ class BodyLimits:
                 return await self._refuse(scope, send, 413)
         deadline = time.monotonic() + allowed_s  # None once the body is in
         refusal: int | None = None
+        refusal_message: str | None = None  # why, where not the deadline
         received, room, started = 0, None, False  # room: what this body holds of MAX_BODIES_BYTES (None: none yet)
+        room_since, received_then = 0.0, 0  # when it took its room, and how much of it had arrived by then
 
         def body_done() -> None:
             nonlocal room
@@ -271,7 +285,7 @@ class BodyLimits:
             room = 0  # taken once, given back once
 
         async def limited_receive():
-            nonlocal refusal, received, room, deadline
+            nonlocal refusal, refusal_message, received, room, deadline, room_since, received_then
             if refusal is not None:
                 return {"type": "http.disconnect"}
             if deadline is None:  # the body is in: what the application waits for now is the client leaving
@@ -281,12 +295,27 @@ class BodyLimits:
                 if not await self._take_room(size, deadline):  # meanwhile no more of it is read
                     refusal = 408
                     return {"type": "http.disconnect"}
-                room = size
-            try:
-                message = await asyncio.wait_for(receive(), timeout=max(deadline - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                refusal = 408
-                return {"type": "http.disconnect"}
+                room, room_since, received_then = size, time.monotonic(), received
+            while True:
+                now = time.monotonic()
+                wait_s = deadline - now
+                if room:  # holding room: from ``slow_at`` on it would not be in by its deadline at its rate so far
+                    slow_at = _too_slow_at(room_since, received - received_then, room - received, deadline)
+                    wait_s = min(wait_s, max(slow_at - now, ROOM_POLL_S))
+                try:
+                    message = await asyncio.wait_for(receive(), timeout=max(wait_s, 0.0))
+                    break
+                except asyncio.TimeoutError:
+                    now = time.monotonic()
+                    if now >= deadline:
+                        refusal = 408
+                        return {"type": "http.disconnect"}
+                    if room and now >= slow_at and self.waiting:  # its 408 now, and the room to those waiting
+                        refusal, refusal_message = 408, (
+                            f"the request body was arriving too slowly to be in within {allowed_s:.0f} s, and other "
+                            "requests were waiting for the room it held")
+                        return {"type": "http.disconnect"}
+                    # too slow, but nobody needs its room (yet): it may take its time until its deadline
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if cap is not None and received > cap:
@@ -314,14 +343,24 @@ class BodyLimits:
         finally:
             body_done()
         if refusal is not None and not started:
-            await self._refuse(scope, send, refusal, allowed_s)
+            await self._refuse(scope, send, refusal, allowed_s, refusal_message)
 
-    async def _refuse(self, scope, send, status: int, allowed_s: float = 0.0) -> None:
+    async def _refuse(self, scope, send, status: int, allowed_s: float = 0.0, message: str | None = None) -> None:
         self.on_refused(scope["path"])
         cap = f"{MAX_BODY_BYTES / 2**20:g} MiB" if MAX_BODY_BYTES >= 2**20 else f"{MAX_BODY_BYTES / 2**10:g} KiB"
-        message = (f"the request body is larger than {cap}" if status == 413
-                   else f"the request body did not arrive within {allowed_s:.0f} s")
+        message = message or (f"the request body is larger than {cap}" if status == 413
+                              else f"the request body did not arrive within {allowed_s:.0f} s")
         await refuse(send, status, message, headers=((b"connection", b"close"),))
+
+
+def _too_slow_at(since: float, arrived: int, remaining: int, deadline: float) -> float:
+    """When a body that took its room at ``since``, ``arrived`` bytes of it since then and ``remaining`` still to
+    come, becomes too slow if nothing more arrives: the time t at which what its rate so far would bring by its
+    deadline, ``arrived / (t - since) * (deadline - t)``, falls to ``remaining``; never before ``ROOM_GRACE_S``. A body
+    arriving just fast enough to be in by its deadline is on that edge all along; one that has stopped reaches it."""
+    remaining = max(remaining, 0)
+    crossing = (arrived * deadline + remaining * since) / (arrived + remaining) if arrived + remaining else deadline
+    return max(since + ROOM_GRACE_S, crossing)
 
 
 # The refusals' ``code``: a string, as the API's errors have (typed clients parse a number there as an error).

@@ -470,8 +470,92 @@ def test_large_bodies_arriving_together_wait_for_room_and_small_ones_never_do(mo
             thread.join(timeout=60)
         assert replies["/waits"].status_code == 200 and replies["/waits"].text == "327680" == str(seen["/waits"])
         assert replies["/hold"].text == replies["/done-then-hold"].text == "500000"
-        assert limits.bodies_bytes == 0
+        wait_until(lambda: limits.bodies_bytes == 0)  # given back once the answer is sent: maybe after it arrived
 
+
+
+def test_a_body_that_stops_arriving_keeps_its_room_only_while_nobody_waits_for_it(monkeypatch):
+    """Four clients that announced 64 MiB, sent 256 KiB and fell silent held all the bodies' room for their 120 s, a
+    picture sent by anyone else waiting that long. A body holding room that, at the rate it has arrived since it took
+    it, would not be in by its deadline now gets that 408 early, once it has held the room ``ROOM_GRACE_S`` and another
+    body waits for room, which then goes on whole. On an idle server the same body keeps its room; one arriving fast
+    enough for its deadline keeps it while others wait."""
+    import asyncio
+
+    from glimpse import connections
+
+    monkeypatch.setattr(connections, "MAX_BODIES_BYTES", 600_000)  # room for one of these bodies at a time
+    monkeypatch.setattr(connections, "SMALL_BODY_BYTES", 64 * 2**10)
+    monkeypatch.setattr(connections, "ROOM_GRACE_S", 0.5)
+    monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 20.0)
+    seen = {}
+
+    async def app(scope, receive, send):  # reads its whole body, as a route does, and answers its length
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                seen[scope["path"]] = "disconnected"
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        seen[scope["path"]] = len(body)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": str(len(body)).encode()})
+
+    def announce(port, path, first_bytes):  # a client that announces 500,000 bytes and sends only the first ones
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 500000\r\nConnection: close\r\n\r\n".encode()
+                       + b"s" * first_bytes)
+        return client
+
+    def wait_until(condition, within=10.0):
+        deadline = time.monotonic() + within
+        while not condition():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    def answer(client):  # all the server sends, until it closes the connection (the client asked it to)
+        client.settimeout(10)
+        got = b""
+        while chunk := client.recv(65536):
+            got += chunk
+        client.close()
+        return got.decode()
+
+    limits, replies = connections.BodyLimits(app), {}
+    for url in _serve(limits):
+        port = int(url.rsplit(":", 1)[1])
+        stalled = announce(port, "/stalled", 100_000)
+        wait_until(lambda: limits.bodies_bytes == 500_000)  # past SMALL_BODY_BYTES: it holds room for all of itself
+        time.sleep(1.5)  # three times its grace, with nobody waiting: it keeps the room
+        assert limits.bodies_bytes == 500_000 and "/stalled" not in seen
+
+        waiter = threading.Thread(target=lambda: replies.update(
+            waits=httpx.post(url + "/waits", content=b"w" * 500_000, timeout=60)))
+        waiter.start()
+        refused = answer(stalled)
+        assert refused.startswith("HTTP/1.1 408") and "arriving too slowly to be in within 20 s" in refused, refused
+        waiter.join(timeout=30)
+        assert replies["waits"].status_code == 200 and replies["waits"].text == "500000"
+        assert seen["/stalled"] == "disconnected"
+
+        # A body arriving fast enough for its deadline, but slower than its grace and the waiter's patience, keeps it.
+        steady = announce(port, "/steady", 100_000)
+        wait_until(lambda: limits.bodies_bytes == 500_000)
+        waiter = threading.Thread(target=lambda: replies.update(
+            after=httpx.post(url + "/after", content=b"a" * 500_000, timeout=60)))
+        waiter.start()
+        wait_until(lambda: limits.waiting == 1)
+        for _ in range(20):  # the other 400,000 bytes over 2 s: 200 KB/s, in time for a 20 s deadline
+            time.sleep(0.1)
+            steady.sendall(b"s" * 20_000)
+        answered = answer(steady)  # chunked: the length's 6 digits, then the length
+        assert answered.startswith("HTTP/1.1 200") and "\r\n6\r\n500000\r\n" in answered, answered
+        waiter.join(timeout=30)
+        assert replies["after"].status_code == 200 and replies["after"].text == "500000"
+        wait_until(lambda: limits.bodies_bytes == 0 and limits.waiting == 0)  # given back once the answer is sent
 
 
 def test_a_refused_request_leaves_its_body_behind_in_no_reference_cycle(server):
