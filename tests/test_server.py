@@ -480,8 +480,6 @@ def test_a_body_that_stops_arriving_keeps_its_room_only_while_nobody_waits_for_i
     it, would not be in by its deadline now gets that 408 early, once it has held the room ``ROOM_GRACE_S`` and another
     body waits for room, which then goes on whole. On an idle server the same body keeps its room; one arriving fast
     enough for its deadline keeps it while others wait."""
-    import asyncio
-
     from glimpse import connections
 
     monkeypatch.setattr(connections, "MAX_BODIES_BYTES", 600_000)  # room for one of these bodies at a time
@@ -506,8 +504,8 @@ def test_a_body_that_stops_arriving_keeps_its_room_only_while_nobody_waits_for_i
 
     def announce(port, path, first_bytes):  # a client that announces 500,000 bytes and sends only the first ones
         client = socket.create_connection(("127.0.0.1", port))
-        client.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 500000\r\nConnection: close\r\n\r\n".encode()
-                       + b"s" * first_bytes)
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 500000\r\nConnection: close\r\n\r\n"
+        client.sendall(head.encode() + b"s" * first_bytes)
         return client
 
     def wait_until(condition, within=10.0):
