@@ -400,6 +400,21 @@ def test_a_client_that_leaves_halfway_through_its_body_leaves_no_traceback(serve
 
 
 
+async def _whole_body(scope, receive, seen: dict) -> bytes | None:
+    """An ASGI application's reading of its request body, as a route reads it: the whole body, or None when it is told
+    the client is gone. ``seen[path]`` records which: the body's length, or "disconnected"."""
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            seen[scope["path"]] = "disconnected"
+            return None
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            seen[scope["path"]] = len(body)
+            return body
+
+
 def test_large_bodies_arriving_together_wait_for_room_and_small_ones_never_do(monkeypatch):
     """Large bodies take room for all of themselves out of what all of them may hold together (twenty 60 MB data URLs
     at once took the server from 1.9 to 6.4 GB; a hundred would have had it killed for memory), until the application
@@ -416,16 +431,9 @@ def test_large_bodies_arriving_together_wait_for_room_and_small_ones_never_do(mo
     release, seen, refusals = threading.Event(), {}, []
 
     async def app(scope, receive, send):  # reads its whole body (as a route does), then holds it until released
-        body = b""
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                seen[scope["path"]] = "disconnected"
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        seen[scope["path"]] = len(body)
+        body = await _whole_body(scope, receive, seen)
+        if body is None:
+            return
         if scope["path"] == "/done-then-hold":
             scope[connections.BODY_DONE]()
         if scope["path"].endswith("hold"):
@@ -489,16 +497,9 @@ def test_a_body_that_stops_arriving_keeps_its_room_only_while_nobody_waits_for_i
     seen = {}
 
     async def app(scope, receive, send):  # reads its whole body, as a route does, and answers its length
-        body = b""
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                seen[scope["path"]] = "disconnected"
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
-        seen[scope["path"]] = len(body)
+        body = await _whole_body(scope, receive, seen)
+        if body is None:
+            return
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": str(len(body)).encode()})
 
