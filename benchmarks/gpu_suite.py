@@ -31,7 +31,12 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
 5. rlt: RLT (leaving a video's repeated tokens out before the encoder) on a still-camera clip of the larger video
    size, alone and under LazyLLM, against the baseline: time to first token split into prompt building, vision
    encoder and decoder prefill.
-6. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots; ST3, ZipVL's packed KV
+6. crossover: where pruning starts to pay on this GPU. The uncalibrated ``auto`` (LazyLLM in prefill) at speeds 0.75 and
+   1 against no pruning on the Qwen2-VL-7B model's images of 1K, 2K and 4K visual tokens: time to first token and
+   to the end of a 16-token answer. Every policy was slower than no pruning on LLaVA-1.5-7B's 617-token image and
+   faster on the 8K-token video (2026-11-26 and 27); the sizes between tell a prompt-size guard for the uncalibrated
+   default where to stand (since 2026-12-06).
+7. decode: tokens/s at batch 1 and 16 on LLaVA-1.5-7B, the engine (none in eager KV slots; ST3, ZipVL's packed KV
    and auto at speed 1 — uncalibrated, LazyLLM pruning in prefill only, which decodes plainly and so in the CUDA
    graph — as the engine runs them by default: ST3 and ZipVL in the CUDA graph too since 2026-12-02, ST3's
    annealing hiding evicted entries in the slots instead of removing them at every step, ZipVL's packed KV in
@@ -43,14 +48,14 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    it); ST3's KV after 64 answer tokens against the baseline's. Since 2026-12-02 also what capturing the step
    costs: a capturing, an eager and a replayed decode step of the same requests at batch 1 and 16, and so how many
    replays pay for a capture (a served batch forms new slot groups, and captures again, every few steps).
-7. caption: issue 26's pipeline on a GPU, its two stages measured apart (Ray itself is not on the lent machine:
+8. caption: issue 26's pipeline on a GPU, its two stages measured apart (Ray itself is not on the lent machine:
    its wheel is larger than what a call may carry): the model stage, ``CaptionStage`` — what each Ray actor
    runs — over batches of decoded JPEG photos on the LLaVA-1.5-7B engine (images/s for one actor, one GPU),
    and the decode stage, ``decode_input`` on one CPU thread as each Ray task runs it (CPU-seconds per image,
    and per video for the Qwen2-VL-7B videos when an earlier section made them); from the two, the CPUs of
    decoding that keep one GPU actor fed, and which stage bounds a node. Then the local captioner
    (``glimpse caption``) over the same photos, reading included, against the actor's rate.
-8. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
+9. profile: torch.profiler over one prefill (transformers' forward and the engine's) of the smaller video and
    over four decode steps at batch 1 and 16 (KV slots and per request): operator calls, host syncs and the
    heaviest operators on host and device — where the time goes that the sections above only total.
 
@@ -122,6 +127,7 @@ class Shapes:
     llava_preset: str
     llava_vision_depth: int
     video_tokens: tuple[int, ...]
+    crossover_image_tokens: tuple[int, ...]  # the crossover section's image sizes (Qwen2-VL visual tokens)
     exact_new_tokens: int
     decode_new_tokens: int
     decode_batch: int
@@ -129,8 +135,9 @@ class Shapes:
     caption_images: int  # the caption section's inputs, captioned in batches of glimpse caption's default (8)
 
 
-REAL = Shapes("qwen2-vl-7b", 32, "llava-1.5-7b", 24, (8192, 16384), 16, 64, 16, 3, 48)
-SMOKE = Shapes("tiny", 1, "llava-tiny", 1, (256, 512), 4, 4, 2, 1, 4)
+REAL = Shapes("qwen2-vl-7b", 32, "llava-1.5-7b", 24, (8192, 16384), (1024, 2048, 4096), 16, 64, 16, 3, 48)
+SMOKE = Shapes("tiny", 1, "llava-tiny", 1, (256, 512), (64, 128), 4, 4, 2, 1, 4)
+CROSSOVER_SPEEDS, CROSSOVER_NEW_TOKENS = [0.75, 1.0], 16  # uncalibrated, auto prunes from 0.6 on
 CAPTION_BATCH, CAPTION_NEW_TOKENS = 8, 64  # glimpse caption's defaults
 
 
@@ -802,8 +809,30 @@ def rlt(suite: Suite) -> dict:
     return {"prompt_tokens": last["none"]["prompt_tokens"], "runs": suite.shapes.runs, "rows": out}
 
 
+def crossover(suite: Suite) -> dict:
+    """The uncalibrated ``auto`` against no pruning on Qwen2-VL-7B images of a few sizes (``glimpse bench``'s runner,
+    alternating): from which prompt size pruning pays on this GPU, to the first token and to the end of an answer."""
+    engine = suite.engine("qwen")
+    prompts = {}
+    for tokens in suite.shapes.crossover_image_tokens:
+        messages = user_message("Describe the image in detail.", [("image", random_image(tokens))])
+        prompts[f"image {engine.prepare(messages).token_counts()['image']}"] = messages
+    report = run_bench(engine, prompts, ["auto"], CROSSOVER_SPEEDS, runs=suite.shapes.runs, warmup=1,
+                       progress=lambda line: None, model=engine.model_id, new_tokens=CROSSOVER_NEW_TOKENS)
+    rows = []
+    for row in report["rows"]:
+        if row["policy"] == "none":
+            continue
+        row.pop("active_tokens_per_layer", None)
+        rows.append(row)
+        suite.progress(f"  {row['prompt']} auto@{row['speed']:g}: TTFT x{row['ttft_speedup']:.2f}, "
+                       f"end to end x{row['e2e_speedup']:.2f}, FLOPs x{row['flops_speedup']:.2f}")
+    return {"model": suite.shapes.qwen_preset, "runs": suite.shapes.runs, "new_tokens": CROSSOVER_NEW_TOKENS,
+            "rows": rows}
+
+
 SECTIONS = {"exactness": exactness, "overhead": overhead, "overlap": overlap, "policies": policies, "rlt": rlt,
-            "decode": decode, "caption": caption, "profile": profile}
+            "crossover": crossover, "decode": decode, "caption": caption, "profile": profile}
 
 
 # -------------------------------------------------------------------------------------------- report
@@ -990,6 +1019,16 @@ def markdown(report: dict) -> str:
                              "last run's TTFT (s) = prompt building + vision encoder + decoder"],
                             [[r["config"], f"{r['left_out']:.0%}", f"{r['median_s']:.3f}", _f(r["ttft_speedup"]),
                               _ttft_split(r)] for r in section["rows"]])
+        elif name == "crossover":
+            lines += [f"{section['model']}, uncalibrated auto against no pruning, median of {section['runs']}; end to "
+                      f"end: the first token and {section['new_tokens'] - 1} more", ""]
+            lines += _table(["prompt", "auto@speed", "TTFT base -> auto (s)", "TTFT speedup", "end-to-end speedup",
+                             "decoder-prefill speedup", "FLOPs speedup", "own cost (ms)"],
+                            [[r["prompt"], f"auto@{r['speed']:g}", f"{r['baseline_ttft_s']:.3f} -> {r['ttft_s']:.3f}",
+                              _f(r["ttft_speedup"]), _f(r["e2e_speedup"]), _f(r["decoder_prefill_speedup"]),
+                              _f(r["flops_speedup"]),
+                              _f(None if r.get("own_cost_s") is None else r["own_cost_s"] * 1000, 1)]
+                             for r in section["rows"]])
         elif name == "overlap":
             med = section["median_ttft_s"]
             lines += [f"{section['policy']} on {section['prompt']} ({section['stream']}): TTFT sequential "

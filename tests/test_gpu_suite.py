@@ -18,7 +18,8 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "gpu_suite.json").read_text())
     sections = report["sections"]
-    assert list(sections) == ["exactness", "overhead", "overlap", "policies", "rlt", "decode", "caption", "profile"]
+    assert list(sections) == ["exactness", "overhead", "overlap", "policies", "rlt", "crossover", "decode", "caption",
+                              "profile"]
     assert not [name for name, s in sections.items() if "error" in s]
 
     exact = sections["exactness"]["rows"]
@@ -39,6 +40,14 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     # RLT on the still-camera clip: the same tokens left out alone and under LazyLLM, none by the baseline.
     rlt = {r["config"]: r for r in sections["rlt"]["rows"]}
     assert rlt["none"]["left_out"] == 0 < rlt["rlt@1"]["left_out"] == rlt["rlt@1 + lazyllm@1"]["left_out"] < 1
+    # Where pruning starts to pay: the uncalibrated auto at two speeds on each image size, each pruning more (by the
+    # FLOPs proxy) at the higher speed and on every size, timed to the first token and to the end of the answer.
+    crossover = sections["crossover"]["rows"]
+    assert [(r["prompt"].split()[0], r["speed"]) for r in crossover] == [("image", s) for _ in (64, 128)
+                                                                          for s in (0.75, 1.0)]
+    assert len({r["prompt"] for r in crossover}) == 2
+    for half, full in zip(crossover[::2], crossover[1::2]):
+        assert 1.0 < half["flops_speedup"] < full["flops_speedup"] and full["e2e_speedup"] > 0
     decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}
     assert decoders == {(b, d) for b in (1, 2)
                         for d in ("generate", "none", "st3", "zipvl", "auto", "none, per request", "none, CUDA graph")}
