@@ -23,6 +23,11 @@ then the server's running and waiting requests and KV once it settles (all shoul
 meanwhile: how long the refusals and the questions took (2026-12-05: decoding a data URL's base64 took 1.8 s of a core
 per 60 MB, and 16 such requests took 46 s to refuse).
 
+``--stalled-bodies N`` then has N clients announce 64 MiB bodies, send 300 KB of each and fall silent, and asks a
+question with a 2.7 MB data URL: how long it waited for the room the silent ones hold, and what they were answered
+(before 2026-12-06 four held all the room for their 120 s; now a body silent for ``ROOM_IDLE_S``, 20 s, while another
+waits for room is refused).
+
 ``--slow-clients N`` then opens N connections that send nothing and N that send a request head a line at a time
 without ever ending it (slowloris), checks that the server answers others meanwhile, and after the server's
 head deadline (``glimpse.connections.HEAD_TIMEOUT_S``, 30 s) counts how many of them it closed.
@@ -355,6 +360,44 @@ def large_bodies(url: str, count: int, client: httpx.Client) -> str:
             f"within {took:.1f} s; text questions meanwhile waited {', '.join(f'{w:.1f}' for w in waits)} s")
 
 
+def stalled_bodies(url: str, count: int, client: httpx.Client) -> str:
+    """``count`` connections that announce a 64 MiB body, send 300 KB of it and fall silent; then a question with a
+    2.7 MB data URL (a noise picture: a large body that must wait for room). How long it took, and what the silent
+    ones got."""
+    import io
+
+    from PIL import Image
+
+    from glimpse.connections import MAX_BODY_BYTES
+
+    address = (urlsplit(url).hostname, urlsplit(url).port or 80)
+    silent = []
+    for _ in range(count):
+        sock = socket.create_connection(address, timeout=10)
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {MAX_BODY_BYTES}\r\n\r\n".encode() + b"{" + b" " * 300_000)
+        silent.append(sock)
+    time.sleep(1)
+    picture = io.BytesIO()
+    Image.effect_noise((900, 900), 64).convert("RGB").save(picture, "PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+    asked = time.monotonic()
+    reply = client.post(url + "/v1/chat/completions", timeout=300, json={"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What colour is it?"}, {"type": "image_url", "image_url": {"url": data_url}}]}],
+        "max_tokens": 2})
+    waited = time.monotonic() - asked
+    answers = []
+    for sock in silent:
+        sock.settimeout(1)
+        try:
+            answers.append(sock.recv(100).split(b"\r\n")[0].decode() or "closed")
+        except OSError:
+            answers.append("nothing yet")
+        sock.close()
+    return (f"stalled bodies: a {len(data_url) / 2**20:.1f} MiB question beside {count} silent 64 MiB bodies answered "
+            f"{reply.status_code} after {waited:.1f} s; the silent ones: {', '.join(answers)}")
+
+
 def slow_clients(url: str, count: int, client: httpx.Client) -> str:
     """Open ``count`` silent connections and ``count`` that dribble an endless request head; report whether the
     server kept serving and how many of them it had closed once its head deadline passed."""
@@ -402,6 +445,8 @@ def main() -> None:
                         help="then S seconds of 16 clients that mostly leave before their answer ends")
     parser.add_argument("--slow-clients", type=int, default=0, metavar="N",
                         help="then N silent and N slowly dribbling connections (takes about 40 s)")
+    parser.add_argument("--stalled-bodies", type=int, default=0, metavar="N",
+                        help="then N silent 64 MiB bodies, and a 2.7 MB data-URL question that needs their room")
     parser.add_argument("--large-bodies", type=int, default=0, metavar="N",
                         help="then N clients at once sending 60 MiB data URLs, and text questions meanwhile")
     args = parser.parse_args()
@@ -461,6 +506,8 @@ def main() -> None:
         print(disconnects(args.url, args.disconnects, client))
     if args.slow_clients:
         print(slow_clients(args.url, args.slow_clients, client))
+    if args.stalled_bodies:
+        print(stalled_bodies(args.url, args.stalled_bodies, client))
     if args.large_bodies:
         print(large_bodies(args.url, args.large_bodies, client))
     health = client.get(args.url + "/health")
