@@ -46,8 +46,8 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert [(r["prompt"].split()[0], r["speed"]) for r in crossover] == [("image", s) for _ in (64, 128)
                                                                           for s in (0.75, 1.0)]
     assert len({r["prompt"] for r in crossover}) == 2
-    for half, full in zip(crossover[::2], crossover[1::2]):
-        assert 1.0 < half["flops_speedup"] < full["flops_speedup"] and full["e2e_speedup"] > 0
+    for lower, higher in zip(crossover[::2], crossover[1::2]):
+        assert 1.0 < lower["flops_speedup"] < higher["flops_speedup"] and higher["e2e_speedup"] > 0
     decoders = {(r["batch"], r["decoder"]) for r in sections["decode"]["rows"]}
     assert decoders == {(b, d) for b in (1, 2)
                         for d in ("generate", "none", "st3", "zipvl", "auto", "none, per request", "none, CUDA graph")}
