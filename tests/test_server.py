@@ -415,6 +415,20 @@ async def _whole_body(scope, receive, seen: dict) -> bytes | None:
             return body
 
 
+def _post_in_thread(url: str, path: str, content, into: dict) -> threading.Thread:
+    """POST ``content`` to ``url + path`` from a thread of its own (started), its response put in ``into[path]``."""
+    thread = threading.Thread(target=lambda: into.update({path: httpx.post(url + path, content=content, timeout=60)}))
+    thread.start()
+    return thread
+
+
+def _wait_until(condition, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_large_bodies_arriving_together_wait_for_room_and_small_ones_never_do(monkeypatch):
     """Large bodies take room for all of themselves out of what all of them may hold together (twenty 60 MB data URLs
     at once took the server from 1.9 to 6.4 GB; a hundred would have had it killed for memory), until the application
@@ -442,26 +456,14 @@ def test_large_bodies_arriving_together_wait_for_room_and_small_ones_never_do(mo
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": str(len(body)).encode()})
 
-    def post_in_thread(path, content, into):
-        thread = threading.Thread(target=lambda: into.update({path: httpx.post(url + path, content=content,
-                                                                               timeout=60)}))
-        thread.start()
-        return thread
-
-    def wait_until(condition):
-        deadline = time.monotonic() + 10
-        while not condition():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-
     limits, replies = connections.BodyLimits(app, on_refused=refusals.append), {}
     pieces = lambda: (b"w" * 32_768 for _ in range(10))  # noqa: E731 — 320 KB, sent without a Content-Length
     for url in _serve(limits):
-        threads = [post_in_thread("/done-then-hold", b"d" * 500_000, replies)]
-        wait_until(lambda: seen.get("/done-then-hold") == 500_000)
+        threads = [_post_in_thread(url, "/done-then-hold", b"d" * 500_000, replies)]
+        _wait_until(lambda: seen.get("/done-then-hold") == 500_000)
         assert limits.bodies_bytes == 0  # given back while its answer is still to come
-        threads.append(post_in_thread("/hold", b"h" * 500_000, replies))
-        wait_until(lambda: seen.get("/hold") == 500_000)
+        threads.append(_post_in_thread(url, "/hold", b"h" * 500_000, replies))
+        _wait_until(lambda: seen.get("/hold") == 500_000)
         assert limits.bodies_bytes == 500_000  # its Content-Length, held until its answer is sent
         monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 1.0)
         refused = httpx.post(url + "/refused", content=pieces(), timeout=30)  # wants 512 KiB: no room
@@ -470,7 +472,7 @@ def test_large_bodies_arriving_together_wait_for_room_and_small_ones_never_do(mo
         small = httpx.post(url + "/small", content=b"s" * 60_000, timeout=30)  # under SMALL_BODY_BYTES: no room taken
         assert small.status_code == 200 and small.text == "60000"
         monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 60.0)
-        threads.append(post_in_thread("/waits", pieces(), replies))
+        threads.append(_post_in_thread(url, "/waits", pieces(), replies))
         time.sleep(0.5)
         assert "/waits" not in replies and "/waits" not in seen  # read no further than its first pieces
         release.set()
@@ -478,7 +480,7 @@ def test_large_bodies_arriving_together_wait_for_room_and_small_ones_never_do(mo
             thread.join(timeout=60)
         assert replies["/waits"].status_code == 200 and replies["/waits"].text == "327680" == str(seen["/waits"])
         assert replies["/hold"].text == replies["/done-then-hold"].text == "500000"
-        wait_until(lambda: limits.bodies_bytes == 0)  # given back once the answer is sent: maybe after it arrived
+        _wait_until(lambda: limits.bodies_bytes == 0)  # given back once the answer is sent: maybe after it arrived
 
 
 
@@ -508,12 +510,6 @@ def test_a_body_that_stops_arriving_keeps_its_room_only_while_nobody_waits_for_i
         client.sendall(head.encode() + b"s" * first_bytes)
         return client
 
-    def wait_until(condition, within=10.0):
-        deadline = time.monotonic() + within
-        while not condition():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-
     def answer(client):  # all the server sends, until it closes the connection (the client asked it to)
         client.settimeout(10)
         got = b""
@@ -526,34 +522,30 @@ def test_a_body_that_stops_arriving_keeps_its_room_only_while_nobody_waits_for_i
     for url in _serve(limits):
         port = int(url.rsplit(":", 1)[1])
         stalled = announce(port, "/stalled", 100_000)
-        wait_until(lambda: limits.bodies_bytes == 500_000)  # past SMALL_BODY_BYTES: it holds room for all of itself
+        _wait_until(lambda: limits.bodies_bytes == 500_000)  # past SMALL_BODY_BYTES: it holds room for all of itself
         time.sleep(2.5)  # silent past its ROOM_IDLE_S, with nobody waiting: it keeps the room
         assert limits.bodies_bytes == 500_000 and "/stalled" not in seen
 
-        waiter = threading.Thread(target=lambda: replies.update(
-            waits=httpx.post(url + "/waits", content=b"w" * 500_000, timeout=60)))
-        waiter.start()
+        waiter = _post_in_thread(url, "/waits", b"w" * 500_000, replies)
         refused = answer(stalled)
         assert refused.startswith("HTTP/1.1 408") and "nothing of the request body arrived for 1 s" in refused, refused
         waiter.join(timeout=30)
-        assert replies["waits"].status_code == 200 and replies["waits"].text == "500000"
+        assert replies["/waits"].status_code == 200 and replies["/waits"].text == "500000"
         assert seen["/stalled"] == "disconnected"
 
         # A body that keeps arriving, over longer than ROOM_IDLE_S and while another waits, keeps its room.
         steady = announce(port, "/steady", 100_000)
-        wait_until(lambda: limits.bodies_bytes == 500_000)
-        waiter = threading.Thread(target=lambda: replies.update(
-            after=httpx.post(url + "/after", content=b"a" * 500_000, timeout=60)))
-        waiter.start()
-        wait_until(lambda: limits.waiting == 1)
+        _wait_until(lambda: limits.bodies_bytes == 500_000)
+        waiter = _post_in_thread(url, "/after", b"a" * 500_000, replies)
+        _wait_until(lambda: limits.waiting == 1)
         for _ in range(10):  # the other 400,000 bytes over 3 s, a piece every 0.3 s
             time.sleep(0.3)
             steady.sendall(b"s" * 40_000)
         answered = answer(steady)  # chunked: the length's 6 digits, then the length
         assert answered.startswith("HTTP/1.1 200") and "\r\n6\r\n500000\r\n" in answered, answered
         waiter.join(timeout=30)
-        assert replies["after"].status_code == 200 and replies["after"].text == "500000"
-        wait_until(lambda: limits.bodies_bytes == 0 and limits.waiting == 0)  # given back once the answer is sent
+        assert replies["/after"].status_code == 200 and replies["/after"].text == "500000"
+        _wait_until(lambda: limits.bodies_bytes == 0 and limits.waiting == 0)  # given back once the answer is sent
 
 
 def test_a_refused_request_leaves_its_body_behind_in_no_reference_cycle(server):
