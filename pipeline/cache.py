@@ -279,6 +279,20 @@ class LayerKV:
             self._visual += (sum(m != Modality.TEXT for m in modality.tolist()) if modality.numel() <= 64
                              else int((modality != Modality.TEXT).sum()))
 
+    def undo_append(self, index: torch.Tensor) -> None:
+        """Remove the entries of tokens ``index`` (sorted) appended last, if they are there: a decode step that failed
+        part-way appended them to the layers it reached (``KVCache.undo_append``). The records say what is stored;
+        an entry the step wrote without its record (it failed between the two, or before a slot step recorded it)
+        is beyond them and goes too. Only the lengths change: the storage holds the same entries as before the step."""
+        self._record_written()
+        records, count = self._index.view(), index.numel()
+        if records.numel() >= count and torch.equal(records[records.numel() - count:], index):
+            self._index.length -= count
+            self._modality.length -= count
+            self._visual = None  # recounted when read
+        tail = self._index.length - self.packed_entries()
+        self._key.length, self._value.length = min(self._key.length, tail), min(self._value.length, tail)
+
     def keys_values(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values in float — packed segments dequantized on the fly — for all entries, or
         for the entries at ``rows`` (positions in storage order), in the order of ``rows``."""
@@ -476,6 +490,14 @@ class KVCache:
         layer = self.layers[layer_idx]
         layer.add_records(index, modality)
         assert len(layer.index) == len(layer), "KV entries and their token records out of step"
+
+    def undo_append(self, index: torch.Tensor) -> None:
+        """Undo a decode step that failed part-way, before which the cache was whole: remove the entries it appended
+        for tokens ``index`` in the layers it reached. Only for a step that appended and did nothing else to the
+        cache (no revived tokens, no packing: ``Engine._undoable``)."""
+        index = index.cpu()
+        for layer in self.layers:
+            layer.undo_append(index)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return len(self.layers[layer_idx])

@@ -32,7 +32,7 @@ from glimpse.pipeline.decode_graph import SlotStep, fixed_shape_step
 from glimpse.pipeline.encoder_cache import EncoderCache, media_key
 from glimpse.pipeline.media_cache import MediaCache
 from glimpse.pipeline.metrics import MemoryMeter, Metrics, keep_map, prefill_flops, synchronize
-from glimpse.pipeline.out_of_memory import OutOfMemory, attempt
+from glimpse.pipeline.out_of_memory import OutOfMemory, attempt, is_out_of_memory, tried_to_allocate
 from glimpse.pipeline.prefix_cache import PrefixCache, media_spans
 from glimpse.pipeline.prompt import Prompt, PromptError, build_prompt
 from glimpse.pipeline.sampling import Sampling
@@ -608,7 +608,7 @@ class Engine:
                     for request in running:
                         request.note_memory(meter)
         finally:  # ended, failed, or its consumer left (a closed stream): the slots go with the batch
-            self.slot_groups = []
+            self.batch_ended()
 
     def take_token(self, request: "Request") -> int | None:
         """Append the request's chosen token to its answer and return it, or end the request (cancelled,
@@ -642,47 +642,122 @@ class Engine:
         if request.pending is not None:  # ended before the step that was to compute its prompt's end
             request.pending, request.t_first = None, request.t_end
 
-    def decode_step(self, running: list["Request"]) -> None:
+    def decode_step(self, running: list["Request"]) -> bool:
         """One decode step of every request in ``running`` together: each policy acts on its own cache
-        first (evict / pack), then one pass through the weights picks each request's next token."""
+        first (evict / pack), then one pass through the weights picks each request's next token.
+
+        Returns whether memory ran out on the way. A pass that runs out of memory is undone and run again in
+        smaller parts (``_passes``), so that it ends only the requests whose step cannot be undone or that do not
+        fit even alone; those end with ``OutOfMemory`` (``take_token`` raises it to their callers)."""
         t_step = time.perf_counter()
         for request in running:
             if request.pending is None:
                 try:
                     request.policy.decode_step(len(request.tokens), request.ctx)  # evict / pack KV before the step
                 except Exception as error:  # noqa: BLE001 — this request's policy failed: it alone ends
-                    request.error = error
+                    request.error = self._out_of_memory_said(error, "packing or evicting this request's KV cache")
                     self.finish(request, "error")
         running = [request for request in running if not request.done]
         if not running:
-            return
-        decoding = [request.pending is None for request in running]  # the others compute their prompt's end
-        for request, decodes in zip(running, decoding):
-            if decodes:
+            return False
+        for request in running:
+            if request.pending is None:
                 request.ctx.kv_bytes_per_step.append(request.ctx.cache.nbytes())  # what this step attends to
                 request.ctx.visual_kv_per_step.append(request.ctx.cache.visual_entries())
-        passed, tried = attempt(lambda: self._decode_pass(running, decoding))
-        if passed is None:
-            self.slot_groups = []
-            raise OutOfMemory(f"out of {self._memory_name()} memory decoding {len(running)} request"
-                              f"{'s' * (len(running) > 1)} together{tried}: fewer at once need less (glimpse serve "
-                              "--max-batch, glimpse caption --batch-size)")
-        running, decoding, logits = passed
-        for request, row, decodes in zip(running, logits, decoding):
-            if not decodes:
-                self._prompt_done(request, row)
-                continue
-            request.ctx.generated += 1
-            request.next_token = request.sampling.next(row, request.generator)  # reads the device: synced
+        passes, ran_out = self._passes(running)
+        decoded = []
+        for requests, decoding, logits in passes:
+            for request, row, decodes in zip(requests, logits, decoding):
+                if not decodes:
+                    self._prompt_done(request, row)
+                    continue
+                request.ctx.generated += 1
+                request.next_token = request.sampling.next(row, request.generator)  # reads the device: synced
+                decoded.append(request)
         seconds = time.perf_counter() - t_step
-        for request, decodes in zip(running, decoding):
-            if decodes:
-                request.ctx.step_s.append(seconds)
+        for request in decoded:
+            request.ctx.step_s.append(seconds)
+        return ran_out
 
-    def _decode_pass(self, running: list["Request"], decoding: list[bool]):
+    # After a step ran out of memory, its requests decode without KV slots (forming them copies every request's
+    # cache) and at most ``pass_limit`` requests per pass, until none of them is left (``short_for``: their ids):
+    # ``_passes`` sets these, ``batch_ended`` clears them. A server that is never idle gets its slots back too.
+    short_of_memory: bool = False
+    pass_limit: int | None = None
+    short_for: frozenset[int] = frozenset()
+
+    def _passes(self, running: list["Request"]) -> tuple[list[tuple[list, list, torch.Tensor]], bool]:
+        """The step's passes through the model, each (requests in the logits' row order, whether each decodes,
+        logits), and whether memory ran out. Usually one pass. One that runs out of memory is undone for each of its
+        requests whose step can be (``_undoable``; the others end with ``OutOfMemory``) and run again: without KV
+        slots, then in halves, down to one request, which ends if it does not fit alone. The parts that fit set
+        how many requests a pass takes until the batch ends (``pass_limit``): not one failed pass per step."""
+        if self.short_of_memory and not any(id(request) in self.short_for for request in running):
+            self.batch_ended()  # the requests that ran out of memory have all ended
+        limit = self.pass_limit or len(running)
+        todo = [running[i:i + limit] for i in range(0, len(running), limit)]
+        passes, ran_out = [], False
+        while todo:
+            part = todo.pop(0)
+            saved = {id(r): r.pending.hidden for r in part if r.pending is not None}  # decode() moves them on
+            passed, tried = attempt(lambda: self._decode_pass(part))
+            if passed is not None:
+                passes.append(passed)
+                continue
+            with_slots = self.decode_slots and not self.short_of_memory and any(decodes_plainly(r) for r in part)
+            ran_out, self.slot_groups, self.short_of_memory = True, [], True
+            self.short_for = self.short_for | {id(request) for request in part}
+            if not with_slots:  # it failed in a pass as small as it gets with this many: fewer from now on
+                self.pass_limit = min(self.pass_limit or len(part), (len(part) + 1) // 2)
+            undone = []
+            for request in part:
+                request.ctx.layer = None
+                if request.pending is not None:
+                    request.pending.hidden = saved[id(request)]
+                if self._undoable(request):
+                    request.ctx.cache.undo_append(request.pending.index if request.pending is not None
+                                                  else torch.tensor([len(request.ctx.prompt) + request.ctx.generated]))
+                    undone.append(request)
+                    continue
+                request.error = OutOfMemory(f"out of {self._memory_name()} memory decoding {len(part)} request"
+                                            f"{'s' * (len(part) > 1)} together{tried}: fewer at once need less "
+                                            "(glimpse serve --max-batch, glimpse caption --batch-size)")
+                self.finish(request, "error")
+            if with_slots and undone:  # without the slots' copies of their caches, it may fit
+                todo.insert(0, undone)
+            elif len(undone) > 1:
+                half = (len(undone) + 1) // 2
+                todo[:0] = [undone[:half], undone[half:]]
+            elif undone:
+                undone[0].error = OutOfMemory(f"out of {self._memory_name()} memory decoding this request, even on "
+                                              f"its own{tried}: a shorter prompt or answer needs less (beside other "
+                                              "requests, it may fit once they end)")
+                self.finish(undone[0], "error")
+        return passes, ran_out
+
+    def _undoable(self, request: "Request") -> bool:
+        """Whether a failed pass can be undone for ``request``: it appended the step's entries to its cache and
+        changed nothing else. Not so for a policy that revives prompt tokens in decode (LazyLLM: its revived
+        tokens' hidden states leave the aux cache) or whose step scores and packs KV (ZipVL filling a window)."""
+        policy = request.policy
+        return not policy.implements("decode_rows") and not (policy.implements("decode_score")
+                                                            and policy.scores_in_decode())
+
+    def _out_of_memory_said(self, error: Exception, work: str) -> Exception:
+        """``error`` as ``OutOfMemory`` when it is an allocation that failed (``work``: what failed), else itself."""
+        if not is_out_of_memory(error):
+            return error
+        return OutOfMemory(f"out of {self._memory_name()} memory {work}{tried_to_allocate(error)}")
+
+    def batch_ended(self) -> None:
+        """The requests decoding together all ended: their KV slots go, and a shortage of memory they met with it."""
+        self.slot_groups, self.short_of_memory, self.pass_limit, self.short_for = [], False, None, frozenset()
+
+    def _decode_pass(self, running: list["Request"]):
         """The step's pass through the model: (requests in the logits' row order, whether each decodes, logits)."""
         # Requests that can share one attention call per layer go first, in their slot groups (pipeline/batch_kv.py).
-        candidates = [request for request in running if self.decode_slots and decodes_plainly(request)]
+        slots = self.decode_slots and not self.short_of_memory
+        candidates = [request for request in running if slots and decodes_plainly(request)]
         groups = serve_step(self.slot_groups, candidates)
         if groups is None:
             self.slot_groups = []  # the old slots go before the new ones are made
@@ -697,7 +772,7 @@ class Engine:
         if groups:
             members = {id(request) for request in in_slots}
             running = in_slots + [request for request in running if id(request) not in members]
-            decoding = [request.pending is None for request in running]
+        decoding = [request.pending is None for request in running]
         return running, decoding, self.decode(running, groups)
 
     def _memory_name(self) -> str:

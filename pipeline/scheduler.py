@@ -48,7 +48,6 @@ from glimpse.vision import MEDIA_READERS, MEDIA_TIMEOUT_S
 from glimpse.common import UserError
 from glimpse.pipeline.engine import Engine, GenerationResult, PrefillInterrupted, Request, Sampling, StreamChunk
 from glimpse.pipeline.metrics import MemoryMeter
-from glimpse.pipeline.out_of_memory import OutOfMemory
 from glimpse.pipeline.prompt import Prompt
 from glimpse.pruning import Policy
 
@@ -461,26 +460,29 @@ class Scheduler:
                 for ticket in self.running:
                     ticket.batch = max(ticket.batch, len(stepping))
                 try:
-                    engine.decode_step(stepping)
+                    ran_out_of_memory = engine.decode_step(stepping)
                     with self.condition:
                         self.busy_since = time.perf_counter()
                 except Exception as error:  # noqa: BLE001 — the step itself failed: its requests end, the server goes on
-                    # (A policy's per-step work that fails is the request's own, in decode_step; this is a failure
-                    # inside the pass through the model, which no single request can be named for.)
-                    if isinstance(error, UserError):  # out of memory (pipeline/out_of_memory.py): said, not a bug
-                        print(f"glimpse: a decode step of {len(stepping)} requests failed: {error}", file=sys.stderr)
-                    else:
-                        traceback.print_exc()
-                    if isinstance(error, OutOfMemory) and len(step_tickets) > 1:
-                        self._reserve_less_after([t.reserved_bytes for t in step_tickets])
-                    engine.slot_groups = []
+                    # (A policy's per-step work that fails is the request's own, and a pass that runs out of memory
+                    # is undone and run again in parts, in decode_step; this is a failure inside the pass through
+                    # the model, which no single request can be named for.)
+                    traceback.print_exc()
+                    engine.batch_ended()
                     for request in stepping:
                         request.error = error
                         engine.finish(request, "error")
+                else:
+                    if ran_out_of_memory:
+                        ended = sum(request.error is not None for request in stepping)
+                        print(f"glimpse: a decode step of {len(stepping)} requests ran out of memory: it ran again "
+                              f"in smaller parts, without KV slots ({ended} ended, out of memory)", file=sys.stderr)
+                        if len(step_tickets) > 1:
+                            self._reserve_less_after([t.reserved_bytes for t in step_tickets])
                 for request in stepping:
                     request.note_memory(meter)
             else:
-                engine.slot_groups = []  # no batch left: its KV slots go now, not at the next request
+                engine.batch_ended()  # no batch left: its KV slots go now, not at the next request
 
     def _reserve_less_after(self, reservations: list[int]) -> None:
         """A decode step of requests holding these KV reservations ran out of memory: the budget promised more

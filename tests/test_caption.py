@@ -497,8 +497,10 @@ def test_a_loop_of_symbolic_links_is_an_input_not_the_end_of_collecting_them(tmp
 
 
 def test_a_batch_the_memory_cannot_hold_is_split_and_an_input_that_never_fits_fails_alone(model, checkpoints, tmp_path):
-    """Out of memory decoding a batch, the captioner halves it until it fits: every caption is the one made
-    without the shortage. An input whose prefill alone does not fit fails with what ran out; the others go on."""
+    """Out of memory decoding a batch, the engine undoes the step and decodes the batch in smaller parts until
+    they fit: every caption is the one made without the shortage, and every input is read once. An input whose
+    prefill alone does not fit fails with what ran out (the captioner halves the batch to find it); the others
+    go on."""
     from glimpse.caption import caption_inputs
     from glimpse.pipeline import load_engine
     from tiny_models import RunsOutOfMemory
@@ -513,10 +515,10 @@ def test_a_batch_the_memory_cannot_hold_is_split_and_an_input_that_never_fits_fa
             _Reading(engine) as reading:
         report = caption_inputs(engine, images, out=tmp_path / "short.jsonl", **options)
     assert fault.refused and report.failed == []
-    assert reading.calls == {p.name: 1 for p in images}  # the halves decode the prompts already built
+    assert reading.calls == {p.name: 1 for p in images}
     short = _lines(tmp_path / "short.jsonl")
     assert [r["caption"] for r in short] == [r["caption"] for r in _lines(tmp_path / "plenty.jsonl")]
-    assert [r["metrics"]["batch_size"] for r in short] == [2, 2, 2, 2]
+    assert [r["metrics"]["batch_size"] for r in short] == [4, 4, 4, 4]  # one batch, decoded in parts
 
     # On Qwen2-VL a larger picture is a longer prompt: the one whose prefill does not fit.
     qwen = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")

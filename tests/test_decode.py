@@ -537,6 +537,97 @@ def test_requests_in_kv_slots_decode_as_each_on_its_own_cache(deep_checkpoints, 
         assert one.metrics["visual_kv_per_step"] == other.metrics["visual_kv_per_step"]
 
 
+@pytest.mark.parametrize("policy,speed,step", [("none", 0.0, "slots"), ("none", 0.0, "own caches"),
+                                               ("st3", 1.0, "slots"), ("st3", 1.0, "fixed shape"),
+                                               ("zipvl", 1.0, "slots"), ("fastv", 0.8, "own caches")])
+def test_a_decode_step_that_runs_out_of_memory_part_way_is_undone_and_the_answers_are_as_with_memory_to_spare(
+        deep_checkpoints, media, policy, speed, step):
+    """A decode pass of three requests that runs out of memory half-way through the model, after the first layers
+    wrote the step's KV entries, is undone for every request (``KVCache.undo_append``) and run again in smaller
+    parts until it fits: without KV slots, then two requests, then one at a time. The answers, the KV each request
+    holds after every step and its visual KV are those of the same batch with memory to spare (ST3's evicted
+    entries hidden in slots, ZipVL's packed KV included). The steps after the first run one request at a time
+    straight away: the refused passes (with slots, without them, of two) are all of the first step's."""
+    from tiny_models import RunsOutOfMemory
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    engine.decode_slots, engine.decode_graphs = step != "own caches", step == "fixed shape"
+    conversations = [_messages(media), [{"role": "user", "content": "Write one line about the sea."}],
+                     [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                   {"type": "text", "text": "What colours? Answer at length."}]}]]
+    kwargs = dict(policy=policy, speed=speed, max_new_tokens=10, ignore_eos=True)
+    spare = engine.generate_batch(conversations, **kwargs)
+    # Two or three rows: only a decode step of two or three requests (every prompt is longer).
+    with RunsOutOfMemory(engine.adapter.layers[DEEP_LAYERS // 2].mlp, "cpu", lambda rows: 2 <= rows <= 3) as fault:
+        short = engine.generate_batch(conversations, **kwargs)
+    assert len(fault.refused) == (2 if step == "own caches" else 3)
+    for one, other in zip(short, spare):
+        assert one.token_ids == other.token_ids
+        for series in ("kv_bytes_per_step", "visual_kv_per_step"):
+            assert one.metrics[series] == other.metrics[series]
+    assert not engine.short_of_memory and engine.pass_limit is None  # gone with the batch
+    assert [r.token_ids for r in engine.generate_batch(conversations, **kwargs)] == [r.token_ids for r in spare]
+
+
+def test_a_request_whose_step_cannot_be_undone_ends_alone_when_memory_runs_out(deep_checkpoints, media):
+    """LazyLLM, as its paper decodes, revives pruned prompt tokens inside a decode step (their hidden states leave
+    its aux cache): a pass
+    that runs out of memory cannot be undone for it, so it ends, saying so, while the requests beside it are undone
+    and answer as they would have."""
+    from tiny_models import RunsOutOfMemory
+
+    from glimpse.pipeline import OutOfMemory
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    conversations = [_messages(media), [{"role": "user", "content": "Write one line about the sea."}]]
+    policies = [LazyLLM(percentiles=(0.4, 0.5, 0.6), decode_reselect=True), NoPruning()]  # the paper's revival
+    spare = engine.generate(conversations[1], policy="none", max_new_tokens=8, ignore_eos=True)
+    with torch.inference_mode():
+        requests = [engine.start(c, p, 0.0, 8, Sampling(False, 1.0, 1.0, None), ignore_eos=True)
+                    for c, p in zip(conversations, policies)]
+    # Every decode step of both requests (LazyLLM's revived tokens add rows) runs out of memory.
+    with RunsOutOfMemory(engine.adapter.layers[DEEP_LAYERS // 2].mlp, "cpu", lambda rows: rows >= 2) as fault, \
+            torch.inference_mode():
+        running, answer = list(requests), []
+        while running:
+            for request in running:
+                if request is requests[0] and request.error is not None:
+                    with pytest.raises(OutOfMemory, match="decoding 2 requests together"):
+                        engine.take_token(request)
+                elif (token := engine.take_token(request)) is not None and request is requests[1]:
+                    answer.append(token)
+            running = [request for request in running if not request.done]
+            if running:
+                engine.decode_step(running)
+    engine.batch_ended()
+    assert fault.refused and requests[0].finish == "error" and requests[0].error is None  # raised, and only once
+    assert answer == spare.token_ids
+
+
+def test_a_shortage_of_memory_lasts_while_the_requests_that_met_it_decode(deep_checkpoints, media):
+    """After a step ran out of memory, its requests decode without KV slots and in smaller parts, and so does a
+    request that joins them; once all of them have ended, the requests still decoding get their slots back, also
+    on a server that is never idle between them."""
+    from tiny_models import RunsOutOfMemory
+
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    conversations = [_messages(media), [{"role": "user", "content": "Write one line about the sea."}],
+                     [{"role": "user", "content": "And one about the hills."}]]
+    with torch.inference_mode():
+        met = [engine.start(c, "none", 0.0, 8, Sampling(False, 1.0, 1.0, None)) for c in conversations[:2]]
+        with RunsOutOfMemory(engine.adapter.layers[1].mlp, "cpu", lambda rows: rows == 2) as fault:
+            assert engine.decode_step(met)
+        assert len(fault.refused) == 2 and engine.short_of_memory and engine.pass_limit == 1
+        later = engine.start(conversations[2], "none", 0.0, 8, Sampling(False, 1.0, 1.0, None))
+        assert not engine.decode_step([*met, later])
+        assert engine.slot_groups == [] and engine.pass_limit == 1
+        engine.decode_step([met[1], later])
+        assert engine.slot_groups == []
+        engine.decode_step([later])  # the two that ran out of memory have ended
+        assert not engine.short_of_memory and [group.members for group in engine.slot_groups] == [[later]]
+    engine.batch_ended()
+
+
 def test_kv_slots_take_only_requests_that_fit_together_and_decode_plainly(deep_checkpoints, media):
     """A batch is as long as its longest member needs: a prompt many times longer than the others is left to
     decode on its own cache, and so is LazyLLM with the paper's re-selection (it revives prompt tokens in decode);

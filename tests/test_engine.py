@@ -1007,7 +1007,7 @@ def test_running_out_of_memory_is_said_as_such_frees_the_failed_pass_and_the_nex
     prompt = f"prefilling this prompt of {counts['text']:,} text and {counts['image']:,} image tokens"
     gc.disable()  # freed by reference counting, not by a later collection
     try:
-        for when, words in ((PREFILL, prompt), (DECODE, "decoding 1 request together")):
+        for when, words in ((PREFILL, prompt), (DECODE, "decoding this request, even on its own")):
             with RunsOutOfMemory(mlp, kind, when) as fault, pytest.raises(OutOfMemory) as raised:
                 engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
             message = str(raised.value)

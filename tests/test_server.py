@@ -2362,7 +2362,7 @@ def test_a_request_the_memory_cannot_hold_is_a_503_that_says_so_and_the_next_ans
         events = [json.loads(line[6:]) for line in reply.text.splitlines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
         assert events[-1]["error"]["type"] == "server_error", events[-1]
-        assert events[-1]["error"]["message"].startswith("out of CPU memory decoding 1 request together"), events[-1]
+        assert events[-1]["error"]["message"].startswith("out of CPU memory decoding this request, even on its own"), events[-1]
         assert reply.text.rstrip().endswith("data: [DONE]") and fault.refused
     again = httpx.post(url, json=body("olive"), timeout=60)
     assert again.status_code == 200
