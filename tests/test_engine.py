@@ -937,6 +937,34 @@ def test_a_deferred_prompt_end_is_computed_by_the_next_decode_step_or_ends_clean
         assert ended.token_ids == [] and ended.metrics["ttft_s"] >= 0
 
 
+def test_a_prompt_end_in_a_decode_step_that_runs_out_of_memory_is_computed_again_in_a_smaller_pass(
+        checkpoints, media):
+    """A deferred prompt end joins the running request's decode step; when that pass runs out of memory part-way,
+    both are undone (the prompt end's entries and its rows' hidden states as they were) and computed again apart:
+    each answer is the one it gives with memory to spare."""
+    from glimpse.pipeline.engine import Sampling
+    from glimpse.pipeline.metrics import MemoryMeter
+    from tiny_models import RunsOutOfMemory
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    first = _messages("image", media)
+    again = [{"role": "user", "content": [first[0]["content"][0], {"type": "text", "text": "Any text in it?"}]}]
+    sea = [{"role": "user", "content": "Write one line about the sea."}]
+    expected = [engine.generate(m, policy="none", max_new_tokens=MAX_NEW).token_ids for m in (sea, again)]
+    engine.prefix_cache.max_bytes = 64 * 2**20
+    engine.generate(first, policy="none", max_new_tokens=1)  # the picture's prompt, now in the cache
+    with torch.inference_mode():
+        running = engine.start(sea, "none", 0.0, MAX_NEW, Sampling())
+        joining = engine.start(again, "none", 0.0, MAX_NEW, Sampling(), defer=True)
+        rows = 1 + joining.pending.count  # the pass of both: the running request's new token, the prompt's end
+        answers = {id(running): [], id(joining): []}
+        with RunsOutOfMemory(engine.adapter.layers[1].mlp, "cpu", lambda n: n == rows) as fault:
+            for request, token in engine._decode_loop([running, joining], MemoryMeter(engine.device)):
+                answers[id(request)].append(token)
+    assert len(fault.refused) == 2 and joining.ctx.reused_tokens > 0  # with KV slots (for one) and without
+    assert [answers[id(running)], answers[id(joining)]] == expected
+
+
 def test_a_media_items_digest_is_computed_once_and_keys_both_caches():
     """The encoder cache and the prefix cache key an item by the digest of what the encoder reads: computed the
     first time, kept on the item (its pixels are hashed once per request), and the same for equal inputs."""
