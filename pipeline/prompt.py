@@ -152,7 +152,9 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
     cache = cache if cache is not None else MediaCache()  # off: prepares every item
 
     def prepare_image(source) -> MediaInput:
-        return _prepared(adapter.prepare_image, vision.load_image(source), "image")
+        image = vision.load_image(source)
+        vision.check_reading(source)  # before the processor resizes it: for a large picture, longer than its decoding
+        return _prepared(adapter.prepare_image, image, "image")
 
     def prepare_video(source) -> MediaInput:
         return _prepared(adapter.prepare_video, source, "video")
