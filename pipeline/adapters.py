@@ -58,6 +58,11 @@ def patch_times(indices: list[int], source_fps: float, temporal_patch_size: int)
     return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size)]
 
 
+def _size_field(size, name: str):
+    """A field of an image processor's ``size`` (a ``SizeDict``, or a plain dict in older transformers), or None."""
+    return size.get(name) if isinstance(size, dict) else getattr(size, name, None)
+
+
 class Adapter:
     """Base class: the decoder parts are the same for every transformers VLM we support."""
 
@@ -77,6 +82,12 @@ class Adapter:
         self.embed_tokens = self.text_model.embed_tokens
         self.lm_head = model.lm_head
         self.text_config = self.config.text_config
+
+    @property
+    def image_fit(self) -> vision.ImageFit | None:
+        """What this model's image processor does to a picture's size: ``vision.load_image`` resizes a larger
+        picture to it as it decodes (docs/models.md). None where it is not known: the processor gets the picture."""
+        return None
 
     # -- tokens -------------------------------------------------------------------------------
     @property
@@ -166,6 +177,20 @@ class Qwen2VLAdapter(Adapter):
     @property
     def merge_size(self) -> int:
         return self.config.vision_config.spatial_merge_size
+
+    @property
+    def image_fit(self) -> vision.ImageFit | None:
+        ip = self.image_processor
+        min_pixels, max_pixels = _size_field(ip.size, "shortest_edge"), _size_field(ip.size, "longest_edge")
+        if not (ip.do_resize and min_pixels and max_pixels):
+            return None
+        factor = ip.patch_size * ip.merge_size  # the processor's own smart_resize, with its pixel bounds
+
+        def size(width: int, height: int) -> tuple[int, int]:
+            height, width = vision.smart_resize(height, width, factor, min_pixels, max_pixels)
+            return width, height
+
+        return vision.ImageFit(size, ip.resample)
 
     def prepare_image(self, image):
         # Resized and cut into patches, but kept as bytes: the encoder rescales and normalizes them on its device
@@ -420,6 +445,28 @@ class LlavaAdapter(Adapter):
         patch = self.config.vision_config.patch_size
         return pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch
 
+    # The processors whose resizing ``image_fit`` knows: a fixed size (the embedded model's), or the shortest edge
+    # (LLaVA-1.5's CLIP), before a centre crop. Others (one that pads to a square first) get the picture as it is.
+    FITTED_PROCESSORS = ("CLIPImageProcessorPil", "BitImageProcessorPil")
+
+    @property
+    def image_fit(self) -> vision.ImageFit | None:
+        ip = self.image_processor
+        if type(ip).__name__ not in self.FITTED_PROCESSORS or not ip.do_resize:
+            return None
+        fixed = _size_field(ip.size, "height"), _size_field(ip.size, "width")
+        shortest = _size_field(ip.size, "shortest_edge")
+        if all(fixed):
+            return vision.ImageFit(lambda width, height: fixed[::-1], ip.resample)
+        if not shortest or _size_field(ip.size, "longest_edge"):
+            return None
+
+        def size(width: int, height: int) -> tuple[int, int]:  # transformers' get_resize_output_image_size
+            longer = int(shortest * max(width, height) / min(width, height))
+            return (shortest, longer) if width <= height else (longer, shortest)
+
+        return vision.ImageFit(size, ip.resample)
+
     def prepare_image(self, image):
         pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
         gh, gw = self._tokens_per_image(pixels)
@@ -503,6 +550,9 @@ class LlavaNextAdapter(LlavaAdapter):
 
     name = "llava-next"
     model_class = "LlavaNextForConditionalGeneration"
+    # Anyres picks its tiling from the picture's own size, and a picture made smaller may pick another: the
+    # processor gets the picture as decoded.
+    FITTED_PROCESSORS = ()
 
     def __init__(self, model, tokenizer, image_processor):
         super().__init__(model, tokenizer, image_processor)

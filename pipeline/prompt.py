@@ -152,7 +152,7 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
     cache = cache if cache is not None else MediaCache()  # off: prepares every item
 
     def prepare_image(source) -> MediaInput:
-        image = vision.load_image(source)
+        image = vision.load_image(source, fit=adapter.image_fit)  # a large picture resized as it is decoded
         vision.check_reading(source)  # before the processor resizes it: for a large picture, longer than its decoding
         return _prepared(adapter.prepare_image, image, "image")
 

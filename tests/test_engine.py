@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ARCHS, VIDEO_ARCHS
 from host_waits import HostWaits
+from glimpse import vision
 from glimpse.pipeline import PromptError, load_engine
 from glimpse.pipeline.adapters import TEXT
 from glimpse.pruning import NoPruning, Policy
@@ -1057,6 +1058,69 @@ def test_running_out_of_memory_is_said_as_such_frees_the_failed_pass_and_the_nex
             engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
     finally:
         handle.remove()
+
+
+def _photo(width: int, height: int) -> Image.Image:
+    """A picture with a photo's mix of smooth colour and sharp edges."""
+    from PIL import ImageDraw
+
+    rng = np.random.default_rng(0)
+    picture = Image.fromarray((rng.random((12, 16, 3)) * 255).astype(np.uint8)).resize((width, height), Image.BICUBIC)
+    draw = ImageDraw.Draw(picture)
+    for _ in range(6):
+        x, y = int(rng.integers(0, width)), int(rng.integers(0, height))
+        draw.rectangle([x, y, x + width // 7, y + height // 9], fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+        draw.line([0, int(rng.integers(0, height)), width, int(rng.integers(0, height))], fill="white",
+                  width=max(1, width // 200))
+    return picture
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "llava", "embedded"])
+def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_and_its_pixels(
+        checkpoints, embedded_cache, monkeypatch, tmp_path, arch):
+    """``Adapter.image_fit`` is what the model's own processor does to a picture's size: ``load_image`` resizes a
+    larger picture to it as it decodes, and the processor then has nothing left to do. Up to 2 x ``FIT_GAP`` times
+    the size, by the processor's own single resize: the same bytes, the same tokens. Far larger (a 4.3 MP photo for a
+    56-pixel encoder), decoded at a reduced scale (JPEG) or reduced by a box filter (PNG) first, as PIL's thumbnail
+    does: the same tokens, and pixels within a quarter of a grey level on average. A JPEG stored turned (EXIF
+    orientation 6) is fitted upright."""
+    monkeypatch.setenv("GLIMPSE_CACHE", str(embedded_cache))
+    engine = load_engine("embedded" if arch == "embedded" else str(checkpoints[arch]), device="cpu")
+    fit = engine.adapter.image_fit
+    target = fit.size(2400, 1800)
+    for size in ((int(target[0] * 2.5), int(target[1] * 2.5)), (2400, 1800)):
+        near = max(size[0] / target[0], size[1] / target[1]) < 2 * vision.FIT_GAP
+        for form in ("png", "jpeg", "jpeg turned"):
+            path = tmp_path / f"{size[0]}.{form.replace(' ', '-')}"
+            if form == "jpeg turned":  # stored on its side; the EXIF orientation turns it upright
+                exif = Image.Exif()
+                exif[0x0112] = 6
+                _photo(*size).transpose(Image.Transpose.ROTATE_90).save(path, "JPEG", quality=90, exif=exif)
+            else:
+                _photo(*size).save(path, form.upper(), **({"quality": 90} if form == "jpeg" else {}))
+            whole = vision.load_image(path)
+            fitted = vision.load_image(path, fit=fit)
+            assert whole.size == size and fitted.size == fit.size(*size), form
+            expected, got = engine.adapter.prepare_image(whole), engine.adapter.prepare_image(fitted)
+            assert (got.num_tokens, got.grid) == (expected.num_tokens, expected.grid), form
+            expected, got = expected.tensors["pixel_values"].float(), got.tensors["pixel_values"].float()
+            if near:
+                assert torch.equal(got, expected), form
+            else:
+                difference = (got - expected).abs() / (expected.max() - expected.min())
+                assert float(difference.mean()) < 0.002 and float(difference.max()) < 0.08, form
+    assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == fit.size(*size)
+
+
+@pytest.mark.parametrize("arch", ["llava_next", "longva"])
+def test_anyres_pictures_reach_the_processor_as_decoded(checkpoints, tmp_path, arch):
+    """LLaVA-NeXT's anyres picks its tiling from the picture's own size, and a smaller picture may pick another:
+    its pictures are not resized as they are decoded (``Adapter.image_fit`` is None)."""
+    engine = load_engine(str(checkpoints[arch]), device="cpu")
+    path = tmp_path / "photo.png"
+    _photo(600, 450).save(path)
+    assert engine.adapter.image_fit is None
+    assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == (600, 450)
 
 
 @pytest.mark.parametrize("arch,parallel", [(arch, False) for arch in [*ARCHS, "embedded"]] + [("qwen2_vl", True)])

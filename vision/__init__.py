@@ -3,10 +3,12 @@ Qwen2-VL's video patches computed without torchvision."""
 
 from glimpse.vision.media import (
     DEFAULT_VIDEO_TIMEOUT_S,
+    FIT_GAP,
     MAX_IMAGE_ASPECT,
     MAX_IMAGE_PIXELS,
     MEDIA_READERS,
     MEDIA_TIMEOUT_S,
+    ImageFit,
     MediaError,
     NamedBytes,
     ReadingStopped,
@@ -74,6 +76,8 @@ __all__ = [
     "VIDEO_MAX_PIXELS",
     "VIDEO_MIN_PIXELS",
     "VIDEO_TOTAL_PIXELS",
+    "FIT_GAP",
+    "ImageFit",
     "MediaError",
     "NamedBytes",
     "ReadingStopped",

@@ -352,18 +352,66 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")  # also L, 1, P, CMYK, YCbCr; always a new image
 
 
-def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+# A picture larger than what the model's processor resizes it to is resized to that size here (the processor then
+# has nothing left to do), as PIL's own ``Image.thumbnail`` resizes. Up to 2 x FIT_GAP times larger on each side, by
+# the one call the processor would make, to the same bytes. Larger, it is first decoded at a reduced scale where the
+# format allows (JPEG's DCT scaling, ``Image.draft``) and reduced by an integer factor (a box filter), each to no less
+# than FIT_GAP times the size, and then resized with the processor's filter: PIL documents a gap of 3 as
+# indistinguishable from resampling the whole picture in most cases.
+FIT_GAP = 3.0
+
+
+@dataclass(frozen=True)
+class ImageFit:
+    """What a model's image processor does to a picture's size (``Adapter.image_fit``): ``size(width, height)`` is
+    the (width, height) it resizes a picture of that size to, and ``resample`` the PIL filter it resizes with."""
+
+    size: Callable[[int, int], tuple[int, int]]
+    resample: int
+
+
+def _orientation_turns(image: Image.Image) -> bool:
+    """Whether the EXIF orientation swaps width and height (a phone held upright: 6 or 8; or 5, 7)."""
+    try:
+        return image.getexif().get(0x0112) in (5, 6, 7, 8)
+    except Exception:  # noqa: BLE001 — a malformed EXIF block: load_image ignores its orientation too
+        return False
+
+
+def _fit_size(image: Image.Image, fit: ImageFit | None) -> tuple[int, int] | None:
+    """The upright (width, height) the model's processor would resize ``image`` to, when that is a reduction on both
+    sides (an enlargement is left to the processor); None otherwise."""
+    if fit is None:
+        return None
+    width, height = image.size
+    if _orientation_turns(image):
+        width, height = height, width
+    try:
+        target = tuple(int(n) for n in fit.size(width, height))
+    except ValueError:  # a shape the processor refuses (Qwen's aspect ratio over 200): it says so itself
+        return None
+    return target if target != (width, height) and target[0] <= width and target[1] <= height else None
+
+
+def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: ImageFit | None = None) -> Image.Image:
     """Load an image as a fully decoded, upright RGB `PIL.Image`.
 
     `src` is a path, the file's bytes, or a PIL image. The pixel count is checked against `max_pixels`
     from the header, before decoding; EXIF orientation is applied so phone photos are upright; palette,
     alpha, CMYK and 16-bit images become 8-bit RGB. Animated images give their first frame.
+    `fit` (the model's processor, `ImageFit`): a picture larger than it takes is resized to its size here, a large
+    JPEG decoded at a reduced scale (`FIT_GAP`): a 12 MP photo for a 336-pixel encoder took 0.3 s to decode and
+    resize whole on two cores, 0.09 s so.
     Any problem with the file raises `MediaError`.
     """
     name = _display_name(src)
     opened = src if isinstance(src, Image.Image) else _open_image(src, name, max_pixels)
     try:
         _check_pixel_count(opened.size, max_pixels, name)
+        fitted = _fit_size(opened, fit)
+        if fitted is not None and opened.format == "JPEG" and opened is not src:
+            at_least = (int(fitted[0] * FIT_GAP), int(fitted[1] * FIT_GAP))
+            opened.draft(None, at_least[::-1] if _orientation_turns(opened) else at_least)  # stored, not upright
         try:
             opened.load()
         except Image.DecompressionBombError as error:
@@ -377,9 +425,12 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image
             logger.warning("%s: ignoring unreadable EXIF orientation (%s)", name, error)
             upright = opened
         try:
-            return _to_rgb(upright)
+            rgb = _to_rgb(upright)
         except (ValueError, OSError) as error:  # exotic modes such as LAB or HSV
             raise MediaError(f"{name}: unsupported colour mode {upright.mode}") from error
+        if fitted is None or rgb.size == fitted:
+            return rgb
+        return rgb.resize(fitted, fit.resample, reducing_gap=FIT_GAP)
     finally:
         if opened is not src:
             opened.close()
