@@ -60,7 +60,7 @@ def patch_times(indices: list[int], source_fps: float, temporal_patch_size: int)
 
 def _size_field(size, name: str):
     """A field of an image processor's ``size`` (a ``SizeDict``, or a plain dict in older transformers), or None."""
-    return size.get(name) if isinstance(size, dict) else getattr(size, name, None)
+    return size.get(name) if isinstance(size, dict) else getattr(size, name, None)  # (None: no size at all)
 
 
 class Adapter:
@@ -181,8 +181,9 @@ class Qwen2VLAdapter(Adapter):
     @property
     def image_fit(self) -> vision.ImageFit | None:
         ip = self.image_processor
-        min_pixels, max_pixels = _size_field(ip.size, "shortest_edge"), _size_field(ip.size, "longest_edge")
-        if not (ip.do_resize and min_pixels and max_pixels):
+        size = getattr(ip, "size", None)
+        min_pixels, max_pixels = _size_field(size, "shortest_edge"), _size_field(size, "longest_edge")
+        if not (getattr(ip, "do_resize", False) and min_pixels and max_pixels):
             return None
         factor = ip.patch_size * ip.merge_size  # the processor's own smart_resize, with its pixel bounds
 
@@ -452,7 +453,7 @@ class LlavaAdapter(Adapter):
     @property
     def image_fit(self) -> vision.ImageFit | None:
         ip = self.image_processor
-        if type(ip).__name__ not in self.FITTED_PROCESSORS or not ip.do_resize:
+        if type(ip).__name__ not in self.FITTED_PROCESSORS or not getattr(ip, "do_resize", False):
             return None
         fixed = _size_field(ip.size, "height"), _size_field(ip.size, "width")
         shortest = _size_field(ip.size, "shortest_edge")

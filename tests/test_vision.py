@@ -487,7 +487,7 @@ def test_a_picture_told_to_stop_while_it_decodes_is_neither_converted_nor_resize
     to_rgb = media_module._to_rgb
     monkeypatch.setattr(media_module, "_to_rgb", lambda image: converted.append(image.size) or to_rgb(image))
     adapter = SimpleNamespace(prepare_image=lambda image: resized.append(image) or SimpleNamespace(num_tokens=1),
-                              supports_video=True)
+                              supports_video=True, image_fit=None)
     messages = [{"role": "user", "content": [{"type": "image", "image": str(path)}]}]
     for asks_before_stop, stopped_at in ((1, "before its conversion"), (2, "before the processor")):
         asked = iter(range(1, 100))
