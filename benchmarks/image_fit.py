@@ -67,7 +67,7 @@ def main() -> None:
     fit = engine.adapter.image_fit
     if fit is None:
         raise SystemExit(f"{args.model}: its processor's resizing is not known to Glimpse (image_fit is None)")
-    print(f"{args.model} on {device_name(engine.device)}; FIT_GAP {vision.FIT_GAP:g}; medians of {args.runs} runs\n")
+    print(f"{args.model} on {device_name(engine)}; FIT_GAP {vision.FIT_GAP:g}; medians of {args.runs} runs\n")
     print("| picture | to the model's input: whole | fitted | speed-up | TTFT: whole | fitted | input tokens | "
           "pixel difference: mean | largest |")
     print("|---|---|---|---|---|---|---|---|---|")
