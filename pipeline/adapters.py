@@ -187,11 +187,11 @@ class Qwen2VLAdapter(Adapter):
             return None
         factor = ip.patch_size * ip.merge_size  # the processor's own smart_resize, with its pixel bounds
 
-        def size(width: int, height: int) -> tuple[int, int]:
+        def size_for(width: int, height: int) -> tuple[int, int]:
             height, width = vision.smart_resize(height, width, factor, min_pixels, max_pixels)
             return width, height
 
-        return vision.ImageFit(size, ip.resample)
+        return vision.ImageFit(size_for, ip.resample)
 
     def prepare_image(self, image):
         # Resized and cut into patches, but kept as bytes: the encoder rescales and normalizes them on its device
@@ -462,11 +462,11 @@ class LlavaAdapter(Adapter):
         if not shortest or _size_field(ip.size, "longest_edge"):
             return None
 
-        def size(width: int, height: int) -> tuple[int, int]:  # transformers' get_resize_output_image_size
+        def size_for(width: int, height: int) -> tuple[int, int]:  # transformers' get_resize_output_image_size
             longer = int(shortest * max(width, height) / min(width, height))
             return (shortest, longer) if width <= height else (longer, shortest)
 
-        return vision.ImageFit(size, ip.resample)
+        return vision.ImageFit(size_for, ip.resample)
 
     def prepare_image(self, image):
         pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]

@@ -1087,7 +1087,7 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
     monkeypatch.setenv("GLIMPSE_CACHE", str(embedded_cache))
     engine = load_engine("embedded" if arch == "embedded" else str(checkpoints[arch]), device="cpu")
     fit = engine.adapter.image_fit
-    target = fit.size(2400, 1800)
+    target = fit.size_for(2400, 1800)
     for size in ((int(target[0] * 2.5), int(target[1] * 2.5)), (2400, 1800)):
         near = max(size[0] / target[0], size[1] / target[1]) < 2 * vision.FIT_GAP
         for form in ("png", "jpeg", "jpeg turned"):
@@ -1100,7 +1100,7 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
                 _photo(*size).save(path, form.upper(), **({"quality": 90} if form == "jpeg" else {}))
             whole = vision.load_image(path)
             fitted = vision.load_image(path, fit=fit)
-            assert whole.size == size and fitted.size == fit.size(*size), form
+            assert whole.size == size and fitted.size == fit.size_for(*size), form
             expected, got = engine.adapter.prepare_image(whole), engine.adapter.prepare_image(fitted)
             assert (got.num_tokens, got.grid) == (expected.num_tokens, expected.grid), form
             expected, got = expected.tensors["pixel_values"].float(), got.tensors["pixel_values"].float()
@@ -1109,7 +1109,7 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
             else:
                 difference = (got - expected).abs() / (expected.max() - expected.min())
                 assert float(difference.mean()) < 0.002 and float(difference.max()) < 0.08, form
-    assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == fit.size(*size)
+    assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == fit.size_for(*size)
 
 
 @pytest.mark.parametrize("arch", ["llava_next", "longva"])

@@ -111,6 +111,26 @@ def test_load_image_applies_exif_orientation():
     assert bottom[2] > 200 and bottom[0] < 50
 
 
+def test_a_picture_whose_turn_cannot_be_applied_is_not_fitted_to_its_turned_size(monkeypatch):
+    """A picture resized as it is decoded (``ImageFit``) is fitted upright. When its EXIF orientation names a turn
+    that cannot be applied (a malformed block), it stays as stored, and is not squashed into the size fitted for it
+    turned: the model's processor resizes it."""
+    stored = Image.new("RGB", (1200, 600), (0, 0, 255))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    stored.save(buffer, "JPEG", exif=exif, quality=95)
+    fit = vision.ImageFit(lambda width, height: (width // 10, height // 10), Image.Resampling.BICUBIC)
+    assert vision.load_image(buffer.getvalue(), fit=fit).size == (60, 120)  # upright, fitted
+
+    def unreadable(image):
+        raise SyntaxError("not a TIFF file")
+
+    monkeypatch.setattr(media_module.ImageOps, "exif_transpose", unreadable)
+    image = vision.load_image(buffer.getvalue(), fit=fit)
+    assert image.width == 2 * image.height and image.width >= 120  # as stored (decoded at a reduced scale)
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [

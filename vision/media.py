@@ -363,10 +363,10 @@ FIT_GAP = 3.0
 
 @dataclass(frozen=True)
 class ImageFit:
-    """What a model's image processor does to a picture's size (``Adapter.image_fit``): ``size(width, height)`` is
-    the (width, height) it resizes a picture of that size to, and ``resample`` the PIL filter it resizes with."""
+    """What a model's image processor does to a picture's size (``Adapter.image_fit``): ``size_for(width, height)``
+    is the (width, height) it resizes a picture of that size to, and ``resample`` the PIL filter it resizes with."""
 
-    size: Callable[[int, int], tuple[int, int]]
+    size_for: Callable[[int, int], tuple[int, int]]
     resample: int
 
 
@@ -387,7 +387,7 @@ def _fit_size(image: Image.Image, fit: ImageFit | None) -> tuple[int, int] | Non
     if _orientation_turns(image):
         width, height = height, width
     try:
-        target = tuple(int(n) for n in fit.size(width, height))
+        target = tuple(int(n) for n in fit.size_for(width, height))
     except ValueError:  # a shape the processor refuses (Qwen's aspect ratio over 200): it says so itself
         return None
     return target if target != (width, height) and target[0] <= width and target[1] <= height else None
@@ -400,8 +400,8 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
     from the header, before decoding; EXIF orientation is applied so phone photos are upright; palette,
     alpha, CMYK and 16-bit images become 8-bit RGB. Animated images give their first frame.
     `fit` (the model's processor, `ImageFit`): a picture larger than it takes is resized to its size here, a large
-    JPEG decoded at a reduced scale (`FIT_GAP`): a 12 MP photo for a 336-pixel encoder took 0.3 s to decode and
-    resize whole on two cores, 0.09 s so.
+    JPEG decoded at a reduced scale (`FIT_GAP`): a 12 MP JPEG photo took 0.28 s on two cores to become the embedded
+    model's 224x224 input, decoded whole and resized by the processor, and 0.04 s so (docs/benchmarks.md).
     Any problem with the file raises `MediaError`.
     """
     name = _display_name(src)
@@ -423,7 +423,7 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
             upright = ImageOps.exif_transpose(opened)
         except Exception as error:  # a malformed EXIF block must not make a readable image unusable
             logger.warning("%s: ignoring unreadable EXIF orientation (%s)", name, error)
-            upright = opened
+            upright, fitted = opened, None  # (the size fitted was for the picture turned: the processor resizes it)
         try:
             rgb = _to_rgb(upright)
         except (ValueError, OSError) as error:  # exotic modes such as LAB or HSV
