@@ -14,7 +14,8 @@ docs/gpu.md says how to run it on a lent GPU. The sections, in the order they ru
    ZipVL's packed KV decoded with the packed-attention kernel (pipeline/packed_attention.py, Triton, since
    2026-12-02) against the packed slots dequantized first: the same tokens, eagerly and as the CUDA graph; and a
    Qwen image's and video's uint8 patches normalized on the device against on the host, bit for bit (since
-   2026-12-02).
+   2026-12-02); and a decode step that runs out of memory half-way through the model, undone and run again in
+   smaller parts: the same answers and KV as with memory to spare (since 2026-12-06).
 2. overhead: random weights of Qwen2-VL-7B's shapes (28 decoder layers, the real 32-block vision tower),
    an 8K- and a 16K-token video prompt: the engine's prefill against transformers' own forward, alternating,
    the forward given its inputs on the device and from the host's tensors (the engine's starting point: the
@@ -87,7 +88,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the test suite's tiny checkpoints of every architecture
 
-from tiny_models import BUILDERS, reference_inputs  # noqa: E402
+from tiny_models import BUILDERS, RunsOutOfMemory, reference_inputs  # noqa: E402
 
 from glimpse.assets import ASSETS  # noqa: E402
 from glimpse.bench import video_plan, generate_decode_rate, run_bench, synthesize_prompts, write_still_scene  # noqa: E402
@@ -304,9 +305,13 @@ def _exactness(suite: Suite) -> dict:
     interrupts_clean = {arch: _interrupt_is_clean(Path(suite.tmp.name) / "tiny" / arch, suite.device, messages)
                         for arch in TINY_ARCHS}
     suite.progress(f"  a prefill stopped in the vision worker leaves the engine as it was: {interrupts_clean}")
+    undone = {arch: _out_of_memory_undone(Path(suite.tmp.name) / "tiny" / arch, suite.device, messages)
+              for arch in ("qwen2_vl", "llava")}
+    suite.progress(f"  a decode step out of memory half-way, undone and run again in parts, answers as before: {undone}")
     float32 = [r for r in rows if r["dtype"] == "float32"]
     half = [r for r in rows if r["dtype"] != "float32"]
     return {"rows": rows, "pixels_identical": pixels_identical, "interrupts_clean": interrupts_clean,
+            "out_of_memory_undone": undone,
             "float32_tokens_identical": all(r["tokens_identical"] for r in float32),
             "float32_graph_tokens_identical": all(r["graph_tokens_identical"] for r in float32),
             "float32_logits_close": all(r["logits_close"] for r in float32),
@@ -366,6 +371,27 @@ def _interrupt_is_clean(folder: Path, device: torch.device, messages) -> bool:
             handle.remove()
     again = engine.generate(messages, policy="none", max_new_tokens=8).token_ids
     return stopped and ran == [0] and again == expected
+
+
+def _out_of_memory_undone(folder: Path, device: torch.device, messages) -> dict[str, bool]:
+    """Per policy (none; ST3, which hides evicted entries in the KV slots): a decode step of three requests that runs
+    out of memory half-way through the model (the middle layer's MLP raises CUDA's ``OutOfMemoryError`` for passes of
+    two or three requests) is undone and run again in smaller parts (docs/engine.md). The same answers and the same KV
+    after every step as the batch with memory to spare, whose steps ran in KV slots as the CUDA graph (tested on CPU)."""
+    engine = load_engine(str(folder), device=str(device))
+    conversations = [messages, user_message("Write one line about the sea."),
+                     user_message("And one about the hills, at some length.")]
+    middle = engine.adapter.layers[len(engine.adapter.layers) // 2].mlp
+    same = {}
+    for policy, speed in (("none", 0.0), ("st3", 1.0)):
+        options = dict(policy=policy, speed=speed, max_new_tokens=8, ignore_eos=True)
+        spare = engine.generate_batch(conversations, **options)
+        with RunsOutOfMemory(middle, "cuda", lambda rows: 2 <= rows <= 3) as fault:
+            short = engine.generate_batch(conversations, **options)
+        same[policy] = bool(fault.refused) and all(
+            a.token_ids == b.token_ids and a.metrics["kv_bytes_per_step"] == b.metrics["kv_bytes_per_step"]
+            for a, b in zip(short, spare))
+    return same
 
 
 def _packed_kernel_check(engine, messages, n) -> dict | None:
@@ -954,6 +980,11 @@ def markdown(report: dict) -> str:
                 lines += ["", "A prefill stopped after the vision tower's first block, in the vision worker: stopped "
                           "there, and the engine answers as before: "
                           + ", ".join(f"{arch} {clean}" for arch, clean in section["interrupts_clean"].items())]
+            if "out_of_memory_undone" in section:
+                lines += ["", "A decode step of three requests out of memory half-way through the model, undone and "
+                          "run again in parts: the same answers and KV as with memory to spare: "
+                          + ", ".join(f"{arch} {policy} {same}" for arch, by_policy in
+                                      section["out_of_memory_undone"].items() for policy, same in by_policy.items())]
         elif name == "overhead":
             lines += [f"{section['model']}, {section['attn']}, {section['dtype']} (vision encoder: "
                       f"{section.get('vision_dtype')}, {section.get('vision_attn')}), median of {section['runs']}", ""]

@@ -30,6 +30,8 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     assert sections["exactness"]["float32_graph_tokens_identical"]  # the fixed-shape step, run eagerly on a CPU
     interrupts = sections["exactness"]["interrupts_clean"]  # the vision worker's stop, on a CPU without a side stream
     assert set(interrupts) == {r["arch"] for r in exact} and all(interrupts.values()), interrupts
+    undone = sections["exactness"]["out_of_memory_undone"]  # CUDA's OutOfMemoryError, raised on the CPU
+    assert undone == {arch: {"none": True, "st3": True} for arch in ("qwen2_vl", "llava")}, undone
 
     policies = {(r["policy"], r["model"]) for r in sections["policies"]["rows"]}
     assert policies == {("dash", "tiny"), ("zipvl", "tiny"), ("lazyllm", "tiny"), ("auto", "tiny"),
