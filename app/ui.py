@@ -188,8 +188,10 @@ def keep_map_image(media: list, keep_map: dict, cell: int = 24) -> Image.Image |
     picture = _frame_strip(frames, t, h * cell, w * cell) if span["kind"] == "video" else frames[0]
     if span["kind"] == "image":
         # Drawn at the picture's own proportions: the model may have squeezed it into its grid (the embedded
-        # model's 16x16, LLaVA's 24x24), but a tall photo should still look tall.
-        size = (overlay.width, max(1, round(overlay.width * picture.height / picture.width)))
+        # model's 16x16, LLaVA's 24x24), and a large one was squeezed as it was decoded (its "source_size":
+        # vision.load_image), but a tall photo should still look tall.
+        width, height = picture.info.get("source_size", picture.size)
+        size = (overlay.width, max(1, round(overlay.width * height / width)))
         overlay = overlay.resize(size, Image.NEAREST)
     return Image.blend(picture.convert("RGB").resize(overlay.size), overlay, 0.45)
 

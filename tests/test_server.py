@@ -1232,15 +1232,18 @@ def test_the_compare_column_shows_the_unpruned_answer_and_says_whether_pruning_c
     assert "| answer |" not in metrics_markdown(pruned)  # alone, the panel has no answer row
 
 
-def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, tmp_path):
-    """LLaVA squeezes every image into a square grid; the map over a tall picture is drawn tall all the same."""
+@pytest.mark.parametrize("arch", ["llava", "embedded"])
+def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, embedded_cache, monkeypatch, tmp_path, arch):
+    """LLaVA squeezes every image into a square grid, and the embedded model's picture is squeezed to 224x224 as it is
+    decoded (``Adapter.image_fit``); the map over a tall picture is drawn tall all the same."""
     from PIL import Image
 
     from glimpse.ui import keep_map_image
 
     tall = tmp_path / "tall.png"
-    Image.new("RGB", (120, 360), (200, 30, 30)).save(tall)
-    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    Image.new("RGB", (300, 900), (200, 30, 30)).save(tall)
+    monkeypatch.setenv("GLIMPSE_CACHE", str(embedded_cache))
+    engine = load_engine("embedded" if arch == "embedded" else str(checkpoints[arch]), device="cpu")
     messages = [{"role": "user", "content": [{"type": "image", "image": str(tall)}, {"type": "text", "text": "x"}]}]
     keep_map = engine.generate(messages, policy="fastv", speed=1.0, max_new_tokens=1).metrics["keep_map"]
     _, h, w = keep_map["media"][0]["grid"]

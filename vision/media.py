@@ -378,14 +378,17 @@ def _orientation_turns(image: Image.Image) -> bool:
         return False
 
 
-def _fit_size(image: Image.Image, fit: ImageFit | None) -> tuple[int, int] | None:
-    """The upright (width, height) the model's processor would resize ``image`` to, when that is a reduction on both
-    sides (an enlargement is left to the processor); None otherwise."""
+def _upright_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) of ``image`` once its EXIF orientation is applied."""
+    return image.size[::-1] if _orientation_turns(image) else image.size
+
+
+def _fit_size(size: tuple[int, int], fit: ImageFit | None) -> tuple[int, int] | None:
+    """The (width, height) the model's processor would resize an upright picture of ``size`` to, when that is a
+    reduction on both sides (an enlargement is left to the processor); None otherwise."""
     if fit is None:
         return None
-    width, height = image.size
-    if _orientation_turns(image):
-        width, height = height, width
+    width, height = size
     try:
         target = tuple(int(n) for n in fit.size_for(width, height))
     except ValueError:  # a shape the processor refuses (Qwen's aspect ratio over 200): it says so itself
@@ -408,7 +411,8 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
     opened = src if isinstance(src, Image.Image) else _open_image(src, name, max_pixels)
     try:
         _check_pixel_count(opened.size, max_pixels, name)
-        fitted = _fit_size(opened, fit)
+        upright_size = _upright_size(opened)  # (before a reduced-scale decoding changes ``opened.size``)
+        fitted = _fit_size(upright_size, fit)
         if fitted is not None and opened.format == "JPEG" and opened is not src:
             at_least = (int(fitted[0] * FIT_GAP), int(fitted[1] * FIT_GAP))
             opened.draft(None, at_least[::-1] if _orientation_turns(opened) else at_least)  # stored, not upright
@@ -430,7 +434,11 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
             raise MediaError(f"{name}: unsupported colour mode {upright.mode}") from error
         if fitted is None or rgb.size == fitted:
             return rgb
-        return rgb.resize(fitted, fit.resample, reducing_gap=FIT_GAP)
+        resized = rgb.resize(fitted, fit.resample, reducing_gap=FIT_GAP)
+        # The picture's own proportions, which a model with a fixed input size (the embedded model's 224x224) does
+        # not keep: the chat's keep map is drawn at them (app/ui.py).
+        resized.info["source_size"] = upright_size
+        return resized
     finally:
         if opened is not src:
             opened.close()
