@@ -682,9 +682,12 @@ class Engine:
     # After a step ran out of memory, its requests decode without KV slots (forming them copies every request's
     # cache) and at most ``pass_limit`` requests per pass, until none of them is left (``short_for``: their ids):
     # ``_passes`` sets these, ``batch_ended`` clears them. A server that is never idle gets its slots back too.
-    short_of_memory: bool = False
     pass_limit: int | None = None
     short_for: frozenset[int] = frozenset()
+
+    @property
+    def short_of_memory(self) -> bool:
+        return bool(self.short_for)
 
     def _passes(self, running: list["Request"]) -> tuple[list[tuple[list, list, torch.Tensor]], bool]:
         """The step's passes through the model, each (requests in the logits' row order, whether each decodes,
@@ -705,7 +708,7 @@ class Engine:
                 passes.append(passed)
                 continue
             with_slots = self.decode_slots and not self.short_of_memory and any(decodes_plainly(r) for r in part)
-            ran_out, self.slot_groups, self.short_of_memory = True, [], True
+            ran_out, self.slot_groups = True, []
             self.short_for = self.short_for | {id(request) for request in part}
             if not with_slots:  # it failed in a pass as small as it gets with this many: fewer from now on
                 self.pass_limit = min(self.pass_limit or len(part), (len(part) + 1) // 2)
@@ -751,7 +754,7 @@ class Engine:
 
     def batch_ended(self) -> None:
         """The requests decoding together all ended: their KV slots go, and a shortage of memory they met with it."""
-        self.slot_groups, self.short_of_memory, self.pass_limit, self.short_for = [], False, None, frozenset()
+        self.slot_groups, self.pass_limit, self.short_for = [], None, frozenset()
 
     def _decode_pass(self, running: list["Request"]):
         """The step's pass through the model: (requests in the logits' row order, whether each decodes, logits)."""

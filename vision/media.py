@@ -378,11 +378,6 @@ def _orientation_turns(image: Image.Image) -> bool:
         return False
 
 
-def _upright_size(image: Image.Image) -> tuple[int, int]:
-    """(width, height) of ``image`` once its EXIF orientation is applied."""
-    return image.size[::-1] if _orientation_turns(image) else image.size
-
-
 def _fit_size(size: tuple[int, int], fit: ImageFit | None) -> tuple[int, int] | None:
     """The (width, height) the model's processor would resize an upright picture of ``size`` to, when that is a
     reduction on both sides (an enlargement is left to the processor); None otherwise."""
@@ -411,11 +406,12 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
     opened = src if isinstance(src, Image.Image) else _open_image(src, name, max_pixels)
     try:
         _check_pixel_count(opened.size, max_pixels, name)
-        upright_size = _upright_size(opened)  # (before a reduced-scale decoding changes ``opened.size``)
+        turns = fit is not None and _orientation_turns(opened)
+        upright_size = opened.size[::-1] if turns else opened.size  # (before a reduced-scale decoding changes it)
         fitted = _fit_size(upright_size, fit)
         if fitted is not None and opened.format == "JPEG" and opened is not src:
             at_least = (int(fitted[0] * FIT_GAP), int(fitted[1] * FIT_GAP))
-            opened.draft(None, at_least[::-1] if _orientation_turns(opened) else at_least)  # stored, not upright
+            opened.draft(None, at_least[::-1] if turns else at_least)  # in the stored orientation, not upright
         try:
             opened.load()
         except Image.DecompressionBombError as error:
