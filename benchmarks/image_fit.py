@@ -20,27 +20,13 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import numpy as np
-from PIL import Image, ImageDraw
-
 from glimpse import vision
 from glimpse.bench import device_name
 from glimpse.pipeline import load_engine
+from glimpse.pipeline.random_checkpoint import photo_like
 
 PICTURES = [("12 MP photo", (4032, 3024), "JPEG"), ("12 MP photo", (4032, 3024), "PNG"),
             ("48 MP photo", (8064, 6048), "JPEG")]
-
-
-def photo(width: int, height: int) -> Image.Image:
-    rng = np.random.default_rng(0)
-    picture = Image.fromarray((rng.random((24, 32, 3)) * 255).astype(np.uint8)).resize((width, height), Image.BICUBIC)
-    draw = ImageDraw.Draw(picture)
-    for _ in range(12):
-        x, y = int(rng.integers(0, width)), int(rng.integers(0, height))
-        draw.rectangle([x, y, x + width // 9, y + height // 11], fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
-        draw.line([0, int(rng.integers(0, height)), width, int(rng.integers(0, height))], fill="white",
-                  width=max(1, width // 300))
-    return picture
 
 
 def to_input(engine, path: Path, fit) -> tuple[float, object]:
@@ -74,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         for name, size, form in PICTURES:
             path = Path(folder) / f"photo-{size[0]}.{form.lower()}"
-            photo(*size).save(path, form, **({"quality": 90} if form == "JPEG" else {}))
+            photo_like(*size).save(path, form, **({"quality": 90} if form == "JPEG" else {}))
             to_input(engine, path, fit), to_input(engine, path, None)  # warm-up
             first_token_s(engine, path, True), first_token_s(engine, path, False)
             seconds = {True: [], False: []}

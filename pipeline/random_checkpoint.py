@@ -376,6 +376,23 @@ def random_image(tokens: int, seed: int = 0, aspect: float = 1.0):
     return Image.fromarray(array)
 
 
+def photo_like(width: int, height: int, seed: int = 0):
+    """An RGB PIL picture with a photo's mix of smooth colour and sharp edges: blurred colour noise, rectangles and
+    lines (what resizing it is measured on: random noise has no smooth parts, a flat picture no edges)."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    picture = Image.fromarray((rng.random((12, 16, 3)) * 255).astype(np.uint8)).resize((width, height), Image.BICUBIC)
+    draw = ImageDraw.Draw(picture)
+    for _ in range(6):
+        x, y = int(rng.integers(0, width)), int(rng.integers(0, height))
+        draw.rectangle([x, y, x + width // 7, y + height // 9], fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+        draw.line([0, int(rng.integers(0, height)), width, int(rng.integers(0, height))], fill="white",
+                  width=max(1, width // 200))
+    return picture
+
+
 __all__ = ["CORPUS", "LLAVA_PRESETS", "LLAVA_TEMPLATE", "PRESETS", "QWEN_TEMPLATE", "REAL_PRESETS", "build_random",
            "build_random_llava", "build_random_qwen2_vl", "grid_for_tokens", "llava_config", "make_tokenizer",
-           "preset_family", "random_image"]
+           "photo_like", "preset_family", "random_image"]

@@ -19,6 +19,7 @@ from host_waits import HostWaits
 from glimpse import vision
 from glimpse.pipeline import PromptError, load_engine
 from glimpse.pipeline.adapters import TEXT
+from glimpse.pipeline.random_checkpoint import photo_like
 from glimpse.pruning import NoPruning, Policy
 from tiny_models import masked_reference, reference_inputs
 
@@ -1060,21 +1061,6 @@ def test_running_out_of_memory_is_said_as_such_frees_the_failed_pass_and_the_nex
         handle.remove()
 
 
-def _photo(width: int, height: int) -> Image.Image:
-    """A picture with a photo's mix of smooth colour and sharp edges."""
-    from PIL import ImageDraw
-
-    rng = np.random.default_rng(0)
-    picture = Image.fromarray((rng.random((12, 16, 3)) * 255).astype(np.uint8)).resize((width, height), Image.BICUBIC)
-    draw = ImageDraw.Draw(picture)
-    for _ in range(6):
-        x, y = int(rng.integers(0, width)), int(rng.integers(0, height))
-        draw.rectangle([x, y, x + width // 7, y + height // 9], fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
-        draw.line([0, int(rng.integers(0, height)), width, int(rng.integers(0, height))], fill="white",
-                  width=max(1, width // 200))
-    return picture
-
-
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "llava", "embedded"])
 def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_and_its_pixels(
         checkpoints, embedded_cache, monkeypatch, tmp_path, arch):
@@ -1095,9 +1081,9 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
             if form == "jpeg turned":  # stored on its side; the EXIF orientation turns it upright
                 exif = Image.Exif()
                 exif[0x0112] = 6
-                _photo(*size).transpose(Image.Transpose.ROTATE_90).save(path, "JPEG", quality=90, exif=exif)
+                photo_like(*size).transpose(Image.Transpose.ROTATE_90).save(path, "JPEG", quality=90, exif=exif)
             else:
-                _photo(*size).save(path, form.upper(), **({"quality": 90} if form == "jpeg" else {}))
+                photo_like(*size).save(path, form.upper(), **({"quality": 90} if form == "jpeg" else {}))
             whole = vision.load_image(path)
             fitted = vision.load_image(path, fit=fit)
             assert whole.size == size and fitted.size == fit.size_for(*size), form
@@ -1118,7 +1104,7 @@ def test_anyres_pictures_reach_the_processor_as_decoded(checkpoints, tmp_path, a
     its pictures are not resized as they are decoded (``Adapter.image_fit`` is None)."""
     engine = load_engine(str(checkpoints[arch]), device="cpu")
     path = tmp_path / "photo.png"
-    _photo(600, 450).save(path)
+    photo_like(600, 450).save(path)
     assert engine.adapter.image_fit is None
     assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == (600, 450)
 

@@ -398,8 +398,8 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
     from the header, before decoding; EXIF orientation is applied so phone photos are upright; palette,
     alpha, CMYK and 16-bit images become 8-bit RGB. Animated images give their first frame.
     `fit` (the model's processor, `ImageFit`): a picture larger than it takes is resized to its size here, a large
-    JPEG decoded at a reduced scale (`FIT_GAP`): a 12 MP JPEG photo took 0.28 s on two cores to become the embedded
-    model's 224x224 input, decoded whole and resized by the processor, and 0.04 s so (docs/benchmarks.md).
+    JPEG decoded at a reduced scale (`FIT_GAP`): a 12 MP JPEG photo took 0.29 s on two cores to become the embedded
+    model's 224x224 input, decoded whole and resized by the processor, and 0.03 s so (docs/benchmarks.md).
     Any problem with the file raises `MediaError`.
     """
     name = _display_name(src)
