@@ -12,11 +12,13 @@ Everything here calls the model's own modules and functions (``get_image_feature
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from PIL import Image
+from transformers.image_processing_utils import select_best_resolution
 
 from glimpse import vision
 from glimpse.common import Modality
@@ -551,9 +553,7 @@ class LlavaNextAdapter(LlavaAdapter):
 
     name = "llava-next"
     model_class = "LlavaNextForConditionalGeneration"
-    # Anyres picks its tiling from the picture's own size, and a picture made smaller may pick another: the
-    # processor gets the picture as decoded.
-    FITTED_PROCESSORS = ()
+    FITTED_PROCESSORS = ("LlavaNextImageProcessorPil",)
 
     def __init__(self, model, tokenizer, image_processor):
         super().__init__(model, tokenizer, image_processor)
@@ -571,8 +571,40 @@ class LlavaNextAdapter(LlavaAdapter):
         n = self._token_counter._get_number_of_features(orig_hw[0], orig_hw[1], pixel_values.shape[-2], pixel_values.shape[-1])
         return n - 1 if self.config.vision_feature_select_strategy == "default" else n
 
+    @property
+    def image_fit(self) -> vision.ImageFit | None:
+        """Anyres resizes a picture twice: into the tiling it picks by the picture's size (proportions kept), and
+        squeezed to the tower's input for the overview. A picture over 2 x ``FIT_GAP`` times the first is resized as
+        it is decoded to a whole multiple of it, at least ``FIT_GAP`` times each: the processor's tiling of that is
+        the whole picture's, to the pixel, and both its resizes start from a picture still 3x their size or more;
+        ``prepare_image`` gives the model the whole picture's size, by which it unpads the tiles' features: the same
+        tokens (docs/models.md)."""
+        ip = self.image_processor
+        pinpoints = getattr(ip, "image_grid_pinpoints", None)
+        overview = _size_field(ip.size, "width") or _size_field(ip.size, "shortest_edge"), \
+            _size_field(ip.size, "height") or _size_field(ip.size, "shortest_edge")
+        if type(ip).__name__ not in self.FITTED_PROCESSORS or not getattr(ip, "do_resize", False) or not (
+                pinpoints and all(overview)):
+            return None
+
+        def size_for(width: int, height: int) -> tuple[int, int]:
+            tiling = select_best_resolution((height, width), pinpoints)
+            tiled = _anyres_size(width, height, tiling)
+            times = max(math.ceil(vision.FIT_GAP * max(o, t) / t) for o, t in zip(overview, tiled))
+            fitted = tiled[0] * times, tiled[1] * times
+            if width < 2 * fitted[0] or height < 2 * fitted[1]:
+                return width, height  # not worth a resize of its own: the processor's resizes are exact
+            # (Always so, over every size up to 9000x9000 with LLaVA-NeXT's and the tests' tilings: checked, not
+            # assumed, since the processor's float arithmetic decides it.)
+            same = select_best_resolution(fitted[::-1], pinpoints) == tiling and _anyres_size(*fitted, tiling) == tiled
+            return fitted if same else (width, height)
+
+        return vision.ImageFit(size_for, ip.resample, jpeg_gap=1.0)  # (the processor reduces it 3x or more itself)
+
     def prepare_image(self, image):
         out = self.image_processor(images=[image], return_tensors="pt")
+        if "source_size" in image.info:  # resized as it was decoded (``image_fit``): the model unpads the tiles'
+            out["image_sizes"] = torch.tensor([image.info["source_size"][::-1]])  # features by the whole picture's size
         pixels, sizes = out["pixel_values"], out["image_sizes"]
         n = self._count_tokens((int(sizes[0][0]), int(sizes[0][1])), pixels)
         patch = self.config.vision_config.patch_size
@@ -638,6 +670,16 @@ def _kept_segments(sizes: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     segment_of = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
     counts = torch.bincount(segment_of[kept], minlength=len(sizes))
     return torch.nn.functional.pad(counts[counts > 0].cumsum(0), (1, 0)).to(torch.int32)
+
+
+def _anyres_size(width: int, height: int, tiling: tuple[int, int]) -> tuple[int, int]:
+    """The (width, height) anyres resizes a picture to inside its ``tiling`` (height, width), proportions kept:
+    transformers' ``get_patch_output_size``."""
+    tiling_height, tiling_width = tiling
+    scale_width, scale_height = tiling_width / width, tiling_height / height
+    if scale_width < scale_height:
+        return tiling_width, min(math.ceil(height * scale_width), tiling_height)
+    return min(math.ceil(width * scale_height), tiling_width), tiling_height
 
 
 def _clip_preprocess(frame: Image.Image, size: int, image_processor) -> torch.Tensor:

@@ -1061,6 +1061,21 @@ def test_running_out_of_memory_is_said_as_such_frees_the_failed_pass_and_the_nex
         handle.remove()
 
 
+PHOTO_FORMS = ("png", "jpeg", "jpeg turned")
+
+
+def _saved_photo(folder, size: tuple[int, int], form: str):
+    """A photo-like picture of ``size`` (upright) saved in ``folder`` as ``form`` (one of ``PHOTO_FORMS``)."""
+    path = folder / f"{size[0]}x{size[1]}.{form.replace(' ', '-')}"
+    if form == "jpeg turned":  # stored on its side; the EXIF orientation turns it upright
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        photo_like(*size).transpose(Image.Transpose.ROTATE_90).save(path, "JPEG", quality=90, exif=exif)
+    else:
+        photo_like(*size).save(path, form.upper(), **({"quality": 90} if form == "jpeg" else {}))
+    return path
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl", "llava", "embedded"])
 def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_and_its_pixels(
         checkpoints, embedded_cache, monkeypatch, tmp_path, arch):
@@ -1068,22 +1083,16 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
     larger picture to it as it decodes, and the processor then has nothing left to do. Up to 2 x ``FIT_GAP`` times
     the size, by the processor's own single resize: the same bytes, the same tokens. Far larger (a 4.3 MP photo for a
     56-pixel encoder), decoded at a reduced scale (JPEG) or reduced by a box filter (PNG) first, as PIL's thumbnail
-    does: the same tokens, and pixels within a quarter of a grey level on average. A JPEG stored turned (EXIF
-    orientation 6) is fitted upright."""
+    does: the same tokens, and pixels within a quarter of a grey level on average, also where the reduced scale does
+    not divide the sides (2401x1801). A JPEG stored turned (EXIF orientation 6) is fitted upright."""
     monkeypatch.setenv("GLIMPSE_CACHE", str(embedded_cache))
     engine = load_engine("embedded" if arch == "embedded" else str(checkpoints[arch]), device="cpu")
     fit = engine.adapter.image_fit
     target = fit.size_for(2400, 1800)
-    for size in ((int(target[0] * 2.5), int(target[1] * 2.5)), (2400, 1800)):
+    for size in ((int(target[0] * 2.5), int(target[1] * 2.5)), (2400, 1800), (2401, 1801)):
         near = max(size[0] / target[0], size[1] / target[1]) < 2 * vision.FIT_GAP
-        for form in ("png", "jpeg", "jpeg turned"):
-            path = tmp_path / f"{size[0]}.{form.replace(' ', '-')}"
-            if form == "jpeg turned":  # stored on its side; the EXIF orientation turns it upright
-                exif = Image.Exif()
-                exif[0x0112] = 6
-                photo_like(*size).transpose(Image.Transpose.ROTATE_90).save(path, "JPEG", quality=90, exif=exif)
-            else:
-                photo_like(*size).save(path, form.upper(), **({"quality": 90} if form == "jpeg" else {}))
+        for form in PHOTO_FORMS:
+            path = _saved_photo(tmp_path, size, form)
             whole = vision.load_image(path)
             fitted = vision.load_image(path, fit=fit)
             assert whole.size == size and fitted.size == fit.size_for(*size), form
@@ -1099,14 +1108,34 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
 
 
 @pytest.mark.parametrize("arch", ["llava_next", "longva"])
-def test_anyres_pictures_reach_the_processor_as_decoded(checkpoints, tmp_path, arch):
-    """LLaVA-NeXT's anyres picks its tiling from the picture's own size, and a smaller picture may pick another:
-    its pictures are not resized as they are decoded (``Adapter.image_fit`` is None)."""
+def test_a_large_picture_resized_as_it_is_decoded_keeps_the_anyres_tiling_and_tokens_of_the_whole_picture(
+        checkpoints, tmp_path, arch):
+    """LLaVA-NeXT's anyres tiles a picture by its own size and squeezes it for an overview. A picture over
+    2 x ``FIT_GAP`` times its tiled size is resized as it is decoded to a whole multiple of that size, and the
+    processor tiles it as the whole picture: the same tiling, the same image size given to the model (which unpads
+    the tiles' features by it), the same tokens and features, and pixels within a quarter of a grey level on
+    average, at every aspect ratio here, upright or stored turned. A smaller one is not resized: the same bytes."""
+    from glimpse.pipeline.adapters import IMAGE
+
     engine = load_engine(str(checkpoints[arch]), device="cpu")
-    path = tmp_path / "photo.png"
-    photo_like(600, 450).save(path)
-    assert engine.adapter.image_fit is None
-    assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == (600, 450)
+    adapter, fit = engine.adapter, engine.adapter.image_fit
+    for size in ((560, 420), (2400, 1800), (1800, 2400), (3001, 1001), (2001, 999)):
+        fits = size != (560, 420)  # 5x the tiny tower's tiled 112x84: not worth a resize of its own
+        for form in PHOTO_FORMS:
+            path = _saved_photo(tmp_path, size, form)
+            whole, fitted = vision.load_image(path), vision.load_image(path, fit=fit)
+            assert whole.size == size and (fitted.size != size) == fits and fitted.size == fit.size_for(*size)
+            expected, got = adapter.prepare_image(whole), adapter.prepare_image(fitted)
+            assert (got.num_tokens, got.grid) == (expected.num_tokens, expected.grid), (size, form)
+            assert torch.equal(got.tensors["image_sizes"], expected.tensors["image_sizes"])
+            assert adapter.encode([got], IMAGE).shape == adapter.encode([expected], IMAGE).shape
+            expected, got = expected.tensors["pixel_values"].float(), got.tensors["pixel_values"].float()
+            if not fits:
+                assert torch.equal(got, expected), form
+            else:
+                difference = (got - expected).abs() / (expected.max() - expected.min())
+                assert float(difference.mean()) < 0.002 and float(difference.max()) < 0.08, (size, form)
+    assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == fit.size_for(*size)
 
 
 @pytest.mark.parametrize("arch,parallel", [(arch, False) for arch in [*ARCHS, "embedded"]] + [("qwen2_vl", True)])

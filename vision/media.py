@@ -364,18 +364,38 @@ FIT_GAP = 3.0
 @dataclass(frozen=True)
 class ImageFit:
     """What a model's image processor does to a picture's size (``Adapter.image_fit``): ``size_for(width, height)``
-    is the (width, height) it resizes a picture of that size to, and ``resample`` the PIL filter it resizes with."""
+    is the (width, height) it resizes a picture of that size to, and ``resample`` the PIL filter it resizes with.
+    A JPEG is decoded at a reduced scale to no less than ``jpeg_gap`` times that size: ``FIT_GAP``, or 1 where the
+    processor still reduces the fitted picture that much itself (LLaVA-NeXT's anyres, whose fit is a whole multiple of
+    its tiling, no less than ``FIT_GAP`` times it)."""
 
     size_for: Callable[[int, int], tuple[int, int]]
     resample: int
+    jpeg_gap: float = FIT_GAP
 
 
-def _orientation_turns(image: Image.Image) -> bool:
-    """Whether the EXIF orientation swaps width and height (a phone held upright: 6 or 8; or 5, 7)."""
+def _orientation(image: Image.Image) -> int:
+    """The picture's EXIF orientation: 1 upright, 2-8 flipped or turned (6 or 8: a phone held upright)."""
     try:
-        return image.getexif().get(0x0112) in (5, 6, 7, 8)
+        value = image.getexif().get(0x0112, 1)
     except Exception:  # noqa: BLE001 — a malformed EXIF block: load_image ignores its orientation too
-        return False
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def _upright_box(box: tuple[float, float, float, float], size: tuple[int, int], orientation: int):
+    """``box`` (left, top, right, bottom) of a picture of ``size`` as stored, on the picture turned upright by its
+    EXIF ``orientation`` (as ``ImageOps.exif_transpose`` turns it)."""
+    width, height = size
+    upright = {  # where a point (x, y) of the stored picture lands on the upright one
+        2: lambda x, y: (width - x, y), 3: lambda x, y: (width - x, height - y), 4: lambda x, y: (x, height - y),
+        5: lambda x, y: (y, x), 6: lambda x, y: (height - y, x), 7: lambda x, y: (height - y, width - x),
+        8: lambda x, y: (y, width - x),
+    }.get(orientation)
+    if upright is None:
+        return box
+    (x0, y0), (x1, y1) = upright(*box[:2]), upright(*box[2:])
+    return min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)
 
 
 def _fit_size(size: tuple[int, int], fit: ImageFit | None) -> tuple[int, int] | None:
@@ -406,12 +426,19 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
     opened = src if isinstance(src, Image.Image) else _open_image(src, name, max_pixels)
     try:
         _check_pixel_count(opened.size, max_pixels, name)
-        turns = fit is not None and _orientation_turns(opened)
+        orientation = _orientation(opened) if fit is not None else 1
+        turns = orientation in (5, 6, 7, 8)
         upright_size = opened.size[::-1] if turns else opened.size  # (before a reduced-scale decoding changes it)
         fitted = _fit_size(upright_size, fit)
+        box = None  # the picture's extent in the pixels of its reduced-scale decoding
         if fitted is not None and opened.format == "JPEG" and opened is not src:
-            at_least = (int(fitted[0] * FIT_GAP), int(fitted[1] * FIT_GAP))
-            opened.draft(None, at_least[::-1] if turns else at_least)  # in the stored orientation, not upright
+            at_least = (math.ceil(fitted[0] * fit.jpeg_gap), math.ceil(fitted[1] * fit.jpeg_gap))
+            drafted = opened.draft(None, at_least[::-1] if turns else at_least)  # in the stored orientation
+            if drafted is not None and opened.size != (upright_size[::-1] if turns else upright_size):
+                # At 1/8 scale a side of 3001 pixels decodes to 376, the last of them 1/8 of a pixel wide: resized
+                # as if it were whole, the picture was stretched by up to a pixel (1-2% of the range on average, on
+                # the tests' photos). ``Image.thumbnail`` resizes by this box too.
+                box = _upright_box(drafted[1], opened.size, orientation)
         try:
             opened.load()
         except Image.DecompressionBombError as error:
@@ -430,9 +457,9 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
             raise MediaError(f"{name}: unsupported colour mode {upright.mode}") from error
         if fitted is None or rgb.size == fitted:
             return rgb
-        resized = rgb.resize(fitted, fit.resample, reducing_gap=FIT_GAP)
-        # The picture's own proportions, which a model with a fixed input size (the embedded model's 224x224) does
-        # not keep: the chat's keep map is drawn at them (app/ui.py).
+        resized = rgb.resize(fitted, fit.resample, box=box, reducing_gap=FIT_GAP)
+        # The picture's own size. Its proportions, which a model with a fixed input size (the embedded model's
+        # 224x224) does not keep, draw the chat's keep map (app/ui.py); LLaVA-NeXT unpads its tiles' features by it.
         resized.info["source_size"] = upright_size
         return resized
     finally:
