@@ -158,6 +158,23 @@ def test_a_jpeg_decoded_at_a_reduced_scale_is_fitted_without_stretching_whatever
     assert difference.mean() < 0.004 and difference.max() < 0.05, (difference.mean(), difference.max())
 
 
+def test_a_phone_jpeg_with_a_second_picture_is_fitted_as_a_plain_jpeg_is():
+    """A phone's JPEG that carries a gain map or a depth map after its picture opens in PIL as an MPO. It is decoded at a
+    reduced scale as a plain JPEG is: the same pixels as the plain JPEG of its first picture (decoded whole and
+    resized, an MPO took 6x as long to fit, and gave other pixels)."""
+    from glimpse.pipeline.random_checkpoint import photo_like
+
+    picture, gain_map = photo_like(1600, 1200), photo_like(400, 300, seed=1)
+    plain, with_map = io.BytesIO(), io.BytesIO()
+    picture.save(plain, "JPEG", quality=90)
+    picture.save(with_map, "MPO", save_all=True, append_images=[gain_map], quality=90)
+    assert Image.open(with_map).format == "MPO"
+    fit = vision.ImageFit(lambda width, height: (width // 16, height // 16), Image.Resampling.BICUBIC)
+    fitted = vision.load_image(with_map.getvalue(), fit=fit)
+    assert fitted.size == (100, 75)
+    assert np.array_equal(np.asarray(fitted), np.asarray(vision.load_image(plain.getvalue(), fit=fit)))
+
+
 @pytest.mark.parametrize(
     "source, expected",
     [

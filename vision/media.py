@@ -44,7 +44,7 @@ from typing import Any, Literal, Union
 
 import av
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps, JpegImagePlugin, UnidentifiedImageError
 
 from glimpse.common import UserError
 
@@ -431,7 +431,8 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
         upright_size = opened.size[::-1] if turns else opened.size  # (before a reduced-scale decoding changes it)
         fitted = _fit_size(upright_size, fit)
         box = None  # the picture's extent in the pixels of its reduced-scale decoding
-        if fitted is not None and opened.format == "JPEG" and opened is not src:
+        # (A phone's JPEG with a gain map or a depth map opens as an MPO, a JPEG with more pictures after its first.)
+        if fitted is not None and isinstance(opened, JpegImagePlugin.JpegImageFile) and opened is not src:
             at_least = (math.ceil(fitted[0] * fit.jpeg_gap), math.ceil(fitted[1] * fit.jpeg_gap))
             drafted = opened.draft(None, at_least[::-1] if turns else at_least)  # in the stored orientation
             if drafted is not None and opened.size != (upright_size[::-1] if turns else upright_size):
