@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from PIL import Image
-from transformers.image_processing_utils import select_best_resolution
 
 from glimpse import vision
 from glimpse.common import Modality
@@ -579,6 +578,8 @@ class LlavaNextAdapter(LlavaAdapter):
         the whole picture's, to the pixel, and both its resizes start from a picture still 3x their size or more;
         ``prepare_image`` gives the model the whole picture's size, by which it unpads the tiles' features: the same
         tokens (docs/models.md)."""
+        from transformers.image_processing_utils import select_best_resolution
+
         ip = self.image_processor
         pinpoints = getattr(ip, "image_grid_pinpoints", None)
         overview = _size_field(ip.size, "width") or _size_field(ip.size, "shortest_edge"), \
