@@ -203,6 +203,7 @@ class Request:
     pending: "DecodeRows | None" = None
     host_position: list[int] | None = None  # ``ctx.next_position`` read to the host once (pipeline/decode_graph.py)
     error: Exception | None = None  # what ended it in a decode step (its policy's, or the step's); finish "error"
+    short_of_memory: bool = False  # a decode step of it ran out of memory: ``Engine._passes`` says what follows
 
     def note_memory(self, meter: MemoryMeter) -> None:
         self.peak_memory = max(self.peak_memory, meter.peak())
@@ -679,15 +680,12 @@ class Engine:
             request.ctx.step_s.append(seconds)
         return ran_out
 
-    # After a step ran out of memory, its requests decode without KV slots (forming them copies every request's
-    # cache) and at most ``pass_limit`` requests per pass, until none of them is left (``short_for``: their ids):
-    # ``_passes`` sets these, ``batch_ended`` clears them. A server that is never idle gets its slots back too.
+    # After a step ran out of memory, its requests (``Request.short_of_memory``) and those decoding beside them
+    # decode without KV slots (forming them copies every request's cache) and at most ``pass_limit`` requests per
+    # pass, until none of them is left: ``_passes`` sets this, ``batch_ended`` clears it. A server that is never
+    # idle gets its slots back too. (A flag on the request, not a set of their ``id``s: an ended request's id may
+    # be a new request's.)
     pass_limit: int | None = None
-    short_for: frozenset[int] = frozenset()
-
-    @property
-    def short_of_memory(self) -> bool:
-        return bool(self.short_for)
 
     def _passes(self, running: list["Request"]) -> tuple[list[tuple[list, list, torch.Tensor]], bool]:
         """The step's passes through the model, each (requests in the logits' row order, whether each decodes,
@@ -695,7 +693,8 @@ class Engine:
         requests whose step can be (``_undoable``; the others end with ``OutOfMemory``) and run again: without KV
         slots, then in halves, down to one request, which ends if it does not fit alone. The parts that fit set
         how many requests a pass takes until the batch ends (``pass_limit``): not one failed pass per step."""
-        if self.short_of_memory and not any(id(request) in self.short_for for request in running):
+        short = any(request.short_of_memory for request in running)
+        if self.pass_limit is not None and not short:
             self.batch_ended()  # the requests that ran out of memory have all ended
         limit = self.pass_limit or len(running)
         todo = [running[i:i + limit] for i in range(0, len(running), limit)]
@@ -703,13 +702,14 @@ class Engine:
         while todo:
             part = todo.pop(0)
             saved = {id(r): r.pending.hidden for r in part if r.pending is not None}  # decode() moves them on
-            passed, tried = attempt(lambda: self._decode_pass(part))
+            passed, tried = attempt(lambda: self._decode_pass(part, slots=self.decode_slots and not short))
             if passed is not None:
                 passes.append(passed)
                 continue
-            with_slots = self.decode_slots and not self.short_of_memory and any(decodes_plainly(r) for r in part)
-            ran_out, self.slot_groups = True, []
-            self.short_for = self.short_for | {id(request) for request in part}
+            with_slots = self.decode_slots and not short and any(decodes_plainly(r) for r in part)
+            ran_out, short, self.slot_groups = True, True, []
+            for request in part:
+                request.short_of_memory = True
             if not with_slots:  # it failed in a pass as small as it gets with this many: fewer from now on
                 self.pass_limit = min(self.pass_limit or len(part), (len(part) + 1) // 2)
             undone = []
@@ -754,12 +754,12 @@ class Engine:
 
     def batch_ended(self) -> None:
         """The requests decoding together all ended: their KV slots go, and a shortage of memory they met with it."""
-        self.slot_groups, self.pass_limit, self.short_for = [], None, frozenset()
+        self.slot_groups, self.pass_limit = [], None
 
-    def _decode_pass(self, running: list["Request"]):
-        """The step's pass through the model: (requests in the logits' row order, whether each decodes, logits)."""
-        # Requests that can share one attention call per layer go first, in their slot groups (pipeline/batch_kv.py).
-        slots = self.decode_slots and not self.short_of_memory
+    def _decode_pass(self, running: list["Request"], slots: bool):
+        """The step's pass through the model: (requests in the logits' row order, whether each decodes, logits).
+        ``slots``: whether requests that can share one attention call per layer go first, in their slot groups
+        (pipeline/batch_kv.py)."""
         candidates = [request for request in running if slots and decodes_plainly(request)]
         groups = serve_step(self.slot_groups, candidates)
         if groups is None:

@@ -565,7 +565,7 @@ def test_a_decode_step_that_runs_out_of_memory_part_way_is_undone_and_the_answer
         assert one.token_ids == other.token_ids
         for series in ("kv_bytes_per_step", "visual_kv_per_step"):
             assert one.metrics[series] == other.metrics[series]
-    assert not engine.short_of_memory and engine.pass_limit is None  # gone with the batch
+    assert engine.pass_limit is None and engine.slot_groups == []  # gone with the batch
     assert [r.token_ids for r in engine.generate_batch(conversations, **kwargs)] == [r.token_ids for r in spare]
 
 
@@ -617,14 +617,15 @@ def test_a_shortage_of_memory_lasts_while_the_requests_that_met_it_decode(deep_c
         met = [engine.start(c, "none", 0.0, 8, Sampling(False, 1.0, 1.0, None)) for c in conversations[:2]]
         with RunsOutOfMemory(engine.adapter.layers[1].mlp, "cpu", lambda rows: rows == 2) as fault:
             assert engine.decode_step(met)
-        assert len(fault.refused) == 2 and engine.short_of_memory and engine.pass_limit == 1
+        assert len(fault.refused) == 2 and all(request.short_of_memory for request in met)
+        assert engine.pass_limit == 1
         later = engine.start(conversations[2], "none", 0.0, 8, Sampling(False, 1.0, 1.0, None))
         assert not engine.decode_step([*met, later])
-        assert engine.slot_groups == [] and engine.pass_limit == 1
+        assert engine.slot_groups == [] and engine.pass_limit == 1 and not later.short_of_memory
         engine.decode_step([met[1], later])
         assert engine.slot_groups == []
         engine.decode_step([later])  # the two that ran out of memory have ended
-        assert not engine.short_of_memory and [group.members for group in engine.slot_groups] == [[later]]
+        assert engine.pass_limit is None and [group.members for group in engine.slot_groups] == [[later]]
     engine.batch_ended()
 
 
