@@ -159,8 +159,8 @@ def test_a_jpeg_decoded_at_a_reduced_scale_is_fitted_without_stretching_whatever
 
 
 def test_a_phone_jpeg_with_a_second_picture_is_fitted_as_a_plain_jpeg_is():
-    """A phone's JPEG that carries a gain map or a depth map after its picture opens in PIL as an MPO. It is decoded at a
-    reduced scale as a plain JPEG is: the same pixels as the plain JPEG of its first picture (decoded whole and
+    """A phone's JPEG that carries a gain map or a depth map after its picture opens in PIL as an MPO. It is decoded
+    at a reduced scale as a plain JPEG is: the same pixels as the plain JPEG of its first picture (decoded whole and
     resized, an MPO took 6x as long to fit, and gave other pixels)."""
     from glimpse.pipeline.random_checkpoint import photo_like
 
@@ -536,32 +536,49 @@ def test_reading_a_video_asks_before_each_packet_whether_to_stop_and_stops_there
     assert next(asked) == 7 and vision.probe_video(matroska).num_frames == CLIP_FRAMES
 
 
-def test_a_picture_told_to_stop_while_it_decodes_is_neither_converted_nor_resized(tmp_path, monkeypatch):
-    """An image's decoding runs to its end once begun (PIL's incremental parser, which could stop between chunks,
-    decoded a 64 MP PNG 2.4x as slowly), but what follows it is not run for a reading told to stop meanwhile (a
-    client that left): neither the conversion to RGB nor the model's processor, which for a 64 MP picture take
-    longer than the decoding (1.5 s against 0.9 s on two cores)."""
+def test_a_picture_told_to_stop_while_it_decodes_stops_within_its_decoding(tmp_path, monkeypatch):
+    """Each read of a picture's file asks whether the reading goes on, and PIL decodes from reads of at most 64 KB:
+    told to stop part-way through its decoding (its client left), the decoding stops at its next read, and nothing
+    that follows runs, neither the conversion to RGB nor the model's processor (a 64 MP PNG's decoding, 0.9-2.5 s on
+    two cores, ran to its end until 2026-12-06). Told to stop between the stages, it stops there. Past the
+    request's time limit it stops the same way, in words that say so, not as a corrupt file. Let go on, the picture
+    is read whole."""
     from types import SimpleNamespace
 
     from glimpse.pipeline.prompt import load_media
+    from glimpse.pipeline.random_checkpoint import photo_like
 
     path = tmp_path / "large.png"
-    Image.new("RGB", (64, 48), "teal").save(path)
+    photo_like(1200, 900).save(path)
     converted, resized = [], []
     to_rgb = media_module._to_rgb
     monkeypatch.setattr(media_module, "_to_rgb", lambda image: converted.append(image.size) or to_rgb(image))
     adapter = SimpleNamespace(prepare_image=lambda image: resized.append(image) or SimpleNamespace(num_tokens=1),
                               supports_video=True, image_fit=None)
     messages = [{"role": "user", "content": [{"type": "image", "image": str(path)}]}]
-    for asks_before_stop, stopped_at in ((1, "before its conversion"), (2, "before the processor")):
-        asked = iter(range(1, 100))
-        with vision.reading_limit(None, stop=lambda: next(asked) > asks_before_stop), \
+    asks = []
+    with vision.reading_limit(None, stop=lambda: asks.append(1) and False):
+        load_media(adapter, messages)
+    # Asked before the picture, before each read of its file, after its decoding and before the processor.
+    whole = len(asks)
+    assert whole > 20 and converted == [(1200, 900)] and len(resized) == 1
+    converted.clear(), resized.clear()
+    for stop_at, stage in ((whole // 2, "in its decoding"), (whole - 1, "before its conversion"),
+                           (whole, "before the processor")):
+        asked = iter(range(1, 10**6))
+        with vision.reading_limit(None, stop=lambda: next(asked) >= stop_at), \
                 pytest.raises(vision.ReadingStopped, match=r"^large\.png: reading it was stopped"):
             load_media(adapter, messages)
-        assert next(asked) == asks_before_stop + 2, stopped_at  # asked before the picture, then after each stage
-        assert (len(converted), resized) == (asks_before_stop - 1, []), stopped_at
-    load_media(adapter, messages)
-    assert converted[-1] == (64, 48) and [image.size for image in resized] == [(64, 48)]
+        assert next(asked) == stop_at + 1, stage  # it stopped where it was first told to
+        assert (converted, resized) == ([(1200, 900)] if stage == "before the processor" else [], []), stage
+        converted.clear()
+
+    clock = iter(range(10**6))  # a second passes at each ask: the limit of 10 s is reached part-way through
+    monkeypatch.setattr(media_module.time, "monotonic", lambda: float(next(clock)))
+    with vision.reading_limit(10.0), pytest.raises(vision.MediaError) as refused:
+        load_media(adapter, messages)
+    assert not isinstance(refused.value, vision.ReadingStopped) and "took longer than 10 s" in str(refused.value)
+    assert next(clock) < whole and (converted, resized) == ([], [])
 
 
 def test_reading_past_the_time_limit_is_refused_in_words_naming_the_file(clip):
