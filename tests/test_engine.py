@@ -1113,8 +1113,9 @@ def test_a_large_picture_resized_as_it_is_decoded_keeps_the_anyres_tiling_and_to
     """LLaVA-NeXT's anyres tiles a picture by its own size and squeezes it for an overview. A picture over
     2 x ``FIT_GAP`` times its tiled size is resized as it is decoded to a whole multiple of that size, and the
     processor tiles it as the whole picture: the same tiling, the same image size given to the model (which unpads
-    the tiles' features by it), the same tokens and features, and pixels within a quarter of a grey level on
-    average, at every aspect ratio here, upright or stored turned. A smaller one is not resized: the same bytes."""
+    the tiles' features by it), the same tokens and features, and pixels within 0.2% of their range on average (half
+    a grey level), at every aspect ratio here, upright or stored turned. A smaller one is not resized: the same
+    bytes."""
     from glimpse.pipeline.adapters import IMAGE
 
     engine = load_engine(str(checkpoints[arch]), device="cpu")
