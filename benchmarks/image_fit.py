@@ -11,15 +11,16 @@ mean and largest difference of its pixels, as a share of their range, with the s
     python benchmarks/image_fit.py --model random-llava-next   # LLaVA-NeXT's anyres processor (below)
     python benchmarks/image_fit.py --model Qwen/Qwen2-VL-7B-Instruct --device cuda
 
-``random-llava-next`` is llava-v1.6's image processor (336-pixel tiles, its five tilings) before a small random
-LLaVA-NeXT (a one-layer CLIP-L/14-336-input tower 64 wide, a two-layer decoder): the seconds to the model's input are
-that processor's, and its time to first token differs from the unfitted one's by them alone.
+``random-llava-next`` is llava-v1.6's image processor (336-pixel tiles, its five tilings) before the test suite's tiny
+random LLaVA-NeXT (tests/tiny_models.py) built for it: the seconds to the model's input are that processor's, and its
+time to first token differs from the unfitted one's by them alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,36 +31,13 @@ from glimpse.bench import device_name
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.random_checkpoint import photo_like
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test suite's tiny checkpoints
+from tiny_models import build_llava_next  # noqa: E402
+
+LLAVA_V16_TILINGS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # its image_grid_pinpoints
+
 PICTURES = [("12 MP photo", (4032, 3024), "JPEG"), ("12 MP photo", (4032, 3024), "PNG"),
             ("48 MP photo", (8064, 6048), "JPEG")]
-
-
-def build_random_llava_next(folder: Path) -> Path:
-    """A small random LLaVA-NeXT checkpoint with llava-v1.6's image processor (see the module's docstring)."""
-    import torch
-    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessorPil
-
-    from glimpse.pipeline.random_checkpoint import LLAVA_SPECIAL_TOKENS, LLAVA_TEMPLATE, make_tokenizer
-
-    tok = make_tokenizer(LLAVA_SPECIAL_TOKENS, eos="</s>", bos="<s>")
-    tilings = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # llava-v1.6's image_grid_pinpoints
-    config = LlavaNextConfig(
-        vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                           num_attention_heads=4, image_size=336, patch_size=14, projection_dim=64),
-        text_config=dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096),
-        image_token_id=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=tilings,
-        vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlavaNextForConditionalGeneration(config).eval()
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
-                               image_grid_pinpoints=tilings).save_pretrained(folder)
-    (folder / "chat_template.jinja").write_text(LLAVA_TEMPLATE)
-    return folder
 
 
 def to_input(engine, path: Path, fit) -> tuple[float, object]:
@@ -83,8 +61,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     checkpoint = tempfile.TemporaryDirectory()
-    model = (str(build_random_llava_next(Path(checkpoint.name))) if args.model == "random-llava-next"
-             else args.model)
+    model = (str(build_llava_next(Path(checkpoint.name), image_size=336, pinpoints=LLAVA_V16_TILINGS))
+             if args.model == "random-llava-next" else args.model)
     engine = load_engine(model, device=args.device)
     fit = engine.adapter.image_fit
     if fit is None:

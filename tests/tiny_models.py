@@ -130,19 +130,23 @@ def build_llava(folder: Path, seed: int = 0, layers: int = 4) -> Path:
 PINPOINTS = [[56, 112], [112, 56], [112, 112]]
 
 
-def build_llava_next(folder: Path, seed: int = 0) -> Path:
+def build_llava_next(folder: Path, seed: int = 0, image_size: int = 56, pinpoints: list = PINPOINTS) -> Path:
+    """``image_size`` and ``pinpoints``: the tower's input and anyres' tilings (336 and llava-v1.6's for its real image
+    processor in front of the tiny model: benchmarks/image_fit.py)."""
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
     tok = _llava_tokenizer()
-    config = LlavaNextConfig(vision_config=_clip_vision(56), text_config=dict(model_type="llama", **_text_config(len(tok))),
-                             image_token_id=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=PINPOINTS,
+    config = LlavaNextConfig(vision_config=_clip_vision(image_size),
+                             text_config=dict(model_type="llama", **_text_config(len(tok))),
+                             image_token_id=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
                              vision_feature_layer=-2, vision_feature_select_strategy="default",
                              tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = LlavaNextForConditionalGeneration(config).eval()
-    processor = LlavaNextImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56},
-                                           image_grid_pinpoints=PINPOINTS)
+    processor = LlavaNextImageProcessorPil(size={"shortest_edge": image_size},
+                                           crop_size={"height": image_size, "width": image_size},
+                                           image_grid_pinpoints=pinpoints)
     return _save(folder, model, tok, processor, LLAVA_TEMPLATE, tok.eos_token_id)
 
 
