@@ -322,7 +322,6 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
     scheduler = scheduler or Scheduler(engine)
     # The only files a chat turn may name: what was uploaded to this chat, and --allowed-root.
     allowed = tuple(Path(p).resolve() for p in (get_upload_folder(), allowed_root) if p)
-    unusable: set[str] = set()  # uploads that could not be decoded: later turns leave them out
     assets = ASSETS
 
     def chosen_params(policy, speed, overrides):
@@ -354,7 +353,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
 
     tabs: dict[str, set] = {}  # per browser session, the tickets it is waiting on: closing the tab cancels them
     cleared_sessions: set = set()  # browser sessions whose next question starts a new conversation (Clear)
-    stopped_sessions: dict = {}  # browser session -> the question of its turn Stop ended (the next one re-marks it)
+    stopped_sessions: dict = {}  # browser session -> the last question when Stop ended its turn (re-marked next turn)
     tabs_lock = threading.Lock()
 
     def respond(message, history, policy, speed, max_tokens, overrides, compare, request=None):
@@ -373,7 +372,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             with reading_limit(scheduler.media_timeout_s, lambda: scheduler.closed):
                 for path in files:
                     check_reading(path)
-                    _check_upload(path, allowed, unusable)
+                    _check_upload(path, allowed)
             # Compared, both answers compute everything (no media, encoder or prefix cache): the unpruned run
             # comes second, and the caches would otherwise hand it what the first one computed.
             overridden = parse_overrides(overrides)
@@ -381,7 +380,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                            max_new_tokens=_token_limit(max_tokens, max_new_tokens), caches=not compare)
             scheduler.check_room()  # a full queue is refused before the work of building the prompt
             prompt, left_out = _fitting_prompt(
-                _usable(history, unusable), turn,
+                _usable(history), turn,
                 lambda conversation: scheduler.prepare(history_to_messages(conversation, allowed), not compare))
             ticket = scheduler.submit(prompt, **options)
             with tabs_lock:
@@ -390,10 +389,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             refused("rejected")
             yield f"{ERROR_NOTE}{full}", NO_METRICS, None
             return
-        except Exception as error:  # shown in the chat; the server keeps serving
-            if isinstance(error, MediaError):  # this turn's file could not be read (past --media-timeout): later
-                # turns leave it out, as they do a file that does not decode
-                unusable.update(str(p) for p in files if str(error).startswith(f"{Path(str(p)).name}: "))
+        except Exception as error:  # shown in the chat; the server keeps serving (a file the error names, one that
+            # does not decode or took past --media-timeout, is left out of later turns: _usable)
             refused("bad_request" if isinstance(error, UserError) else "error")
             yield _error_text(error), NO_METRICS, None
             return
@@ -409,22 +406,19 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                 answer += chunk.text
                 result = chunk.result or result
                 yield _shown(answer), gr.skip(), gr.skip()
-            baseline = None
-            # With no pruning (policy none, or speed 0 as the slider sets it) the two runs are one configuration.
-            if compare and policy != "none" and (speed > 0 or overridden):
-                yield _shown(answer), "*running the unpruned answer to compare ...*", gr.skip()
-                baseline = scheduler.generate(prompt, policy="none", max_new_tokens=options["max_new_tokens"],
-                                              caches=False)
         except Exception as error:  # after some of the answer: what was said stays, the error under it as a note
             yield (_shown(answer) + _note(f"the answer broke off: {_error_text(error).removeprefix(ERROR_NOTE)}") if answer
                    else _error_text(error)), NO_METRICS, None
             return
         finally:
-            ticket.cancel.set()  # Stop and Clear close this generator: the request ends at once
-            with tabs_lock:
-                tabs.get(session, set()).discard(ticket)
+            _ended(session, ticket)
         if result is None:
             return
+        baseline, not_compared = None, ""
+        # With no pruning (policy none, or speed 0 as the slider sets it) the two runs are one configuration.
+        if compare and policy != "none" and (speed > 0 or overridden):
+            baseline, not_compared = yield from unpruned_answer(session, prompt, _shown(answer),
+                                                                options["max_new_tokens"])
         answer = _shown(answer)
         if result.finish_reason == "length":
             count = len(result.token_ids)
@@ -435,7 +429,49 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
                             f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")
         keep_map = saved_image(keep_map_image(prompt.media, result.metrics["keep_map"]))
-        yield answer, metrics_markdown(result, baseline), keep_map
+        yield answer, metrics_markdown(result, baseline) + not_compared, keep_map
+
+    def unpruned_answer(session, prompt, answer: str, max_new_tokens: int):
+        """The compare box's unpruned run of the same prompt: (its result, or None and why there is none, for the
+        metrics panel). A request of the session as the answer was: Stop, Clear and closing the tab end it at once
+        (it was waited for in one blocking call, which nothing could end: Stop waited its 10 s, and a second user's
+        two-token question waited 36 s behind it). Its failure, a full queue included, leaves the answer as it is,
+        with its metrics (an outside pass saw the finished answer marked "broke off: internal error ... QueueFull"
+        and its metrics gone)."""
+        said = "*running the unpruned answer to compare ...*"
+        yield answer, said, gr.skip()
+        try:
+            ticket = scheduler.submit(prompt, policy="none", max_new_tokens=max_new_tokens, caches=False)
+        except (QueueFull, ServerStopping) as busy:
+            return None, _not_compared(_literal(str(busy)))
+        except Exception as error:
+            return None, _not_compared(_error_text(error).removeprefix(ERROR_NOTE))
+        with tabs_lock:
+            tabs.setdefault(session, set()).add(ticket)
+        tokens = 0
+        try:
+            for chunk in ticket.chunks(heartbeat=0.5):  # each step yields: Gradio ends a generator only at a yield
+                if chunk is not None and chunk.result is not None:  # one ended part-way compares with nothing
+                    return (None, _not_compared("it was cancelled")) if chunk.result.finish_reason == "cancelled" \
+                        else (chunk.result, "")
+                tokens += chunk is not None
+                yield answer, f"{said[:-5]}: {tokens} token{'s' * (tokens != 1)} ...*" if tokens else said, gr.skip()
+            return None, _not_compared("it was cancelled")
+        except Exception as error:
+            return None, _not_compared(_error_text(error).removeprefix(ERROR_NOTE))
+        finally:
+            _ended(session, ticket)
+
+    def _ended(session, ticket) -> None:
+        """The ticket's stream ended or was left (Stop and Clear close the chat's generator): its request ends at
+        once, and the session is no longer waiting on it. A session waiting on nothing is dropped (API clients'
+        sessions never close: each left an entry behind)."""
+        ticket.cancel.set()
+        with tabs_lock:
+            waiting = tabs.get(session, set())
+            waiting.discard(ticket)
+            if not waiting:
+                tabs.pop(session, None)
 
     def tab_closed(request):
         """The tab was closed or reloaded (Gradio does not cancel its running event): end its requests."""
@@ -579,9 +615,13 @@ def _clear_cancels_chat(cleared_sessions: set, stopped_sessions: dict, lock):
     return ClearCancelsChat
 
 
-def _last_question(history: list[dict] | None) -> str | None:
-    """The text of the conversation's last user message (a turn's text comes after its files)."""
-    return next((_text_of(m) for m in reversed(history or []) if m.get("role") == "user"), None)
+def _last_question(history: list[dict] | None) -> tuple[int, str] | None:
+    """The conversation's last user message (a turn's text comes after its files): where it is, and its text. Its
+    place tells a stopped turn from an earlier one with the same question: by text alone, Retry after Stop marked
+    the answer before it "(stopped)" when that question had been asked twice (a natural use: the same question at
+    another speed)."""
+    return next(((i, _text_of(m)) for i, m in reversed(list(enumerate(history or []))) if m.get("role") == "user"),
+                None)
 
 
 def _marked_stopped(history: list[dict] | None) -> list[dict]:
@@ -605,28 +645,24 @@ def _marked_stopped(history: list[dict] | None) -> list[dict]:
     return history
 
 
-def _check_upload(path, allowed: tuple[Path, ...], unusable: set[str]) -> None:
-    """This turn's file: under ``allowed`` and decodable (an image opens, a video has frames). One that is not
-    is remembered, so that later turns leave it out rather than fail on it again."""
+def _check_upload(path, allowed: tuple[Path, ...]) -> None:
+    """This turn's file: under ``allowed`` and decodable (an image opens, a video has frames)."""
     if not _inside(path, allowed):
         raise MediaError(f"{Path(str(path)).name}: only files uploaded to this chat can be used")
-    try:
-        kind = detect_kind(path)
-        load_image(path) if kind == "image" else probe_video(path)
-    except MediaError:
-        unusable.add(str(path))
-        raise
+    kind = detect_kind(path)
+    load_image(path) if kind == "image" else probe_video(path)
 
 
-def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
-    """The earlier turns as the model should see them: files that failed to decode, files no longer on disk (old
-    uploads the upload quota deleted, ``glimpse.uploads``), the error notes the chat showed for failed turns and
-    the notes it adds under answers (cut, stopped, turns left out) left out. A failed turn's question is left
-    out too (the model never answered it; sent again, it would run into the next question, and one too long
-    for the context would push out the turns before it), but its files stay: the user uploaded them, and
-    the next question may be about them."""
+def _usable(history: list[dict]) -> list[dict]:
+    """The earlier turns as the model should see them: the files a failed turn's error named (they did not decode,
+    or took past --media-timeout: ``_named_by_its_error``), files no longer on disk (old uploads the upload quota
+    deleted, ``glimpse.uploads``), the error notes the chat showed for failed turns and the notes it adds under
+    answers (cut, stopped, turns left out) left out. A failed turn's question is left out too (the model never
+    answered it; sent again, it would run into the next question, and one too long for the context would push out
+    the turns before it), but its other files stay: the user uploaded them, and the next question may be about
+    them."""
     kept = []
-    for message in history:
+    for i, message in enumerate(history):
         content = message.get("content")
         if _is_chat_note(message):
             # Not an answer: the error note of a failed turn, or the queue position shown while a question waited
@@ -637,10 +673,24 @@ def _usable(history: list[dict], unusable: set[str]) -> list[dict]:
             content = _without_notes_in(content)  # the chat's own notes under an answer are not the model's words
         parts = content if isinstance(content, list) else [content]
         parts = [p for p in parts if not (isinstance(p, dict) and _path_of(p) is not None
-                                          and (_path_of(p) in unusable or not Path(_path_of(p)).is_file()))]
+                                          and (_named_by_its_error(history, i, _path_of(p))
+                                               or not Path(_path_of(p)).is_file()))]
         if parts:
             kept.append({**message, "content": parts if isinstance(content, list) else parts[0]})
     return _without_unanswered(kept)
+
+
+def _named_by_its_error(history: list[dict], index: int, path: str) -> bool:
+    """Whether the turn of ``history[index]`` failed on the file at ``path``: its answer is the chat's error note,
+    and the error names the file first, as a file's errors do ("photo.png: the file is empty"; a video past
+    --media-timeout). Read from the conversation itself, not remembered by the server: a file that took too long
+    on a busy server once was then left out of every later turn of every user who sent the same picture (uploads
+    are stored by content), even after it was sent again and read. The same file sent again in a later turn is
+    that turn's, and kept if that turn did not fail on it."""
+    answer = next((m for m in history[index + 1:] if m.get("role") == "assistant"), None)
+    if answer is None or not _is_chat_note(answer):
+        return False
+    return _text_of(answer).removeprefix(ERROR_NOTE).startswith(f"{_literal(Path(path).name)}: ")
 
 
 def _without_unanswered(history: list[dict]) -> list[dict]:
@@ -812,6 +862,11 @@ def _token_limit(value, ceiling: int) -> int:
     if not 1 <= limit <= ceiling:
         raise UserError(f"max answer tokens must be between 1 and {ceiling} on this server")
     return limit
+
+
+def _not_compared(why: str) -> str:
+    """Under the metrics, why the compare box's unpruned run gave nothing to compare with (``why``: Markdown)."""
+    return f"\n\n*not compared with the unpruned answer: {why}*"
 
 
 def _error_text(error: Exception) -> str:

@@ -999,19 +999,38 @@ def test_the_chat_answers_through_gradio_client_and_shows_errors_in_the_chat(ser
 def test_a_chat_upload_that_takes_too_long_to_read_is_refused_and_left_out_of_later_turns(server, media):
     """A chat's picture or video past the server's time limit for reading (``--media-timeout``; 0 s here, so that any
     is): the turn says so, naming the file, and the next turns leave the file out, as they do a file that does not
-    decode, rather than read it again and fail again, a minute each time."""
+    decode, rather than read it again and fail again, a minute each time.
+
+    Only that conversation's turns, and only until it is sent again: uploads are stored by content, and the server
+    remembered the file as unusable, so that once the server was less busy the same picture sent again was answered
+    about, and then left out of every later turn, this user's and every other user's who sent it (an outside pass)."""
     from gradio_client import Client, handle_file
 
     app = build_server(server["engine"], "tiny-llava", max_new_tokens=4, media_timeout_s=0.0)
+
+    def ask(client, text, *files):
+        answer, metrics, _ = client.predict({"text": text, "files": [handle_file(str(f)) for f in files]}, "none", 0.0,
+                                            4, "", False, api_name="/chat")
+        prompt = next((line for line in metrics.splitlines() if line.startswith("| prompt tokens")), "")
+        return answer, prompt
+
     try:
         for url in _serve(app):
             client = Client(url + "/", verbose=False)
-            question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
-            answer, _, _ = client.predict(question, "none", 0.0, 4, "", False, api_name="/chat")
+            answer, _ = ask(client, "What is in the picture?", media["image"])
             assert "⚠️" in answer and "image.png: reading the images and videos of this request took longer" in answer
-            answer, _, _ = client.predict({"text": "Say hi.", "files": []}, "none", 0.0, 4, "", False,
-                                          api_name="/chat")
-            assert answer and "⚠️" not in answer
+            answer, prompt = ask(client, "Say hi.")
+            assert answer and "⚠️" not in answer and "image" not in prompt
+
+            app.state.scheduler.media_timeout_s = 60.0  # the server is less busy now
+            answer, prompt = ask(client, "What is in the picture?", media["image"])
+            assert "⚠️" not in answer and "image" in prompt
+            answer, prompt = ask(client, "And its colours?")
+            assert "⚠️" not in answer and "image" in prompt, "the picture read at the second try stays"
+            other = Client(url + "/", verbose=False)  # another user, the same picture
+            ask(other, "What is in the picture?", media["image"])
+            answer, prompt = ask(other, "And its colours?")
+            assert "⚠️" not in answer and "image" in prompt
     finally:
         app.state.scheduler.close()
 
@@ -1079,24 +1098,24 @@ def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
                {"role": "assistant", "content": "Red.\n\n*(cut at 2 tokens: raise max answer tokens for more)*"},
                {"role": "user", "content": "And now?"},
                {"role": "assistant", "content": [{"type": "text", "text": "Blue, and\n\n*(stopped)*"}]}]
-    usable = _usable(history, set())
+    usable = _usable(history)
     assert usable[1]["content"] == "Red." and usable[3]["content"] == [{"type": "text", "text": "Blue, and"}]
     assert _turn_starts(history) == [0, 3, 5]  # leaving out the oldest turn keeps history[3:]
     own = [{"role": "assistant", "content": "A poem.\n\n*(the end)*"}]  # the model's own italics stay
-    assert _usable(own, set()) == own
+    assert _usable(own) == own
     # An answer that starts with the sign the chat's error notes use is still the model's answer, and its question
     # stays; an answer that broke off keeps what was said, without the error under it.
     warned = [{"role": "user", "content": "Is it safe?"}, {"role": "assistant", "content": "⚠️ Warning: no."},
               {"role": "user", "content": "Why?"},
               {"role": "assistant", "content": "Because\n\n*(the answer broke off: out of memory)*"}]
-    assert _usable(warned, set()) == [*warned[:3], {"role": "assistant", "content": "Because"}]
+    assert _usable(warned) == [*warned[:3], {"role": "assistant", "content": "Because"}]
     # A warning under an answer (a damaged video) is the chat's words too: sent back, the model read it as its own
     # answer in every later turn.
     damaged = [{"role": "user", "content": "What happens?"},
                {"role": "assistant", "content": "A ball rolls.\n\n*(cut at 3 tokens: raise max answer tokens for more)*"
                                                 "\n\n*(warning: clip.mp4: only 4 of the 30 frames it declares could be "
                                                 "decoded (a damaged or truncated file): the answer is about those)*"}]
-    assert _usable(damaged, set())[1] == {"role": "assistant", "content": "A ball rolls."}
+    assert _usable(damaged)[1] == {"role": "assistant", "content": "A ball rolls."}
 
 
 def test_an_answer_that_is_a_number_and_a_dot_is_shown_as_text_and_sent_back_as_written():
@@ -1119,7 +1138,7 @@ def test_an_answer_that_is_a_number_and_a_dot_is_shown_as_text_and_sent_back_as_
         assert _shown(answer) == answer
     history = [{"role": "user", "content": "How many?"}, {"role": "assistant", "content": _shown("12.")},
                {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": [{"type": "text", "text": _shown("3.")}]}]
-    usable = _usable(history, set())
+    usable = _usable(history)
     assert usable[1]["content"] == "12." and usable[3]["content"] == [{"type": "text", "text": "3."}]
 
 
@@ -1139,7 +1158,7 @@ def test_a_failed_turns_question_is_not_sent_again_but_its_upload_stays(tmp_path
                {"role": "user", "content": "What colour? " * 1000},
                {"role": "assistant", "content": f"{ERROR_NOTE}the messages hold 13,000 characters of text, more than ..."}]
     turn = [{"role": "user", "content": [{"type": "text", "text": "What shape?"}]}]
-    messages = history_to_messages(_usable(history, set()) + turn, (tmp_path,))
+    messages = history_to_messages(_usable(history) + turn, (tmp_path,))
     assert [m["role"] for m in messages] == ["user", "assistant", "user"]
     assert messages[2]["content"] == [{"type": "image", "image": str(picture)}, {"type": "text", "text": "What shape?"}]
     assert messages[0]["content"] == [{"type": "text", "text": "Hello"}]  # the turns before it stay
@@ -1601,7 +1620,7 @@ def test_uploads_past_the_quota_are_refused_old_ones_make_room_and_the_chat_goes
         assert httpx.get(url + "/health").status_code == 200
     history = [{"role": "user", "content": [{"type": "file", "file": {"path": str(kept)}}, {"type": "text", "text": "hi"}]},
                {"role": "assistant", "content": "hello"}]
-    assert _usable(history, set())[0]["content"] == [{"type": "text", "text": "hi"}]
+    assert _usable(history)[0]["content"] == [{"type": "text", "text": "hi"}]
 
 
 def test_the_upload_quota_counts_what_files_take_on_the_disk_and_is_checked_off_the_event_loop(
@@ -2286,6 +2305,13 @@ def test_stop_s_mark_stays_under_the_stopped_turn_when_the_next_question_is_aske
         earlier = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]
         handler["mark_stopped"](earlier + begun, request)
         assert shown(earlier)[1]["content"] == "Hi."  # a retry of the stopped turn: no other answer gets its mark
+        # Nor the answer to the same question asked before it (asked again at another speed, then stopped; the
+        # mark was matched by the question's text, an outside pass found)
+        once = [{"role": "user", "content": "Tell me a long story."}, {"role": "assistant", "content": "Once."}]
+        handler["mark_stopped"](once + begun, request)
+        assert shown(once)[1]["content"] == "Once."
+        handler["mark_stopped"](once + begun, request)
+        assert shown(once + begun)[3]["content"] == marked[-1]["content"]  # the stopped turn itself is marked
 
         handler["mark_stopped"](asked, request)  # stopped before the answer began
         after = shown(asked)
@@ -2295,6 +2321,67 @@ def test_stop_s_mark_stays_under_the_stopped_turn_when_the_next_question_is_aske
         fresh = shown(begun)
         assert [m["role"] for m in fresh] == ["user", "assistant"] and "And then?" in str(fresh[0]["content"])
         assert shown(begun)[1]["content"] == "Once upon a time"  # and no mark is left to apply later
+    finally:
+        scheduler.close()
+
+
+def test_the_compare_boxs_unpruned_run_ends_on_stop_and_a_busy_server_leaves_the_answer_whole(server, monkeypatch):
+    """"Also run unpruned, to compare" runs a second request after the answer. It was waited for in one blocking
+    call: Stop could not end it (a second user's two-token question waited 36 s behind it, an outside pass found),
+    and a full queue at that moment showed the finished answer as "broke off: internal error ... QueueFull", its
+    metrics gone. It is now the session's request as the answer is: Stop ends it; and one that cannot run leaves
+    the answer and its metrics as they are, saying why there is no comparison."""
+    import gradio as gr
+
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import build_ui
+
+    class Slow(NoPruning):  # the unpruned run: 20 steps a second, minutes for its answer unless it is ended
+        def decode_step(self, step, ctx):
+            time.sleep(0.05)
+
+    engine = server["engine"]
+    make_policy = engine.make_policy
+    monkeypatch.setattr(engine, "eos_token_ids", set())  # every answer runs to its token limit
+    monkeypatch.setattr(engine, "make_policy",
+                        lambda name, *args, **kwargs: Slow() if name == "none" else make_policy(name, *args, **kwargs))
+    scheduler = Scheduler(engine, max_batch=1, queue_size=1)
+    try:
+        demo = build_ui(engine, "tiny-llava", max_new_tokens=600, scheduler=scheduler)
+        handler = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+        running_unpruned = "*running the unpruned answer to compare ...*"
+
+        def answered_until_compared(session):
+            request = gr.Request(session_hash=session)
+            turn = demo.chat_interface.fn({"text": "Tell me a story.", "files": []}, [], "fastv", 1.0, 600, "", True,
+                                          request)
+            for answer, metrics, _ in turn:
+                if metrics == running_unpruned:  # the answer is whole; its unpruned run is submitted next
+                    return request, turn, answer
+            raise AssertionError("the unpruned run was never started")
+
+        request, turn, answer = answered_until_compared("tab-compare-stop")
+        next(turn)  # the unpruned run is under way
+        stop = threading.Thread(target=handler["mark_stopped"], args=([], request))
+        stop.start()
+        *_, (final, metrics, _) = list(turn)
+        stop.join()
+        assert final.startswith(answer) and "broke off" not in final and "| answer tokens | 600 |" in metrics
+        assert "not compared with the unpruned answer: it was cancelled" in metrics and "unpruned |" not in metrics
+
+        request, turn, answer = answered_until_compared("tab-compare-busy")
+        long = [{"role": "user", "content": "Tell me another story."}]
+        busy = [scheduler.submit(long, policy="none", max_new_tokens=600)]
+        deadline = time.monotonic() + 60
+        while scheduler.state()["running"] == 0 and time.monotonic() < deadline:  # the first runs
+            time.sleep(0.05)
+        busy.append(scheduler.submit(long, policy="none", max_new_tokens=600))  # the second waits: the queue is full
+        *_, (final, metrics, _) = list(turn)
+        assert final.startswith(answer) and "broke off" not in final
+        assert "| answer tokens | 600 |" in metrics
+        assert "not compared with the unpruned answer: the server is busy" in metrics
+        for ticket in busy:
+            ticket.cancel.set()
     finally:
         scheduler.close()
 
