@@ -60,6 +60,7 @@ from starlette.requests import ClientDisconnect
 from glimpse import vision
 from glimpse.vision import NamedBytes
 from glimpse.common import UserError
+from glimpse.common.jsonable import finite
 from glimpse.connections import BODY_DONE, AbsoluteFormTargets, BodyLimits, error_content
 from glimpse.fetch import FETCH_DEADLINE_S, Allowance, Fetcher, FetchError
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
@@ -780,8 +781,8 @@ def _usage(result) -> dict:
 def _glimpse(result, speed: float, promise: dict) -> dict:
     keys = ("ttft_s", "queue_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
             "prefill_flops", "prefill_flops_baseline", "prefill_flops_unpruned", "prefix_reused_tokens")
-    return {"policy": result.policy, "speed": speed, "params": result.params, "summary": result.summary,
-            "promise": promise, "metrics": {k: result.metrics[k] for k in keys}, "warnings": result.warnings}
+    return finite({"policy": result.policy, "speed": speed, "params": result.params, "summary": result.summary,
+                   "promise": promise, "metrics": {k: result.metrics[k] for k in keys}, "warnings": result.warnings})
 
 
 def _completion(result, model_name: str, speed: float, promise: dict) -> dict:

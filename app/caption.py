@@ -33,6 +33,7 @@ import fcntl
 import json
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -78,7 +79,7 @@ def list_entries(listing: Path) -> list[str]:
     paths relative to the list's folder."""
     entries = []
     try:
-        text = listing.read_text(encoding="utf-8")
+        text = listing.read_text(encoding="utf-8-sig")  # a byte order mark (Windows Notepad) is not part of a path
     except UnicodeDecodeError:
         raise UserError(f"{listing}: not a list of paths (one per line, UTF-8 text)") from None
     for line in text.splitlines():
@@ -93,19 +94,23 @@ def list_entries(listing: Path) -> list[str]:
     return entries
 
 
-def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | None = None) -> list[Path]:
-    """Media files from files, folders (recursive) and list files, in a stable order, once each. URLs are
-    refused with a pointer to ``--ray``, which fetches them. A folder that cannot be listed (no permission)
-    is added to ``unreadable`` as (folder, reason) for the caller to report; without that list, it is an
-    error."""
-    seen, out = set(), []
+def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | None = None,
+                   log: Callable[[str], None] = lambda message: None) -> list[Path]:
+    """Media files from files, folders (recursive) and list files, in a stable order, once each (by resolved path:
+    names that link to one file are one input, which ``log`` says). URLs are refused with a pointer to ``--ray``,
+    which fetches them. A folder that cannot be listed (no permission) is added to ``unreadable`` as (folder,
+    reason) for the caller to report; without that list, it is an error."""
+    seen: dict[Path, Path] = {}
+    out, linked = [], []
     cannot_list: list[tuple[str, str]] = []
 
     def add(path: Path) -> None:
         key = resolved_path(path)
         if key not in seen:
-            seen.add(key)
+            seen[key] = path
             out.append(path)
+        elif seen[key] != path:
+            linked.append((path, seen[key]))
 
     def local(value: str, where: str) -> Path:
         if is_uri(value):
@@ -131,6 +136,10 @@ def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | Non
             add(path)
         else:
             raise FileNotFoundError(f"{item}: no such file or folder")
+    if linked:  # (a dataset of links, git-annex's or DVC's, links files of the same content to one object)
+        path, first = linked[0]
+        log(f"{len(linked)} input name{'s are' if len(linked) > 1 else ' is'} the same file as another input's "
+            f"(e.g. {path} and {first}): each file is captioned once, under the first of its names")
     if cannot_list and unreadable is None:
         raise UserError("cannot list " + "; ".join(f"{folder} ({reason})" for folder, reason in cannot_list))
     if unreadable is not None:
@@ -246,25 +255,47 @@ class CaptionOutput:
         self.close()
 
 
+# How every line the captioner writes begins (``CaptionOutput.write``: ``json.dumps`` of a record whose first field is
+# the path): a last line without its newline is one of ours cut short by a kill only if it begins so.
+RECORD_START = b'{"path": '
+
+
+def _cut_record(line: bytes) -> bool:
+    """Whether ``line`` (without a newline) can be a record of ours cut short: the start of one, or a part of it."""
+    return line.startswith(RECORD_START) or RECORD_START.startswith(line)
+
+
 def _refuse_what_is_not_a_captions_file(out: Path) -> None:
     """An --out that exists must be a JSONL file of captions: resuming cuts a last line short of its newline
     and appends, which would damage anything else (a typo naming a picture, a device such as /dev/full that
-    would be read whole)."""
+    would be read whole). Its first line must be a caption record (a JSON object with ``caption`` and ``key`` or
+    ``path``), or one cut short by a kill, and its last line too. Until 2026-12-06 a file whose first line was blank,
+    or a one-line file beginning with '{"', passed: resuming then cut a minified .json file to nothing, and a Ray
+    manifest (``{"path": ...}`` lines) passed as captions, its paths counted as captioned (an outside pass)."""
     if not out.exists():
         return
     if not out.is_file():
         raise UserError(f"--out {out}: not a regular file")
     with open(out, "rb") as f:
-        first = f.readline(1 << 20)
-    if not first.strip() or (not first.endswith(b"\n") and first.startswith(b'{"')):
-        return  # empty, or our first record cut short by a kill (resuming drops it)
-    try:
-        record = json.loads(first)
-    except ValueError:
-        record = None
-    if not (isinstance(record, dict) and ("key" in record or "path" in record)):
+        head = f.read(1 << 20)
+        f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 20)))
+        tail = f.read()
+    if not head.strip():
+        return  # empty (whitespace at most)
+    first, newline, _ = head.partition(b"\n")
+    last = tail[tail.rfind(b"\n") + 1:]  # the part after the last newline: empty, or a line cut short
+    ours = _cut_record(first) if not newline else _is_caption_record(first)
+    if not ours or not (not last or _cut_record(last)):
         raise UserError(f"--out {out}: this file exists and is not a captions file (JSONL written by glimpse "
                         "caption); choose another --out, nothing was changed")
+
+
+def _is_caption_record(line: bytes) -> bool:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "caption" in record and ("key" in record or "path" in record)
 
 
 def refuse_other_settings(rows: Iterable[dict], out: Path, policy: str, speed: float, prompt: str | None,
@@ -316,6 +347,8 @@ def done_in_jsonl(out: Path) -> set[str]:
         return set()
     data = out.read_bytes()
     if data and not data.endswith(b"\n"):  # the run was killed mid-line: drop the partial line
+        if not _cut_record(data[data.rfind(b"\n") + 1:]):  # (refused as the output was opened; changed since)
+            raise UserError(f"--out {out}: its last line is not a caption record cut short; nothing was changed")
         data = data[: data.rfind(b"\n") + 1]
         with open(out, "r+b") as f:
             f.truncate(len(data))
@@ -390,19 +423,47 @@ def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | No
             sink.close()
 
 
+def sidecars_skipped(count: int) -> str:
+    """What a --format txt rerun says of the inputs it skips: it cannot know whether they were made with its settings
+    (a JSONL output records them, and a rerun asking for others is refused), and mixing them went unsaid."""
+    return (f"{count} input{'s' * (count > 1)} already have a caption beside them (<name>.txt), skipped: sidecars do "
+            "not record the settings they were made with; --overwrite captions them again with this run's")
+
+
+def all_captioned(inputs: list[Path], output: CaptionOutput | None) -> bool:
+    """Whether every input has its caption already (in ``output``'s JSONL, or beside it: ``output`` None), each under
+    a key of its own: a rerun with nothing left to do needs no model (it loaded one, seconds to minutes)."""
+    if output is None:
+        return all(sidecar(path).is_file() for path in inputs)
+    keys, done = [input_key(path) for path in inputs], output.done()
+    return len(set(keys)) == len(keys) and all(key in done for key in keys)
+
+
 def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size, media_timeout_s,
              readers, progress, log, report) -> CaptionReport:
     if sink is not None and overwrite:
         sink.clear()
     done = sink.done() if sink is not None else set()
     model = model_key(engine.model_id)  # each record's (a path resolved once, not per record)
+    keys = {path: input_key(path) for path in inputs} if fmt == "jsonl" else {}
+    named = Counter(keys.values())
     pending = []
     for path in inputs:
-        finished = sidecar(path).exists() if fmt == "txt" else input_key(path) in done
+        if named[keys.get(path)] > 1:
+            # Two files whose names differ only as the output writes them (a byte that is not UTF-8 is written
+            # "\xNN", and a name may hold those four characters): one key for both, so that one was skipped as
+            # done, or both written under one key no reader could tell apart (an outside pass). Neither is.
+            report.failed.append((str(path), "its name is written in the output as another input's is (bytes "
+                                             "that are not UTF-8 as \\xNN): rename one of them"))
+            log(f"failed {path}: another input's name is written in the output as its own is")
+            continue
+        finished = sidecar(path).is_file() if fmt == "txt" else keys[path] in done  # (a folder is no caption)
         if finished and not overwrite:
             report.skipped += 1
         else:
             pending.append(path)
+    if fmt == "txt" and report.skipped:
+        log(sidecars_skipped(report.skipped))
 
     if progress:  # the bar from the start: it shows before the first batch ends, and its rate counts that batch
         progress(0, len(pending), 0)
@@ -456,7 +517,9 @@ def _read_ahead(engine, batches: list[list[Path]], prompt: str | None, media_tim
                 try:
                     prompts.append((path, future.result()))
                 except (MediaError, PromptError, OSError) as error:
-                    unreadable.append((path, str(error).removeprefix(f"{path}: ")))  # (a message naming the path)
+                    # (a message naming the file: "photo.png: the file is empty" was logged "failed in/photo.png:
+                    # photo.png: the file is empty")
+                    unreadable.append((path, str(error).removeprefix(f"{path}: ").removeprefix(f"{path.name}: ")))
             ahead = read(batches[number + 1]) if number + 1 < len(batches) else []
             done += len(batch)
             yield done, prompts, unreadable

@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 
 from glimpse.common import UserError
+from glimpse.common.jsonable import finite
 from glimpse.pipeline.prompt import check_text, check_text_length, user_message
 from glimpse.pipeline.random_checkpoint import REAL_PRESETS
 from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
@@ -424,7 +425,7 @@ def run_ask(args) -> int:
         out = {"text": result.text, "policy": result.policy, "speed": args.speed, "params": result.params,
                "summary": result.summary, "promise": promise, "metrics": result.metrics, "model": args.model,
                "grounded": engine.grounded, "finish_reason": result.finish_reason, "warnings": result.warnings}
-        print(json.dumps(out))
+        print(json.dumps(finite(out), allow_nan=False))
         return 0
     result = None
     for chunk in engine.stream(messages, **options):
@@ -689,9 +690,9 @@ def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
 
 
 def run_caption(args) -> int:
-    from glimpse.caption import (LIST_EXTENSIONS, CaptionOutput, ProgressBar, caption_inputs, check_sidecars,
-                                 collect_inputs, records_in_jsonl, refuse_other_settings, unlisted_failures)
-    from glimpse.pipeline import load_engine
+    from glimpse.caption import (LIST_EXTENSIONS, CaptionOutput, CaptionReport, all_captioned, check_sidecars,
+                                 collect_inputs, records_in_jsonl, refuse_other_settings, sidecars_skipped,
+                                 unlisted_failures)
     from glimpse.pruning import make_policy
 
     check_speed(args.speed)
@@ -723,7 +724,7 @@ def run_caption(args) -> int:
         raise UserError("--format txt writes sidecars next to the inputs: leave out --out")
     unreadable: list[tuple[str, str]] = []
     try:
-        inputs = collect_inputs(args.inputs, unreadable)
+        inputs = collect_inputs(args.inputs, unreadable, log=_log)
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
     unlisted = unlisted_failures(unreadable, _log)
@@ -738,19 +739,12 @@ def run_caption(args) -> int:
         if output is not None and not args.overwrite:
             refuse_other_settings(records_in_jsonl(out), out, args.policy, args.speed, args.prompt,
                                   "--overwrite to start it afresh", model=args.model)
-        _log(f"{len(inputs)} inputs; loading {args.model} ...")
-        engine = load_engine(args.model, device=args.device, attn=args.attn)
-        if not engine.grounded:
-            _log(NOT_GROUNDED)
-        if args.prompt is not None:
-            try:
-                check_text_length(len(args.prompt), engine.max_length)
-            except UserError as error:
-                raise UserError(f"--prompt: {error}") from None
-        report = caption_inputs(engine, inputs, out=output, fmt=args.format, overwrite=args.overwrite,
-                                policy=args.policy, speed=args.speed, prompt=args.prompt,
-                                max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                media_timeout_s=args.media_timeout, progress=ProgressBar(), log=_log)
+        if not args.overwrite and all_captioned(inputs, output):  # nothing to do: no model to load
+            report = CaptionReport(skipped=len(inputs))
+            if output is None:
+                _log(sidecars_skipped(len(inputs)))
+        else:
+            report = _caption_with_model(args, inputs, output)
     finally:
         if output is not None:
             output.close()
@@ -760,6 +754,25 @@ def run_caption(args) -> int:
     for path, reason in report.failed:
         _log(f"  failed: {path}: {reason}")
     return 1 if report.failed else 0
+
+
+def _caption_with_model(args, inputs, output):
+    from glimpse.caption import ProgressBar, caption_inputs
+    from glimpse.pipeline import load_engine
+
+    _log(f"{len(inputs)} inputs; loading {args.model} ...")
+    engine = load_engine(args.model, device=args.device, attn=args.attn)
+    if not engine.grounded:
+        _log(NOT_GROUNDED)
+    if args.prompt is not None:
+        try:
+            check_text_length(len(args.prompt), engine.max_length)
+        except UserError as error:
+            raise UserError(f"--prompt: {error}") from None
+    return caption_inputs(engine, inputs, out=output, fmt=args.format, overwrite=args.overwrite, policy=args.policy,
+                          speed=args.speed, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                          batch_size=args.batch_size, media_timeout_s=args.media_timeout, progress=ProgressBar(),
+                          log=_log)
 
 
 def run_caption_on_ray(args) -> int:
@@ -1105,7 +1118,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
     except _UsageError as error:  # `ask --speed abc --json`: its one JSON object on stdout is the error too
-        if argv[:1] == ["ask"] and "--json" in argv:
+        # (argparse takes "--js" for --json: a script that abbreviates it got its answers as JSON and nothing on a
+        # refusal, an outside pass found)
+        if argv[:1] == ["ask"] and any(len(a) >= 3 and "--json".startswith(a) for a in argv):
             print(json.dumps({"error": error.message}), flush=True)
         raise
     args.argv = argv

@@ -87,20 +87,30 @@ class ST3(ScoreThenCut):
         check_layer("ST3 start_layer", self.start_layer, num_layers, low=0)
         if self.anneal not in SCHEDULES:
             raise UserError(f"ST3 anneal must be one of {', '.join(SCHEDULES)}, got {self.anneal!r}")
-        if self.anneal_tau is not None and self.anneal_tau <= 0:
-            raise UserError(f"ST3 anneal_tau must be > 0, got {self.anneal_tau}")
+        if self.anneal_tau is not None and self.anneal_tau < 1:  # in answer tokens (the paper's is 50): 5e-324 was
+            # taken, and the exponential schedule's tau / 3 was 0, a ZeroDivisionError in decode (an outside pass)
+            raise UserError(f"ST3 anneal_tau (answer tokens) must be >= 1, got {self.anneal_tau}")
+        if num_layers is not None:  # (before the media are decoded, as every other parameter is)
+            self._layers(num_layers)
 
-    def plan(self, ctx) -> None:
-        L = ctx.num_layers
+    def _layers(self, L: int) -> tuple[int, int, list[int], float]:
+        """On an L-layer model: the start layer, the stride S, the layers that drop R each, and R; refused when P and
+        R, or P and C, prune more than all of the visual tokens."""
         start = self.start_layer if self.start_layer is not None else min(PAPER_START, L - 1)
         stride = self.stride or default_stride(L, start)
         drops = list(range(start + stride, L, stride))
-        if self.drop_step is not None:
-            step = self.drop_step
-        else:
-            step = (1.0 - self.first_drop - self.end_keep) / len(drops) if drops else 0.0
-        if self.first_drop + step * len(drops) > 1.0 + 1e-9 or min(self.first_drop, step) < 0:
-            raise UserError(f"ST3: P={self.first_drop} and R={step} over {len(drops)} drops prune more than all")
+        if self.drop_step is None and self.first_drop + self.end_keep > 1.0 + 1e-9:
+            raise UserError(f"ST3 first_drop P={self.first_drop} and end_keep C={self.end_keep}: P is dropped at the "
+                            "start layer and C kept at the last, so P + C must be at most 1")
+        step = self.drop_step if self.drop_step is not None else (
+            (1.0 - self.first_drop - self.end_keep) / len(drops) if drops else 0.0)
+        if self.first_drop + step * len(drops) > 1.0 + 1e-9:
+            raise UserError(f"ST3 first_drop P={self.first_drop} and drop_step R={step} over the {len(drops)} drops of "
+                            f"this {L}-layer model prune more than all of the visual tokens")
+        return start, stride, drops, step
+
+    def plan(self, ctx) -> None:
+        start, stride, drops, step = self._layers(ctx.num_layers)
         # Cumulative share of the original visual tokens pruned before each pruning layer.
         self.schedule = {start: self.first_drop} if start >= 1 else {}
         for j, layer in enumerate(drops, start=1):
@@ -182,5 +192,8 @@ def default_stride(num_layers: int, start: int) -> int:
 
 
 def annealing_tau(speed: float) -> float | None:
-    """tau = 50 / speed generated tokens: the paper's 50 at speed 1, slower annealing below, none at 0."""
-    return round(PAPER_TAU / speed, 3) if speed > 0 else None
+    """tau = 50 / speed generated tokens: the paper's 50 at speed 1, slower annealing below, none at 0 (nor at a speed
+    so small that tau is past any float: 50 / 1e-320 was infinite, and ``glimpse ask --json`` printed "Infinity",
+    which is not JSON)."""
+    tau = PAPER_TAU / speed if speed > 0 else math.inf
+    return round(tau, 3) if math.isfinite(tau) else None

@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from conftest import refuse_listing
+from glimpse.caption import collect_inputs
 from glimpse.cli import main
 from glimpse.pipeline.profiles import model_key
 
@@ -158,8 +159,9 @@ def test_media_timeout_fails_the_input_slower_to_read_and_counts_for_each_input_
                                 speed=0.0, prompt=None, max_new_tokens=2, batch_size=3, media_timeout_s=1.0,
                                 readers=1)
     assert report.captioned == 2 and [path for path, _ in report.failed] == [str(images[1])]
-    assert report.failed[0][1].startswith("img001.png: reading the images and videos of this request took longer "
-                                          "than 1 s, the limit")
+    # (the reason without the file's name: the summary line names it, "failed: in/img001.png: img001.png: ..." twice)
+    assert report.failed[0][1].startswith("reading the images and videos of this request took longer than 1 s, the "
+                                          "limit")
     assert reading.calls == {p.name: 1 for p in images}
     assert [Path(r["path"]).name for r in _lines(tmp_path / "c.jsonl")] == ["img000.png", "img002.png"]
     capsys.readouterr()
@@ -250,15 +252,28 @@ def test_a_run_killed_midway_then_rerun_captions_every_input_exactly_once(model,
     assert sorted(paths) == sorted(str(p) for p in images)  # every input, none twice
 
 
-def test_txt_sidecars_are_written_next_to_inputs_skipped_when_present_and_rewritten_with_overwrite(model, tmp_path):
+def test_txt_sidecars_are_written_next_to_inputs_skipped_when_present_and_rewritten_with_overwrite(
+        model, tmp_path, capsys):
     images = _images(tmp_path / "in", 2)
     args = ["caption", str(tmp_path / "in"), "--model", model, "--format", "txt", "--max-new-tokens", "4"]
     assert main(args) == 0
     sidecars = [p.with_suffix(".txt") for p in images]
     assert all(s.read_text().endswith("\n") for s in sidecars)
     sidecars[0].write_text("kept by hand\n")
+    capsys.readouterr()
     assert main(args) == 0
     assert sidecars[0].read_text() == "kept by hand\n"  # already captioned: skipped
+    # and said: a sidecar records no settings, so a rerun asking for others would mix captions without a word
+    assert "2 inputs already have a caption beside them" in capsys.readouterr().err
+    # with nothing left to do, no model is loaded (one that does not exist is never reached)
+    assert main([*args[:2], "--model", str(tmp_path / "no-model"), *args[4:]]) == 0
+    assert "captioned 0, already done 2" in capsys.readouterr().err
+    # A folder named as a sidecar is no caption (it counted as one: the picture was never captioned); its input
+    # fails, the caption cannot be written there.
+    third = _images(tmp_path / "in", 1, start=2)[0]
+    third.with_suffix(".txt").mkdir()
+    assert main(args) == 1 and f"cannot write {third.with_suffix('.txt')}" in capsys.readouterr().err
+    third.with_suffix(".txt").rmdir()
     assert main([*args, "--overwrite"]) == 0
     assert sidecars[0].read_text() != "kept by hand\n" and sidecars[0].read_text().endswith("\n")
     assert not list((tmp_path / "in").glob(".*partial"))
@@ -287,6 +302,12 @@ def test_a_file_name_that_is_not_utf8_is_written_as_escapes_other_readers_take_a
     (record,) = pyarrow.json.read_json(out).to_pylist()
     assert record["key"] == str(folder.resolve()) + "/caf\\xe9.png" and record["path"].endswith("/caf\\xe9.png")
     assert main(args) == 0 and len(_lines(out)) == 1  # done: not captioned again
+
+    # A name that holds the four characters "\xe9" is written as the one with the byte is: one key for two files.
+    # The second was skipped as done (or both written under one key); it fails now, saying why.
+    (folder / "caf\\xe9.png").write_bytes(odd.read_bytes())
+    assert main(args) == 1 and len(_lines(out)) == 1
+    assert main(args) == 1 and len(_lines(out)) == 1  # and again: never "already done"
 
 
 def test_missing_inputs_and_folders_without_media_are_clear_errors(model, tmp_path, capsys):
@@ -368,7 +389,19 @@ def test_an_out_that_is_not_a_captions_file_is_refused_and_left_as_it_was(tmp_pa
     notes.write_text("line 1\nline 2 without a newline")
     picture = tmp_path / "a.png"
     picture.write_bytes(image.read_bytes())
-    for out in (notes, picture):
+    # An outside pass: a minified JSON file (one line beginning with '{"', no newline) was cut to nothing and notes
+    # beginning with a blank line lost their last line; a Ray manifest ({"path": ...} lines, no captions) had its
+    # paths counted as captioned, and a caption file with notes after it lost them.
+    config = tmp_path / "config.json"
+    config.write_text('{"name": "cfg", "version": 1}')
+    blank_first = tmp_path / "notes.md"
+    blank_first.write_text("\nnotes line 1\nlast line, no newline")
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(json.dumps({"path": str(image)}) + "\n")
+    record = json.dumps({"path": str(image), "key": str(image.resolve()), "caption": "A square."})
+    appended = tmp_path / "appended.jsonl"
+    appended.write_text(record + "\nmy notes, no newline")
+    for out in (notes, picture, config, blank_first, manifest, appended):
         before = out.read_bytes()
         assert main(["caption", str(image), "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 1
         assert "not a captions file" in capsys.readouterr().err and out.read_bytes() == before
@@ -378,6 +411,15 @@ def test_an_out_that_is_not_a_captions_file_is_refused_and_left_as_it_was(tmp_pa
     listing.write_bytes(b"\xff\xfe not text")
     assert main(["caption", str(listing), "--out", str(tmp_path / "c.jsonl")]) == 1
     assert "not a list of paths" in capsys.readouterr().err
+
+
+def test_a_list_file_saved_with_a_byte_order_mark_keeps_its_first_entry(tmp_path):
+    """Windows Notepad begins a UTF-8 file with a byte order mark: the first path became "\ufeffsub/x.png", not found,
+    named with an invisible character (an outside pass)."""
+    images = _images(tmp_path / "in", 2)
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(f"in/{p.name}" for p in images).encode() + b"\r\n")
+    assert collect_inputs([str(listing)]) == [tmp_path / "in" / p.name for p in images]
 
 
 def test_retry_errors_is_refused_without_ray_where_failed_inputs_are_retried_anyway(tmp_path, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -117,6 +118,30 @@ def test_ask_json_prints_one_error_object_on_stdout_when_it_fails(checkpoints, t
     assert usage.returncode == 2 and "usage: glimpse ask" in usage.stderr
     assert json.loads(usage.stdout) == {"error": "argument --speed: invalid float value: 'abc'"}
     assert plain_usage.stdout == ""
+
+
+def test_ask_json_is_strict_json_at_any_speed_and_an_abbreviated_flag_still_gets_its_error_object(
+        checkpoints, media, capsys):
+    """An outside pass: ST3 at speed 1e-320 annealed over 50 / 1e-320 answer tokens, infinite, and ``ask --json``
+    printed ``"anneal_tau": Infinity``, which jq and JSON.parse refuse; and ``--js`` (argparse takes it for
+    --json) answered in JSON but printed nothing on a usage error."""
+    from glimpse.cli import main
+    from glimpse.common.jsonable import finite
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda constant: pytest.fail(f"{constant} is not JSON"))
+
+    asked = ["ask", "--model", str(checkpoints["llava"]), "--image", str(media["image"]), "--max-new-tokens", "2"]
+    assert main([*asked, "--policy", "st3", "--speed", "1e-320", "--json", "hi"]) == 0
+    out = strict(capsys.readouterr().out)
+    assert out["speed"] == 1e-320 and out["params"]["anneal_tau"] is None  # 50 / speed is no number: no annealing
+    assert strict(json.dumps(finite({"a": [1.5, math.inf], "b": {"c": -math.inf, "d": math.nan}}), allow_nan=False)) \
+        == {"a": [1.5, None], "b": {"c": None, "d": None}}
+    for flag in ("--js", "--jso"):
+        with pytest.raises(SystemExit) as exit_status:
+            main(["ask", "--speed", "abc", flag, "hi"])
+        assert exit_status.value.code == 2
+        assert strict(capsys.readouterr().out) == {"error": "argument --speed: invalid float value: 'abc'"}
 
 
 def test_a_command_that_prints_its_answer_is_refused_when_stdout_is_closed(checkpoints, media):

@@ -599,7 +599,10 @@ def test_speed_outside_zero_one_and_unknown_parameters_are_clear_errors():
 # quantization group of 0, the video tau checked only on prompts with a video, fractions past the whole depth.
 OUT_OF_RANGE = [("dash", "keep_first", -1), ("zipvl", "group", 0), ("zipvl", "tau_video", 2.0), ("st3", "stride", 0),
                 ("hidivdrop", "exit_fraction", 1.5), ("lazyllm", "depth_fractions", [0.25, 0.5, 1.5]),
-                ("st3", "drop_step", -0.1)]
+                ("st3", "drop_step", -0.1),
+                # An outside pass: a seed torch cannot take (seed * 100003 + layer past 2**64) was an internal error, and
+                # an ST3 tau of 5e-324 answer tokens a ZeroDivisionError in decode (the exponential schedule's tau / 3).
+                ("zipvl", "seed", 2**62), ("zipvl", "seed", -1), ("st3", "anneal_tau", 5e-324), ("st3", "anneal_tau", 0.5)]
 # Layer numbers past the model's last layer, once silently clamped or never reached (the policy did nothing).
 PAST_THE_LAST_LAYER = [("dash", "start_layer", 1000), ("st3", "start_layer", 1000), ("fastv", "layer", 1000),
                        ("lazyllm", "prune_layers", [1, 2, 1000]), ("hidivdrop", "filter_layers", [1, 2, 3, 1000])]
@@ -623,6 +626,10 @@ def test_a_parameter_out_of_range_is_refused_before_a_model_loads_and_a_layer_pa
         with pytest.raises(UserError, match=f"on this {L}-layer model"):
             engine.generate(_image_messages(media), policy=policy, max_new_tokens=1)
     assert ST3.from_speed(1.0).start_layer is None  # the paper's layer 3, or the last on a shallower model
+    # P + C past 1 was refused as the prefill planned, after the picture was decoded, as "R=-0.0667 ... prune more
+    # than all" (an outside pass): now with the other parameters, and in the user's words
+    with pytest.raises(UserError, match=r"P \+ C must be at most 1"):
+        engine.make_policy("st3", 0.5, {"first_drop": 0.6, "end_keep": 0.6})
     assert engine.make_policy("st3", 1.0).check(L) is None
 
 

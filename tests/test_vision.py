@@ -371,6 +371,10 @@ def test_detect_kind_by_content_then_extension(tmp_path, clip):
     assert vision.detect_kind(clip) == "video"
     assert vision.detect_kind(tmp_path / "clip.bin") == "video"
     assert vision.detect_kind(tmp_path / "stream.ts") == "video"
+    # ICO, a format the decoders take, was "unsupported type .ico" to `glimpse ask` and the captioner (an outside pass)
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "icon.ico")
+    (tmp_path / "icon.bin").write_bytes((tmp_path / "icon.ico").read_bytes())
+    assert vision.detect_kind(tmp_path / "icon.ico") == vision.detect_kind(tmp_path / "icon.bin") == "image"
 
 
 def test_detect_kind_rejects_unknown_empty_and_missing(tmp_path):

@@ -76,7 +76,7 @@ VIDEO_BACKEND_ENV = "GLIMPSE_VIDEO_BACKEND"
 # a seek lands on the keyframe before the target and decodes forward from there anyway.
 SEEK_MIN_GAP_FRAMES = 300
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif"})
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".avif", ".ico"})
 # The PIL decoders an image may reach: the formats above (JPEG includes phones' multi-picture MPO files; DIB is
 # BMP without its file header) and ICO. PIL otherwise tries each of its ~40 plugins on any bytes, EPS
 # among them, which runs Ghostscript on the file when it is installed: no upload should reach that.
@@ -218,7 +218,8 @@ def _check_file(path: str | os.PathLike) -> Path:
 
 def _sniff_kind(head: bytes) -> Literal["image", "video"] | None:
     """Recognise the common image and video formats from their first bytes (magic numbers)."""
-    if head.startswith((b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*")):
+    if head.startswith((b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM", b"II*\x00", b"MM\x00*",
+                        b"\x00\x00\x01\x00")):  # ... TIFF, ICO (read as the API read it; `glimpse ask` refused .ico)
         return "image"
     if head[:4] == b"RIFF":
         return {b"WEBP": "image", b"AVI ": "video"}.get(head[8:12])
