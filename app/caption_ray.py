@@ -38,6 +38,7 @@ import pickle
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,10 +84,14 @@ def _require_ray():
 
 # ---------------------------------------------------------------------------- inputs and resuming
 def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[str, str]] | None = None,
-                 log: Callable[[str], None] = lambda message: None) -> list[str]:
+                 log: Callable[[str], None] = lambda message: None,
+                 failed: list[tuple[str, str]] | None = None) -> list[str]:
     """The keys of the inputs, in a stable order, once each: files, folders and list files as the local
     captioner reads them (resolved paths), and manifests' ``column`` (paths resolved, URIs as they are).
-    Folders that cannot be listed go to ``unreadable`` (``collect_inputs``)."""
+    Folders that cannot be listed go to ``unreadable`` (``collect_inputs``). Inputs whose keys the output would
+    write alike (``stored``: a byte that is not UTF-8 is written "\\xNN", and a name may hold those four characters)
+    go to ``failed`` as (key, reason), none of them captioned: under one key, one was skipped as done (an outside
+    pass), and no reader could tell their rows apart."""
     from glimpse.caption import LIST_EXTENSIONS, collect_inputs, list_entries
 
     keys, seen, local = [], set(), []
@@ -119,7 +124,14 @@ def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[
     if repeated:  # as empty values are: said, not passed over (47 manifest lines became "46 inputs")
         log(f"{repeated} input{'s' if repeated > 1 else ''} named more than once (the same file or URL): each "
             "input is captioned once")
-    return keys
+    written = Counter(stored(key) for key in keys)
+    alike = [key for key in keys if written[stored(key)] > 1]
+    for key in alike:
+        log(f"failed {stored(key)}: another input is written in the output under the same name")
+        if failed is not None:
+            failed.append((stored(key), "its name is written in the output as another input's is (bytes that are "
+                                        "not UTF-8 as \\xNN): rename one of them"))
+    return [key for key in keys if written[stored(key)] == 1]
 
 
 def is_manifest(item: str) -> bool:
@@ -534,9 +546,10 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
     ray = _require_ray()
     _refuse_a_shadowing_folder(Path.cwd())
     unreadable: list[tuple[str, str]] = []
-    keys = collect_keys(inputs, column, unreadable, log)
-    unlisted = unlisted_failures(unreadable, log)
-    if not keys:
+    alike: list[tuple[str, str]] = []
+    keys = collect_keys(inputs, column, unreadable, log, alike)
+    unlisted = unlisted_failures(unreadable, log) + alike
+    if not keys and not alike:
         raise UserError("no image or video files found in the inputs")
     output = OutputDir(out, jsonl)
     report = RayReport(failed=list(unlisted))  # a copy: the progress line counts the failures past these

@@ -188,6 +188,21 @@ def test_file_names_that_are_not_utf8_are_captioned_and_stored_escaped_and_a_rer
     assert again.skipped == 3 and again.captioned == 0 and again.earlier_errors == 1
 
 
+def test_two_inputs_the_output_would_name_alike_both_fail_instead_of_one_passing_for_done(tmp_path):
+    """"caf\\xe9.png" (those four characters) and "caf" + the byte 0xE9 + ".png" are one key once written (\\xNN):
+    the second was skipped as done, never captioned (an outside pass). Both fail, saying so; the others are kept."""
+    from glimpse.caption_ray import collect_keys
+
+    folder = tmp_path / "in"
+    good = _inputs(folder, 1, video=False)[0]
+    Path(os.fsdecode(bytes(folder) + b"/caf\xe9.png")).write_bytes(good.read_bytes())
+    (folder / "caf\\xe9.png").write_bytes(good.read_bytes())
+    failed, said = [], []
+    assert collect_keys([str(folder)], log=said.append, failed=failed) == [str(good.resolve())]
+    assert [key for key, _ in failed] == [str(folder.resolve()) + "/caf\\xe9.png"] * 2
+    assert all("rename one of them" in reason for _, reason in failed) and len(said) == 2
+
+
 def test_manifest_entries_are_read_as_list_files_and_arguments_are(tmp_path):
     """file:// URLs as RFC 8089 writes them (they became "<manifest folder>/localhost/..." and "%20" names, error rows
     for files that were there), a manifest's suffix in any case, a link to nothing under its own name (not its
