@@ -66,11 +66,34 @@ class MediaCache(BytesLRU[MediaInput]):
 
     def prepared(self, kind: str, source, prepare) -> MediaInput:
         """``prepare(source)``, or what it gave for the same source before. Failures are not kept: a bad file
-        is reported again each time it is sent."""
-        key = source_key(kind, source) if self.max_bytes > 0 else None
+        is reported again each time it is sent.
+
+        A file is read twice, hashed and then prepared: one replaced or written in between (an --allowed-root
+        snapshot such as a camera's latest.jpg, renamed over every second) had the other content's pixels kept
+        under the first content's key, and every later request with the first content was answered about the other
+        picture (an outside pass: 30 of 300 prompts built while a thread swapped two pictures). What was prepared is
+        kept only when the file is the same one, unchanged, after preparing as before hashing."""
+        if self.max_bytes <= 0:
+            return prepare(source)
+        before = file_identity(source)
+        key = source_key(kind, source)
         item = self.get(key) if key is not None else None
         if item is None:
             item = prepare(source)
-            if key is not None:
+            if key is not None and file_identity(source) == before:
                 self.put(key, item)
         return item
+
+
+def file_identity(source) -> tuple | None:
+    """Which file ``source`` is and its state (device, inode, size, modification and change times in ns), or None for
+    bytes. Replacing the file (a rename) changes the inode; writing it changes the times, the change time at least,
+    which no program can set. (Times are kept at the kernel's tick, a few ms on most systems: a file written twice
+    within one tick, hashed between the two writes, would pass.)"""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    try:
+        state = os.stat(source)
+    except (OSError, ValueError):
+        return None
+    return state.st_dev, state.st_ino, state.st_size, state.st_mtime_ns, state.st_ctime_ns

@@ -757,6 +757,42 @@ def test_the_media_cache_keys_content_and_never_reads_what_is_not_a_regular_file
         assert source_key("image", source) is None
 
 
+@pytest.mark.parametrize("change", ["renamed over", "written again"])
+def test_a_file_changed_while_it_is_prepared_is_not_kept_under_the_content_it_had_when_hashed(tmp_path, change):
+    """The media cache hashes a file, then prepares it: a file replaced in between (a camera's latest.jpg renamed
+    over) had the new picture's pixels kept under the old picture's key, and the old picture, sent again, was
+    answered about the new one (an outside pass). Kept only when the file did not change meanwhile."""
+    import os
+    from pathlib import Path
+
+    from glimpse.pipeline.adapters import IMAGE, MediaInput
+    from glimpse.pipeline.media_cache import MediaCache
+
+    def item(data: bytes) -> MediaInput:  # the "pixels": the file's bytes as it was read when prepared
+        return MediaInput(IMAGE, 1, {"pixel_values": torch.tensor(list(data), dtype=torch.uint8)})
+
+    red, blue = b"red picture", b"blue pictur"  # one size: only the file's identity or times tell them apart
+    latest = tmp_path / "latest.png"
+    latest.write_bytes(red)
+    os.utime(latest, (1, 1))  # written a while ago (file times are kept at the kernel's tick, a few ms, on most systems)
+
+    def changed_then_read(source) -> MediaInput:
+        if change == "renamed over":
+            (tmp_path / "next.png").write_bytes(blue)
+            os.replace(tmp_path / "next.png", latest)
+        else:
+            with open(latest, "r+b") as file:
+                file.write(blue)
+        return item(Path(source).read_bytes())
+
+    cache = MediaCache(max_bytes=1 << 20)
+    assert bytes(cache.prepared("image", str(latest), changed_then_read).tensors["pixel_values"].tolist()) == blue
+    again = cache.prepared("image", red, lambda source: item(source))  # the red picture's bytes, sent again
+    assert bytes(again.tensors["pixel_values"].tolist()) == red
+    assert cache.prepared("image", str(latest), lambda source: item(Path(source).read_bytes())) is \
+        cache.prepared("image", blue, lambda source: pytest.fail("prepared again"))  # unchanged files are kept
+
+
 @pytest.mark.parametrize("cache", ["encoder", "media"])
 def test_the_caches_drop_the_least_recently_used_entry_first(cache):
     from glimpse.pipeline.adapters import IMAGE, MediaInput
