@@ -462,6 +462,65 @@ def test_a_variable_frame_rate_video_is_sampled_whole_not_taken_for_a_truncated_
     assert [_frame_index(frame) for frame in frames] == indices
 
 
+def test_a_fragmented_or_trimmed_mp4_is_sampled_over_the_frames_it_holds_without_a_false_warning(tmp_path):
+    """An outside pass: a fragmented MP4 (ffmpeg's -movflags frag_keyframe) declares its first fragment's frames
+    only, and 12 s were sampled from their first second, without a word; a trimmed clip (an edit list, frames before
+    its start) declares the frames its edit leaves out, and was said to be damaged. Both are counted by their index."""
+    import fractions
+
+    fragmented = _write_video(tmp_path / "fragmented.mp4", frames=120, fps=10, gop=10,
+                              container_options={"movflags": "frag_keyframe"})
+    with av.open(str(fragmented)) as container:
+        assert container.streams.video[0].frames < 120  # what the file declares
+    assert vision.probe_video(fragmented).num_frames == 120 == _decodable_frame_count(fragmented)
+    sampled = sampling.sample_video_uniform(fragmented, 8)
+    assert [_frame_index(frame) for frame in sampled.frames] == sampled.indices and sampled.indices[-1] == 119
+    assert sampled.shortfall is None
+
+    trimmed = tmp_path / "trimmed.mp4"
+    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+    with av.open(str(trimmed), "w") as container:
+        stream = container.add_stream(codec, rate=10)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        stream.time_base = fractions.Fraction(1, 10)
+        for index in range(30):  # the first 5 before the clip's start: an edit list leaves them out
+            array = np.empty((32, 32, 3), dtype=np.uint8)
+            array[...] = _frame_colour(index)
+            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+            frame.pts, frame.time_base = index - 5, fractions.Fraction(1, 10)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    assert vision.probe_video(trimmed).num_frames == _decodable_frame_count(trimmed) == 25
+    sampled = sampling.sample_video_uniform(trimmed, 8)
+    assert sampled.shortfall is None and [_frame_index(frame) - 5 for frame in sampled.frames] == sampled.indices
+
+
+def test_a_cover_picture_or_thumbnail_stream_is_not_taken_for_the_video():
+    """A file whose first video stream is its cover art was sampled as eight copies of the cover (an outside pass;
+    ffmpeg writes cover art last, other muxers may not). The streams as PyAV lists them, in that order."""
+    from types import SimpleNamespace
+
+    Disposition = av.stream.Disposition
+    cover, thumbnails = SimpleNamespace(disposition=Disposition.attached_pic), SimpleNamespace(
+        disposition=Disposition.timed_thumbnails)
+    video = SimpleNamespace(disposition=Disposition.default)
+    container = SimpleNamespace(streams=SimpleNamespace(video=[cover, thumbnails, video]))
+    assert media_module._video_stream(container, "clip.mp4") is video
+    only_cover = SimpleNamespace(streams=SimpleNamespace(video=[cover]))  # nothing else: the cover, as before
+    assert media_module._video_stream(only_cover, "clip.mp4") is cover
+
+
+def test_video_frames_too_long_and_thin_are_refused_before_decoding(tmp_path):
+    """As pictures are (200:1): CLIP's processor scales the shortest edge to 336, and 60000x2 frames asked for 10 GB
+    each (an outside pass)."""
+    thin = _write_video(tmp_path / "thin.mp4", frames=4, size=(2016, 8))
+    with pytest.raises(vision.MediaError, match=r"thin.mp4: video frames too long and thin \(2016x8"):
+        vision.probe_video(thin)
+    assert vision.probe_video(_write_video(tmp_path / "wide.mp4", frames=4, size=(1600, 8))).width == 1600
+
+
 def test_damaged_videos_raise_media_error(tmp_path, clip):
     data = clip.read_bytes()
     (tmp_path / "empty.mp4").write_bytes(b"")

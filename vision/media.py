@@ -533,10 +533,18 @@ def _open_container(path: Path) -> av.container.InputContainer:
         raise MediaError(f"{path.name}: the video is corrupt or truncated: the file cannot be opened") from error
 
 
+# Video streams that are pictures, not the video: a file's cover art, thumbnails, stills.
+_STILL_STREAMS = av.stream.Disposition.attached_pic | av.stream.Disposition.timed_thumbnails \
+    | av.stream.Disposition.still_image
+
+
 def _video_stream(container: av.container.InputContainer, name: str) -> av.VideoStream:
+    """The file's video: its first video stream that is not cover art, a thumbnail or a still (a cover picture
+    first was sampled as the video, eight copies of it)."""
     if not container.streams.video:
         raise MediaError(f"{name}: the file has no video stream")
-    return container.streams.video[0]
+    moving = [stream for stream in container.streams.video if not stream.disposition & _STILL_STREAMS]
+    return (moving or container.streams.video)[0]
 
 
 def _stream_fps(stream: av.VideoStream, name: str) -> float:
@@ -565,6 +573,22 @@ def _check_frame_size(width: int, height: int, name: str) -> None:
     if width * height > MAX_VIDEO_FRAME_PIXELS:
         raise MediaError(f"{name}: video frames too large ({width}x{height} = {width * height / 1e6:.0f} MP, "
                          f"limit {MAX_VIDEO_FRAME_PIXELS / 1e6:.0f} MP)")
+    # As for pictures: CLIP's processor (LLaVA-NeXT-Video, LongVA) scales the shortest edge to 336, and a 97 KB clip
+    # of 60000x2 frames asked for 10 GB a frame (an outside pass); Qwen's refused it only after decoding a frame.
+    if max(width, height) > MAX_IMAGE_ASPECT * max(1, min(width, height)):
+        raise MediaError(f"{name}: video frames too long and thin ({width}x{height}, more than {MAX_IMAGE_ASPECT}:1)")
+
+
+def _indexed_frames(container: av.container.InputContainer, stream: av.VideoStream) -> int:
+    """The frames an MP4/MOV's index lists and its decoder gives (0 for other containers). Its declared count is
+    wrong both ways: a fragmented file (ffmpeg's ``-movflags frag_keyframe``, crash-safe recorders) declares the
+    frames of its first fragment only, and 12 s were read as their first second, without a warning; a trimmed clip
+    (an edit list: ``ffmpeg -ss ... -c copy``, a phone's trim) declares the frames its edit leaves out, which made
+    a false "damaged or truncated" warning, and a long one decoded whole twice (an outside pass). The index, read
+    as the file opens, lists every fragment's frames and marks those the edit leaves out as discarded."""
+    if not container.format.name.startswith("mov,"):
+        return 0
+    return sum(1 for entry in stream.index_entries if entry.size > 0 and not entry.is_discard)
 
 
 def _probe_pyav(path: Path) -> VideoInfo:
@@ -573,7 +597,7 @@ def _probe_pyav(path: Path) -> VideoInfo:
         fps = _stream_fps(stream, path.name)
         width, height = stream.codec_context.width, stream.codec_context.height
         _check_frame_size(width, height, path.name)
-        num_frames = stream.frames or _count_packets(container, stream)
+        num_frames = _indexed_frames(container, stream) or stream.frames or _count_packets(container, stream)
     if num_frames <= 0:
         raise MediaError(f"{path.name}: the video is corrupt or truncated: it contains no frames")
     return VideoInfo(num_frames, fps, num_frames / fps, width, height, "pyav")
