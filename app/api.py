@@ -449,7 +449,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             return _error(503, str(error), "server_error")
         except (BadRequest, UserError) as error:
             telemetry.refused("bad_request")
-            return _error(400, str(error), param=getattr(error, "param", None))
+            return _error(400, str(error), param=getattr(error, "param", None), code=getattr(error, "code", None))
         except Exception as error:  # the server keeps serving; the client learns what happened
             telemetry.refused("error")
             return _error(500, f"{type(error).__name__}: {error}", "server_error")
@@ -567,7 +567,9 @@ def _parse(body: ChatRequest, engine, root: Path | None, scratch: "Scratch", fet
                "seed": body.seed, "stop": body.stops(),
                # Asked for explicitly, max_tokens must fit beside the prompt (a 400 otherwise, as OpenAI answers);
                # left out, the answer may run to the end of the context.
-               "refuse_past_context": (body.max_completion_tokens or body.max_tokens) is not None}
+               # (named as sent: "max_tokens: ..." answered a client that had sent max_completion_tokens)
+               "refuse_past_context": ("max_completion_tokens" if body.max_completion_tokens is not None
+                                       else "max_tokens" if body.max_tokens is not None else None)}
     return messages, options, promise
 
 
@@ -862,7 +864,8 @@ async def _events(ticket, channel: Channel, first, speed, promise, model_name, i
                         if isinstance(item, UserError) and not isinstance(item, (OutOfMemory, ServerStopping))
                         else "server_error")
                 message = str(item) if isinstance(item, UserError) else f"{type(item).__name__}: {item}"
-                yield f"data: {json.dumps({'error': {'message': message, 'type': kind}})}\n\n"
+                # (in the shape of every other error: param and code were missing here)
+                yield f"data: {json.dumps(error_content(message, getattr(item, 'code', None), kind))}\n\n"
                 break
             if item.text:
                 yield event(delta({"content": item.text}))

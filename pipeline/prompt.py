@@ -49,7 +49,15 @@ class PromptError(UserError):
 
 
 class ContextOverflow(PromptError):
-    """The prompt does not fit the model's context (a chat can leave out its oldest turns and try again)."""
+    """The prompt does not fit the model's context (a chat can leave out its oldest turns and try again). The API
+    says so with OpenAI's code for it, which clients read to shorten the conversation and try again (LangChain,
+    LiteLLM; it was a 400 like any other), and ``param``, the request's field at fault."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass

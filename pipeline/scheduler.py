@@ -48,7 +48,7 @@ from glimpse.vision import MEDIA_READERS, MEDIA_TIMEOUT_S
 from glimpse.common import UserError
 from glimpse.pipeline.engine import Engine, GenerationResult, PrefillInterrupted, Request, Sampling, StreamChunk
 from glimpse.pipeline.metrics import MemoryMeter
-from glimpse.pipeline.prompt import Prompt
+from glimpse.pipeline.prompt import ContextOverflow, Prompt
 from glimpse.pruning import Policy
 
 
@@ -203,13 +203,14 @@ class Scheduler:
     def submit(self, messages, *, policy: str | Policy = "auto", speed: float = 0.0, max_new_tokens: int = 128,
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                ignore_eos: bool = False, stop: tuple[str, ...] = (), caches: bool = True,
-               sink: Callable[[object], None] | None = None, refuse_past_context: bool = False,
+               sink: Callable[[object], None] | None = None, refuse_past_context: str | None = None,
                left: Callable[[], bool] | None = None) -> Ticket:
         """Queue a request; raises ``QueueFull`` when the queue is full, ``UserError`` for a bad prompt or
         one that could never fit the KV budget. The prompt (media decoding included) is built here, in the
         caller's thread (``prepare``; ``left``: whether its client has left meanwhile). ``refuse_past_context``: a
-        prompt that leaves fewer than ``max_new_tokens`` tokens of the model's context is refused (the API's explicit
-        ``max_tokens``, as OpenAI's API does) rather than answered up to the context's end."""
+        prompt that leaves fewer than ``max_new_tokens`` tokens of the model's context is refused (``ContextOverflow``),
+        naming this field of the request (the API's explicit ``max_tokens`` or ``max_completion_tokens``, refused as
+        OpenAI's API does) rather than answered up to the context's end."""
         with self._building():  # counted while it builds its prompt, for ``wait_for_submitters``
             self.check_room()  # refuse before the work of building the prompt
             # A Policy object given here is a template: the request gets its own copy (policies keep state).
@@ -217,9 +218,10 @@ class Scheduler:
             prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches, left)
             context = self.engine.max_length
             if refuse_past_context and context is not None and len(prompt) + max_new_tokens > context:
-                raise UserError(f"max_tokens: this model's context is {context:,} tokens and the prompt takes "
-                                f"{len(prompt):,}, which leaves {context - len(prompt):,}, not the {max_new_tokens:,} "
-                                "asked for; ask for fewer tokens or shorten the conversation")
+                raise ContextOverflow(f"{refuse_past_context}: this model's context is {context:,} tokens and the "
+                                      f"prompt takes {len(prompt):,}, which leaves {context - len(prompt):,}, not the "
+                                      f"{max_new_tokens:,} asked for; ask for fewer tokens or shorten the conversation",
+                                      param=refuse_past_context)
             reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
             if reserved > self.kv_budget_bytes:
                 raise self._over_budget(reserved)

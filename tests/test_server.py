@@ -1784,6 +1784,17 @@ def test_max_tokens_asked_for_must_fit_beside_the_prompt_and_the_default_runs_to
         assert reply.status_code == 400, reply.text
         message = reply.json()["error"]["message"]
         assert message.startswith("max_tokens:") and f"leaves {4}, not the {5} asked for" in message, message
+        # With OpenAI's code, which clients read to shorten the conversation and retry, and the field as sent (it
+        # was "max_tokens:" to a client that had sent max_completion_tokens, code and param null: an outside pass)
+        assert reply.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
+                                                           "param": "max_tokens", "code": "context_length_exceeded"}
+        reply = httpx.post(url, json={"model": "m", "messages": messages, "max_completion_tokens": 5}, timeout=60)
+        error = reply.json()["error"]
+        assert error["message"].startswith("max_completion_tokens:") and error["param"] == "max_completion_tokens"
+        too_long = [{"role": "user", "content": "Tell me about the sea. " * 40}]
+        error = httpx.post(url, json={"model": "m", "messages": too_long}, timeout=60).json()["error"]
+        assert "this model's context" in error["message"], error
+        assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
         fits = httpx.post(url, json={"model": "m", "messages": messages, "max_tokens": 4, "policy": "none"},
                           timeout=60)
         assert fits.status_code == 200, fits.text
@@ -2453,6 +2464,7 @@ def test_a_request_the_memory_cannot_hold_is_a_503_that_says_so_and_the_next_ans
                   if line.startswith("data: ") and line != "data: [DONE]"]
         assert events[-1]["error"]["type"] == "server_error", events[-1]
         assert events[-1]["error"]["message"].startswith("out of CPU memory decoding this request, even on its own"), events[-1]
+        assert set(events[-1]["error"]) == {"message", "type", "param", "code"}  # every error's shape (it had two)
         assert reply.text.rstrip().endswith("data: [DONE]") and fault.refused
     again = httpx.post(url, json=body("olive"), timeout=60)
     assert again.status_code == 200
