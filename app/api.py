@@ -90,6 +90,15 @@ ASKS_NOTHING = {"response_format": ({"type": "text"},), "tool_choice": ("none",)
 HINTS = ("safety_identifier", "prompt_cache_key")
 
 
+class FieldError(ValueError):
+    """A request-wide check's refusal that names its field: pydantic gives a model validator's error no place, and
+    the 400's ``param`` was null (``_validation_message`` reads it from here)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class BadRequest(Exception):
     """A client's mistake: a 400 whose ``param`` names the field at fault, where one is."""
 
@@ -208,13 +217,13 @@ class ChatRequest(BaseModel):
         asked = sorted(k for k, v in (self.model_extra or {}).items()
                        if v not in OFF_VALUES and v not in ASKS_NOTHING.get(k, ()) and k not in HINTS)
         if asked:
-            raise ValueError(f"unsupported field(s) {', '.join(asked)}: Glimpse implements "
-                             f"{', '.join(sorted(ChatRequest.model_fields))}")
+            raise FieldError(f"unsupported field(s) {', '.join(asked)}: Glimpse implements "
+                             f"{', '.join(sorted(ChatRequest.model_fields))}", asked[0])
         if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree: give one of them")
+            raise FieldError("max_tokens and max_completion_tokens disagree: give one of them", "max_completion_tokens")
         if self.stream_options is not None and self.stream_options.include_usage and not self.stream:
-            raise ValueError("stream_options.include_usage asks for a usage chunk: only with stream: true "
-                             "(a response that is not streamed carries usage anyway)")
+            raise FieldError("stream_options.include_usage asks for a usage chunk: only with stream: true "
+                             "(a response that is not streamed carries usage anyway)", "stream_options.include_usage")
         return self
 
     def stops(self) -> tuple[str, ...]:
@@ -254,6 +263,7 @@ def _validation_message(error: ValidationError) -> tuple[str, str | None]:
         return (f"{where}: unsupported content part type {problem['input'].get('type')!r} (text, image_url, "
                 "video_url)", where)
     if problem["type"] == "value_error":
+        where = where or getattr((problem.get("ctx") or {}).get("error"), "param", None)
         message = problem["msg"].removeprefix("Value error, ")
         return f"{where}: {message}" if where else message, where
     if where == "n":

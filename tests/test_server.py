@@ -1881,6 +1881,12 @@ def test_errors_are_in_openais_shape_and_name_the_field_sent(server, media):
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (extra, reply.text)
         if extra == {"policy": "nope"}:  # said once ("policy: unknown policy 'nope'" repeated it)
             assert reply.json()["error"]["message"].startswith("unknown policy 'nope'"), reply.text
+    # ... and by the request-wide checks (their param was null: an outside pass)
+    for extra, param in (({"metadata": {"a": "b"}}, "metadata"),
+                         ({"max_completion_tokens": 4}, "max_completion_tokens"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options.include_usage")):
+        reply = httpx.post(url, json={**good, "max_tokens": 3, **extra}, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (extra, reply.text)
     missing = httpx.get(server["url"] + "/v1/models/gpt-4", timeout=30).json()["error"]
     assert missing["code"] == "model_not_found" and missing["param"] is None
     reply = httpx.post(url, json={**good, "max_tokens": 3, "speed": None, "policy": None, "params": None}, timeout=60)
