@@ -426,8 +426,10 @@ def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | No
 def sidecars_skipped(count: int) -> str:
     """What a --format txt rerun says of the inputs it skips: it cannot know whether they were made with its settings
     (a JSONL output records them, and a rerun asking for others is refused), and mixing them went unsaid."""
-    return (f"{count} input{'s' * (count > 1)} already have a caption beside them (<name>.txt), skipped: sidecars do "
-            "not record the settings they were made with; --overwrite captions them again with this run's")
+    many = count > 1
+    return (f"{count} input{'s already have a caption beside them' if many else ' already has a caption beside it'} "
+            "(<name>.txt), skipped: sidecars do not record the settings they were made with; --overwrite captions "
+            f"{'them' if many else 'it'} again with this run's")
 
 
 def all_captioned(inputs: list[Path], output: CaptionOutput | None) -> bool:
