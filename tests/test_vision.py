@@ -44,18 +44,25 @@ def _frame_index(frame: np.ndarray) -> int:
 
 
 def _write_video(path: Path, frames: int = CLIP_FRAMES, fps: int = CLIP_FPS, gop: int | None = None,
-                 container_options: dict | None = None, size: tuple[int, int] = CLIP_SIZE) -> Path:
+                 container_options: dict | None = None, size: tuple[int, int] = CLIP_SIZE,
+                 pts: list[int] | None = None, time_base=None) -> Path:
+    """Frame i a solid colour that encodes i (``_frame_index``); ``pts``: each frame's timestamp in ``time_base``."""
     width, height = size
     codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
     with av.open(str(path), "w", options=container_options or {}) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if time_base is not None:
+            stream.time_base = time_base
         if gop:
             stream.codec_context.gop_size = gop
         for index in range(frames):
             array = np.empty((height, width, 3), dtype=np.uint8)
             array[...] = _frame_colour(index)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+            if pts is not None:
+                frame.pts, frame.time_base = pts[index], time_base
+            for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
@@ -438,24 +445,9 @@ def test_a_variable_frame_rate_video_is_sampled_whole_not_taken_for_a_truncated_
     apart."""
     import fractions
 
-    path = tmp_path / "vfr.mkv"
-    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream(codec, rate=1)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        stream.time_base = fractions.Fraction(1, 1000)
-        stream.codec_context.gop_size = 10
-        pts = 0
-        for index in range(200):
-            array = np.empty((32, 32, 3), dtype=np.uint8)
-            array[...] = _frame_colour(index)
-            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
-            frame.pts, frame.time_base = pts, fractions.Fraction(1, 1000)
-            pts += 10 if index < 160 else 1000
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+    pts = [10 * index if index <= 160 else 1600 + 1000 * (index - 160) for index in range(200)]
+    path = _write_video(tmp_path / "vfr.mkv", frames=200, fps=1, gop=10, size=(32, 32), pts=pts,
+                        time_base=fractions.Fraction(1, 1000))
     assert _decodable_frame_count(path) == 200
     indices = [0, 66, 133, 199]  # seeking to 66 at the declared 1 fps is 66 s: past the last timestamp (41.6 s)
     frames = media_module._decode_pyav(path, indices, seek_min_gap=8)
@@ -477,21 +469,9 @@ def test_a_fragmented_or_trimmed_mp4_is_sampled_over_the_frames_it_holds_without
     assert [_frame_index(frame) for frame in sampled.frames] == sampled.indices and sampled.indices[-1] == 119
     assert sampled.shortfall is None
 
-    trimmed = tmp_path / "trimmed.mp4"
-    codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
-    with av.open(str(trimmed), "w") as container:
-        stream = container.add_stream(codec, rate=10)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        stream.time_base = fractions.Fraction(1, 10)
-        for index in range(30):  # the first 5 before the clip's start: an edit list leaves them out
-            array = np.empty((32, 32, 3), dtype=np.uint8)
-            array[...] = _frame_colour(index)
-            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
-            frame.pts, frame.time_base = index - 5, fractions.Fraction(1, 10)
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+    # The first 5 frames before the clip's start (negative timestamps): an edit list leaves them out.
+    trimmed = _write_video(tmp_path / "trimmed.mp4", frames=30, fps=10, size=(32, 32),
+                           pts=[index - 5 for index in range(30)], time_base=fractions.Fraction(1, 10))
     assert vision.probe_video(trimmed).num_frames == _decodable_frame_count(trimmed) == 25
     sampled = sampling.sample_video_uniform(trimmed, 8)
     assert sampled.shortfall is None and [_frame_index(frame) - 5 for frame in sampled.frames] == sampled.indices
