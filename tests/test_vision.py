@@ -477,6 +477,30 @@ def test_a_fragmented_or_trimmed_mp4_is_sampled_over_the_frames_it_holds_without
     assert sampled.shortfall is None and [_frame_index(frame) - 5 for frame in sampled.frames] == sampled.indices
 
 
+def test_a_matroska_file_cut_short_says_so_and_one_starting_late_does_not(tmp_path):
+    """Matroska and WebM declare no frame count, only a duration: one cut in half was sampled from the half left,
+    without a word (an outside pass). Its frames are counted, and its duration says how many it should hold."""
+    import fractions
+
+    whole = _write_video(tmp_path / "whole.mkv", frames=60, fps=10, gop=10)
+    data = whole.read_bytes()
+    (tmp_path / "cut.mkv").write_bytes(data[: len(data) // 2])
+    cut = sampling.sample_video_uniform(tmp_path / "cut.mkv", 8)
+    decoded, declared = cut.shortfall
+    assert decoded == _decodable_frame_count(tmp_path / "cut.mkv") < 45 and 50 <= declared <= 65
+    # Sampled over the frames that are there, as a plain decoding gives them (a frame the cut left undecodable is
+    # not among them).
+    with av.open(str(tmp_path / "cut.mkv")) as container:
+        there = [_frame_index(frame.to_ndarray(format="rgb24")) for frame in container.decode(video=0)]
+    assert [_frame_index(frame) for frame in cut.frames] == [there[index] for index in cut.indices]
+    assert sampling.sample_video_uniform(whole, 8).shortfall is None
+    # Frames whose times start at 1000 s (an excerpt): the duration counts from 0, and nothing is missing.
+    late = _write_video(tmp_path / "late.mkv", frames=60, fps=10, pts=[10_000 + index for index in range(60)],
+                        time_base=fractions.Fraction(1, 10))
+    assert vision.probe_video(late).declared_frames is None
+    assert sampling.sample_video_uniform(late, 8).shortfall is None
+
+
 def test_a_cover_picture_or_thumbnail_stream_is_not_taken_for_the_video():
     """A file whose first video stream is its cover art was sampled as eight copies of the cover (an outside pass;
     ffmpeg writes cover art last, other muxers may not). The streams as PyAV lists them, in that order."""

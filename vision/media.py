@@ -513,6 +513,10 @@ class VideoInfo:
     width: int
     height: int
     backend: str  # "pyav" or "decord": the reader that produced this info and will decode the frames
+    # The frames the file says it holds, where that is more than it does (``num_frames``, what is there): a Matroska or
+    # WebM file declares no frame count, only its duration, and one cut short was sampled from what was left without a
+    # word (an outside pass); its frames are counted, and those its duration declares estimated from them.
+    declared_frames: int | None = None
 
 
 def _choose_backend(backend: str | None) -> str:
@@ -554,19 +558,43 @@ def _stream_fps(stream: av.VideoStream, name: str) -> float:
     return float(rate)
 
 
-def _count_packets(container: av.container.InputContainer, stream: av.VideoStream) -> int:
-    """Frame count for containers that do not store it (Matroska/WebM): demux, without decoding.
+def _count_packets(container: av.container.InputContainer,
+                   stream: av.VideoStream) -> tuple[int, tuple[float, float] | None]:
+    """Frame count for containers that do not store it (Matroska/WebM): demux, without decoding. And when the frames
+    start and end, in seconds (None if the packets carry no times).
 
     One packet holds one frame for the codecs Glimpse meets; the final flush packet is empty.
     """
-    count = 0
+    count, first, end = 0, None, None
     try:
         for packet in container.demux(stream):
             check_reading(container.name)  # a few megabytes of tiny packets are millions of them
-            count += packet.size > 0
+            if packet.size <= 0:
+                continue
+            count += 1
+            if packet.pts is not None and packet.time_base is not None:
+                start = float(packet.pts * packet.time_base)
+                first = start if first is None else min(first, start)
+                ends = start + float((packet.duration or 0) * packet.time_base)
+                end = ends if end is None else max(end, ends)
     except av.FFmpegError:
-        return 0
-    return count
+        return 0, None
+    return count, None if first is None else (first, end)
+
+
+def _declared_frames(container: av.container.InputContainer, counted: int,
+                     span: tuple[float, float] | None) -> int | None:
+    """The frames a Matroska/WebM file's declared duration holds, when its frames end short of it (under 90%: a file
+    cut short): those counted, and those its missing time holds at the rate they came (by time, not by the declared
+    frame rate: a variable-rate file's is an average). None otherwise, or without a declared duration (a browser's
+    MediaRecorder writes none). Its duration counts from time 0, as its frames' times do (a clip starting at 1000 s
+    declares 1100 s)."""
+    if not container.format.name.startswith("matroska") or not container.duration or span is None:
+        return None
+    (first, end), declared_s = span, container.duration / av.time_base
+    if end >= 0.9 * declared_s or end <= first:
+        return None
+    return counted + round(counted / (end - first) * (declared_s - end))
 
 
 def _check_frame_size(width: int, height: int, name: str) -> None:
@@ -597,10 +625,13 @@ def _probe_pyav(path: Path) -> VideoInfo:
         fps = _stream_fps(stream, path.name)
         width, height = stream.codec_context.width, stream.codec_context.height
         _check_frame_size(width, height, path.name)
-        num_frames = _indexed_frames(container, stream) or stream.frames or _count_packets(container, stream)
+        num_frames, declared = _indexed_frames(container, stream) or stream.frames, None
+        if not num_frames:
+            num_frames, span = _count_packets(container, stream)
+            declared = _declared_frames(container, num_frames, span)
     if num_frames <= 0:
         raise MediaError(f"{path.name}: the video is corrupt or truncated: it contains no frames")
-    return VideoInfo(num_frames, fps, num_frames / fps, width, height, "pyav")
+    return VideoInfo(num_frames, fps, num_frames / fps, width, height, "pyav", declared)
 
 
 def _decoded_frames(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:

@@ -274,7 +274,7 @@ def sample_video_qwen(
         timestamps_s=[index / info.fps for index in indices],
         sample_fps=len(indices) / max(total_frames, 1e-6) * info.fps,
         source_fps=info.fps,
-        shortfall=_shortfall(info.num_frames, total_frames),
+        shortfall=_shortfall(info.declared_frames or info.num_frames, total_frames),
     )
 
 
@@ -311,5 +311,5 @@ def sample_video_uniform(
         timestamps_s=[index / info.fps for index in indices],
         sample_fps=len(indices) / total_frames * info.fps,
         source_fps=info.fps,
-        shortfall=_shortfall(info.num_frames, total_frames),
+        shortfall=_shortfall(info.declared_frames or info.num_frames, total_frames),
     )
