@@ -432,38 +432,43 @@ def sidecars_skipped(count: int) -> str:
             f"{'them' if many else 'it'} again with this run's")
 
 
+def _sorted_inputs(inputs: list[Path], done: set[str] | None, overwrite: bool) -> tuple[list, list, int]:
+    """(inputs to caption, inputs whose key another input shares, the count of those captioned already): against the
+    keys ``done`` in a JSONL output, or (``done`` None) the sidecars beside the inputs. Shared keys: two files whose
+    names differ only as the output writes them (a byte that is not UTF-8 is written "\\xNN", and a name may hold
+    those four characters) were one key, so that one was skipped as done, or both written under one key no reader
+    could tell apart (an outside pass); neither is captioned."""
+    keys = {path: input_key(path) for path in inputs} if done is not None else {}
+    named = Counter(keys.values())
+    pending, alike, skipped = [], [], 0
+    for path in inputs:
+        if named[keys.get(path)] > 1:
+            alike.append(path)
+        # (a folder named as a sidecar is no caption)
+        elif not overwrite and (keys[path] in done if done is not None else sidecar(path).is_file()):
+            skipped += 1
+        else:
+            pending.append(path)
+    return pending, alike, skipped
+
+
 def all_captioned(inputs: list[Path], output: CaptionOutput | None) -> bool:
     """Whether every input has its caption already (in ``output``'s JSONL, or beside it: ``output`` None), each under
     a key of its own: a rerun with nothing left to do needs no model (it loaded one, seconds to minutes)."""
-    if output is None:
-        return all(sidecar(path).is_file() for path in inputs)
-    keys, done = [input_key(path) for path in inputs], output.done()
-    return len(set(keys)) == len(keys) and all(key in done for key in keys)
+    pending, alike, _ = _sorted_inputs(inputs, output.done() if output is not None else None, overwrite=False)
+    return not pending and not alike
 
 
 def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size, media_timeout_s,
              readers, progress, log, report) -> CaptionReport:
     if sink is not None and overwrite:
         sink.clear()
-    done = sink.done() if sink is not None else set()
     model = model_key(engine.model_id)  # each record's (a path resolved once, not per record)
-    keys = {path: input_key(path) for path in inputs} if fmt == "jsonl" else {}
-    named = Counter(keys.values())
-    pending = []
-    for path in inputs:
-        if named[keys.get(path)] > 1:
-            # Two files whose names differ only as the output writes them (a byte that is not UTF-8 is written
-            # "\xNN", and a name may hold those four characters): one key for both, so that one was skipped as
-            # done, or both written under one key no reader could tell apart (an outside pass). Neither is.
-            report.failed.append((str(path), "its name is written in the output as another input's is (bytes "
-                                             "that are not UTF-8 as \\xNN): rename one of them"))
-            log(f"failed {path}: another input's name is written in the output as its own is")
-            continue
-        finished = sidecar(path).is_file() if fmt == "txt" else keys[path] in done  # (a folder is no caption)
-        if finished and not overwrite:
-            report.skipped += 1
-        else:
-            pending.append(path)
+    pending, alike, report.skipped = _sorted_inputs(inputs, sink.done() if sink is not None else None, overwrite)
+    for path in alike:
+        report.failed.append((str(path), "its name is written in the output as another input's is (bytes that are "
+                                         "not UTF-8 as \\xNN): rename one of them"))
+        log(f"failed {path}: another input's name is written in the output as its own is")
     if fmt == "txt" and report.skipped:
         log(sidecars_skipped(report.skipped))
 
