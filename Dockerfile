@@ -86,8 +86,10 @@ WORKDIR /home/glimpse
 USER 1000:1000
 VOLUME ["/home/glimpse/.cache"]
 EXPOSE 7860
+# Asked directly, never through a proxy: urllib sends even 127.0.0.1 through http_proxy, which a host behind a proxy
+# passes in to reach the model hub (the check then failed for ever, the server well).
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s \
-    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:7860/health', timeout=4)"]
+    CMD ["python3", "-c", "import urllib.request as u; u.build_opener(u.ProxyHandler({})).open('http://127.0.0.1:7860/health', timeout=4)"]
 # The model loads at start (first run: downloads into the cache volume), then the chat and API serve.
 # Reachable from outside the container, so it refuses to start without GLIMPSE_API_KEY (or --no-api-key).
 CMD ["glimpse", "serve", "--host", "0.0.0.0", "--port", "7860"]

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from glimpse.caption import is_uri, refuse_other_settings, resolved_path, stored, unlisted_failures
 from glimpse.common import UserError
+from glimpse.launcher import Terminated
 from glimpse.pipeline.profiles import model_key
 from glimpse.pipeline.prompt import user_message
 from glimpse.vision.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
@@ -573,7 +574,7 @@ def caption_on_ray(inputs: list[str], *, out: Path, model: str, policy: str, spe
                if report.earlier_errors else "") + f", {len(pending)} to caption")
         if not pending:
             return report
-        # A plain `kill` stops the run as Ctrl-C does ("interrupted"; the shards written are kept): Ray's own
+        # A plain `kill` stops the run as Ctrl-C does ("terminated"; the shards written are kept): Ray's own
         # handler, which ray.init installs (so ours goes in again after it), printed a crash dump for it.
         previous = _stop_on_sigterm()
         writing, stop_writing = threading.Lock(), threading.Event()  # the shard writer's (below)
@@ -696,7 +697,8 @@ _NOT_INSTALLED = object()
 
 @contextlib.contextmanager
 def signals_deferred():
-    """Ctrl-C and SIGTERM that come inside the block take effect at its end (as KeyboardInterrupt). Around Ray's start:
+    """Ctrl-C and SIGTERM that come inside the block take effect at its end (as KeyboardInterrupt, SIGTERM as its
+    ``Terminated``). Around Ray's start:
     stopped halfway through ``ray.init``, the driver printed "interrupted" and then died in Ray's exit with a
     segmentation fault (found from outside, 3 of 9 tries); started whole, it is stopped as at any other time."""
     import signal
@@ -720,19 +722,20 @@ def signals_deferred():
             # (ray.init puts in a SIGTERM handler of its own: ours goes in again after it, in caption_on_ray)
             signal.signal(number, signal.SIG_DFL if handler is None else handler)
     if came:
-        raise KeyboardInterrupt
+        raise Terminated if signal.SIGTERM in came else KeyboardInterrupt
 
 
 def _stop_on_sigterm():
-    """SIGTERM raises KeyboardInterrupt in the driver; returns the handler it replaced (None: one installed from C,
-    which cannot be put back but as the default), or ``_NOT_INSTALLED`` off the main thread."""
+    """SIGTERM raises ``Terminated`` (a KeyboardInterrupt) in the driver, as ``glimpse.launcher`` has it; returns the
+    handler it replaced (None: one installed from C, which cannot be put back but as the default), or
+    ``_NOT_INSTALLED`` off the main thread."""
     import signal
 
     if threading.current_thread() is not threading.main_thread():
         return _NOT_INSTALLED
 
     def stop(signum, frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     return signal.signal(signal.SIGTERM, stop)
 

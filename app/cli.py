@@ -34,6 +34,7 @@ from pathlib import Path
 
 from glimpse.common import UserError
 from glimpse.common.jsonable import finite
+from glimpse.launcher import Terminated, stop_on_sigterm
 from glimpse.pipeline.prompt import check_text, check_text_length, user_message
 from glimpse.pipeline.random_checkpoint import REAL_PRESETS
 from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
@@ -206,32 +207,36 @@ def build_parser() -> argparse.ArgumentParser:
                     "Pareto frontier that `auto` reads; interrupt and rerun to resume. hidivdrop: pick HiDivDrop's "
                     "filtering layers by the paper's ILVAS curve.")
     calibrate.add_argument("policy", choices=["slider", "hidivdrop"])
+    calibrate_option = _task_option_recorder(calibrate, calibrate_tasks := {})
     calibrate.add_argument("--model", default="embedded", help="hub id or local checkpoint folder (default: the "
                            "embedded model, as for ask)")
     calibrate.add_argument("--images", metavar="DIR",
                            help="a folder of calibration images (hidivdrop: required; slider: default the set that "
                                 "ships with Glimpse)")
-    calibrate.add_argument("--videos", metavar="DIR", help="slider: a folder of calibration videos")
-    calibrate.add_argument("--prompts", metavar="FILE",
-                           help="slider: questions, one per line, asked of the images/videos in turn "
-                                "(default: a one-sentence description)")
-    calibrate.add_argument("--budget-minutes", type=float, default=None,
-                           help="slider: start no new candidate after this long; the frontier of what was measured "
-                                "is stored, rerun to measure the rest")
-    calibrate.add_argument("--leave-out", default=None, metavar="POLICY[,POLICY]",
-                           help="slider: measure no candidate that runs one of these policies (alone or composed), "
-                                "for a kind of prompt the calibration set holds too few of to judge (the embedded "
-                                "model's shipped frontier leaves out rlt: docs/slider.md says why)")
-    calibrate.add_argument("--floor", type=float, default=None,
-                           help="slider: the answer agreement speed 1 may fall to, less one standard error (default 0.75)")
+    calibrate_option(("slider",), "--videos", metavar="DIR", help="slider: a folder of calibration videos")
+    calibrate_option(("slider",), "--prompts", metavar="FILE",
+                     help="slider: questions, one per line, asked of the images/videos in turn "
+                          "(default: a one-sentence description)")
+    calibrate_option(("slider",), "--budget-minutes", type=float, default=None,
+                     help="slider: start no new candidate after this long; the frontier of what was measured "
+                          "is stored, rerun to measure the rest")
+    calibrate_option(("slider",), "--leave-out", default=None, metavar="POLICY[,POLICY]",
+                     help="slider: measure no candidate that runs one of these policies (alone or composed), "
+                          "for a kind of prompt the calibration set holds too few of to judge (the embedded "
+                          "model's shipped frontier leaves out rlt: docs/slider.md says why)")
+    calibrate_option(("slider",), "--floor", type=float, default=None,
+                     help="slider: the answer agreement speed 1 may fall to, less one standard error (default 0.75)")
     calibrate.add_argument("--max-images", type=int, default=None,
                            help="use at most this many images/prompts (hidivdrop default 32, slider: all)")
-    calibrate.add_argument("--window", type=int, default=4, help="hidivdrop: ILVAS layer distance n (default 4)")
-    calibrate.add_argument("--top-k", type=int, default=20, help="hidivdrop: ILVAS top-K vision tokens (default 20)")
-    calibrate.add_argument("--question", default="Describe the image in detail.", help="hidivdrop: the question")
+    calibrate_option(("hidivdrop",), "--window", type=int, default=4,
+                     help="hidivdrop: ILVAS layer distance n (default 4)")
+    calibrate_option(("hidivdrop",), "--top-k", type=int, default=20,
+                     help="hidivdrop: ILVAS top-K vision tokens (default 20)")
+    calibrate_option(("hidivdrop",), "--question", default="Describe the image in detail.",
+                     help="hidivdrop: the question")
     calibrate.add_argument("--out", metavar="FILE", help="write the profile here instead of the Glimpse cache")
     _add_device_options(calibrate)
-    calibrate.set_defaults(run=run_calibrate)
+    calibrate.set_defaults(run=run_calibrate, task_options=calibrate_tasks)
 
     evaluate = commands.add_parser(
         "eval", help="answer quality of pruning policies against the unpruned model, on the same inputs",
@@ -240,39 +245,40 @@ def build_parser() -> argparse.ArgumentParser:
                     "pass-key retrieval accuracy with the embedded model's SmolLM2-135M (text). visual: accuracy on the "
                     "held-out split of the generated shapes-and-clips task set the embedded model was trained on.")
     evaluate.add_argument("task", choices=["agreement", "passkey", "visual"])
+    eval_option = _task_option_recorder(evaluate, eval_tasks := {})
     evaluate.add_argument("--model", default="embedded", help="as for ask")
     evaluate.add_argument("--policies", default=None,
                           help=f"comma-separated (default: every policy for agreement and visual; {','.join(TEXT_PRUNING_NAMES)} for "
                                "passkey, FastV in its text adaptation)")
     evaluate.add_argument("--speeds", default="0.25,0.5,0.75,1",
                           help="comma-separated speeds in [0, 1] (default: 0.25,0.5,0.75,1)")
-    evaluate.add_argument("--new-tokens", type=int, default=32, help="agreement: answer length compared")
-    evaluate.add_argument("--image-tokens", type=int, default=256, help="agreement: synthesized image size")
-    evaluate.add_argument("--video-tokens", type=int, default=512, help="agreement: synthesized video size")
-    evaluate.add_argument("--lengths", default="512,1024,2048", help="passkey: prompt lengths in tokens")
-    evaluate.add_argument("--samples", type=int, default=10,
-                          help="passkey: keys per length; visual: questions per category")
-    evaluate.add_argument("--seed", type=int, default=None,
-                          help="passkey: key draw (default 0); visual: held-out split (default 1; 0 is the "
-                               "training seed and is refused)")
-    evaluate.add_argument("--categories", default=None,
-                          help="visual: comma-separated question categories (default: every image category, and every "
-                               "clip category when the model takes video), e.g. colour,shape,count,position")
-    evaluate.add_argument("--styled", type=float, default=0.0, metavar="SHARE",
-                          help="visual: the share of questions asked about scenes and clips given a look of other "
-                               "pictures (dark, graded, textured or striped backgrounds, turned, shadowed or outlined "
-                               "shapes, noise, JPEG); 0, the default: the plain look the model was first trained on")
-    evaluate.add_argument("--questions", default=None, metavar="FILE.jsonl",
-                          help='visual: ask your own questions instead of the generated set: JSON lines of '
-                               '{"image": PATH} or {"video": PATH}, "question", "answer" and optionally "category" '
-                               '(paths relative to the file); right when the reply starts with the answer\'s words')
-    evaluate.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                          help="passkey, visual: a parameter of every policy in --policies, as for ask "
-                               "(e.g. --policies fastv --param layer=6 --param merge=true)")
+    eval_option(("agreement",), "--new-tokens", type=int, default=32, help="agreement: answer length compared")
+    eval_option(("agreement",), "--image-tokens", type=int, default=256, help="agreement: synthesized image size")
+    eval_option(("agreement",), "--video-tokens", type=int, default=512, help="agreement: synthesized video size")
+    eval_option(("passkey",), "--lengths", default="512,1024,2048", help="passkey: prompt lengths in tokens")
+    eval_option(("passkey", "visual"), "--samples", type=int, default=10,
+                help="passkey: keys per length; visual: questions per category")
+    eval_option(("passkey", "visual"), "--seed", type=int, default=None,
+                help="passkey: key draw (default 0); visual: held-out split (default 1; 0 is the "
+                     "training seed and is refused)")
+    eval_option(("visual",), "--categories", default=None,
+                help="visual: comma-separated question categories (default: every image category, and every "
+                     "clip category when the model takes video), e.g. colour,shape,count,position")
+    eval_option(("visual",), "--styled", type=float, default=0.0, metavar="SHARE",
+                help="visual: the share of questions asked about scenes and clips given a look of other "
+                     "pictures (dark, graded, textured or striped backgrounds, turned, shadowed or outlined "
+                     "shapes, noise, JPEG); 0, the default: the plain look the model was first trained on")
+    eval_option(("visual",), "--questions", default=None, metavar="FILE.jsonl",
+                help='visual: ask your own questions instead of the generated set: JSON lines of '
+                     '{"image": PATH} or {"video": PATH}, "question", "answer" and optionally "category" '
+                     '(paths relative to the file); right when the reply starts with the answer\'s words')
+    eval_option(("passkey", "visual"), "--param", action="append", default=[], metavar="NAME=VALUE",
+                help="passkey, visual: a parameter of every policy in --policies, as for ask "
+                     "(e.g. --policies fastv --param layer=6 --param merge=true)")
     evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
     evaluate.add_argument("--plot", default=None, metavar="FILE.png", help="quality vs TTFT speedup plot")
     _add_device_options(evaluate)
-    evaluate.set_defaults(run=run_eval)
+    evaluate.set_defaults(run=run_eval, task_options=eval_tasks)
 
     serve = commands.add_parser("serve", help="the web chat and the OpenAI-compatible HTTP API",
                                 description="Gradio chat at /, POST /v1/chat/completions, GET /health, GET /metrics.")
@@ -446,8 +452,9 @@ def run_eval(args) -> int:
     from glimpse import eval as evaluation
     from glimpse.pipeline import load_engine
 
+    _refuse_options_of_other_tasks(args, "eval", args.task)
     try:  # each measured once, in the order given
-        speeds = list(dict.fromkeys(float(x) for x in args.speeds.split(",") if x.strip()))
+        speeds = list(dict.fromkeys(float(x) + 0.0 for x in args.speeds.split(",") if x.strip()))  # -0 is 0
         lengths = list(dict.fromkeys(int(x) for x in args.lengths.split(",") if x.strip()))
     except ValueError:
         raise UserError("--speeds and --lengths must be comma-separated numbers") from None
@@ -466,8 +473,6 @@ def run_eval(args) -> int:
     default = TEXT_PRUNING_NAMES if args.task == "passkey" else [n for n in NAMES if n != "none"]
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(","))) if args.policies else default
     overrides = parse_params(args.param) or None
-    if overrides and args.task == "agreement":
-        raise UserError("--param applies to the passkey and visual tasks")
     _check_before_loading(args.model, [(name, speed) for name in policies for speed in speeds], overrides)
     # the unpruned model is always run, as the reference: `--policies none` runs it alone
     policies = [p for p in policies if p != "none"]
@@ -475,8 +480,6 @@ def run_eval(args) -> int:
         raise UserError("--samples and --new-tokens must be at least 1, --lengths non-empty")
     if not 0.0 <= args.styled <= 1.0:
         raise UserError(f"--styled is a share from 0 to 1, got {args.styled:g}")
-    if (args.styled or args.questions) and args.task != "visual":
-        raise UserError("--styled and --questions apply to the visual task")
     if args.questions and (args.styled or args.seed is not None or args.categories):
         raise UserError("--questions asks the file's questions: --seed, --styled and --categories choose among "
                         "the generated ones")
@@ -505,9 +508,12 @@ def run_eval(args) -> int:
                                         progress=_log, overrides=overrides)
     report["model"] = args.model
     print(json.dumps(report) if args.json else evaluation.format_table(report), flush=True)  # first: never lost
-    if args.plot:
+    if args.plot and report["rows"]:
         evaluation.plot(report, args.plot)
         _log(f"plot written to {args.plot}")
+    if report["interrupted"]:  # Ctrl-C or SIGTERM: what was measured by then is above (it printed nothing)
+        _log(f"interrupted: the {len(report['rows'])} rows above are the configurations measured by then")
+        return 130
     return 0
 
 
@@ -522,6 +528,7 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     from gradio.utils import get_upload_folder
 
     from glimpse.api import create_api
+    from glimpse.connections import CHAT_SESSIONS
     from glimpse.telemetry import Telemetry
     from glimpse.uploads import UploadQuota, malformed_upload
     from glimpse.ui import NoFetchingForClients, NoRemoteMedia, build_ui
@@ -537,6 +544,7 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root, scheduler=scheduler,
                     refused=telemetry.refused).queue(
         default_concurrency_limit=max_batch + queue_size, max_size=queue_size)
+    demo.state_session_capacity = CHAT_SESSIONS  # read as it is mounted: what clients can make it hold (connections)
     # Compared in constant time, as the API compares its bearer token.
     auth = (lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode())) if api_key else None
     # The chat's app publishes no OpenAPI schema either (it was open under --api-key, at /openapi.json).
@@ -654,7 +662,23 @@ def run_serve(args) -> int:
         http.join(timeout=1.0)  # the answers' last chunks go out; then what is still open is closed (a chat tab's)
         server.close_connections()
         http.join(timeout=30)
-    return 0
+    # Served and closed: nothing is left to write. Python's own exit would now take 1.5-3 s more, taking torch's,
+    # transformers' and Gradio's modules apart, which with the default grace of 8 s ran past docker stop's 10 s and
+    # ended in its SIGKILL (an outside pass measured 11 s from SIGTERM to exit with an answer under way).
+    _exit_at_once(0)
+
+
+def _exit_at_once(status: int) -> None:
+    """End the process now, what it printed and logged written out first, without Python's teardown."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more reaches it anyway
+            pass
+    os._exit(status)
 
 
 def _on_sigterm(terminated: threading.Event):
@@ -820,6 +844,30 @@ def run_bench_serve(args) -> int:
     return 0
 
 
+def _task_option_recorder(parser, task_options: dict):
+    """``add(tasks, *flags, **options)``: ``parser.add_argument(*flags, **options)``, recording in ``task_options``
+    that only ``tasks`` (of the command's first argument) use it, for ``_refuse_options_of_other_tasks``."""
+    def add(tasks: tuple[str, ...], *flags, **options):
+        action = parser.add_argument(*flags, **options)
+        task_options[action.dest] = (flags[0], action.default, tasks)
+    return add
+
+
+def _refuse_options_of_other_tasks(args, command: str, task: str) -> None:
+    """An option given that ``task`` does not use is refused, naming the tasks that do: ignored, it looked applied
+    (``glimpse eval agreement --samples 6`` was published as the command behind numbers ``--samples`` never changed,
+    ``calibrate hidivdrop --floor 0.3`` took no floor; an outside pass). Given: typed, or not its default."""
+    typed = {word.split("=", 1)[0] for word in args.argv if word.startswith("--")}
+    given: dict[tuple[str, ...], list[str]] = {}  # the tasks that take them: the options given
+    for dest, (flag, default, tasks) in args.task_options.items():
+        if task not in tasks and (getattr(args, dest) != default or flag in typed):
+            given.setdefault(tasks, []).append(flag)
+    if given:
+        said = "; ".join(f"{', '.join(flags)} {'is an option' if len(flags) == 1 else 'are options'} of `glimpse "
+                         f"{command} {' / '.join(tasks)}`" for tasks, flags in given.items())
+        raise UserError(f"{said}, not of `glimpse {command} {task}`")
+
+
 def _refuse_options_of_the_other_mode(args) -> None:
     mode, other = ("policies", args.serve_only) if args.target == "policies" else ("serve", args.policies_only)
     typed = {word.split("=", 1)[0] for word in args.argv if word.startswith("--")}
@@ -839,7 +887,7 @@ def run_bench(args) -> int:
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
-        speeds = [float(s) for s in args.speeds.split(",") if s.strip()]
+        speeds = [float(s) + 0.0 for s in args.speeds.split(",") if s.strip()]  # + 0.0: -0 is 0 ("dash@-0")
     except ValueError:
         raise UserError(f"--speeds must be comma-separated numbers in [0, 1], got {args.speeds!r}") from None
     if args.runs < 1:
@@ -866,6 +914,21 @@ def run_bench(args) -> int:
         raise UserError("nothing to benchmark: --image-tokens, --video-tokens and --text-tokens are all 0 "
                         "and no --image/--video")
     bench.check_policies(policies, speeds)  # before minutes of model building
+    media = [(path, "image") for path in args.image] + ([(args.video, "video")] if args.video else [])
+    if media:
+        from glimpse.vision import check_media
+
+        typed = {word.split("=", 1)[0] for word in args.argv}
+        sizes = {"--image-tokens": args.image_tokens, "--video-tokens": args.video_tokens}
+        if given := [flag for flag, tokens in sizes.items() if flag in typed and tokens]:  # (0: none, as it is)
+            raise UserError(f"{' and '.join(given)} size{'s' * (len(given) == 1)} the synthesized media, and "
+                            "--image/--video benchmarks your own files instead: give one or the other")
+        for path, kind in media:  # missing, empty or corrupt: said before minutes of model building, not after
+            check_media(path, kind)
+        inputs = {Path(path).resolve() for path, _ in media}
+        for flag, out in (("--out", args.out), ("--plot", args.plot)):
+            if out and Path(out).resolve() in inputs:  # it replaced the user's picture without a word
+                raise UserError(f"{flag} {out} is one of the benchmark's own inputs: give another file name")
     questions = {"image": args.question, "video": args.question} if args.question else None
 
     with tempfile.TemporaryDirectory(prefix="glimpse-bench-") as tmp:
@@ -930,29 +993,36 @@ def run_bench(args) -> int:
 def run_calibrate(args) -> int:
     from glimpse.pipeline import load_engine
     from glimpse.pipeline.calibrate import calibrate_hidivdrop
-    from glimpse.pipeline.profiles import save_profile
+    from glimpse.pipeline.profiles import profile_path, save_profile
     from glimpse.vision.media import IMAGE_EXTENSIONS
 
+    _refuse_options_of_other_tasks(args, "calibrate", args.policy)
     if args.policy == "slider":
         return run_calibrate_slider(args)
     if args.images is None:
         raise UserError("calibrate hidivdrop needs --images DIR")
+    # Refused before the model loads: --top-k 0 saved a profile of NaN whose empty filter list HiDivDrop then read as
+    # "the paper's layers", --window 0 one of 1.0 everywhere, --max-images -1 left out the last image (an outside pass).
+    if args.window < 1 or args.top_k < 1 or (args.max_images is not None and args.max_images < 1):
+        raise UserError("--window, --top-k and --max-images must be at least 1")
     folder = Path(args.images)
     if not folder.is_dir():
         raise UserError(f"--images must be a folder of images, got {args.images}")
     images = sorted(str(p) for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)[: args.max_images or 32]
     if not images:
         raise UserError(f"no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) in {folder}")
+    out = Path(args.out) if args.out else profile_path(args.model, "hidivdrop")
+    _check_writable_file(out, "--out")  # before the model loads, not after the whole calibration
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     profile = calibrate_hidivdrop(engine, images, question=args.question, window=args.window, top_k=args.top_k,
                                   progress=_log)
     profile["checkpoint"] = engine.checkpoint  # applies to these weights only (profiles.checkpoint_identity)
-    path = save_profile(args.model, profile, path=args.out)
+    path = save_profile(args.model, profile, path=out)
     curve = ", ".join(f"{layer}: {value:.3f}" for layer, value in profile["ilvas"].items())
     _log(f"ILVAS (n={args.window}, K={args.top_k}) over layers {curve}")
     _log(f"filtering layers {profile['filter_layers']} -> {path}")
-    print(json.dumps(profile))
+    print(json.dumps(finite(profile)))
     return 0
 
 
@@ -1131,9 +1201,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:  # bad input, media, prompt or model (common.errors): the user can fix it
         _error(args, str(error))
         return 1
-    except KeyboardInterrupt:
-        print("glimpse: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (glimpse.launcher)
+        print(f"glimpse: {'terminated' if isinstance(stop, Terminated) else 'interrupted'}", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
     except BrokenPipeError:  # `glimpse ask ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
         return 1
@@ -1175,4 +1245,5 @@ def _error(args, message: str) -> None:
 
 
 if __name__ == "__main__":
+    stop_on_sigterm()
     sys.exit(main())

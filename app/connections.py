@@ -10,7 +10,8 @@ runs uvicorn with it (``uvicorn.Config(http=RequestHeadDeadline)``, uvicorn's ex
 class).
 
 Past the head, ``BodyLimits`` (ASGI middleware, which ``api.create_api`` installs, so that it covers the API and
-the chat mounted beside it) bounds every request body but an upload's: at most ``MAX_BODY_BYTES`` (413), all
+the chat mounted beside it) bounds every request body but an upload's: at most ``MAX_BODY_BYTES`` (413; the
+chat's JSON routes ``MAX_CHAT_BODY_BYTES``), all
 arrived within ``BODY_TIMEOUT_S`` (408), and large ones ``MAX_BODIES_BYTES`` of room all together (a body finding
 none waits for it, its client's sending held up, within its time). Without it a client could send the chat's JSON
 routes a body of any size, read whole into memory, trickle one in for ever, or send the API so many large bodies at
@@ -35,6 +36,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_S = 30.0  # nginx's client_header_timeout is 60 s; a real client sends its head in milliseconds
 MAX_BODY_BYTES = 64 * 2**20  # a request body larger than this (an API request's data URLs included) gets 413
+# The chat's JSON routes (everything but the API under /v1/, and uploads): a question and its conversation, its files
+# sent by upload. Gradio keeps the last body of each of up to ``CHAT_SESSIONS`` browser sessions in memory (its
+# session state), so their size bounds what clients can make the server hold: 20 MB bodies sent under made-up
+# sessions held 20 MiB each, for good (an outside pass). 2 MiB is some 500,000 tokens of text, more than any
+# supported model's context.
+MAX_CHAT_BODY_BYTES = 2 * 2**20
+CHAT_SESSIONS = 1000  # browser sessions whose state Gradio keeps (its default: 10,000), the least recently used dropped
 # Room for the large bodies of all the requests under way together (not uploads'). Twenty 60 MB bodies at once took
 # the server from 1.9 to 6.4 GB (the body, its JSON parsed, the data URLs decoded: copies of each, up to ~300 MB per
 # request), so a client sending a hundred could have it killed for memory (found here, 2026-12-06). Four of the
@@ -218,9 +226,10 @@ class AbsoluteFormTargets:
 
 class BodyLimits:
     """ASGI middleware: a request body (but an upload's, a POST to a path ending in ``/upload``) larger than
-    ``MAX_BODY_BYTES`` is refused with 413 — from its Content-Length before it is read, or as soon as a body
-    sent without one passes the cap — and one not all arrived ``BODY_TIMEOUT_S`` after the request began gets 408
-    (an upload: ``BODY_TIMEOUT_S`` plus its Content-Length at ``UPLOAD_MIN_BYTES_PER_S``).
+    ``MAX_BODY_BYTES`` (the API's, under /v1/; the chat's routes ``MAX_CHAT_BODY_BYTES``) is refused with 413 —
+    from its Content-Length before it is read, or as soon as a body sent without one passes the cap — and one not
+    all arrived ``BODY_TIMEOUT_S`` after the request began gets 408 (an upload: ``BODY_TIMEOUT_S`` plus its
+    Content-Length at ``UPLOAD_MIN_BYTES_PER_S``).
     Once ``SMALL_BODY_BYTES`` of a body have arrived it takes room for all of it (its Content-Length, or
     ``MAX_BODY_BYTES`` when it has none) out of ``MAX_BODIES_BYTES``, waiting for the room within its
     ``BODY_TIMEOUT_S`` (the application reads no more of it meanwhile, so neither does the server from its
@@ -272,9 +281,10 @@ class BodyLimits:
         if scope["path"].rstrip("/").endswith("/upload"):  # no cap here (the upload quota's); time by its length
             cap, allowed_s = None, BODY_TIMEOUT_S + (int(length) if length.isdigit() else 0) / UPLOAD_MIN_BYTES_PER_S
         else:
-            cap, allowed_s = MAX_BODY_BYTES, BODY_TIMEOUT_S
+            cap = MAX_BODY_BYTES if scope["path"].startswith("/v1/") else MAX_CHAT_BODY_BYTES
+            allowed_s = BODY_TIMEOUT_S
             if length.isdigit() and int(length) > cap:
-                return await self._refuse(scope, send, 413)
+                return await self._refuse(scope, send, 413, cap=cap)
         deadline = time.monotonic() + allowed_s  # None once the body is in
         refusal: int | None = None
         refusal_message: str | None = None  # why, where not the deadline
@@ -347,12 +357,14 @@ class BodyLimits:
         finally:
             body_done()
         if refusal is not None and not started:
-            await self._refuse(scope, send, refusal, allowed_s, refusal_message)
+            await self._refuse(scope, send, refusal, allowed_s, refusal_message, cap)
 
-    async def _refuse(self, scope, send, status: int, allowed_s: float = 0.0, message: str | None = None) -> None:
+    async def _refuse(self, scope, send, status: int, allowed_s: float = 0.0, message: str | None = None,
+                      cap: int | None = None) -> None:
         self.on_refused(scope["path"])
-        cap = f"{MAX_BODY_BYTES / 2**20:g} MiB" if MAX_BODY_BYTES >= 2**20 else f"{MAX_BODY_BYTES / 2**10:g} KiB"
-        message = message or (f"the request body is larger than {cap}" if status == 413
+        cap = cap or MAX_BODY_BYTES
+        size = f"{cap / 2**20:g} MiB" if cap >= 2**20 else f"{cap / 2**10:g} KiB"
+        message = message or (f"the request body is larger than {size}" if status == 413
                               else f"the request body did not arrive within {allowed_s:.0f} s")
         await refuse(send, status, message, headers=((b"connection", b"close"),))
 

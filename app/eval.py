@@ -92,32 +92,36 @@ def first_token_distribution(engine, messages, policy) -> torch.Tensor:
 def run_agreement(engine, prompts: dict[str, list], policies: list[str], speeds: list[float],
                   new_tokens: int = 32, progress=lambda line: None) -> dict:
     # EOS ignored: every answer is new_tokens long, so positions are comparable.
-    warm_up(engine, prompts.values())
-    baseline = {}
-    for kind, messages in prompts.items():
-        result = engine.generate(messages, policy="none", max_new_tokens=new_tokens, ignore_eos=True)
-        baseline[kind] = (result, first_token_distribution(engine, messages, engine.make_policy("none")))
-    rows = []
-    for name in policies:
-        for speed in speeds:
-            matches, kls, base_ttft, ttft = [], [], 0.0, 0.0
-            for kind, messages in prompts.items():
-                reference, log_p = baseline[kind]
-                text_task = kind.startswith("text")
-                result = engine.generate(messages, policy=policy_for(engine, name, speed, text_task),
-                                         max_new_tokens=new_tokens, ignore_eos=True)
-                same = sum(a == b for a, b in zip(reference.token_ids, result.token_ids))
-                matches.append(same / len(reference.token_ids))
-                log_q = first_token_distribution(engine, messages, policy_for(engine, name, speed, text_task))
-                kls.append(float((log_p.exp() * (log_p - log_q)).sum().clamp(min=0.0)))
-                base_ttft += reference.metrics["ttft_s"]
-                ttft += result.metrics["ttft_s"]
-            rows.append({"policy": name, "speed": speed, "match_rate": sum(matches) / len(matches),
-                         "first_token_kl": sum(kls) / len(kls), "ttft_speedup": base_ttft / ttft,
-                         "per_prompt": dict(zip(prompts, matches))})
-            progress(f"{name} @ {speed:g}: match {rows[-1]['match_rate']:.3f}, KL {rows[-1]['first_token_kl']:.4f}")
+    rows, interrupted = [], False
+    try:
+        warm_up(engine, prompts.values())
+        baseline = {}
+        for kind, messages in prompts.items():
+            result = engine.generate(messages, policy="none", max_new_tokens=new_tokens, ignore_eos=True)
+            baseline[kind] = (result, first_token_distribution(engine, messages, engine.make_policy("none")))
+        for name in policies:
+            for speed in speeds:
+                matches, kls, base_ttft, ttft = [], [], 0.0, 0.0
+                for kind, messages in prompts.items():
+                    reference, log_p = baseline[kind]
+                    text_task = kind.startswith("text")
+                    result = engine.generate(messages, policy=policy_for(engine, name, speed, text_task),
+                                             max_new_tokens=new_tokens, ignore_eos=True)
+                    same = sum(a == b for a, b in zip(reference.token_ids, result.token_ids))
+                    matches.append(same / len(reference.token_ids))
+                    log_q = first_token_distribution(engine, messages, policy_for(engine, name, speed, text_task))
+                    kls.append(float((log_p.exp() * (log_p - log_q)).sum().clamp(min=0.0)))
+                    base_ttft += reference.metrics["ttft_s"]
+                    ttft += result.metrics["ttft_s"]
+                rows.append({"policy": name, "speed": speed, "match_rate": sum(matches) / len(matches),
+                             "first_token_kl": sum(kls) / len(kls), "ttft_speedup": base_ttft / ttft,
+                             "per_prompt": dict(zip(prompts, matches))})
+                progress(f"{name} @ {speed:g}: match {rows[-1]['match_rate']:.3f}, "
+                         f"KL {rows[-1]['first_token_kl']:.4f}")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the rows finished by then are the report, said to be partial
+        interrupted = True
     return {"task": "agreement", "device": device_name(engine), "prompts": list(prompts), "new_tokens": new_tokens,
-            "rows": rows}
+            "rows": rows, "interrupted": interrupted}
 
 
 # ------------------------------------------------------------------------------------ pass-key
@@ -150,22 +154,25 @@ def run_passkey(engine, lengths: list[int], samples: int, policies: list[str], s
     cases = passkey_cases(engine.tokenizer, lengths, samples, seed)
     configs = [("none", 0.0)] + [(name, speed) for name in policies for speed in speeds]
     warm_up(engine, [case["messages"] for case in cases])
-    rows, base_ttft = [], {}
-    for name, speed in configs:
-        for length in lengths:
-            correct, ttft = 0, 0.0
-            for case in (c for c in cases if c["length"] == length):
-                result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, True, overrides),
-                                         max_new_tokens=new_tokens)
-                correct += str(case["key"]) in result.text
-                ttft += result.metrics["ttft_s"]
-            if name == "none":
-                base_ttft[length] = ttft
-            rows.append({"policy": name, "speed": speed, "length": length, "accuracy": correct / samples,
-                         "ttft_speedup": base_ttft[length] / ttft})
-            progress(f"{name} @ {speed:g}, {length} tokens: accuracy {correct}/{samples}")
+    rows, base_ttft, interrupted = [], {}, False
+    try:
+        for name, speed in configs:
+            for length in lengths:
+                correct, ttft = 0, 0.0
+                for case in (c for c in cases if c["length"] == length):
+                    result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, True, overrides),
+                                             max_new_tokens=new_tokens)
+                    correct += str(case["key"]) in result.text
+                    ttft += result.metrics["ttft_s"]
+                if name == "none":
+                    base_ttft[length] = ttft
+                rows.append({"policy": name, "speed": speed, "length": length, "accuracy": correct / samples,
+                             "ttft_speedup": base_ttft[length] / ttft})
+                progress(f"{name} @ {speed:g}, {length} tokens: accuracy {correct}/{samples}")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the rows finished by then are the report, said to be partial
+        interrupted = True
     return {"task": "passkey", "device": device_name(engine), "lengths": lengths, "samples": samples, "seed": seed,
-            "rows": rows, "params": overrides or {}}
+            "rows": rows, "params": overrides or {}, "interrupted": interrupted}
 
 
 # ------------------------------------------------------------------------------------ visual task
@@ -272,44 +279,51 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
         asked = {c: sum(case["qa"].category == c for case in cases) for c in categories}
         configs = [("none", 0.0)] + [(name, speed) for name in policies for speed in speeds]
         warm_up(engine, [case["messages"] for case in cases])
-        rows, base_ttft = [], 0.0
-        for name, speed in configs:
-            ttft = flops = flops_base = 0.0
-            reductions, answers, right = [], [], []
-            params = overrides if name != "none" else None
-            promise = engine.promise(name, speed, params)  # what auto picked at this speed, calibrated or not
-            configuration = promise["configuration"]
-            for case in cases:
-                result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, False, overrides),
-                                         max_new_tokens=new_tokens)
-                right.append(tasks.is_correct(result.text, case["qa"]))
-                answers.append(result.text)
-                metrics = result.metrics
-                ttft += metrics["ttft_s"]
-                flops += metrics["prefill_flops"]
-                flops_base += metrics["prefill_flops_baseline"]
-                reductions.append(visual_reduction(metrics))
-            if name == "none":
-                base_ttft = ttft
-                reference = answers
-            accuracy = {c: sum(r for r, case in zip(right, cases) if case["qa"].category == c) / asked[c]
-                        for c in categories}
-            by_kind = {kind: [r for r, case in zip(right, cases) if case["video"] == kind] for kind in (False, True)}
-            agreement = sum(_same_answer(a, b) for a, b in zip(answers, reference)) / len(cases)
-            rows.append({"policy": name, "speed": speed, "accuracy": sum(right) / len(cases),
-                         "agreement": agreement, "configuration": configuration, "calibrated": promise["calibrated"],
-                         "image_accuracy": sum(by_kind[False]) / len(by_kind[False]) if by_kind[False] else None,
-                         "video_accuracy": sum(by_kind[True]) / len(by_kind[True]) if by_kind[True] else None,
-                         "per_category": accuracy, "visual_reduction": sum(reductions) / len(reductions),
-                         "flops_speedup": flops_base / flops, "ttft_speedup": base_ttft / ttft, "answers": answers})
-            progress(f"{name} @ {speed:g}: accuracy {rows[-1]['accuracy']:.0%}, "
-                     f"visual tokens removed {rows[-1]['visual_reduction']:.0%}")
+        rows, base_ttft, interrupted = [], 0.0, False
+        try:
+            for name, speed in configs:
+                ttft = flops = flops_base = 0.0
+                reductions, answers, right = [], [], []
+                params = overrides if name != "none" else None
+                promise = engine.promise(name, speed, params)  # what auto picked at this speed, calibrated or not
+                configuration = promise["configuration"]
+                for case in cases:
+                    result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, False, overrides),
+                                             max_new_tokens=new_tokens)
+                    right.append(tasks.is_correct(result.text, case["qa"]))
+                    answers.append(result.text)
+                    metrics = result.metrics
+                    ttft += metrics["ttft_s"]
+                    flops += metrics["prefill_flops"]
+                    flops_base += metrics["prefill_flops_baseline"]
+                    reductions.append(visual_reduction(metrics))
+                if name == "none":
+                    base_ttft = ttft
+                    reference = answers
+                accuracy = {c: sum(r for r, case in zip(right, cases) if case["qa"].category == c) / asked[c]
+                            for c in categories}
+                by_kind = {kind: [r for r, case in zip(right, cases) if case["video"] == kind]
+                           for kind in (False, True)}
+                agreement = sum(_same_answer(a, b) for a, b in zip(answers, reference)) / len(cases)
+                rows.append({"policy": name, "speed": speed, "accuracy": sum(right) / len(cases),
+                             "agreement": agreement, "configuration": configuration,
+                             "calibrated": promise["calibrated"],
+                             "image_accuracy": sum(by_kind[False]) / len(by_kind[False]) if by_kind[False] else None,
+                             "video_accuracy": sum(by_kind[True]) / len(by_kind[True]) if by_kind[True] else None,
+                             "per_category": accuracy, "visual_reduction": sum(reductions) / len(reductions),
+                             "flops_speedup": flops_base / flops, "ttft_speedup": base_ttft / ttft,
+                             "answers": answers})
+                progress(f"{name} @ {speed:g}: accuracy {rows[-1]['accuracy']:.0%}, "
+                         f"visual tokens removed {rows[-1]['visual_reduction']:.0%}")
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the rows finished by then are the report, said to be partial
+            interrupted = True
         listed = [{"category": c["qa"].category, "question": c["qa"].question, "answer": c["qa"].answer}
                   for c in cases]
     source = {"questions": str(questions)} if questions is not None else {"seed": seed, "samples": samples,
                                                                           "styled": styled}
     return {"task": "visual", "device": device_name(engine), **source, "asked": asked,
-            "categories": categories, "questions": listed, "rows": rows, "params": overrides or {}}
+            "categories": categories, "questions": listed, "rows": rows, "params": overrides or {},
+            "interrupted": interrupted}
 
 
 def _label(row: dict) -> str:

@@ -1,15 +1,34 @@
 """The ``glimpse`` command's entry point: imports the CLI (torch, transformers: seconds) under a guard, so that
-Ctrl-C while they load ends with one line, as it does once the command runs (``glimpse.cli.main``)."""
+Ctrl-C while they load ends with one line, as it does once the command runs (``glimpse.cli.main``).
+
+SIGTERM stops every command as Ctrl-C does (``Terminated``, a ``KeyboardInterrupt``): what a command keeps on
+Ctrl-C it keeps on SIGTERM (a caption run's finished captions, a benchmark's partial report). Without a handler of
+its own a process is killed by SIGTERM, except as process 1 of a container, where the kernel drops a signal that
+has no handler: ``docker stop`` waited its 10 s and killed a caption run, or a server still loading its model,
+with SIGKILL (an outside pass). ``glimpse serve`` puts in its graceful handler once it serves."""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM came: the command stops as on Ctrl-C, with exit status 143 (128 + SIGTERM)."""
+
+
+def stop_on_sigterm() -> None:
+    def stop(_signum, _frame):
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def main() -> int:
+    stop_on_sigterm()
     try:
         from glimpse.cli import main as run
-    except KeyboardInterrupt:
-        print("glimpse: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        print(f"glimpse: {'terminated' if isinstance(stop, Terminated) else 'interrupted'}", file=sys.stderr)
+        return 143 if isinstance(stop, Terminated) else 130
     return run()

@@ -12,6 +12,7 @@ cannot be decoded leaves the conversation, anything else keeps it; the server ke
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import time
@@ -146,7 +147,6 @@ def saved_image(image: Image.Image | None) -> str | None:
     image component shows the file as it would the image."""
     if image is None:
         return None
-    import hashlib
     import io
     import os
 
@@ -307,6 +307,28 @@ def _uploads_only(component):
     return component
 
 
+def _text_and_files_only(chatbot):
+    """``chatbot`` refusing a history that holds a component message, before Gradio reads it. Every route that takes
+    the chat's history (the question, Stop, Undo, Retry, the history's own sync) runs the Chatbot's ``preprocess``,
+    which builds a component message's component with the value sent (``{"path": ...}``): a ``gr.File`` copied any
+    file under the server's working folder or /tmp into the upload folder, past the upload quota, and one naming a
+    FIFO blocked a worker thread for good (an outside pass stopped the server's answering with forty). The chat's
+    history is text and files (whose paths Gradio checks were uploaded): a component is refused, nothing opened."""
+    import gradio as gr
+
+    preprocess = chatbot.preprocess
+
+    def text_and_files_only(payload):
+        parts = (part for message in (payload.root if payload is not None else ()) for part in message.content)
+        if any(part.type == "component" for part in parts):
+            raise gr.Error("the chat's history holds only text and files uploaded to this chat, not components",
+                           print_exception=False)  # the client's doing: no traceback in the server's log
+        return preprocess(payload)
+
+    chatbot.preprocess = text_and_files_only
+    return chatbot
+
+
 def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: str | None = None, scheduler=None,
              refused=lambda outcome: None):
     """The chat, on ``gr.ChatInterface`` (multimodal input, streaming, Stop, Retry, Undo, Clear, examples);
@@ -352,14 +374,17 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         return text
 
     tabs: dict[str, set] = {}  # per browser session, the tickets it is waiting on: closing the tab cancels them
-    cleared_sessions: set = set()  # browser sessions whose next question starts a new conversation (Clear)
+    cleared_sessions: dict = {}  # browser sessions whose next question starts a new conversation (Clear): True
     stopped_sessions: dict = {}  # browser session -> the last question when Stop ended its turn (re-marked next turn)
+    comparing: dict = {}  # browser session -> its finished answer's metrics while the compare box's run goes on
     tabs_lock = threading.Lock()
 
     def respond(message, history, policy, speed, max_tokens, overrides, compare, request=None):
         """One turn: check this turn's files, queue the conversation, show the queue position while it
         waits, stream the answer, then the metrics (beside an unpruned run if asked) and the keep map."""
         session = getattr(request, "session_hash", None)
+        with tabs_lock:
+            comparing.pop(session, None)  # what a closed comparison left here: the new turn is the answer now
         files = [f if isinstance(f, str) else f.get("path") for f in (message.get("files") or [])]
         if not files and not (message.get("text") or "").strip():  # Enter in an empty box: nothing to answer
             yield f"{ERROR_NOTE}type a question, or attach a picture or a video", NO_METRICS, None
@@ -414,11 +439,6 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             _ended(session, ticket)
         if result is None:
             return
-        baseline, not_compared = None, ""
-        # With no pruning (policy none, or speed 0 as the slider sets it) the two runs are one configuration.
-        if compare and policy != "none" and (speed > 0 or overridden):
-            baseline, not_compared = yield from unpruned_answer(session, prompt, _shown(answer),
-                                                                options["max_new_tokens"])
         answer = _shown(answer)
         if result.finish_reason == "length":
             count = len(result.token_ids)
@@ -429,17 +449,30 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
                             f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")
         keep_map = saved_image(keep_map_image(prompt.media, result.metrics["keep_map"]))
-        yield answer, metrics_markdown(result, baseline) + not_compared, keep_map
+        metrics = metrics_markdown(result)
+        # With no pruning (policy none, or speed 0 as the slider sets it) the two runs are one configuration.
+        if compare and policy != "none" and (speed > 0 or overridden):
+            # The answer is whole, with its notes and metrics, before the unpruned run starts: Stop then ends only
+            # the comparison (mark_stopped reads what it leaves in the panel here). It lost them, and marked the
+            # finished answer "(stopped)".
+            with tabs_lock:
+                _remember(comparing, session, metrics)
+            said = "\n\n*running the unpruned answer to compare ...*"
+            yield answer, metrics + said, keep_map
+            baseline, not_compared = yield from unpruned_answer(session, prompt, answer, metrics + said,
+                                                                options["max_new_tokens"])
+            with tabs_lock:
+                comparing.pop(session, None)
+            metrics = metrics_markdown(result, baseline) + not_compared
+        yield answer, metrics, keep_map
 
-    def unpruned_answer(session, prompt, answer: str, max_new_tokens: int):
+    def unpruned_answer(session, prompt, answer: str, said: str, max_new_tokens: int):
         """The compare box's unpruned run of the same prompt: (its result, or None and why there is none, for the
-        metrics panel). A request of the session as the answer was: Stop, Clear and closing the tab end it at once
-        (it was waited for in one blocking call, which nothing could end: Stop waited its 10 s, and a second user's
-        two-token question waited 36 s behind it). Its failure, a full queue included, leaves the answer as it is,
-        with its metrics (an outside pass saw the finished answer marked "broke off: internal error ... QueueFull"
-        and its metrics gone)."""
-        said = "*running the unpruned answer to compare ...*"
-        yield answer, said, gr.skip()
+        metrics panel, which shows ``said`` meanwhile, with the tokens so far). A request of the session as the answer
+        was: Stop, Clear and closing the tab end it at once (it was waited for in one blocking call, which nothing
+        could end: Stop waited its 10 s, and a second user's two-token question waited 36 s behind it). Its failure,
+        a full queue included, leaves the answer as it is, with its metrics (an outside pass saw the finished answer
+        marked "broke off: internal error ... QueueFull" and its metrics gone)."""
         try:
             ticket = scheduler.submit(prompt, policy="none", max_new_tokens=max_new_tokens, caches=False)
         except (QueueFull, ServerStopping) as busy:
@@ -477,8 +510,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         """The tab was closed or reloaded (Gradio does not cancel its running event): end its requests."""
         with tabs_lock:
             tickets = tabs.pop(getattr(request, "session_hash", None), set())
-            cleared_sessions.discard(getattr(request, "session_hash", None))
+            cleared_sessions.pop(getattr(request, "session_hash", None), None)
             stopped_sessions.pop(getattr(request, "session_hash", None), None)
+            comparing.pop(getattr(request, "session_hash", None), None)
         for ticket in tickets:
             ticket.cancel.set()
 
@@ -501,13 +535,17 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         """Stop: an answer that had begun keeps what was said, marked; a question stopped before its answer
         began (still queued, or not yet sent) is marked as failed turns are, so that the next turn leaves its
         text out (it was sent merged into the next question) and keeps its files."""
-        wait_for_answers_to_end(request)
         session = getattr(request, "session_hash", None)
+        with tabs_lock:  # read before the comparison ends: then the turn forgets it
+            finished = comparing.get(session)
+        wait_for_answers_to_end(request)
+        if finished is not None:  # the answer was whole: Stop ended the comparison only
+            return gr.skip(), finished + _not_compared("it was stopped")
         if session is not None:
             with tabs_lock:
                 # Gradio copies the page's conversation into the chat's state when the stopped event ends, and that
                 # copy can be taken before this mark is shown: the next question then re-applies it (_stream_fn).
-                stopped_sessions[session] = _last_question(history)
+                _remember(stopped_sessions, session, _last_question(history))
         return _marked_stopped(history), STOPPED_METRICS  # the chat, the metrics panel
 
     def cleared(request=None):
@@ -517,8 +555,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         session = getattr(request, "session_hash", None)
         if session is not None:
             with tabs_lock:
-                cleared_sessions.add(session)
+                _remember(cleared_sessions, session, True)
                 stopped_sessions.pop(session, None)
+                comparing.pop(session, None)
         wait_for_answers_to_end(request)
         return [], [], "metrics appear after an answer", None
 
@@ -562,7 +601,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                                                 submit_btn=True, stop_btn=True, elem_id="input")
                 chat = _clear_cancels_chat(cleared_sessions, stopped_sessions, tabs_lock)(
                     respond, multimodal=True, api_name="chat", fill_height=False,
-                    chatbot=_uploads_only(gr.Chatbot(label="chat", height=480, elem_id="chat")),
+                    chatbot=_text_and_files_only(_uploads_only(gr.Chatbot(label="chat", height=480, elem_id="chat"))),
                     textbox=_uploads_only(question),
                     additional_inputs=[policy, speed, max_tokens, overrides, compare],
                     additional_outputs=[metrics, keep],
@@ -579,7 +618,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
     return demo
 
 
-def _clear_cancels_chat(cleared_sessions: set, stopped_sessions: dict, lock):
+def _clear_cancels_chat(cleared_sessions: dict, stopped_sessions: dict, lock):
     import gradio as gr  # only when the chat is built
 
     class ClearCancelsChat(gr.ChatInterface):
@@ -604,7 +643,7 @@ def _clear_cancels_chat(cleared_sessions: set, stopped_sessions: dict, lock):
             session = getattr(request, "session_hash", None)
             with lock:
                 if session is not None and session in cleared_sessions:
-                    cleared_sessions.discard(session)
+                    cleared_sessions.pop(session)
                     history = []
                 stopped = stopped_sessions.pop(session, None) if session is not None else None
                 if stopped is not None and history and _last_question(history) == stopped:
@@ -615,13 +654,24 @@ def _clear_cancels_chat(cleared_sessions: set, stopped_sessions: dict, lock):
     return ClearCancelsChat
 
 
+def _remember(sessions: dict, session, value) -> None:
+    """``sessions[session] = value``, the least recently set entry dropped past ``CHAT_SESSIONS`` (as many as Gradio
+    keeps the state of): a client making up a session for each request cannot grow it for ever."""
+    from glimpse.connections import CHAT_SESSIONS
+
+    sessions.pop(session, None)
+    sessions[session] = value
+    while len(sessions) > CHAT_SESSIONS:
+        del sessions[next(iter(sessions))]
+
+
 def _last_question(history: list[dict] | None) -> tuple[int, str] | None:
-    """The conversation's last user message (a turn's text comes after its files): where it is, and its text. Its
-    place tells a stopped turn from an earlier one with the same question: by text alone, Retry after Stop marked
-    the answer before it "(stopped)" when that question had been asked twice (a natural use: the same question at
-    another speed)."""
-    return next(((i, _text_of(m)) for i, m in reversed(list(enumerate(history or []))) if m.get("role") == "user"),
-                None)
+    """The conversation's last user message (a turn's text comes after its files): where it is, and a digest of its
+    text (what Stop keeps of it, per session: the question itself can be megabytes). Its place tells a stopped turn
+    from an earlier one with the same question: by text alone, Retry after Stop marked the answer before it
+    "(stopped)" when that question had been asked twice (a natural use: the same question at another speed)."""
+    return next(((i, hashlib.sha256(_text_of(m).encode(errors="replace")).hexdigest())
+                 for i, m in reversed(list(enumerate(history or []))) if m.get("role") == "user"), None)
 
 
 def _marked_stopped(history: list[dict] | None) -> list[dict]:
@@ -853,6 +903,8 @@ def _text_of(message: dict) -> str:
 
 
 def _token_limit(value, ceiling: int) -> int:
+    if isinstance(value, bool):  # JSON's true was int(True), one token (an outside pass)
+        raise UserError(f"max answer tokens must be a whole number, got {value}")
     try:
         limit = int(value)
     except (TypeError, ValueError, OverflowError):  # None, "ten", NaN, Infinity

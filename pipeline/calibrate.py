@@ -99,8 +99,12 @@ def calibrate_hidivdrop(engine, images: list, question: str = "Describe the imag
         raise UserError("none of the calibration images could be read")
     if not curve:
         raise UserError(f"the vision window of this {L}-layer model is shorter than the ILVAS window {window}")
+    peaks = local_maxima(curve, max_filters)
+    if not peaks:  # (a curve of ties): saved, HiDivDrop would read the empty list as "the paper's layers"
+        raise UserError(f"the ILVAS curve has no peak to filter at ({', '.join(f'{v:.3f}' for v in curve.values())}): "
+                        "nothing saved; try other images, --window or --top-k")
     resolved = window_policy.resolved
     return {"policy": "hidivdrop", "model": engine.model_id, "num_layers": L, "window": window, "top_k": top_k,
             "images": used, "inject_layer": resolved["inject_layer"], "exit_layer": resolved["exit_layer"],
             "ilvas": {str(layer): value for layer, value in curve.items()},
-            "filter_layers": local_maxima(curve, max_filters)}
+            "filter_layers": peaks}

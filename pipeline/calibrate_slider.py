@@ -54,6 +54,7 @@ RETIME_BELOW = 1.15
 # again too.
 IMPLAUSIBLE_ABOVE = 1.5
 EARLY_STOP_MIN_PROMPTS = 10  # a candidate far below the floor stops half-way only if half-way is this many prompts
+EARLY_STOP_BELOW = 0.2  # ... and far below is an agreement this much under the floor, at half-way
 
 
 def shipped_prompts(video: bool) -> list[list[dict]]:
@@ -124,10 +125,10 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
                      timing_tokens: int = 16, typical_answer: int = 64, budget_s: float | None = None,
                      progress: Callable[[str], None] = lambda line: None) -> Frontier:
     start = time.perf_counter()
-    # What the measurements depend on (the floor only decides which far-off candidates stop early and
-    # how the frontier is read, so a new floor reuses them). The weights' identity as well as the model's
-    # name (profiles.checkpoint_identity): retrained weights under the same name must not resume from the
-    # old weights' measurements.
+    # What the measurements depend on (the floor only decides which far-off candidates stop early and how the
+    # frontier is read, so a new floor reuses them, but for those it would not stop: below). The weights' identity
+    # as well as the model's name (profiles.checkpoint_identity): retrained weights under the same name must not
+    # resume from the old weights' measurements.
     settings = {"model": engine.model_id, "checkpoint": engine.checkpoint,
                 "answer_tokens": answer_tokens,
                 "timing_prompts": timing_prompts, "timing_tokens": timing_tokens, "typical_answer": typical_answer,
@@ -141,6 +142,10 @@ def calibrate_slider(engine, prompts: list[list[dict]], candidates: list[tuple[M
     if done is None:  # a new calibration: only now that its prompts are known to be usable
         done = _start_state(state_path, settings, progress)
 
+    # A candidate stopped half-way under a higher floor is measured again if this floor would not have stopped it
+    # (a rerun with --floor 0.4 reused the rejections of 0.75: they were never timed, and the lower floor could never
+    # pick them; an outside pass).
+    done = {name: point for name, point in done.items() if not _stopped_above(point, floor)}
     todo = [c for c in candidates if configuration_name(c) not in done]
     measured: list[Point] = [done[configuration_name(c)] for c in candidates if configuration_name(c) in done]
     if measured:
@@ -239,8 +244,8 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
         kl += float((reference.log_p.exp() * (reference.log_p - log_q)).sum().clamp(min=0.0))
         flops, base_flops = flops + result.metrics["prefill_flops"], base_flops + reference.flops
         kv, base_kv = kv + result.metrics["kv_bytes"], base_kv + reference.kv_bytes
-        # Far below the floor at half-way (more than 20 points): not worth the other half and the timing.
-        if counted == check_at and same / counted < floor - 0.2:
+        # Far below the floor at half-way (more than EARLY_STOP_BELOW): not worth the other half and the timing.
+        if counted == check_at and same / counted < floor - EARLY_STOP_BELOW:
             break
     common = dict(agreement=same / counted, flops_ratio=flops / base_flops, token_match=matches / counted,
                   first_token_kl=kl / counted, kv_ratio=kv / base_kv, prompts=counted)
@@ -265,6 +270,12 @@ def measure(engine, members, prompts, references, floor, answer_tokens, timing_p
         e2e_ratio, decode_speedup = 1.0 / saved, min(decode_speedup, saved)
     return Point(members, e2e_ratio=e2e_ratio, prefill_ratio=statistics.median(prefill),
                  decode_speedup=decode_speedup, **common)
+
+
+def _stopped_above(point: Point, floor: float) -> bool:
+    """Whether ``point`` was stopped half-way (not timed) by a floor higher than ``floor``: its half-way agreement
+    would not stop it under ``floor``."""
+    return point.e2e_ratio is None and point.agreement >= floor - EARLY_STOP_BELOW
 
 
 def _timed_ratios(engine, members, prompts, timing_tokens, typical_answer) -> list[tuple[float, float, float]]:

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,15 @@ def _warn_once(path: Path, message: str) -> None:
 def save_profile(model: str, profile: dict, policy: str = "hidivdrop", path: Path | None = None) -> Path:
     path = Path(path) if path else profile_path(model, policy)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(profile, indent=1))
-    tmp.replace(path)  # atomic: a reader never sees half a profile
+    # A name of its own beside it: ``path.with_suffix(".tmp")`` replaced a user's notes.tmp next to notes.json (an
+    # outside pass), and two writers would have shared it.
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(json.dumps(profile, indent=1))
+        os.chmod(tmp, 0o644)  # mkstemp's file is private; a profile in a shared cache is read by other users
+        os.replace(tmp, path)  # atomic: a reader never sees half a profile
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path

@@ -380,3 +380,26 @@ def test_random_qwen3_vl_checkpoint_is_a_qwen3_vl_that_glimpse_loads(tmp_path, m
         logits, _ = engine.prefill(prompt, pruning.NoPruning())
         expected = engine.model(**reference_inputs(engine, prompt)).logits[0, -1]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_a_benchmark_of_your_own_files_checks_them_before_building_the_model_and_never_writes_over_them(
+        tmp_path, media, capsys):
+    """Found from outside: a missing or corrupt --image was said after the model was built (29 s of a random 2B model,
+    minutes for a 7B one); --plot or --out naming the benchmark's own picture replaced it after the run; and
+    --video-tokens 500 beside --image measured no video without a word."""
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 20)
+    picture = tmp_path / "photo.png"
+    picture.write_bytes(media["image"].read_bytes())
+    absent = str(tmp_path / "no-model")  # never reached: each is refused first
+    for extra, said in ((["--image", str(tmp_path / "missing.png")], "missing.png"),
+                        (["--image", str(corrupt)], "corrupt.png"),
+                        (["--video", str(picture)], "photo.png"),
+                        (["--image", str(picture), "--plot", str(tmp_path / "." / "photo.png")],
+                         "is one of the benchmark's own inputs"),
+                        (["--image", str(picture), "--out", str(picture)], "--out"),
+                        (["--image", str(picture), "--video-tokens", "500"], "--video-tokens sizes the synthesized")):
+        assert main(["bench", "--model", absent, *extra]) == 1, extra
+        err = capsys.readouterr().err
+        assert said in err and "loading" not in err, (extra, err)
+    assert picture.read_bytes() == media["image"].read_bytes()

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import subprocess
+import signal
 import sys
 from pathlib import Path
 
@@ -394,7 +395,11 @@ def test_ctrl_c_while_the_command_loads_its_libraries_ends_with_one_line(monkeyp
 
     monkeypatch.delitem(sys.modules, "glimpse.cli", raising=False)
     monkeypatch.setattr(sys, "meta_path", [InterruptedImport(), *sys.meta_path])
-    assert launcher.main() == 130
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        assert launcher.main() == 130
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)  # the command's handler, put in by main(): not this test process's
     assert capsys.readouterr().err == "glimpse: interrupted\n"
 
 

@@ -49,3 +49,37 @@ def test_the_build_context_leaves_out_what_the_image_never_copies():
     copied = set(re.findall(r"^COPY (\S+) /src/", DOCKERFILE, flags=re.M))
     copied |= {name for line in re.findall(r"^COPY ([^\n]+) /src/$", DOCKERFILE, flags=re.M) for name in line.split()}
     assert copied and not copied & ignored, copied & ignored
+
+
+def test_the_health_check_asks_the_server_itself_whatever_proxy_the_container_is_given():
+    """The image's HEALTHCHECK command, run against a server standing in for /health: it passes when the server
+    answers 200 and fails on its 503 (a wedged scheduler), with http_proxy and HTTP_PROXY set to a proxy that does not
+    answer, as a host behind a proxy passes them in to reach the model hub. urllib sent 127.0.0.1 through them: the
+    container was unhealthy for ever, its server well (an outside pass)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    status = {"code": 200}
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(status["code"] if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    command = json.loads(re.search(r"^HEALTHCHECK [^\n]*\\\n\s+CMD (\[.*\])$", DOCKERFILE, flags=re.M).group(1))
+    assert command[0] == "python3" and "127.0.0.1:7860/health" in command[-1]
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    check = [sys.executable, *command[1:-1], command[-1].replace(":7860/", f":{server.server_port}/")]
+    proxies = {"http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}  # port 9: nothing listens
+    try:
+        for code, healthy in ((200, True), (503, False)):
+            status["code"] = code
+            done = subprocess.run(check, env={"PATH": "/usr/bin:/bin", **proxies}, capture_output=True, timeout=30)
+            assert (done.returncode == 0) == healthy, (code, done.stderr.decode()[-500:])
+    finally:
+        server.shutdown()

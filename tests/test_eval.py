@@ -252,3 +252,51 @@ def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_bef
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out)
     assert styled["questions"] == plain["questions"] and styled["styled"] == 1.0 and plain["styled"] == 0.0
+
+
+def test_options_of_another_task_are_refused_not_ignored(checkpoints, tmp_path, capsys):
+    """``glimpse eval agreement --samples 6`` was published as the command behind numbers --samples never changed,
+    and ``calibrate hidivdrop --floor 0.3`` took no floor (an outside pass): an option the task does not use is
+    refused, naming the tasks that use it, before any model loads."""
+    absent = str(tmp_path / "no-model")  # never reached
+    for argv, said in ((["eval", "agreement", "--samples", "6"], "--samples is an option of `glimpse eval passkey / "
+                                                                   "visual`, not of `glimpse eval agreement`"),
+                       (["eval", "passkey", "--new-tokens", "64"],
+                        "--new-tokens is an option of `glimpse eval agreement`"),
+                       (["eval", "visual", "--new-tokens", "4", "--lengths", "512"],
+                        "--new-tokens is an option of `glimpse eval agreement`; --lengths is an option of `glimpse "
+                        "eval passkey`, not of `glimpse eval visual`"),
+                       (["eval", "visual", "--lengths", "512"], "--lengths is an option of `glimpse eval passkey`"),
+                       (["eval", "agreement", "--param", "keep=0.5"], "--param is an option of"),
+                       (["calibrate", "hidivdrop", "--images", str(tmp_path), "--floor", "0.3", "--leave-out", "rlt"],
+                        "--leave-out, --floor are options of `glimpse calibrate slider`, not of `glimpse calibrate "
+                        "hidivdrop`"),
+                       (["calibrate", "slider", "--top-k", "5"],
+                        "--top-k is an option of `glimpse calibrate hidivdrop`"),
+                       (["calibrate", "slider", "--window=4"], "--window is an option of")):  # typed, if the default
+        assert main([*argv, "--model", absent]) == 1, argv
+        err = capsys.readouterr().err
+        assert said in err and "loading" not in err, (argv, err)
+
+
+def test_ctrl_c_keeps_the_rows_measured_by_then(checkpoints, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) an hour into an eval printed "interrupted" and nothing of what it had measured (an outside
+    pass): the report of the configurations finished by then is printed, said to be partial, exit status 130."""
+    from glimpse.pipeline.engine import Engine
+
+    generate, answers = Engine.generate, []
+
+    def interrupted_at_the_seventh_answer(self, *args, **kwargs):
+        answers.append(1)
+        if len(answers) == 7:  # warm-up 1, none 2, dash@0 2, dash@1: the first of its 2 -> Ctrl-C
+            raise KeyboardInterrupt
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", interrupted_at_the_seventh_answer)
+    code = main(["eval", "passkey", "--model", str(checkpoints["qwen2_vl"]), "--policies", "dash", "--speeds", "0,1",
+                 "--lengths", "128", "--samples", "2", "--json"])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert code == 130 and report["interrupted"] is True
+    assert [(r["policy"], r["speed"]) for r in report["rows"]] == [("none", 0.0), ("dash", 0.0)]
+    assert "interrupted: the 2 rows above" in captured.err

@@ -222,6 +222,36 @@ def test_calibrate_writes_a_profile_the_engine_then_uses(deep, media, tmp_path, 
     assert engine.configuration((Member.of("hidivdrop", 1.0, filter_layers=[2, 4]),)).policies[0].filter_layers == (2, 4)
 
 
+def test_calibrate_refuses_bad_settings_and_outputs_before_loading_and_spares_the_files_beside_its_profile(
+        deep, media, tmp_path, monkeypatch, capsys):
+    """Found from outside: --top-k 0 saved a profile of NaN whose empty layer list HiDivDrop read as "the paper's
+    layers", --window 0 one of 1.0 everywhere, --max-images -1 left out the last image, and an --out that is a folder
+    failed after the whole calibration. Each is refused before the model loads. Writing the profile replaced a user's
+    notes.tmp beside notes.json: it now goes through a temporary file of its own."""
+    images = tmp_path / "calibration"
+    images.mkdir()
+    from PIL import Image
+
+    for i, angle in enumerate((0, 90, 180)):
+        Image.open(media["image"]).rotate(angle).save(images / f"{i}.png")
+    absent = str(tmp_path / "no-model")  # never reached: each is refused first
+    for extra, said in ((["--top-k", "0"], "--window, --top-k and --max-images must be at least 1"),
+                        (["--window", "0"], "at least 1"), (["--top-k", "-3"], "at least 1"),
+                        (["--max-images", "-1"], "at least 1"), (["--max-images", "0"], "at least 1"),
+                        (["--out", str(images)], "is a folder")):
+        assert glimpse(["calibrate", "hidivdrop", "--model", absent, "--images", str(images), *extra]) == 1, extra
+        err = capsys.readouterr().err
+        assert said in err and "loading" not in err, (extra, err)
+    notes = tmp_path / "notes.tmp"
+    notes.write_text("mine")
+    assert glimpse(["calibrate", "hidivdrop", "--model", str(deep["llava"]), "--images", str(images), "--window", "1",
+                    "--max-images", "2", "--out", str(tmp_path / "notes.json")]) == 0
+    profile = json.loads(capsys.readouterr().out)
+    assert profile["images"] == 2 and json.loads((tmp_path / "notes.json").read_text()) == profile
+    assert notes.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "calibration", "notes.json", "notes.tmp"]  # no temporary file left either
+
+
 def test_speed_zero_is_exact_and_no_pruning_is_unchanged(deep, media):
     engine = load_engine(str(deep["llava"]), device="cpu")
     messages = _messages(media)

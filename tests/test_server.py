@@ -440,7 +440,8 @@ def test_large_bodies_arriving_together_wait_for_room_and_small_ones_never_do(mo
     from glimpse import connections
 
     monkeypatch.setattr(connections, "MAX_BODIES_BYTES", 768 * 2**10)
-    monkeypatch.setattr(connections, "MAX_BODY_BYTES", 512 * 2**10)  # the room a body without a Content-Length takes
+    # the room a body without a Content-Length takes (these paths are not the API's: the chat's cap)
+    monkeypatch.setattr(connections, "MAX_CHAT_BODY_BYTES", 512 * 2**10)
     monkeypatch.setattr(connections, "SMALL_BODY_BYTES", 64 * 2**10)
     release, seen, refusals = threading.Event(), {}, []
 
@@ -632,7 +633,7 @@ def test_the_chats_routes_have_the_apis_body_limits(server, media, monkeypatch):
 
     from glimpse import connections
 
-    monkeypatch.setattr(connections, "MAX_BODY_BYTES", 64 * 2**10)
+    monkeypatch.setattr(connections, "MAX_CHAT_BODY_BYTES", 64 * 2**10)
     monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 0.5)
     url, big = server["url"], {"data": [{"text": "word " * 20_000, "files": []}, "auto", 0.0, 4, "", False]}
     as_json = {"Content-Type": "application/json"}
@@ -655,6 +656,22 @@ def test_the_chats_routes_have_the_apis_body_limits(server, media, monkeypatch):
     question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
     answer, _, _ = client.predict(question, "none", 0.0, 4, "", False, api_name="/chat")
     assert answer and "⚠️" not in answer
+
+
+def test_the_chats_routes_take_a_conversation_not_the_apis_64_mib(server):
+    """Gradio keeps each browser session's last request in memory, for up to a thousand sessions: 20 MB questions sent
+    under made-up sessions held 20 MiB each for good (an outside pass). The chat's routes take 2 MiB (some 500,000
+    tokens of text: its files come by upload); the API still takes its 64 MiB of data URLs."""
+    from glimpse import connections
+
+    assert connections.MAX_CHAT_BODY_BYTES == 2 * 2**20 < connections.MAX_BODY_BYTES
+    url, text = server["url"], "word " * (3 * 2**20 // 5)  # 3 MiB
+    for route in ("/gradio_api/queue/join", "/gradio_api/run/predict", "/gradio_api/call/chat"):
+        reply = httpx.post(url + route, json={"data": [{"text": text, "files": []}, "auto", 0.0, 4, "", False],
+                                              "fn_index": 0, "session_hash": "made-up"}, timeout=60)
+        assert reply.status_code == 413 and "larger than 2 MiB" in reply.json()["error"]["message"], route
+    api = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]}, timeout=120)
+    assert api.status_code == 400 and "context" in api.json()["error"]["message"]  # read, and refused for its length
 
 
 def test_a_developer_message_is_the_system_message(server):
@@ -1554,6 +1571,46 @@ def test_the_chats_routes_never_copy_a_file_named_by_path_into_the_uploads(serve
     assert Image.open(done[-1]).size == Image.open(keep_map).size  # the keep map, as a file
 
 
+def test_no_route_taking_the_chats_history_builds_a_component_from_a_client_named_path(server, tmp_path):
+    """Gradio's Chatbot builds a component message's component (a ``gr.File``, ``gr.Image`` ...) from the value a
+    client sends, and building it copies the file it names into the upload folder: any file under the server's working
+    folder or /tmp, by any route that takes the chat's history (Undo, Retry, Stop, the history's sync), and a FIFO
+    blocked a worker thread for good (an outside pass). Every such route refuses a component, opening nothing; the
+    server goes on answering."""
+    from gradio.utils import get_upload_folder
+
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not for clients")
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    url = server["url"]
+    config = httpx.get(url + "/config", timeout=30).json()
+    chatbot = next(c["id"] for c in config["components"] if c["type"] == "chatbot")
+    routes = [i for i, d in enumerate(config["dependencies"]) if chatbot in d["inputs"] and not d["queue"]]
+    assert len(routes) >= 5  # Undo, Retry, edits, the history's sync ...
+    uploads = Path(get_upload_folder())
+    before = set(uploads.rglob("*")) if uploads.exists() else set()
+    try:
+        for route in routes:
+            for path in (secret, fifo):
+                for component in ("file", "image"):
+                    part = {"type": "component", "component": component, "value": {"path": str(path)},
+                            "constructor_args": {}, "props": {}}
+                    history = [{"role": "user", "content": [part]},
+                               {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]
+                    inputs = [None] * (len(config["dependencies"][route]["inputs"]) - 1) + [history]
+                    refused = httpx.post(url + "/gradio_api/run/predict", timeout=15, json={
+                        "data": inputs, "fn_index": route, "session_hash": "hostile", "trigger_id": None})
+                    assert "holds only text and files" in refused.text, (route, refused.text[:300])
+    finally:
+        with open(os.open(fifo, os.O_RDWR | os.O_NONBLOCK), "wb") as unblock:  # whatever the old code left waiting
+            unblock.write(b"x")
+    assert not [p for p in set(uploads.rglob("*")) - before if p.name in ("secret.txt", "pipe.png")]
+    answer = httpx.post(url + "/v1/chat/completions", timeout=60,
+                        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+
+
 def test_the_chat_fetches_no_url_named_as_a_file_and_its_file_routes_relay_none(server, media, monkeypatch):
     """Gradio downloads a file part whose path is an http(s) URL into the upload folder before the chat sees it
     (with none of the API's limits on media URLs: size, deadline, addresses), where the copy passed the chat's check
@@ -1944,6 +2001,8 @@ def test_chat_settings_are_checked_and_a_bad_value_is_a_message_not_a_crash(serv
         assert answer.startswith("⚠️") and word in answer and "internal error" not in answer, (overrides, answer)
     with pytest.raises(Exception, match="maximum value 12"):  # the server's --max-new-tokens bounds the control
         client.predict(question, "none", 0.0, 13, "", False, api_name="/chat")
+    answer, _, _ = client.predict(question, "none", 0.0, True, "", False, api_name="/chat")  # JSON's true: not 1
+    assert answer.startswith("⚠️") and "max answer tokens must be a whole number" in answer, answer
 
 
 def test_stop_strings_end_the_answer_before_them_streamed_or_not(server, media):
@@ -2347,7 +2406,9 @@ def test_the_compare_boxs_unpruned_run_ends_on_stop_and_a_busy_server_leaves_the
     call: Stop could not end it (a second user's two-token question waited 36 s behind it, an outside pass found),
     and a full queue at that moment showed the finished answer as "broke off: internal error ... QueueFull", its
     metrics gone. It is now the session's request as the answer is: Stop ends it; and one that cannot run leaves
-    the answer and its metrics as they are, saying why there is no comparison."""
+    the answer and its metrics as they are, saying why there is no comparison. The answer is whole, with its notes
+    and metrics, before the comparison starts: Stop during it leaves them (it said "no metrics for this answer" and
+    lost the answer's "cut at" note, an outside pass found)."""
     import gradio as gr
 
     from glimpse.pipeline.scheduler import Scheduler
@@ -2373,16 +2434,22 @@ def test_the_compare_boxs_unpruned_run_ends_on_stop_and_a_busy_server_leaves_the
             turn = demo.chat_interface.fn({"text": "Tell me a story.", "files": []}, [], "fastv", 1.0, 600, "", True,
                                           request)
             for answer, metrics, _ in turn:
-                if metrics == running_unpruned:  # the answer is whole; its unpruned run is submitted next
+                if str(metrics).endswith(running_unpruned):  # the answer is whole; its unpruned run is submitted next
+                    assert "cut at 600 tokens" in answer and "| answer tokens | 600 |" in metrics
                     return request, turn, answer
             raise AssertionError("the unpruned run was never started")
 
         request, turn, answer = answered_until_compared("tab-compare-stop")
         next(turn)  # the unpruned run is under way
-        stop = threading.Thread(target=handler["mark_stopped"], args=([], request))
+        page = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": answer}]
+        stopped = []
+        stop = threading.Thread(target=lambda: stopped.append(handler["mark_stopped"](page, request)))
         stop.start()
         *_, (final, metrics, _) = list(turn)
         stop.join()
+        chat, panel = stopped[0]
+        assert chat == gr.skip()  # the answer was not stopped: it stays as it is, unmarked
+        assert "| answer tokens | 600 |" in panel and "not compared with the unpruned answer: it was stopped" in panel
         assert final.startswith(answer) and "broke off" not in final and "| answer tokens | 600 |" in metrics
         assert "not compared with the unpruned answer: it was cancelled" in metrics and "unpruned |" not in metrics
 

@@ -136,6 +136,47 @@ def test_sigterm_refuses_new_requests_turns_the_waiting_away_and_lets_the_answer
         httpx.get(url + "/health", timeout=5)
 
 
+@pytest.mark.parametrize("as_pid_1", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not _pid_namespace_works(), reason="cannot make a PID namespace here (unshare --pid needs root)"))],
+    ids=["process", "process-1-as-in-a-container"])
+def test_sigterm_before_the_server_serves_stops_the_command_as_ctrl_c_does(tmp_path, as_pid_1):
+    """SIGTERM while the model loads (here the embedded model converted into an empty cache: some twenty seconds):
+    the command stops at once, as on Ctrl-C, with exit status 143 (128 + SIGTERM), and no model is left as if built. It
+    had no handler until it served: a process was killed without a word, and process 1 of a container ignored it,
+    loaded the model and served (``docker stop`` killed it 10 s later; an outside pass)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "glimpse", "serve", "--port", str(port)]  # the entry point users run
+    if as_pid_1:
+        command = ["unshare", "--pid", "--fork", *command]
+    cache = tmp_path / "cache"
+    env = {**os.environ, "GLIMPSE_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    pid = process.pid
+    try:
+        said = []
+        for line in process.stderr:  # until the conversion has begun
+            said.append(line)
+            if line.startswith("Converting the embedded model"):
+                break
+        assert said and said[-1].startswith("Converting"), "".join(said)[-2000:]
+        if as_pid_1:
+            pid = int(Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()[0])
+        os.kill(pid, signal.SIGTERM)
+        returncode, stderr = _stopped(process, 30)
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # the server itself: killing unshare would leave it running
+            process.kill()
+    assert returncode == 143 and stderr.rstrip().endswith("glimpse: terminated"), stderr[-2000:]
+    assert "serving on" not in stderr and "Traceback" not in stderr
+    # No model taken for whole (a half-built one is a hidden folder, which the next conversion deletes).
+    assert [p.name for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")] == []
+
+
 def test_sigterm_past_the_grace_period_ends_the_answer_with_an_error_after_what_it_said(embedded_cache):
     with _serving(embedded_cache, "--shutdown-grace", "0") as (process, pid, url):
         alone = httpx.post(url + "/v1/chat/completions", json=_body(False), timeout=120).json()

@@ -193,6 +193,31 @@ def test_an_interrupted_calibration_resumes_without_measuring_again(engine, medi
     assert not any(line.startswith("resuming") for line in lines)
 
 
+def test_a_lower_floor_measures_again_the_candidates_a_higher_floor_stopped_half_way(engine, media, tmp_path,
+                                                                                    monkeypatch):
+    """A candidate far below the floor stops half-way, untimed, and a rerun reuses what was measured. A rerun with a
+    lower floor reused those rejections too (an outside pass): never timed, the lower floor could never pick them. It
+    measures again the ones it would not have stopped, and only those."""
+    from glimpse.pipeline import calibrate_slider as module
+
+    prompts = folder_prompts(str(media["image"].parent), None, None, video=True)
+    measured = []
+
+    def agreeing_45_percent(engine, members, prompts, references, floor, *args):  # as measure() would, by its floor
+        measured.append(floor)
+        if 0.45 < floor - module.EARLY_STOP_BELOW:
+            return Point(members, agreement=0.45, flops_ratio=0.5, prompts=10)  # stopped half-way: no e2e_ratio
+        return Point(members, agreement=0.45, flops_ratio=0.5, e2e_ratio=0.7, prompts=20)
+
+    monkeypatch.setattr(module, "measure", agreeing_45_percent)
+    state, candidate = tmp_path / "state.jsonl", [(Member.of("fastv", 0.5),)]
+    for floor in (0.75, 0.75, 0.7, 0.6, 0.6, 0.75):
+        frontier = calibrate_slider(engine, prompts, candidate, state_path=state, floor=floor, answer_tokens=4,
+                                    timing_prompts=1, timing_tokens=3)
+    assert measured == [0.75, 0.6]  # 0.7 would have stopped it too (0.45 < 0.5); once timed, it is kept
+    assert frontier.measured[0].e2e_ratio == 0.7
+
+
 def test_measurements_are_never_lost_and_a_resume_does_not_answer_the_prompts_unpruned_again(engine, media,
                                                                                               tmp_path):
     """Found from outside: two reruns with other settings moved the first's state aside under one name, the second
