@@ -439,6 +439,8 @@ def run_ask(args) -> int:
         sys.stdout.flush()
         result = chunk.result or result
     sys.stdout.write("\n")
+    for warning in result.warnings:  # e.g. a damaged video: the answer is about the frames that decoded
+        _log(f"warning: {warning}")
     m = result.metrics
     flops_cut = m["prefill_flops_baseline"] / m["prefill_flops"]
     _log(f"[{result.policy} speed={args.speed}: {result.summary}] TTFT {m['ttft_s']:.2f}s, "

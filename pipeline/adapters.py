@@ -615,7 +615,14 @@ class LlavaNextAdapter(LlavaAdapter):
     def encode(self, media, kind):
         vm = self.model.model
         items = [m for m in media if m.kind == IMAGE]
-        pixels = _joined([m.tensors["pixel_values"] for m in items], vm.vision_tower.device, vm.vision_tower.dtype)
+        # Each picture is processed alone, so their tile counts follow their shapes (a landscape photo 5 tiles, a square
+        # one 3): padded with zeros to the most, as LLaVA-NeXT's processor pads a batch; the model reads each picture's
+        # own tiles only, by ``image_sizes``. Joined as they were, two such pictures failed (an outside pass).
+        tiles = [m.tensors["pixel_values"] for m in items]
+        most = max(t.shape[1] for t in tiles)
+        tiles = [torch.nn.functional.pad(t, (0, 0, 0, 0, 0, 0, 0, most - t.shape[1])) if t.shape[1] < most else t
+                 for t in tiles]
+        pixels = _joined(tiles, vm.vision_tower.device, vm.vision_tower.dtype)
         sizes = _joined([m.tensors["image_sizes"] for m in items], vm.vision_tower.device)
         out = vm.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True, **self._feature_kwargs())
         return _joined(out.pooler_output)

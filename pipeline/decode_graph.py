@@ -134,10 +134,12 @@ class SlotStep:
         device = engine.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                logits = self.forward(engine, groups)
-        torch.cuda.current_stream(device).wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    logits = self.forward(engine, groups)
+        finally:  # a warm-up that failed (out of memory) is undone and run again on the main stream: after this one
+            torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the vision worker may use the GPU from its own thread meanwhile.

@@ -1141,8 +1141,12 @@ class VisionJob:
         self.modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         if parallel:
             worker, side = engine.vision_worker()
+            # What the main stream has queued for this prompt (``encoded``, made just before) comes first on the side
+            # stream: without the wait, its copy to the host could run before the kernels that fill it.
+            self.ready = torch.cuda.current_stream(engine.device).record_event() if side is not None else None
             self.running = worker.submit(self._run, side)
         else:
+            self.ready = None
             self._run(None)
 
     def wait(self) -> None:
@@ -1159,6 +1163,8 @@ class VisionJob:
             blocks = self.engine.adapter.vision_blocks()
             with (torch.inference_mode(inference), torch.set_grad_enabled(grad), stream,
                   _stop_between(blocks, self.interrupted)):
+                if self.ready is not None:
+                    side_stream.wait_event(self.ready)
                 self.features = self.engine.encode_media(self.prompt, self.caches, self.encoded)
                 if side_stream is not None:
                     side_stream.synchronize()

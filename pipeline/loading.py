@@ -94,10 +94,13 @@ def resolve_device(device: str = "auto") -> torch.device:
     return resolved
 
 
-def resolve_attn(attn: str, device: torch.device) -> str:
-    """'auto': flash_attention_2 when installed on CUDA, else sdpa."""
+def resolve_attn(attn: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """'auto': flash_attention_2 when installed on CUDA and the weights are half precision, else sdpa. (flash-attention
+    computes in half precision only: given float32 weights, transformers casts its inputs down with a warning, and
+    the float32 the user asked for was not float32; an outside reading.)"""
     if attn == "auto":
-        if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        half = dtype in (torch.float16, torch.bfloat16)
+        if device.type == "cuda" and half and importlib.util.find_spec("flash_attn") is not None:
             return "flash_attention_2"
         return "sdpa"
     if attn not in ("sdpa", "eager", "flash_attention_2"):
@@ -125,8 +128,8 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
 
     source, grounded, config = _checkpoint(model)
     torch_device = resolve_device(device)
-    attn_implementation = resolve_attn(attn, torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    attn_implementation = resolve_attn(attn, torch_device, torch_dtype)
     adapter = _adapter(model, source, config, lambda cls: cls.from_pretrained(
         source, dtype=torch_dtype, attn_implementation=attn_implementation).to(torch_device).eval())
     if torch_device.type == "cpu":

@@ -354,6 +354,11 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
 
     placeholder = {IMAGE: adapter.image_token_id, VIDEO: adapter.video_token_id}
     queues = {k: [m for m in media if m.kind == k] for k in (IMAGE, VIDEO)}
+    # The items in the order their placeholders come in the text, which ``Prompt.media_rows`` reads them in: a
+    # template may write them in another order than the messages give them (LLaVA-NeXT-Video's own writes every
+    # image before any video), and a video's rows were then taken as an image's (an outside pass: the prefix cache
+    # served another picture's keys, and RLT dropped an image's tokens as a still video's).
+    ordered = []
     expanded, modality = [], []
     written: dict = {}  # tokens of the current item seen so far, for modalities written out in text
     for token in ids:
@@ -367,12 +372,15 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
         if kind in adapter.expands_in_text:  # written out already: one token per feature
             expanded.append(token)
             modality.append(kind)
+            if not written.get(kind):
+                ordered.append(queues[kind][0])
             written[kind] = written.get(kind, 0) + 1
             if written[kind] == queues[kind][0].num_tokens:
                 queues[kind].pop(0)
                 written[kind] = 0
             continue
         item = queues[kind].pop(0)
+        ordered.append(item)
         expanded += [token] * item.num_tokens
         modality += [kind] * item.num_tokens
     leftover = sum(len(q) for q in queues.values())
@@ -382,4 +390,4 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
     if max_length is not None and len(expanded) >= max_length:
         raise ContextOverflow(f"the prompt is {len(expanded):,} tokens, over this model's context length of "
                               f"{max_length:,}; use a shorter text, fewer or smaller images, or fewer video frames")
-    return Prompt(torch.tensor(expanded, dtype=torch.long), torch.tensor(modality, dtype=torch.long), media, text)
+    return Prompt(torch.tensor(expanded, dtype=torch.long), torch.tensor(modality, dtype=torch.long), ordered, text)

@@ -189,6 +189,11 @@ def test_ask_json_says_when_a_damaged_video_was_answered_from_the_frames_that_de
     warnings = json.loads(proc.stdout)["warnings"]
     assert len(warnings) == 1 and warnings[0].startswith("damaged.mp4: only ")
     assert "of the 30 frames it declares could be decoded" in warnings[0] and str(tmp_path) not in warnings[0]
+    # ... and so does the answer in words, once, after it (it said nothing there: an outside pass)
+    proc = glimpse_here("ask", "--model", str(checkpoints["qwen2_vl"]), "--video", str(path), "--max-new-tokens", "2",
+                        "What happens?")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(f"warning: {warnings[0]}") == 1, proc.stderr
 
 
 def test_ask_video_on_an_image_only_model(checkpoints, media):

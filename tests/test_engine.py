@@ -18,7 +18,7 @@ from conftest import ARCHS, VIDEO_ARCHS
 from host_waits import HostWaits
 from glimpse import vision
 from glimpse.pipeline import PromptError, load_engine
-from glimpse.pipeline.adapters import TEXT
+from glimpse.pipeline.adapters import IMAGE, TEXT, VIDEO
 from glimpse.pipeline.random_checkpoint import photo_like
 from glimpse.pruning import NoPruning, Policy
 from tiny_models import masked_reference, reference_inputs
@@ -1141,6 +1141,83 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
                 difference = (got - expected).abs() / (expected.max() - expected.min())
                 assert float(difference.mean()) < 0.002 and float(difference.max()) < 0.08, form
     assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == fit.size_for(*size)
+
+
+IMAGES_FIRST_TEMPLATE = (  # LLaVA-NeXT-Video's own, as transformers' conversions ship it: a message's images, then videos
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def test_a_template_that_writes_the_media_in_another_order_gets_each_items_rows(checkpoints, media, tmp_path):
+    """A chat template may write a message's media in another order than the message gives them (LLaVA-NeXT-Video's
+    own writes every image first). The items were kept in the message's order and took their rows in turn, so a video
+    asked about first took the image's rows: the prefix cache then served one picture's keys for another's (a wrong
+    answer with no pruning) and RLT dropped an image's tokens as a still video's (an outside pass). Each item now has
+    its own rows, and the answer is transformers' own, cached or not."""
+    from PIL import Image
+
+    engine = load_engine(str(checkpoints["longva"]), device="cpu")
+    engine.chat_template = IMAGES_FIRST_TEMPLATE
+    for name, colour in (("red.png", (220, 20, 20)), ("blue.png", (20, 20, 220))):
+        Image.new("RGB", (64, 48), colour).save(tmp_path / name)
+
+    def asked(picture):
+        return [{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                             {"type": "image", "image": str(tmp_path / picture)},
+                                             {"type": "text", "text": "What is there?"}]}]
+
+    prompt = engine.prepare(asked("red.png"))
+    assert [item.kind for item in prompt.media] == [IMAGE, VIDEO]  # as the template wrote them
+    for item, rows in prompt.media_rows():
+        assert set(prompt.modality[rows].tolist()) == {int(item.kind)}
+    inputs = reference_inputs(engine, prompt)
+    with torch.inference_mode():
+        expected = engine.model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    if expected[-1] in engine.eos_token_ids:
+        expected = expected[:-1]
+    assert engine.generate(asked("red.png"), policy="none", max_new_tokens=6).token_ids == expected
+    alone = engine.generate(asked("blue.png"), policy="none", max_new_tokens=6).token_ids
+    engine.prefix_cache.max_bytes = 64 * 2**20
+    try:
+        engine.generate(asked("red.png"), policy="none", max_new_tokens=6)
+        assert engine.generate(asked("blue.png"), policy="none", max_new_tokens=6).token_ids == alone
+    finally:
+        engine.prefix_cache.max_bytes = 0
+
+
+@pytest.mark.parametrize("arch", ["llava_next", "longva"])
+def test_two_pictures_of_different_shapes_answer_as_transformers_answers_them_batched_by_its_processor(
+        checkpoints, tmp_path, arch):
+    """LLaVA-NeXT's anyres tiles each picture by its shape (here 3 for a wide one, 5 for a square), and each
+    is processed alone: joined as they were, two such pictures failed to concatenate (an outside pass; every test had
+    pictures of one shape). Padded as the processor pads a batch, the answer is transformers' own, token for token,
+    given the processor's batch of both."""
+    from PIL import Image
+
+    engine = load_engine(str(checkpoints[arch]), device="cpu")
+    paths = []
+    for name, size, colour in (("wide.png", (224, 56), (200, 30, 30)), ("square.png", (112, 112), (30, 30, 200))):
+        Image.new("RGB", size, colour).save(tmp_path / name)
+        paths.append(tmp_path / name)
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(p)} for p in paths]
+                 + [{"type": "text", "text": "Compare them."}]}]
+    prompt = engine.prepare(messages)
+    tiles = [m.tensors["pixel_values"].shape[1] for m in prompt.media]
+    assert tiles[0] != tiles[1], tiles  # the case: tilings of different sizes
+    batch = engine.adapter.image_processor(images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt")
+    ids = prompt.input_ids[None]
+    with torch.inference_mode():
+        expected = engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                         pixel_values=batch["pixel_values"], image_sizes=batch["image_sizes"],
+                                         max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+    got = engine.generate(messages, policy="none", max_new_tokens=6).token_ids
+    if expected[-1] in engine.eos_token_ids:
+        expected = expected[:-1]
+    assert got == expected
+    assert engine.generate(messages, policy="dash", speed=1.0, max_new_tokens=6).token_ids  # pruned, it answers too
 
 
 @pytest.mark.parametrize("arch", ["llava_next", "longva"])

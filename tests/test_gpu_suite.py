@@ -82,6 +82,13 @@ def test_the_gpu_suite_runs_every_section_at_tiny_shapes_and_reports_them(tmp_pa
     # Issue 27's goals at the top, each judged from the numbers below it.
     goals = markdown.split("### issue 27's goals, from this run")[1].split("###")[0]
     assert "first-step logits within tolerance: **met**" in goals  # float32 on a CPU: identical, as asserted above
+    # ... and each of the section's other checks on a line of its own (the line above was its only verdict)
+    for check in ("the decode steps as a CUDA graph: the same float32 tokens: **met**",
+                  "patches normalized on the device = on the host: **met** (4/4)",
+                  "a prefill stopped in the vision worker leaves the engine as it was: **met** (6/6)",
+                  "undone and run again in parts, answers as before: **met** (4/4)",
+                  "the same float32 tokens as dequantized first: not measured"):  # no CUDA, no Triton interpreter
+        assert check in goals, (check, goals)
     st3 = next(r for r in sections["decode"]["rows"] if r["batch"] == 2 and r["decoder"] == "st3")
     assert f"batch 2: **{'met' if st3['kv_vs_baseline'] <= 0.3 else 'not met'}** ({st3['kv_vs_baseline']:.2f})" in goals
     auto = next(r for r in sections["policies"]["rows"] if r["policy"] == "auto" and r["prompt"] == "video 495")

@@ -787,7 +787,8 @@ def test_sample_video_qwen_picks_qwen_frames(clip):
 
 def test_sample_video_qwen_rejects_a_single_frame_video(tmp_path):
     path = _write_video(tmp_path / "still.mp4", frames=1)  # Qwen2-VL needs a pair of frames
-    with pytest.raises(vision.MediaError, match=r"^still\.mp4: the video is too short to sample \(1 frames"):
+    with pytest.raises(vision.MediaError, match=r"^still\.mp4: the video is too short to sample \(1 frame: this "
+                                                 r"model reads a video's frames in pairs; send a still as an image\)"):
         vision.sample_video_qwen(path)
 
 

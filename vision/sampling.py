@@ -245,6 +245,9 @@ def sample_video_qwen(
     name = Path(path).name
 
     def pick_indices(total_frames: int, video_fps: float) -> list[int]:
+        if total_frames < FRAME_FACTOR:  # (qwen-vl-utils said "nframes should be in the interval [2, 1], but got 0")
+            raise MediaError(f"{name}: the video is too short to sample ({total_frames} frame: this model reads a "
+                             f"video's frames in pairs; send a still as an image)")
         try:
             count = smart_nframes(total_frames, video_fps, fps, nframes, min_frames, max_frames)
         except ValueError as error:
