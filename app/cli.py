@@ -34,7 +34,7 @@ from pathlib import Path
 
 from glimpse.common import UserError
 from glimpse.common.jsonable import finite
-from glimpse.launcher import Terminated, stop_on_sigterm
+from glimpse.launcher import stop_on_sigterm, stopped
 from glimpse.pipeline.prompt import check_text, check_text_length, user_message
 from glimpse.pipeline.random_checkpoint import REAL_PRESETS
 from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
@@ -124,16 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "video (--random-model picks another size, or LLaVA-1.5-7B). Progress goes to stderr.")
     # Options of one mode given to the other are refused, not ignored: `glimpse bench --clients 8` would
     # otherwise measure policies and say nothing of the clients asked for.
-    policies_only: dict[str, tuple[str, object]] = {}  # dest: (flag, default)
-    serve_only: dict[str, tuple[str, object]] = {}
-
-    def recorded_in(mode_options: dict):
-        def add(group, *flags, **options):
-            action = group.add_argument(*flags, **options)
-            mode_options[action.dest] = (flags[0], action.default)
-        return add
-
-    policies_option, serve_option = recorded_in(policies_only), recorded_in(serve_only)
+    bench_tasks: dict = {}
+    policies_option, serve_option = _task_option(bench_tasks, ("policies",)), _task_option(bench_tasks, ("serve",))
 
     bench.add_argument("target", nargs="?", choices=["policies", "serve"], default="policies",
                        help="policies (default): each policy against the unpruned baseline; serve: a server under "
@@ -198,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_option(served, "--encoder-cache-mb", type=int, default=None,
                  help="of the server started here (default: serve's, 256; the image workload asks about one "
                  "picture, so with the cache on the encoder runs once)")
-    bench.set_defaults(run=run_bench, policies_only=policies_only, serve_only=serve_only)
+    bench.set_defaults(run=run_bench, task_options=bench_tasks)
 
     calibrate = commands.add_parser(
         "calibrate", help="calibrate one model: the slider's speed/quality frontier, or HiDivDrop's ILVAS layers",
@@ -207,32 +199,34 @@ def build_parser() -> argparse.ArgumentParser:
                     "Pareto frontier that `auto` reads; interrupt and rerun to resume. hidivdrop: pick HiDivDrop's "
                     "filtering layers by the paper's ILVAS curve.")
     calibrate.add_argument("policy", choices=["slider", "hidivdrop"])
-    calibrate_option = _task_option_recorder(calibrate, calibrate_tasks := {})
+    calibrate_tasks: dict = {}
+    slider_option, hidivdrop_option = (_task_option(calibrate_tasks, ("slider",)),
+                                       _task_option(calibrate_tasks, ("hidivdrop",)))
     calibrate.add_argument("--model", default="embedded", help="hub id or local checkpoint folder (default: the "
                            "embedded model, as for ask)")
     calibrate.add_argument("--images", metavar="DIR",
                            help="a folder of calibration images (hidivdrop: required; slider: default the set that "
                                 "ships with Glimpse)")
-    calibrate_option(("slider",), "--videos", metavar="DIR", help="slider: a folder of calibration videos")
-    calibrate_option(("slider",), "--prompts", metavar="FILE",
-                     help="slider: questions, one per line, asked of the images/videos in turn "
-                          "(default: a one-sentence description)")
-    calibrate_option(("slider",), "--budget-minutes", type=float, default=None,
-                     help="slider: start no new candidate after this long; the frontier of what was measured "
-                          "is stored, rerun to measure the rest")
-    calibrate_option(("slider",), "--leave-out", default=None, metavar="POLICY[,POLICY]",
-                     help="slider: measure no candidate that runs one of these policies (alone or composed), "
-                          "for a kind of prompt the calibration set holds too few of to judge (the embedded "
-                          "model's shipped frontier leaves out rlt: docs/slider.md says why)")
-    calibrate_option(("slider",), "--floor", type=float, default=None,
-                     help="slider: the answer agreement speed 1 may fall to, less one standard error (default 0.75)")
+    slider_option(calibrate, "--videos", metavar="DIR", help="slider: a folder of calibration videos")
+    slider_option(calibrate, "--prompts", metavar="FILE",
+                  help="slider: questions, one per line, asked of the images/videos in turn "
+                       "(default: a one-sentence description)")
+    slider_option(calibrate, "--budget-minutes", type=float, default=None,
+                  help="slider: start no new candidate after this long; the frontier of what was measured "
+                       "is stored, rerun to measure the rest")
+    slider_option(calibrate, "--leave-out", default=None, metavar="POLICY[,POLICY]",
+                  help="slider: measure no candidate that runs one of these policies (alone or composed), "
+                       "for a kind of prompt the calibration set holds too few of to judge (the embedded "
+                       "model's shipped frontier leaves out rlt: docs/slider.md says why)")
+    slider_option(calibrate, "--floor", type=float, default=None,
+                  help="slider: the answer agreement speed 1 may fall to, less one standard error (default 0.75)")
     calibrate.add_argument("--max-images", type=int, default=None,
                            help="use at most this many images/prompts (hidivdrop default 32, slider: all)")
-    calibrate_option(("hidivdrop",), "--window", type=int, default=4,
+    hidivdrop_option(calibrate, "--window", type=int, default=4,
                      help="hidivdrop: ILVAS layer distance n (default 4)")
-    calibrate_option(("hidivdrop",), "--top-k", type=int, default=20,
+    hidivdrop_option(calibrate, "--top-k", type=int, default=20,
                      help="hidivdrop: ILVAS top-K vision tokens (default 20)")
-    calibrate_option(("hidivdrop",), "--question", default="Describe the image in detail.",
+    hidivdrop_option(calibrate, "--question", default="Describe the image in detail.",
                      help="hidivdrop: the question")
     calibrate.add_argument("--out", metavar="FILE", help="write the profile here instead of the Glimpse cache")
     _add_device_options(calibrate)
@@ -245,36 +239,38 @@ def build_parser() -> argparse.ArgumentParser:
                     "pass-key retrieval accuracy with the embedded model's SmolLM2-135M (text). visual: accuracy on the "
                     "held-out split of the generated shapes-and-clips task set the embedded model was trained on.")
     evaluate.add_argument("task", choices=["agreement", "passkey", "visual"])
-    eval_option = _task_option_recorder(evaluate, eval_tasks := {})
+    eval_tasks: dict = {}
+    agreement_option, passkey_option, visual_option, passkey_or_visual_option = (
+        _task_option(eval_tasks, tasks) for tasks in (("agreement",), ("passkey",), ("visual",), ("passkey", "visual")))
     evaluate.add_argument("--model", default="embedded", help="as for ask")
     evaluate.add_argument("--policies", default=None,
                           help=f"comma-separated (default: every policy for agreement and visual; {','.join(TEXT_PRUNING_NAMES)} for "
                                "passkey, FastV in its text adaptation)")
     evaluate.add_argument("--speeds", default="0.25,0.5,0.75,1",
                           help="comma-separated speeds in [0, 1] (default: 0.25,0.5,0.75,1)")
-    eval_option(("agreement",), "--new-tokens", type=int, default=32, help="agreement: answer length compared")
-    eval_option(("agreement",), "--image-tokens", type=int, default=256, help="agreement: synthesized image size")
-    eval_option(("agreement",), "--video-tokens", type=int, default=512, help="agreement: synthesized video size")
-    eval_option(("passkey",), "--lengths", default="512,1024,2048", help="passkey: prompt lengths in tokens")
-    eval_option(("passkey", "visual"), "--samples", type=int, default=10,
-                help="passkey: keys per length; visual: questions per category")
-    eval_option(("passkey", "visual"), "--seed", type=int, default=None,
-                help="passkey: key draw (default 0); visual: held-out split (default 1; 0 is the "
-                     "training seed and is refused)")
-    eval_option(("visual",), "--categories", default=None,
-                help="visual: comma-separated question categories (default: every image category, and every "
-                     "clip category when the model takes video), e.g. colour,shape,count,position")
-    eval_option(("visual",), "--styled", type=float, default=0.0, metavar="SHARE",
-                help="visual: the share of questions asked about scenes and clips given a look of other "
-                     "pictures (dark, graded, textured or striped backgrounds, turned, shadowed or outlined "
-                     "shapes, noise, JPEG); 0, the default: the plain look the model was first trained on")
-    eval_option(("visual",), "--questions", default=None, metavar="FILE.jsonl",
-                help='visual: ask your own questions instead of the generated set: JSON lines of '
-                     '{"image": PATH} or {"video": PATH}, "question", "answer" and optionally "category" '
-                     '(paths relative to the file); right when the reply starts with the answer\'s words')
-    eval_option(("passkey", "visual"), "--param", action="append", default=[], metavar="NAME=VALUE",
-                help="passkey, visual: a parameter of every policy in --policies, as for ask "
-                     "(e.g. --policies fastv --param layer=6 --param merge=true)")
+    agreement_option(evaluate, "--new-tokens", type=int, default=32, help="agreement: answer length compared")
+    agreement_option(evaluate, "--image-tokens", type=int, default=256, help="agreement: synthesized image size")
+    agreement_option(evaluate, "--video-tokens", type=int, default=512, help="agreement: synthesized video size")
+    passkey_option(evaluate, "--lengths", default="512,1024,2048", help="passkey: prompt lengths in tokens")
+    passkey_or_visual_option(evaluate, "--samples", type=int, default=10,
+                             help="passkey: keys per length; visual: questions per category")
+    passkey_or_visual_option(evaluate, "--seed", type=int, default=None,
+                             help="passkey: key draw (default 0); visual: held-out split (default 1; 0 is the "
+                                  "training seed and is refused)")
+    visual_option(evaluate, "--categories", default=None,
+                  help="visual: comma-separated question categories (default: every image category, and every "
+                       "clip category when the model takes video), e.g. colour,shape,count,position")
+    visual_option(evaluate, "--styled", type=float, default=0.0, metavar="SHARE",
+                  help="visual: the share of questions asked about scenes and clips given a look of other "
+                       "pictures (dark, graded, textured or striped backgrounds, turned, shadowed or outlined "
+                       "shapes, noise, JPEG); 0, the default: the plain look the model was first trained on")
+    visual_option(evaluate, "--questions", default=None, metavar="FILE.jsonl",
+                  help='visual: ask your own questions instead of the generated set: JSON lines of '
+                       '{"image": PATH} or {"video": PATH}, "question", "answer" and optionally "category" '
+                       '(paths relative to the file); right when the reply starts with the answer\'s words')
+    passkey_or_visual_option(evaluate, "--param", action="append", default=[], metavar="NAME=VALUE",
+                             help="passkey, visual: a parameter of every policy in --policies, as for ask "
+                                  "(e.g. --policies fastv --param layer=6 --param merge=true)")
     evaluate.add_argument("--json", action="store_true", help="print the report as JSON")
     evaluate.add_argument("--plot", default=None, metavar="FILE.png", help="quality vs TTFT speedup plot")
     _add_device_options(evaluate)
@@ -846,20 +842,26 @@ def run_bench_serve(args) -> int:
     return 0
 
 
-def _task_option_recorder(parser, task_options: dict):
-    """``add(tasks, *flags, **options)``: ``parser.add_argument(*flags, **options)``, recording in ``task_options``
-    that only ``tasks`` (of the command's first argument) use it, for ``_refuse_options_of_other_tasks``."""
-    def add(tasks: tuple[str, ...], *flags, **options):
-        action = parser.add_argument(*flags, **options)
+def _task_option(task_options: dict, tasks: tuple[str, ...]):
+    """``add(group, *flags, **options)``: ``group.add_argument(*flags, **options)``, recording in ``task_options``
+    that only ``tasks`` (of the command's first argument: bench's mode, eval's task, calibrate's policy) use it, for
+    ``_refuse_options_of_other_tasks``."""
+    def add(group, *flags, **options):
+        action = group.add_argument(*flags, **options)
         task_options[action.dest] = (flags[0], action.default, tasks)
     return add
+
+
+def _typed_flags(args) -> set[str]:
+    """The options typed on the command line (``--name``, ``--name=value``), as typed."""
+    return {word.split("=", 1)[0] for word in args.argv if word.startswith("--")}
 
 
 def _refuse_options_of_other_tasks(args, command: str, task: str) -> None:
     """An option given that ``task`` does not use is refused, naming the tasks that do: ignored, it looked applied
     (``glimpse eval agreement --samples 6`` was published as the command behind numbers ``--samples`` never changed,
     ``calibrate hidivdrop --floor 0.3`` took no floor; an outside pass). Given: typed, or not its default."""
-    typed = {word.split("=", 1)[0] for word in args.argv if word.startswith("--")}
+    typed = _typed_flags(args)
     given: dict[tuple[str, ...], list[str]] = {}  # the tasks that take them: the options given
     for dest, (flag, default, tasks) in args.task_options.items():
         if task not in tasks and (getattr(args, dest) != default or flag in typed):
@@ -870,18 +872,8 @@ def _refuse_options_of_other_tasks(args, command: str, task: str) -> None:
         raise UserError(f"{said}, not of `glimpse {command} {task}`")
 
 
-def _refuse_options_of_the_other_mode(args) -> None:
-    mode, other = ("policies", args.serve_only) if args.target == "policies" else ("serve", args.policies_only)
-    typed = {word.split("=", 1)[0] for word in args.argv if word.startswith("--")}
-    given = [flag for dest, (flag, default) in other.items() if getattr(args, dest) != default or flag in typed]
-    if given:
-        belong = "serve" if mode == "policies" else "policies"
-        raise UserError(f"{', '.join(given)} {'is an option' if len(given) == 1 else 'are options'} of `glimpse bench "
-                        f"{belong}`, not of `glimpse bench {mode}`")
-
-
 def run_bench(args) -> int:
-    _refuse_options_of_the_other_mode(args)
+    _refuse_options_of_other_tasks(args, "bench", args.target)
     if args.target == "serve":
         return run_bench_serve(args)
     from glimpse import bench
@@ -920,8 +912,8 @@ def run_bench(args) -> int:
     if media:
         from glimpse.vision import check_media
 
-        typed = {word.split("=", 1)[0] for word in args.argv}
         sizes = {"--image-tokens": args.image_tokens, "--video-tokens": args.video_tokens}
+        typed = _typed_flags(args)
         if given := [flag for flag, tokens in sizes.items() if flag in typed and tokens]:  # (0: none, as it is)
             raise UserError(f"{' and '.join(given)} size{'s' * (len(given) == 1)} the synthesized media, and "
                             "--image/--video benchmarks your own files instead: give one or the other")
@@ -1204,8 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
         _error(args, str(error))
         return 1
     except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (glimpse.launcher)
-        print(f"glimpse: {'terminated' if isinstance(stop, Terminated) else 'interrupted'}", file=sys.stderr)
-        return 143 if isinstance(stop, Terminated) else 130
+        return stopped(stop)
     except BrokenPipeError:  # `glimpse ask ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
         return 1

@@ -24,11 +24,17 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def stopped(stop: KeyboardInterrupt) -> int:
+    """What a command says and returns when Ctrl-C (130) or SIGTERM (143) stopped it."""
+    terminated = isinstance(stop, Terminated)
+    print(f"glimpse: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+    return 143 if terminated else 130
+
+
 def main() -> int:
     stop_on_sigterm()
     try:
         from glimpse.cli import main as run
     except KeyboardInterrupt as stop:
-        print(f"glimpse: {'terminated' if isinstance(stop, Terminated) else 'interrupted'}", file=sys.stderr)
-        return 143 if isinstance(stop, Terminated) else 130
+        return stopped(stop)
     return run()

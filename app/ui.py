@@ -23,7 +23,7 @@ from PIL import Image
 
 from glimpse.assets import ASSETS
 from glimpse.common import UserError
-from glimpse.connections import refuse
+from glimpse.connections import CHAT_SESSIONS, refuse
 from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pruning import PRUNING_NAMES, parse_params
 from glimpse.vision.media import MediaError, check_reading, detect_kind, load_image, probe_video, reading_limit
@@ -657,8 +657,6 @@ def _clear_cancels_chat(cleared_sessions: dict, stopped_sessions: dict, lock):
 def _remember(sessions: dict, session, value) -> None:
     """``sessions[session] = value``, the least recently set entry dropped past ``CHAT_SESSIONS`` (as many as Gradio
     keeps the state of): a client making up a session for each request cannot grow it for ever."""
-    from glimpse.connections import CHAT_SESSIONS
-
     sessions.pop(session, None)
     sessions[session] = value
     while len(sessions) > CHAT_SESSIONS:
