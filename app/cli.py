@@ -1086,7 +1086,10 @@ def run_calibrate_slider(args) -> int:
     # A complete calibration in use is replaced only by a complete one: a run cut short (by its budget, or a run
     # with other prompts, whose state starts over) goes beside it until a rerun completes it. Found from outside:
     # a 10-second run with the default prompts replaced a complete calibration on the tester's images.
-    held, in_place = None, path.resolve() == profile_path(args.model, "slider").resolve()
+    # The same holds for any --out that holds a complete frontier: a budget-limited rerun of the maintainer's command
+    # with --out assets/embedded_frontier.json replaced the complete frontier that ships with an empty one, and auto
+    # then pruned nothing at any speed (an outside pass).
+    held, kept, in_place = None, None, path.resolve() == profile_path(args.model, "slider").resolve()
     incomplete_path = path.with_name(path.stem + ".incomplete" + path.suffix)
     if in_place and frontier.unmeasured:
         held = local_frontier(args.model, len(engine.adapter.layers), engine.checkpoint)
@@ -1094,8 +1097,10 @@ def run_calibrate_slider(args) -> int:
             path = incomplete_path
         else:
             held = None
+    elif frontier.unmeasured and (kept := _complete_frontier_in(path)) is not None:
+        path = incomplete_path
     save_profile(args.model, profile, path=path)
-    if in_place and not frontier.unmeasured:
+    if not frontier.unmeasured:
         incomplete_path.unlink(missing_ok=True)  # completed: what an earlier partial run set beside it is done
     _log(f"frontier ({len(frontier.points)} points) -> {path}")
     if frontier.unmeasured:
@@ -1112,6 +1117,9 @@ def run_calibrate_slider(args) -> int:
     elif held is not None:
         _log(f"auto keeps running the complete calibration it ran before ({held.source}): this incomplete one does "
              f"not replace it, and is kept in {path} until a rerun of the same command completes it. It would run:")
+    elif kept is not None:
+        _log(f"{args.out} holds a complete calibration ({kept.source}): this incomplete one does not replace it, and "
+             f"is kept in {path} until a rerun of the same command completes it. It would run:")
     elif not in_place:
         _log(f"auto reads {profile_path(args.model, 'slider')}, not --out: it keeps running the frontier it ran "
              f"before ({in_use.source}). This one would run:")
@@ -1126,6 +1134,18 @@ def run_calibrate_slider(args) -> int:
                       "auto": {f"{speed:g}": frontier.promise(speed)["configuration"]
                                for speed in (0.0, 0.25, 0.5, 0.75, 1.0)}}))
     return 0
+
+
+def _complete_frontier_in(path: Path):
+    """The complete frontier stored at ``path`` (every candidate measured), or None: no file, not a frontier, or
+    an incomplete one."""
+    from glimpse.pipeline.loading import stored_frontier
+
+    try:
+        frontier = stored_frontier(json.loads(path.read_text()))
+    except (OSError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return None if frontier.unmeasured else frontier
 
 
 def _check_plot_file(path: Path) -> None:

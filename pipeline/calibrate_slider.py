@@ -316,8 +316,8 @@ def _read_state(path: Path, settings: dict) -> dict[str, Point] | None:
     for line in lines[1:]:
         try:
             point = Point.from_json(json.loads(line)["point"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a line cut short by a kill: that candidate is measured again
+        except (ValueError, KeyError, TypeError):  # JSONDecodeError is a ValueError, as Point.check's
+            continue  # a line cut short by a kill (or not a measurement): that candidate is measured again
         done[point.name] = point
     return done
 

@@ -18,7 +18,8 @@ from glimpse.common import UserError
 from glimpse.pipeline.adapters import ADAPTERS
 from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
 from glimpse.pipeline.cpu_linear import use_cpu_linears
-from glimpse.pipeline.profiles import checkpoint_identity, load_profile, profile_matches, warn_unusable
+from glimpse.pipeline.profiles import (checkpoint_identity, load_profile, profile_matches, warn_file_once,
+                                       warn_unusable)
 from glimpse.pipeline.prompt import Prompt, build_prompt
 from glimpse.pruning.frontier import Frontier, uncalibrated_frontier
 
@@ -138,7 +139,16 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     engine.checkpoint = checkpoint_identity(source)
     profile = load_profile(str(model))
     if profile_matches(profile, engine.checkpoint, len(adapter.layers)):
-        engine.profiles["hidivdrop"] = {"filter_layers": tuple(profile["filter_layers"])}
+        layers = profile.get("filter_layers")
+        # Checked here, not at the first request: a profile edited by hand (no filter_layers, null, "5", 99) failed
+        # every command for the model, --policy none included, as "a bug in Glimpse" (an outside pass).
+        if (isinstance(layers, list) and layers
+                and all(type(layer) is int and 0 <= layer < len(adapter.layers) for layer in layers)):
+            engine.profiles["hidivdrop"] = {"filter_layers": tuple(layers)}
+        else:
+            warn_unusable(str(model), "hidivdrop", profile, len(adapter.layers),
+                          damaged=f"filter_layers {layers!r}: not layer numbers of this {len(adapter.layers)}-layer "
+                                  "model")
     elif profile is not None:
         warn_unusable(str(model), "hidivdrop", profile, len(adapter.layers))
     engine.frontier = slider_frontier(str(model), len(adapter.layers), engine.checkpoint)
@@ -285,10 +295,22 @@ def local_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier | N
         warn_unusable(model, "slider", profile, num_layers)
         return None
     try:
-        return Frontier.from_json(profile, calibrated=True)
-    except (KeyError, TypeError, ValueError):  # a damaged profile: as if there were none, and said
-        warn_unusable(model, "slider", {}, num_layers)
+        return stored_frontier(profile)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:  # damaged: as if there were none, and said
+        warn_unusable(model, "slider", profile, num_layers, damaged=f"not a whole frontier: {error}")
         return None
+
+
+def stored_frontier(profile: dict) -> Frontier:
+    """A frontier read from a file, checked (``Point.check``, and that it runs only policies Glimpse has): a
+    KeyError, TypeError, ValueError or AttributeError where the file cannot be what a calibration wrote."""
+    from glimpse.pruning import POLICIES
+
+    frontier = Frontier.from_json(profile, calibrated=True)
+    unknown = {member.policy for point in frontier.points + frontier.measured for member in point.members}
+    if unknown - set(POLICIES):
+        raise ValueError(f"no policy named {', '.join(sorted(unknown - set(POLICIES)))}")
+    return frontier
 
 
 def slider_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier:
@@ -305,9 +327,14 @@ def slider_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier:
     if model == "embedded" and SHIPPED_FRONTIER.exists():
         from glimpse.pipeline import embedded
 
-        shipped = json.loads(SHIPPED_FRONTIER.read_text())
-        if shipped.get("weights") == embedded.checkpoint_name():
-            return Frontier.from_json(shipped, calibrated=True)
+        try:
+            shipped = json.loads(SHIPPED_FRONTIER.read_text())
+            if shipped.get("weights") == embedded.checkpoint_name():
+                return stored_frontier(shipped)
+        except (OSError, KeyError, TypeError, ValueError, AttributeError) as error:
+            # A damaged install (or a maintainer's --out over it gone wrong) leaves auto uncalibrated, and says so.
+            warn_file_once(SHIPPED_FRONTIER, f"ignoring the frontier that ships, {SHIPPED_FRONTIER} ({error}): auto "
+                                             "runs the uncalibrated default")
     return local or uncalibrated_frontier()
 
 

@@ -85,31 +85,36 @@ def load_profile(model: str, policy: str = "hidivdrop") -> dict | None:
         reason = error.strerror if isinstance(error, OSError) else "not a whole JSON profile"
         # Ignored, and said: the policy falls back to its defaults (the slider to its shipped or uncalibrated
         # frontier), which an outside pass found happening without a word after a profile was cut short.
-        _warn_once(path, f"ignoring the {policy} profile {path} ({reason}): using the defaults; calibrate again to "
-                         "replace it")
+        warn_file_once(path, f"ignoring the {policy} profile {path} ({reason}): using the defaults; calibrate "
+                             "again to replace it")
         return None
     if not isinstance(profile, dict):
-        _warn_once(path, f"ignoring the {policy} profile {path} (not a profile): using the defaults")
+        warn_file_once(path, f"ignoring the {policy} profile {path} (not a profile): using the defaults")
         return None
     return profile
 
 
-def warn_unusable(model: str, policy: str, profile: dict, num_layers: int) -> None:
-    """Say why a stored profile that ``profile_matches`` turned down is not used (once per state of the file): an
-    outside pass saw a profile of ``{}`` passed over without a word, and a profile of older weights is as silent."""
+def warn_unusable(model: str, policy: str, profile: dict, num_layers: int, damaged: str = "") -> None:
+    """Say why a stored profile that ``profile_matches`` turned down (or whose ``damaged`` content could not be
+    used) is not used (once per state of the file): an outside pass saw a profile of ``{}`` passed over without a
+    word, and a profile of older weights is as silent."""
     path = profile_path(model, policy)
-    if "checkpoint" not in profile or "num_layers" not in profile:
-        _warn_once(path, f"ignoring the {policy} profile {path} (not a profile): using the defaults; calibrate again "
-                         "to replace it")
+    if damaged:
+        warn_file_once(path, f"ignoring the {policy} profile {path} ({damaged}): using the defaults; calibrate "
+                             "again to replace it")
+    elif "checkpoint" not in profile or "num_layers" not in profile:
+        warn_file_once(path, f"ignoring the {policy} profile {path} (not a profile): using the defaults; "
+                             "calibrate again to replace it")
     elif profile.get("num_layers") != num_layers:
-        _warn_once(path, f"ignoring the {policy} profile {path}: it was measured on a model of "
-                         f"{profile['num_layers']} layers, this one has {num_layers}; calibrate again to replace it")
+        warn_file_once(path, f"ignoring the {policy} profile {path}: it was measured on a model of "
+                             f"{profile['num_layers']} layers, this one has {num_layers}; calibrate again to replace "
+                             "it")
     else:
-        _warn_once(path, f"ignoring the {policy} profile {path}: it was measured on other weights "
-                         f"({profile['checkpoint']}); calibrate again to replace it")
+        warn_file_once(path, f"ignoring the {policy} profile {path}: it was measured on other weights "
+                             f"({profile['checkpoint']}); calibrate again to replace it")
 
 
-def _warn_once(path: Path, message: str) -> None:
+def warn_file_once(path: Path, message: str) -> None:
     """``message`` once for this state of the file (changed, it is said again)."""
     try:
         state = path.stat()

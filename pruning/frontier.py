@@ -111,7 +111,21 @@ class Point:
     def from_json(cls, data: dict) -> "Point":
         keys = ("agreement", "token_match", "first_token_kl", "flops_ratio", "prefill_ratio", "decode_speedup",
                 "e2e_ratio", "kv_ratio", "prompts")
-        return cls(tuple(Member.from_json(m) for m in data["members"]), **{k: data[k] for k in keys if k in data})
+        point = cls(tuple(Member.from_json(m) for m in data["members"]), **{k: data[k] for k in keys if k in data})
+        return point.check()
+
+    def check(self) -> "Point":
+        """This point, if it can be what a calibration measured; else ValueError. A stored profile is read back
+        through here: one edited by hand (an e2e_ratio of 0 divided by zero in ``Frontier.promise``, a speed of 7
+        promised ``divprune@7``: an outside pass) is then ignored with a warning, not run."""
+        for member in self.members:
+            check_speed(member.speed)
+        ratios = [self.flops_ratio] + ([] if self.e2e_ratio is None else [self.e2e_ratio])
+        if not (0.0 <= self.agreement <= 1.0 and all(math.isfinite(r) and r > 0.0 for r in ratios)
+                and isinstance(self.prompts, int) and self.prompts >= 0):
+            raise ValueError(f"{self.name}: not a measurement (agreement {self.agreement!r} in [0, 1], ratios "
+                             f"{ratios!r} above 0, prompts {self.prompts!r} a count)")
+        return self
 
 
 def pareto_frontier(points: list[Point]) -> list[Point]:
@@ -238,7 +252,10 @@ class Frontier:
 
     @classmethod
     def from_json(cls, data: dict, calibrated: bool | None = None) -> "Frontier":
-        return cls([Point.from_json(p) for p in data["frontier"]], floor=data.get("floor", DEFAULT_FLOOR),
+        floor = data.get("floor", DEFAULT_FLOOR)
+        if not (isinstance(floor, (int, float)) and 0.0 < floor <= 1.0):  # as --floor takes it
+            raise ValueError(f"floor {floor!r}: not an agreement in (0, 1]")
+        return cls([Point.from_json(p) for p in data["frontier"]], floor=floor,
                    calibrated=data.get("calibrated", True) if calibrated is None else calibrated,
                    source=data.get("source", ""), answer_tokens=data.get("answer_tokens", 64),
                    measured=[Point.from_json(p) for p in data.get("measured", [])],

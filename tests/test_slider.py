@@ -4,6 +4,7 @@ label-free per model (`glimpse calibrate slider`, pipeline/calibrate_slider.py).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 from pathlib import Path
@@ -375,6 +376,18 @@ def test_calibrate_slider_from_the_command_line_stores_a_profile_within_its_budg
     err = capsys.readouterr().err
     assert "resuming: 1 of" in err and "[2/" in err
     assert len(json.loads(out.read_text())["measured"]) == 2
+    # An --out that holds a complete frontier is not replaced by a run cut short either (found from outside: the
+    # maintainer's command with --out assets/embedded_frontier.json and a budget emptied the frontier that ships).
+    complete_out = {**json.loads(out.read_text()), "unmeasured": 0, "source": "complete at --out"}
+    out.write_text(json.dumps(complete_out))
+    assert main(command) == 0
+    captured = capsys.readouterr()
+    assert json.loads(out.read_text()) == complete_out
+    beside_out = out.with_name("slider.incomplete.json")
+    assert json.loads(captured.out)["profile"] == str(beside_out)
+    assert len(json.loads(beside_out.read_text())["measured"]) == 3 and json.loads(beside_out.read_text())["unmeasured"]
+    assert f"{out} holds a complete calibration (complete at --out): this incomplete one does not replace it" in \
+        captured.err
     # Into the cache, where auto reads it: a partial frontier of a model with no complete one is what auto runs.
     monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path / "cache"))
     assert main(command[:-4] + ["--device", "cpu"]) == 0
@@ -526,9 +539,19 @@ def test_a_damaged_profile_is_ignored_and_said_to_be(tmp_path, monkeypatch, capl
     from glimpse.pipeline.loading import local_frontier
 
     measured = {"checkpoint": "/models/m#abc", "num_layers": 30, "frontier": [], "floor": 0.9}
+    point = Point((Member.of("divprune", 1.0),), 0.95, 0.3, 0.9, prompts=40).to_json()
     for stored, said in (({}, "(not a profile)"), ({**measured, "checkpoint": "/models/m#old"}, "on other weights"),
                          ({**measured, "num_layers": 28}, "a model of 28 layers, this one has 30"),
-                         ({**measured, "frontier": None}, "(not a profile)")):
+                         ({**measured, "frontier": None}, "(not a whole frontier"),
+                         # edited by hand: an e2e_ratio of 0 divided by zero in every promise, a speed of 7 was
+                         # promised as divprune@7, a policy Glimpse has not as one (an outside pass)
+                         ({**measured, "frontier": [{**point, "e2e_ratio": 0}]}, "not a measurement"),
+                         ({**measured, "frontier": [{**point, "agreement": math.nan}]}, "not a measurement"),
+                         ({**measured, "frontier": [{**point, "members": [{"policy": "divprune", "speed": 7}]}]},
+                          "speed must be in [0, 1]"),
+                         ({**measured, "measured": [{**point, "members": [{"policy": "bogus", "speed": 1}]}]},
+                          "no policy named bogus"),
+                         ({**measured, "floor": math.nan}, "floor nan")):
         save_profile("some/model", stored, "slider")
         caplog.clear()
         with caplog.at_level("WARNING"):
@@ -540,6 +563,18 @@ def test_a_damaged_profile_is_ignored_and_said_to_be(tmp_path, monkeypatch, capl
     with caplog.at_level("WARNING"):
         assert local_frontier("some/model", 30, "/models/m#abc").points == []  # the weights it was measured on
     assert "ignoring" not in caplog.text
+    # The frontier that ships, damaged (a broken install, or a maintainer's --out over it gone wrong): auto runs the
+    # uncalibrated default and says why, where it raised from every load of the embedded model.
+    from glimpse.pipeline import loading
+
+    shipped = tmp_path / "shipped.json"
+    monkeypatch.setattr(loading, "SHIPPED_FRONTIER", shipped)
+    for content in ("{", json.dumps({"weights": embedded.checkpoint_name(), "frontier": [{**point, "e2e_ratio": 0}]})):
+        shipped.write_text(content)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            frontier = loading.slider_frontier("embedded", 30, "/models/m#abc")
+        assert not frontier.calibrated and f"ignoring the frontier that ships, {shipped}" in caplog.text
 
 
 def test_a_second_calibration_of_the_same_profile_is_refused_before_loading(tmp_path, capsys):
