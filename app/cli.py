@@ -897,7 +897,7 @@ def run_bench(args) -> int:
     if args.plot:
         _check_plot_file(Path(args.plot))
     if args.out:
-        _check_writable_file(Path(args.out), "--out")
+        check_writable_file(Path(args.out), "--out")
     if args.model and args.layers is not None:
         raise UserError("--layers only applies to --random-model")
     if args.layers is not None and args.layers < 1:
@@ -1006,7 +1006,7 @@ def run_calibrate(args) -> int:
     if not images:
         raise UserError(f"no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) in {folder}")
     out = Path(args.out) if args.out else profile_path(args.model, "hidivdrop")
-    _check_writable_file(out, "--out")  # before the model loads, not after the whole calibration
+    check_writable_file(out, "--out")  # before the model loads, not after the whole calibration
     _log(f"loading {args.model} ...")
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     profile = calibrate_hidivdrop(engine, images, question=args.question, window=args.window, top_k=args.top_k,
@@ -1042,7 +1042,7 @@ def run_calibrate_slider(args) -> int:
                         f"{args.leave_out!r}")
     chosen = [c for c in candidates() if not any(member.policy in left_out for member in c)]
     path = Path(args.out) if args.out else profile_path(args.model, "slider")
-    _check_writable_file(path, "--out")  # before the model loads, not after hours of measuring
+    check_writable_file(path, "--out")  # before the model loads, not after hours of measuring
     # One calibration per profile at a time: two at once measured the same candidates, appended both to one state
     # file, and the last to finish replaced the other's profile (an outside pass). Held until this command ends.
     lock = open(path.with_name(path.name + ".lock"), "a")
@@ -1153,10 +1153,10 @@ def _check_plot_file(path: Path) -> None:
 
     if path.suffix.lower() not in SUFFIXES:
         raise UserError(f"--plot {path}: a chart is written as {', '.join(SUFFIXES)} (by the name's suffix)")
-    _check_writable_file(path, "--plot")
+    check_writable_file(path, "--plot")
 
 
-def _check_writable_file(path: Path, flag: str) -> None:
+def check_writable_file(path: Path, flag: str) -> None:
     """Refuse, before any work, an output path that is a folder or whose folder cannot be made or written."""
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder: give a file name")

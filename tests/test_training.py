@@ -449,3 +449,78 @@ def test_training_refuses_a_bad_divprune_schedule_before_any_work(argv, message,
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_training_refuses_outputs_it_cannot_write_before_any_work(tmp_path, capsys):
+    """Found from outside: an --out in a folder that was not there failed at the save after the whole run."""
+    from training.train_projector import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for argv, said in ((["--out", str(blocker / "p")], f"--out {blocker / 'p'}.safetensors: {blocker} is a file"),
+                       (["--adapter-out", str(tmp_path)], f"--adapter-out {tmp_path} is a folder"),
+                       (["--colour-out", str(tmp_path)], f"--colour-out {tmp_path} is a folder")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_feature_cache_cut_short_is_computed_again_and_stored_whole(tmp_path):
+    """Found from outside: a cache cut short by a stopped run failed every later run at its load."""
+    from training.train_projector import cached_features
+
+    cached, said = tmp_path / "features.pt", []
+    features = [torch.arange(6.0).reshape(2, 3), torch.ones(4)]
+    assert cached_features(cached, lambda: features, said.append) is features and cached.is_file()
+    assert [torch.equal(a, b) for a, b in zip(cached_features(cached, list, said.append), features)] == [True, True]
+    cached.write_bytes(cached.read_bytes()[: cached.stat().st_size // 2])
+    again = cached_features(cached, lambda: features, said.append)
+    assert again is features and f"the feature cache {cached} cannot be read" in said[-3]
+    assert len(torch.load(cached)) == 2 and not cached.with_name("features.pt.partial").exists()
+
+
+def test_a_calibration_set_rewrite_stopped_part_way_leaves_the_old_set_whole(tmp_path, monkeypatch):
+    """Found from outside: Ctrl-C part-way deleted the old media and left the old questions pointing at nothing (or
+    at new pictures), so calibrate slider skipped every prompt."""
+    from training import make_calibration_set
+
+    out = tmp_path / "calibration"
+    out.mkdir()
+    (out / "NOTES.md").write_text("kept")
+    make_calibration_set.main(["--per-category", "1", "--out", str(out)])
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    listed = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert before["NOTES.md"] == b"kept" and listed and all((out / (p.get("image") or p["video"])).is_file()
+                                                             for p in listed)
+    original, saved = Image.Image.save, []
+
+    def save_then_stop(self, path, *args, **kwargs):  # Ctrl-C while the second picture is written
+        saved.append(path)
+        if len(saved) == 2:
+            raise KeyboardInterrupt
+        return original(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        make_calibration_set.main(["--per-category", "1", "--seed", "5", "--out", str(out)])
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    monkeypatch.undo()
+    make_calibration_set.main(["--per-category", "1", "--seed", "5", "--out", str(out)])  # and the rerun completes
+    after = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert after.keys() == before.keys() and after["prompts.jsonl"] != before["prompts.jsonl"]
+    assert not list(tmp_path.glob(".calibration.*"))
+
+
+def test_the_position_diagnosis_feeds_the_tokens_the_chat_path_makes(engine):
+    """Found from outside: diagnose_position left out the shipped colour input, so it measured tokens inference
+    never makes (14% off per token)."""
+    from training.diagnose_position import one_object_scenes, visual_tokens
+    from training.train_projector import precompute
+
+    adapter = engine.adapter
+    assert adapter.colour_map is not None  # the shipped weights have one: what the diagnosis must add
+    item, _ = one_object_scenes(11, 1)[0]
+    with torch.no_grad():
+        made = visual_tokens(adapter, item, precompute([item], adapter)[0])
+        encoded = adapter.encode([adapter.prepare_image(item.frames[0])], 1)
+    torch.testing.assert_close(made, encoded, atol=2e-2, rtol=0)  # features stored in float16

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 from pathlib import Path
 
 from glimpse import tasks
@@ -27,29 +28,42 @@ CALIBRATION_SEED = 100
 OUT = Path(__file__).resolve().parent.parent / "assets" / "calibration"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seed", type=int, default=CALIBRATION_SEED)
     parser.add_argument("--per-category", type=int, default=4)
     parser.add_argument("--styled", type=float, default=0.5, help="share of the prompts drawn with other looks")
     parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for old in args.out.iterdir():  # a smaller set written over a larger one leaves no stray media behind
-        if re.fullmatch(r"\d{3}\.(png|mp4)", old.name):
-            old.unlink()
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    # Written into a folder beside the set and swapped in whole: deleting the old media first and writing the
+    # questions last left, after a Ctrl-C, 80 questions of missing pictures, and calibrate slider skipped them all
+    # (an outside pass). A run stopped between the two renames leaves the old set under ``.old``: put back here.
+    staging, previous = out.with_name(f".{out.name}.partial"), out.with_name(f".{out.name}.old")
+    if previous.is_dir() and not out.exists():
+        previous.rename(out)
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(previous, ignore_errors=True)
+    staging.mkdir(parents=True)
     lines = []
     for i, (item, qa) in enumerate(tasks.heldout_set(args.seed, args.per_category, styled=args.styled)):
         if item.is_video:
             name = f"{i:03d}.mp4"
-            tasks.write_clip(item.frames, args.out / name)
+            tasks.write_clip(item.frames, staging / name)
             lines.append({"video": name, "question": qa.question})
         else:
             name = f"{i:03d}.png"
-            item.frames[0].save(args.out / name, optimize=True)
+            item.frames[0].save(staging / name, optimize=True)
             lines.append({"image": name, "question": qa.question})
-    (args.out / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    print(f"{len(lines)} prompts -> {args.out}")
+    (staging / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if out.is_dir():
+        for other in out.iterdir():  # what else the folder holds stays; the old media and questions do not
+            if other.is_file() and not re.fullmatch(r"\d{3}\.(png|mp4)|prompts\.jsonl", other.name):
+                shutil.copy2(other, staging / other.name)
+        out.rename(previous)
+    staging.rename(out)
+    shutil.rmtree(previous, ignore_errors=True)
+    print(f"{len(lines)} prompts -> {out}")
 
 
 if __name__ == "__main__":

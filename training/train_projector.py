@@ -55,6 +55,8 @@ import argparse
 import hashlib
 import json
 import math
+import os
+import pickle
 import platform
 import random
 import re
@@ -69,12 +71,34 @@ from safetensors.torch import load_file, save_file
 from glimpse.pipeline import embedded, visual_codes
 from glimpse.pipeline.adapters import LlavaAdapter
 from glimpse import tasks
+from glimpse.cli import check_writable_file
 from glimpse.common import UserError
 from glimpse.pruning import make_policy, parse_params
 from training import pruned_forward
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(__file__).resolve().parent / "cache"
+
+
+def cached_features(cached: Path, compute, say) -> list:
+    """The features stored at ``cached``, or ``compute()``'s, then stored there (whole or not at all)."""
+    if cached.is_file():
+        try:
+            features = torch.load(cached)
+            say(f"features loaded from {cached}")
+            return features
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+            # A cache cut short (a run stopped while writing it, before writes were atomic; a full disk) failed every
+            # later run at this load until someone found the file (an outside pass): computed again instead.
+            say(f"the feature cache {cached} cannot be read ({str(error).splitlines()[0]}): computing it again")
+    say("precomputing DINOv2 features (frozen encoder, once)")
+    features = compute()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_name(cached.name + ".partial")
+    torch.save(features, partial)
+    os.replace(partial, cached)  # whole or absent, whenever the run stops
+    say(f"features cached in {cached}")
+    return features
 
 
 def load_frozen_model():
@@ -606,6 +630,13 @@ def main(argv=None) -> int:
     if args.from_assets and not all(f.is_file() for f in (embedded.PROJECTOR_FILE, embedded.PROJECTOR_RECORD,
                                                           embedded.ADAPTER_FILE)):
         parser.error("--from-assets needs the trained projector, its record and the adapters in assets/")
+    # Before the hour of training, not after it (a missing folder was found only by the save at the end).
+    for flag, path in (("--out", f"{args.out}.safetensors"), ("--out", f"{args.out}.json"),
+                       ("--adapter-out", args.adapter_out), ("--colour-out", args.colour_out)):
+        try:
+            check_writable_file(Path(path), flag)
+        except UserError as error:
+            parser.error(str(error))
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -625,15 +656,7 @@ def main(argv=None) -> int:
     config = model.config
 
     cached = features_cache(args.seed, args.images, args.clips, args.styled_share)
-    if cached.is_file():
-        features = torch.load(cached)
-        say(f"features loaded from {cached}")
-    else:
-        say("precomputing DINOv2 features (frozen encoder, once)")
-        features = precompute(items, adapter)
-        CACHE.mkdir(exist_ok=True)
-        torch.save(features, cached)
-        say(f"features cached in {cached}")
+    features = cached_features(cached, lambda: precompute(items, adapter), say)
     if args.colour_input:
         features = with_colours(items, features, adapter)
         say("cell colours appended to the features")
@@ -692,17 +715,21 @@ def main(argv=None) -> int:
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
 
     def save(path_stem: Path, final: bool) -> None:
+        # Every file is written under a temporary name first and renamed into place once all are written: a run
+        # stopped (or failing) while it saves leaves the set it had, not a new projector beside older adapters.
+        staged: list[tuple[Path, Path]] = []
+
+        def stage(path) -> str:
+            staged.append((Path(f"{path}.partial"), Path(path)))
+            return str(staged[-1][0])
+
         state = {k: v.detach().clone().contiguous() for k, v in llava_projector.state_dict().items()}
-        save_file(state, f"{path_stem}.safetensors", metadata={"format": "pt"})
+        save_file(state, stage(f"{path_stem}.safetensors"), metadata={"format": "pt"})
         if args.colour_input:
-            save_file({"weight": projector.colour_map.weight.detach().clone().contiguous()}, args.colour_out,
+            save_file({"weight": projector.colour_map.weight.detach().clone().contiguous()}, stage(args.colour_out),
                       metadata={"format": "pt"})
-        elif Path(args.colour_out).is_file():
-            Path(args.colour_out).unlink()  # nor beside an older colour map
         if adapters:
-            save_file(adapter_state(adapters), args.adapter_out, metadata={"format": "pt"})
-        elif Path(args.adapter_out).is_file():
-            Path(args.adapter_out).unlink()  # a projector-only run must not ship beside older adapters
+            save_file(adapter_state(adapters), stage(args.adapter_out), metadata={"format": "pt"})
         record = {
             "what": "projector of Glimpse's embedded model (SmolLM2-135M-Instruct + DINOv2-S/14), LLaVA 2-layer MLP",
             "seed": args.seed, "images": args.images, "clips": args.clips, "batch": args.batch, "lr": args.lr,
@@ -729,7 +756,13 @@ def main(argv=None) -> int:
         }
         if parent is not None:
             record["fine_tuned_from"] = parent  # what this run started from, and how that was trained
-        Path(f"{path_stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+        Path(stage(f"{path_stem}.json")).write_text(json.dumps(record, indent=1) + "\n")
+        for partial, path in staged:
+            os.replace(partial, path)
+        if not args.colour_input:
+            Path(args.colour_out).unlink(missing_ok=True)  # nor beside an older colour map
+        if not adapters:
+            Path(args.adapter_out).unlink(missing_ok=True)  # a projector-only run must not ship beside older adapters
 
     trained = sum(p.numel() for g in groups for p in g["params"])
     say(f"training {trained} parameters (projector and adapters), {steps} steps of {args.batch}, "
