@@ -1,7 +1,8 @@
 """Composition: several policies acting as one, in order (kvpress's wrapper idea).
 
 Every callback goes to every member in order; ``skip_encoding`` joins the members' skipped tokens;
-``select`` chains, so each member only ever shrinks what the previous ones left; ``attention_rows`` and
+``select`` chains, so each member only ever shrinks what the previous ones left (tokens a member lets join at a
+layer, HiDivDrop's late injection, pass the later members' cuts at that layer: see ``select``); ``attention_rows`` and
 ``decode_attend`` intersect the members' choices; ``decode_rows`` chains. This is how the design card's
 default pipeline (HiDivDrop late injection, then DASH or ZipVL, then ST3's decode-time annealing) is built.
 """
@@ -47,9 +48,20 @@ class Pipeline(Policy):
         return torch.unique(torch.cat(skipped)) if skipped else None
 
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
+        # Tokens a member lets join at this layer (HiDivDrop's late injection) pass the cuts of the members after it
+        # at this layer: a cut ranks by the layer before's attention, which those tokens were not in. Ranked as
+        # -inf, they were cut first (LazyLLM cutting at HiDivDrop's inject layer pruned 11 of the 12 visual tokens
+        # that had just joined and no text; FastV dropped the first visual tokens by position: an outside pass).
+        # DASH already leaves the tokens it did not score. The next layer's cuts rank them like any other.
+        joined = None
         for p in self.policies:
+            given = active
             active = p.select(layer_idx, active, ctx)
-        return active
+            if active.shape[0] > given.shape[0]:  # a member adds tokens or removes them at a layer, never both
+                added = joined_tokens(given, active)
+                joined = added if joined is None else torch.cat([joined, added])
+                active = given
+        return active if joined is None else torch.cat([active, joined]).sort().values
 
     def attention_rows(self, layer_idx: int, ctx) -> torch.Tensor | None:
         rows = None
@@ -92,3 +104,10 @@ class Pipeline(Policy):
 
     def summary(self) -> str:
         return ", ".join(p.summary() for p in self.policies) or "no pruning"
+
+
+def joined_tokens(given: torch.Tensor, grown: torch.Tensor) -> torch.Tensor:
+    """The entries of ``grown`` (sorted original indices, ``given``'s and more) that ``given`` lacks. How many is
+    known on the host (the difference of the sizes), so nothing waits for the device to count them."""
+    new = torch.isin(grown, given, invert=True).to(torch.int8)
+    return grown[torch.sort(new, descending=True, stable=True).indices[: grown.shape[0] - given.shape[0]]]

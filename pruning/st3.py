@@ -84,7 +84,9 @@ class ST3(ScoreThenCut):
             raise UserError(f"ST3 drop_step must be >= 0, got {self.drop_step}")
         if self.stride is not None and self.stride < 1:
             raise UserError(f"ST3 stride must be >= 1, got {self.stride}")
-        check_layer("ST3 start_layer", self.start_layer, num_layers, low=0)
+        # At least 1: the drop at a layer ranks by the layer before's attention. 0 was taken, reported as "P at layer 0"
+        # and never applied (P folded into the first stride drop; on 2 layers nothing pruned: an outside pass).
+        check_layer("ST3 start_layer", self.start_layer, num_layers, low=1)
         if self.anneal not in SCHEDULES:
             raise UserError(f"ST3 anneal must be one of {', '.join(SCHEDULES)}, got {self.anneal!r}")
         if self.anneal_tau is not None and self.anneal_tau < 1:  # in answer tokens (the paper's is 50): 5e-324 was

@@ -11,7 +11,7 @@ import torch
 from conftest import ARCHS, DEEP_LAYERS
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.adapters import TEXT
-from glimpse.pruning import DASH, DivPrune, POLICIES, FastV, Frontier, LazyLLM, NoPruning, Pipeline, Point, ST3, ZipVL, make_policy
+from glimpse.pruning import DASH, DivPrune, POLICIES, FastV, Frontier, HiDivDrop, LazyLLM, NoPruning, Pipeline, Point, ST3, ZipVL, make_policy
 from glimpse.pruning.frontier import design_pipeline_members
 from glimpse.pruning.zipvl import important_count
 from tiny_models import masked_reference, reference_inputs
@@ -602,7 +602,9 @@ OUT_OF_RANGE = [("dash", "keep_first", -1), ("zipvl", "group", 0), ("zipvl", "ta
                 ("st3", "drop_step", -0.1),
                 # An outside pass: a seed torch cannot take (seed * 100003 + layer past 2**64) was an internal error, and
                 # an ST3 tau of 5e-324 answer tokens a ZeroDivisionError in decode (the exponential schedule's tau / 3).
-                ("zipvl", "seed", 2**62), ("zipvl", "seed", -1), ("st3", "anneal_tau", 5e-324), ("st3", "anneal_tau", 0.5)]
+                ("zipvl", "seed", 2**62), ("zipvl", "seed", -1), ("st3", "anneal_tau", 5e-324), ("st3", "anneal_tau", 0.5),
+                # ... and an ST3 start layer of 0, reported as "P at layer 0" and never applied
+                ("st3", "start_layer", 0)]
 # Layer numbers past the model's last layer, once silently clamped or never reached (the policy did nothing).
 PAST_THE_LAST_LAYER = [("dash", "start_layer", 1000), ("st3", "start_layer", 1000), ("fastv", "layer", 1000),
                        ("lazyllm", "prune_layers", [1, 2, 1000]), ("hidivdrop", "filter_layers", [1, 2, 3, 1000])]
@@ -634,6 +636,35 @@ def test_a_parameter_out_of_range_is_refused_before_a_model_loads_and_a_layer_pa
 
 
 # ---------------------------------------------------------------------------------------- composition
+@pytest.mark.parametrize("cut", ["lazyllm", "fastv"])
+def test_a_cut_at_hidivdrops_injection_layer_passes_the_tokens_that_join_there(deep, media, cut):
+    """A cut ranks by the layer before's attention, which the visual tokens HiDivDrop injects at L_inj were not in:
+    they pass a cut at L_inj, which takes its share of the tokens it scored, and the next layer's cuts rank them.
+    Found from outside: ranked as -inf, LazyLLM there pruned 11 of the 12 visual tokens and no text, and FastV
+    dropped the first visual tokens by position."""
+    engine = load_engine(str(deep["llava"]), device="cpu")
+    prompt = engine.prepare(_image_messages(media))
+    inject, _ = HiDivDrop.from_speed(1.0).window(len(engine.adapter.layers))
+    assert inject >= 1
+    member = (LazyLLM(percentiles=(0.2, 0.5), prune_layers=(inject, inject + 1)) if cut == "lazyllm"
+              else FastV(ratio=0.25, layer=inject))
+    with torch.no_grad():
+        _, alone = engine.prefill(prompt, HiDivDrop.from_speed(1.0))
+        _, both = engine.prefill(prompt, Pipeline(policies=(HiDivDrop.from_speed(1.0), member)))
+    visual = _visual(prompt)
+    before, joined = alone.active_per_layer[inject - 1].cpu(), alone.active_per_layer[inject].cpu()
+    assert not torch.isin(visual, before).any() and torch.isin(visual, joined).all()  # all of them join at L_inj
+    at_inject = both.active_per_layer[inject].cpu()
+    assert torch.isin(visual, at_inject).all()  # every token that joined passed the cut
+    if cut == "lazyllm":  # floor(k n) of the n tokens it scored, none of them visual, the last one kept
+        assert len(at_inject) == len(joined) - math.floor(0.2 * len(before))
+        assert at_inject[-1] == len(prompt) - 1
+        nxt = both.active_per_layer[inject + 1].cpu()  # a layer later they are ranked, as the rest
+        assert len(nxt) == len(at_inject) - math.floor(0.5 * len(at_inject))
+    else:  # FastV cuts visual tokens only, and it scored none
+        assert torch.equal(at_inject, joined)
+
+
 @pytest.mark.parametrize("arch", ["qwen2_vl", "llava"])  # M-RoPE and 1-D RoPE
 def test_the_design_pipeline_and_a_hand_built_pipeline_run_end_to_end(deep, media, arch):
     engine = load_engine(str(deep[arch]), device="cpu")
