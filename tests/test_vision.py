@@ -22,6 +22,7 @@ import pytest
 from PIL import EpsImagePlugin, Image
 
 from conftest import write_damaged_video
+from glimpse.common import UserError
 from glimpse import vision
 from glimpse.assets import ASSETS
 from glimpse.vision import media as media_module
@@ -675,8 +676,12 @@ def test_backend_choice(monkeypatch):
     assert media_module._choose_backend("pyav") == "pyav"  # the argument wins over the environment
     monkeypatch.delenv(media_module.VIDEO_BACKEND_ENV)
     assert media_module._choose_backend(None) == "pyav"
-    with pytest.raises(ValueError, match="unknown video backend"):
+    with pytest.raises(UserError, match="unknown video backend 'ffmpeg': use 'pyav' or 'decord'"):
         media_module._choose_backend("ffmpeg")
+    # Mistyped in the environment: the command says so in one line (it printed a traceback as "a bug in Glimpse")
+    monkeypatch.setenv(media_module.VIDEO_BACKEND_ENV, "Decord2")
+    with pytest.raises(UserError, match=r"unknown video backend 'decord2' \(\$GLIMPSE_VIDEO_BACKEND\)"):
+        media_module._choose_backend(None)
 
 
 def test_decord_backend_matches_pyav(clip):
