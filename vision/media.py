@@ -522,7 +522,7 @@ class VideoInfo:
 def _choose_backend(backend: str | None) -> str:
     """`backend` argument, else $GLIMPSE_VIDEO_BACKEND, else PyAV; decord only if it is installed."""
     requested = (backend or os.environ.get(VIDEO_BACKEND_ENV) or "pyav").lower()
-    if requested not in ("pyav", "decord"):  # a user's setting: one clear line, not "a bug in Glimpse" (an outside pass)
+    if requested not in ("pyav", "decord"):  # a user's setting: one clear line, not "a bug in Glimpse" (outside pass)
         where = "" if backend else f" (${VIDEO_BACKEND_ENV})"
         raise UserError(f"unknown video backend {requested!r}{where}: use 'pyav' or 'decord'")
     if requested == "decord" and importlib.util.find_spec("decord") is None:
