@@ -28,6 +28,7 @@ from glimpse.bench import device_name
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.random_checkpoint import build_random, random_image
 from glimpse.pipeline.scheduler import Cancelled, Scheduler
+from flags import check_flags
 
 
 def main() -> None:
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--vision-depth", type=int, default=4, help="vision tower blocks (the real towers have 32)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("tokens", "vision_depth"), or_none=("leave_after",), device=True)
 
     folder = Path(tempfile.mkdtemp(prefix="glimpse-cancel-"))
     build_random(folder, preset=args.preset, vision_depth=args.vision_depth)

@@ -22,6 +22,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from flags import check_flags
 
 
 def make_images(folder: Path, count: int) -> list[Path]:
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     args = parser.parse_args()
+    check_flags(parser, args, counts=("images", "rounds", "batch_size", "max_new_tokens"))
 
     import ray
 

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from flags import check_flags
 
 
 def write_clip(path: Path, seconds: int, seed: int, width: int = 1280, height: int = 720) -> None:
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--folder", type=Path, default=Path(tempfile.gettempdir()) / "glimpse-caption-reading")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("clips", "seconds", "batch_size", "max_new_tokens"))
 
     args.folder.mkdir(parents=True, exist_ok=True)
     for k in range(args.clips):

@@ -17,6 +17,7 @@ from glimpse.pipeline import load_engine
 from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pipeline.scheduler import Scheduler
 from glimpse.ui import _fitting_prompt, _turn_starts, history_to_messages
+from flags import check_flags
 
 
 def main() -> None:
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=1000)
     parser.add_argument("--give-up-s", type=float, default=120.0)
     args = parser.parse_args()
+    check_flags(parser, args, counts=("turns",), or_none=("give_up_s",))
 
     engine = load_engine(args.model, device="cpu")
     scheduler = Scheduler(engine, start=False)

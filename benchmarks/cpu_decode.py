@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from flags import check_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHES = (1, 2, 4, 8)
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    check_flags(parser, args, counts=("tokens", "runs"))
     if args.child:
         config = CONFIGS[args.child]
         print(json.dumps(measure(config["linear"], config["parallel"], args.tokens, args.runs)))

@@ -23,6 +23,7 @@ import torch
 from glimpse.bench import device_name
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.random_checkpoint import build_random, random_image
+from flags import check_flags
 
 COLOURS = ["#444444", "#d62728", "#1f77b4", "#2ca02c", "#9467bd"]
 
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=0, help="also decode this many requests together (0: skip)")
     parser.add_argument("--batch-runs", type=int, default=1)
     args = parser.parse_args()
+    check_flags(parser, args, counts=("layers", "image_tokens", "new_tokens", "runs", "batch_runs"),
+                or_none=("warmup", "batch"), device=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

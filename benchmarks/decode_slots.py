@@ -31,6 +31,7 @@ from glimpse.pipeline import load_engine
 from glimpse.pipeline.cache import LayerKV
 from glimpse.pipeline.engine import Engine
 from glimpse.pipeline.random_checkpoint import build_random_llava, random_image
+from flags import check_flags
 
 
 hides_now = LayerKV.keep_top_visual
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("layers", "batch", "new_tokens", "runs"), device=True)
 
     engine = random_llava_engine(args.preset, args.layers, args.device)
     messages = [{"role": "user", "content": [{"type": "image", "image": random_image(576)},

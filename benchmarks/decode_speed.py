@@ -25,6 +25,7 @@ from glimpse.bench import device_name, generate_decode_rate, text_prompt
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.cache import Growing
 from glimpse.pipeline.random_checkpoint import build_random
+from flags import check_flags
 
 
 def main() -> None:
@@ -37,6 +38,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("layers", "new_tokens", "runs"), device=True)
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     with tempfile.TemporaryDirectory() as tmp:

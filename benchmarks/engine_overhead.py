@@ -27,6 +27,7 @@ from glimpse.pipeline.random_checkpoint import build_random_qwen2_vl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import reference_inputs  # noqa: E402
+from flags import check_flags  # noqa: E402  (beside this script)
 
 
 def main() -> None:
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("layers", "vision_depth", "image_tokens", "runs"), device=True)
 
     from glimpse.pipeline import load_engine
     from glimpse.pipeline.metrics import synchronize

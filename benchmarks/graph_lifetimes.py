@@ -24,6 +24,7 @@ from glimpse.pipeline import load_engine
 from glimpse.pipeline.decode_graph import SlotStep
 from glimpse.pipeline.engine import Engine
 from glimpse.pipeline.scheduler import Scheduler
+from flags import check_flags
 
 
 def main() -> None:
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=8)
     args = parser.parse_args()
+    check_flags(parser, args, counts=("clients", "requests", "max_tokens", "max_batch"))
     engine = load_engine("embedded", device="cpu")
     engine.decode_graphs = True  # the fixed-shape step, as on CUDA
     served = collections.Counter()  # per SlotStep made (a capture on a GPU): the steps it ran

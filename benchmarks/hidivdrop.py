@@ -27,6 +27,7 @@ from glimpse.bench import device_name
 from glimpse.pipeline import load_engine
 from glimpse.pipeline.random_checkpoint import build_random, random_image
 from glimpse.pruning import HiDivDrop, NoPruning
+from flags import check_flags
 
 QUESTIONS = ["What is in this picture?", "Describe the image in detail.", "What colours do you see?"]
 
@@ -121,6 +122,7 @@ def main() -> None:
     parser.add_argument("--agreement-policies", default="hidivdrop",
                         help="policies whose agreement to measure (comma-separated; others for context)")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("layers", "image_tokens", "runs"), or_none=("warmup",), device=True)
     args.speeds = [float(s) for s in args.speeds.split(",")]
     args.agreement_policies = args.agreement_policies.split(",")
     report = {}

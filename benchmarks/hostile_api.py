@@ -47,6 +47,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+from flags import check_flags
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 ONE_PIXEL_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
@@ -450,6 +451,12 @@ def main() -> None:
     parser.add_argument("--large-bodies", type=int, default=0, metavar="N",
                         help="then N clients at once sending 60 MiB data URLs, and text questions meanwhile")
     args = parser.parse_args()
+    check_flags(parser, args, or_none=("disconnects", "slow_clients", "stalled_bodies", "large_bodies"))
+    try:  # said in a line where it ended in a connection traceback
+        httpx.get(args.url + "/health", timeout=10)
+    except httpx.TransportError as error:
+        parser.error(f"no server answers at {args.url} ({error}): start `glimpse serve --allowed-root "
+                     f"{args.allowed_root} ...` first, or give its --url")
     root = Path(args.allowed_root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     (root / "sample.png").write_bytes((ASSETS / "sample.png").read_bytes())

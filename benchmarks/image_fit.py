@@ -33,6 +33,7 @@ from glimpse.pipeline.random_checkpoint import photo_like
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test suite's tiny checkpoints
 from tiny_models import build_llava_next  # noqa: E402
+from flags import check_flags  # noqa: E402  (beside this script)
 
 LLAVA_V16_TILINGS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # its image_grid_pinpoints
 
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
+    check_flags(parser, args, counts=("runs",), device=True)
     checkpoint = tempfile.TemporaryDirectory()
     model = (str(build_llava_next(Path(checkpoint.name), image_size=336, pinpoints=LLAVA_V16_TILINGS))
              if args.model == "random-llava-next" else args.model)

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_suite  # noqa: E402  (its random 7B engine, its videos, its prefill sides)
+from flags import check_flags  # noqa: E402  (beside this script)
 
 RECORDED = {"copy_", "_to_copy", "cat", "_local_scalar_dense", "nonzero", "index_put_", "index", "index_select",
             "clone", "masked_scatter", "contiguous"}
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--top", type=int, default=25, help="rows per table (default 25)")
     args = parser.parse_args(argv)
+    check_flags(parser, args, counts=("tokens", "top"), device=True)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory(prefix="glimpse-prefill-diff-") as tmp:
         suite = gpu_suite.Suite(Path(tmp), args.smoke, device, float("inf"), print)

@@ -37,6 +37,7 @@ from glimpse.pipeline.encoder_cache import item_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from tiny_models import build_qwen2_vl  # noqa: E402
+from flags import check_flags  # noqa: E402  (beside this script)
 
 
 class FloatPatchesAdapter(Qwen2VLAdapter):
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("tokens", "runs"), device=True)
     device = torch.device(args.device)
     tmp = Path(tempfile.mkdtemp(prefix="glimpse-qwen-patches-"))
     engine = load_engine(str(build_qwen2_vl(tmp / "qwen2_vl")), device=args.device)

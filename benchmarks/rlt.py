@@ -32,6 +32,7 @@ from glimpse.pipeline.metrics import synchronize  # noqa: E402
 from glimpse.pipeline.random_checkpoint import build_random_qwen2_vl  # noqa: E402
 from glimpse.pruning import make_policy  # noqa: E402
 from glimpse.pruning.rlt import repeated_tokens  # noqa: E402
+from flags import check_flags  # noqa: E402  (beside this script)
 
 
 def timed(fn, device: torch.device) -> float:
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("layers", "vision_depth", "video_tokens", "rounds"), device=True)
     speeds = [float(s) for s in args.speeds.split(",")]
 
     with tempfile.TemporaryDirectory() as tmp:

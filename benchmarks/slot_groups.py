@@ -31,6 +31,7 @@ from glimpse.pipeline.engine import Engine
 from glimpse.pipeline.random_checkpoint import random_image
 
 from decode_slots import operators_of_one_step, random_llava_engine  # run as a script: benchmarks/ is on the path
+from flags import check_flags
 
 
 def one_batch_serve(groups: list[BatchKV], candidates: list) -> list[BatchKV] | None:
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("layers", "short", "long", "new_tokens", "runs"), device=True)
 
     engine = random_llava_engine(args.preset, args.layers, args.device)
     image = random_image(576)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+from flags import check_flags
 
 
 def write_video(path: Path, frames: int, width: int = 1920, height: int = 1080) -> None:
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=20000)
     parser.add_argument("--video", default="/tmp/glimpse-slow-media.mp4")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("frames",))
     video = Path(args.video)
     if not video.exists():
         print(f"writing {video} ({args.frames} frames) ...", flush=True)

@@ -24,11 +24,13 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 from PIL import Image, ImageDraw
+from flags import check_flags
 
 COLOURS = [(220, 30, 30), (30, 160, 60), (40, 70, 220), (240, 200, 20), (150, 60, 200), (250, 130, 20)]
 
@@ -111,10 +113,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the report as JSON here too")
     args = parser.parse_args(argv)
+    check_flags(parser, args, counts=("requests", "every"))
 
     glimpse = str(Path(sys.executable).with_name("glimpse"))
+    log = tempfile.TemporaryFile()  # the server's own words, shown if it stops before it serves
     server = subprocess.Popen([glimpse, "serve", "--port", str(args.port), *serve_args],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=log)
     client = httpx.Client(base_url=f"http://127.0.0.1:{args.port}", timeout=300)
     try:
         for _ in range(600):
@@ -123,8 +127,10 @@ def main() -> int:
                     break
             except httpx.TransportError:
                 pass
-            if server.poll() is not None:
-                raise SystemExit("glimpse serve exited before it answered /health")
+            if server.poll() is not None:  # a mistyped pass-through flag was only "exited before it answered"
+                log.seek(0)
+                said = log.read().decode(errors="replace").strip().splitlines()[-5:]
+                raise SystemExit("glimpse serve exited before it answered /health:\n  " + "\n  ".join(said))
             time.sleep(1)
         rng, state, statuses, samples = random.Random(args.seed), {}, {}, []
         start = time.perf_counter()

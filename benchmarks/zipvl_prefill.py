@@ -32,6 +32,7 @@ import torch
 from glimpse.bench import device_name
 from glimpse.pipeline.engine import LayerView, attend_among
 from glimpse.pruning.zipvl import ZipVL, important_count
+from flags import check_flags
 
 HEADS, KV_HEADS, HEAD_DIM = 28, 4, 128  # Qwen2-VL-7B
 
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--tau", type=float, default=0.975)
     parser.add_argument("--out", help="also write the results here as JSON")
     args = parser.parse_args()
+    check_flags(parser, args, counts=("tokens", "rounds"), device=True)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -403,3 +403,45 @@ def test_a_benchmark_of_your_own_files_checks_them_before_building_the_model_and
         err = capsys.readouterr().err
         assert said in err and "loading" not in err, (extra, err)
     assert picture.read_bytes() == media["image"].read_bytes()
+
+
+def test_every_benchmark_script_answers_help_and_refuses_bad_flags_before_any_work():
+    """What docs/benchmarks.md tells a user to run answers ``--help`` and refuses a bad flag in a usage line (exit 2)
+    before it builds or loads anything. Found from outside: lazyllm_slots.py had no flags, so ``--help`` started
+    the whole benchmark; ``--runs 0`` ended in a StatisticsError after the model was built; ``--device cuda`` on a
+    machine without one in torch's words; dash_diagnosis ran no variant for a name that matched none. One process
+    runs them all (each script as ``__main__``), so torch is imported once."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    scripts = sorted(p.name for p in folder.glob("*.py") if p.name != "flags.py")
+    cuda = "--device cuda: this machine has no CUDA GPU" if not torch.cuda.is_available() else None
+    cases = [(name, ["--help"], 0, "usage:") for name in scripts] + [
+        ("decode_slots.py", ["--runs", "0"], 2, "--runs must be at least 1, got 0"),
+        ("lazyllm_slots.py", ["--batches", "9"], 2, "--batches must be in [1, 8]"),
+        ("dash_diagnosis.py", ["--variants", "none,random_0.25"], 2, "--variants 'random_0.25': no variant starts so"),
+        ("zipvl_prefill.py", ["--tokens", "8000", "0"], 2, "--tokens must be at least 1, got [8000, 0]"),
+    ] + ([("decode_kv.py", ["--device", "cuda"], 2, cuda), ("prefill_diff.py", ["--device", "cuda"], 2, cuda)]
+         if cuda else [])
+    program = f"""
+import contextlib, io, runpy, sys
+sys.path.insert(0, {str(folder)!r})
+for name, argv, code, said in {cases!r}:
+    sys.argv, out = [name, *argv], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path({str(folder)!r} + "/" + name, run_name="__main__")
+        got = None
+    except SystemExit as stop:
+        got = stop.code
+    print(repr((name, argv, got == code and said in out.getvalue(), got, out.getvalue()[-300:])))
+"""
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import ast
+
+    outcomes = [ast.literal_eval(line) for line in proc.stdout.splitlines() if line.startswith("(")]
+    assert len(outcomes) == len(cases)
+    assert [o[:2] for o in outcomes if not o[2]] == [], [o for o in outcomes if not o[2]]
