@@ -41,7 +41,7 @@ class DivPrune(Policy):
 
     @classmethod
     def from_speed(cls, speed: float) -> "DivPrune":
-        return cls(keep=1.0 - 0.8 * check_speed(speed))  # 20% kept at speed 1; the paper headlines 9.8% (56 of 576)
+        return cls(keep=round(1.0 - 0.8 * check_speed(speed), 6))  # 20% kept at speed 1; the paper headlines 9.8% (56 of 576)
 
     def check(self, num_layers: int | None = None) -> None:
         if not 0.0 < self.keep <= 1.0:

@@ -12,7 +12,8 @@ lower bound: the measured agreement less one standard error) and runs the cheape
 that reaches it. So speed 0 asks for 1.0, which only the unpruned model
 has (exact), speed 1 asks for the floor, and as the speed rises the requirement only falls: the
 chosen point never prunes less (fewer prefill FLOPs) and, because the frontier admits no point
-measured slower end to end than a dearer one, never gets slower end to end. Where nothing measured
+measured slower end to end than a dearer one (beyond ``E2E_TOLERANCE``, the timing noise), never gets
+slower end to end. Where nothing measured
 reaches the requirement, ``auto`` prunes nothing.
 
 This module is pure: profiles are read and written by ``pipeline.profiles``.
