@@ -17,6 +17,7 @@ import contextlib
 import copy
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -204,9 +205,37 @@ class Request:
     host_position: list[int] | None = None  # ``ctx.next_position`` read to the host once (pipeline/decode_graph.py)
     error: Exception | None = None  # what ended it in a decode step (its policy's, or the step's); finish "error"
     short_of_memory: bool = False  # a decode step of it ran out of memory: ``Engine._passes`` says what follows
+    claim: "PolicyClaim | None" = None  # of the caller's policy object, when it runs that object itself
 
     def note_memory(self, meter: MemoryMeter) -> None:
         self.peak_memory = max(self.peak_memory, meter.peak())
+
+
+class PolicyClaim:
+    """That a request runs a caller's policy object: held by the request (by ``Engine.start`` while it prefills),
+    known to ``claim_policy`` through a weak reference, done once the request ends."""
+
+    done = False
+
+
+# id(policy object) -> the claim of the request running it, for every engine (an object may be given to two at once).
+# Weak: an entry goes with its request; the object itself is left untouched (it may be copied or pickled).
+_CLAIMS: "weakref.WeakValueDictionary[int, PolicyClaim]" = weakref.WeakValueDictionary()
+_CLAIMS_LOCK = threading.Lock()
+
+
+def claim_policy(policy: Policy) -> tuple[Policy, PolicyClaim]:
+    """``policy`` itself for a request to run, or a fresh object of its settings when another request runs it now.
+    A policy holds its request's state from ``plan`` on: one object given to two engines in two threads crossed
+    two requests' states (IndexError, or FastV's other tokens without a word: an outside pass). Reused one request
+    after another it stays the object itself, whose state (``halted``, ``telemetry``) its caller may read after."""
+    claim = PolicyClaim()
+    with _CLAIMS_LOCK:
+        held = _CLAIMS.get(id(policy))
+        if held is not None and not held.done:
+            policy = policy.fresh()
+        _CLAIMS[id(policy)] = claim  # the request's end (or its being dropped) frees the object
+    return policy, claim
 
 
 @dataclass
@@ -523,22 +552,32 @@ class Engine:
         raises ``PrefillInterrupted``."""
         t_request = time.perf_counter()
         _check_max_new_tokens(max_new_tokens)
+        claim = None
         if isinstance(policy, Policy):
             policy.check(len(self.adapter.layers))  # given as it is: checked before its media are decoded
+            policy, claim = claim_policy(policy)
         else:
             policy = self.make_policy(policy, speed)  # checks it
         prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches)
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        request, tried = attempt(lambda: self._prefill_request(prompt, policy, max_new_tokens, sampling, generator,
-                                                              ignore_eos, caches, defer, t_request, interrupted))
+        try:
+            request, tried = attempt(lambda: self._prefill_request(prompt, policy, max_new_tokens, sampling, generator,
+                                                                  ignore_eos, caches, defer, t_request, interrupted))
+        except BaseException:
+            if claim is not None:  # nothing runs the object now (a traceback kept somewhere would have held it)
+                claim.done = True
+            raise
         if request is None:
+            if claim is not None:
+                claim.done = True
             counts = [f"{n:,} {kind}" for kind, n in prompt.token_counts().items() if n]
             counts = " and ".join([", ".join(counts[:-1]), counts[-1]] if len(counts) > 1 else counts)
             raise OutOfMemory(f"out of {self._memory_name()} memory prefilling this prompt of {counts} tokens{tried}: a "
                               "shorter video, fewer or smaller images or a shorter conversation need less (beside "
                               "other requests, it may fit once they end)")
+        request.claim = claim
         return request
 
     def _prefill_request(self, prompt, policy, max_new_tokens, sampling, generator, ignore_eos, caches, defer,
@@ -640,6 +679,8 @@ class Engine:
         """End ``request`` here ("stop", "length", "cancelled", "error"): it takes no further decode step."""
         synchronize(self.device)
         request.finish, request.done, request.t_end = reason, True, time.perf_counter()
+        if request.claim is not None:  # its policy object may answer another request now
+            request.claim.done = True
         if request.pending is not None:  # ended before the step that was to compute its prompt's end
             request.pending, request.t_first = None, request.t_end
 

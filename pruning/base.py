@@ -36,7 +36,7 @@ nothing of files, Gradio or HTTP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -85,6 +85,10 @@ class Policy:
         """Parameters for a speed in [0, 1]; speed 0 must be exact (no pruning)."""
         check_speed(speed)
         return cls()
+
+    def fresh(self) -> "Policy":
+        """A new object of the same settings and none of a request's state (``plan`` sets that)."""
+        return replace(self)
 
     def params(self) -> dict:
         """The parameters this request ran with: the fields, then the resolved values."""

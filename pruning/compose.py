@@ -9,7 +9,7 @@ default pipeline (HiDivDrop late injection, then DASH or ZipVL, then ST3's decod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,6 +46,9 @@ class Pipeline(Policy):
     def skip_encoding(self, ctx) -> torch.Tensor | None:
         skipped = [s for s in (p.skip_encoding(ctx) for p in self.policies) if s is not None]
         return torch.unique(torch.cat(skipped)) if skipped else None
+
+    def fresh(self) -> "Pipeline":
+        return replace(self, policies=tuple(p.fresh() for p in self.policies))
 
     def select(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         # Tokens a member lets join at this layer (HiDivDrop's late injection) pass the cuts of the members after it

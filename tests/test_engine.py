@@ -1295,3 +1295,38 @@ def test_an_interrupted_prefill_stops_before_the_next_block_of_every_architectur
     assert stopped and ran == [0] and len(blocks) >= 2
     assert not garbage, [tuple(t.shape) for t in garbage]
     assert engine.generate(messages, policy="none", max_new_tokens=4).token_ids == expected
+
+
+def test_one_policy_object_given_to_two_engines_at_once_runs_each_request_with_its_own_state(checkpoints, media):
+    """A policy holds its request's state from ``plan`` on. Found from outside: one object given to two engines in
+    two threads crossed the requests' states (IndexError, or FastV's other tokens without a word). The second
+    request runs a fresh object of the same settings; one request after another, the object itself runs, so its
+    caller can read its state after."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    both_planned = threading.Barrier(2, timeout=120)  # the two requests hold their plans at once
+
+    class PromptLength(Policy):
+        name = "prompt-length"
+
+        def plan(self, ctx):
+            self.resolved = {"prompt_tokens": int(ctx.modality.shape[0])}
+            both_planned.wait()
+
+    engines = [load_engine(str(checkpoints["llava"]), device="cpu") for _ in range(2)]
+    short, long = ([{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                                 {"type": "text", "text": question}]}]
+                   for question in ("What is it?", "Describe every shape and colour in this picture, in detail."))
+    lengths = [len(engines[0].prepare(short)), len(engines[1].prepare(long))]
+    assert lengths[0] != lengths[1]
+    shared = PromptLength()
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda job: job[0].generate(job[1], policy=shared, max_new_tokens=2),
+                                [(engines[0], short), (engines[1], long)]))
+    assert [a.params["prompt_tokens"] for a in answers] == lengths
+    both_planned = threading.Barrier(1)  # alone from here
+    engines[0].generate(short, policy=shared, max_new_tokens=1)
+    assert shared.resolved == {"prompt_tokens": lengths[0]}
+    engines[1].generate(long, policy=shared, max_new_tokens=1)
+    assert shared.resolved == {"prompt_tokens": lengths[1]}

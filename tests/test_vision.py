@@ -990,3 +990,25 @@ def test_image_patch_bytes_normalize_to_the_image_processor_s_values_for_every_b
     np.testing.assert_array_equal(ours.numpy().reshape(4, 3, 512), reference.transpose(1, 0, 2))
     with pytest.raises(ValueError, match="uint8"):
         vision.normalize_image_patches(ours)
+
+
+def test_paths_no_file_can_have_and_pictures_of_no_pixels_are_refused_in_one_clear_line(tmp_path, monkeypatch):
+    """Found from outside, through the Python API: a path longer than the file system takes (a data URL pasted where
+    a path goes) raised a raw OSError, "File name too long"; a PIL crop of no area raised a ZeroDivisionError deep in
+    a resize on Qwen2-VL and LLaVA and got an answer on the embedded model."""
+    import base64
+
+    for source in (f"/tmp/{'a' * 5000}.png", f"/tmp/{'b' * 5000}.mp4"):
+        with pytest.raises(vision.MediaError, match="cannot be read as a file"):
+            (vision.sample_video_uniform(source, num_frames=2) if source.endswith(".mp4") else
+             vision.load_image(source))
+    data_url = "data:image/png;base64," + base64.b64encode((ASSETS / "sample.png").read_bytes()).decode()
+    with pytest.raises(vision.MediaError, match="a data URL, not a local file"):
+        vision.load_image(data_url)
+    monkeypatch.chdir(tmp_path)  # a file that is named so is still read
+    (tmp_path / "data:a,b.png").write_bytes((ASSETS / "sample.png").read_bytes())
+    assert vision.load_image("data:a,b.png").size == Image.open(ASSETS / "sample.png").size
+    picture = Image.open(ASSETS / "sample.png")
+    for box, size in (((10, 10, 10, 10), "0x0"), ((10, 10, 10, 300), "0x290"), ((5, 5, 60, 5), "55x0")):
+        with pytest.raises(vision.MediaError, match=rf"the image is empty \({size} pixels\)"):
+            vision.load_image(picture.crop(box))

@@ -193,7 +193,21 @@ def _check_file(path: str | os.PathLike) -> Path:
     path = local_path(path)  # the chat format allows file:// URLs
     if isinstance(path, str) and "://" in path:
         raise MediaError(f"{path}: a URL, not a local file (download it first; the server's API fetches http(s) URLs)")
+    if (isinstance(path, str) and re.match(r"data:[^,;]*(;[^,;]*)*,", path[:300], re.IGNORECASE)
+            and not os.path.lexists(path)):  # read as a file name, it was "File name too long"
+        raise MediaError(f"{path[:40]}...: a data URL, not a local file (give its decoded bytes, or a file; the "
+                         "server's API reads data URLs)")
     path = Path(path)
+    try:
+        return _checked_file(path)
+    except MediaError:
+        raise
+    except OSError as error:  # a name too long for the file system, a folder it may not enter: one clear line
+        shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:200]}..."
+        raise MediaError(f"{shown}: cannot be read as a file ({error.strerror or error})") from None
+
+
+def _checked_file(path: Path) -> Path:
     if path.is_dir():
         raise MediaError(f"{_display_name(path)}: a folder, not an image or video file")
     if not path.exists():  # the path as given: which folder it was looked for in is the point
@@ -268,6 +282,8 @@ def detect_kind(path: str | os.PathLike) -> Literal["image", "video"]:
 
 def _check_pixel_count(size: tuple[int, int], max_pixels: int, name: str) -> None:
     width, height = size
+    if width < 1 or height < 1:  # a PIL crop of no area: a ZeroDivisionError deep in a resize, or 256 tokens of nothing
+        raise MediaError(f"{name}: the image is empty ({width}x{height} pixels)")
     if width * height > max_pixels:
         raise MediaError(
             f"{name}: image too large ({width}x{height} = {width * height / 1e6:.0f} MP, "
@@ -352,7 +368,7 @@ def _is_video(src: str | os.PathLike | bytes) -> bool:
         return _sniff_kind(bytes(src[:32])) == "video"
     try:
         return detect_kind(src) == "video"
-    except MediaError:
+    except (MediaError, OSError):
         return False
 
 
