@@ -74,6 +74,8 @@ class HiDivDrop(ScoreThenCut):
         check_layer("HiDivDrop inject_layer", self.inject_layer, num_layers, low=0)
         if self.exit_layer is not None and self.exit_layer < 1:
             raise UserError(f"HiDivDrop exit_layer must be at least 1, got {self.exit_layer}")
+        if self.filter_layers is not None and len(self.filter_layers) == 0:  # it was the paper's, unsaid
+            raise UserError("HiDivDrop filter_layers is empty: leave it out for the paper's layers (scaled)")
         for f in self.filter_layers or ():
             check_layer("HiDivDrop filter_layers", f, num_layers, low=0)
         if num_layers is not None:

@@ -84,6 +84,15 @@ class LazyLLM(ScoreThenCut):
             raise UserError(f"LazyLLM depth_fractions must be in (0, 1), got {self.depth_fractions}")
         for layer in self.prune_layers or ():
             check_layer("LazyLLM prune_layers", layer, num_layers)
+        # Set by hand, a layer given twice or a fraction past the last layer was dropped without a word (the request
+        # ran unpruned, "LazyLLM off": an outside pass). The defaults may meet on a shallow model (``plan``).
+        if self.prune_layers and len(set(self.prune_layers)) != len(self.prune_layers):
+            raise UserError(f"LazyLLM prune_layers names a layer twice: {list(self.prune_layers)}")
+        if num_layers is not None and not self.prune_layers and self.depth_fractions != DEPTH_FRACTIONS:
+            past = [f for f in self.depth_fractions if round(f * num_layers) >= num_layers]
+            if past:
+                raise UserError(f"LazyLLM depth_fractions {past} put a pruning layer past the last layer "
+                                f"({num_layers - 1}) of this {num_layers}-layer model")
         if not self.prune_text and self.decode_reselect:
             raise UserError("LazyLLM prune_text=False prunes in prefill only: set decode_reselect=False")
 

@@ -87,6 +87,9 @@ class ST3(ScoreThenCut):
         # At least 1: the drop at a layer ranks by the layer before's attention. 0 was taken, reported as "P at layer 0"
         # and never applied (P folded into the first stride drop; on 2 layers nothing pruned: an outside pass).
         check_layer("ST3 start_layer", self.start_layer, num_layers, low=1)
+        if self.drop_step is None and self.first_drop + self.end_keep > 1.0 + 1e-9:  # needs no depth: said at once
+            raise UserError(f"ST3 first_drop P={self.first_drop} and end_keep C={self.end_keep}: P is dropped at the "
+                            "start layer and C kept at the last, so P + C must be at most 1")
         if self.anneal not in SCHEDULES:
             raise UserError(f"ST3 anneal must be one of {', '.join(SCHEDULES)}, got {self.anneal!r}")
         if self.anneal_tau is not None and self.anneal_tau < 1:  # in answer tokens (the paper's is 50): 5e-324 was

@@ -603,8 +603,11 @@ OUT_OF_RANGE = [("dash", "keep_first", -1), ("zipvl", "group", 0), ("zipvl", "ta
                 # An outside pass: a seed torch cannot take (seed * 100003 + layer past 2**64) was an internal error, and
                 # an ST3 tau of 5e-324 answer tokens a ZeroDivisionError in decode (the exponential schedule's tau / 3).
                 ("zipvl", "seed", 2**62), ("zipvl", "seed", -1), ("st3", "anneal_tau", 5e-324), ("st3", "anneal_tau", 0.5),
-                # ... and an ST3 start layer of 0, reported as "P at layer 0" and never applied
-                ("st3", "start_layer", 0)]
+                # ... and an ST3 start layer of 0, reported as "P at layer 0" and never applied; a LazyLLM layer given
+                # twice and an empty HiDivDrop filter_layers, dropped or replaced without a word; ST3's P + C past 1,
+                # which needs no depth, refused only once the model had loaded
+                ("st3", "start_layer", 0), ("lazyllm", "prune_layers", [8, 8, 9]), ("hidivdrop", "filter_layers", []),
+                ("st3", "end_keep", 0.9)]
 # Layer numbers past the model's last layer, once silently clamped or never reached (the policy did nothing).
 PAST_THE_LAST_LAYER = [("dash", "start_layer", 1000), ("st3", "start_layer", 1000), ("fastv", "layer", 1000),
                        ("lazyllm", "prune_layers", [1, 2, 1000]), ("hidivdrop", "filter_layers", [1, 2, 3, 1000])]
@@ -628,6 +631,9 @@ def test_a_parameter_out_of_range_is_refused_before_a_model_loads_and_a_layer_pa
         with pytest.raises(UserError, match=f"on this {L}-layer model"):
             engine.generate(_image_messages(media), policy=policy, max_new_tokens=1)
     assert ST3.from_speed(1.0).start_layer is None  # the paper's layer 3, or the last on a shallower model
+    # depth fractions set by hand that put a layer past the last: the request ran unpruned, "LazyLLM off"
+    with pytest.raises(UserError, match=rf"depth_fractions \[0.99\] put a pruning layer past the last layer"):
+        engine.make_policy("lazyllm", 0.5, {"depth_fractions": [0.25, 0.5, 0.99]})
     # P + C past 1 was refused as the prefill planned, after the picture was decoded, as "R=-0.0667 ... prune more
     # than all" (an outside pass): now with the other parameters, and in the user's words
     with pytest.raises(UserError, match=r"P \+ C must be at most 1"):
