@@ -432,6 +432,8 @@ class Engine:
         block of the vision tower or the next decoder layer), the stream yields nothing. One call at a time
         per engine: other threads wait; a call from the thread of a stream not read to its end raises
         ``EngineBusy``."""
+        if cancel is not None and not callable(getattr(cancel, "is_set", None)):  # True was an AttributeError
+            raise UserError(f"cancel takes a threading.Event (set it to stop the answer), got {type(cancel).__name__}")
         with self._lock:
             if cancel is not None and cancel.is_set():
                 return  # gave up while waiting: nothing computed

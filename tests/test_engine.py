@@ -1330,3 +1330,14 @@ def test_one_policy_object_given_to_two_engines_at_once_runs_each_request_with_i
     assert shared.resolved == {"prompt_tokens": lengths[0]}
     engines[1].generate(long, policy=shared, max_new_tokens=1)
     assert shared.resolved == {"prompt_tokens": lengths[1]}
+
+
+def test_cancel_takes_an_event_and_anything_else_is_said_so(checkpoints, media):
+    """Found from outside: ``cancel=True`` (not an Event) was an AttributeError from inside the engine."""
+    from glimpse.common import UserError
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    for cancel in (True, "yes", 1):
+        with pytest.raises(UserError, match=f"cancel takes a threading.Event .*got {type(cancel).__name__}"):
+            engine.generate(_messages("image", media), max_new_tokens=1, cancel=cancel)
+    assert engine.generate(_messages("image", media), max_new_tokens=1).token_ids  # and it goes on serving
