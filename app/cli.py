@@ -1143,7 +1143,7 @@ def _complete_frontier_in(path: Path):
 
     try:
         frontier = stored_frontier(json.loads(path.read_text()))
-    except (OSError, KeyError, TypeError, ValueError, AttributeError):
+    except (OSError, ValueError):
         return None
     return None if frontier.unmeasured else frontier
 

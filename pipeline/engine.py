@@ -567,18 +567,16 @@ class Engine:
         try:
             request, tried = attempt(lambda: self._prefill_request(prompt, policy, max_new_tokens, sampling, generator,
                                                                   ignore_eos, caches, defer, t_request, interrupted))
+            if request is None:
+                counts = [f"{n:,} {kind}" for kind, n in prompt.token_counts().items() if n]
+                counts = " and ".join([", ".join(counts[:-1]), counts[-1]] if len(counts) > 1 else counts)
+                raise OutOfMemory(f"out of {self._memory_name()} memory prefilling this prompt of {counts} "
+                                  f"tokens{tried}: a shorter video, fewer or smaller images or a shorter conversation "
+                                  "need less (beside other requests, it may fit once they end)")
         except BaseException:
             if claim is not None:  # nothing runs the object now (a traceback kept somewhere would have held it)
                 claim.done = True
             raise
-        if request is None:
-            if claim is not None:
-                claim.done = True
-            counts = [f"{n:,} {kind}" for kind, n in prompt.token_counts().items() if n]
-            counts = " and ".join([", ".join(counts[:-1]), counts[-1]] if len(counts) > 1 else counts)
-            raise OutOfMemory(f"out of {self._memory_name()} memory prefilling this prompt of {counts} tokens{tried}: a "
-                              "shorter video, fewer or smaller images or a shorter conversation need less (beside "
-                              "other requests, it may fit once they end)")
         request.claim = claim
         return request
 

@@ -296,17 +296,20 @@ def local_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier | N
         return None
     try:
         return stored_frontier(profile)
-    except (KeyError, TypeError, ValueError, AttributeError) as error:  # damaged: as if there were none, and said
+    except ValueError as error:  # damaged: as if there were none, and said
         warn_unusable(model, "slider", profile, num_layers, damaged=f"not a whole frontier: {error}")
         return None
 
 
-def stored_frontier(profile: dict) -> Frontier:
+def stored_frontier(profile) -> Frontier:
     """A frontier read from a file, checked (``Point.check``, and that it runs only policies Glimpse has): a
-    KeyError, TypeError, ValueError or AttributeError where the file cannot be what a calibration wrote."""
+    ValueError, whatever is wrong, where the data cannot be what a calibration wrote."""
     from glimpse.pruning import POLICIES
 
-    frontier = Frontier.from_json(profile, calibrated=True)
+    try:
+        frontier = Frontier.from_json(profile, calibrated=True)
+    except (KeyError, TypeError, AttributeError) as error:  # a key missing, a value or the whole of another type
+        raise ValueError(str(error)) from None
     unknown = {member.policy for point in frontier.points + frontier.measured for member in point.members}
     if unknown - set(POLICIES):
         raise ValueError(f"no policy named {', '.join(sorted(unknown - set(POLICIES)))}")
@@ -329,9 +332,9 @@ def slider_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier:
 
         try:
             shipped = json.loads(SHIPPED_FRONTIER.read_text())
-            if shipped.get("weights") == embedded.checkpoint_name():
+            if not isinstance(shipped, dict) or shipped.get("weights") == embedded.checkpoint_name():
                 return stored_frontier(shipped)
-        except (OSError, KeyError, TypeError, ValueError, AttributeError) as error:
+        except (OSError, ValueError) as error:
             # A damaged install (or a maintainer's --out over it gone wrong) leaves auto uncalibrated, and says so.
             warn_file_once(SHIPPED_FRONTIER, f"ignoring the frontier that ships, {SHIPPED_FRONTIER} ({error}): auto "
                                              "runs the uncalibrated default")
