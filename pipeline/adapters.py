@@ -12,6 +12,9 @@ Everything here calls the model's own modules and functions (``get_image_feature
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -89,6 +92,16 @@ class Adapter:
         """What this model's image processor does to a picture's size: ``vision.load_image`` resizes a larger
         picture to it as it decodes (docs/models.md). None where it is not known: the processor gets the picture."""
         return None
+
+    @functools.cached_property
+    def prompt_signature(self) -> str:
+        """What a prompt built for this model depends on, in a few characters: the architecture (its media tensors'
+        layout), the tokenizer's size and placeholder ids (the token ids) and the image processor's settings (the
+        pixels). A ``Prompt`` carries it, and an engine refuses one made for another model, where its ids and tensors
+        mean something else. Two checkpoints that share all of these (Qwen2-VL-2B and -7B) take each other's prompts."""
+        parts = [type(self).__name__, len(self.tokenizer), self.image_token_id, self.video_token_id,
+                 self.image_processor.to_json_string()]
+        return f"{self.name}:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]}"
 
     # -- tokens -------------------------------------------------------------------------------
     @property

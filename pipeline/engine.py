@@ -873,6 +873,14 @@ class Engine:
             out.append((rows, features, layers))
         return out
 
+    def check_prompt(self, prompt: Prompt) -> None:
+        """Refuse a ``Prompt`` built by another model's engine: its token ids and media tensors mean something else
+        here (they failed deep in the prefill with a KeyError, or ran as other tokens)."""
+        if prompt.made_for and prompt.made_for != self.adapter.prompt_signature:
+            raise PromptError(f"this prompt was built for another model ({prompt.made_for.split(':')[0]}, its "
+                              f"tokenizer and image processor), not this engine's ({self.adapter.name}): build it with "
+                              "this engine's prepare(messages), or pass the messages")
+
     def prefill(self, prompt: Prompt, policy: Policy, caches: bool = True) -> tuple[torch.Tensor, PrefillContext]:
         ctx, spans = self._prefill_context(prompt, policy, caches)
         return self._prefill_layers(prompt, policy, ctx, spans), ctx
@@ -881,6 +889,7 @@ class Engine:
         """The request's context (embeddings, positions, an empty cache, the policy's plan) and, where the
         prefix cache applies, its media spans, with the cache seeded from the longest cached prefix.
         ``caches=False``: neither the prefix cache nor (when the encoder runs) the encoder's is used."""
+        self.check_prompt(prompt)
         input_ids = prompt.input_ids.to(self.device)
         hidden = self.adapter.embed_tokens(input_ids)[None]  # (1, T, d)
         positions = self.adapter.positions(input_ids, prompt.modality, prompt.media)

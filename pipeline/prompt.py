@@ -66,6 +66,7 @@ class Prompt:
     modality: torch.Tensor  # (T,) TEXT / IMAGE / VIDEO per token
     media: list[MediaInput]
     text: str  # the rendered chat template, placeholders not yet expanded
+    made_for: str = ""  # the building adapter's ``prompt_signature`` ("": not known, taken by any engine)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -390,4 +391,5 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
     if max_length is not None and len(expanded) >= max_length:
         raise ContextOverflow(f"the prompt is {len(expanded):,} tokens, over this model's context length of "
                               f"{max_length:,}; use a shorter text, fewer or smaller images, or fewer video frames")
-    return Prompt(torch.tensor(expanded, dtype=torch.long), torch.tensor(modality, dtype=torch.long), ordered, text)
+    return Prompt(torch.tensor(expanded, dtype=torch.long), torch.tensor(modality, dtype=torch.long), ordered, text,
+                  adapter.prompt_signature)

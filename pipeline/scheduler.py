@@ -216,6 +216,7 @@ class Scheduler:
             # A Policy object given here is a template: the request gets its own copy (policies keep state).
             policy = copy.deepcopy(policy) if isinstance(policy, Policy) else self.engine.make_policy(policy, speed)
             prompt = messages if isinstance(messages, Prompt) else self.prepare(messages, caches, left)
+            self.engine.check_prompt(prompt)
             context = self.engine.max_length
             if refuse_past_context and context is not None and len(prompt) + max_new_tokens > context:
                 raise ContextOverflow(f"{refuse_past_context}: this model's context is {context:,} tokens and the "

@@ -1341,3 +1341,32 @@ def test_cancel_takes_an_event_and_anything_else_is_said_so(checkpoints, media):
         with pytest.raises(UserError, match=f"cancel takes a threading.Event .*got {type(cancel).__name__}"):
             engine.generate(_messages("image", media), max_new_tokens=1, cancel=cancel)
     assert engine.generate(_messages("image", media), max_new_tokens=1).token_ids  # and it goes on serving
+
+
+def test_a_prompt_built_for_another_model_is_refused_and_one_of_the_same_checkpoint_is_taken(checkpoints, media):
+    """Found from outside: a ``Prompt`` one engine built, given to another model's engine, failed deep in the
+    prefill (a KeyError of the media tensors, for Qwen2-VL's prompt on LLaVA and back). Its token ids and tensors
+    mean something else there: refused, by the engine and by the scheduler before it queues. A second engine of the
+    same checkpoint (as the Ray captioner's prompt builder is) takes it and answers as the messages do."""
+    from glimpse.pipeline.scheduler import Scheduler
+
+    engines = {arch: load_engine(str(checkpoints[arch]), device="cpu") for arch in ("qwen2_vl", "llava", "llava_next")}
+    prompts = {arch: engine.prepare(_messages("image", media)) for arch, engine in engines.items()}
+    for built_for, prompt in prompts.items():
+        for arch, engine in engines.items():
+            if arch == built_for:
+                continue
+            name = engines[built_for].adapter.name
+            with pytest.raises(PromptError, match=f"built for another model \\({name}, .*prepare\\(messages\\)"):
+                engine.generate(prompt, max_new_tokens=1)
+            with pytest.raises(PromptError, match="built for another model"):
+                engine.prefill(prompt, NoPruning())
+            scheduler = Scheduler(engine, max_batch=2)
+            try:
+                with pytest.raises(PromptError, match="built for another model"):
+                    scheduler.submit(prompt, max_new_tokens=1)
+            finally:
+                scheduler.close()
+    twin = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    assert twin.generate(prompts["qwen2_vl"], max_new_tokens=MAX_NEW).token_ids == \
+        twin.generate(_messages("image", media), max_new_tokens=MAX_NEW).token_ids
