@@ -125,10 +125,22 @@ def check_text(text) -> None:
         raise PromptError("the text is not valid Unicode (it holds a lone surrogate)") from None
 
 
+# qwen-vl-utils' per-item sizing and sampling keys. Glimpse sizes and samples every image and video as the model's
+# processor and adapter say (docs/models.md), the same for every request: an item that asks otherwise is refused
+# rather than answered at a size or frame rate it did not ask for.
+PER_ITEM_SETTINGS = ("min_pixels", "max_pixels", "total_pixels", "resized_height", "resized_width", "fps", "nframes",
+                     "min_frames", "max_frames", "video_start", "video_end")
+
+
 def _media_of(item: dict):
     """An image or video item's source: its ``image``/``video``, ``url`` or ``path`` — for an image a path, its
     bytes or a PIL image, for a video a path. Present but empty (``b""``) is kept, so that it fails as an empty
     file, not as a missing key."""
+    asked = [key for key in PER_ITEM_SETTINGS if key in item]
+    if asked:
+        raise PromptError(f"{'an image' if item['type'] == 'image' else 'a video'} item's {', '.join(map(repr, asked))} (qwen-vl-utils' per-item settings) "
+                          f"is not read: Glimpse sizes and samples every {item['type']} as the model's processor says "
+                          "(docs/models.md); leave it out")
     for key in (item["type"], "url", "path"):
         if item.get(key) is not None:
             source = item[key]

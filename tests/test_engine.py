@@ -480,6 +480,11 @@ def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(c
                           ({"seed": 1.5}, "seed"), ({"temperature": "hot"}, "temperature")):
         with pytest.raises(UserError, match=said):
             engine.generate(messages, **options)
+    # qwen-vl-utils' per-item settings were left unread: the request was answered at a size it did not ask for
+    for kind, setting in (("image", {"max_pixels": 50_000}), ("video", {"fps": 1.0, "nframes": 4})):
+        item = {"type": kind, kind: str(media["image" if kind == "image" else "video"]), **setting}
+        with pytest.raises(PromptError, match=f"item's {', '.join(map(repr, setting))} .* is not read"):
+            engine.generate([{"role": "user", "content": [item, {"type": "text", "text": "hi"}]}], max_new_tokens=2)
     with pytest.raises(UserError, match="overrides are a dict"):
         engine.make_policy("dash", 0.5, ["rho=0.3"])
     with pytest.raises(PromptError, match="a list of conversations, got str"):
