@@ -34,7 +34,7 @@ from pathlib import Path
 
 from glimpse.common import UserError
 from glimpse.common.jsonable import finite
-from glimpse.launcher import stop_on_sigterm, stopped
+from glimpse.launcher import kept_stop_status, stop_on_sigterm, stopped
 from glimpse.pipeline.prompt import check_text, check_text_length, user_message
 from glimpse.pipeline.random_checkpoint import REAL_PRESETS
 from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
@@ -511,7 +511,7 @@ def run_eval(args) -> int:
         _log(f"plot written to {args.plot}")
     if report["interrupted"]:  # Ctrl-C or SIGTERM: what was measured by then is above (it printed nothing)
         _log(f"interrupted: the {len(report['rows'])} rows above are the configurations measured by then")
-        return 130
+        return kept_stop_status()
     return 0
 
 
@@ -980,7 +980,7 @@ def run_bench(args) -> int:
     if report["interrupted"]:
         _log(f"interrupted: {len(report['rows'])} rows from the {len(report['log'])} runs done"
              + (f" are in {args.out}" if args.out else ""))
-        return 130
+        return kept_stop_status()
     return 0
 
 

@@ -17,8 +17,13 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM came: the command stops as on Ctrl-C, with exit status 143 (128 + SIGTERM)."""
 
 
+_terminated = False  # SIGTERM came: a command that caught the stop to keep its partial result still says which
+
+
 def stop_on_sigterm() -> None:
     def stop(_signum, _frame):
+        global _terminated
+        _terminated = True
         raise Terminated
 
     signal.signal(signal.SIGTERM, stop)
@@ -29,6 +34,12 @@ def stopped(stop: KeyboardInterrupt) -> int:
     terminated = isinstance(stop, Terminated)
     print(f"glimpse: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
     return 143 if terminated else 130
+
+
+def kept_stop_status() -> int:
+    """The exit status of a command that caught its stop and printed what it had (``glimpse bench``'s and ``eval``'s
+    partial reports): 143 when SIGTERM stopped it, as every other command's, 130 on Ctrl-C."""
+    return 143 if _terminated else 130
 
 
 def main() -> int:

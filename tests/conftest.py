@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -200,3 +203,30 @@ def slow_head(release, connection, head) -> None:
         if release.wait(0.2):
             return
         connection.sendall(f"X-Slow-{i}: yes\r\n".encode())
+
+
+@pytest.fixture(params=["ctrl-c", "sigterm"])
+def stop(request, monkeypatch):
+    """How a user stops a long command — Ctrl-C, or a plain ``kill`` (SIGTERM, through the handler the ``glimpse``
+    entry point puts in) — as ``(stop_now, exit status that says which)``: ``stop_now()`` stops it where called."""
+    from glimpse import launcher
+
+    if request.param == "ctrl-c":
+        def ctrl_c():
+            raise KeyboardInterrupt
+
+        yield ctrl_c, 130
+        return
+    monkeypatch.setattr(launcher, "_terminated", False)
+    previous = signal.getsignal(signal.SIGTERM)
+    launcher.stop_on_sigterm()
+
+    def kill():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # the handler raises here at once
+        raise AssertionError("SIGTERM did not stop the command")
+
+    try:
+        yield kill, 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
