@@ -110,8 +110,8 @@ def write_video(path: Path, frames: int, fps: int, size: tuple[int, int], contai
 
 
 def write_damaged_video(path: Path, frames: int = 30) -> Path:
-    """A clip that declares ``frames`` frames but decodes about half of them: its index is at the front (faststart),
-    and garbage overwrites part of its data, as a damaged download or disk would."""
+    """A clip that declares ``frames`` frames but decodes fewer: its index is at the front (faststart), and garbage
+    overwrites part of its data near the end, as a damaged download or disk would."""
     data = bytearray(write_video(path, frames=frames, fps=10, size=(64, 48),
                                  container_options={"movflags": "faststart"}).read_bytes())
     start = int(len(data) * 0.9)

@@ -568,14 +568,37 @@ def test_truncated_video_samples_the_frames_that_decode(tmp_path, caplog):
     assert sampled.indices == expected
     assert [_frame_index(frame) for frame in sampled.frames] == expected
 
-    # Garbage inside the data (not a cut) stops the decoder with an FFmpeg error. The log names the file, never
-    # its folder: for a fetched URL that is the server's temporary folder.
+    # Garbage inside the data (not a cut): the decoder refuses those packets. The log names the file, never its
+    # folder: for a fetched URL that is the server's temporary folder.
     write_damaged_video(tmp_path / "damaged.mp4")
     caplog.clear()
     with caplog.at_level("WARNING"):
         vision.sample_video_uniform(tmp_path / "damaged.mp4", num_frames=8)
-    assert "damaged.mp4: decoding stopped early (Invalid data" in caplog.text
+    assert re.search(r"damaged\.mp4: \d+ damaged packets? skipped \(Invalid data", caplog.text), caplog.text
     assert str(tmp_path) not in caplog.text
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "qwen"])
+def test_a_video_damaged_midway_is_sampled_past_the_damage(tmp_path, caplog, sampler):
+    """Found from outside: the first packet the decoder refused ended the video, so a clip damaged a third of the way
+    in was answered from that third alone. The damaged packets are skipped, as players skip them: the sampled frames
+    reach the clip's end, and the answer says how many frames were lost."""
+    frames = 60
+    path = _write_video(tmp_path / "clip.mp4", frames=frames, gop=10)
+    with av.open(str(path)) as container:
+        packets = [(p.pos, p.size) for p in container.demux(video=0) if p.size]
+    data = bytearray(path.read_bytes())
+    start, size = packets[frames // 3]
+    data[start:start + size] = b"\xff" * size
+    path.write_bytes(bytes(data))
+    with caplog.at_level("WARNING"):
+        sampled = (vision.sample_video_uniform(path, num_frames=8) if sampler == "uniform"
+                   else vision.sample_video_qwen(path))
+    assert re.search(r"clip\.mp4: \d+ damaged packets? skipped", caplog.text), caplog.text
+    assert sampled.shortfall is not None and sampled.shortfall[1] == frames  # said: some frames could not be decoded
+    seen = [_frame_index(frame) for frame in sampled.frames]
+    assert max(seen) >= frames - 6, seen  # from past the damage to the end (it was the first third)
+    assert seen == sorted(seen)
 
 
 def test_decord_worker_timeout_kills_a_hanging_call():

@@ -652,20 +652,32 @@ def _probe_pyav(path: Path) -> VideoInfo:
 
 
 def _decoded_frames(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:
-    """Decode the stream from the current position. At a damaged packet (typically where a truncated file
-    ends) stop reading, but still drain the frames the decoder already holds: with frame threading those
-    are several frames that decoded fine."""
+    """Decode the stream from the current position. A packet the decoder refuses (garbage inside the data: a damaged
+    download or disk) is skipped, as players skip it, and decoding goes on from the next: until 2026-12-07 the first
+    one ended the video, and a clip damaged a third of the way in was answered from that third. Where the file
+    itself ends early (demuxing fails: a truncated file) reading stops, but the frames the decoder already holds are
+    still drained: with frame threading those are several frames that decoded fine."""
     codec = stream.codec_context
+    skipped, reason = 0, None
     try:
         for packet in container.demux(stream):
             check_reading(container.name)  # a video's work is in its packets: where a time limit or a stop acts
-            yield from codec.decode(packet)  # the final, empty packet flushes the decoder
+            try:
+                frames = codec.decode(packet)  # the final, empty packet flushes the decoder
+            except av.FFmpegError as error:
+                skipped, reason = skipped + 1, error
+                continue
+            yield from frames
         return
     except av.FFmpegError as error:
         # The file's name, not its path (for fetched media that is a temporary folder of the server's), and
         # FFmpeg's reason without the path it appends.
         logger.warning("%s: decoding stopped early (%s)", Path(container.name).name,
                        getattr(error, "strerror", None) or error)
+    finally:  # also when the reader has its frames and closes this generator early
+        if skipped:
+            logger.warning("%s: %d damaged packet%s skipped (%s)", Path(container.name).name, skipped,
+                           "s" if skipped > 1 else "", getattr(reason, "strerror", None) or reason)
     try:
         yield from codec.decode(None)
     except av.FFmpegError:
