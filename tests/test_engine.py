@@ -21,7 +21,7 @@ from glimpse.pipeline import PromptError, load_engine
 from glimpse.pipeline.adapters import IMAGE, TEXT, VIDEO
 from glimpse.pipeline.random_checkpoint import photo_like
 from glimpse.pruning import NoPruning, Policy
-from tiny_models import masked_reference, reference_inputs
+from tiny_models import masked_reference, reference_inputs, transformers_model
 
 MAX_NEW = 10
 
@@ -54,9 +54,10 @@ def test_no_pruning_reproduces_transformers_generate(checkpoints, media, arch, k
     prompt = engine.prepare(messages)
     assert prompt.token_counts()[kind if kind != "chat" else "image"] > 0
     inputs = reference_inputs(engine, prompt)
+    reference = transformers_model(checkpoints[arch], attn)
     with torch.no_grad():
-        expected = engine.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
-        reference_logits = engine.model(**inputs).logits[0, -1]
+        expected = reference.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)
+        reference_logits = reference(**inputs).logits[0, -1]
         logits, _ = engine.prefill(prompt, NoPruning())
     expected = expected[0, prompt.input_ids.shape[0]:].tolist()
     if expected and expected[-1] in engine.eos_token_ids:
@@ -395,7 +396,8 @@ def test_checkpoint_without_chat_template_still_matches_transformers(checkpoints
     assert prompt.text.startswith("USER: <image>\n") and prompt.text.endswith("ASSISTANT:")
     result = engine.generate(messages, max_new_tokens=MAX_NEW)
     with torch.no_grad():
-        expected = engine.model.generate(**reference_inputs(engine, prompt), max_new_tokens=MAX_NEW, do_sample=False)
+        expected = transformers_model(folder).generate(**reference_inputs(engine, prompt), max_new_tokens=MAX_NEW,
+                                                       do_sample=False)
     expected = [t for t in expected[0, len(prompt):].tolist() if t not in engine.eos_token_ids]
     assert result.token_ids == expected
 

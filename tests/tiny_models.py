@@ -176,6 +176,18 @@ BUILDERS = {"qwen2_vl": build_qwen2_vl, "qwen2_5_vl": build_qwen2_5_vl, "qwen3_v
             "longva": build_longva}
 
 
+def transformers_model(folder: Path, attn: str = "sdpa"):
+    """The checkpoint as transformers alone loads it: the reference the engine is held to. Not ``engine.model``,
+    which the engine has changed on a CPU (its float32 linears are ``CpuLinear``s) and whose attention it chooses."""
+    import transformers
+
+    from glimpse.pipeline.adapters import ADAPTERS
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model_class = getattr(transformers, ADAPTERS[config.model_type].model_class)
+    return model_class.from_pretrained(folder, attn_implementation=attn, dtype=torch.float32).eval()
+
+
 def reference_inputs(engine, prompt) -> dict:
     """The same prompt as keyword arguments for transformers' own forward / generate."""
     from glimpse.pipeline.adapters import IMAGE, VIDEO
