@@ -46,7 +46,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glimpse.common import UserError
-from glimpse.pipeline.adapters import Qwen2VLAdapter
 from glimpse.pipeline.prompt import user_message
 from glimpse.pruning.base import check_speed
 
@@ -495,20 +494,21 @@ def synthesize_prompts(engine, folder: str | Path, image_tokens: int, video_toke
                        progress: Callable[[str], None] | None = None) -> dict[str, list]:
     """Benchmark prompts with made-up media of about the requested visual token counts (0 skips one).
 
-    The image is random noise whose sides are multiples of 28 pixels (one Qwen2-VL token per 28x28
-    cell); it goes in as a PIL image, so no file decoding is timed. The video is written to
+    The image is random noise whose sides are multiples of the model's token cell (``Adapter.token_cell``: one
+    Qwen2-VL token per 28x28 pixels, one Qwen3-VL token per 32x32; until 2026-12-07 28 for both, and a Qwen3-VL image
+    gave 23% fewer tokens than asked); it goes in as a PIL image, so no file decoding is timed. The video is written to
     ``folder`` (2 fps, 16 frames unless the count needs more or fewer) and sized so that
     frames/2 * rows * cols is the request; the realised count is checked with ``engine.prepare`` and
-    the size adjusted until it is within 10% (Qwen2-VL; other models' counts do not follow the size).
+    the size adjusted until it is within 10% (the Qwen family; other models' counts do not follow the size).
     """
     from glimpse.pipeline.random_checkpoint import random_image
 
     progress = progress or (lambda line: None)
     questions = {**DEFAULT_QUESTIONS, **(questions or {})}
-    qwen = isinstance(engine.adapter, Qwen2VLAdapter)  # Qwen2-VL and Qwen2.5-VL: token counts follow the size
+    cell = engine.adapter.token_cell  # None: token counts do not follow the size
     prompts = {}
     if image_tokens > 0:
-        image = random_image(image_tokens)
+        image = random_image(image_tokens, cell=cell or 28)
         messages = _messages("image", image, questions["image"])
         got = engine.prepare(messages).token_counts()["image"]
         if abs(got - image_tokens) > 0.1 * image_tokens:
@@ -524,10 +524,11 @@ def synthesize_prompts(engine, folder: str | Path, image_tokens: int, video_toke
             target = float(video_tokens)
             for attempt in range(4):
                 frames, rows, cols = video_plan(target)
-                path = write_video(folder / f"bench-video-{attempt}.mp4", frames, 2, (cols * 28, rows * 28))
+                side = cell or 28
+                path = write_video(folder / f"bench-video-{attempt}.mp4", frames, 2, (cols * side, rows * side))
                 messages = _messages("video", str(path), questions["video"])
                 got = engine.prepare(messages).token_counts()["video"]
-                if not qwen or abs(got - video_tokens) <= 0.1 * video_tokens:
+                if cell is None or abs(got - video_tokens) <= 0.1 * video_tokens:
                     break
                 target *= video_tokens / max(got, 1)  # the sampler shrank or grew it: aim off by as much
             if abs(got - video_tokens) > 0.1 * video_tokens:

@@ -163,6 +163,12 @@ class Adapter:
         kept in a more compact form until the encoder: a Qwen-family image's or video's patches, as bytes)."""
         return item.tensors
 
+    @property
+    def token_cell(self) -> int | None:
+        """The side in pixels of the square one visual token covers, where a picture's token count follows its size
+        (the Qwen family: patch x merge, 28 or 32); None where the count does not (a fixed resize, anyres tiles)."""
+        return None
+
     def token_pixels(self, item: MediaInput) -> torch.Tensor | None:
         """(t, n, p, f) for a video: the processed pixels the encoder reads for each of its ``n`` visual tokens
         per temporal step, as the token's ``p`` encoder patches of ``f`` values each, the tokens in placeholder
@@ -247,6 +253,10 @@ class Qwen2VLAdapter(Adapter):
 
     def vision_blocks(self):
         return self.model.model.visual.blocks  # Qwen2-VL, Qwen2.5-VL and Qwen3-VL alike
+
+    @property
+    def token_cell(self) -> int:
+        return self.image_processor.patch_size * self.image_processor.merge_size
 
     def token_pixels(self, item):
         if item.kind != VIDEO:
@@ -367,7 +377,7 @@ class Qwen25VLAdapter(Qwen2VLAdapter):
 
 
 class Qwen3VLAdapter(Qwen2VLAdapter):
-    """Qwen3-VL (dense; the MoE variant loads through the same code): the decoder layer's own forward
+    """Qwen3-VL, dense (``qwen3_vl_moe`` is not in ``ADAPTERS``: refused): the decoder layer's own forward
     adds q/k norms and the model's rotary embedding interleaves M-RoPE, so only the encoder differs
     here: ``get_image_features`` also returns DeepStack features, which the engine adds to the visual
     tokens after the first decoder layers (only to those still active there).

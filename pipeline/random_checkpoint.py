@@ -358,21 +358,22 @@ def build_random(folder: str | Path, *, preset: str = "qwen2-vl-2b", max_visual_
 
 
 def grid_for_tokens(tokens: int, aspect: float = 1.0) -> tuple[int, int]:
-    """(rows, cols) of 28x28-pixel cells with rows * cols close to ``tokens`` and cols/rows ~ ``aspect``."""
+    """(rows, cols) of token cells with rows * cols close to ``tokens`` and cols/rows ~ ``aspect``."""
     tokens = max(int(tokens), 1)
     rows = max(1, round(math.sqrt(tokens / aspect)))
     cols = max(1, round(tokens / rows))
     return rows, cols
 
 
-def random_image(tokens: int, seed: int = 0, aspect: float = 1.0):
-    """A random-noise RGB PIL image whose Qwen2-VL token count is about ``tokens``: its sides are
-    multiples of 28 pixels, one visual token per 28x28 cell (14-pixel patches merged 2x2)."""
+def random_image(tokens: int, seed: int = 0, aspect: float = 1.0, cell: int = 28):
+    """A random-noise RGB PIL image whose Qwen-family token count is about ``tokens``: its sides are
+    multiples of ``cell`` pixels, one visual token per cell (Qwen2-VL: 14-pixel patches merged 2x2, 28; Qwen3-VL 32:
+    ``Adapter.token_cell``)."""
     import numpy as np
     from PIL import Image
 
     rows, cols = grid_for_tokens(tokens, aspect)
-    array = (np.random.RandomState(seed).rand(rows * 28, cols * 28, 3) * 255).astype("uint8")
+    array = (np.random.RandomState(seed).rand(rows * cell, cols * cell, 3) * 255).astype("uint8")
     return Image.fromarray(array)
 
 
