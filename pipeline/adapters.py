@@ -87,6 +87,19 @@ class Adapter:
         self.lm_head = model.lm_head
         self.text_config = self.config.text_config
 
+    # -- decoder shapes (what the KV budget and the FLOPs proxy count) --------------------------
+    @property
+    def kv_heads_and_dim(self) -> tuple[int, int]:
+        """(key/value heads, head dimension) of every decoder layer: one token's keys and values per layer."""
+        tc = self.text_config
+        heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+        return heads, getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
+    @property
+    def hidden_and_ffn(self) -> tuple[int, int]:
+        """(hidden size, FFN inner size) of a decoder layer, as the FLOPs proxy counts it (``metrics.layer_flops``)."""
+        return self.text_config.hidden_size, self.text_config.intermediate_size
+
     @property
     def image_fit(self) -> vision.ImageFit | None:
         """What this model's image processor does to a picture's size: ``vision.load_image`` resizes a larger

@@ -514,9 +514,7 @@ class Engine:
     def kv_bytes_per_token(self) -> int:
         """What one token's keys and values take over all layers, unpruned and unquantized: the unit of
         the server's KV budget."""
-        cfg = self.adapter.text_config
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads, head_dim = self.adapter.kv_heads_and_dim
         return 2 * len(self.adapter.layers) * kv_heads * head_dim * self.dtype.itemsize
 
     def prepare(self, messages, caches: bool = True,
@@ -1119,11 +1117,10 @@ class Engine:
 
     def _metrics(self, request: "Request", batch_size: int) -> Metrics:
         prompt, ctx, n_tokens = request.prompt, request.ctx, len(request.tokens)
-        cfg = self.adapter.text_config
         counts = [int(a.shape[0]) for a in ctx.active_per_layer]
         attending = [n if rows is None else int(rows.shape[0])
                      for n, rows in zip(counts, ctx.attention_per_layer or [None] * len(counts))]
-        d, m, T = cfg.hidden_size, cfg.intermediate_size, len(prompt)
+        (d, m), T = self.adapter.hidden_and_ffn, len(prompt)
         t_request, t_prefill, t_first, t_end = request.t_request, request.t_prefill, request.t_first, request.t_end
         decode_s = t_end - request.t_decode
         queued = request.t_queued if request.t_queued is not None else t_request
