@@ -174,9 +174,10 @@ def keep_map_image(media: list, keep_map: dict, cell: int = 24) -> Image.Image |
         return None
     span = spans[-1]
     t, h, w = span["grid"]
-    depth = np.array(keep_map["depth"][span["start"]:span["start"] + span["count"]], dtype=np.float32)
-    if depth.size != t * h * w:
+    first = span.get("grid_start", 0)  # (a LLaVA-NeXT picture: its overview's tokens, the anyres tiles' after them)
+    if first + t * h * w > span["count"]:
         return None
+    depth = np.array(keep_map["depth"][span["start"] + first:span["start"] + first + t * h * w], dtype=np.float32)
     share = (depth / max(keep_map["num_layers"], 1)).reshape(t, h, w)
     strip = np.concatenate(list(share), axis=1)  # frames side by side
     heat = np.stack([1 - strip, strip, np.zeros_like(strip)], axis=-1)  # red: dropped early, green: kept

@@ -43,6 +43,9 @@ class MediaInput:
     tensors: dict[str, torch.Tensor]
     frames: list[Image.Image] = field(default_factory=list)
     grid: tuple[int, int, int] | None = None  # (t, h, w) of the visual tokens, for the keep-map
+    # Where the grid's t*h*w tokens begin among the item's: after a CLS token (LLaVA's "full" features). They may
+    # not be all of them: a LLaVA-NeXT picture's grid is its overview's, and its anyres tiles follow.
+    grid_start: int = 0
     sample_fps: float | None = None  # a video's frames per second as sampled
     timestamps_s: list[float] | None = None  # a video's time per temporal patch, where the prompt writes it
     shortfall: tuple[int, int] | None = None  # a damaged video's frames decoded, of those declared (``SampledVideo``)
@@ -509,7 +512,8 @@ class LlavaAdapter(Adapter):
         pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
         gh, gw = self._tokens_per_image(pixels)
         extra = 1 if self.config.vision_feature_select_strategy == "full" else 0
-        return MediaInput(IMAGE, gh * gw + extra, {"pixel_values": pixels}, frames=[image], grid=(1, gh, gw))
+        return MediaInput(IMAGE, gh * gw + extra, {"pixel_values": pixels}, frames=[image], grid=(1, gh, gw),
+                          grid_start=extra)
 
     def prepare_video(self, path):
         if not self.supports_video:

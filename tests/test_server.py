@@ -1268,6 +1268,27 @@ def test_the_compare_column_shows_the_unpruned_answer_and_says_whether_pruning_c
     assert "| answer |" not in metrics_markdown(pruned)  # alone, the panel has no answer row
 
 
+def test_a_llava_next_pictures_keep_map_is_drawn_from_its_overviews_tokens(checkpoints, media):
+    """A LLaVA-NeXT picture's tokens are its overview's grid, then its anyres tiles with row ends: the map was left
+    out (no single grid holds them all). It is the overview's grid, the picture as a whole, its first tokens."""
+    import numpy as np
+
+    from glimpse.ui import keep_map_image
+
+    engine = load_engine(str(checkpoints["llava_next"]), device="cpu")
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                             {"type": "text", "text": "What is it?"}]}]
+    keep_map = engine.generate(messages, policy="fastv", speed=1.0, max_new_tokens=1).metrics["keep_map"]
+    [span] = keep_map["media"]
+    t, h, w = span["grid"]
+    assert t == 1 and span["grid_start"] == 0 and span["count"] > h * w  # the tiles' tokens follow the overview's
+    bare = keep_map_image([], keep_map, cell=1)
+    assert bare is not None and bare.size == (w, h)
+    share = np.array(keep_map["depth"][:h * w], dtype=float).reshape(h, w) / keep_map["num_layers"]
+    np.testing.assert_allclose(np.asarray(bare, dtype=float)[..., 1] / 255, share, atol=1 / 255)  # green: kept deep
+    assert keep_map_image(engine.prepare(messages).media, keep_map, cell=8) is not None
+
+
 @pytest.mark.parametrize("arch", ["llava", "embedded"])
 def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, embedded_cache, monkeypatch, tmp_path, arch):
     """LLaVA squeezes every image into a square grid, and the embedded model's picture is squeezed to 224x224 as it is
