@@ -353,21 +353,26 @@ def build_parser() -> argparse.ArgumentParser:
     spread = caption.add_argument_group("on Ray (docs/scale.md)")
     spread.add_argument("--ray", action="store_true", help="run as a Ray Data pipeline: decode tasks and a pool of "
                                                           "model actors (pip install 'glimpse-vl[ray]')")
-    spread.add_argument("--ray-address", default=None, metavar="ADDRESS",
-                        help="the cluster to join (e.g. ray://head:10001 or auto); default: start a local one")
-    spread.add_argument("--actors", type=int, default=1, help="model actors, one Engine each (default 1)")
-    spread.add_argument("--gpus-per-actor", type=float, default=None,
-                        help="GPUs per actor (default: 1 on a cluster with GPUs, else 0: CPU actors)")
-    spread.add_argument("--column", default="path", help="the manifest column of paths, URLs or URIs (default: path)")
+    on_ray = []  # given without --ray, refused: the local captioner would run without a word of them
+
+    def ray_option(*flags, **options):
+        on_ray.append(spread.add_argument(*flags, **options))
+
+    ray_option("--ray-address", default=None, metavar="ADDRESS",
+               help="the cluster to join (e.g. ray://head:10001 or auto); default: start a local one")
+    ray_option("--actors", type=int, default=1, help="model actors, one Engine each (default 1)")
+    ray_option("--gpus-per-actor", type=float, default=None,
+               help="GPUs per actor (default: 1 on a cluster with GPUs, else 0: CPU actors)")
+    ray_option("--column", default="path", help="the manifest column of paths, URLs or URIs (default: path)")
     spread.add_argument("--retry-errors", action="store_true",
                         help="caption again the inputs that are error rows in --out (fixed files, reads that "
                              "timed out); their error rows are removed first")
-    spread.add_argument("--tries", type=int, default=3,
-                        help="tries of a batch whose model actor dies (out of memory, a crash; default 3); a batch "
-                             "that kills its actor every time is set aside and its inputs tried alone as often")
-    spread.add_argument("--shard-rows", type=int, default=512,
-                        help="rows per Parquet shard (default 512; a shard is also written every 30 s)")
-    caption.set_defaults(run=run_caption)
+    ray_option("--tries", type=int, default=3,
+               help="tries of a batch whose model actor dies (out of memory, a crash; default 3); a batch "
+                    "that kills its actor every time is set aside and its inputs tried alone as often")
+    ray_option("--shard-rows", type=int, default=512,
+               help="rows per Parquet shard (default 512; a shard is also written every 30 s)")
+    caption.set_defaults(run=run_caption, ray_options=[(a.option_strings[0], a.dest, a.default) for a in on_ray])
     return parser
 
 
@@ -735,6 +740,12 @@ def run_caption(args) -> int:
     if args.retry_errors:
         raise UserError("--retry-errors is for --ray: the local captioner writes no row for an input that failed, "
                         "so every rerun tries it again")
+    typed = _typed_flags(args)
+    given = [flag for flag, dest, default in args.ray_options if getattr(args, dest) != default or flag in typed]
+    if given:  # it captioned in this process, exit 0, without a word of the cluster it was told to use
+        many = len(given) > 1
+        raise UserError(f"{', '.join(given)} {'are options' if many else 'is an option'} of --ray (docs/scale.md), "
+                        f"which this run does not use: add --ray, or leave {'them' if many else 'it'} out")
     from glimpse.caption_ray import is_manifest
 
     manifests = [i for i in args.inputs if is_manifest(i)]

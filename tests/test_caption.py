@@ -429,6 +429,20 @@ def test_retry_errors_is_refused_without_ray_where_failed_inputs_are_retried_any
     assert not (tmp_path / "c.jsonl").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize("options,named", [(["--ray-address", "ray://head:10001", "--actors", "4"],
+                                             "--ray-address, --actors are options"),
+                                            (["--tries", "3"], "--tries is an option"),  # typed, at its default
+                                            (["--gpus-per-actor=1"], "--gpus-per-actor is an option"),
+                                            (["--column", "url", "--shard-rows", "9"], "--column, --shard-rows are")])
+def test_the_options_of_ray_are_refused_without_ray(tmp_path, capsys, options, named):
+    """Found from outside: ``--ray-address ... --actors 4`` without ``--ray`` captioned in this process, exit 0,
+    without a word of the cluster it was told to use."""
+    image = _images(tmp_path / "in", 1)[0]
+    assert main(["caption", str(image), "--out", str(tmp_path / "c.jsonl"), *options]) == 1
+    assert f"{named}" in capsys.readouterr().err
+    assert not (tmp_path / "c.jsonl").exists()  # refused before anything was written
+
+
 def test_a_url_in_the_local_captioners_inputs_points_to_ray_before_the_model_loads(tmp_path, capsys):
     image = _images(tmp_path / "in", 1)[0]
     listing = tmp_path / "list.txt"
