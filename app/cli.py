@@ -1216,7 +1216,7 @@ def main(argv: list[str] | None = None) -> int:
         # (argparse takes "--js" for --json: a script that abbreviates it got its answers as JSON and nothing on a
         # refusal, an outside pass found)
         if argv[:1] == ["ask"] and any(len(a) >= 3 and "--json".startswith(a) for a in argv):
-            print(json.dumps({"error": error.message}), flush=True)
+            _print_json_error(error.message)
         raise
     args.argv = argv
     _quiet_libraries()
@@ -1240,7 +1240,7 @@ def main(argv: list[str] | None = None) -> int:
         print("glimpse: internal error: this is a bug in Glimpse, not a problem with your input; "
               "please report it with the traceback above", file=sys.stderr)
         if _answers_in_json(args):
-            print(json.dumps({"error": "internal error: a bug in Glimpse (the traceback is on stderr)"}), flush=True)
+            _print_json_error("internal error: a bug in Glimpse (the traceback is on stderr)")
         return 2
 
 
@@ -1264,8 +1264,20 @@ def _error(args, message: str) -> None:
     """One line on stderr; for `ask --json` also ``{"error": message}`` on stdout, so that a script reading its
     one JSON object gets one on failure too (it got nothing to parse)."""
     print(f"glimpse: error: {message}", file=sys.stderr)
-    if _answers_in_json(args) and sys.stdout is not None:
+    if _answers_in_json(args):
+        _print_json_error(message)
+
+
+def _print_json_error(message: str) -> None:
+    """``{"error": message}`` on stdout, for ``ask --json``. A stdout that cannot take it (its reader gone, a full
+    disk: often why the command failed) leaves the error said on stderr alone: writing it there again raised inside
+    the handler, and the user got two tracebacks (and exit 1 for a refused argument, not 2; an outside pass)."""
+    if sys.stdout is None:
+        return
+    try:
         print(json.dumps({"error": message}), flush=True)
+    except OSError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a third when Python exits
 
 
 if __name__ == "__main__":

@@ -121,6 +121,27 @@ def test_ask_json_prints_one_error_object_on_stdout_when_it_fails(checkpoints, t
     assert plain_usage.stdout == ""
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_ask_json_whose_stdout_takes_nothing_says_its_error_once_with_its_exit_status(tmp_path):
+    """Found from outside: with stdout on a full disk or a pipe whose reader left, the error object's own write
+    failed inside the error handler: two tracebacks, and exit 1 for an argument argparse refuses (2)."""
+    missing = ["ask", "--json", "--image", str(tmp_path / "missing.png"), "hi"]
+    for argv, status, said in ((["ask", "--json", "--speed", "abc", "hi"], 2, "invalid float value: 'abc'"),
+                               (missing, 1, "missing.png: file not found")):
+        with open("/dev/full", "w") as full:
+            ran = subprocess.run([sys.executable, "-m", "glimpse", *argv], stdout=full, stderr=subprocess.PIPE,
+                                 text=True, timeout=300)
+        assert ran.returncode == status and said in ran.stderr and "Traceback" not in ran.stderr, ran.stderr
+    reader, writer = os.pipe()
+    os.close(reader)  # the reader has gone (`glimpse ask --json ... | true`)
+    try:
+        ran = subprocess.run([sys.executable, "-m", "glimpse", *missing], stdout=writer, stderr=subprocess.PIPE,
+                             text=True, timeout=300)
+    finally:
+        os.close(writer)
+    assert ran.returncode == 1 and "missing.png: file not found" in ran.stderr and "Traceback" not in ran.stderr
+
+
 def test_ask_json_is_strict_json_at_any_speed_and_an_abbreviated_flag_still_gets_its_error_object(
         checkpoints, media, capsys):
     """An outside pass: ST3 at speed 1e-320 annealed over 50 / 1e-320 answer tokens, infinite, and ``ask --json``
