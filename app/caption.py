@@ -10,8 +10,8 @@ folder, ``#`` comments). Each input gets one caption:
   rename).
 
 Resuming: inputs already captioned (a line with their path in the JSONL, or an existing sidecar)
-are skipped unless ``--overwrite``; a JSONL line cut short by a killed run is dropped before
-appending. A killed run, rerun, therefore captions every input exactly once. Inputs are matched by
+are skipped unless ``--overwrite`` (which replaces the given inputs' records and keeps the others); a JSONL line cut
+short by a killed run is dropped before appending. A killed run, rerun, therefore captions every input exactly once. Inputs are matched by
 resolved path (each line also carries it as ``key``), so the same folder given as a relative or an
 absolute path, or through a symlink, is not captioned again. One process at a time writes a JSONL
 output: it holds an exclusive lock on it (released by the system when the process ends, however it
@@ -234,9 +234,39 @@ class CaptionOutput:
         _refuse_what_is_not_a_captions_file(out)
         self.file = open_locked(out, "a+b", out)
 
-    def clear(self) -> None:
-        """``--overwrite``: start the output afresh (only once captioning starts: a failed model load loses nothing)."""
-        self.file.truncate(0)
+    def forget(self, keys: set[str]) -> int:
+        """``--overwrite``: the records of ``keys`` (this run's inputs) removed, every other input's kept; returns how
+        many were removed (only once captioning starts: a failed model load loses nothing). Until 2026-12-07 it
+        emptied the file: re-captioning one picture lost every other caption without a word (an outside pass). The
+        rest is written to a new file, locked before it takes the output's name: a kill leaves the old output or the
+        new one whole, and no second writer ever finds the output unlocked."""
+        self.done()  # a record a kill cut short is dropped first
+        target = self.path.resolve()  # (through a link: the file it names, as ``open`` locked it)
+        kept, removed = [], 0
+        for line in target.read_bytes().splitlines(keepends=True):
+            try:
+                forgotten = record_key(json.loads(line)) in keys
+            except ValueError:
+                forgotten = False  # not one of ours: left as it is
+            kept.append(b"" if forgotten else line)
+            removed += forgotten
+        if not removed:
+            return 0
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        new = open_locked(partial, "w+b", self.path)
+        try:
+            new.write(b"".join(kept))
+            new.flush()
+            os.fsync(new.fileno())
+            os.chmod(partial, target.stat().st_mode & 0o7777)
+            os.replace(partial, target)
+        except BaseException:
+            new.close()
+            partial.unlink(missing_ok=True)
+            raise
+        self.file.close()
+        self.file = new  # appended to from its end, as the "a+b" file was
+        return removed
 
     def done(self) -> set[str]:
         return done_in_jsonl(self.path)
@@ -299,11 +329,11 @@ def _is_caption_record(line: bytes) -> bool:
 
 
 def refuse_other_settings(rows: Iterable[dict], out: Path, policy: str, speed: float, prompt: str | None,
-                          afresh: str, model: str | None = None) -> None:
+                          afresh: str, model: str | None = None, others_kept: bool = False) -> None:
     """A rerun skips the inputs already in ``out``: asked with another model, policy, speed or prompt, it would leave
     captions of two kinds under one output and say nothing (found from outside). Refused, naming both, from what
     the rows record (``model``: ``profiles.model_key``, ``policy``, ``speed``, ``prompt``: the instruction; older
-    rows without a field pass it)."""
+    rows without a field pass it). ``others_kept``: the rows are those of other inputs, which ``--overwrite`` keeps."""
     defaults = {instruction(kind, None) for kind in ("image", "video")}
     prompts = {prompt} if prompt is not None else defaults
     model = model_key(model) if model is not None else None
@@ -321,9 +351,11 @@ def refuse_other_settings(rows: Iterable[dict], out: Path, policy: str, speed: f
                 made += " and no --prompt" if row["prompt"] in defaults else f" --prompt {row['prompt']!r}"
             asked = (f"--model {model} " if other_model else "") + f"--policy {policy} --speed {speed:g}" + (
                 f" --prompt {prompt!r}" if prompt is not None else "")
-            raise UserError(f"{out} holds captions made with {made}, and this run asks for {asked}: the inputs "
-                            f"already there would be skipped and the output would mix the two. Rerun with the same "
-                            f"settings to finish it, give another --out for the new ones, or {afresh}")
+            kept = ("its captions of inputs not in this run would be kept" if others_kept
+                    else "the inputs already there would be skipped")
+            raise UserError(f"{out} holds captions made with {made}, and this run asks for {asked}: {kept} and the "
+                            "output would mix the two. Rerun with the same settings to finish it, give another --out "
+                            f"for the new ones, or {afresh}")
 
 
 def records_in_jsonl(out: Path) -> Iterable[dict]:
@@ -338,6 +370,15 @@ def records_in_jsonl(out: Path) -> Iterable[dict]:
                 continue
             if isinstance(record, dict):
                 yield record
+
+
+def record_key(record) -> str | None:
+    """The key (resolved path) of the input a captions record is about; None for what is not a record of ours. Lines
+    written before keys existed are matched by their path, resolved."""
+    try:
+        return record.get("key") or input_key(Path(record["path"]))
+    except (KeyError, TypeError, AttributeError, OSError):
+        return None
 
 
 def done_in_jsonl(out: Path) -> set[str]:
@@ -355,10 +396,10 @@ def done_in_jsonl(out: Path) -> set[str]:
     done = set()
     for line in data.decode("utf-8", errors="replace").splitlines():
         try:
-            record = json.loads(line)
-            done.add(record.get("key") or input_key(Path(record["path"])))
-        except (ValueError, KeyError, TypeError, AttributeError, OSError):
+            done.add(record_key(json.loads(line)))
+        except ValueError:
             continue  # not one of ours: leave it alone, it never matches a path
+    done.discard(None)
     return done
 
 
@@ -462,7 +503,9 @@ def all_captioned(inputs: list[Path], output: CaptionOutput | None) -> bool:
 def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size, media_timeout_s,
              readers, progress, log, report) -> CaptionReport:
     if sink is not None and overwrite:
-        sink.clear()
+        if replaced := sink.forget({input_key(path) for path in inputs}):
+            log(f"--overwrite: {replaced} caption{'s' if replaced > 1 else ''} of these inputs removed from "
+                f"{sink.path}, to be written again")
     model = model_key(engine.model_id)  # each record's (a path resolved once, not per record)
     pending, alike, report.skipped = _sorted_inputs(inputs, sink.done() if sink is not None else None, overwrite)
     for path in alike:

@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="txt: a <name>.txt sidecar next to each input instead of JSONL; with --ray, jsonl "
                               "also writes DIR/_captions.jsonl beside the shards")
     caption.add_argument("--overwrite", action="store_true",
-                         help="caption again what is already captioned (not with --ray: give a new --out)")
+                         help="caption the inputs given again, replacing their captions; the output's captions of "
+                              "other inputs are kept (not with --ray: give a new --out)")
     caption.add_argument("--model", default="embedded", help="as for ask")
     caption.add_argument("--policy", default="auto", choices=NAMES)
     caption.add_argument("--speed", type=float, default=0.0)
@@ -718,8 +719,8 @@ def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
 
 def run_caption(args) -> int:
     from glimpse.caption import (LIST_EXTENSIONS, CaptionOutput, CaptionReport, all_captioned, check_sidecars,
-                                 collect_inputs, records_in_jsonl, refuse_other_settings, sidecars_skipped,
-                                 unlisted_failures)
+                                 collect_inputs, input_key, record_key, records_in_jsonl, refuse_other_settings,
+                                 sidecars_skipped, unlisted_failures)
     from glimpse.pruning import make_policy
 
     check_speed(args.speed)
@@ -769,9 +770,13 @@ def run_caption(args) -> int:
     # Opened and locked before the model loads: an unwritable output or a second writer is refused at once.
     output = CaptionOutput(out) if args.format == "jsonl" else None
     try:
-        if output is not None and not args.overwrite:
-            refuse_other_settings(records_in_jsonl(out), out, args.policy, args.speed, args.prompt,
-                                  "--overwrite to start it afresh", model=args.model)
+        if output is not None:
+            # --overwrite replaces this run's inputs' captions: the others it keeps must be of these settings too
+            again = {input_key(path) for path in inputs} if args.overwrite else set()
+            refuse_other_settings((r for r in records_in_jsonl(out) if record_key(r) not in again), out, args.policy,
+                                  args.speed, args.prompt, "--overwrite with every input it holds to caption them "
+                                  "again (it replaces the captions of the inputs given, and keeps the others)",
+                                  model=args.model, others_kept=args.overwrite)
         if not args.overwrite and all_captioned(inputs, output):  # nothing to do: no model to load
             report = CaptionReport(skipped=len(inputs))
             if output is None:

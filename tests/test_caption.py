@@ -381,6 +381,42 @@ def test_a_rerun_asking_for_other_settings_is_refused_before_the_model_loads_unl
     assert [r["speed"] for r in _lines(out)] == [1.0, 1.0]
 
 
+def test_overwrite_replaces_the_captions_of_the_inputs_given_and_keeps_the_others(model, tmp_path, capsys):
+    """Found from outside: ``--overwrite`` emptied the output, so re-captioning one picture lost every other caption
+    and said "captioned 1". It replaces the given inputs' records and keeps the rest; those it keeps must have been
+    made with this run's settings (the output would mix the two), and the output stays locked throughout."""
+    from glimpse.caption import CaptionOutput, input_key
+    from glimpse.common import UserError
+
+    images = _images(tmp_path / "in", 3)
+    out = tmp_path / "captions.jsonl"
+    ask = ["--out", str(out), "--model", model, "--max-new-tokens", "4"]
+    assert main(["caption", str(tmp_path / "in"), *ask]) == 0
+    before = {r["key"]: r for r in _lines(out)}
+    capsys.readouterr()
+    assert main(["caption", str(images[0]), *ask, "--overwrite"]) == 0
+    assert "1 caption of these inputs removed" in capsys.readouterr().err
+    after = _lines(out)
+    assert sorted(r["key"] for r in after) == sorted(before)  # every input once
+    assert after[:2] == [before[input_key(p)] for p in images[1:]] and after[2]["key"] == input_key(images[0])
+    kept = out.read_bytes()
+    assert main(["caption", str(images[0]), *ask, "--overwrite", "--speed", "1"]) == 1  # the others are at speed 0
+    assert "its captions of inputs not in this run would be kept" in capsys.readouterr().err
+    assert out.read_bytes() == kept
+    assert main(["caption", str(tmp_path / "in"), *ask, "--overwrite", "--speed", "1"]) == 0  # all of them: fine
+    assert sorted(r["speed"] for r in _lines(out)) == [1.0] * 3
+
+    output = CaptionOutput(out)
+    try:
+        assert output.forget({input_key(images[1])}) == 1
+        with pytest.raises(UserError, match="being written by another glimpse caption"):
+            CaptionOutput(out)
+        output.write({"path": str(images[1]), "key": input_key(images[1]), "caption": "again"})
+    finally:
+        output.close()
+    assert sorted(r["key"] for r in _lines(out)) == sorted(before) and not list(tmp_path.glob(".*.partial"))
+
+
 def test_an_out_that_is_not_a_captions_file_is_refused_and_left_as_it_was(tmp_path, capsys):
     """Found from outside: resuming cuts --out back to its last newline and appends, so a picture or notes
     named by a typo were damaged, and /dev/full was read whole into memory. Refused before the model loads."""
