@@ -9,7 +9,9 @@ supported extension points of transformers let it steer attention without a priv
   ``_attn_implementation`` becomes ``glimpse_<kernel>`` (e.g. ``glimpse_sdpa``), with the kernel's own
   mask function registered under the same name (``AttentionMaskInterface``). The layer hands it its
   queries, keys and values after RoPE. Called without a ``glimpse`` keyword — transformers' own
-  ``forward`` and ``generate`` — it *is* the kernel, unchanged. Called with one (the engine passes a
+  ``forward`` and ``generate`` — it *is* the kernel, unchanged (for "eager", ``eager_attention``: the modeling
+  files' ``eager_attention_forward`` in one copy that also takes no module, equal to each one's bit for bit,
+  tested). Called with one (the engine passes a
   ``LayerCall`` through the layer's ``**kwargs``), the call stores the keys and values in Glimpse's
   cache, shows the queries and keys to the policy, and runs the kernel over the rows and keys the
   policy chose.
