@@ -16,7 +16,7 @@ ships a vision-language model, so it is put together from two that ship real wei
 
 The result is a standard `LlavaForConditionalGeneration` checkpoint (config, safetensors, generation
 config, tokenizer, `LlavaProcessor` with a chat template that accepts image items), converted once into
-`<cache>/embedded-v1[-<projector sha>]` and loaded from there with the ordinary `from_pretrained` calls.
+`<cache>/embedded-v2-<sha of the trained files>` and loaded from there with the ordinary `from_pretrained` calls.
 
 Decisions:
 

@@ -524,3 +524,25 @@ def test_the_position_diagnosis_feeds_the_tokens_the_chat_path_makes(engine):
         made = visual_tokens(adapter, item, precompute([item], adapter)[0])
         encoded = adapter.encode([adapter.prepare_image(item.frames[0])], 1)
     torch.testing.assert_close(made, encoded, atol=2e-2, rtol=0)  # features stored in float16
+
+
+def test_the_readme_samples_are_rebuilt_as_shipped_and_help_writes_nothing(tmp_path, capsys):
+    """``python -m training.samples`` draws the README's samples; ``--help`` took no notice and wrote over the shipped
+    ones (an outside pass). Drawn into another folder, they are the shipped pictures: the same pixels, and the same
+    frames within the encoder's rounding (x264's bytes depend on its thread count, zlib's on its version)."""
+    import numpy as np
+
+    from glimpse import vision
+    from glimpse.assets import ASSETS
+    from training import samples
+
+    shipped = {name: (ASSETS / name).read_bytes() for name in ("sample.png", "sample.mp4")}
+    with pytest.raises(SystemExit) as stop:
+        samples.main(["--help"])
+    assert stop.value.code == 0 and "--out" in capsys.readouterr().out
+    assert {name: (ASSETS / name).read_bytes() for name in shipped} == shipped
+    samples.main(["--out", str(tmp_path)])
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "sample.png")), np.asarray(Image.open(ASSETS / "sample.png")))
+    every = list(range(vision.probe_video(ASSETS / "sample.mp4").num_frames))
+    drawn, ours = (vision.read_frames(folder / "sample.mp4", every).astype(float) for folder in (tmp_path, ASSETS))
+    assert drawn.shape == ours.shape and np.abs(drawn - ours).mean() < 1.0

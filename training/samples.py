@@ -6,6 +6,7 @@ a scene with a big red circle, and a clip in which a blue square moves right.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from glimpse import tasks
@@ -34,10 +35,16 @@ def sample_clip_frames() -> list:
     return frames
 
 
-def main() -> None:
-    tasks.render(sample_scene()).save(ASSETS / "sample.png")
-    tasks.write_clip(sample_clip_frames(), ASSETS / "sample.mp4")
-    print(f"wrote {ASSETS / 'sample.png'} and {ASSETS / 'sample.mp4'}")
+def main(argv: list[str] | None = None) -> None:
+    # (with no parser, `--help` wrote over the shipped samples: an outside pass)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ASSETS, metavar="DIR",
+                        help="where to write sample.png and sample.mp4 (default: assets/, the shipped ones)")
+    out = parser.parse_args(argv).out
+    out.mkdir(parents=True, exist_ok=True)
+    tasks.render(sample_scene()).save(out / "sample.png")
+    tasks.write_clip(sample_clip_frames(), out / "sample.mp4")
+    print(f"wrote {out / 'sample.png'} and {out / 'sample.mp4'}")
 
 
 if __name__ == "__main__":
