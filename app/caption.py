@@ -11,8 +11,8 @@ folder, ``#`` comments). Each input gets one caption:
 
 Resuming: inputs already captioned (a line with their path in the JSONL, or an existing sidecar)
 are skipped unless ``--overwrite`` (which replaces the given inputs' records and keeps the others); a JSONL line cut
-short by a killed run is dropped before appending. A killed run, rerun, therefore captions every input exactly once. Inputs are matched by
-resolved path (each line also carries it as ``key``), so the same folder given as a relative or an
+short by a killed run is dropped before appending. A killed run, rerun, therefore captions every input exactly once.
+Inputs are matched by resolved path (each line also carries it as ``key``), so the same folder given as a relative or an
 absolute path, or through a symlink, is not captioned again. One process at a time writes a JSONL
 output: it holds an exclusive lock on it (released by the system when the process ends, however it
 ends), and a second ``glimpse caption`` on the same output is refused before it loads the model, as
@@ -29,7 +29,9 @@ lists the failures at the end.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import glob
 import json
 import os
 import threading
@@ -211,18 +213,42 @@ def open_locked(path: Path, mode: str, out: Path):
     """``path`` (its folder made if need be) opened in ``mode`` and locked for this process alone (``flock``),
     for writing the captions output ``out``: a second writer, or a path that cannot be written, is a
     ``UserError`` naming ``out``, raised before any model loads."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        file = open(path, mode)
-    except OSError as error:
-        raise UserError(f"cannot write {out}: {error.strerror or error}") from None
-    try:
-        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    for _attempt in range(3):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            file = open(path, mode)
+        except OSError as error:
+            raise UserError(f"cannot write {out}: {error.strerror or error}") from None
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.close()
+            raise UserError(f"{out} is being written by another glimpse caption; wait for it to finish "
+                            "or choose another --out") from None
+        if _same_file(file, path):
+            return file
+        # Locked just as another run's --overwrite put a new file in its place (``CaptionOutput.forget``): this one
+        # is no longer the output, and what was written to it would be lost. The new one is opened instead.
         file.close()
-        raise UserError(f"{out} is being written by another glimpse caption; wait for it to finish "
-                        "or choose another --out") from None
-    return file
+    raise UserError(f"{out} keeps being replaced while it is opened; is another program writing it?")
+
+
+def _same_file(file, path: Path) -> bool:
+    try:
+        here, there = os.fstat(file.fileno()), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _remove_if_unlocked(path: Path) -> None:
+    """Remove ``path``, a file a run writes under ``flock``, unless a run is writing it now."""
+    try:
+        with open(path, "rb") as file:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            path.unlink()
+    except OSError:  # (BlockingIOError: being written; or gone already, or not ours to remove)
+        pass
 
 
 class CaptionOutput:
@@ -252,10 +278,32 @@ class CaptionOutput:
             removed += forgotten
         if not removed:
             return 0
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-        new = open_locked(partial, "w+b", self.path)
+        data = b"".join(kept)
         try:
-            new.write(b"".join(kept))
+            self._swap_in(data, target)
+        except OSError as error:
+            if error.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
+                raise
+            # It cannot be replaced: a file mounted on its own (``docker run -v FILE:...``: EBUSY), or one in a folder
+            # this user may not write (found from outside). Rewritten in place, under the lock this process holds; a
+            # kill in the moment between emptying it and writing it again would lose the captions it keeps.
+            self.file.truncate(0)
+            self.file.write(data)  # ("a+b": written at the end, which is now the start)
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        return removed
+
+    def _swap_in(self, data: bytes, target: Path) -> None:
+        """``data`` written to a new file beside ``target`` and locked, then renamed over it: a kill leaves the old
+        file or the new one whole, and no second writer ever finds the output unlocked (``open_locked`` checks it
+        locked the file that has the name)."""
+        for stale in target.parent.glob(f".{glob.escape(target.name)}.*.partial"):  # a killed --overwrite's
+            _remove_if_unlocked(stale)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        new = open(partial, "w+b")
+        try:
+            fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            new.write(data)
             new.flush()
             os.fsync(new.fileno())
             os.chmod(partial, target.stat().st_mode & 0o7777)
@@ -266,7 +314,6 @@ class CaptionOutput:
             raise
         self.file.close()
         self.file = new  # appended to from its end, as the "a+b" file was
-        return removed
 
     def done(self) -> set[str]:
         return done_in_jsonl(self.path)

@@ -417,6 +417,58 @@ def test_overwrite_replaces_the_captions_of_the_inputs_given_and_keeps_the_other
     assert sorted(r["key"] for r in _lines(out)) == sorted(before) and not list(tmp_path.glob(".*.partial"))
 
 
+def test_overwrite_rewrites_in_place_what_cannot_be_replaced_and_clears_a_killed_runs_leftovers(
+        tmp_path, monkeypatch):
+    """An output mounted on its own (``docker run -v FILE:...``) cannot be renamed over (EBUSY), nor one in a folder
+    the user may not write: --overwrite then failed after the model loaded, naming a temporary file (an outside
+    pass). It is rewritten in place under the lock. A killed --overwrite's temporary file is removed by the next one,
+    unless a run is writing it; and a run that locks the output just as another replaced it opens the new one."""
+    import errno
+    import fcntl
+
+    from glimpse import caption
+    from glimpse.caption import CaptionOutput, input_key
+
+    images = _images(tmp_path / "in", 3)
+    out = tmp_path / "captions.jsonl"
+    records = [{"path": str(p), "key": input_key(p), "caption": f"caption {i}"} for i, p in enumerate(images)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stale, busy = tmp_path / ".captions.jsonl.1.partial", tmp_path / ".captions.jsonl.2.partial"
+    stale.write_text("half")
+    busy.write_text("being written")
+    with open(busy, "rb") as writing:
+        fcntl.flock(writing, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with CaptionOutput(out) as output:
+            assert output.forget({records[0]["key"]}) == 1
+        assert not stale.exists() and busy.exists()
+    assert _lines(out) == records[1:]
+
+    def mounted(*args):
+        raise OSError(errno.EBUSY, "Device or resource busy")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(caption.os, "replace", mounted)
+        with CaptionOutput(out) as output:
+            assert output.forget({records[1]["key"]}) == 1
+            output.write(records[0])
+        assert _lines(out) == [records[2], records[0]] and not list(tmp_path.glob(".captions.jsonl.[!2]*"))
+
+    lock, replaced = fcntl.flock, []
+
+    def replaced_before_the_lock(file, how):  # another run's --overwrite, between this run's open and its lock
+        if not replaced:
+            replaced.append(tmp_path / "new.jsonl")
+            replaced[0].write_text(out.read_text())
+            os.replace(replaced[0], out)
+        return lock(file, how)
+
+    monkeypatch.setattr(caption.fcntl, "flock", replaced_before_the_lock)
+    with CaptionOutput(out) as output:
+        assert replaced and os.fstat(output.file.fileno()).st_ino == out.stat().st_ino
+        output.write(records[1])
+    assert _lines(out) == [records[2], records[0], records[1]]
+
+
 def test_an_out_that_is_not_a_captions_file_is_refused_and_left_as_it_was(tmp_path, capsys):
     """Found from outside: resuming cuts --out back to its last newline and appends, so a picture or notes
     named by a typo were damaged, and /dev/full was read whole into memory. Refused before the model loads."""
