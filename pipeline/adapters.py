@@ -116,8 +116,13 @@ class Adapter:
         pixels). A ``Prompt`` carries it, and an engine refuses one made for another model, where its ids and tensors
         mean something else. Two checkpoints that share all of these (Qwen2-VL-2B and -7B) take each other's prompts."""
         parts = [type(self).__name__, len(self.tokenizer), self.image_token_id, self.video_token_id,
-                 self.image_processor.to_json_string()]
-        return f"{self.name}:{hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]}"
+                 self.image_processor.to_json_string(), self.prompt_settings()]
+        return f"{self.name}:{hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]}"
+
+    def prompt_settings(self) -> list:
+        """The model's settings, beyond its processor's, that decide how many placeholders an image or video gets
+        (none where the processor alone decides, as for the Qwen family)."""
+        return []
 
     # -- tokens -------------------------------------------------------------------------------
     @property
@@ -477,6 +482,13 @@ class LlavaAdapter(Adapter):
     @property
     def supports_video(self) -> bool:
         return self.video_token_id is not None
+
+    def prompt_settings(self) -> list:
+        # (a "full" checkpoint's prompt on a "default" one gave "encoder gave 17 features for 16 placeholders")
+        names = ("vision_feature_select_strategy", "image_grid_pinpoints", "video_frames", "spatial_pool_stride")
+        vision_config = self.config.vision_config
+        return ([getattr(self.config, name, None) for name in names]
+                + [vision_config.image_size, vision_config.patch_size])
 
     def _feature_kwargs(self):
         return dict(vision_feature_layer=self.config.vision_feature_layer,

@@ -1350,11 +1350,14 @@ def test_cancel_takes_an_event_and_anything_else_is_said_so(checkpoints, media):
     assert engine.generate(_messages("image", media), max_new_tokens=1).token_ids  # and it goes on serving
 
 
-def test_a_prompt_built_for_another_model_is_refused_and_one_of_the_same_checkpoint_is_taken(checkpoints, media):
+def test_a_prompt_built_for_another_model_is_refused_and_one_of_the_same_checkpoint_is_taken(checkpoints, media,
+                                                                                              tmp_path):
     """Found from outside: a ``Prompt`` one engine built, given to another model's engine, failed deep in the
     prefill (a KeyError of the media tensors, for Qwen2-VL's prompt on LLaVA and back). Its token ids and tensors
     mean something else there: refused, by the engine and by the scheduler before it queues. A second engine of the
     same checkpoint (as the Ray captioner's prompt builder is) takes it and answers as the messages do."""
+    import shutil
+
     from glimpse.pipeline.scheduler import Scheduler
 
     engines = {arch: load_engine(str(checkpoints[arch]), device="cpu") for arch in ("qwen2_vl", "llava", "llava_next")}
@@ -1377,3 +1380,10 @@ def test_a_prompt_built_for_another_model_is_refused_and_one_of_the_same_checkpo
     twin = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
     assert twin.generate(prompts["qwen2_vl"], max_new_tokens=MAX_NEW).token_ids == \
         twin.generate(_messages("image", media), max_new_tokens=MAX_NEW).token_ids
+    # The same tokenizer and processor, but the CLS token kept ("full"): one placeholder more per picture (it was a
+    # RuntimeError, "encoder gave 17 features for 16 placeholders")
+    full = shutil.copytree(checkpoints["llava"], tmp_path / "llava-full")
+    config = json.loads((full / "config.json").read_text())
+    (full / "config.json").write_text(json.dumps({**config, "vision_feature_select_strategy": "full"}))
+    with pytest.raises(PromptError, match="built for another model"):
+        load_engine(str(full), device="cpu").generate(prompts["llava"], max_new_tokens=1)
