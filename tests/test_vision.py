@@ -6,6 +6,7 @@ All media are generated in temporary folders. Test videos encode each frame's in
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import io
 import math
@@ -422,17 +423,17 @@ def test_seeking_picks_the_same_frames_as_sequential_decoding(tmp_path, monkeypa
     path = _write_video(tmp_path / "long_gop.mp4", frames=60, gop=5)  # keyframe every 5 frames
     indices = [2, 40, 41, 59]
     decoded = []
-    original = media_module._decoded_frames
+    original = media_module._StreamFrames.__iter__
 
-    def counting(container, stream):
-        for frame in original(container, stream):
+    def counting(reader):
+        for frame in original(reader):
             decoded.append(frame)
             yield frame
 
-    monkeypatch.setattr(media_module, "_decoded_frames", counting)
-    with_seeks = media_module._decode_pyav(path, indices, seek_min_gap=8)
+    monkeypatch.setattr(media_module._StreamFrames, "__iter__", counting)
+    with_seeks = media_module._decode_pyav(path, indices, seek_min_gap=8).frames
     frames_decoded_with_seeks = len(decoded)
-    sequential = media_module._decode_pyav(path, indices, seek_min_gap=math.inf)
+    sequential = media_module._decode_pyav(path, indices, seek_min_gap=math.inf).frames
 
     assert [_frame_index(frame) for frame in with_seeks] == indices
     np.testing.assert_array_equal(with_seeks, sequential)
@@ -451,7 +452,7 @@ def test_a_variable_frame_rate_video_is_sampled_whole_not_taken_for_a_truncated_
                         time_base=fractions.Fraction(1, 1000))
     assert _decodable_frame_count(path) == 200
     indices = [0, 66, 133, 199]  # seeking to 66 at the declared 1 fps is 66 s: past the last timestamp (41.6 s)
-    frames = media_module._decode_pyav(path, indices, seek_min_gap=8)
+    frames = media_module._decode_pyav(path, indices, seek_min_gap=8).frames
     assert [_frame_index(frame) for frame in frames] == indices
 
 
@@ -579,26 +580,36 @@ def test_truncated_video_samples_the_frames_that_decode(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("sampler", ["uniform", "qwen"])
-def test_a_video_damaged_midway_is_sampled_past_the_damage(tmp_path, caplog, sampler):
+def test_a_video_damaged_midway_is_sampled_past_the_damage_at_the_frames_it_planned(tmp_path, caplog, sampler):
     """Found from outside: the first packet the decoder refused ended the video, so a clip damaged a third of the way
-    in was answered from that third alone. The damaged packets are skipped, as players skip them: the sampled frames
-    reach the clip's end, and the answer says how many frames were lost."""
+    in was answered from that third alone. The damaged packets are skipped, as players skip them, and the frames
+    after them keep their own numbers (counted, they came early by the frames lost, and so did Qwen2.5-VL's and
+    Qwen3-VL's times of them): each planned frame is itself, or, lost in the damage, the first frame after it; the
+    answer says how many frames were lost."""
     frames = 60
     path = _write_video(tmp_path / "clip.mp4", frames=frames, gop=10)
     with av.open(str(path)) as container:
         packets = [(p.pos, p.size) for p in container.demux(video=0) if p.size]
     data = bytearray(path.read_bytes())
-    start, size = packets[frames // 3]
-    data[start:start + size] = b"\xff" * size
+    for start, size in packets[frames // 3:frames // 3 + 6]:
+        data[start:start + size] = b"\xff" * size
     path.write_bytes(bytes(data))
+    intact = []  # ground truth: what a plain loop that skips what it cannot decode gets, by each frame's colour
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        for packet in container.demux(stream):
+            with contextlib.suppress(av.FFmpegError):
+                intact += [_frame_index(frame.to_ndarray(format="rgb24")) for frame in stream.codec_context.decode(packet)]
+    assert len(intact) < frames and intact[-1] == frames - 1  # frames lost in the middle, the end intact
     with caplog.at_level("WARNING"):
         sampled = (vision.sample_video_uniform(path, num_frames=8) if sampler == "uniform"
                    else vision.sample_video_qwen(path))
     assert re.search(r"clip\.mp4: \d+ damaged packets? skipped", caplog.text), caplog.text
-    assert sampled.shortfall is not None and sampled.shortfall[1] == frames  # said: some frames could not be decoded
+    assert sampled.shortfall == (len(intact), frames)  # said: the answer lacks the frames lost
+    assert sampled.indices[-1] == frames - 1 and sampled.timestamps_s[-1] == pytest.approx((frames - 1) / CLIP_FPS)
     seen = [_frame_index(frame) for frame in sampled.frames]
-    assert max(seen) >= frames - 6, seen  # from past the damage to the end (it was the first third)
-    assert seen == sorted(seen)
+    assert seen == [min(i for i in intact if i >= planned) for planned in sampled.indices], (sampled.indices, seen)
+    assert set(seen) - set(sampled.indices)  # a planned frame was lost, and the next one stood for it
 
 
 def test_decord_worker_timeout_kills_a_hanging_call():

@@ -651,37 +651,42 @@ def _probe_pyav(path: Path) -> VideoInfo:
     return VideoInfo(num_frames, fps, num_frames / fps, width, height, "pyav", declared)
 
 
-def _decoded_frames(container: av.container.InputContainer, stream: av.VideoStream) -> Iterator[av.VideoFrame]:
-    """Decode the stream from the current position. A packet the decoder refuses (garbage inside the data: a damaged
-    download or disk) is skipped, as players skip it, and decoding goes on from the next: until 2026-12-07 the first
-    one ended the video, and a clip damaged a third of the way in was answered from that third. Where the file
-    itself ends early (demuxing fails: a truncated file) reading stops, but the frames the decoder already holds are
-    still drained: with frame threading those are several frames that decoded fine."""
-    codec = stream.codec_context
-    skipped, reason = 0, None
-    try:
-        for packet in container.demux(stream):
-            check_reading(container.name)  # a video's work is in its packets: where a time limit or a stop acts
-            try:
-                frames = codec.decode(packet)  # the final, empty packet flushes the decoder
-            except av.FFmpegError as error:
-                skipped, reason = skipped + 1, error
-                continue
-            yield from frames
-        return
-    except av.FFmpegError as error:
-        # The file's name, not its path (for fetched media that is a temporary folder of the server's), and
-        # FFmpeg's reason without the path it appends.
-        logger.warning("%s: decoding stopped early (%s)", Path(container.name).name,
-                       getattr(error, "strerror", None) or error)
-    finally:  # also when the reader has its frames and closes this generator early
-        if skipped:
-            logger.warning("%s: %d damaged packet%s skipped (%s)", Path(container.name).name, skipped,
-                           "s" if skipped > 1 else "", getattr(reason, "strerror", None) or reason)
-    try:
-        yield from codec.decode(None)
-    except av.FFmpegError:
-        pass
+class _StreamFrames:
+    """The stream's frames from the current position, as they decode (iterate it). A packet the decoder refuses
+    (garbage inside the data: a damaged download or disk) is skipped, as players skip it, and decoding goes on from
+    the next (``skipped`` counts them): until 2026-12-07 the first one ended the video, and a clip damaged a third of
+    the way in was answered from that third. Where the file itself ends early (demuxing fails: a truncated file)
+    reading stops, but the frames the decoder already holds are still drained: with frame threading those are
+    several frames that decoded fine."""
+
+    def __init__(self, container: av.container.InputContainer, stream: av.VideoStream):
+        self.container, self.stream, self.skipped = container, stream, 0
+
+    def __iter__(self) -> Iterator[av.VideoFrame]:
+        container, codec, reason = self.container, self.stream.codec_context, None
+        try:
+            for packet in container.demux(self.stream):
+                check_reading(container.name)  # a video's work is in its packets: where a time limit or a stop acts
+                try:
+                    frames = codec.decode(packet)  # the final, empty packet flushes the decoder
+                except av.FFmpegError as error:
+                    self.skipped, reason = self.skipped + 1, error
+                    continue
+                yield from frames
+            return
+        except av.FFmpegError as error:
+            # The file's name, not its path (for fetched media that is a temporary folder of the server's), and
+            # FFmpeg's reason without the path it appends.
+            logger.warning("%s: decoding stopped early (%s)", Path(container.name).name,
+                           getattr(error, "strerror", None) or error)
+        finally:  # also when the reader has its frames and closes this generator early
+            if self.skipped:
+                logger.warning("%s: %d damaged packet%s skipped (%s)", Path(container.name).name, self.skipped,
+                               "s" if self.skipped > 1 else "", getattr(reason, "strerror", None) or reason)
+        try:
+            yield from codec.decode(None)
+        except av.FFmpegError:
+            pass
 
 
 class _SeekFailed(Exception):
@@ -689,16 +694,22 @@ class _SeekFailed(Exception):
 
 
 def _iter_wanted_frames(
-    container: av.container.InputContainer, stream: av.VideoStream, wanted: Sequence[int], seek_min_gap: float
+    container: av.container.InputContainer, stream: av.VideoStream, wanted: Sequence[int], seek_min_gap: float,
+    lost: list[int],
 ) -> Iterator[tuple[int, av.VideoFrame | None]]:
     """Yield `(index, frame)` for each index of `wanted` (ascending, unique); if the stream ends before
     the last one, yield `(number of frames in the stream, None)` last.
 
     Frames are numbered in presentation order from 0 by counting decoded frames. To skip a long gap the
     decoder seeks to the keyframe before the target; from then on frames are numbered from their
-    timestamps, which agrees with counting for constant-frame-rate video (nearly all recorded video).
+    timestamps, which agrees with counting for constant-frame-rate video (nearly all recorded video). So are the
+    frames past a damaged stretch (packets the decoder refused: ``_StreamFrames``), where counting falls short by
+    the frames lost (the frames after it, and Qwen2.5-VL's and Qwen3-VL's times of them, came early by as much: an
+    outside pass); a wanted frame lost there is stood for by the first frame after the stretch, and the frames lost
+    are appended to ``lost``.
     """
-    frames = _decoded_frames(container, stream)
+    reader = _StreamFrames(container, stream)
+    frames = iter(reader)
     first = next(frames, None)
     if first is None:
         yield 0, None
@@ -708,14 +719,20 @@ def _iter_wanted_frames(
     can_seek = fps > 0 and first.pts is not None and stream.time_base is not None
     after_seek = False
     position = 0  # index of the next frame while counting (before any seek)
+    held = None  # (index, frame): read past a wanted frame lost in a damaged stretch; it may stand for more
     for target in wanted:
+        if held is not None and held[0] >= target:
+            yield target, held[1]
+            continue
+        held = None
         if can_seek and target - position > seek_min_gap:
             target_pts = first.pts + int(target / fps / stream.time_base)
             try:
                 container.seek(target_pts, stream=stream, backward=True, any_frame=False)
             except av.FFmpegError as error:
                 raise _SeekFailed from error
-            frames, after_seek = _decoded_frames(container, stream), True
+            reader = _StreamFrames(container, stream)
+            frames, after_seek = iter(reader), True
         for frame in frames:
             if after_seek:
                 if frame.pts is None:
@@ -723,11 +740,19 @@ def _iter_wanted_frames(
                 index = round(float((frame.pts - first.pts) * stream.time_base) * fps)
                 if index > target and position <= target:  # landed past the target: timestamps unreliable
                     raise _SeekFailed
+            elif reader.skipped and can_seek and frame.pts is not None:  # past a damaged stretch
+                index = max(position, round(float((frame.pts - first.pts) * stream.time_base) * fps))
+                if index > position:
+                    lost.append(index - position)
             else:
                 index = position
             position = index + 1
             if index == target:
                 yield index, frame
+                break
+            if index > target:  # the target was lost in a damaged stretch: the first frame after it stands for it
+                held = (index, frame)
+                yield target, frame
                 break
         else:  # end of stream
             if after_seek:
@@ -739,11 +764,18 @@ def _iter_wanted_frames(
             return
 
 
+@dataclass
+class DecodedFrames:
+    frames: np.ndarray  # (T, H, W, 3) uint8 RGB, one per index asked for
+    lost: int = 0  # frames lost in damaged stretches before the last one asked for (stood for by the next that decoded)
+
+
 def _decode_pyav(path: Path, indices: Sequence[int], transform: FrameTransform | None = None,
-                 seek_min_gap: float = SEEK_MIN_GAP_FRAMES) -> np.ndarray:
+                 seek_min_gap: float = SEEK_MIN_GAP_FRAMES) -> DecodedFrames:
     wanted = sorted(set(indices))
     kept: dict[int, np.ndarray] = {}
     frame_count = None  # known only if the stream ends before the last wanted frame
+    lost: list[int] = []
     with _open_container(path) as container:
         stream = _video_stream(container, path.name)
         width, height = stream.codec_context.width, stream.codec_context.height
@@ -755,7 +787,7 @@ def _decode_pyav(path: Path, indices: Sequence[int], transform: FrameTransform |
         stream.codec_context.options = {"max_pixels": str(MAX_VIDEO_FRAME_PIXELS)}
         stream.thread_type = "AUTO"  # frame-threaded decoding: several times faster on multi-core CPUs
         try:
-            for index, frame in _iter_wanted_frames(container, stream, wanted, seek_min_gap):
+            for index, frame in _iter_wanted_frames(container, stream, wanted, seek_min_gap, lost):
                 if frame is None:
                     frame_count = index
                 else:
@@ -766,7 +798,7 @@ def _decode_pyav(path: Path, indices: Sequence[int], transform: FrameTransform |
         except _SeekFailed:
             logger.info("%s: seeking is unreliable here, decoding sequentially", path.name)
             return _decode_pyav(path, indices, transform, seek_min_gap=math.inf)
-    return _assemble(kept, indices, path.name, frame_count)
+    return DecodedFrames(_assemble(kept, indices, path.name, frame_count), sum(lost))
 
 
 def _assemble(kept: dict[int, np.ndarray], indices: Sequence[int], name: str, frame_count: int | None) -> np.ndarray:
@@ -909,14 +941,14 @@ def probe_video(
     return _probe_pyav(path)
 
 
-def read_frames(
+def decode_frames(
     path: str | os.PathLike,
     indices: Sequence[int],
     *,
     backend: str | None = None,
     timeout_s: float = DEFAULT_VIDEO_TIMEOUT_S,
     transform: FrameTransform | None = None,
-) -> np.ndarray:
+) -> DecodedFrames:
     """Decode the frames at `indices` (0-based, any order, repeats allowed) as uint8 RGB, (T, H, W, 3).
 
     `transform` (a resize, typically) is applied to each frame as it is decoded, so that only what it returns
@@ -927,7 +959,9 @@ def read_frames(
     installed; decord then runs in a worker process killed after `timeout_s` seconds (PyAV runs
     in-process; `timeout_s` does not apply to it, `reading_limit` applies to both). Frames are numbered as decoded,
     in presentation order; rotation metadata of phone videos is not applied (neither qwen-vl-utils nor decord applies it).
-    A file that cannot be decoded, or that holds fewer frames than asked for, raises `MediaError`.
+    A file that cannot be decoded, or that holds fewer frames than asked for, raises `MediaError`. A damaged
+    stretch inside the file is skipped (PyAV): a frame asked for that was lost there is stood for by the first frame
+    after it, and `DecodedFrames.lost` counts the frames lost.
     """
     path = _check_file(path)
     indices = [int(index) for index in indices]
@@ -935,5 +969,19 @@ def read_frames(
         raise ValueError(f"frame indices must be a non-empty list of non-negative integers, got {indices[:8]}")
     if _choose_backend(backend) == "decord":
         frames = _run_in_worker(_decode_decord, (path, indices), timeout_s=timeout_s, name=path.name)
-        return frames if transform is None else np.stack([transform(frame) for frame in frames])
+        return DecodedFrames(frames if transform is None else np.stack([transform(frame) for frame in frames]))
     return _decode_pyav(path, indices, transform)
+
+
+def read_frames(
+    path: str | os.PathLike,
+    indices: Sequence[int],
+    *,
+    backend: str | None = None,
+    timeout_s: float = DEFAULT_VIDEO_TIMEOUT_S,
+    transform: FrameTransform | None = None,
+) -> np.ndarray:
+    """``decode_frames``'s frames, (T, H, W, 3) uint8 RGB."""
+    return decode_frames(path, indices, backend=backend, timeout_s=timeout_s, transform=transform).frames
+
+

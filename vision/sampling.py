@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from glimpse.vision.media import (DEFAULT_VIDEO_TIMEOUT_S, FrameTransform, MediaError, VideoInfo, _TooFewFramesError,
-                                  probe_video, read_frames)
+                                  decode_frames, probe_video)
 
 logger = logging.getLogger(__name__)
 
@@ -194,11 +194,12 @@ def _read_sampled(
     backend: str | None,
     timeout_s: float,
     transform_for: Callable[[list[int]], FrameTransform] | None = None,
-) -> tuple[VideoInfo, int, list[int], np.ndarray]:
+) -> tuple[VideoInfo, int, list[int], np.ndarray, int]:
     """Probe, choose indices with `pick_indices(total_frames, fps)`, decode them, each frame through
     `transform_for(indices)` as it is decoded (so that only the resized frames are kept).
 
-    Returns the probe, the frame count the indices were chosen over, the indices and the frames.
+    Returns the probe, the frame count the indices were chosen over, the indices, the frames and how many frames
+    were lost in damaged stretches inside the file (`DecodedFrames.lost`).
 
     Damaged files often declare more frames than they hold; then the indices are chosen again over the
     frames that did decode, so a truncated clip still gives its frames instead of an error.
@@ -209,8 +210,8 @@ def _read_sampled(
         indices = pick_indices(total_frames, info.fps)
         transform = transform_for(indices) if transform_for is not None else None
         try:
-            return info, total_frames, indices, read_frames(path, indices, backend=backend, timeout_s=timeout_s,
-                                                           transform=transform)
+            decoded = decode_frames(path, indices, backend=backend, timeout_s=timeout_s, transform=transform)
+            return info, total_frames, indices, decoded.frames, decoded.lost
         except _TooFewFramesError as error:
             if error.decodable_frames == 0 or error.decodable_frames >= total_frames:
                 raise
@@ -269,7 +270,7 @@ def sample_video_qwen(
             return resize_frames_bicubic(frame[None], height, width)[0]
         return resize
 
-    info, total_frames, indices, frames = _read_sampled(path, pick_indices, backend, timeout_s,
+    info, total_frames, indices, frames, lost = _read_sampled(path, pick_indices, backend, timeout_s,
                                                         resize_each if resize else None)
     return SampledVideo(
         frames=frames,
@@ -277,7 +278,7 @@ def sample_video_qwen(
         timestamps_s=[index / info.fps for index in indices],
         sample_fps=len(indices) / max(total_frames, 1e-6) * info.fps,
         source_fps=info.fps,
-        shortfall=_shortfall(info.declared_frames or info.num_frames, total_frames),
+        shortfall=_shortfall(info.declared_frames or info.num_frames, total_frames - lost),
     )
 
 
@@ -306,7 +307,7 @@ def sample_video_uniform(
         scale = math.sqrt(UNIFORM_MAX_FRAME_PIXELS / (height * width))
         return resize_frames_bicubic(frame[None], max(1, int(height * scale)), max(1, int(width * scale)))[0]
 
-    info, total_frames, indices, frames = _read_sampled(path, pick_indices, backend, timeout_s,
+    info, total_frames, indices, frames, lost = _read_sampled(path, pick_indices, backend, timeout_s,
                                                         lambda indices: at_most_4k)
     return SampledVideo(
         frames=frames,
@@ -314,5 +315,5 @@ def sample_video_uniform(
         timestamps_s=[index / info.fps for index in indices],
         sample_fps=len(indices) / total_frames * info.fps,
         source_fps=info.fps,
-        shortfall=_shortfall(info.declared_frames or info.num_frames, total_frames),
+        shortfall=_shortfall(info.declared_frames or info.num_frames, total_frames - lost),
     )
