@@ -524,8 +524,25 @@ class LlavaAdapter(Adapter):
         pixels = self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
         gh, gw = self._tokens_per_image(pixels)
         extra = 1 if self.config.vision_feature_select_strategy == "full" else 0
-        return MediaInput(IMAGE, gh * gw + extra, {"pixel_values": pixels}, frames=[image], grid=(1, gh, gw),
-                          grid_start=extra)
+        return MediaInput(IMAGE, gh * gw + extra, {"pixel_values": pixels}, frames=[self._seen(image)],
+                          grid=(1, gh, gw), grid_start=extra)
+
+    def _seen(self, image: Image.Image) -> Image.Image:
+        """The part of ``image`` the model sees: LLaVA-1.5's CLIP processor resizes the shortest edge and keeps the
+        centre crop of it (the keep map over the whole of a wide picture put tokens over parts no token saw: an
+        outside pass)."""
+        ip = self.image_processor
+        shortest = _size_field(getattr(ip, "size", None), "shortest_edge")
+        crop = _size_field(getattr(ip, "crop_size", None), "width"), _size_field(getattr(ip, "crop_size", None), "height")
+        if not (getattr(ip, "do_center_crop", False) and shortest and all(crop)):
+            return image
+        scale = shortest / min(image.size)  # the resize, then the crop, taken back to the picture's pixels
+        width, height = min(image.width, crop[0] / scale), min(image.height, crop[1] / scale)
+        left, top = (image.width - width) / 2, (image.height - height) / 2
+        seen = image.crop((round(left), round(top), round(left + width), round(top + height)))
+        # (a large picture's size before decoding, ``vision.load_image``: its shape, not the crop's)
+        seen.info = {key: value for key, value in image.info.items() if key != "source_size"}
+        return seen
 
     def prepare_video(self, path):
         if not self.supports_video:

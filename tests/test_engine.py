@@ -1147,7 +1147,10 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
             else:
                 difference = (got - expected).abs() / (expected.max() - expected.min())
                 assert float(difference.mean()) < 0.002 and float(difference.max()) < 0.08, form
-    assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == fit.size_for(*size)
+    # the prompt's picture is the one resized as it was decoded (LLaVA-1.5's: the centre square of it it sees)
+    fitted = engine.adapter.prepare_image(vision.load_image(path, fit=fit)).frames[0]
+    assert fitted.size != vision.load_image(path).size
+    assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == fitted.size
 
 
 IMAGES_FIRST_TEMPLATE = (  # LLaVA-NeXT-Video's own, as transformers' conversions ship it: a message's images, then videos

@@ -1290,15 +1290,20 @@ def test_a_llava_next_pictures_keep_map_is_drawn_from_its_overviews_tokens(check
 
 
 @pytest.mark.parametrize("arch", ["llava", "embedded"])
-def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, embedded_cache, monkeypatch, tmp_path, arch):
-    """LLaVA squeezes every image into a square grid, and the embedded model's picture is squeezed to 224x224 as it is
-    decoded (``Adapter.image_fit``); the map over a tall picture is drawn tall all the same."""
+def test_the_keep_map_is_drawn_over_the_part_of_the_picture_the_model_saw(checkpoints, embedded_cache, monkeypatch,
+                                                                          tmp_path, arch):
+    """The embedded model's picture is squeezed to 224x224 as it is decoded (``Adapter.image_fit``): the map over a
+    tall picture is drawn tall all the same. LLaVA-1.5's CLIP processor keeps the centre square of the picture: the
+    map is drawn over that square (it was stretched over the whole picture, over parts no token saw; an outside
+    pass)."""
+    import numpy as np
     from PIL import Image
 
     from glimpse.ui import keep_map_image
 
-    tall = tmp_path / "tall.png"
-    Image.new("RGB", (300, 900), (200, 30, 30)).save(tall)
+    tall = tmp_path / "tall.png"  # red, green and blue thirds, top to bottom
+    Image.fromarray(np.repeat(np.array([[(220, 0, 0)], [(0, 220, 0)], [(0, 0, 220)]], dtype=np.uint8), 300, axis=0)
+                    .repeat(300, axis=1)).save(tall)
     monkeypatch.setenv("GLIMPSE_CACHE", str(embedded_cache))
     engine = load_engine("embedded" if arch == "embedded" else str(checkpoints[arch]), device="cpu")
     messages = [{"role": "user", "content": [{"type": "image", "image": str(tall)}, {"type": "text", "text": "x"}]}]
@@ -1306,7 +1311,14 @@ def test_the_keep_map_keeps_a_tall_images_proportions(checkpoints, embedded_cach
     _, h, w = keep_map["media"][0]["grid"]
     assert h == w  # the model's grid is square
     drawn = keep_map_image(engine.prepare(messages).media, keep_map, cell=8)
-    assert drawn.height == 3 * drawn.width
+    picture = (np.asarray(drawn, dtype=float) - 0.45 * np.asarray(keep_map_image([], keep_map, cell=8)
+                                                                   .resize(drawn.size), dtype=float)) / 0.55
+    if arch == "embedded":
+        assert drawn.height == 3 * drawn.width
+        assert picture[:drawn.height // 4, :, 0].mean() > 150  # the whole picture: red at the top
+    else:
+        assert drawn.height == drawn.width
+        assert picture[..., 1].mean() > 150 and picture[..., 0].mean() < 60  # the green centre alone
 
 
 def test_a_streaming_client_that_disconnects_frees_the_model(server, media, monkeypatch):
