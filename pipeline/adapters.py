@@ -533,7 +533,8 @@ class LlavaAdapter(Adapter):
         outside pass)."""
         ip = self.image_processor
         shortest = _size_field(getattr(ip, "size", None), "shortest_edge")
-        crop = _size_field(getattr(ip, "crop_size", None), "width"), _size_field(getattr(ip, "crop_size", None), "height")
+        crop_size = getattr(ip, "crop_size", None)
+        crop = _size_field(crop_size, "width"), _size_field(crop_size, "height")
         if not (getattr(ip, "do_center_crop", False) and shortest and all(crop)):
             return image
         scale = shortest / min(image.size)  # the resize, then the crop, taken back to the picture's pixels

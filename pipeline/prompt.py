@@ -138,7 +138,8 @@ def _media_of(item: dict):
     file, not as a missing key."""
     asked = [key for key in PER_ITEM_SETTINGS if key in item]
     if asked:
-        raise PromptError(f"{'an image' if item['type'] == 'image' else 'a video'} item's {', '.join(map(repr, asked))} (qwen-vl-utils' per-item settings) "
+        kind = "an image" if item["type"] == "image" else "a video"
+        raise PromptError(f"{kind} item's {', '.join(map(repr, asked))} (qwen-vl-utils' per-item settings) "
                           f"is not read: Glimpse sizes and samples every {item['type']} as the model's processor says "
                           "(docs/models.md); leave it out")
     for key in (item["type"], "url", "path"):
