@@ -112,8 +112,8 @@ class Adapter:
     @functools.cached_property
     def prompt_signature(self) -> str:
         """What a prompt built for this model depends on, in a few characters: the architecture (its media tensors'
-        layout), the tokenizer's size and placeholder ids (the token ids) and the image processor's settings (the
-        pixels). A ``Prompt`` carries it, and an engine refuses one made for another model, where its ids and tensors
+        layout), the tokenizer's size and placeholder ids (the token ids), the image processor's settings (the
+        pixels) and the model's own that decide placeholder counts (``prompt_settings``). A ``Prompt`` carries it, and an engine refuses one made for another model, where its ids and tensors
         mean something else. Two checkpoints that share all of these (Qwen2-VL-2B and -7B) take each other's prompts."""
         parts = [type(self).__name__, len(self.tokenizer), self.image_token_id, self.video_token_id,
                  self.image_processor.to_json_string(), self.prompt_settings()]
