@@ -877,7 +877,8 @@ class Engine:
         if prompt.made_for and prompt.made_for != self.adapter.prompt_signature:
             raise PromptError(f"this prompt was built for another model ({prompt.made_for.split(':')[0]}, whose "
                               "tokenizer, image processor or vision settings differ from this engine's "
-                              f"{self.adapter.name}): build it with this engine's prepare(messages), or pass the messages")
+                              f"{self.adapter.name}): build it with this engine's prepare(messages), or pass the "
+                              "messages")
 
     def prefill(self, prompt: Prompt, policy: Policy, caches: bool = True) -> tuple[torch.Tensor, PrefillContext]:
         ctx, spans = self._prefill_context(prompt, policy, caches)
