@@ -131,8 +131,15 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     attn_implementation = resolve_attn(attn, torch_device, torch_dtype)
-    adapter = _adapter(model, source, config, lambda cls: cls.from_pretrained(
-        source, dtype=torch_dtype, attn_implementation=attn_implementation).to(torch_device).eval())
+
+    def build(model_class):
+        # Sizes that do not match are reported with the rest (``_check_weights``), not raised from deep inside.
+        vlm, loading = model_class.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                                   ignore_mismatched_sizes=True, output_loading_info=True)
+        _check_weights(loading)
+        return vlm.to(torch_device).eval()
+
+    adapter = _adapter(model, source, config, build)
     if torch_device.type == "cpu":
         use_cpu_linears(adapter.model)  # decode 1.7-2.4x, prefill 1.8x faster on a CPU (pipeline/cpu_linear.py)
     engine = Engine(adapter, model_id=str(model), chat_template=_chat_template(source, model), grounded=grounded)
@@ -283,6 +290,26 @@ def _adapter(model: str, source: str, config, build):
         raise ModelLoadError(f"cannot load model {model!r}: it has no tokenizer (tokenizer.json or the files of its "
                              "tokenizer are missing)")
     return ADAPTERS[config.model_type](vlm, tokenizer, image_processor)
+
+
+def _check_weights(loading: dict) -> None:
+    """Refuse (ValueError, which ``_adapter`` says as a ``ModelLoadError``) weights that do not fill the model
+    ``config.json`` describes: transformers fills what is missing with random values and says so in a log line, and
+    the model answered gibberish with exit status 0 (an outside pass: a checkpoint in the original LLaVA code's
+    layout, another architecture's weights, a config with more layers or wider ones than its weights)."""
+    missing, mismatched = list(loading.get("missing_keys") or ()), list(loading.get("mismatched_keys") or ())
+    if not (missing or mismatched):
+        return
+    said = []
+    if missing:
+        more = ", ..." if len(missing) > 3 else ""
+        said.append(f"{len(missing)} weights are missing ({', '.join(sorted(missing)[:3])}{more})")
+    if mismatched:
+        names = sorted(str(entry[0] if isinstance(entry, tuple) else entry) for entry in mismatched)
+        said.append(f"{len(mismatched)} have other shapes than config.json says ({', '.join(names[:3])}"
+                    f"{', ...' if len(names) > 3 else ''})")
+    raise ValueError(f"its weights do not fit its config.json: {'; '.join(said)}. A checkpoint of the original LLaVA "
+                     "code base is laid out otherwise: use its llava-hf/ conversion (docs/models.md)")
 
 
 def local_frontier(model: str, num_layers: int, checkpoint: str) -> Frontier | None:

@@ -509,6 +509,19 @@ def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(c
         (untokenized / name).unlink()
     with pytest.raises(ModelLoadError, match="cannot load model .*tokenizer"):
         load_engine(str(untokenized), device="cpu")
+    # Weights that do not fill the model were random values, answering gibberish without a word (an outside pass)
+    foreign = shutil.copytree(checkpoints["llava"], tmp_path / "foreign")
+    shutil.copy(checkpoints["qwen2_vl"] / "model.safetensors", foreign / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"weights do not fit its config.json: \d+ weights are missing"):
+        load_engine(str(foreign), device="cpu")
+    wider = shutil.copytree(checkpoints["llava"], tmp_path / "wider")
+    config = json.loads((wider / "config.json").read_text())
+    config["text_config"]["hidden_size"] *= 2
+    (wider / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"weights do not fit its config.json: \d+ have other shapes"):
+        load_engine(str(wider), device="cpu")
+    assert load_engine(str(checkpoints["llava"]), device="cpu").generate(messages, max_new_tokens=4).token_ids == \
+        expected
 
 
 def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
