@@ -12,15 +12,16 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jinja2
 import torch
 
 from glimpse.common import UserError
-from glimpse.pipeline.adapters import ADAPTERS
+from glimpse.pipeline.adapters import ADAPTERS, IMAGE
 from glimpse.pipeline.calibrate_slider import SHIPPED_FRONTIER
 from glimpse.pipeline.cpu_linear import use_cpu_linears
 from glimpse.pipeline.profiles import (checkpoint_identity, load_profile, profile_matches, warn_file_once,
                                        warn_unusable)
-from glimpse.pipeline.prompt import Prompt, build_prompt
+from glimpse.pipeline.prompt import Prompt, PromptError, build_prompt, render
 from glimpse.pruning.frontier import Frontier, uncalibrated_frontier
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     from glimpse.pipeline.engine import Engine
 
     source, grounded, config = _checkpoint(model)
+    chat_template = _chat_template(source, model)  # a damaged one is refused before the weights load
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     attn_implementation = resolve_attn(attn, torch_device, torch_dtype)
@@ -142,7 +144,8 @@ def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto
     adapter = _adapter(model, source, config, build)
     if torch_device.type == "cpu":
         use_cpu_linears(adapter.model)  # decode 1.7-2.4x, prefill 1.8x faster on a CPU (pipeline/cpu_linear.py)
-    engine = Engine(adapter, model_id=str(model), chat_template=_chat_template(source, model), grounded=grounded)
+    engine = Engine(adapter, model_id=str(model), chat_template=chat_template, grounded=grounded)
+    _check_chat_template(engine, model)
     engine.checkpoint = checkpoint_identity(source)
     profile = load_profile(str(model))
     if profile_matches(profile, engine.checkpoint, len(adapter.layers)):
@@ -386,8 +389,33 @@ def _chat_template(source: str, model: str = "") -> str | None:
             path = None
         if path and os.path.exists(path):
             text = Path(path).read_text()
-            return json.loads(text)["chat_template"] if name.endswith(".json") else text
+            if name.endswith(".jinja"):
+                return text
+            try:
+                template = json.loads(text)["chat_template"]
+            except (ValueError, KeyError, TypeError) as error:  # (it was "a bug in Glimpse", after the weights loaded)
+                raise ModelLoadError(f"cannot load model {model or source!r}: its {name} holds no chat template "
+                                     f"({type(error).__name__}: {_first_line(error)})") from None
+            if not isinstance(template, str):
+                raise ModelLoadError(f"cannot load model {model or source!r}: the chat_template of its {name} is "
+                                     f"not text")
+            return template
     return None
+
+
+def _check_chat_template(engine, model: str) -> None:
+    """Render a question about a picture with the checkpoint's chat template, as every request will: a template
+    that cannot (a Jinja syntax error, an undefined name) or that writes nothing is refused as the model loads
+    (every request failed, as "a bug in Glimpse", or with an IndexError; an outside pass)."""
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}]
+    placeholders = {"image": engine.adapter.placeholder(IMAGE)}
+    try:
+        text = render(engine.tokenizer, engine.chat_template, question, placeholders)
+    except (PromptError, jinja2.TemplateError) as error:
+        raise ModelLoadError(f"cannot load model {model!r}: its chat template cannot write a question: {error}") \
+            from None
+    if not text.strip():
+        raise ModelLoadError(f"cannot load model {model!r}: its chat template writes nothing for a question")
 
 
 def _first_line(error: Exception) -> str:

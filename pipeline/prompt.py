@@ -21,6 +21,7 @@ from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import jinja2
 import torch
 from PIL import Image
 
@@ -221,8 +222,12 @@ def render(tokenizer, chat_template: str | None, messages: list[dict], placehold
                                             for it in m["content"]]} for m in messages]
     if chat_template is None and tokenizer.chat_template is None:
         return plain_render(placeholders, slim)
-    return tokenizer.apply_chat_template(slim, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(slim, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=True)
+    except jinja2.TemplateError as error:  # its raise_exception ("roles must alternate"): the request's to mend
+        # (it was a 500, "a bug in Glimpse"; an outside pass)
+        raise PromptError(f"this model's chat template refuses the conversation: {error}") from None
 
 
 def control_pattern(adapter: Adapter) -> re.Pattern | None:

@@ -524,6 +524,40 @@ def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(c
         expected
 
 
+def test_a_chat_template_that_cannot_write_a_question_is_refused_at_load_and_one_that_refuses_a_chat_says_why(
+        checkpoints, media, tmp_path):
+    """Found from outside: a template with a Jinja error, one that writes nothing, or a damaged chat_template.json
+    loaded, then failed every request as "a bug in Glimpse" (or an IndexError); a template's own refusal of a
+    conversation (Mistral's "roles must alternate") was a 500. Now the first are refused as the model loads, and the
+    last is the request's error (a PromptError: 400 in the API)."""
+    import shutil
+
+    from glimpse.pipeline.loading import ModelLoadError
+
+    def with_template(name: str, text: str):
+        folder = shutil.copytree(checkpoints["llava"], tmp_path / name)
+        (folder / "chat_template.jinja").unlink()
+        (folder / ("chat_template.json" if name.startswith("json") else "chat_template.jinja")).write_text(text)
+        return str(folder)
+
+    for name, text, said in (("syntax", "{% for m in messages %}{{ m.role }", "cannot write a question"),
+                             ("undefined", "{{ messages[0].content.upper() }}", "cannot write a question"),
+                             ("empty", "{# nothing #}", "writes nothing"),
+                             ("json-bad", "{not json", "holds no chat template"),
+                             ("json-list", '{"chat_template": ["a"]}', "is not text")):
+        with pytest.raises(ModelLoadError, match=said):
+            load_engine(with_template(name, text), device="cpu")
+    alternate = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+                 "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                 "USER: {% for c in m.content %}{% if c.type == 'image' %}<image>{% else %}{{ c.text }}{% endif %}"
+                 "{% endfor %} {% endfor %}ASSISTANT:")
+    engine = load_engine(with_template("alternate", alternate), device="cpu")
+    twice = _messages("image", media) * 2  # two user turns in a row
+    with pytest.raises(PromptError, match="chat template refuses the conversation: Conversation roles must alternate"):
+        engine.generate(twice, max_new_tokens=1)
+    assert engine.generate(_messages("image", media), max_new_tokens=1).token_ids  # and it goes on answering
+
+
 def test_an_unsupported_architecture_is_refused_with_the_supported_list(tmp_path):
     """A Qwen3.5 checkpoint (linear-attention layers: docs/models.md says why the engine does not run them)
     is refused when loaded, naming the architectures Glimpse runs, rather than run wrong; the error is the
