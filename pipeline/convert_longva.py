@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -62,6 +63,13 @@ def convert(src: Path, dst: Path, vision_tower: Path | None = None) -> Path:
                               LlavaNextVideoForConditionalGeneration, Qwen2Config)
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
+    if not (src / "config.json").is_file():
+        raise SystemExit(f"{src}: not a checkpoint folder (no config.json)")
+    # Written whole or not at all: into a folder beside DST, renamed to DST at the end. An existing DST is refused:
+    # given as SRC itself, the original weights were written over (an outside pass), and a folder killed halfway
+    # (a template not yet written) loaded as a model with the wrong chat format.
+    if dst.exists() and (dst.resolve() == src.resolve() or any(dst.iterdir())):
+        raise SystemExit(f"{dst}: exists and is not empty (or is SRC): give a new folder")
     original = json.loads((src / "config.json").read_text())
     state = {new: value for key, value in load_state_dict(src).items() if (new := rename(key))}
     if vision_tower is not None:
@@ -105,14 +113,19 @@ def convert(src: Path, dst: Path, vision_tower: Path | None = None) -> Path:
     if missing or unexpected:
         raise SystemExit(f"weights do not match the LongVA layout: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    dst.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dst)
-    tokenizer.save_pretrained(dst)
+    staging = dst.parent / f".{dst.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)  # a killed conversion's
+    staging.mkdir(parents=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
     LlavaNextImageProcessorPil(size={"shortest_edge": vision_config.image_size},
                                crop_size={"height": vision_config.image_size, "width": vision_config.image_size},
                                image_grid_pinpoints=pinpoints, image_mean=CLIP_MEAN, image_std=CLIP_STD,
-                               ).save_pretrained(dst)
-    (dst / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+                               ).save_pretrained(staging)
+    (staging / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    if dst.exists():
+        dst.rmdir()  # (empty: checked above)
+    staging.rename(dst)
     return dst
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -66,3 +67,36 @@ def test_converted_longva_has_the_original_weights_and_serves(checkpoints, media
     counts = result.metrics["prompt_tokens"]
     assert counts["image"] > 0 and counts["video"] > 0
     assert len(result.token_ids) >= 1
+
+
+def test_the_converter_never_writes_over_its_source_or_a_folder_and_leaves_nothing_half_written(
+        checkpoints, tmp_path, monkeypatch):
+    """Found from outside: DST given as SRC wrote over the original weights (a 15 GB download for the 7B model), and
+    a conversion killed before its chat template was written left a folder that loaded with the wrong chat format.
+    SRC, or any folder that is not empty, is refused; the model is written beside DST and renamed at the end."""
+    from transformers import LlavaNextVideoForConditionalGeneration
+
+    original = _to_original_layout(checkpoints["longva"], tmp_path / "original")
+    before = {p.name: p.read_bytes() for p in original.iterdir()}
+    for dst in (original, tmp_path / "original" / ".." / "original"):
+        with pytest.raises(SystemExit, match="exists and is not empty"):
+            convert(original, dst)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="exists and is not empty"):
+        convert(original, tmp_path / "notes")
+    with pytest.raises(SystemExit, match="not a checkpoint folder"):
+        convert(tmp_path / "nothing", tmp_path / "out")
+    assert {p.name: p.read_bytes() for p in original.iterdir()} == before
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # killed as the weights are written
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LlavaNextVideoForConditionalGeneration, "save_pretrained", killed)
+        with pytest.raises(KeyboardInterrupt):
+            convert(original, tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()  # nothing that could load as a model
+    (tmp_path / "converted").mkdir()  # an empty folder is fine, and the half-written one is cleared
+    assert (convert(original, tmp_path / "converted") / "chat_template.jinja").is_file()
+    assert not list(tmp_path.glob(".converted.partial"))
