@@ -40,7 +40,7 @@ def checkpoint_depth(model: str) -> int | None:
     """The decoder's depth from a local checkpoint's config.json, read before any weight loads, so that a layer
     number past the last one is refused before a 7B model takes its minute to load. None where it cannot be told
     that cheaply (the embedded model, a hub id, a config without it): the engine checks again with the model."""
-    config = Path(model) / "config.json"
+    config = Path(model).expanduser() / "config.json"
     try:
         data = json.loads(config.read_text()) if config.is_file() else None
     except (OSError, ValueError):
@@ -199,10 +199,12 @@ def _checkpoint(model: str):
         # Progress goes to stderr: stdout may carry `glimpse ask --json`'s one JSON object.
         source = str(embedded.embedded_checkpoint(progress=lambda line: print(line, file=sys.stderr, flush=True)))
         grounded = embedded.EMBEDDED_GROUNDED
-    elif Path(source).expanduser().is_file():
+    elif Path(source).expanduser().exists():  # a local folder: "~/llava" as the user wrote it
+        source = str(Path(source).expanduser())
+    if Path(source).is_file():
         raise ModelLoadError(f"model {model!r} is a file: give the checkpoint's folder (config.json, weights, "
                              "tokenizer) or a hub id")
-    elif not Path(source).expanduser().exists() and _is_hub_id(source) and not _hub_offline():
+    elif not Path(source).exists() and _is_hub_id(source) and not _hub_offline():
         if (unreachable := _hub_unreachable()) is not None:
             source = _cached_snapshot(source, unreachable)
     try:

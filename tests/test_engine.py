@@ -1437,3 +1437,19 @@ def test_a_prompt_built_for_another_model_is_refused_and_one_of_the_same_checkpo
     (full / "config.json").write_text(json.dumps({**config, "vision_feature_select_strategy": "full"}))
     with pytest.raises(PromptError, match="built for another model"):
         load_engine(str(full), device="cpu").generate(prompts["llava"], max_new_tokens=1)
+
+
+def test_a_checkpoint_folder_named_from_home_with_a_tilde_loads(checkpoints, media, tmp_path, monkeypatch):
+    """``--model=~/llava`` (no shell expands a ~ after "=") and ``load_engine("~/llava")`` were taken for a hub id
+    ("Repo id must use alphanumeric chars"), while the checks before loading read the folder (an outside pass)."""
+    import shutil
+
+    from glimpse.pipeline.loading import checkpoint_depth
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(checkpoints["llava"], tmp_path / "llava")
+    assert checkpoint_depth("~/llava") == checkpoint_depth(str(checkpoints["llava"])) is not None
+    engine = load_engine("~/llava", device="cpu")
+    assert engine.generate(_messages("image", media), max_new_tokens=4).token_ids == \
+        load_engine(str(checkpoints["llava"]), device="cpu").generate(_messages("image", media),
+                                                                      max_new_tokens=4).token_ids
