@@ -1282,13 +1282,17 @@ def _add_layer_features(hidden: torch.Tensor, ctx: PrefillContext, tokens: torch
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
+    """The ids that end an answer: the generation config's ``eos_token_id`` (an id or a list of ids) and the
+    tokenizer's. Anything else there is refused, naming the file (a float or a nested list was a TypeError after the
+    weights loaded, a string or a dict was taken as stop ids; an outside pass)."""
     ids = set()
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     for value in (eos, tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(value)
+        values = [] if value is None else [value] if isinstance(value, int) else value
+        if not isinstance(values, (list, tuple)) or not all(type(v) is int for v in values):
+            raise UserError(f"cannot load the model: the eos_token_id of its generation_config.json (or tokenizer) "
+                            f"must be a token id or a list of token ids, got {value!r:.80}")
+        ids.update(values)
     return ids
 
 

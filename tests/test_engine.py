@@ -520,6 +520,12 @@ def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(c
     (wider / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"weights do not fit its config.json: \d+ have other shapes"):
         load_engine(str(wider), device="cpu")
+    for eos in (2.0, [[2]], "</s>", {"id": 2}):  # a TypeError after the weights loaded, or taken as stop ids
+        odd = shutil.copytree(checkpoints["llava"], tmp_path / f"eos-{len(list(tmp_path.iterdir()))}")
+        generation = json.loads((odd / "generation_config.json").read_text())
+        (odd / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": eos}))
+        with pytest.raises(UserError, match="eos_token_id of its generation_config.json .* must be a token id"):
+            load_engine(str(odd), device="cpu")
     assert load_engine(str(checkpoints["llava"]), device="cpu").generate(messages, max_new_tokens=4).token_ids == \
         expected
 
