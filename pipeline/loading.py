@@ -207,9 +207,11 @@ def _checkpoint(model: str):
     elif not Path(source).exists() and _is_hub_id(source) and not _hub_offline():
         if (unreachable := _hub_unreachable()) is not None:
             source = _cached_snapshot(source, unreachable)
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, StrictDataclassError) as error:  # (the last: a field of the wrong type)
         hint = "" if Path(source).exists() else " (not a local folder, and the model hub could not provide it)"
         raise ModelLoadError(f"cannot load model {model!r}{hint}: {_first_line(error)}") from None
     if config.model_type not in ADAPTERS:

@@ -520,6 +520,11 @@ def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(c
     (wider / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"weights do not fit its config.json: \d+ have other shapes"):
         load_engine(str(wider), device="cpu")
+    typed = shutil.copytree(checkpoints["llava"], tmp_path / "typed")
+    (typed / "config.json").write_text(json.dumps({**json.loads((typed / "config.json").read_text()),
+                                                   "text_config": "llama"}))
+    with pytest.raises(ModelLoadError, match="cannot load model .*text_config"):  # it was transformers' own error
+        load_engine(str(typed), device="cpu")
     for eos in (2.0, [[2]], "</s>", {"id": 2}):  # a TypeError after the weights loaded, or taken as stop ids
         odd = shutil.copytree(checkpoints["llava"], tmp_path / f"eos-{len(list(tmp_path.iterdir()))}")
         generation = json.loads((odd / "generation_config.json").read_text())
