@@ -506,9 +506,10 @@ def synthesize_prompts(engine, folder: str | Path, image_tokens: int, video_toke
     progress = progress or (lambda line: None)
     questions = {**DEFAULT_QUESTIONS, **(questions or {})}
     cell = engine.adapter.token_cell  # None: token counts do not follow the size
+    side = cell or 28  # pixels per token cell of the synthesized media (28: any size, for other models)
     prompts = {}
     if image_tokens > 0:
-        image = random_image(image_tokens, cell=cell or 28)
+        image = random_image(image_tokens, cell=side)
         messages = _messages("image", image, questions["image"])
         got = engine.prepare(messages).token_counts()["image"]
         if abs(got - image_tokens) > 0.1 * image_tokens:
@@ -524,7 +525,6 @@ def synthesize_prompts(engine, folder: str | Path, image_tokens: int, video_toke
             target = float(video_tokens)
             for attempt in range(4):
                 frames, rows, cols = video_plan(target)
-                side = cell or 28
                 path = write_video(folder / f"bench-video-{attempt}.mp4", frames, 2, (cols * side, rows * side))
                 messages = _messages("video", str(path), questions["video"])
                 got = engine.prepare(messages).token_counts()["video"]
