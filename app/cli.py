@@ -354,26 +354,24 @@ def build_parser() -> argparse.ArgumentParser:
     spread = caption.add_argument_group("on Ray (docs/scale.md)")
     spread.add_argument("--ray", action="store_true", help="run as a Ray Data pipeline: decode tasks and a pool of "
                                                           "model actors (pip install 'glimpse-vl[ray]')")
-    on_ray = []  # given without --ray, refused: the local captioner would run without a word of them
+    ray_options: dict = {}  # given without --ray, refused: the local captioner would run without a word of them
+    ray_option = _task_option(ray_options, ("ray",))
 
-    def ray_option(*flags, **options):
-        on_ray.append(spread.add_argument(*flags, **options))
-
-    ray_option("--ray-address", default=None, metavar="ADDRESS",
+    ray_option(spread, "--ray-address", default=None, metavar="ADDRESS",
                help="the cluster to join (e.g. ray://head:10001 or auto); default: start a local one")
-    ray_option("--actors", type=int, default=1, help="model actors, one Engine each (default 1)")
-    ray_option("--gpus-per-actor", type=float, default=None,
+    ray_option(spread, "--actors", type=int, default=1, help="model actors, one Engine each (default 1)")
+    ray_option(spread, "--gpus-per-actor", type=float, default=None,
                help="GPUs per actor (default: 1 on a cluster with GPUs, else 0: CPU actors)")
-    ray_option("--column", default="path", help="the manifest column of paths, URLs or URIs (default: path)")
+    ray_option(spread, "--column", default="path", help="the manifest column of paths, URLs or URIs (default: path)")
     spread.add_argument("--retry-errors", action="store_true",
                         help="caption again the inputs that are error rows in --out (fixed files, reads that "
                              "timed out); their error rows are removed first")
-    ray_option("--tries", type=int, default=3,
+    ray_option(spread, "--tries", type=int, default=3,
                help="tries of a batch whose model actor dies (out of memory, a crash; default 3); a batch "
                     "that kills its actor every time is set aside and its inputs tried alone as often")
-    ray_option("--shard-rows", type=int, default=512,
+    ray_option(spread, "--shard-rows", type=int, default=512,
                help="rows per Parquet shard (default 512; a shard is also written every 30 s)")
-    caption.set_defaults(run=run_caption, ray_options=[(a.option_strings[0], a.dest, a.default) for a in on_ray])
+    caption.set_defaults(run=run_caption, task_options=ray_options)
     return parser
 
 
@@ -741,9 +739,8 @@ def run_caption(args) -> int:
     if args.retry_errors:
         raise UserError("--retry-errors is for --ray: the local captioner writes no row for an input that failed, "
                         "so every rerun tries it again")
-    typed = _typed_flags(args)
-    given = [flag for flag, dest, default in args.ray_options if getattr(args, dest) != default or flag in typed]
-    if given:  # it captioned in this process, exit 0, without a word of the cluster it was told to use
+    # given: it captioned in this process, exit 0, without a word of the cluster it was told to use
+    if given := [flag for dest, (flag, _, _) in args.task_options.items() if dest in args.given]:
         many = len(given) > 1
         raise UserError(f"{', '.join(given)} {'are options' if many else 'is an option'} of --ray (docs/scale.md), "
                         f"which this run does not use: add --ray, or leave {'them' if many else 'it'} out")
@@ -865,22 +862,30 @@ def _task_option(task_options: dict, tasks: tuple[str, ...]):
     def add(group, *flags, **options):
         action = group.add_argument(*flags, **options)
         task_options[action.dest] = (flags[0], action.default, tasks)
+        action.default = argparse.SUPPRESS  # so that main can tell it given, even abbreviated or at its default
     return add
 
 
-def _typed_flags(args) -> set[str]:
-    """The options typed on the command line (``--name``, ``--name=value``), as typed."""
-    return {word.split("=", 1)[0] for word in args.argv if word.startswith("--")}
+def _restore_defaults(args) -> set[str]:
+    """The dests of ``args.task_options`` given on the command line; the others get their defaults back.
+
+    Their argparse default is ``SUPPRESS``: argparse sets them only when given, however typed (``--actors 1``,
+    ``--act 1``, ``--actors=1``). Comparing with the default missed ``--act 1``, typed as the default and
+    abbreviated: the local captioner ran without a word of the cluster it was told to use."""
+    options = getattr(args, "task_options", {})
+    given = {dest for dest in options if hasattr(args, dest)}
+    for dest in options.keys() - given:
+        setattr(args, dest, options[dest][1])
+    return given
 
 
 def _refuse_options_of_other_tasks(args, command: str, task: str) -> None:
     """An option given that ``task`` does not use is refused, naming the tasks that do: ignored, it looked applied
     (``glimpse eval agreement --samples 6`` was published as the command behind numbers ``--samples`` never changed,
-    ``calibrate hidivdrop --floor 0.3`` took no floor; an outside pass). Given: typed, or not its default."""
-    typed = _typed_flags(args)
+    ``calibrate hidivdrop --floor 0.3`` took no floor; an outside pass). Given: on the command line, however typed."""
     given: dict[tuple[str, ...], list[str]] = {}  # the tasks that take them: the options given
-    for dest, (flag, default, tasks) in args.task_options.items():
-        if task not in tasks and (getattr(args, dest) != default or flag in typed):
+    for dest, (flag, _, tasks) in args.task_options.items():
+        if task not in tasks and dest in args.given:
             given.setdefault(tasks, []).append(flag)
     if given:
         said = "; ".join(f"{', '.join(flags)} {'is an option' if len(flags) == 1 else 'are options'} of `glimpse "
@@ -929,7 +934,7 @@ def run_bench(args) -> int:
         from glimpse.vision import check_media
 
         sizes = {"--image-tokens": args.image_tokens, "--video-tokens": args.video_tokens}
-        typed = _typed_flags(args)
+        typed = {flag for flag in sizes if flag[2:].replace("-", "_") in args.given}
         if given := [flag for flag, tokens in sizes.items() if flag in typed and tokens]:  # (0: none, as it is)
             raise UserError(f"{' and '.join(given)} size{'s' * (len(given) == 1)} the synthesized media, and "
                             "--image/--video benchmarks your own files instead: give one or the other")
@@ -1223,7 +1228,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["ask"] and any(len(a) >= 3 and "--json".startswith(a) for a in argv):
             _print_json_error(error.message)
         raise
-    args.argv = argv
+    args.given = _restore_defaults(args)
     _quiet_libraries()
     try:
         _refuse_a_closed_stdout(args)

@@ -520,6 +520,7 @@ def test_retry_errors_is_refused_without_ray_where_failed_inputs_are_retried_any
 @pytest.mark.parametrize("options,named", [(["--ray-address", "ray://head:10001", "--actors", "4"],
                                              "--ray-address, --actors are options"),
                                             (["--tries", "3"], "--tries is an option"),  # typed, at its default
+                                            (["--act", "1"], "--actors is an option"),  # abbreviated, at its default
                                             (["--gpus-per-actor=1"], "--gpus-per-actor is an option"),
                                             (["--column", "url", "--shard-rows", "9"], "--column, --shard-rows are")])
 def test_the_options_of_ray_are_refused_without_ray(tmp_path, capsys, options, named):

@@ -273,7 +273,8 @@ def test_options_of_another_task_are_refused_not_ignored(checkpoints, tmp_path, 
                         "hidivdrop`"),
                        (["calibrate", "slider", "--top-k", "5"],
                         "--top-k is an option of `glimpse calibrate hidivdrop`"),
-                       (["calibrate", "slider", "--window=4"], "--window is an option of")):  # typed, if the default
+                       (["calibrate", "slider", "--window=4"], "--window is an option of"),  # typed, if the default
+                       (["eval", "agreement", "--samp", "10"], "--samples is an option of")):  # abbreviated, too
         assert main([*argv, "--model", absent]) == 1, argv
         err = capsys.readouterr().err
         assert said in err and "loading" not in err, (argv, err)
