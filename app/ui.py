@@ -405,9 +405,15 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             options = dict(policy=engine.make_policy(policy, speed, overridden),
                            max_new_tokens=_token_limit(max_tokens, max_new_tokens), caches=not compare)
             scheduler.check_room()  # a full queue is refused before the work of building the prompt
+            limit = options["max_new_tokens"]
+
+            def room(prompt):  # for the answer, in the model's context and in the server's KV budget
+                context = engine.max_length
+                return (context is None or len(prompt) + limit <= context) and scheduler.fits_budget(prompt, limit)
+
             prompt, left_out = _fitting_prompt(
                 _usable(history), turn,
-                lambda conversation: scheduler.prepare(history_to_messages(conversation, allowed), not compare))
+                lambda conversation: scheduler.prepare(history_to_messages(conversation, allowed), not compare), room)
             ticket = scheduler.submit(prompt, **options)
             with tabs_lock:
                 tabs.setdefault(session, set()).add(ticket)
@@ -441,13 +447,17 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         if result is None:
             return
         answer = _shown(answer)
-        if result.finish_reason == "length":
-            count = len(result.token_ids)
+        count = len(result.token_ids)
+        if result.finish_reason == "length" and count < options["max_new_tokens"]:  # the engine's cap: no room left
+            answer += _note(f"cut at {count} token{'s' if count != 1 else ''}: this question fills the model's "
+                            "context, so the answer had no more room; ask a shorter question or send less media")
+        elif result.finish_reason == "length":
             answer += _note(f"cut at {count} token{'s' if count != 1 else ''}: raise max answer tokens for more")
         for warning in result.warnings:  # e.g. a damaged video: the answer is about the frames that decoded
             answer += _note(f"{WARNING_NOTE}{_literal(warning)}")
         if left_out:
-            answer += _note(f"the conversation no longer fits the model's context: its {left_out} oldest "
+            answer += _note(f"the conversation no longer fits with room for the answer (the model's context, the "
+                            f"server's KV budget): its {left_out} oldest "
                             f"turn{'s were' if left_out > 1 else ' was'} left out of this answer")
         keep_map = saved_image(keep_map_image(prompt.media, result.metrics["keep_map"]))
         metrics = metrics_markdown(result)
@@ -852,25 +862,33 @@ def _turn_starts(history: list[dict]) -> list[int]:
     return starts + [len(history)]
 
 
-def _fitting_prompt(earlier: list[dict], turn: list[dict], prepare) -> tuple[object, int]:
-    """The prompt of ``turn`` after the most recent ``earlier`` turns that fit the model's context, and how many
-    of the oldest turns were left out; ``ContextOverflow`` when ``turn`` alone does not fit.
+def _fitting_prompt(earlier: list[dict], turn: list[dict], prepare, room=lambda prompt: True) -> tuple[object, int]:
+    """The prompt of ``turn`` after the most recent ``earlier`` turns that fit, and how many of the oldest turns were
+    left out. Fitting: ``prepare`` (which builds a prompt) does not raise ``ContextOverflow``, and ``room(prompt)``
+    says it leaves room for the answer (in the model's context and the server's KV budget: a chat past the budget
+    failed every later turn with the budget's error, an outside pass found). ``turn`` alone is returned whether
+    it has room or not (its error, or its answer cut at the context's end, is the chat's to say); its
+    ``ContextOverflow`` is raised.
 
     Searched by halves over how many to leave out: each try builds the whole prompt, and leaving out one turn at
     a time took 166 s of a core on a history of 1,000 turns (an outside pass), holding every other request's
     prompt building behind it."""
-    try:
-        return prepare(earlier + turn), 0  # the common case: it all fits
-    except ContextOverflow:
-        if not earlier:
-            raise
+    def fitting(conversation):  # its prompt, or None
+        try:
+            prompt = prepare(conversation)
+        except ContextOverflow:
+            return None
+        return prompt if room(prompt) else None
+
+    if earlier and (prompt := fitting(earlier + turn)) is not None:
+        return prompt, 0  # the common case: it all fits
     starts = _turn_starts(earlier)
     overflows, fits, prompt = 0, len(starts) - 1, None  # leaving out `overflows` turns does not fit
     while fits - overflows > 1:
         middle = (overflows + fits) // 2
-        try:
-            prompt, fits = prepare(earlier[starts[middle]:] + turn), middle
-        except ContextOverflow:
+        if (tried := fitting(earlier[starts[middle]:] + turn)) is not None:
+            prompt, fits = tried, middle
+        else:
             overflows = middle
     if prompt is None:  # only leaving out every earlier turn is left to try
         prompt = prepare(turn)

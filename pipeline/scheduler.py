@@ -224,7 +224,7 @@ class Scheduler:
                                       f"{max_new_tokens:,} asked for; ask for fewer tokens or shorten the conversation",
                                       param=refuse_past_context)
             reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
-            if reserved > self.kv_budget_bytes:
+            if not self.fits_budget(prompt, max_new_tokens):
                 raise self._over_budget(reserved)
             own_queue = None
             if sink is None:
@@ -239,9 +239,17 @@ class Scheduler:
             return ticket
 
     def _over_budget(self, reserved: int) -> UserError:
-        return UserError(f"this request may need {reserved / 2**20:,.0f} MiB of KV cache, more than the server's "
-                         f"budget of {self.kv_budget_bytes / 2**20:,.0f} MiB: shorten the prompt, send fewer frames "
-                         "or ask for fewer tokens")
+        # In tokens, which the client can act on, and MiB: "1 MiB, more than the budget of 1 MiB" said in MiB alone.
+        per_token = max(self.engine.kv_bytes_per_token(), 1)
+        return UserError(f"this request may need KV cache for {reserved // per_token:,} tokens (prompt and answer, "
+                         f"{reserved / 2**20:,.1f} MiB), more than the server's budget of "
+                         f"{self.kv_budget_bytes // per_token:,} tokens ({self.kv_budget_bytes / 2**20:,.1f} MiB): "
+                         "shorten the prompt, send fewer frames or ask for fewer tokens")
+
+    def fits_budget(self, prompt: Prompt, max_new_tokens: int) -> bool:
+        """Whether ``prompt`` with room for ``max_new_tokens`` fits the server's KV budget (``submit`` refuses one that
+        does not): the chat leaves out its oldest turns until it does."""
+        return self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens) <= self.kv_budget_bytes
 
     @contextlib.contextmanager
     def _building(self) -> Iterator[None]:

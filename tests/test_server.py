@@ -1102,6 +1102,46 @@ def test_a_long_chat_history_is_cut_to_what_fits_in_a_few_prompt_builds_not_one_
         assert len(built) <= 12  # 1 + log2(1000), not one build per turn left out
     with pytest.raises(ContextOverflow):  # the new turn alone does not fit: an error in the chat
         _fitting_prompt(history, turn, lambda conversation: (_ for _ in ()).throw(ContextOverflow("too long")))
+    for room in (1, 4, 2999, 3001):  # the same cut where every prompt builds but leaves no room for the answer
+        kept, left_out = _fitting_prompt(history, turn, lambda conversation: conversation,
+                                         lambda prompt: len(prompt) <= room)
+        fitting_turns = min(1000, (room - 1) // 3)
+        assert (left_out, kept) == (1000 - fitting_turns, history[3 * (1000 - fitting_turns):] + turn)
+    assert _fitting_prompt(history, turn, lambda c: c, lambda prompt: False) == (turn, 1000)  # its error is submit's
+
+
+def test_a_chat_past_the_kv_budget_goes_on_without_its_oldest_turns_and_a_full_context_is_said(checkpoints,
+                                                                                               monkeypatch):
+    """An outside pass chatted past the server's KV budget (``--kv-budget-mb``, lowered after an out-of-memory step)
+    while far inside the context: every later turn failed with the budget's error until Clear. The oldest turns are
+    left out until the conversation fits the budget with room for the answer, as for the context. And an answer cut
+    at the context's end said "raise max answer tokens for more", which changed nothing: it says the context is
+    full."""
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import build_ui
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    monkeypatch.setattr(engine, "eos_token_ids", set())  # every answer runs to its token limit
+    question = "Tell me about " + "the sea and the sky, " * 12  # about 80 tokens
+    two = [{"role": "user", "content": question}, {"role": "assistant", "content": "one two three four"},
+           {"role": "user", "content": question}]
+    per_token = engine.kv_bytes_per_token()
+    scheduler = Scheduler(engine, kv_budget_bytes=per_token * (len(engine.prepare(two)) + 8))  # two turns, not three
+    try:
+        chat = build_ui(engine, "tiny-llava", max_new_tokens=8, scheduler=scheduler).chat_interface.fn
+        history = []
+        for turn in range(3):
+            *_, (answer, _, _) = chat({"text": question, "files": []}, history, "none", 0.0, 4, "", False)
+            assert "⚠️" not in answer, (turn, answer)
+            assert ("1 oldest turn was left out" in answer) == (turn == 2), (turn, answer)
+            history += [{"role": "user", "content": question}, {"role": "assistant", "content": "one two three four"}]
+        alone = [{"role": "user", "content": question}]
+        engine.max_length = len(engine.prepare(alone)) + 3  # the question alone leaves 3 tokens of its context
+        *_, (answer, _, _) = chat({"text": question, "files": []}, [], "none", 0.0, 8, "", False)
+        assert "cut at 3 tokens" in answer and "fills the model's context" in answer, answer
+        assert "raise max answer tokens" not in answer
+    finally:
+        scheduler.close()
 
 
 def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
