@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
+import math
 import os
 import signal
 import sys
@@ -40,6 +41,7 @@ from glimpse.pipeline.random_checkpoint import REAL_PRESETS
 from glimpse.pruning import NAMES, PRUNING_NAMES, TEXT_PRUNING_NAMES, parse_params
 from glimpse.pruning.base import check_speed
 from glimpse.vision import MEDIA_TIMEOUT_S
+from glimpse.vision.media import check_video_backend
 
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
 PASSKEY_MIN_TOKENS = 128
@@ -604,6 +606,17 @@ def http_server(app, host: str, port: int, shutdown_s: float | None = None):
                                         timeout_graceful_shutdown=shutdown_s))
 
 
+def _check_server_sizes(args) -> None:
+    """The sizes of ``glimpse serve`` (and ``bench serve``, which starts one), before the model loads: a negative KV
+    budget started a server that refused every request, blaming the client; a negative cache size was taken as
+    0 without a word (an outside pass)."""
+    if args.kv_budget_mb is not None and args.kv_budget_mb < 1:
+        raise UserError("--kv-budget-mb must be at least 1 (leave it out for the default)")
+    for flag in ("--encoder-cache-mb", "--media-cache-mb", "--prefix-cache-mb"):
+        if (size := getattr(args, flag[2:].replace("-", "_"))) is not None and size < 0:
+            raise UserError(f"{flag} must be at least 0 (0: off)")
+
+
 def run_serve(args) -> int:
     from glimpse.connections import CappedWrites
     from glimpse.pipeline import load_engine
@@ -618,6 +631,15 @@ def run_serve(args) -> int:
         raise UserError("--shutdown-grace must be between 0 and 3600 seconds")
     if not 0 < args.media_timeout <= 86400:
         raise UserError("--media-timeout must be more than 0 and at most 86400 seconds")
+    _check_server_sizes(args)
+    if not 0 <= args.port <= 65535:
+        raise UserError("--port must be between 0 and 65535")
+    if args.max_upload_mb < 1 or not 0 < args.max_uploads_gb < math.inf:  # (NaN fails this too)
+        raise UserError("--max-upload-mb must be at least 1 and --max-uploads-gb more than 0 (and finite): they "
+                        "crashed the server as it started, or it refused every upload")
+    if args.allowed_root is not None and not Path(args.allowed_root).is_dir():  # every path named would fail later
+        raise UserError(f"--allowed-root {args.allowed_root}: no such folder")
+    check_video_backend()
     if not _loopback(args.host) and not args.api_key and not args.no_api_key:
         raise UserError(f"--host {args.host} is reachable from other machines: give --api-key KEY (or set "
                         "GLIMPSE_API_KEY), or --no-api-key to serve it open")
@@ -626,9 +648,9 @@ def run_serve(args) -> int:
     engine = load_engine(args.model, device=args.device, attn=args.attn)
     if not engine.grounded:
         _log(NOT_GROUNDED)
-    engine.encoder_cache.max_bytes = max(0, args.encoder_cache_mb) * 2**20
-    engine.prefix_cache.max_bytes = max(0, args.prefix_cache_mb) * 2**20
-    engine.media_cache.max_bytes = max(0, args.media_cache_mb) * 2**20
+    engine.encoder_cache.max_bytes = args.encoder_cache_mb * 2**20
+    engine.prefix_cache.max_bytes = args.prefix_cache_mb * 2**20
+    engine.media_cache.max_bytes = args.media_cache_mb * 2**20
     budget = args.kv_budget_mb * 2**20 if args.kv_budget_mb is not None else None
     app = build_server(engine, args.model, allowed_root=args.allowed_root, max_upload_mb=args.max_upload_mb,
                        max_uploads_gb=args.max_uploads_gb,
@@ -727,6 +749,7 @@ def run_caption(args) -> int:
     if args.media_timeout is not None and not 0 < args.media_timeout <= 86400:
         raise UserError("--media-timeout must be more than 0 and at most 86400 seconds")
     make_policy(args.policy, args.speed)
+    check_video_backend()
     if args.prompt is not None:  # one instruction for every input: refused once, not once per input
         if not args.prompt.strip():
             raise UserError("--prompt is empty: leave it out for the default instruction")
@@ -846,6 +869,7 @@ def run_bench_serve(args) -> int:
     if args.clients < 1 or args.requests < args.clients or args.max_tokens < 1 or args.burst < 0:
         raise UserError("--clients and --max-tokens must be at least 1, --requests at least --clients, --burst >= 0")
     check_speed(args.speed)
+    _check_server_sizes(args)
     if args.image and not Path(args.image[0]).is_file():
         raise UserError(f"{args.image[0]}: no such file")
     report = bench_serve.run(args, _log)

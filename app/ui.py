@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -157,10 +158,16 @@ def saved_image(image: Image.Image | None) -> str | None:
     data = buffer.getvalue()
     path = Path(get_upload_folder()) / "keep_maps" / f"{hashlib.sha256(data).hexdigest()[:24]}.png"
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # whole, even with two answers writing the same map at once
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, path)  # whole, even with two answers writing the same map at once
+        except OSError as error:  # a full disk: the turn goes on without its map (it failed, after its answer had
+            # streamed, losing its notes and metrics, and left the part written: an outside pass)
+            tmp.unlink(missing_ok=True)
+            print(f"glimpse: the keep map was not saved: {error}", file=sys.stderr, flush=True)
+            return None
     return str(path)
 
 

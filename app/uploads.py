@@ -29,6 +29,10 @@ RESERVE_BYTES = 2**30  # what uploads must leave free on the disk, whatever the 
 # one-byte uploads were 20.9 MiB of the quota and 140 MiB of the disk, and empty ones counted for nothing.
 ENTRY_BYTES = 4096
 REMEASURE_S = 1.0  # the folder is walked again at most this often
+# A file an upload is still writing is open in this process, and was written to just now; one closed and untouched
+# this long is an upload's part left behind (``delete_left_parts``). Where the open files cannot be listed (no
+# /proc), only age tells, and a client may pause mid-upload: ``LEFT_PART_S_BLIND``.
+LEFT_PART_S, LEFT_PART_S_BLIND = 60.0, 3600.0
 
 
 def folder_bytes(folder: Path) -> int:
@@ -61,6 +65,43 @@ def delete_older_than(folder: Path, max_age_s: float) -> None:
                 os.rmdir(root)  # only if now empty
             except OSError:
                 pass
+
+
+def delete_left_parts(folder: Path) -> None:
+    """Delete the parts of uploads left in ``folder``. Gradio's upload route writes each file of an upload to a
+    ``tmp...`` file directly in the upload folder, and moves it into a folder of its own once the upload is whole,
+    before it answers; a part whose client left mid-upload (or that failed after the body was read, or was not a
+    "files" field) stays there, used by nothing and counted against the quota until it is a day old (an outside
+    pass: 20 uploads abandoned halfway left 19 MiB). Deleted: those open in no file of this process (none is
+    being written) and untouched for ``LEFT_PART_S``."""
+    try:
+        open_now = {(st.st_dev, st.st_ino) for st in _open_files()}
+        cutoff = time.time() - LEFT_PART_S
+    except OSError:  # no /proc
+        open_now, cutoff = set(), time.time() - LEFT_PART_S_BLIND
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:  # not made yet
+        return
+    for entry in entries:
+        try:
+            if entry.name.startswith("tmp") and entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                if st.st_mtime < cutoff and (st.st_dev, st.st_ino) not in open_now:
+                    os.unlink(entry.path)
+        except OSError:  # moved into its folder, or deleted, while we looked
+            pass
+
+
+def _open_files() -> list[os.stat_result]:
+    """What the open file descriptors of this process are (``OSError`` without /proc)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.stat(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed while we looked (or the listing's own)
+            pass
+    return found
 
 
 class UploadQuota:
@@ -127,6 +168,7 @@ class UploadQuota:
 
     def _measure(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
+        delete_left_parts(self.folder)
         self.used, self.measured_at = folder_bytes(self.folder), time.monotonic()
 
     def _fits(self, length: int) -> bool:

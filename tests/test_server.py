@@ -1308,6 +1308,41 @@ def test_the_compare_column_shows_the_unpruned_answer_and_says_whether_pruning_c
     assert "| answer |" not in metrics_markdown(pruned)  # alone, the panel has no answer row
 
 
+def test_a_keep_map_the_full_disk_cannot_take_leaves_the_turn_whole(checkpoints, media, tmp_path, monkeypatch,
+                                                                      capsys):
+    """An outside pass filled the upload folder's disk: the chat's turn about a picture failed after its answer had
+    streamed (the keep map's PNG could not be written), losing its notes and metrics, and left the part written.
+    The turn ends whole, without its map; the server's log says why."""
+    import errno
+
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import NO_METRICS, build_ui
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    write_bytes = Path.write_bytes
+
+    def disk_full(path, data):
+        if path.name.endswith(".tmp"):  # the keep map's: half of it fits
+            write_bytes(path, data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_bytes(path, data)
+
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    scheduler = Scheduler(engine)
+    try:
+        chat = build_ui(engine, "tiny-llava", max_new_tokens=4, allowed_root=str(media["image"].parent),
+                        scheduler=scheduler).chat_interface.fn
+        *_, (answer, metrics, keep_map) = chat({"text": "What is it?", "files": [str(media["image"])]}, [], "st3",
+                                               1.0, 4, "", False)
+    finally:
+        scheduler.close()
+    assert "⚠️" not in answer and "cut at 4 tokens" in answer, answer
+    assert metrics != NO_METRICS and "answer tokens" in metrics and keep_map is None
+    assert not list((tmp_path / "uploads").rglob("*.tmp"))
+    assert "keep map was not saved: [Errno 28] No space left on device" in capsys.readouterr().err
+
+
 def test_a_llava_next_pictures_keep_map_is_drawn_from_its_overviews_tokens(checkpoints, media):
     """A LLaVA-NeXT picture's tokens are its overview's grid, then its anyres tiles with row ends: the map was left
     out (no single grid holds them all). It is the overview's grid, the picture as a whole, its first tokens."""
@@ -1795,6 +1830,50 @@ def test_the_upload_quota_counts_what_files_take_on_the_disk_and_is_checked_off_
             waiting.join(30)
 
 
+def test_the_part_of_an_upload_its_client_left_is_deleted_not_kept_against_the_quota(server, tmp_path, monkeypatch):
+    """An outside pass left 20 uploads halfway: Gradio's part files stayed at the top of the upload folder, used by
+    nothing and counted against --max-uploads-gb until a day old. The next upload's walk deletes those no upload is
+    writing (open in no file of the server) and untouched for a minute; one still being written is kept."""
+    import gc
+    import socket
+
+    from glimpse import uploads
+
+    folder = tmp_path / "uploads"
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(folder))
+    monkeypatch.setattr(uploads, "REMEASURE_S", 0.0)  # every upload walks the folder
+    app = build_server(server["engine"], "tiny-llava")
+    for url in _serve(app):
+        host, port = url.removeprefix("http://").split(":")
+        head = b'--B\r\nContent-Disposition: form-data; name="files"; filename="a.png"\r\n\r\n'
+        with socket.create_connection((host, int(port))) as client:  # 900 KB announced, 300 KB sent, then gone
+            client.sendall(b"POST /gradio_api/upload HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+                           b"boundary=B\r\nContent-Length: %d\r\n\r\n" % (len(head) + 900_000 + 8) + head)
+            client.sendall(os.urandom(300_000))
+            deadline = time.monotonic() + 30
+            while not (left := list(folder.glob("tmp*"))) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert len(left) == 1, left  # the part written so far
+        writing = folder / "tmpbeingwritten"  # as an upload under way holds its part: open
+        held = open(writing, "wb")
+        try:
+            part = os.stat(left[0])
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until the server has read the client's end and let the part go
+                gc.collect()
+                if all((f.st_dev, f.st_ino) != (part.st_dev, part.st_ino) for f in uploads._open_files()):
+                    break
+                time.sleep(0.05)
+            a_minute_ago = time.time() - 61
+            for part in (left[0], writing):
+                os.utime(part, (a_minute_ago, a_minute_ago))
+            fresh = httpx.post(url + "/gradio_api/upload", files={"files": ("b.png", b"png", "image/png")}, timeout=30)
+            assert fresh.status_code == 200 and Path(fresh.json()[0]).is_file(), fresh.text
+            assert not left[0].exists() and writing.exists()
+        finally:
+            held.close()
+
+
 @pytest.mark.parametrize("disposition", ['name="files"', "name=\"files\"; filename*=UTF-8''%2e"])
 def test_an_upload_part_without_a_usable_file_name_is_a_400_not_a_server_error(server, disposition, caplog):
     """Gradio's upload route failed on a file part with no file name (none, or only RFC 5987's ``filename*``): a 500
@@ -2156,6 +2235,51 @@ def test_a_port_in_use_is_said_before_the_model_loads(capsys, monkeypatch):
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port), "--model", "embedded"]) == 1
     assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,said", [(["--kv-budget-mb", "0"], "--kv-budget-mb must be at least 1"),
+                                        (["--encoder-cache-mb", "-3"], "--encoder-cache-mb must be at least 0"),
+                                        (["--max-upload-mb", "-1"], "--max-upload-mb must be at least 1"),
+                                        (["--max-uploads-gb", "nan"], "--max-uploads-gb more than 0"),
+                                        (["--max-uploads-gb", "inf"], "--max-uploads-gb more than 0"),
+                                        (["--port", "70000"], "--port must be between 0 and 65535"),
+                                        (["--allowed-root", "/no/such/folder"], "/no/such/folder: no such folder")])
+def test_a_server_size_or_place_that_cannot_work_is_refused_before_the_model_loads(capsys, monkeypatch, flags, said):
+    """An outside pass: ``--max-uploads-gb nan`` or ``--max-upload-mb -1`` crashed the server as it started (after
+    minutes of loading), ``--kv-budget-mb -5`` started one that refused every request blaming the client,
+    ``--encoder-cache-mb -3`` was taken as 0 and ``--allowed-root`` a folder that does not exist, without a word."""
+    import glimpse.pipeline
+    from glimpse.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(glimpse.pipeline, "load_engine", never)
+    assert main(["serve", "--model", "embedded", *flags]) == 1
+    assert said in capsys.readouterr().err
+    if flags[0] in ("--kv-budget-mb", "--encoder-cache-mb"):  # bench serve starts such a server
+        assert main(["bench", "serve", *flags]) == 1
+        assert said in capsys.readouterr().err
+
+
+def test_a_mistyped_video_backend_is_refused_as_the_server_or_captioner_starts(capsys, monkeypatch, tmp_path):
+    """``GLIMPSE_VIDEO_BACKEND=bogus glimpse serve`` started, answered pictures, and refused every video as a 400,
+    the client's mistake (an outside pass): the operator's setting is refused before the model loads."""
+    from PIL import Image
+
+    import glimpse.pipeline
+    from glimpse.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(glimpse.pipeline, "load_engine", never)
+    monkeypatch.setenv("GLIMPSE_VIDEO_BACKEND", "bogus")
+    picture = tmp_path / "a.png"
+    Image.new("RGB", (8, 8)).save(picture)
+    for argv in (["serve"], ["caption", str(picture), "--out", str(tmp_path / "c.jsonl")]):
+        assert main(argv) == 1
+        assert "unknown video backend 'bogus' ($GLIMPSE_VIDEO_BACKEND)" in capsys.readouterr().err
 
 
 def test_an_empty_api_key_is_no_key(server):

@@ -547,6 +547,12 @@ def _choose_backend(backend: str | None) -> str:
     return requested
 
 
+def check_video_backend() -> None:
+    """``$GLIMPSE_VIDEO_BACKEND`` checked as a server or a captioning run starts: a bad value was found at the first
+    video, each request refused with it as if the client's mistake, after images had worked (an outside pass)."""
+    _choose_backend(None)
+
+
 def _open_container(path: Path) -> av.container.InputContainer:
     try:
         return av.open(str(path), mode="r")
