@@ -33,15 +33,22 @@ def test_inference_gives_nn_linear_result(path, bias, shape):
     assert switched.packed is not None if path == "packed" else switched.packed is None
 
 
-def test_packed_rows_do_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("width", [96, 1024, 1536])
+def test_packed_rows_do_not_depend_on_the_other_rows(width):
     """A request's projections in a decode step are the same bits whatever else shares the step, and the
-    same as in its own prefill (nn.Linear's differ between row counts)."""
-    _, switched = _pair(bias=True, pack=True)
-    x = torch.randn(300, 96)
+    same as in its own prefill (nn.Linear's differ between row counts). One row alone is the exception past an
+    input 1,024 wide (docs/engine.md, "Linear layers on a CPU"; an outside pass found it at the embedded model's
+    1,536, which this test, at 96 wide only, had never tried)."""
+    torch.manual_seed(0)
+    switched = nn.Linear(width, 160)
+    use_cpu_linears(switched, pack=True)
+    x = torch.randn(300, width)
     with torch.no_grad():
-        alone = switched(x[:1])[0]
-        for rows in (2, 3, 5, 8, 16, 64, 300):
-            assert torch.equal(switched(x[:rows])[0], alone), rows
+        paired = switched(x[:2])[0]
+        for rows in (3, 5, 8, 16, 64, 300):
+            assert torch.equal(switched(x[:rows])[0], paired), rows
+        if width <= 1024:  # (wider, oneDNN sums one row alone in another order: documented, not promised)
+            assert torch.equal(switched(x[:1])[0], paired)
 
 
 def test_unpacked_prefill_sized_inputs_run_nn_linear_itself():
