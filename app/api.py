@@ -374,6 +374,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        received = time.perf_counter()  # its time to first token starts here: its body and media are read first
         if (refusal := unauthorized(request)) is not None:
             telemetry.refused("unauthorized")
             return refusal
@@ -414,7 +415,8 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
             messages, options, promise = _parse(body, engine, root, scratch, fetcher, max_new_tokens, allowance,
                                                 local_parts)
             try:
-                ticket = scheduler.submit(messages, sink=channel.put, left=allowance.cancelled.is_set, **options)
+                ticket = scheduler.submit(messages, sink=channel.put, left=allowance.cancelled.is_set,
+                                          received=received, **options)
             except vision.MediaError as error:
                 raise BadRequest(_naming_its_part(str(error), local_parts)) from None
             submitted.append(ticket)
@@ -791,8 +793,9 @@ def _usage(result) -> dict:
 
 
 def _glimpse(result, speed: float, promise: dict) -> dict:
-    keys = ("ttft_s", "queue_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes", "peak_memory_bytes",
-            "prefill_flops", "prefill_flops_baseline", "prefill_flops_unpruned", "prefix_reused_tokens")
+    keys = ("ttft_s", "queue_s", "prompt_s", "prefill_s", "decode_tokens_per_s", "prompt_tokens", "kv_bytes",
+            "peak_memory_bytes", "prefill_flops", "prefill_flops_baseline", "prefill_flops_unpruned",
+            "prefix_reused_tokens")
     return finite({"policy": result.policy, "speed": speed, "params": result.params, "summary": result.summary,
                    "promise": promise, "metrics": {k: result.metrics[k] for k in keys}, "warnings": result.warnings})
 

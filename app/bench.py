@@ -27,7 +27,8 @@ i.e. one request up to its first token, read through ``result.metrics``:
 - KV ratio: candidate ``kv_bytes`` / baseline ``kv_bytes``.
 - peak memory: on CUDA the peak allocated during the request (weights included), as a ratio, plus the
   ratio of the request's own working memory (peak minus what was allocated before the request); on
-  CPU the process's lifetime peak RSS, reported but never turned into a ratio.
+  CPU the process's peak resident set during the request (reset per request, on Linux): the whole process's,
+  weights and caches included, so reported but never turned into a ratio.
 
 Absolute times are only a claim on a GPU, with the device named (the report names it).
 """
@@ -342,7 +343,7 @@ def format_markdown(report: dict) -> str:
     ]
     if not cuda:
         lines.append("CPU: absolute times are not a claim (shared machine); read the ratios. Peak memory is the "
-                     "process's lifetime peak RSS, so no ratio is formed.")
+                     "whole process's peak RSS during the request (weights included), so no ratio is formed.")
     if report.get("interrupted"):
         lines.append(f"Interrupted (Ctrl-C) after {len(report['log'])} runs: the rows are those with a timed pair by "
                      "then, each from the rounds it had.")

@@ -90,7 +90,7 @@ class Telemetry:
         m, labels = result.metrics, (self.model, result.policy)
         self.ttft.labels(*labels).observe(m["ttft_s"])
         self.queue.labels(*labels).observe(m["queue_s"])
-        self.e2e.labels(*labels).observe(ticket.request.t_end - ticket.submitted)
+        self.e2e.labels(*labels).observe(ticket.request.t_end - ticket.received)
         if m["new_tokens"] > 1 and m["decode_tokens_per_s"]:
             self.tpot.labels(*labels).observe(1.0 / m["decode_tokens_per_s"])
         for modality, count in m["prompt_tokens"].items():

@@ -85,6 +85,7 @@ def metrics_markdown(result, baseline=None) -> str:
     lines = [f"**{result.policy}**: {result.summary}", "", head, "|---|---|" + ("---|" if baseline else ""),
              row("answer tokens", lambda m: m["new_tokens"], str),
              row("time to first token", lambda m: m["ttft_s"], lambda v: f"{v:.2f} s"),
+             row("of which reading the files", lambda m: m.get("prompt_s", 0.0), lambda v: f"{v:.2f} s"),
              row("of which queued", lambda m: m["queue_s"], lambda v: f"{v:.2f} s"),
              row("prefill", lambda m: m["prefill_s"], lambda v: f"{v:.2f} s"),
              row("decode", lambda m: m["decode_tokens_per_s"], lambda v: f"{v:.1f} tok/s" if v else "—"),
@@ -390,6 +391,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
     def respond(message, history, policy, speed, max_tokens, overrides, compare, request=None):
         """One turn: check this turn's files, queue the conversation, show the queue position while it
         waits, stream the answer, then the metrics (beside an unpruned run if asked) and the keep map."""
+        received = time.perf_counter()  # its time to first token starts here: its files are read first
         session = getattr(request, "session_hash", None)
         with tabs_lock:
             comparing.pop(session, None)  # what a closed comparison left here: the new turn is the answer now
@@ -421,7 +423,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             prompt, left_out = _fitting_prompt(
                 _usable(history), turn,
                 lambda conversation: scheduler.prepare(history_to_messages(conversation, allowed), not compare), room)
-            ticket = scheduler.submit(prompt, **options)
+            ticket = scheduler.submit(prompt, received=received, **options)
             with tabs_lock:
                 tabs.setdefault(session, set()).add(ticket)
         except (QueueFull, ServerStopping) as full:

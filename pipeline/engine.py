@@ -104,6 +104,7 @@ class PrefillContext:
     kv_bytes_per_step: list[int] = field(default_factory=list)
     visual_kv_per_step: list[int] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)  # tokens the whole batch made in each of those steps
     revived: int = 0  # prompt-token computations added by revival in decode (LazyLLM)
     # Per decoder layer 0, 1, ...: (visual rows, features) the architecture adds to those tokens after
     # that layer (Qwen3-VL's DeepStack); empty for most.
@@ -199,6 +200,7 @@ class Request:
     done: bool = False  # ended (``finish`` says why): takes no further step
     peak_memory: int = 0  # the highest reading of the memory meter after any of this request's steps
     t_queued: float | None = None  # when the request was submitted, if it waited for the engine (the scheduler)
+    t_received: float | None = None  # when it arrived, before its prompt was built (the scheduler's; else t_queued)
     # The end of the prompt, not computed yet: the few tokens after a reused prefix, which the next decode step
     # computes beside the running batch (``Engine.start(defer=True)``); None once its first token is chosen.
     pending: "DecodeRows | None" = None
@@ -717,6 +719,7 @@ class Engine:
         seconds = time.perf_counter() - t_step
         for request in decoded:
             request.ctx.step_s.append(seconds)
+            request.ctx.step_tokens.append(len(decoded))
         return ran_out
 
     # After a step ran out of memory, its requests (``Request.short_of_memory``) and those decoding beside them
@@ -1125,9 +1128,12 @@ class Engine:
         t_request, t_prefill, t_first, t_end = request.t_request, request.t_prefill, request.t_first, request.t_end
         decode_s = t_end - request.t_decode
         queued = request.t_queued if request.t_queued is not None else t_request
+        # The server builds a prompt (reads its media) before it queues it; ``start`` builds one given messages.
+        received = request.t_received if request.t_received is not None else queued
         return Metrics(
-            ttft_s=t_first - queued,  # as the user waits for it: the queue included
+            ttft_s=t_first - received,  # as the user waits for it: the prompt's building and the queue included
             queue_s=t_request - queued,
+            prompt_s=(queued - received) + (t_prefill - t_request),
             prefill_s=t_first - t_prefill,
             vision_encoder_s=ctx.vision_encoder_s,
             vision_wait_s=ctx.vision_wait_s,
@@ -1143,7 +1149,7 @@ class Engine:
             kv_bytes_per_step=ctx.kv_bytes_per_step,
             visual_kv_per_step=ctx.visual_kv_per_step,
             decode_step_s=ctx.step_s,
-            decode_tokens_per_s_per_step=[batch_size / s if s > 0 else None for s in ctx.step_s],
+            decode_tokens_per_s_per_step=[n / s if s > 0 else None for n, s in zip(ctx.step_tokens, ctx.step_s)],
             batch_size=batch_size,
             revived_tokens=ctx.revived,
             prefix_reused_tokens=ctx.reused_tokens,

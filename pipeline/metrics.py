@@ -19,6 +19,7 @@ class Metrics(TypedDict):
 
     ttft_s: float  # request received -> first token chosen (waiting for the engine, prompt building, vision, prefill)
     queue_s: float  # of which waiting for the engine (the server's scheduler; 0 otherwise)
+    prompt_s: float  # of which building the prompt: reading and decoding its media, the chat template, tokens
     prefill_s: float  # prefill alone (the wait for the vision encoder included)
     vision_encoder_s: float  # the vision encoder + projector's own time
     vision_wait_s: float  # how long the layer loop waited for it
@@ -35,7 +36,7 @@ class Metrics(TypedDict):
     kv_bytes_per_step: list[int]  # what each decode step attended to
     visual_kv_per_step: list[int]  # visual KV entries per decode step (ST3's annealing shrinks them)
     decode_step_s: list[float]
-    decode_tokens_per_s_per_step: list[float | None]  # batch size / step time
+    decode_tokens_per_s_per_step: list[float | None]  # tokens the batch made in the step / step time
     batch_size: int
     revived_tokens: int  # prompt-token computations added by revival in decode (LazyLLM)
     prefix_reused_tokens: int  # leading prompt tokens taken from the prefix cache, not computed (0: none)

@@ -113,7 +113,8 @@ class Ticket:
     reserved_bytes: int  # the KV this request may grow to (its admission reserves it)
     caches: bool  # may use the engine's caches (Engine.start)
     sink: Callable[[object], None]
-    submitted: float = field(default_factory=time.perf_counter)
+    submitted: float = field(default_factory=time.perf_counter)  # queued, its prompt built
+    received: float = field(default_factory=time.perf_counter)  # arrived (``submit``'s ``received``)
     admitted_at: float | None = None  # when it left the queue for a place in the batch
     cancel: threading.Event = field(default_factory=threading.Event)
     request: Request | None = None
@@ -204,13 +205,16 @@ class Scheduler:
                do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                ignore_eos: bool = False, stop: tuple[str, ...] = (), caches: bool = True,
                sink: Callable[[object], None] | None = None, refuse_past_context: str | None = None,
-               left: Callable[[], bool] | None = None) -> Ticket:
+               left: Callable[[], bool] | None = None, received: float | None = None) -> Ticket:
         """Queue a request; raises ``QueueFull`` when the queue is full, ``UserError`` for a bad prompt or
         one that could never fit the KV budget. The prompt (media decoding included) is built here, in the
         caller's thread (``prepare``; ``left``: whether its client has left meanwhile). ``refuse_past_context``: a
         prompt that leaves fewer than ``max_new_tokens`` tokens of the model's context is refused (``ContextOverflow``),
         naming this field of the request (the API's explicit ``max_tokens`` or ``max_completion_tokens``, refused as
-        OpenAI's API does) rather than answered up to the context's end."""
+        OpenAI's API does) rather than answered up to the context's end. ``received``: when the request arrived
+        (``time.perf_counter()``; default now), where its time to first token starts: the API's handler and the chat
+        read its body and files before they submit it (they were left out of ``ttft_s``, an outside pass)."""
+        received = time.perf_counter() if received is None else received
         with self._building():  # counted while it builds its prompt, for ``wait_for_submitters``
             self.check_room()  # refuse before the work of building the prompt
             # A Policy object given here is a template: the request gets its own copy (policies keep state).
@@ -231,7 +235,7 @@ class Scheduler:
                 own_queue = queue.Queue()
                 sink = own_queue.put
             ticket = Ticket(prompt, policy, max_new_tokens, Sampling(do_sample, temperature, top_p, seed), ignore_eos,
-                            StopText(tuple(stop)), reserved, caches, sink, _queue=own_queue)
+                            StopText(tuple(stop)), reserved, caches, sink, received=received, _queue=own_queue)
             with self.condition:
                 self._refuse_if_full()
                 self.waiting.append(ticket)
@@ -531,6 +535,7 @@ class Scheduler:
             self._end(ticket, None, error)
             return
         request.cancel, request.t_queued, request.t_decode = ticket.cancel, ticket.submitted, time.perf_counter()
+        request.t_received = ticket.received
         ticket.request = request
         with self.condition:  # from prefilling to running at once: counted in one of them, never both or neither
             self.admitted.remove(ticket)

@@ -64,7 +64,7 @@ def test_ratios_follow_from_the_rows_own_numbers(report):
         assert row["own_cost_s"] == pytest.approx(
             row["decoder_prefill_s"] - row["baseline_decoder_prefill_s"] / row["flops_speedup"])
         assert row["kv_ratio"] == pytest.approx(row["kv_bytes"] / row["baseline_kv_bytes"])
-        assert row["peak_memory_ratio"] is None  # CPU: lifetime peak RSS, no ratio
+        assert row["peak_memory_ratio"] is None  # CPU: the whole process's peak RSS, no ratio
         assert row["peak_memory_bytes"] > 0
         assert len(row["active_tokens_per_layer"]) == 4
         if row["policy"] == "none":

@@ -774,3 +774,35 @@ def test_submitters_prepare_prompts_on_one_torch_thread_and_the_model_thread_kee
         torch.set_num_threads(original)
     assert seen["prepare"] == [1, 1, 1]
     assert seen["step"] and set(seen["step"]) == {2}
+
+
+def test_time_to_first_token_counts_building_the_prompt_and_each_steps_rate_its_own_batch(engine, media, monkeypatch):
+    """An outside pass timed the server: its ``ttft_s`` started once the prompt was built, leaving out the media's
+    reading and decoding (0.02 s reported for a first token 0.55 s after the request), and a request that shared
+    its batch for a few steps had every step rated at that batch's size. Now the clock starts at ``received``
+    (the API's handler, the chat's turn; by default ``submit``), with ``prompt_s`` the building's share, and each
+    step's rate counts the tokens made in that step."""
+    prepare = engine.prepare
+
+    def slow_prepare(*args, **kwargs):  # a picture that takes its time to read
+        time.sleep(0.3)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "prepare", slow_prepare)
+    scheduler = Scheduler(engine, max_batch=2, queue_size=4, start=False)
+    try:
+        conversation = _conversations(media)[0]
+        arrived = time.perf_counter() - 0.2  # its body was read before it was submitted
+        long = scheduler.submit(conversation, policy="none", max_new_tokens=10, ignore_eos=True, received=arrived)
+        short = scheduler.submit(conversation, policy="none", max_new_tokens=3, ignore_eos=True)
+        loop = threading.Thread(target=scheduler.run, daemon=True)
+        loop.start()
+        long_result, short_result = long.result(timeout=120), short.result(timeout=120)
+    finally:
+        scheduler.close()
+    for result, before in ((long_result, 0.5), (short_result, 0.3)):
+        m = result.metrics
+        assert m["prompt_s"] >= before and m["ttft_s"] >= m["prompt_s"] + m["queue_s"] + m["prefill_s"] - 1e-6
+    steps = long_result.metrics
+    made = [round(rate * s) for rate, s in zip(steps["decode_tokens_per_s_per_step"], steps["decode_step_s"])]
+    assert made == [2, 2] + [1] * 7  # beside the short answer's two steps after its first token, then alone

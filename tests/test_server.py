@@ -95,6 +95,24 @@ def test_the_apis_routes_answer_head_and_name_their_method_to_other_ones(server)
     assert wrong.status_code == 405 and "use POST" in wrong.json()["error"]["message"]
 
 
+def test_the_apis_time_to_first_token_counts_reading_the_requests_media(server, media, monkeypatch):
+    """An outside pass: the server's ``ttft_s`` (and its /metrics histogram) started once the prompt was built, so
+    the seconds spent reading and decoding a request's media were nobody's (a client saw its first token 1.7 s
+    later than the server said). The clock starts as the handler takes the request; ``prompt_s`` is that share."""
+    engine = server["engine"]
+    prepare = engine.prepare
+
+    def slow_prepare(*args, **kwargs):  # a picture that takes its time to decode
+        time.sleep(0.4)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "prepare", slow_prepare)
+    reply = httpx.post(server["url"] + "/v1/chat/completions", timeout=60, json={
+        "messages": _question(_data_url(media["image"])), "max_tokens": 2, "policy": "none"})
+    metrics = reply.json()["glimpse"]["metrics"]
+    assert metrics["prompt_s"] >= 0.4 and metrics["ttft_s"] >= metrics["prompt_s"] + metrics["prefill_s"], metrics
+
+
 def test_an_openai_client_gets_the_engines_answer_with_usage_and_glimpse_metrics(server, media):
     messages = _question(_data_url(media["image"]))
     reply = _client(server).chat.completions.create(model="tiny-llava", messages=messages, max_tokens=8,
