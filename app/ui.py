@@ -182,11 +182,20 @@ def keep_map_image(media: list, keep_map: dict, cell: int = 24) -> Image.Image |
         return None
     span = spans[-1]
     t, h, w = span["grid"]
-    first = span.get("grid_start", 0)  # (a LLaVA-NeXT picture: its overview's tokens, the anyres tiles' after them)
-    if first + t * h * w > span["count"]:
+    first = span["start"] + span.get("grid_start", 0)  # (LLaVA: after its CLS token)
+    if first + t * h * w > span["start"] + span["count"]:
         return None
-    depth = np.array(keep_map["depth"][span["start"] + first:span["start"] + first + t * h * w], dtype=np.float32)
-    share = (depth / max(keep_map["num_layers"], 1)).reshape(t, h, w)
+    depth = np.array(keep_map["depth"][first:first + t * h * w], dtype=np.float32).reshape(t, h, w)
+    if span.get("tiles") and t == 1:
+        # A LLaVA-NeXT picture: its anyres tiles after its overview, seen in more detail (most of its tokens; the map
+        # showed the overview's only): drawn in its place, each row's newline token left out.
+        rows, columns = span["tiles"]
+        start = first + h * w
+        if start + rows * (columns + 1) <= span["start"] + span["count"]:
+            tiles = np.array(keep_map["depth"][start:start + rows * (columns + 1)], dtype=np.float32)
+            depth = tiles.reshape(1, rows, columns + 1)[:, :, :columns]
+            cell, t, h, w = max(1, round(cell * w / columns)), 1, rows, columns
+    share = depth / max(keep_map["num_layers"], 1)
     strip = np.concatenate(list(share), axis=1)  # frames side by side
     heat = np.stack([1 - strip, strip, np.zeros_like(strip)], axis=-1)  # red: dropped early, green: kept
     overlay = Image.fromarray((heat * 255).astype("uint8")).resize((strip.shape[1] * cell, strip.shape[0] * cell),

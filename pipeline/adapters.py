@@ -46,6 +46,9 @@ class MediaInput:
     # Where the grid's t*h*w tokens begin among the item's: after a CLS token (LLaVA's "full" features). They may
     # not be all of them: a LLaVA-NeXT picture's grid is its overview's, and its anyres tiles follow.
     grid_start: int = 0
+    # A LLaVA-NeXT picture's anyres tiles: (rows, columns) of their features, after the grid's tokens, over the whole
+    # picture (unpadded to its proportions), each row ending in a newline token. The keep map draws them.
+    tiles: tuple[int, int] | None = None
     sample_fps: float | None = None  # a video's frames per second as sampled
     timestamps_s: list[float] | None = None  # a video's time per temporal patch, where the prompt writes it
     shortfall: tuple[int, int] | None = None  # a damaged video's frames decoded, of those declared (``SampledVideo``)
@@ -636,9 +639,18 @@ class LlavaNextAdapter(LlavaAdapter):
             num_additional_image_tokens=1,  # CLIP-style towers carry a CLS token
         )
 
-    def _count_tokens(self, orig_hw: tuple[int, int], pixel_values: torch.Tensor) -> int:
-        n = self._token_counter._get_number_of_features(orig_hw[0], orig_hw[1], pixel_values.shape[-2], pixel_values.shape[-1])
-        return n - 1 if self.config.vision_feature_select_strategy == "default" else n
+    def _count_tokens(self, orig_hw: tuple[int, int], pixel_values: torch.Tensor) -> tuple[int, tuple[int, int]]:
+        """A picture's placeholder count, and the (rows, columns) of its tiles' features as the model lays them
+        out after the overview's: unpadded to the picture's proportions, each row ending in a newline token."""
+        from transformers.image_processing_utils import select_best_resolution
+
+        counter, (height, width) = self._token_counter, pixel_values.shape[-2:]
+        n = counter._get_number_of_features(orig_hw[0], orig_hw[1], height, width)
+        best = select_best_resolution(list(orig_hw), counter.image_processor.image_grid_pinpoints)
+        patch = counter.patch_size
+        features, rows = counter._get_unpadded_features(orig_hw[0], orig_hw[1], height // patch, width // patch,
+                                                        best[0] // height, best[1] // width)
+        return (n - 1 if self.config.vision_feature_select_strategy == "default" else n), (rows, features // rows)
 
     @property
     def image_fit(self) -> vision.ImageFit | None:
@@ -677,10 +689,11 @@ class LlavaNextAdapter(LlavaAdapter):
         if "source_size" in image.info:  # resized as it was decoded (``image_fit``): the model unpads the tiles'
             out["image_sizes"] = torch.tensor([image.info["source_size"][::-1]])  # features by the whole picture's size
         pixels, sizes = out["pixel_values"], out["image_sizes"]
-        n = self._count_tokens((int(sizes[0][0]), int(sizes[0][1])), pixels)
+        n, tiles = self._count_tokens((int(sizes[0][0]), int(sizes[0][1])), pixels)
         patch = self.config.vision_config.patch_size
         side = self.config.vision_config.image_size // patch
-        return MediaInput(IMAGE, n, {"pixel_values": pixels, "image_sizes": sizes}, frames=[image], grid=(1, side, side))
+        return MediaInput(IMAGE, n, {"pixel_values": pixels, "image_sizes": sizes}, frames=[image], grid=(1, side, side),
+                          tiles=tiles)
 
     def encode(self, media, kind):
         vm = self.model.model

@@ -73,7 +73,7 @@ def keep_map(prompt, active_per_layer: list[torch.Tensor],
     for item in prompt.media:
         spans.append({"kind": "image" if item.kind == Modality.IMAGE else "video", "start": offset,
                       "count": item.num_tokens, "grid": list(item.grid) if item.grid else None,
-                      "grid_start": item.grid_start})
+                      "grid_start": item.grid_start, "tiles": list(item.tiles) if item.tiles else None})
         offset += item.num_tokens
     return {"num_layers": len(active_per_layer), "depth": depth[visual].tolist(),
             "entered": entered[visual].clamp(min=0).tolist(), "attended": attended[visual].tolist(), "media": spans}

@@ -1361,24 +1361,37 @@ def test_a_keep_map_the_full_disk_cannot_take_leaves_the_turn_whole(checkpoints,
     assert "keep map was not saved: [Errno 28] No space left on device" in capsys.readouterr().err
 
 
-def test_a_llava_next_pictures_keep_map_is_drawn_from_its_overviews_tokens(checkpoints, media):
-    """A LLaVA-NeXT picture's tokens are its overview's grid, then its anyres tiles with row ends: the map was left
-    out (no single grid holds them all). It is the overview's grid, the picture as a whole, its first tokens."""
+def test_a_llava_next_pictures_keep_map_is_drawn_from_its_tiles_tokens(checkpoints, media):
+    """A LLaVA-NeXT picture's tokens are its overview's grid, then its anyres tiles' features, unpadded to the
+    picture's proportions, each row ending in a newline token (the model's own layout: its ``image_newline`` is at
+    every row's end). The map was the overview's, a fraction of the tokens; it is the tiles', row ends left out."""
     import numpy as np
+    import torch
 
+    from glimpse.pipeline.adapters import IMAGE
     from glimpse.ui import keep_map_image
 
     engine = load_engine(str(checkpoints["llava_next"]), device="cpu")
     messages = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
                                              {"type": "text", "text": "What is it?"}]}]
-    keep_map = engine.generate(messages, policy="fastv", speed=1.0, max_new_tokens=1).metrics["keep_map"]
+    keep_map = engine.generate(messages, policy="fastv", speed=0.5, max_new_tokens=1).metrics["keep_map"]
     [span] = keep_map["media"]
-    t, h, w = span["grid"]
-    assert t == 1 and span["grid_start"] == 0 and span["count"] > h * w  # the tiles' tokens follow the overview's
-    bare = keep_map_image([], keep_map, cell=1)
-    assert bare is not None and bare.size == (w, h)
-    share = np.array(keep_map["depth"][:h * w], dtype=float).reshape(h, w) / keep_map["num_layers"]
-    np.testing.assert_allclose(np.asarray(bare, dtype=float)[..., 1] / 255, share, atol=1 / 255)  # green: kept deep
+    (t, h, w), (rows, columns) = span["grid"], span["tiles"]
+    assert t == 1 and span["grid_start"] == 0 and span["count"] == h * w + rows * (columns + 1)
+    with torch.no_grad():
+        features = engine.adapter.encode(engine.prepare(messages).media, IMAGE)
+    newline = engine.adapter.model.model.image_newline
+    at_row_ends = features[h * w:].reshape(rows, columns + 1, -1)
+    assert torch.equal(at_row_ends[:, -1], newline.expand(rows, -1).to(features.dtype))
+    assert not torch.isclose(at_row_ends[:, :-1], newline.to(features.dtype)).all(-1).any()
+    bare = keep_map_image([], keep_map, cell=24)
+    cell = bare.width // columns  # the tiles' cells drawn smaller than the overview's, the whole as wide
+    assert bare.size == (columns * cell, rows * cell) and abs(bare.width - w * 24) <= columns
+    tiles = np.array(keep_map["depth"][h * w:], dtype=float).reshape(rows, columns + 1)[:, :columns]
+    share = tiles / keep_map["num_layers"]
+    drawn = np.asarray(bare, dtype=float)[::cell, ::cell, 1] / 255
+    np.testing.assert_allclose(drawn, share, atol=1 / 255)  # green: kept deep
+    assert share.min() < share.max()  # FastV dropped some of them
     assert keep_map_image(engine.prepare(messages).media, keep_map, cell=8) is not None
 
 
