@@ -232,8 +232,12 @@ class Qwen2VLAdapter(Adapter):
         factor = ip.patch_size * ip.merge_size  # the processor's own smart_resize, with its pixel bounds
 
         def size_for(width: int, height: int) -> tuple[int, int]:
-            height, width = vision.smart_resize(height, width, factor, min_pixels, max_pixels)
-            return width, height
+            fitted = vision.smart_resize(height, width, factor, min_pixels, max_pixels)
+            if vision.smart_resize(*fitted, factor, min_pixels, max_pixels) != fitted:
+                # The processor would resize the fitted picture again (a thin one: smart_resize's clamp to one factor
+                # left it over max_pixels), to another grid than the picture's own: left to the processor alone.
+                return width, height
+            return fitted[1], fitted[0]
 
         return vision.ImageFit(size_for, ip.resample)
 
@@ -533,8 +537,16 @@ class LlavaAdapter(Adapter):
     def _seen(self, image: Image.Image) -> Image.Image:
         """The part of ``image`` the model sees: LLaVA-1.5's CLIP processor resizes the shortest edge and keeps the
         centre crop of it (the keep map over the whole of a wide picture put tokens over parts no token saw: an
-        outside pass)."""
+        outside pass). ``LlavaImageProcessor`` with ``do_pad`` (the original LLaVA-1.5's "pad" preprocessing)
+        first pads the picture to a square of its mean colour: the whole picture, in that square (it was drawn
+        over the centre crop, a part of it: an outside pass)."""
         ip = self.image_processor
+        if getattr(ip, "do_pad", False) is True and image.width != image.height:
+            side, mean = max(image.size), getattr(ip, "image_mean", None) or (0.0, 0.0, 0.0)
+            square = Image.new("RGB", (side, side), tuple(int(m * 255) for m in mean))
+            square.paste(image.convert("RGB"), ((side - image.width) // 2, (side - image.height) // 2))
+            square.info = {key: value for key, value in image.info.items() if key != "source_size"}
+            image = square
         shortest = _size_field(getattr(ip, "size", None), "shortest_edge")
         crop_size = getattr(ip, "crop_size", None)
         crop = _size_field(crop_size, "width"), _size_field(crop_size, "height")
@@ -650,7 +662,9 @@ class LlavaNextAdapter(LlavaAdapter):
         patch = counter.patch_size
         features, rows = counter._get_unpadded_features(orig_hw[0], orig_hw[1], height // patch, width // patch,
                                                         best[0] // height, best[1] // width)
-        return (n - 1 if self.config.vision_feature_select_strategy == "default" else n), (rows, features // rows)
+        count = n - 1 if self.config.vision_feature_select_strategy == "default" else n
+        # (A thin picture's tiles may unpad to no row or no column: 7300x100 on LLaVA-v1.6; an outside pass.)
+        return count, ((rows, features // rows) if rows and features else None)
 
     @property
     def image_fit(self) -> vision.ImageFit | None:
@@ -776,8 +790,9 @@ def _anyres_size(width: int, height: int, tiling: tuple[int, int]) -> tuple[int,
 def _clip_preprocess(frame: Image.Image, size: int, image_processor) -> torch.Tensor:
     """Resize the shortest edge to ``size`` (bicubic), centre-crop ``size`` x ``size``, normalise."""
     w, h = frame.size
-    scale = size / min(w, h)
-    frame = frame.resize((max(size, round(w * scale)), max(size, round(h * scale))), Image.BICUBIC)
+    longer = int(size * max(w, h) / min(w, h))  # rounded down, as transformers' get_resize_output_image_size (an
+    # outside pass: rounded, an 854x480 frame became 598x336, not CLIP's 597x336, up to 193 grey levels off at edges)
+    frame = frame.resize((size, longer) if w <= h else (longer, size), Image.BICUBIC)
     w, h = frame.size
     left, top = (w - size) // 2, (h - size) // 2
     frame = frame.crop((left, top, left + size, top + size))

@@ -1211,6 +1211,72 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
     assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == fitted.size
 
 
+def test_a_thin_picture_qwen_fits_to_a_grid_it_keeps_is_left_to_the_processor(checkpoints, tmp_path):
+    """smart_resize gives its own output back, except where its clamp to one factor left a thin picture over
+    max_pixels: fitted as it was decoded, 56x1100 then got another grid from the processor than the picture's own
+    (16 tokens against 17; an outside pass). Such a picture is left to the processor alone."""
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    processor = engine.adapter.image_processor
+    for size in ((56, 1100), (1100, 56), (300, 200)):
+        path = tmp_path / f"{size[0]}x{size[1]}.png"
+        Image.fromarray(np.random.default_rng(0).integers(0, 256, size[::-1] + (3,), dtype=np.uint8)).save(path)
+        fitted = engine.adapter.prepare_image(vision.load_image(path, fit=engine.adapter.image_fit))
+        expected = processor(images=[Image.open(path).convert("RGB")], return_tensors="pt")["image_grid_thw"]
+        assert fitted.tensors["image_grid_thw"].tolist() == expected.tolist(), size
+
+
+def test_a_thin_llava_next_picture_whose_tiles_unpad_to_nothing_is_answered_with_its_overviews_map(checkpoints,
+                                                                                                    tmp_path):
+    """A wide strip's anyres tiles may unpad to no row (7300x100 on LLaVA-v1.6): the keep map's tile grid divided by
+    it (ZeroDivisionError, an outside pass). Answered; its map is its overview's."""
+    from glimpse.ui import keep_map_image
+
+    engine = load_engine(str(checkpoints["llava_next"]), device="cpu")
+    for size in ((150, 1), (1, 150)):
+        path = tmp_path / f"{size[0]}x{size[1]}.png"
+        Image.new("RGB", size, (200, 30, 30)).save(path)
+        messages = _messages("image", {"image": str(path)})
+        result = engine.generate(messages, policy="fastv", speed=0.5, max_new_tokens=1)
+        [span] = result.metrics["keep_map"]["media"]
+        assert span["tiles"] is None or min(span["tiles"]) > 0
+        assert keep_map_image(engine.prepare(messages).media, result.metrics["keep_map"]) is not None
+
+
+def test_longva_frames_are_resized_as_clips_processor_resizes_them(checkpoints):
+    """LongVA's frames are CLIP's: the shortest edge to the tower's size, the longer one rounded down
+    (transformers' get_resize_output_image_size), then the centre square. Rounded, an 854x480 frame became
+    598x336, not 597x336 (an outside pass)."""
+    from transformers import CLIPImageProcessor
+
+    from glimpse.pipeline.adapters import _clip_preprocess
+
+    engine = load_engine(str(checkpoints["longva"]), device="cpu")
+    ours = engine.adapter.image_processor
+    size = engine.adapter.config.vision_config.image_size
+    clip = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                              image_mean=ours.image_mean, image_std=ours.image_std, resample=Image.BICUBIC)
+    rng = np.random.default_rng(0)
+    for width, height in ((854, 480), (480, 854), (720, 404), (640, 480)):
+        frame = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        expected = clip(images=[frame], return_tensors="pt")["pixel_values"][0]
+        torch.testing.assert_close(_clip_preprocess(frame, size, ours), expected, rtol=0, atol=1e-5)
+
+
+def test_a_llava_picture_padded_to_a_square_has_its_keep_map_over_the_whole_of_it(checkpoints, tmp_path):
+    """LLaVA-1.5's own "pad" preprocessing (``LlavaImageProcessor`` with ``do_pad``) shows the model the whole
+    picture in a square of its mean colour; the keep map was drawn over the centre crop (an outside pass)."""
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    side = engine.adapter.config.vision_config.image_size
+    engine.adapter.image_processor = LlavaImageProcessorPil(do_pad=True, size={"shortest_edge": side},
+                                                            crop_size={"height": side, "width": side})
+    picture = Image.new("RGB", (300, 200), (10, 200, 10))
+    seen = engine.adapter.prepare_image(picture).frames[0]
+    assert seen.size == (300, 300)
+    assert seen.getpixel((150, 150)) == (10, 200, 10) and seen.getpixel((150, 10)) != (10, 200, 10)  # padded
+
+
 IMAGES_FIRST_TEMPLATE = (  # LLaVA-NeXT-Video's own, as transformers' conversions ship it: a message's images, then videos
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
