@@ -180,6 +180,10 @@ class Scheduler:
         # iteration. ``stalled_s`` is measured from it, so an iteration that prefills several long prompts one after
         # another is not taken for a wedged one.
         self.busy_since: float | None = None
+        # The running requests' caches, in bytes, as the loop last counted them between steps: ``state`` read them
+        # from its caller's thread while the loop changed them, and a ZipVL cache caught mid-change raised
+        # (ZeroDivisionError: /health answered 500 on a busy server, an outside pass).
+        self.kv_bytes = 0
         # A running average of how long a request holds its place in the batch (prefill and decode, not its wait in
         # the queue, which would count the queue twice), for the wait estimates.
         self.service_s = 10.0
@@ -237,7 +241,7 @@ class Scheduler:
             ticket = Ticket(prompt, policy, max_new_tokens, Sampling(do_sample, temperature, top_p, seed), ignore_eos,
                             StopText(tuple(stop)), reserved, caches, sink, received=received, _queue=own_queue)
             with self.condition:
-                self._refuse_if_full()
+                self._refuse_if_full(reserved)
                 self.waiting.append(ticket)
                 self.condition.notify()
             return ticket
@@ -304,15 +308,21 @@ class Scheduler:
         with self.condition:
             self._refuse_if_full()
 
-    def _refuse_if_full(self) -> None:
+    def _refuse_if_full(self, reserved: int = 0) -> None:
+        """Raise ``QueueFull`` if a request reserving ``reserved`` bytes of KV would wait beyond ``queue_size``. It
+        waits if the batch is full, or if the budget cannot take it after those ahead of it (first come, first
+        served): a server whose budget held fewer requests than ``max_batch`` took any number to wait in a queue of
+        ``--queue-size 0`` (an outside pass's randomized clients)."""
         if self.error is not None:
             raise RuntimeError(f"the scheduler stopped: {self.error!r}")
         if self.closed:
             raise ServerStopping(STOPPING)
-        waiting = len(self._still_waiting())
-        would_wait = len(self.running) + len(self.admitted) + waiting >= self.max_batch
-        if would_wait and waiting >= self.queue_size:
-            raise QueueFull(waiting, self.wait_estimate(1))
+        still_waiting = self._still_waiting()
+        ahead = self.running + self.admitted + still_waiting
+        would_wait = (len(ahead) >= self.max_batch
+                      or sum(t.reserved_bytes for t in ahead) + reserved > self.kv_budget_bytes)
+        if would_wait and len(still_waiting) >= self.queue_size:
+            raise QueueFull(len(still_waiting), self.wait_estimate(1))
 
     def _still_waiting(self) -> list[Ticket]:
         """The queued tickets whose submitters still wait (under the condition). One that gave up (a client that
@@ -347,13 +357,12 @@ class Scheduler:
         """What ``/health`` and ``/metrics`` report. ``prefilling``: requests taken from the queue whose prefill is
         under way or next (they hold their KV reservation, and are ``running`` once their first token is out);
         ``stalled_s``: how long the loop has worked without finishing a prefill or a decode step (a wedged scheduler
-        shows here); ``kv_bytes``: the running requests' caches now."""
+        shows here); ``kv_bytes``: the running requests' caches after the last step."""
         with self.condition:
             running, admitted = list(self.running), list(self.admitted)
             waiting = len(self._still_waiting())
             busy = self.busy_since
-        kv = sum(_cache_bytes(t.request) for t in running)
-        return {"running": len(running), "prefilling": len(admitted), "waiting": waiting, "kv_bytes": kv,
+        return {"running": len(running), "prefilling": len(admitted), "waiting": waiting, "kv_bytes": self.kv_bytes,
                 "kv_reserved_bytes": sum(t.reserved_bytes for t in running + admitted),
                 "kv_budget_bytes": self.kv_budget_bytes, "max_batch": self.max_batch, "queue_size": self.queue_size,
                 "stalled_s": 0.0 if busy is None else time.perf_counter() - busy,
@@ -391,6 +400,7 @@ class Scheduler:
             torch.set_num_threads(self.torch_threads)
         try:
             while True:
+                self.kv_bytes = sum(_cache_bytes(t.request) for t in self.running)  # (only this thread changes them)
                 with self.condition:
                     while not self.closed and not self.waiting and not self.running:
                         self.condition.wait()

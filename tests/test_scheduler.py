@@ -806,3 +806,52 @@ def test_time_to_first_token_counts_building_the_prompt_and_each_steps_rate_its_
     steps = long_result.metrics
     made = [round(rate * s) for rate, s in zip(steps["decode_tokens_per_s_per_step"], steps["decode_step_s"])]
     assert made == [2, 2] + [1] * 7  # beside the short answer's two steps after its first token, then alone
+
+
+def test_state_never_reads_a_cache_the_loop_is_changing(engine, media, monkeypatch):
+    """/health and /metrics call ``state()`` from the server's threads; it summed the running requests' caches there
+    while the loop changed them, and a ZipVL cache caught mid-change raised ZeroDivisionError (a 500 on a busy,
+    healthy server; an outside pass's randomized clients). The loop counts them between its steps."""
+    from glimpse.pipeline.cache import KVCache
+
+    scheduler = Scheduler(engine, max_batch=2, queue_size=4)
+    nbytes = KVCache.nbytes
+
+    def loop_thread_only(self, *args, **kwargs):
+        assert threading.current_thread() is scheduler.thread, "a cache read outside the loop"
+        return nbytes(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCache, "nbytes", loop_thread_only)
+    try:
+        ticket = scheduler.submit(_conversations(media)[0], policy="zipvl", speed=1.0, max_new_tokens=12,
+                                  ignore_eos=True)
+        seen = []
+        for chunk in ticket.chunks(timeout=60):
+            seen.append(scheduler.state()["kv_bytes"])
+            if chunk.result is not None:
+                break
+    finally:
+        scheduler.close()
+    assert scheduler.error is None and max(seen) > 0
+    assert scheduler.state()["kv_bytes"] == 0  # none running
+
+
+def test_a_request_the_kv_budget_holds_back_counts_against_the_queue(engine, media):
+    """``--queue-size`` bounds the requests that wait. One counted as waiting only when the batch was full: with a
+    KV budget room for fewer than ``--max-batch``, any number waited in a queue of one (an outside pass: 7 in a queue
+    of 0). A request waits too when the budget cannot take it after those ahead of it."""
+    conversation = [{"role": "user", "content": "Write one line about the sea."}]
+    tokens = 24
+    reserved = engine.kv_bytes_per_token() * (len(engine.prepare(conversation)) + tokens)
+    scheduler = Scheduler(engine, max_batch=8, queue_size=1, kv_budget_bytes=reserved)  # room for one at a time
+    try:
+        first = scheduler.submit(conversation, policy="none", max_new_tokens=tokens, ignore_eos=True)
+        stream = first.chunks(timeout=60)
+        next(stream)  # it runs, and holds the whole budget
+        second = scheduler.submit(conversation, policy="none", max_new_tokens=tokens, ignore_eos=True)  # waits
+        with pytest.raises(QueueFull):
+            scheduler.submit(conversation, policy="none", max_new_tokens=tokens, ignore_eos=True)
+        assert scheduler.state()["waiting"] == 1
+        assert len(second.result(timeout=120).token_ids) == tokens  # the one that waited is answered in its turn
+    finally:
+        scheduler.close()
