@@ -86,8 +86,15 @@ MAX_REQUEST_PARTS = 8192
 ASKS_NOTHING = {"response_format": ({"type": "text"},), "tool_choice": ("none",), "modalities": (["text"],),
                 "service_tier": ("auto", "default")}
 # Fields that ask the server for nothing it must do (an identifier for abuse reports, as `user` is, and a hint for
-# the provider's prompt cache, which Glimpse keys on the prompt itself): accepted, whatever their value.
+# the provider's prompt cache, which Glimpse keys on the prompt itself): accepted, strings as OpenAI's are. Taken
+# whatever their value, one held a list of ten million empty objects for as long as the answer ran (an outside pass).
 HINTS = ("safety_identifier", "prompt_cache_key")
+MAX_HINT_CHARS = 1024
+# JSON values a body may hold, counted by the brackets and commas that make them before it is parsed: parsed,
+# "[{},{},...]" takes some 24 times its bytes (four 30 MB bodies of it took the server from 2.1 to 5.2 GB before
+# their lists were refused: an outside pass). The bounds on messages and parts leave a request some 40,000; a text
+# with this many commas is past any model's context.
+MAX_JSON_VALUES = 500_000
 
 
 class FieldError(ValueError):
@@ -216,6 +223,10 @@ class ChatRequest(BaseModel):
     def refuse_unimplemented(self) -> "ChatRequest":
         asked = sorted(k for k, v in (self.model_extra or {}).items()
                        if v not in OFF_VALUES and v not in ASKS_NOTHING.get(k, ()) and k not in HINTS)
+        for hint in HINTS:
+            value = (self.model_extra or {}).get(hint)
+            if value is not None and not (isinstance(value, str) and len(value) <= MAX_HINT_CHARS):
+                raise FieldError(f"must be a string of at most {MAX_HINT_CHARS} characters", hint)
         if asked:
             raise FieldError(f"unsupported field(s) {', '.join(asked)}: Glimpse implements "
                              f"{', '.join(sorted(ChatRequest.model_fields))}", asked[0])
@@ -232,6 +243,10 @@ class ChatRequest(BaseModel):
 
 def _read_request(raw: bytes) -> "ChatRequest | tuple[str, str | None]":
     """The request body, declared and validated, or what is wrong with it and the field at fault (for a 400)."""
+    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    if values > MAX_JSON_VALUES:
+        return (f"the request body holds some {values:,} JSON values (objects, lists and their items), more than "
+                f"{MAX_JSON_VALUES:,}: send fewer messages or parts"), None
     try:
         return ChatRequest.model_validate(json.loads(raw))
     except (ValueError, UnicodeDecodeError, RecursionError) as error:
@@ -472,6 +487,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         # the answer.
         del raw
         body = body.model_copy(update={"messages": []})
+        body.model_extra.clear()  # (its hints, and fields given "off": nothing past this point reads them)
         request.scope.get(BODY_DONE, lambda: None)()
         try:
             # Streamed or not, nothing is sent before the first token (or the answer): a request that fails

@@ -553,7 +553,10 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     auth = (lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode())) if api_key else None
     # The chat's app publishes no OpenAPI schema either (it was open under --api-key, at /openapi.json).
     # A malformed upload is a 400 (glimpse.uploads.malformed_upload), not a 500 and a traceback.
-    app = gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth,
+    # show_error=False: an exception inside Gradio's own handling reaches the client as an error without its text (the
+    # chat's own refusals, gr.Error, keep theirs). Its text named server paths: a file part "x.png" was refused as
+    # "Cannot move /app/x.png ...", the server's working folder (an outside pass).
+    app = gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth, show_error=False,
                               app_kwargs={"openapi_url": None, "exception_handlers": {Exception: malformed_upload}},
                               auth_message="Log in with any user name and the server's API key as the password.")
     # Gradio checks that a file its routes are given by path was uploaded (and refuses it before opening it)

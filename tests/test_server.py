@@ -1750,6 +1750,26 @@ def test_no_route_taking_the_chats_history_builds_a_component_from_a_client_name
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
 
 
+def test_a_chat_file_that_was_not_uploaded_is_refused_naming_nothing_of_the_server(server):
+    """Gradio refused a file part naming a server path, but named the path made absolute: the server's working
+    folder for a relative one, ``/root/.bashrc`` for ``../../root/.bashrc`` (an outside pass). Gradio's own errors
+    reach the client without their text; the chat's own refusals keep theirs."""
+    url = server["url"]
+    for path in ("x.png", "../../root/.bashrc", "/etc/hostname"):
+        body = {"data": [{"text": "hi", "files": [{"path": path, "meta": {"_type": "gradio.FileData"}}]},
+                         "none", 0.0, 4, "", False]}
+        event = httpx.post(url + "/gradio_api/call/chat", json=body, timeout=30).json()["event_id"]
+        stream = httpx.get(f"{url}/gradio_api/call/chat/{event}", timeout=30).text
+        assert "event: error" in stream, stream[-400:]
+        assert os.getcwd() not in stream and "/root" not in stream and "/etc" not in stream, stream[-400:]
+    body = {"data": [{"text": "hi", "files": [{"path": "https://example.com/a.png", "meta": {"_type": "gradio.FileData"}}]},
+                     "none", 0.0, 4, "", False]}
+    event = httpx.post(url + "/gradio_api/call/chat", json=body, timeout=30).json()["event_id"]
+    stream = httpx.get(f"{url}/gradio_api/call/chat/{event}", timeout=30).text  # the chat's own refusal: said
+    assert "event: error" in stream and "not URLs" in stream, stream[-400:]
+    assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+
+
 def test_the_chat_fetches_no_url_named_as_a_file_and_its_file_routes_relay_none(server, media, monkeypatch):
     """Gradio downloads a file part whose path is an http(s) URL into the upload folder before the chat sees it
     (with none of the API's limits on media URLs: size, deadline, addresses), where the copy passed the chat's check
@@ -2094,6 +2114,14 @@ def test_fields_glimpse_does_not_implement_are_refused_not_ignored(server, media
         assert reply.status_code == 400 and field in reply.json()["error"]["message"], (field, reply.text)
     reply = httpx.post(url, json={**good, "stream": True, "stream_options": {"include_obfuscation": True}}, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options.include_obfuscation"
+    # An outside pass: a hint taken whatever its value held ten million empty objects until the answer ended, and a
+    # body of them was parsed whole (some 24 times its bytes) before its list was refused.
+    for hint in ("safety_identifier", "prompt_cache_key"):
+        reply = httpx.post(url, json={**good, hint: [{}] * 3}, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == hint, reply.text
+    many = b'{"messages": [' + b"{}," * 600_000 + b'{}]}'
+    reply = httpx.post(url, content=many, headers={"Content-Type": "application/json"}, timeout=60)
+    assert reply.status_code == 400 and "JSON values" in reply.json()["error"]["message"], reply.text
     models = httpx.get(server["url"] + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-llava"]
 
