@@ -230,6 +230,26 @@ def test_a_long_thin_strip_is_refused_from_the_header_before_decoding():
         vision.load_image(_png_header_only(20_000, 100))
 
 
+def test_an_icons_pictures_are_checked_from_their_headers_before_pil_decodes_them(tmp_path):
+    """PIL decodes an icon as it opens it: an ICO whose directory says 256x256 of a PNG 13000x13000 inside took 2.4 s
+    and 650 MB before the size check refused it (an outside pass). Each entry's own header is checked first."""
+    import struct
+
+    def icon(picture: bytes) -> bytes:
+        return struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", 0, 0, 0, 0, 1, 32, len(picture), 22) + picture
+
+    with pytest.raises(vision.MediaError, match=r"image too large \(13000x13000 = 169 MP"):
+        vision.load_image(icon(_png_header_only(13000, 13000)))
+    with pytest.raises(vision.MediaError, match=r"too long and thin \(63000x1"):
+        vision.load_image(icon(_png_header_only(63000, 1)))
+    bitmap = struct.pack("<IiiHH", 40, 20000, 2 * 20000, 1, 32)  # a BMP entry's header: its height counts the mask
+    with pytest.raises(vision.MediaError, match=r"image too large \(20000x20000"):
+        vision.load_image(icon(bitmap + bytes(32)))
+    real = io.BytesIO()  # an icon of several sizes, as PIL writes one
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(real, format="ICO", sizes=[(16, 16), (32, 32), (64, 64)])
+    assert vision.load_image(real.getvalue()).getpixel((5, 5)) == (200, 10, 10)
+
+
 def test_pil_decompression_bomb_guard_becomes_media_error(tmp_path):
     # 20000x20000 = 400 MP exceeds PIL's own hard limit (2 x Image.MAX_IMAGE_PIXELS), raised in open().
     path = tmp_path / "big.png"
