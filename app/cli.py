@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import math
 import os
 import signal
 import sys
@@ -43,6 +42,7 @@ from glimpse.pruning.base import check_speed
 from glimpse.vision import MEDIA_TIMEOUT_S
 from glimpse.vision.media import check_video_backend
 
+MAX_UPLOADS_GB = 1_000_000  # a petabyte: past it the byte count overflowed (1e300 crashed the server as it started)
 DEFAULT_BENCH_IMAGE_TOKENS = 2000
 PASSKEY_MIN_TOKENS = 128
 # glimpse serve on SIGTERM: answers under way get this long to finish. docker stop kills 10 s after its SIGTERM; the
@@ -637,9 +637,9 @@ def run_serve(args) -> int:
     _check_server_sizes(args)
     if not 0 <= args.port <= 65535:
         raise UserError("--port must be between 0 and 65535")
-    if args.max_upload_mb < 1 or not 0 < args.max_uploads_gb < math.inf:  # (NaN fails this too)
-        raise UserError("--max-upload-mb must be at least 1 and --max-uploads-gb more than 0 (and finite): they "
-                        "crashed the server as it started, or it refused every upload")
+    if args.max_upload_mb < 1 or not 0 < args.max_uploads_gb <= MAX_UPLOADS_GB:  # (NaN fails this too)
+        raise UserError(f"--max-upload-mb must be at least 1 and --max-uploads-gb more than 0 and at most "
+                        f"{MAX_UPLOADS_GB:,}: they crashed the server as it started, or it refused every upload")
     if args.allowed_root is not None and not Path(args.allowed_root).is_dir():  # every path named would fail later
         raise UserError(f"--allowed-root {args.allowed_root}: no such folder")
     check_video_backend()

@@ -107,11 +107,16 @@ def metrics_markdown(result, baseline=None) -> str:
         lines += ["", f"observed: {observed}"]
     if baseline is not None:
         same = result.text.strip() == baseline.text.strip()
-        speedup = baseline.metrics["ttft_s"] / result.metrics["ttft_s"]
+        # Past reading the files: the unpruned run takes the prompt this answer built, and its clock starts once it
+        # is built (the ratio of whole times said pruning was 57x slower about a large picture: an outside pass).
+        def computing(m):
+            return max(m["ttft_s"] - m.get("prompt_s", 0.0), 1e-9)
+
+        speedup = computing(baseline.metrics) / computing(result.metrics)
         lines += ["", ("the same answer as unpruned" if same else "**a different answer** from unpruned")
-                  + (f"; time to first token **{speedup:.2f}x faster**" if speedup >= 1.0
-                     else f"; time to first token **{1 / speedup:.2f}x slower** (one run each: timings move "
-                          "with what else the machine does)")]
+                  + (f"; time to first token past reading the files **{speedup:.2f}x faster**" if speedup >= 1.0
+                     else f"; time to first token past reading the files **{1 / speedup:.2f}x slower** (one run "
+                          "each: timings move with what else the machine does)")]
     return "\n".join(lines)
 
 

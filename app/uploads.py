@@ -73,32 +73,58 @@ def delete_left_parts(folder: Path) -> None:
     before it answers; a part whose client left mid-upload (or that failed after the body was read, or was not a
     "files" field) stays there, used by nothing and counted against the quota until it is a day old (an outside
     pass: 20 uploads abandoned halfway left 19 MiB). Deleted: those open in no file of this process (none is
-    being written) and untouched for ``LEFT_PART_S``."""
+    being written) and untouched for ``LEFT_PART_S``. Being written: open in this process, or in any other this
+    user runs (two servers may share Gradio's default folder, /tmp/gradio: one deleted a part the other was still
+    receiving, an outside pass found)."""
     try:
-        open_now = {(st.st_dev, st.st_ino) for st in _open_files()}
+        open_here = _open_files("self")
         cutoff = time.time() - LEFT_PART_S
     except OSError:  # no /proc
-        open_now, cutoff = set(), time.time() - LEFT_PART_S_BLIND
+        open_here, cutoff = set(), time.time() - LEFT_PART_S_BLIND
     try:
         entries = list(os.scandir(folder))
     except OSError:  # not made yet
         return
+    left = []
     for entry in entries:
         try:
             if entry.name.startswith("tmp") and entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
-                if st.st_mtime < cutoff and (st.st_dev, st.st_ino) not in open_now:
-                    os.unlink(entry.path)
+                if st.st_mtime < cutoff and (st.st_dev, st.st_ino) not in open_here:
+                    left.append((entry.path, (st.st_dev, st.st_ino)))
         except OSError:  # moved into its folder, or deleted, while we looked
             pass
-
-
-def _open_files() -> list[os.stat_result]:
-    """What the open file descriptors of this process are (``OSError`` without /proc)."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
+    if not left:
+        return
+    open_anywhere = set()  # (only now: reading every process's open files takes a moment)
+    for pid in (name for name in _listing("/proc") if name.isdigit()):
         try:
-            found.append(os.stat(f"/proc/self/fd/{fd}"))
+            open_anywhere |= _open_files(pid)
+        except OSError:  # ended, or another user's
+            pass
+    for path, file in left:
+        if file not in open_anywhere:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _listing(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _open_files(pid: str) -> set[tuple[int, int]]:
+    """The (device, inode) of the files process ``pid`` ("self": this one) holds open (``OSError`` without /proc, or
+    for a process this user may not look into)."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+            found.add((st.st_dev, st.st_ino))
         except OSError:  # closed while we looked (or the listing's own)
             pass
     return found

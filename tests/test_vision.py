@@ -235,8 +235,9 @@ def test_an_icons_pictures_are_checked_from_their_headers_before_pil_decodes_the
     and 650 MB before the size check refused it (an outside pass). Each entry's own header is checked first."""
     import struct
 
-    def icon(picture: bytes) -> bytes:
-        return struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", 0, 0, 0, 0, 1, 32, len(picture), 22) + picture
+    def icon(picture: bytes, side: int = 0, depth: int = 32) -> bytes:  # (a side of 0 in the directory: 256)
+        return (struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", side, side, 0, 0, 1, depth, len(picture), 22)
+                + picture)
 
     with pytest.raises(vision.MediaError, match=r"image too large \(13000x13000 = 169 MP"):
         vision.load_image(icon(_png_header_only(13000, 13000)))
@@ -245,6 +246,8 @@ def test_an_icons_pictures_are_checked_from_their_headers_before_pil_decodes_the
     bitmap = struct.pack("<IiiHH", 40, 20000, 2 * 20000, 1, 32)  # a BMP entry's header: its height counts the mask
     with pytest.raises(vision.MediaError, match=r"image too large \(20000x20000"):
         vision.load_image(icon(bitmap + bytes(32)))
+    core = struct.pack("<IHHHH", 12, 16, 32, 1, 24) + bytes(16 * 16 * 3 + 64)  # OS/2's header: 16-bit sides
+    assert vision.load_image(icon(core, side=16, depth=24)).size == (16, 16)
     real = io.BytesIO()  # an icon of several sizes, as PIL writes one
     Image.new("RGB", (64, 64), (200, 10, 10)).save(real, format="ICO", sizes=[(16, 16), (32, 32), (64, 64)])
     assert vision.load_image(real.getvalue()).getpixel((5, 5)) == (200, 10, 10)

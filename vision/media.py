@@ -308,6 +308,8 @@ def _check_icon_pictures(fp, name: str, max_pixels: int) -> None:
             picture = fp.read(24)
             if picture[:8] == b"\x89PNG\r\n\x1a\n":
                 size = int.from_bytes(picture[16:20], "big"), int.from_bytes(picture[20:24], "big")
+            elif picture[:4] == b"\x0c\0\0\0":  # OS/2's 12-byte BITMAPCOREHEADER: 16-bit sides
+                size = int.from_bytes(picture[4:6], "little"), int.from_bytes(picture[6:8], "little") // 2
             else:
                 size = (abs(int.from_bytes(picture[4:8], "little", signed=True)),
                         abs(int.from_bytes(picture[8:12], "little", signed=True)) // 2)
