@@ -34,6 +34,7 @@ import fcntl
 import glob
 import json
 import os
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -45,7 +46,8 @@ from glimpse.common import UserError
 from glimpse.pipeline import OutOfMemory, PromptError
 from glimpse.pipeline.profiles import model_key
 from glimpse.pipeline.prompt import user_message
-from glimpse.vision.media import IMAGE_EXTENSIONS, MEDIA_READERS, VIDEO_EXTENSIONS, MediaError, reading_limit
+from glimpse.vision.media import (IMAGE_EXTENSIONS, MEDIA_READERS, VIDEO_EXTENSIONS, MediaError, detect_kind,
+                                  reading_limit)
 
 LIST_EXTENSIONS = (".txt", ".lst")
 DEFAULT_PROMPT = "Describe this {kind} in one or two sentences."
@@ -158,20 +160,32 @@ def unlisted_failures(unreadable: list[tuple[str, str]], log: Callable[[str], No
 
 
 def _folder_files(folder: Path, cannot_list: list[tuple[str, str]]) -> list[Path]:
-    """Every entry under ``folder`` that is not a folder, sorted; subfolders are not followed through links
-    (as ``Path.rglob``). A folder that cannot be listed goes to ``cannot_list`` (``rglob`` passed over it
+    """Every entry under ``folder`` that is not a folder, sorted. Links to folders are followed (``photos/2023`` a link
+    to another disk was passed over without a word, exit 0: an outside pass), each folder walked once whatever leads
+    to it (a link back up, a loop). A folder that cannot be listed goes to ``cannot_list`` (``rglob`` passed over it
     without a word: its pictures were simply never captioned)."""
     def refused(error: OSError) -> None:
         cannot_list.append((error.filename or str(folder), error.strerror or str(error)))
 
-    found = []
-    for root, _, names in os.walk(folder, onerror=refused):
+    found, walked = [], set()
+    for root, folders, names in os.walk(folder, onerror=refused, followlinks=True):
+        real = os.path.realpath(root)
+        if real in walked:  # reached again through a link: its files are listed once
+            folders[:] = []
+            continue
+        walked.add(real)
         found += [Path(root) / name for name in names]
     return sorted(found)
 
 
 def kind_of(path: Path) -> str:
-    return "video" if path.suffix.lower() in VIDEO_EXTENSIONS else "image"
+    """"image" or "video": by the file's content, as the chat decides (``detect_kind``): a video with no extension, or
+    one misnamed .png, was read as a picture and failed with "pass it as a video", which nothing here can (an
+    outside pass). A file whose content says neither goes by its extension, and its reading says what is wrong."""
+    try:
+        return detect_kind(path)
+    except (MediaError, OSError):
+        return "video" if path.suffix.lower() in VIDEO_EXTENSIONS else "image"
 
 
 def sidecar(path: Path) -> Path:
@@ -319,8 +333,12 @@ class CaptionOutput:
         return done_in_jsonl(self.path)
 
     def write(self, record: dict) -> None:
-        self.file.write((json.dumps(record) + "\n").encode())
-        self.file.flush()
+        try:
+            self.file.write((json.dumps(record) + "\n").encode())
+            self.file.flush()
+        except OSError as error:  # a full disk was "glimpse: error: File too large", naming nothing (an outside pass)
+            raise OSError(error.errno, f"{error.strerror or error}: the captions written before it are kept; rerun "
+                                       "the same command to caption the rest", str(self.path)) from None
 
     def close(self) -> None:
         self.file.close()  # releases the lock
@@ -657,7 +675,7 @@ def instruction(kind: str, prompt: str | None) -> str:
 
 
 def _messages(path: Path, prompt: str | None) -> list[dict]:
-    kind = kind_of(path)
+    kind = kind_of(path)  # (in the reading thread: it opens the file)
     return user_message(instruction(kind, prompt), [(kind, str(path))])
 
 
@@ -678,3 +696,11 @@ class ProgressBar:
             self.bar.set_postfix(failed=failed)
         if done >= total:
             self.bar.close()
+
+    def log(self, message: str) -> None:
+        """A line on stderr under the bar: printed while the bar was drawn, "failed ..." was stuck onto its line
+        (``captioning: 0%| | 0/17 [...]failed e1/broken.png: ...``, which a grep for lines starting with "failed"
+        missed: an outside pass). ``tqdm.write`` clears the bar, prints the line and draws the bar again."""
+        from tqdm import tqdm
+
+        tqdm.write(message, file=self.stream or sys.stderr)

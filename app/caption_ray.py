@@ -430,8 +430,8 @@ def decode_input(row: dict, model: str, prompt: str | None, media_timeout_s: flo
     key, tmp = row["key"], None
     try:
         source, tmp = read_input(key)
-        # A local file is an image or a video by its extension, as the local captioner decides; a downloaded one
-        # by its content (a URL's path need not end in an extension, and its query is not one).
+        # An image or a video by its content, as the local captioner decides (a local file named .png may hold a
+        # video; a URL's path need not end in an extension, and its query is not one).
         kind = kind_of(Path(key)) if tmp is None else detect_kind(source)
         text = instruction(kind, prompt)
         with reading_limit(media_timeout_s):

@@ -641,6 +641,91 @@ def test_a_loop_of_symbolic_links_is_an_input_not_the_end_of_collecting_them(tmp
     assert sorted(Path(k).name for k in collect_keys([str(tmp_path / "in"), str(listing)])) == names
 
 
+def test_links_to_folders_are_followed_and_each_folder_is_walked_once(tmp_path):
+    """``photos/2023`` a link to another disk: its pictures were passed over without a word, exit 0 (an outside
+    pass). Followed, for the local and the Ray captioner alike; a link back up lists nothing twice."""
+    from glimpse.caption_ray import collect_keys
+
+    mine = _images(tmp_path / "photos", 1)
+    elsewhere = _images(tmp_path / "other_disk" / "2023", 2, start=1)
+    (tmp_path / "photos" / "2023").symlink_to(tmp_path / "other_disk" / "2023")
+    (tmp_path / "other_disk" / "2023" / "up").symlink_to(tmp_path / "photos")  # a loop
+    found = collect_inputs([str(tmp_path / "photos")])
+    assert sorted(p.resolve() for p in found) == sorted(p.resolve() for p in mine + elsewhere)
+    assert len(collect_keys([str(tmp_path / "photos")])) == 3
+
+
+def test_a_failure_said_while_the_progress_bar_is_drawn_is_a_line_of_its_own(model, tmp_path, capsys):
+    """"failed ..." was printed onto the progress bar's line (``captioning: 50%|... [...]failed in/b.png: ...``): a
+    grep for lines starting with "failed" missed it (an outside pass). Each is a line of its own under the bar."""
+    folder = tmp_path / "in"
+    _images(folder, 1)
+    (folder / "img001.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    _images(folder, 1, start=2)
+    assert main(["caption", str(folder), "--model", model, "--out", str(tmp_path / "c.jsonl"), "--batch-size", "1",
+                 "--max-new-tokens", "2"]) == 1
+    shown = [line.split("\r")[-1] for line in capsys.readouterr().err.split("\n")]  # as a terminal shows each line
+    assert any(line.startswith(f"failed {folder / 'img001.png'}") for line in shown), shown
+    assert not any("|" in line and "failed " + str(folder) in line for line in shown), shown
+
+
+def test_an_output_the_disk_cannot_take_is_named_and_what_to_do_said(model, tmp_path, capsys, monkeypatch):
+    """A full disk ended a run with "glimpse: error: File too large" alone (an outside pass): the error names the
+    output, says the captions written are kept and that the same command goes on."""
+    import errno
+
+    from glimpse.caption import CaptionOutput
+
+    _images(tmp_path / "in", 2)
+    write = CaptionOutput.write
+    written = []
+
+    class Full:  # the file once the disk is full: what fits is written, then the error
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            self.file.write(data[:10])
+            raise OSError(errno.EFBIG, "File too large")
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    def full_after_one(self, record):
+        if written:
+            self.file = Full(self.file)
+        written.append(record)
+        write(self, record)
+
+    monkeypatch.setattr(CaptionOutput, "write", full_after_one)
+    out = tmp_path / "c.jsonl"
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--batch-size", "1",
+                 "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"{out}: File too large: the captions written before it are kept; rerun the same command" in err, err
+    monkeypatch.setattr(CaptionOutput, "write", write)
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "2"]) == 0
+    assert len(_lines(out)) == 2  # the cut record dropped, the other input captioned
+
+
+def test_an_input_is_an_image_or_a_video_by_its_content(checkpoints, media, tmp_path):
+    """A clip saved as .png in a folder, or named without an extension (or another one) in a list: read as a picture
+    by its name, each failed with "this is a video, not an image; pass it as a video", which the captioner cannot
+    (an outside pass). By its content, as the chat decides, each is captioned as the video it is."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name in ("clip.png", "clip", "clip.bin"):
+        (folder / name).write_bytes(media["video"].read_bytes())
+    listing = folder / "list.txt"
+    listing.write_text("clip\nclip.bin\n")
+    out = tmp_path / "c.jsonl"
+    assert main(["caption", str(folder), str(listing), "--model", str(checkpoints["qwen2_vl"]), "--out", str(out),
+                 "--max-new-tokens", "2"]) == 0
+    rows = _lines(out)
+    assert sorted(Path(r["path"]).name for r in rows) == ["clip", "clip.bin", "clip.png"]
+    assert all(r["metrics"]["prompt_tokens"]["video"] > 0 and "video" in r["prompt"] for r in rows), rows
+
+
 def test_a_batch_the_memory_cannot_hold_is_split_and_an_input_that_never_fits_fails_alone(model, checkpoints, tmp_path):
     """Out of memory decoding a batch, the engine undoes the step and decodes the batch in smaller parts until
     they fit: every caption is the one made without the shortage, and every input is read once. An input whose

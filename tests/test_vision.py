@@ -211,6 +211,19 @@ def test_load_image_palette_transparency_becomes_white():
     assert np.asarray(vision.load_image(image)).tolist() == [[[255, 255, 255], [255, 0, 0]]]
 
 
+def test_a_file_the_user_may_not_read_is_said_to_be_so(tmp_path, monkeypatch):
+    """A picture in a folder the user may not read was "not an image Glimpse can read (it reads JPEG, PNG, ...)", as
+    if damaged, and a video gave Python's raw error (an outside pass). (Checked by ``os.access``: root reads all.)"""
+    import glimpse.vision.media as media_module
+
+    picture = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8)).save(picture)
+    monkeypatch.setattr(media_module.os, "access", lambda path, mode, **kwargs: False)
+    for read in (vision.load_image, vision.probe_video):
+        with pytest.raises(vision.MediaError, match=r"photo\.png: cannot be read \(permission denied\)"):
+            read(picture)
+
+
 def test_pixel_cap_is_checked_before_decoding():
     # 3000x3000 = 9 MP over a 1 MP cap: rejected from the header, never decoded (there are no pixels).
     with pytest.raises(vision.MediaError, match=r"image too large \(3000x3000 = 9 MP, limit 1 MP\)"):

@@ -224,6 +224,8 @@ def _checked_file(path: Path) -> Path:
         raise MediaError(f"{_display_name(path)}: not a regular file (a device, pipe or socket)")
     if path.stat().st_size == 0:
         raise MediaError(f"{_display_name(path)}: the file is empty")
+    if not os.access(path, os.R_OK):  # "not an image Glimpse can read (it reads JPEG, PNG, ...)" said a damaged file
+        raise MediaError(f"{_display_name(path)}: cannot be read (permission denied)")
     return path
 
 
