@@ -27,7 +27,8 @@ from glimpse.common import UserError
 from glimpse.connections import CHAT_SESSIONS, refuse
 from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pruning import PRUNING_NAMES, parse_params
-from glimpse.vision.media import MediaError, check_reading, detect_kind, load_image, probe_video, reading_limit
+from glimpse.vision.media import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, check_reading, detect_kind,
+                                  load_image, probe_video, reading_limit)
 
 POLICIES = ["auto", *PRUNING_NAMES, "none"]  # the dropdown: the default first, no pruning last
 
@@ -419,9 +420,10 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             # Under the server's time limit for media: a turn may bring a thousand pictures, and a Matroska file is
             # demuxed whole to count its frames.
             with reading_limit(scheduler.media_timeout_s, lambda: scheduler.closed):
+                misnamed = []
                 for path in files:
                     check_reading(path)
-                    _check_upload(path, allowed)
+                    misnamed.append(_check_upload(path, allowed))
             # Compared, both answers compute everything (no media, encoder or prefix cache): the unpruned run
             # comes second, and the caches would otherwise hand it what the first one computed.
             overridden = parse_overrides(overrides)
@@ -478,6 +480,8 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             answer += _note(f"cut at {count} token{'s' if count != 1 else ''}: raise max answer tokens for more")
         for warning in result.warnings:  # e.g. a damaged video: the answer is about the frames that decoded
             answer += _note(f"{WARNING_NOTE}{_literal(warning)}")
+        for note in filter(None, misnamed):
+            answer += _note(_literal(note))
         if left_out:
             answer += _note(f"the conversation no longer fits with room for the answer (the model's context, the "
                             f"server's KV budget): its {left_out} oldest "
@@ -615,7 +619,10 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         compare = gr.Checkbox(False, label="also run unpruned, to compare (both computed whole: no caches)",
                               elem_id="compare", render=False)
         metrics = gr.Markdown("metrics appear after an answer", elem_id="metrics", render=False)
-        keep = gr.Image(label="keep map (green: reached the last layer)", type="pil", elem_id="keepmap", render=False)
+        # A fixed height: drawn at the picture's proportions, a 1080x12000 screenshot's map made the page 5,486 pixels
+        # tall (an outside pass); the map is shown whole within it.
+        keep = gr.Image(label="keep map (green: reached the last layer)", type="pil", elem_id="keepmap", render=False,
+                        height=400)
         with gr.Row():
             left = gr.Column(scale=3)  # filled below: the chat's additional inputs must be rendered first
             with gr.Column(scale=2):
@@ -647,6 +654,14 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             control.change(promise_markdown, [policy, speed, overrides], promise, api_name=False)
         chat.textbox.stop(mark_stopped, chat.chatbot, [chat.chatbot, metrics], api_name=False)
         chat.chatbot.clear(cleared, None, [chat.chatbot, chat.chatbot_state, metrics, keep], api_name=False)
+        # Undo takes the last answer away: its metrics and keep map go with it (they stayed, describing an answer no
+        # longer there; an outside pass).
+        chat.chatbot.undo(lambda: ("metrics appear after an answer", None), None, [metrics, keep], api_name=False)
+        # A speed typed past the slider's range (1.5) was refused by the promise's handlers, which kept saying the
+        # earlier speed, while the question ran at the speed the page clamped it to (an outside pass): clamped in
+        # the page first, the promise then says the speed the question runs at.
+        speed.change(None, speed, speed, js="(value) => Math.min(1, Math.max(0, Number(value) || 0))",
+                     api_name=False)
         demo.unload(tab_closed)
     demo.chat_interface = chat  # the chat's own handlers, for tests that drive them without a browser
     return demo
@@ -727,12 +742,21 @@ def _marked_stopped(history: list[dict] | None) -> list[dict]:
     return history
 
 
-def _check_upload(path, allowed: tuple[Path, ...]) -> None:
-    """This turn's file: under ``allowed`` and decodable (an image opens, a video has frames)."""
+def _check_upload(path, allowed: tuple[Path, ...]) -> str | None:
+    """This turn's file: under ``allowed`` and decodable (an image opens, a video has frames). Returns a note for
+    the answer when its content is not what its name says: the model reads it by its content, but the chat shows it
+    by its name (a picture named .mp4 as a video player that never plays; an outside pass)."""
     if not _inside(path, allowed):
         raise MediaError(f"{Path(str(path)).name}: only files uploaded to this chat can be used")
     kind = detect_kind(path)
     load_image(path) if kind == "image" else probe_video(path)
+    suffix = Path(str(path)).suffix.lower()
+    named = "video" if suffix in VIDEO_EXTENSIONS else "image" if suffix in IMAGE_EXTENSIONS else None
+    if named is not None and named != kind:
+        shown = "a video" if named == "video" else "a picture"
+        return (f"{Path(str(path)).name} holds {'a video' if kind == 'video' else 'a picture'}, and the model read it "
+                f"as one; the chat shows it as {shown}, by its name")
+    return None
 
 
 def _usable(history: list[dict]) -> list[dict]:

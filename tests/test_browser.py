@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -253,6 +254,38 @@ def test_a_mistyped_override_is_explained_and_retry_answers_with_the_same_upload
         return last && !last.startsWith('⚠️') && !last.startsWith('⏳')
             && document.querySelector('#metrics').innerText.includes('image 256');
     }""", timeout=120_000)  # answered, and the prompt held the image
+
+
+def test_undo_takes_the_answers_metrics_and_keep_map_away_with_it(page):
+    """Undo emptied the chat but left the undone answer's metrics and keep map, describing an answer no longer
+    there (an outside pass); Clear already reset them."""
+    _ask(page, "What colour is the circle?", upload=REPO / "assets" / "sample.png")
+    assert page.locator("#keepmap img").count() == 1 and "image 256" in page.locator("#metrics").inner_text()
+    page.locator("#chat button[aria-label='Undo']").last.click()
+    page.wait_for_function("() => document.querySelector('#metrics').innerText.includes('metrics appear after')",
+                           timeout=30_000)
+    assert page.locator("#keepmap img").count() == 0
+
+
+def test_a_tall_pictures_keep_map_fits_its_panel(page, tmp_path):
+    """Drawn at the picture's proportions, a 1080x12000 screenshot's keep map was 4,267 pixels tall and so was the
+    page (an outside pass): shown whole within the panel's height."""
+    tall = tmp_path / "screenshot.png"
+    Image.new("RGB", (108, 1200), (30, 160, 30)).save(tall)
+    _ask(page, "What is this?", upload=tall)
+    box = page.locator("#keepmap img").bounding_box()
+    assert box is not None and box["height"] <= 400 and box["width"] < box["height"] / 5, box
+
+
+def test_a_speed_typed_past_the_slider_is_clamped_and_the_promise_says_the_speed_used(page):
+    """Typed 1.5, the promise kept saying the earlier speed's configuration while the question ran at 1 (an
+    outside pass): the page clamps it to 1 first, and the promise follows."""
+    _set_speed(page, 0.3)
+    page.locator("#speed input[type=number]").fill("1.5")
+    page.locator("#speed input[type=number]").press("Enter")
+    page.wait_for_function("() => document.querySelector('#promise').innerText.includes('speed 1 ')", timeout=30_000)
+    assert page.locator("#speed input[type=number]").input_value() == "1"
+    assert _shipped_choice(1.0) in page.locator("#promise").inner_text()
 
 
 def test_enter_in_an_empty_box_asks_for_a_question_instead_of_sending_a_blank_turn(page):

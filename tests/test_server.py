@@ -1331,6 +1331,29 @@ def test_the_compare_column_shows_the_unpruned_answer_and_says_whether_pruning_c
     assert "time to first token past reading the files **2.00x faster**" in metrics_markdown(read_first, built)
 
 
+def test_a_chat_file_whose_content_its_name_belies_is_read_by_its_content_and_said_so(checkpoints, media, tmp_path):
+    """A picture named .mp4: the model reads it as the picture it is, but the chat shows it by its name, as a video
+    player that never plays (an outside pass): the answer says what the file holds."""
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import build_ui
+
+    misnamed, named = tmp_path / "holiday.mp4", tmp_path / "holiday.png"
+    misnamed.write_bytes(media["image"].read_bytes())
+    named.write_bytes(media["image"].read_bytes())
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    scheduler = Scheduler(engine)
+    try:
+        chat = build_ui(engine, "tiny-llava", max_new_tokens=4, allowed_root=str(tmp_path),
+                        scheduler=scheduler).chat_interface.fn
+        *_, (answer, metrics, _) = chat({"text": "What is it?", "files": [str(misnamed)]}, [], "none", 0.0, 2, "",
+                                        False)
+        *_, (plain, _, _) = chat({"text": "What is it?", "files": [str(named)]}, [], "none", 0.0, 2, "", False)
+    finally:
+        scheduler.close()
+    assert "holiday.mp4 holds a picture, and the model read it as one" in answer, answer
+    assert "image" in metrics and "⚠️" not in plain and "holds" not in plain
+
+
 def test_a_keep_map_the_full_disk_cannot_take_leaves_the_turn_whole(checkpoints, media, tmp_path, monkeypatch,
                                                                       capsys):
     """An outside pass filled the upload folder's disk: the chat's turn about a picture failed after its answer had
