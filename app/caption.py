@@ -44,6 +44,7 @@ from pathlib import Path
 
 from glimpse.common import UserError
 from glimpse.pipeline import OutOfMemory, PromptError
+from glimpse.pipeline.adapters import VIDEO
 from glimpse.pipeline.profiles import model_key
 from glimpse.pipeline.prompt import user_message
 from glimpse.vision.media import (IMAGE_EXTENSIONS, MEDIA_READERS, VIDEO_EXTENSIONS, MediaError, detect_kind,
@@ -589,6 +590,9 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
             for path, reason in unreadable:
                 report.failed.append((str(path), reason))
                 log(f"failed {path}: {reason}")
+            # What each was asked, by the kind its prompt was built as (its file, read again here, may be gone).
+            asked = {path: instruction("video" if any(m.kind == VIDEO for m in built.media) else "image", prompt)
+                     for path, built in prompts}
             for path, result in _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
                 caption = result.text.strip()
                 if fmt == "txt":
@@ -602,7 +606,7 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
                     metrics = {k: result.metrics[k] for k in KEPT_METRICS}
                     sink.write({"path": stored(str(path)), "key": input_key(path), "caption": caption,
                                 "model": model, "policy": result.policy,
-                                "speed": speed, "prompt": stored(instruction(kind_of(path), prompt)),
+                                "speed": speed, "prompt": stored(asked[path]),
                                 "params": result.params, "metrics": metrics,
                                 **({"warnings": stored(result.warnings)} if result.warnings else {})})
                 report.captioned += 1
@@ -703,4 +707,9 @@ class ProgressBar:
         missed: an outside pass). ``tqdm.write`` clears the bar, prints the line and draws the bar again."""
         from tqdm import tqdm
 
-        tqdm.write(message, file=self.stream or sys.stderr)
+        stream = self.stream or sys.stderr
+        if self.bar is None or self.bar.disable or getattr(stream, "isatty", lambda: False)():
+            tqdm.write(message, file=stream)
+        else:  # a file or a pipe: tqdm's clearing "\r" ends no line there, so the message starts one of its own
+            stream.write(f"\n{message}\n")
+            stream.flush()

@@ -754,8 +754,8 @@ def _check_upload(path, allowed: tuple[Path, ...]) -> str | None:
     named = "video" if suffix in VIDEO_EXTENSIONS else "image" if suffix in IMAGE_EXTENSIONS else None
     if named is not None and named != kind:
         shown = "a video" if named == "video" else "a picture"
-        return (f"{Path(str(path)).name} holds {'a video' if kind == 'video' else 'a picture'}, and the model read it "
-                f"as one; the chat shows it as {shown}, by its name")
+        return (f"read by its content: {Path(str(path)).name} holds {'a video' if kind == 'video' else 'a picture'}, "
+                f"and the model read it as one; the chat shows it as {shown}, by its name")
     return None
 
 
@@ -840,7 +840,8 @@ STOPPED_BEFORE_ANSWER = f"{ERROR_NOTE}stopped before the answer began: this ques
 NOTE_START, NOTE_END = "\n\n*(", ")*"
 WARNING_NOTE = "warning: "  # what the engine warns of (a damaged video): it names the user's file
 # Only these: a model may end on "*(...)*" too.
-NOTE_KINDS = ("cut at ", "stopped", "the conversation no longer fits", "the answer broke off", WARNING_NOTE)
+NOTE_KINDS = ("cut at ", "stopped", "the conversation no longer fits", "the answer broke off", WARNING_NOTE,
+              "read by its content: ")
 # Characters Markdown (and the chat's LaTeX and HTML rendering) would read as markup in a user's file name.
 MARKUP = re.compile(r"([\\`*_\[\]<>~$&|#])")
 

@@ -1350,8 +1350,11 @@ def test_a_chat_file_whose_content_its_name_belies_is_read_by_its_content_and_sa
         *_, (plain, _, _) = chat({"text": "What is it?", "files": [str(named)]}, [], "none", 0.0, 2, "", False)
     finally:
         scheduler.close()
-    assert "holiday.mp4 holds a picture, and the model read it as one" in answer, answer
+    assert "read by its content: holiday.mp4 holds a picture, and the model read it as one" in answer, answer
     assert "image" in metrics and "⚠️" not in plain and "holds" not in plain
+    from glimpse.ui import _without_notes  # a note of the chat's, never sent back as the model's words, nor the
+    sent = _without_notes(answer)  # notes before it ("cut at 2 tokens")
+    assert "read by its content" not in sent and "cut at" not in sent, sent
 
 
 def test_a_keep_map_the_full_disk_cannot_take_leaves_the_turn_whole(checkpoints, media, tmp_path, monkeypatch,
