@@ -487,7 +487,8 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         # the answer.
         del raw
         body = body.model_copy(update={"messages": []})
-        body.model_extra.clear()  # (its hints, and fields given "off": nothing past this point reads them)
+        if body.model_extra:  # (its hints, and fields given "off": nothing past this point reads them)
+            body.model_extra.clear()
         request.scope.get(BODY_DONE, lambda: None)()
         try:
             # Streamed or not, nothing is sent before the first token (or the answer): a request that fails

@@ -29,8 +29,8 @@ RESERVE_BYTES = 2**30  # what uploads must leave free on the disk, whatever the 
 # one-byte uploads were 20.9 MiB of the quota and 140 MiB of the disk, and empty ones counted for nothing.
 ENTRY_BYTES = 4096
 REMEASURE_S = 1.0  # the folder is walked again at most this often
-# A file an upload is still writing is open in this process, and was written to just now; one closed and untouched
-# this long is an upload's part left behind (``delete_left_parts``). Where the open files cannot be listed (no
+# A file an upload is still writing is open in a server's process, and was written to just now; one closed and
+# untouched this long is an upload's part left behind (``delete_left_parts``). Where the open files cannot be listed (no
 # /proc), only age tells, and a client may pause mid-upload: ``LEFT_PART_S_BLIND``.
 LEFT_PART_S, LEFT_PART_S_BLIND = 60.0, 3600.0
 
@@ -72,10 +72,9 @@ def delete_left_parts(folder: Path) -> None:
     ``tmp...`` file directly in the upload folder, and moves it into a folder of its own once the upload is whole,
     before it answers; a part whose client left mid-upload (or that failed after the body was read, or was not a
     "files" field) stays there, used by nothing and counted against the quota until it is a day old (an outside
-    pass: 20 uploads abandoned halfway left 19 MiB). Deleted: those open in no file of this process (none is
-    being written) and untouched for ``LEFT_PART_S``. Being written: open in this process, or in any other this
-    user runs (two servers may share Gradio's default folder, /tmp/gradio: one deleted a part the other was still
-    receiving, an outside pass found)."""
+    pass: 20 uploads abandoned halfway left 19 MiB). Deleted: those no upload is writing, untouched for
+    ``LEFT_PART_S`` and open in no process this user runs (this one, or another server sharing Gradio's default
+    folder, /tmp/gradio: one deleted a part the other was still receiving, an outside pass found)."""
     try:
         open_here = _open_files("self")
         cutoff = time.time() - LEFT_PART_S
