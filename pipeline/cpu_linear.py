@@ -12,8 +12,8 @@ large weight several times. Measured on the embedded model (docs/benchmarks.md, 
   1.7-2.4x the tokens/s of ``nn.Linear`` at batch 1 to 8, the first token 1.8x sooner. Each row's result is the same whatever
   the other rows, from 2 rows on (tested), which ``nn.Linear``'s is not; one row alone is summed in another order once
   the input is wider than 1,024 (a request decoding alone: logits about 1e-4 off its batched ones on the embedded
-  model, an outside pass). Doubling a lone row would close that, for 7% of the embedded model's decode speed
-  at batch 1 (measured side by side): not done. It keeps a second copy of each weight, so it is used
+  model, an outside pass). Doubling a lone row would close that, for 5-7% of the embedded model's decode
+  speed at batch 1 (``benchmarks/cpu_lone_row.py``): not done. It keeps a second copy of each weight, so it is used
   when that copy fits in half of the memory available (the original stays: the embedding it may be tied
   to, state dicts and gradients use it; loaded from safetensors it is file-backed, and pages the packed
   product never reads can go back to the system).
