@@ -12,7 +12,6 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import jinja2
 import torch
 
 from glimpse.common import UserError
@@ -415,7 +414,7 @@ def _check_chat_template(engine, model: str) -> None:
     placeholders = {"image": engine.adapter.placeholder(IMAGE)}
     try:
         text = render(engine.tokenizer, engine.chat_template, question, placeholders)
-    except (PromptError, jinja2.TemplateError) as error:
+    except PromptError as error:  # (``render`` says a Jinja error as one)
         raise ModelLoadError(f"cannot load model {model!r}: its chat template cannot write a question: {error}") \
             from None
     if not text.strip():

@@ -231,8 +231,8 @@ class Scheduler:
                                       f"prompt takes {len(prompt):,}, which leaves {context - len(prompt):,}, not the "
                                       f"{max_new_tokens:,} asked for; ask for fewer tokens or shorten the conversation",
                                       param=refuse_past_context)
-            reserved = self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
-            if not self.fits_budget(prompt, max_new_tokens):
+            reserved = self.reservation(prompt, max_new_tokens)
+            if reserved > self.kv_budget_bytes:
                 raise self._over_budget(reserved)
             own_queue = None
             if sink is None:
@@ -254,10 +254,14 @@ class Scheduler:
                          f"{self.kv_budget_bytes // per_token:,} tokens ({self.kv_budget_bytes / 2**20:,.1f} MiB): "
                          "shorten the prompt, send fewer frames or ask for fewer tokens")
 
+    def reservation(self, prompt: Prompt, max_new_tokens: int) -> int:
+        """The KV bytes a request reserves: ``prompt`` with room for ``max_new_tokens``."""
+        return self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens)
+
     def fits_budget(self, prompt: Prompt, max_new_tokens: int) -> bool:
         """Whether ``prompt`` with room for ``max_new_tokens`` fits the server's KV budget (``submit`` refuses one that
         does not): the chat leaves out its oldest turns until it does."""
-        return self.engine.kv_bytes_per_token() * (len(prompt) + max_new_tokens) <= self.kv_budget_bytes
+        return self.reservation(prompt, max_new_tokens) <= self.kv_budget_bytes
 
     @contextlib.contextmanager
     def _building(self) -> Iterator[None]:
