@@ -256,6 +256,28 @@ def _same_file(file, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
+def _rewrite_in_place(target: Path, old: bytes, data: bytes) -> None:
+    """``target``'s lines (``old``) replaced by ``data``, a subsequence of them, in place: ``data`` is written over
+    the start and the file cut to its length. A kill at any step loses no line ``data`` keeps, as each is still at
+    or after its old place until written at its new one (emptying the file first, as until 2026-12-07, lost them
+    all if the kill came before the write). Between the write and the cut, the old lines after ``len(data)`` follow;
+    the rest of the old line that straddles it is blanked (spaces, then its newline), so the file stays whole lines,
+    some perhaps twice, forgotten ones perhaps still there (the next --overwrite removes those again)."""
+    blank = b""
+    if data and old[len(data) - 1:len(data)] != b"\n":
+        blank = b" " * (old.index(b"\n", len(data)) - len(data)) + b"\n"
+    fd = os.open(target, os.O_WRONLY)  # (not the "a+b" file: O_APPEND writes at the end, whatever the offset)
+    try:
+        written, done = data + blank, 0
+        while done < len(written):
+            done += os.pwrite(fd, written[done:], done)
+        os.fsync(fd)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _remove_if_unlocked(path: Path) -> None:
     """Remove ``path``, a file a run writes under ``flock``, unless a run is writing it now."""
     try:
@@ -284,7 +306,8 @@ class CaptionOutput:
         self.done()  # a record a kill cut short is dropped first
         target = self.path.resolve()  # (through a link: the file it names, as ``open`` locked it)
         kept, removed = [], 0
-        for line in target.read_bytes().splitlines(keepends=True):
+        old = target.read_bytes()
+        for line in old.splitlines(keepends=True):
             try:
                 forgotten = record_key(json.loads(line)) in keys
             except ValueError:
@@ -300,12 +323,8 @@ class CaptionOutput:
             if error.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
                 raise
             # It cannot be replaced: a file mounted on its own (``docker run -v FILE:...``: EBUSY), or one in a folder
-            # this user may not write (found from outside). Rewritten in place, under the lock this process holds; a
-            # kill in the moment between emptying it and writing it again would lose the captions it keeps.
-            self.file.truncate(0)
-            self.file.write(data)  # ("a+b": written at the end, which is now the start)
-            self.file.flush()
-            os.fsync(self.file.fileno())
+            # this user may not write (found from outside). Rewritten in place, under the lock this process holds.
+            _rewrite_in_place(target, old, data)
         return removed
 
     def _swap_in(self, data: bytes, target: Path) -> None:

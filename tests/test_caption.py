@@ -469,6 +469,45 @@ def test_overwrite_rewrites_in_place_what_cannot_be_replaced_and_clears_a_killed
     assert _lines(out) == [records[2], records[0], records[1]]
 
 
+@pytest.mark.parametrize("killed_at", ["pwrite", "fsync", "ftruncate"])
+def test_a_kill_during_an_in_place_overwrite_loses_no_kept_caption(tmp_path, monkeypatch, killed_at):
+    """An output that cannot be replaced is rewritten in place. Until 2026-12-07 it was emptied first, so a kill
+    before the write lost every caption it kept. Now a kill at any step leaves each kept record whole in the
+    file, every line a whole line, and the next run resumes from it and removes the forgotten record again."""
+    import errno
+
+    from glimpse import caption
+    from glimpse.caption import CaptionOutput, input_key
+
+    images = _images(tmp_path / "in", 4)
+    out = tmp_path / "captions.jsonl"
+    records = [{"path": str(p), "key": input_key(p), "caption": "word " * (40 - 9 * i)} for i, p in enumerate(images)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    forgotten = {records[0]["key"], records[2]["key"]}
+
+    def mounted(*args):
+        raise OSError(errno.EBUSY, "Device or resource busy")
+
+    def killed(*args):
+        raise SystemExit("killed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(caption.os, "replace", mounted)
+        patch.setattr(caption.os, killed_at, killed)
+        with pytest.raises(SystemExit), CaptionOutput(out) as output:
+            output.forget(forgotten)
+    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    assert all(r in lines for r in records if r["key"] not in forgotten)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(caption.os, "replace", mounted)
+        with CaptionOutput(out) as output:
+            assert output.done() == {r["key"] for r in lines}
+            output.forget(forgotten)
+    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    assert {r["key"] for r in lines} == {r["key"] for r in records} - forgotten
+
+
 def test_an_out_that_is_not_a_captions_file_is_refused_and_left_as_it_was(tmp_path, capsys):
     """Found from outside: resuming cuts --out back to its last newline and appends, so a picture or notes
     named by a typo were damaged, and /dev/full was read whole into memory. Refused before the model loads."""
