@@ -168,14 +168,25 @@ def _folder_files(folder: Path, cannot_list: list[tuple[str, str]]) -> list[Path
     def refused(error: OSError) -> None:
         cannot_list.append((error.filename or str(folder), error.strerror or str(error)))
 
-    found, walked = [], set()
-    for root, folders, names in os.walk(folder, onerror=refused, followlinks=True):
-        real = os.path.realpath(root)
-        if real in walked:  # reached again through a link: its files are listed once
-            folders[:] = []
-            continue
-        walked.add(real)
-        found += [Path(root) / name for name in names]
+    # A stack, not ``os.walk``: before Python 3.12 it recursed once per level, and a tree some 1000 folders deep
+    # ended the run in a RecursionError (an outside pass).
+    found, walked, pending = [], set(), [folder]
+    while pending:
+        root = pending.pop()
+        try:
+            here = os.stat(root)
+            if (here.st_dev, here.st_ino) in walked:  # reached again through a link: its files are listed once
+                continue
+            walked.add((here.st_dev, here.st_ino))  # (not its realpath: an lstat per level, quadratic in depth)
+            with os.scandir(root) as entries:
+                for entry in entries:
+                    try:
+                        is_folder = entry.is_dir()  # (a link to a folder too)
+                    except OSError:
+                        is_folder = False
+                    (pending if is_folder else found).append(Path(entry.path))
+        except OSError as error:
+            refused(error)
     return sorted(found)
 
 

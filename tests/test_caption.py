@@ -694,6 +694,25 @@ def test_links_to_folders_are_followed_and_each_folder_is_walked_once(tmp_path):
     assert len(collect_keys([str(tmp_path / "photos")])) == 3
 
 
+def test_a_folder_tree_deeper_than_the_recursion_limit_is_walked(tmp_path):
+    """A tree some 1000 folders deep ended collecting in a RecursionError (``os.walk`` recursed once per level
+    before Python 3.12: an outside pass). Its pictures are found like any other's."""
+    import sys
+
+    folders = [tmp_path / "tree"]
+    for _ in range(sys.getrecursionlimit() + 50):
+        folders.append(folders[-1] / "x")
+    try:
+        for folder in folders:
+            folder.mkdir()  # (not makedirs, nor rmtree below: both recurse once per level too)
+        picture = _images(folders[-1], 1)[0]
+        assert collect_inputs([str(folders[0])]) == [picture]
+    finally:
+        for folder in reversed(folders):
+            for file in folder.glob("*.png"):
+                file.unlink()
+            folder.rmdir() if folder.exists() else None
+
 def test_a_failure_said_while_the_progress_bar_is_drawn_is_a_line_of_its_own(model, tmp_path, capsys):
     """"failed ..." was printed onto the progress bar's line (``captioning: 50%|... [...]failed in/b.png: ...``): a
     grep for lines starting with "failed" missed it (an outside pass). Each is a line of its own under the bar."""
