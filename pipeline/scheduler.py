@@ -349,13 +349,20 @@ class Scheduler:
             return sum(not t.cancel.is_set() for t in ahead) + 1
 
     def wait_estimate(self, position: int) -> float:
-        """Seconds until a request at queue ``position`` starts. With ``running`` requests in the batch, each holding
-        its place about ``service_s``, a place frees about every ``service_s / running`` seconds, and the request
-        starts when ``position`` places have freed (a 429's Retry-After is ``wait_estimate(1)``: when the queue has
-        room again). With nothing running yet, the batch's places free a whole ``service_s`` from now."""
+        """Seconds until a request at queue ``position`` starts (at least 1). Each request in the batch holds its
+        place about ``service_s`` in all, so it has about ``service_s`` less the time it has held it left (none, once
+        past it); the request starts when ``position`` places have freed: the soonest first, and each place a whole
+        ``service_s`` again once every one has freed (a 429's Retry-After is ``wait_estimate(1)``: when the queue has
+        room again). Counted from the places' own start times, the chat's "about N s" counts down as it waits (until
+        2026-12-07 it was ``position * service_s / running``, and stood still while no place freed)."""
+        now = time.perf_counter()
         with self.condition:
-            running = len(self.running) + len(self.admitted)
-        return position * self.service_s / max(1, running)
+            started = [t.admitted_at or now for t in self.running + self.admitted]
+        if not started:  # nothing in the batch yet: each place a whole request's time from now
+            return max(1.0, position * self.service_s)
+        left = sorted(max(self.service_s - (now - at), 0.0) for at in started)
+        rounds, place = divmod(position - 1, len(left))
+        return max(1.0, left[place] + rounds * self.service_s)
 
     def state(self) -> dict:
         """What ``/health`` and ``/metrics`` report. ``prefilling``: requests taken from the queue whose prefill is

@@ -153,10 +153,14 @@ def test_requests_arriving_together_each_get_their_first_token_right_after_their
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]
 
 
-def test_the_wait_estimates_count_a_request_s_time_in_the_batch_not_its_wait_in_the_queue(engine, media):
-    """The chat's "about N s" and a 429's Retry-After: places in the batch free about every service_s / running
-    seconds, and service_s is how long a request holds its place, not how long it waited before (which, with a
-    long queue, would make every estimate count the queue twice)."""
+def test_the_wait_estimates_count_a_request_s_time_in_the_batch_not_its_wait_in_the_queue_and_count_down(
+        engine, media):
+    """The chat's "about N s" and a 429's Retry-After: each place in the batch frees about service_s after its
+    request took it, and service_s is how long a request holds its place, not how long it waited before (which,
+    with a long queue, would make every estimate count the queue twice). Counted from when the places were taken,
+    the estimate counts down as a request waits (it stood still: an outside pass)."""
+    from types import SimpleNamespace
+
     scheduler = Scheduler(engine, max_batch=4, queue_size=4)
     try:
         ticket = scheduler.submit(_conversations(media)[0], policy="none", max_new_tokens=3)
@@ -164,12 +168,21 @@ def test_the_wait_estimates_count_a_request_s_time_in_the_batch_not_its_wait_in_
         ticket.result(timeout=60)
         assert 0 < scheduler.service_s < 0.8 * 10.0 + 0.2 * 60  # the default 10 s, moved by at most a minute
         scheduler.service_s = 8.0
-        with scheduler.condition:
-            scheduler.running = [object(), object()]  # two requests hold places: one frees about every 4 s
-            assert scheduler.wait_estimate(1) == pytest.approx(4.0)
-            assert scheduler.wait_estimate(3) == pytest.approx(12.0)
-            scheduler.running = []
         assert scheduler.wait_estimate(1) == pytest.approx(8.0)  # nothing running yet: a whole request's time
+        now = time.perf_counter()
+        held = [SimpleNamespace(admitted_at=now - 6.0), SimpleNamespace(admitted_at=now - 2.0)]
+        with scheduler.condition:  # (held: the loop must not see these stand-ins)
+            scheduler.running = held  # two places, taken 6 s and 2 s ago: they free in about 2 s and 6 s
+            estimates = [scheduler.wait_estimate(position) for position in (1, 2, 3)]
+            assert estimates == pytest.approx([2.0, 6.0, 2.0 + 8.0], abs=0.1)
+            for place in held:
+                place.admitted_at -= 0.5  # half a second on: every estimate is half a second shorter
+            later = [scheduler.wait_estimate(position) for position in (1, 2, 3)]
+            assert later == pytest.approx([e - 0.5 for e in estimates], abs=0.1)
+            for place in held:
+                place.admitted_at -= 100.0  # both overdue: any moment now, said as the least estimate
+            assert scheduler.wait_estimate(1) == 1.0 and scheduler.wait_estimate(3) == pytest.approx(8.0, abs=0.1)
+            scheduler.running = []
     finally:
         scheduler.close()
 
