@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from glimpse.common import UserError
+from glimpse.common.jsonable import one_line, utf8_text
 from glimpse.pipeline import OutOfMemory, PromptError
 from glimpse.pipeline.adapters import VIDEO
 from glimpse.pipeline.profiles import model_key
@@ -80,22 +81,39 @@ def _local_path(value: str, where: str) -> str:
 
 
 def list_entries(listing: Path) -> list[str]:
-    """A list file's inputs, one per line (blank lines and ``#`` comments skipped): URLs and URIs as written,
-    paths relative to the list's folder."""
-    entries = []
+    """A list file's inputs: URLs and URIs as written, paths relative to the list's folder. One per line, blank lines
+    and ``#`` comments skipped, the spaces around a line too, unless the line names a file as it is: ``ls > list.txt``
+    in a folder holding ``#1 holiday.png`` listed it, and it was passed over as a comment without a word (an outside
+    pass). A list with NUL bytes is one written by ``find -print0``: split at them, each name as it is (a name may
+    hold a newline; until 2026-12-07 the NULs ended the run in a traceback)."""
     try:
-        text = listing.read_text(encoding="utf-8-sig")  # a byte order mark (Windows Notepad) is not part of a path
+        # (bytes decoded, not read as text: that turns a "\r" in a name into a line end). A byte order mark
+        # (Windows Notepad) is not part of a path.
+        text = listing.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError:
         raise UserError(f"{listing}: not a list of paths (one per line, UTF-8 text)") from None
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if is_uri(line):
-            entries.append(line)
-            continue
+
+    def named(line: str) -> Path:
         listed = Path(_local_path(line, f"{listing}: "))
-        entries.append(str(listed if listed.is_absolute() else listing.parent / listed))
+        return listed if listed.is_absolute() else listing.parent / listed
+
+    def names_a_file(line: str) -> bool:
+        try:
+            return not is_uri(line) and os.path.lexists(named(line))
+        except (UserError, ValueError, OSError):
+            return False
+
+    entries = []
+    for line in text.split("\0") if "\0" in text else text.split("\n"):
+        if "\0" not in text:
+            line = line.removesuffix("\r")
+            if not names_a_file(line):
+                line = line.strip()
+                if line.startswith("#"):
+                    continue
+        if not line:
+            continue
+        entries.append(line if is_uri(line) else str(named(line)))
     return entries
 
 
@@ -218,20 +236,16 @@ def stored(value):
     this form too."""
     if isinstance(value, list):  # warnings
         return [stored(v) for v in value]
-    if not isinstance(value, str) or value.isascii():
-        return value
-    try:
-        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate no file name makes (a manifest's own "\ud800"): escaped as it is
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return utf8_text(value) if isinstance(value, str) else value
 
 
 def resolved_path(path: Path) -> Path:
     """``path`` resolved, or as it is (absolute) when it cannot be: a loop of symbolic links (``resolve`` raises
-    RuntimeError before Python 3.13, OSError since) is an input that fails to read, not the end of the run."""
+    RuntimeError before Python 3.13, OSError since) is an input that fails to read, not the end of the run; so is a
+    name holding a NUL byte (a list line or a manifest's path: ValueError, a traceback until 2026-12-07)."""
     try:
         return path.resolve()
-    except (RuntimeError, OSError):
+    except (RuntimeError, OSError, ValueError):
         return path.absolute()
 
 
@@ -737,7 +751,7 @@ class ProgressBar:
         missed: an outside pass). ``tqdm.write`` clears the bar, prints the line and draws the bar again."""
         from tqdm import tqdm
 
-        stream = self.stream or sys.stderr
+        stream, message = self.stream or sys.stderr, one_line(message)
         if self.bar is None or self.bar.disable or getattr(stream, "isatty", lambda: False)():
             tqdm.write(message, file=stream)
         else:  # a file or a pipe: tqdm's clearing "\r" ends no line there, so the message starts one of its own

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from glimpse.caption import is_uri, refuse_other_settings, resolved_path, stored, unlisted_failures
 from glimpse.common import UserError
+from glimpse.common.jsonable import one_line
 from glimpse.launcher import Terminated
 from glimpse.pipeline.profiles import model_key
 from glimpse.pipeline.prompt import user_message
@@ -128,7 +129,7 @@ def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[
     written = Counter(stored(key) for key in keys)
     alike = [key for key in keys if written[stored(key)] > 1]
     for key in alike:
-        log(f"failed {stored(key)}: another input is written in the output under the same name")
+        log(one_line(f"failed {key}: another input is written in the output under the same name"))
         if failed is not None:
             failed.append((stored(key), "its name is written in the output as another input's is (bytes that are "
                                         "not UTF-8 as \\xNN): rename one of them"))

@@ -33,7 +33,7 @@ import traceback
 from pathlib import Path
 
 from glimpse.common import UserError
-from glimpse.common.jsonable import finite
+from glimpse.common.jsonable import finite, one_line, utf8_text
 from glimpse.launcher import kept_stop_status, stop_on_sigterm, stopped
 from glimpse.pipeline.prompt import check_text, check_text_length, user_message
 from glimpse.pipeline.random_checkpoint import REAL_PRESETS
@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     caption = commands.add_parser(
         "caption", help="caption images and videos in batch (files, folders, list files), resumable",
         description="Caption every image and video given (files; folders, recursively; .txt/.lst list files "
-                    "of paths). Results go to a JSONL file (one object per input, flushed per line) or to "
+                    "of paths, one per line or NUL-separated; # comments). Results go to a JSONL file (one object per input, flushed per line) or to "
                     ".txt sidecars. Inputs already captioned are skipped unless --overwrite, so a killed run "
                     "resumes where it stopped; unreadable inputs are logged, skipped and summarised.")
     caption.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -402,6 +402,10 @@ def run_ask(args) -> int:
     if not args.question.strip():  # an unset shell variable, most likely: the model would answer nothing at all
         raise UserError("the question is empty: ask something, e.g. glimpse ask --image photo.jpg "
                         "\"What is in this picture?\"")
+    try:
+        check_text(args.question)  # (a byte that is not UTF-8: refused only once the model had loaded)
+    except UserError as error:
+        raise UserError(f"the question: {error}") from None
     overrides = parse_params(args.param)
     _check_before_loading(args.model, [(args.policy, args.speed)], overrides)
     if args.max_new_tokens < 1:
@@ -813,7 +817,7 @@ def run_caption(args) -> int:
     where = out if args.format == "jsonl" else ".txt sidecars"
     _log(f"captioned {report.captioned}, already done {report.skipped}, failed {len(report.failed)} -> {where}")
     for path, reason in report.failed:
-        _log(f"  failed: {path}: {reason}")
+        _log(one_line(f"  failed: {path}: {reason}"))
     return 1 if report.failed else 0
 
 
@@ -862,7 +866,7 @@ def run_caption_on_ray(args) -> int:
     _log(f"done {report.captioned}, skipped {report.skipped}, failed {len(report.failed)}{earlier} -> {out} ({rate})"
          + (f"; Ray dashboard: {report.dashboard}" if report.dashboard else ""))
     for key, reason in report.failed:  # (a downloaded input's error names its URL for the row: not said twice here)
-        _log(f"  failed: {key}: {reason.replace(f'{key}: ', '', 1)}")
+        _log(one_line(f"  failed: {key}: {reason.replace(f'{key}: ', '', 1)}"))
     # Error rows in the output, this run's or an earlier one's, mean inputs without a caption: a script sees it.
     return 1 if report.failed or report.earlier_errors else 0
 
@@ -1301,7 +1305,7 @@ def _answers_in_json(args) -> bool:
 def _error(args, message: str) -> None:
     """One line on stderr; for `ask --json` also ``{"error": message}`` on stdout, so that a script reading its
     one JSON object gets one on failure too (it got nothing to parse)."""
-    print(f"glimpse: error: {message}", file=sys.stderr)
+    print(f"glimpse: error: {utf8_text(message)}", file=sys.stderr)
     if _answers_in_json(args):
         _print_json_error(message)
 
@@ -1313,7 +1317,7 @@ def _print_json_error(message: str) -> None:
     if sys.stdout is None:
         return
     try:
-        print(json.dumps({"error": message}), flush=True)
+        print(json.dumps({"error": utf8_text(message)}), flush=True)
     except OSError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a third when Python exits
 

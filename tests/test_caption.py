@@ -549,6 +549,41 @@ def test_a_list_file_saved_with_a_byte_order_mark_keeps_its_first_entry(tmp_path
     assert collect_inputs([str(listing)]) == [tmp_path / "in" / p.name for p in images]
 
 
+
+def test_a_list_line_is_a_name_as_it_is_when_a_file_has_it_and_a_find_print0_list_is_read(tmp_path):
+    """``ls > list.txt`` in a folder holding ``#1 holiday.png`` and `` 3.png``: the first was passed over as a
+    comment without a word, the second looked up as ``3.png``; and a ``find -print0`` list ended the run in a
+    traceback (an outside pass). A line that names a file as it is, is that file; comments, blank lines and spaces
+    around other lines are still what they were; NUL bytes separate names, each as it is."""
+    folder = tmp_path / "in"
+    picture = _images(folder, 1)[0]
+    odd = [folder / "#1 holiday.png", folder / " 3.png", folder / "two\nlines.png", folder / "a\rb.png"]
+    for path in odd:
+        path.write_bytes(picture.read_bytes())
+    listing = folder / "list.txt"
+    listing.write_text("# my pictures\n\n#1 holiday.png\n 3.png\n  img000.png  \n#not a file.png\n")
+    assert sorted(collect_inputs([str(listing)])) == sorted([folder / "#1 holiday.png", folder / " 3.png", picture])
+
+    found = tmp_path / "found.lst"
+    found.write_bytes(b"".join(os.fsencode(p.relative_to(tmp_path)) + b"\0" for p in [picture, *odd]))
+    assert sorted(collect_inputs([str(found)])) == sorted([picture, *odd])
+
+
+def test_a_nul_byte_in_a_listed_name_fails_that_input_not_the_run(model, tmp_path, capsys):
+    """``file:///.../a%00.png`` in a list (or a manifest's path holding a NUL) ended the run in a traceback, exit 2
+    (an outside pass): no file has such a name, so it is an input that fails, named, and the rest is captioned. The
+    "failed" lines show the name's control characters escaped (a NUL printed raw was unseen in a terminal)."""
+    picture = _images(tmp_path / "in", 1)[0]
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{picture}\nfile://{tmp_path}/in/a%00.png\n")
+    out = tmp_path / "c.jsonl"
+    assert main(["caption", str(listing), "--model", model, "--out", str(out), "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err and "a\\x00.png': a name with a NUL byte" in err
+    failed = [line for line in err.splitlines() if line.strip().startswith("failed")]
+    assert len(failed) == 2 and all("a\\x00.png" in line and "\0" not in line for line in failed)  # shown, not sent
+    assert [r["path"] for r in _lines(out)] == [str(picture)]
+
 def test_retry_errors_is_refused_without_ray_where_failed_inputs_are_retried_anyway(tmp_path, capsys):
     image = _images(tmp_path / "in", 1)[0]
     assert main(["caption", str(image), "--out", str(tmp_path / "c.jsonl"), "--retry-errors"]) == 1

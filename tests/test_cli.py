@@ -142,6 +142,20 @@ def test_ask_json_whose_stdout_takes_nothing_says_its_error_once_with_its_exit_s
     assert ran.returncode == 1 and "missing.png: file not found" in ran.stderr and "Traceback" not in ran.stderr
 
 
+def test_ask_refuses_a_question_that_is_not_utf8_before_loading_and_its_json_error_is_utf8(checkpoints, tmp_path):
+    """``glimpse ask "$(printf 'colour\\xff?')"``: refused only once the model had loaded (minutes for a 7B model); and
+    ``--json`` wrote a file name's byte that is not UTF-8 as "\\udcff", which strict readers refuse (an outside
+    pass). The question is refused before loading; the name is written "\\xff", as the captions file writes it."""
+    question = os.fsdecode(b"colour\xff?")  # as Python hands over such an argument
+    proc = glimpse_here("ask", "--model", str(tmp_path / "no model here"), "--json", question)
+    _assert_clean_error(proc, "the question: the text is not valid Unicode")
+    assert "loading" not in proc.stderr and json.loads(proc.stdout)["error"].startswith("the question")
+    missing = tmp_path / os.fsdecode(b"bad\xff.png")
+    proc = glimpse_here("ask", "--model", str(checkpoints["llava"]), "--json", "--image", str(missing), "hi")
+    assert proc.returncode == 1 and proc.stdout.encode("utf-8")  # (it raised UnicodeEncodeError: a lone surrogate)
+    assert json.loads(proc.stdout)["error"].endswith("/bad\\xff.png: file not found")
+    assert "/bad\\xff.png: file not found" in proc.stderr
+
 def test_ask_json_is_strict_json_at_any_speed_and_an_abbreviated_flag_still_gets_its_error_object(
         checkpoints, media, capsys):
     """An outside pass: ST3 at speed 1e-320 annealed over 50 / 1e-320 answer tokens, infinite, and ``ask --json``

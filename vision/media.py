@@ -197,6 +197,8 @@ def _check_file(path: str | os.PathLike) -> Path:
             and not os.path.lexists(path)):  # read as a file name, it was "File name too long"
         raise MediaError(f"{path[:40]}...: a data URL, not a local file (give its decoded bytes, or a file; the "
                          "server's API reads data URLs)")
+    if "\0" in str(path):  # no file has such a name (pathlib says "file not found", the NUL unseen in a terminal)
+        raise MediaError(f"{str(path)[:200]!r}: a name with a NUL byte, which no file has")
     path = Path(path)
     try:
         return _checked_file(path)
