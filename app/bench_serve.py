@@ -26,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -237,19 +238,38 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
     if args.prefix_cache_mb is not None:
         command += ["--prefix-cache-mb", str(args.prefix_cache_mb)]
     progress(f"starting: glimpse {' '.join(command[len(GLIMPSE_COMMAND):])}")
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"glimpse serve exited: {server.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    server.kill()
-    raise RuntimeError("glimpse serve did not come up within 15 minutes")
+    # Its messages go to a file: a pipe that nothing reads while the clients run would stop the server at the write
+    # that fills it. They are shown if it fails to come up.
+    said = tempfile.TemporaryFile()
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=said)
+    try:  # stopped whatever ends the wait: a SIGTERM or Ctrl-C to this process alone left it loading, an orphan
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            if server.poll() is not None:
+                said.seek(0)
+                raise RuntimeError(f"glimpse serve exited: {said.read().decode(errors='replace')[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return server, url
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError("glimpse serve did not come up within 15 minutes")
+    except BaseException:
+        stop_server(server)
+        raise
+    finally:
+        said.close()  # (the server keeps its own handle to it)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Ask the server to stop (its in-flight requests get their grace), and kill it if it has not within a minute."""
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
 
 
 def run(args, progress) -> dict:
@@ -286,8 +306,7 @@ def run(args, progress) -> dict:
         return report
     finally:
         if server is not None:
-            server.terminate()
-            server.wait(timeout=60)
+            stop_server(server)
 
 
 def _median_prefill(url: str, body: dict, api_key: str | None) -> float:

@@ -434,8 +434,11 @@ class Scheduler:
                 self.running.clear()
                 self.admitted.clear()
                 self.waiting.clear()
+            # Ctrl-C (a second SIGTERM) is no bug: the answers it cuts say the server stopped (a stream's last event
+            # said "KeyboardInterrupt: ", an outside pass)
+            told = ServerStopping(STOPPING_CUT) if isinstance(error, KeyboardInterrupt) else error
             for ticket in tickets:
-                self._end(ticket, None, error)
+                self._end(ticket, None, told)
             raise
 
     def _turn_away_waiting(self) -> list[Ticket]:

@@ -151,7 +151,7 @@ def test_ctrl_c_or_sigterm_keeps_a_report_of_the_runs_done(checkpoints, media, t
     report = json.loads(out_file.read_text())
     assert report["interrupted"] is True and len(report["log"]) == 4
     assert [(r["policy"], r["runs"]) for r in report["rows"]] == [("dash", 1), ("fastv", 1)]
-    assert "Interrupted (Ctrl-C) after 4 runs" in captured.out and "interrupted: 2 rows" in captured.err
+    assert "Interrupted (Ctrl-C or SIGTERM) after 4 runs" in captured.out and "interrupted: 2 rows" in captured.err
 
 
 def test_cli_bench_synthesizes_media_and_prints_a_table(checkpoints, capsys):

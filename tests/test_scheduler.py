@@ -187,6 +187,23 @@ def test_the_wait_estimates_count_a_request_s_time_in_the_batch_not_its_wait_in_
         scheduler.close()
 
 
+def test_a_server_stopped_by_ctrl_c_tells_the_answers_it_cuts_that_it_stopped(engine, media, monkeypatch):
+    """Ctrl-C on `glimpse serve` (or a second SIGTERM) interrupts the loop in a step: the answers under way and those
+    waiting ended with "KeyboardInterrupt: " as their error (an outside pass); they are told the server stopped."""
+    scheduler = Scheduler(engine, max_batch=1, queue_size=2, start=False)
+    tickets = [scheduler.submit(conversation, policy="none", max_new_tokens=3)
+               for conversation in _conversations(media)[:2]]
+
+    def interrupted(joining):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(scheduler, "_iteration", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.run()
+    for ticket in tickets:
+        with pytest.raises(ServerStopping, match="the server shut down before this answer ended"):
+            ticket.result(timeout=5)
+
 def test_a_request_cancelled_while_queued_is_never_computed_and_frees_its_place(engine, media):
     conversations = _conversations(media)
     scheduler = Scheduler(engine, max_batch=1, queue_size=1)

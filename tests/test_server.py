@@ -2554,6 +2554,35 @@ def test_bench_serve_starts_this_glimpse_even_beside_a_glimpse_py(tmp_path):
     assert done.returncode == 0 and "--allowed-root" in done.stdout, done.stderr
 
 
+def test_bench_serve_stopped_while_its_server_loads_stops_the_server(monkeypatch):
+    """A SIGTERM (or Ctrl-C) to `glimpse bench serve` alone while its server was loading left that server running,
+    an orphan loading the model (an outside pass): the server is stopped whatever ends the wait for it."""
+    import subprocess
+    import sys
+    from argparse import Namespace
+
+    import httpx
+
+    from glimpse import bench_serve
+    from glimpse.launcher import Terminated
+
+    started, real_popen = [], subprocess.Popen
+
+    def popen(command, **options):  # a server that never comes up
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(120)"], **options))
+        return started[0]
+
+    def terminated(*args, **kwargs):
+        raise Terminated()
+
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", popen)
+    monkeypatch.setattr(httpx, "get", terminated)
+    args = Namespace(model=None, max_batch=2, queue_size=4, max_tokens=8, device="cpu", kv_budget_mb=None,
+                     encoder_cache_mb=None, media_cache_mb=None, prefix_cache_mb=None)
+    with pytest.raises(Terminated):
+        bench_serve.start_server(args, lambda _: None)
+    assert started[0].poll() is not None  # stopped, not left running
+
 def test_the_prefix_cache_serves_a_second_question_about_a_picture_and_the_compare_column_stays_whole(
         checkpoints, media):
     """glimpse serve's prefix cache: an API client's second question about the same picture computes only what is
