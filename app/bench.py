@@ -345,8 +345,8 @@ def format_markdown(report: dict) -> str:
         lines.append("CPU: absolute times are not a claim (shared machine); read the ratios. Peak memory is the "
                      "whole process's peak RSS during the request (weights included), so no ratio is formed.")
     if report.get("interrupted"):
-        lines.append(f"Interrupted (Ctrl-C or SIGTERM) after {len(report['log'])} runs: the rows are those with a timed pair by "
-                     "then, each from the rounds it had.")
+        lines.append(f"Interrupted (Ctrl-C or SIGTERM) after {len(report['log'])} runs: the rows are those with a "
+                     "timed pair by then, each from the rounds it had.")
     if report["warmup"] == 0:
         lines.append("No warm-up round (--warmup 0): the first baseline run pays the process's one-time costs, so "
                      "the first candidate's ratios read too high; use --warmup 1 or more for ratios to read.")
