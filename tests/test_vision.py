@@ -285,6 +285,27 @@ def test_truncated_image_raises_media_error(tmp_path, fmt):
         vision.load_image(path)
 
 
+
+# (Overwritten bytes are found in a PNG, whose compressed pixels are checked; a JPEG or a WebP decodes them as pixels.)
+@pytest.mark.parametrize("fmt,damage", [("JPEG", "truncated"), ("PNG", "truncated"), ("WEBP", "truncated"),
+                                        ("TIFF", "truncated"), ("PNG", "overwritten")])
+def test_a_damaged_picture_is_refused_when_it_is_fitted_to_the_model_too(fmt, damage):
+    """The prompt builder loads pictures fitted to the model (``fit``): reading a PNG's EXIF there decoded it, the
+    decoding error of a damaged PNG was taken for a bad EXIF block, and the model answered about its garbage pixels
+    without a word (an outside pass). Loaded fitted or not, a damaged picture is a ``MediaError``."""
+    pixels = np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, fmt)
+    data = bytearray(buffer.getvalue())
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    else:  # bytes in the middle of the compressed pixels overwritten, the file's length as it was
+        data[len(data) // 3: len(data) // 3 + 200] = bytes(200)
+    fit = vision.ImageFit(lambda width, height: (width // 2, height // 2), Image.Resampling.BICUBIC)
+    for fitted in (None, fit):
+        with pytest.raises(vision.MediaError, match="the image is corrupt or truncated"):
+            vision.load_image(bytes(data), fit=fitted)
+
 def test_empty_missing_and_unreadable_images(tmp_path):
     (tmp_path / "empty.png").write_bytes(b"")
     (tmp_path / "noise.png").write_bytes(np.random.default_rng(0).bytes(256))

@@ -488,6 +488,19 @@ def _fit_size(size: tuple[int, int], fit: ImageFit | None) -> tuple[int, int] | 
     return target if target != (width, height) and target[0] <= width and target[1] <= height else None
 
 
+def _decode(opened: Image.Image, src: ImageSource, name: str) -> None:
+    """``opened``'s pixels decoded; a file that does not decode raises ``MediaError``."""
+    try:
+        opened.load()
+    except MediaError:  # stopped or out of time while it decoded (``check_reading``): not the file's fault
+        raise
+    except Image.DecompressionBombError as error:
+        raise MediaError(f"{name}: image too large ({error})") from error
+    except (OSError, SyntaxError, ValueError, EOFError) as error:
+        raise MediaError(f"{name}: the image is corrupt or truncated ({error})") from error
+    check_reading(src)  # (its file's last read may have come before the end of its decoding)
+
+
 def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: ImageFit | None = None) -> Image.Image:
     """Load an image as a fully decoded, upright RGB `PIL.Image`.
 
@@ -503,13 +516,20 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
     opened = src if isinstance(src, Image.Image) else _open_image(src, name, max_pixels)
     try:
         _check_pixel_count(opened.size, max_pixels, name)
+        # A JPEG is decoded after its orientation is read (from its header) and its reduced scale chosen; any other
+        # picture first: reading a PNG's EXIF decodes it (its EXIF chunk may come after the pixels), and a corrupt
+        # PNG's decoding error was taken for a bad EXIF block there, the picture marked decoded, and the model
+        # answered about its garbage pixels without a word (an outside pass).
+        jpeg = isinstance(opened, JpegImagePlugin.JpegImageFile) and opened is not src
+        if not jpeg:
+            _decode(opened, src, name)
         orientation = _orientation(opened) if fit is not None else 1
         turns = orientation in (5, 6, 7, 8)
         upright_size = opened.size[::-1] if turns else opened.size  # (before a reduced-scale decoding changes it)
         fitted = _fit_size(upright_size, fit)
         box = None  # the picture's extent in the pixels of its reduced-scale decoding
         # (A phone's JPEG with a gain map or a depth map opens as an MPO, a JPEG with more pictures after its first.)
-        if fitted is not None and isinstance(opened, JpegImagePlugin.JpegImageFile) and opened is not src:
+        if fitted is not None and jpeg:
             at_least = (math.ceil(fitted[0] * fit.jpeg_gap), math.ceil(fitted[1] * fit.jpeg_gap))
             drafted = opened.draft(None, at_least[::-1] if turns else at_least)  # in the stored orientation
             if drafted is not None and opened.size != (upright_size[::-1] if turns else upright_size):
@@ -517,15 +537,8 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
                 # as if it were whole, the picture was stretched by up to a pixel (1-2% of the range on average, on
                 # the tests' photos). ``Image.thumbnail`` resizes by this box too.
                 box = _upright_box(drafted[1], opened.size, orientation)
-        try:
-            opened.load()
-        except MediaError:  # stopped or out of time while it decoded (``check_reading``): not the file's fault
-            raise
-        except Image.DecompressionBombError as error:
-            raise MediaError(f"{name}: image too large ({error})") from error
-        except (OSError, SyntaxError, ValueError, EOFError) as error:
-            raise MediaError(f"{name}: the image is corrupt or truncated ({error})") from error
-        check_reading(src)  # (its file's last read may have come before the end of its decoding)
+        if jpeg:
+            _decode(opened, src, name)
         try:
             upright = ImageOps.exif_transpose(opened)
         except Exception as error:  # a malformed EXIF block must not make a readable image unusable
