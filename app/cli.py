@@ -327,9 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     caption = commands.add_parser(
         "caption", help="caption images and videos in batch (files, folders, list files), resumable",
         description="Caption every image and video given (files; folders, recursively; .txt/.lst list files "
-                    "of paths, one per line or NUL-separated; # comments). Results go to a JSONL file (one object per input, flushed per line) or to "
-                    ".txt sidecars. Inputs already captioned are skipped unless --overwrite, so a killed run "
-                    "resumes where it stopped; unreadable inputs are logged, skipped and summarised.")
+                    "of paths, one per line or NUL-separated; # comments). Results go to a JSONL file (one object "
+                    "per input, flushed per line) or to .txt sidecars. Inputs already captioned are skipped unless "
+                    "--overwrite, so a killed run resumes where it stopped; unreadable inputs are logged, skipped and "
+                    "summarised.")
     caption.add_argument("inputs", nargs="+", metavar="INPUT",
                          help="image/video files, folders or list files (with --ray also .parquet/.jsonl manifests)")
     caption.add_argument("--out", default=None, metavar="FILE.jsonl | DIR",
