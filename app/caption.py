@@ -683,6 +683,9 @@ def _read_ahead(engine, batches: list[list[Path]], prompt: str | None, media_tim
                     # (a message naming the file: "photo.png: the file is empty" was logged "failed in/photo.png:
                     # photo.png: the file is empty")
                     unreadable.append((path, str(error).removeprefix(f"{path}: ").removeprefix(f"{path.name}: ")))
+                except Exception as error:  # noqa: BLE001 — a decoder's error of a kind not met yet (AVIF's
+                    # RuntimeError was one): this input fails, saying what was raised; the run goes on
+                    unreadable.append((path, f"cannot be read ({type(error).__name__}: {error})"))
             ahead = read(batches[number + 1]) if number + 1 < len(batches) else []
             done += len(batch)
             yield done, prompts, unreadable

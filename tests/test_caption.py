@@ -584,6 +584,27 @@ def test_a_nul_byte_in_a_listed_name_fails_that_input_not_the_run(model, tmp_pat
     assert len(failed) == 2 and all("a\\x00.png" in line and "\0" not in line for line in failed)  # shown, not sent
     assert [r["path"] for r in _lines(out)] == [str(picture)]
 
+
+def test_an_input_whose_reading_raises_an_error_of_an_unknown_kind_fails_alone(model, tmp_path, capsys, monkeypatch):
+    """A damaged AVIF raised PIL's RuntimeError, which nothing turned into a MediaError: the whole caption run ended
+    in an internal error, the other inputs' captions never written (an outside pass). Whatever reading one input
+    raises, that input fails, saying what was raised, and the rest are captioned."""
+    from glimpse import caption
+
+    images = _images(tmp_path / "in", 3)
+    reading = caption._prompt
+
+    def a_decoder_s_own_error(engine, path, *args):
+        if path.name == images[1].name:
+            raise RuntimeError("Failed to decode frame 0")
+        return reading(engine, path, *args)
+
+    monkeypatch.setattr(caption, "_prompt", a_decoder_s_own_error)
+    out = tmp_path / "c.jsonl"
+    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "2"]) == 1
+    assert sorted(r["path"] for r in _lines(out)) == [str(images[0]), str(images[2])]
+    assert "cannot be read (RuntimeError: Failed to decode frame 0)" in capsys.readouterr().err
+
 def test_retry_errors_is_refused_without_ray_where_failed_inputs_are_retried_anyway(tmp_path, capsys):
     image = _images(tmp_path / "in", 1)[0]
     assert main(["caption", str(image), "--out", str(tmp_path / "c.jsonl"), "--retry-errors"]) == 1

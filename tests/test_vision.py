@@ -306,6 +306,25 @@ def test_a_damaged_picture_is_refused_when_it_is_fitted_to_the_model_too(fmt, da
         with pytest.raises(vision.MediaError, match="the image is corrupt or truncated"):
             vision.load_image(bytes(data), fit=fitted)
 
+
+def test_a_picture_s_file_is_closed_once_it_is_read(tmp_path):
+    """PIL closes only a file it opened itself: every JPEG loaded, and every picture checked before a model loads,
+    left its file open until the garbage collector found it (a ResourceWarning each; an outside pass)."""
+    import gc
+    import warnings
+
+    for fmt in ("JPEG", "PNG"):
+        path = tmp_path / f"photo.{fmt.lower()}"
+        Image.new("RGB", (64, 48), (10, 200, 30)).save(path, fmt)
+        fit = vision.ImageFit(lambda width, height: (width // 2, height // 2), Image.Resampling.BICUBIC)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", ResourceWarning)
+            vision.load_image(path)
+            vision.load_image(path, fit=fit)
+            vision.check_media(path, "image")
+            gc.collect()
+        assert not [w for w in said if issubclass(w.category, ResourceWarning)], [str(w.message) for w in said]
+
 def test_empty_missing_and_unreadable_images(tmp_path):
     (tmp_path / "empty.png").write_bytes(b"")
     (tmp_path / "noise.png").write_bytes(np.random.default_rng(0).bytes(256))
@@ -560,15 +579,108 @@ def test_a_matroska_file_cut_short_says_so_and_one_starting_late_does_not(tmp_pa
     assert sampling.sample_video_uniform(late, 8).shortfall is None
 
 
+
+def _checkered_frames(count: int, width: int = 160, height: int = 120):
+    """Frames with detail enough that each is a packet of its own size (a solid colour compresses to nothing)."""
+    y, x = np.mgrid[0:height, 0:width]
+    for index in range(count):
+        frame = np.zeros((height, width, 3), np.uint8)
+        frame[..., 0], frame[..., 1], frame[..., 2] = x * 255 // width, y * 255 // height, index * 255 // count
+        frame[(y // 20 + x // 20 + index) % 2 == 0] //= 2
+        yield frame
+
+
+def _write_checkered(path: Path, codec: str, frames: int = 60, fps: int = 20) -> Path:
+    if codec not in av.codecs_available:
+        pytest.skip(f"this FFmpeg has no {codec} encoder")
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 160, 120, "yuv420p"
+        for array in _checkered_frames(frames):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def test_a_damaged_vp8_webm_says_so_and_a_truncated_flv_counts_the_frames_it_declares(tmp_path):
+    """Two damaged videos were answered from what was left without a word (an outside pass): a VP8 WebM (a browser's
+    MediaRecorder's) with a damaged packet, whose decoder reported nothing under frame threading and handed back the
+    garbage it made; and an FLV cut short, whose duration was not read. Each now says what was used."""
+    import random
+
+    webm = _write_checkered(tmp_path / "clip.webm", "libvpx")
+    with av.open(str(webm)) as container:
+        packets = [(p.pos, p.size) for p in container.demux(video=0) if p.size > 0 and not p.is_keyframe]
+    position, size = packets[len(packets) // 2]
+    data, noise = bytearray(webm.read_bytes()), random.Random(0)
+    for at in range(position + min(16, size // 4), position + size - 4):
+        data[at] = noise.randrange(256)
+    (tmp_path / "damaged.webm").write_bytes(data)
+    with av.open(str(tmp_path / "damaged.webm")) as container:  # a plain (unthreaded) decoding refuses packets
+        refused = 0
+        for packet in container.demux(video=0):
+            try:
+                container.streams.video[0].codec_context.decode(packet)
+            except av.FFmpegError:
+                refused += 1
+    assert refused > 0
+    sampled = sampling.sample_video_uniform(tmp_path / "damaged.webm", 16)
+    assert sampled.shortfall is not None and sampled.shortfall[0] < sampled.shortfall[1] == 60
+
+    flv = _write_checkered(tmp_path / "clip.flv", "flv")
+    data = flv.read_bytes()
+    (tmp_path / "cut.flv").write_bytes(data[: int(len(data) * 0.3)])
+    sampled = sampling.sample_video_uniform(tmp_path / "cut.flv", 4)
+    assert sampled.shortfall == (_decodable_frame_count(tmp_path / "cut.flv"), 60)
+    assert sampling.sample_video_uniform(flv, 4).shortfall is None
+
+
+def test_a_video_whose_codec_is_unknown_is_a_media_error(tmp_path):
+    """An MP4 whose sample description names a codec FFmpeg does not know (or a damaged one) opens with no decoder:
+    "AttributeError: 'NoneType' object has no attribute 'width'", an internal error, a 500, the end of a caption
+    run (an outside pass)."""
+    clip = _write_video(tmp_path / "clip.mp4")
+    data = clip.read_bytes()
+    fourcc = b"avc1" if b"avc1" in data else b"mp4v"
+    (tmp_path / "unknown.mp4").write_bytes(data.replace(fourcc, b"zzzz"))
+    for read in (vision.probe_video, lambda path: sampling.sample_video_uniform(path, 4)):
+        with pytest.raises(vision.MediaError, match=r"unknown\.mp4: the video is corrupt or its codec is unknown"):
+            read(tmp_path / "unknown.mp4")
+
+
+def test_a_damaged_avif_is_a_media_error():
+    """PIL's AVIF plugin raises RuntimeError for a file it cannot decode: an internal error, a 500, the end of a
+    caption run (an outside pass)."""
+    import random
+
+    from PIL import features
+
+    if not features.check("avif"):
+        pytest.skip("this Pillow reads no AVIF")
+    buffer = io.BytesIO()
+    Image.fromarray(next(_checkered_frames(1, 160, 160))).save(buffer, "AVIF")
+    data, noise = bytearray(buffer.getvalue()), random.Random(0)
+    for at in range(len(data) - 64, len(data) - 48):
+        data[at] = noise.randrange(256)
+    with pytest.raises(RuntimeError):  # (what PIL itself says of these bytes)
+        Image.open(io.BytesIO(bytes(data))).load()
+    fit = vision.ImageFit(lambda width, height: (width // 2, height // 2), Image.Resampling.BICUBIC)
+    for fitted in (None, fit):
+        with pytest.raises(vision.MediaError, match="the image is corrupt or truncated"):
+            vision.load_image(bytes(data), fit=fitted)
+
 def test_a_cover_picture_or_thumbnail_stream_is_not_taken_for_the_video():
     """A file whose first video stream is its cover art was sampled as eight copies of the cover (an outside pass;
     ffmpeg writes cover art last, other muxers may not). The streams as PyAV lists them, in that order."""
     from types import SimpleNamespace
 
     Disposition = av.stream.Disposition
-    cover, thumbnails = SimpleNamespace(disposition=Disposition.attached_pic), SimpleNamespace(
-        disposition=Disposition.timed_thumbnails)
-    video = SimpleNamespace(disposition=Disposition.default)
+    decoder = object()  # (a stream FFmpeg has a decoder for)
+    cover, thumbnails = SimpleNamespace(disposition=Disposition.attached_pic, codec_context=decoder), SimpleNamespace(
+        disposition=Disposition.timed_thumbnails, codec_context=decoder)
+    video = SimpleNamespace(disposition=Disposition.default, codec_context=decoder)
     container = SimpleNamespace(streams=SimpleNamespace(video=[cover, thumbnails, video]))
     assert media_module._video_stream(container, "clip.mp4") is video
     only_cover = SimpleNamespace(streams=SimpleNamespace(video=[cover]))  # nothing else: the cover, as before

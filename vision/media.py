@@ -348,9 +348,11 @@ class _PictureBytes(_AsksBeforeEachRead, io.BytesIO):
         self.source = source
 
 
-def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> Image.Image:
+def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> tuple[Image.Image, io.IOBase]:
     """Open an image lazily: PIL reads only the header here, no pixels are decoded yet. Its file asks
-    ``check_reading`` before each read (``_AsksBeforeEachRead``), its decoding's too."""
+    ``check_reading`` before each read (``_AsksBeforeEachRead``), its decoding's too. Returned with the image, for
+    the caller to close: PIL closes only a file it opened itself (it let go of this one unclosed, a ResourceWarning
+    for every JPEG)."""
     if isinstance(src, (bytes, bytearray)) and not src:
         raise MediaError(f"{name}: the file is empty")
     try:
@@ -358,9 +360,9 @@ def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> I
                    else _PictureFile(_check_file(src), src))
         try:
             _check_icon_pictures(fp, name, max_pixels)
-            return Image.open(fp, formats=IMAGE_FORMATS)
+            return Image.open(fp, formats=IMAGE_FORMATS), fp
         except BaseException:
-            fp.close()  # (PIL closes only a file it opened itself; the image closes it once opened)
+            fp.close()
             raise
     except MediaError:  # stopped or out of time (``check_reading``), or ``_check_file``'s: not an unreadable picture
         raise
@@ -370,7 +372,8 @@ def _open_image(src: str | os.PathLike | bytes, name: str, max_pixels: int) -> I
         claimed = re.search(r"\((\d+) pixels\)", str(error))
         size = f"{int(claimed.group(1)) / 1e6:.0f} MP" if claimed else "over PIL's decompression-bomb limit"
         raise MediaError(f"{name}: image too large ({size}, limit {max_pixels / 1e6:.0f} MP)") from error
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+    # (RuntimeError: PIL's AVIF plugin says so of a file it cannot decode, an internal error until 2026-12-07.)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, RuntimeError) as error:
         if _is_video(src):  # the commonest mix-up: say what it is
             raise MediaError(f"{name}: this is a video, not an image; pass it as a video") from error
         if _has_image_signature(src):  # a PNG cut short, or one whose text chunk unpacks past PIL's limit
@@ -496,7 +499,7 @@ def _decode(opened: Image.Image, src: ImageSource, name: str) -> None:
         raise
     except Image.DecompressionBombError as error:
         raise MediaError(f"{name}: image too large ({error})") from error
-    except (OSError, SyntaxError, ValueError, EOFError) as error:
+    except (OSError, SyntaxError, ValueError, EOFError, RuntimeError) as error:  # (RuntimeError: AVIF's)
         raise MediaError(f"{name}: the image is corrupt or truncated ({error})") from error
     check_reading(src)  # (its file's last read may have come before the end of its decoding)
 
@@ -513,7 +516,7 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
     Any problem with the file raises `MediaError`.
     """
     name = _display_name(src)
-    opened = src if isinstance(src, Image.Image) else _open_image(src, name, max_pixels)
+    opened, file = (src, None) if isinstance(src, Image.Image) else _open_image(src, name, max_pixels)
     try:
         _check_pixel_count(opened.size, max_pixels, name)
         # A JPEG is decoded after its orientation is read (from its header) and its reduced scale chosen; any other
@@ -556,8 +559,9 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
         resized.info["source_size"] = upright_size
         return resized
     finally:
-        if opened is not src:
+        if file is not None:
             opened.close()
+            file.close()
 
 
 # ---------------------------------------------------------------------------------------------- videos
@@ -615,7 +619,11 @@ def _video_stream(container: av.container.InputContainer, name: str) -> av.Video
     if not container.streams.video:
         raise MediaError(f"{name}: the file has no video stream")
     moving = [stream for stream in container.streams.video if not stream.disposition & _STILL_STREAMS]
-    return (moving or container.streams.video)[0]
+    stream = (moving or container.streams.video)[0]
+    if stream.codec_context is None:  # a codec FFmpeg does not know, or a damaged header naming none (an outside
+        # pass: "AttributeError: 'NoneType' object has no attribute 'width'", an internal error)
+        raise MediaError(f"{name}: the video is corrupt or its codec is unknown (no decoder for its stream)")
+    return stream
 
 
 def _stream_fps(stream: av.VideoStream, name: str) -> float:
@@ -632,7 +640,7 @@ def _count_packets(container: av.container.InputContainer,
 
     One packet holds one frame for the codecs Glimpse meets; the final flush packet is empty.
     """
-    count, first, end = 0, None, None
+    count, first, end, timed = 0, None, None, False
     try:
         for packet in container.demux(stream):
             check_reading(container.name)  # a few megabytes of tiny packets are millions of them
@@ -644,8 +652,11 @@ def _count_packets(container: av.container.InputContainer,
                 first = start if first is None else min(first, start)
                 ends = start + float((packet.duration or 0) * packet.time_base)
                 end = ends if end is None else max(end, ends)
+                timed = timed or bool(packet.duration)
     except av.FFmpegError:
         return 0, None
+    if first is not None and not timed and count > 1:  # (FLV's packets give no duration: the last lasts as the rest)
+        end += (end - first) / (count - 1)
     return count, None if first is None else (first, end)
 
 
@@ -656,7 +667,8 @@ def _declared_frames(container: av.container.InputContainer, counted: int,
     frame rate: a variable-rate file's is an average). None otherwise, or without a declared duration (a browser's
     MediaRecorder writes none). Its duration counts from time 0, as its frames' times do (a clip starting at 1000 s
     declares 1100 s)."""
-    if not container.format.name.startswith("matroska") or not container.duration or span is None:
+    # (FLV too: its onMetaData duration, written when the file was closed; a file streamed as it was written has none.)
+    if not container.format.name.startswith(("matroska", "flv")) or not container.duration or span is None:
         return None
     (first, end), declared_s = span, container.duration / av.time_base
     if end >= 0.9 * declared_s or end <= first:
@@ -835,7 +847,10 @@ def _decode_pyav(path: Path, indices: Sequence[int], transform: FrameTransform |
         # frames: 4 GB for one question), and a frame of another size is scaled to the header's, as players do
         # (stacking the frames failed with "all input arrays must have the same shape").
         stream.codec_context.options = {"max_pixels": str(MAX_VIDEO_FRAME_PIXELS)}
-        stream.thread_type = "AUTO"  # frame-threaded decoding: several times faster on multi-core CPUs
+        # Frame-threaded decoding: several times faster on multi-core CPUs. Not VP8's: with frame threads its decoder
+        # reports no damaged packet and hands back the garbage it made of them (a damaged MediaRecorder WebM was
+        # answered from such frames without a word: an outside pass); slice threads report them.
+        stream.thread_type = "SLICE" if stream.codec_context.name == "vp8" else "AUTO"
         try:
             for index, frame in _iter_wanted_frames(container, stream, wanted, seek_min_gap, lost):
                 if frame is None:
@@ -967,8 +982,12 @@ def check_media(path: str | os.PathLike, kind: Literal["image", "video"]) -> Non
         probe_video(path)  # refuses a picture too
         return
     name = _display_name(Path(local_path(path)))
-    with _open_image(path, name, MAX_IMAGE_PIXELS) as image:  # refuses a video too
+    image, file = _open_image(path, name, MAX_IMAGE_PIXELS)  # refuses a video too
+    try:
         _check_pixel_count(image.size, MAX_IMAGE_PIXELS, name)
+    finally:
+        image.close()
+        file.close()
 
 
 def probe_video(
