@@ -93,6 +93,18 @@ class Adapter:
         self.lm_head = model.lm_head
         self.text_config = self.config.text_config
 
+    @classmethod
+    def unservable(cls, config) -> str | None:
+        """Why a checkpoint of this architecture with ``config`` cannot be served (None: it can), said before its
+        weights load: such configs were accepted, and every image request then failed as an internal error (an
+        outside pass). A placeholder token the text model has no embedding row for is one."""
+        vocab = getattr(config.text_config, "vocab_size", None)
+        for name in ("image_token_id", "video_token_id"):
+            token = getattr(config, name, None)
+            if vocab is not None and token is not None and not 0 <= token < vocab:
+                return f"its {name} {token} is outside the text model's vocabulary (vocab_size {vocab})"
+        return None
+
     # -- decoder shapes (what the KV budget and the FLOPs proxy count) --------------------------
     @property
     def kv_heads_and_dim(self) -> tuple[int, int]:
@@ -100,6 +112,25 @@ class Adapter:
         tc = self.text_config
         heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
         return heads, getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
+    @property
+    def attention_window(self) -> int | None:
+        """How far back a decoder layer's attention reaches, where the text model limits it (a sliding window:
+        Mistral's ``sliding_window``, 4096 in v0.1; Qwen2's with ``use_sliding_window``), in tokens of the sequence;
+        None: the whole sequence. The engine attends to the whole sequence, so it serves such a model within one
+        window (``max_length``), where the window cuts nothing and the answer is transformers' own: beyond it,
+        transformers' sliding layers see less than the engine's would, and the tokens differ (an outside pass)."""
+        window = getattr(self.text_config, "sliding_window", None)
+        layer_types = getattr(self.text_config, "layer_types", None)
+        if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+            return None
+        return int(window)
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest sequence served, in tokens: the positions the model knows, within one attention window."""
+        limits = [n for n in (getattr(self.text_config, "max_position_embeddings", None), self.attention_window) if n]
+        return min(limits) if limits else None
 
     @property
     def hidden_and_ffn(self) -> tuple[int, int]:
@@ -490,6 +521,14 @@ class LlavaAdapter(Adapter):
     def supports_video(self) -> bool:
         return self.video_token_id is not None
 
+    @classmethod
+    def unservable(cls, config) -> str | None:
+        # A video's frames are pooled as a grid of patches, which a "full" layer's CLS token is not part of.
+        if getattr(config, "video_token_id", None) is not None and config.vision_feature_select_strategy == "full":
+            return "vision_feature_select_strategy 'full' is not supported with video (its CLS token has no place "\
+                   "in the pooled grid of a frame's features)"
+        return super().unservable(config)
+
     def prompt_settings(self) -> list:
         # (a "full" checkpoint's prompt on a "default" one gave "encoder gave 17 features for 16 placeholders")
         names = ("vision_feature_select_strategy", "image_grid_pinpoints", "video_frames", "spatial_pool_stride")
@@ -576,7 +615,9 @@ class LlavaAdapter(Adapter):
         average-pools each image's feature grid. The projector's training uses exactly this function."""
         vm = self.model.model
         pixels = pixel_values.to(vm.vision_tower.device, vm.vision_tower.dtype)
-        hidden = vm.vision_tower(pixels, output_hidden_states=True).hidden_states[self.config.vision_feature_layer]
+        states = vm.vision_tower(pixels, output_hidden_states=True).hidden_states
+        layer = self.config.vision_feature_layer  # several: joined along the channels, as transformers' LLaVA joins them
+        hidden = torch.cat([states[i] for i in layer], dim=-1) if isinstance(layer, (list, tuple)) else states[layer]
         if self.config.vision_feature_select_strategy == "default":
             hidden = hidden[:, 1:]
         if pool > 1:
@@ -638,6 +679,13 @@ class LlavaNextAdapter(LlavaAdapter):
     name = "llava-next"
     model_class = "LlavaNextForConditionalGeneration"
     FITTED_PROCESSORS = ("LlavaNextImageProcessorPil",)
+
+    @classmethod
+    def unservable(cls, config) -> str | None:
+        if config.vision_feature_select_strategy == "full":  # (transformers' own LLaVA-NeXT fails on it too)
+            return "vision_feature_select_strategy 'full' is not supported by LLaVA-NeXT's anyres features (its " \
+                   "CLS token has no place in a tile's grid)"
+        return super().unservable(config)
 
     def __init__(self, model, tokenizer, image_processor):
         super().__init__(model, tokenizer, image_processor)

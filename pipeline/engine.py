@@ -368,7 +368,7 @@ class Engine:
         # which runs this kernel ("sdpa", "eager", "flash_attention_2") over what the engine chose.
         self.attn_implementation = attention.install(self.adapter.text_config)
         attention.hook_attention_outputs(layer.self_attn for layer in self.adapter.layers)
-        self.max_length = getattr(self.adapter.text_config, "max_position_embeddings", None)
+        self.max_length, self.attention_window = self.adapter.max_length, self.adapter.attention_window
         self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
         self._lock = OneCallAtATime()  # one request at a time: the model and its caches are shared
         # Prompts are built in the submitters' threads (a server's), several at once: the tokenizer they share
@@ -603,9 +603,12 @@ class Engine:
                        t_prefill, t_first, _IncrementalDecoder(self.tokenizer), stop_ids, first_logits=logits)
 
     def _budget(self, max_new_tokens: int, ctx: PrefillContext) -> int:
-        if self.max_length is None:
-            return max_new_tokens
-        return min(max_new_tokens, self.max_length - int(ctx.positions.max()) - 1)  # positions the model knows
+        budget = max_new_tokens
+        if self.max_length is not None:
+            budget = min(budget, self.max_length - int(ctx.positions.max()) - 1)  # positions the model knows
+        if self.attention_window is not None:  # the whole sequence within one window (Qwen's positions count less)
+            budget = min(budget, self.attention_window - len(ctx.prompt))
+        return budget
 
     # A prompt's end computed in a decode step: at most this many tokens, so that a step stays a step.
     DEFERRED_TOKENS = 64

@@ -179,7 +179,7 @@ class Preprocessor:
 
         self.adapter = _adapter(model, source, config, on_meta)
         self.chat_template = _chat_template(source, model)
-        self.max_length = getattr(self.adapter.text_config, "max_position_embeddings", None)
+        self.max_length = self.adapter.max_length
 
     def prepare(self, messages) -> Prompt:
         return build_prompt(self.adapter, messages, self.chat_template, self.max_length)
@@ -216,6 +216,8 @@ def _checkpoint(model: str):
     if config.model_type not in ADAPTERS:
         raise ModelLoadError(f"model {model!r} is a {config.model_type!r} checkpoint; Glimpse supports "
                              f"{', '.join(sorted(ADAPTERS))} (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-1.5, LLaVA-NeXT, LongVA)")
+    if (why := ADAPTERS[config.model_type].unservable(config)) is not None:
+        raise ModelLoadError(f"cannot load model {model!r}: {why}")
     return source, grounded, config
 
 

@@ -402,6 +402,77 @@ def test_checkpoint_without_chat_template_still_matches_transformers(checkpoints
     assert result.token_ids == expected
 
 
+
+@pytest.mark.parametrize("arch,window", [("qwen2_vl", {"use_sliding_window": True, "max_window_layers": 2}),
+                                         ("llava", {"model_type": "mistral"})])
+def test_a_model_with_a_sliding_window_is_served_within_it_as_transformers_answers(
+        checkpoints, media, tmp_path, arch, window):
+    """A checkpoint whose language model has a sliding attention window (Mistral v0.1's 4096, Qwen2's
+    use_sliding_window) was answered with whole-sequence attention past the window: other tokens than transformers',
+    without a word (an outside pass). It is served within one window, where the window cuts nothing: the answer is
+    transformers' own, cut where the sequence would outgrow the window; a prompt past it is refused."""
+    import shutil
+
+    from glimpse.pipeline.prompt import ContextOverflow
+
+    messages = _messages("image", media)
+    length = len(load_engine(str(checkpoints[arch]), device="cpu").prepare(messages))
+    folder = shutil.copytree(checkpoints[arch], tmp_path / f"{arch}-window")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"].update(window, sliding_window=length + 3)
+    config["text_config"].pop("layer_types", None)  # (as saved, every layer's is "full_attention": drawn again)
+    (folder / "config.json").write_text(json.dumps(config))
+    engine = load_engine(str(folder), device="cpu")
+    result = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
+    assert engine.max_length == length + 3 and result.finish_reason == "length" and len(result.token_ids) == 3
+    with torch.no_grad():
+        expected = transformers_model(folder).generate(**reference_inputs(engine, engine.prepare(messages)),
+                                                       max_new_tokens=3, do_sample=False)
+    assert result.token_ids == expected[0, length:].tolist()
+    longer = [{"role": "user", "content": [*messages[0]["content"], {"type": "text", "text": " and more" * 8}]}]
+    with pytest.raises(ContextOverflow):
+        engine.generate(longer, policy="none", max_new_tokens=MAX_NEW)
+
+
+def test_configs_the_engine_cannot_serve_are_refused_at_load_and_several_feature_layers_are_joined(
+        checkpoints, media, tmp_path):
+    """Accepted, then every image request failed as an internal error (an outside pass): an image token the text
+    model has no embedding row for, LLaVA-NeXT with the "full" feature strategy (transformers' own fails on it).
+    Refused before the weights load, saying why. And a LLaVA checkpoint taking video whose features come from
+    several vision layers failed on video ("tuple indices must be integers"): they are joined as transformers
+    joins an image's, so a frame's features are an image's."""
+    import shutil
+
+    from glimpse.pipeline.loading import ModelLoadError
+    from tiny_models import build_llava
+
+    for arch, change, said in (("llava", lambda c: c.update(image_token_id=c["text_config"]["vocab_size"]),
+                                "is outside the text model's vocabulary"),
+                               ("llava_next", lambda c: c.update(vision_feature_select_strategy="full"),
+                                "vision_feature_select_strategy 'full' is not supported")):
+        folder = shutil.copytree(checkpoints[arch], tmp_path / arch)
+        config = json.loads((folder / "config.json").read_text())
+        change(config)
+        (folder / "config.json").write_text(json.dumps(config))
+        for weights in folder.glob("*.safetensors"):
+            weights.write_bytes(b"")  # refused before these are read
+        with pytest.raises(ModelLoadError, match=said):
+            load_engine(str(folder), device="cpu")
+
+    folder = build_llava(tmp_path / "layers", vision_feature_layer=[-2, -1], video_token_id=4, video_frames=4,
+                         spatial_pool_stride=2)
+    engine = load_engine(str(folder), device="cpu")
+    video = [{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                          {"type": "text", "text": "Describe the video."}]}]
+    assert len(engine.generate(video, policy="none", max_new_tokens=3).token_ids) == 3
+    pixels = engine.adapter.image_processor(images=[Image.open(media["image"]).convert("RGB")],
+                                            return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        ours = engine.adapter.model.model.multi_modal_projector(engine.adapter.vision_features(pixels))
+        theirs = transformers_model(folder).model.get_image_features(
+            pixel_values=pixels, vision_feature_layer=[-2, -1], vision_feature_select_strategy="default").pooler_output
+    torch.testing.assert_close(ours, torch.stack(theirs), atol=1e-5, rtol=1e-5)
+
 def test_a_hub_id_with_the_hub_out_of_reach_loads_from_the_hub_cache_or_says_so_at_once(
         checkpoints, media, tmp_path, monkeypatch):
     """Offline (no name resolution, a firewall), the hub client retried for 23 s before failing: now a probe of a

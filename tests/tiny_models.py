@@ -114,13 +114,15 @@ def _llava_tokenizer():
     return make_tokenizer(["<unk>", "<s>", "</s>", "<image>", "<video>"], eos="</s>", bos="<s>")
 
 
-def build_llava(folder: Path, seed: int = 0, layers: int = 4) -> Path:
+def build_llava(folder: Path, seed: int = 0, layers: int = 4, **config) -> Path:
+    """``config``: settings of the ``LlavaConfig`` other than these (``vision_feature_layer=[-2, -1]``, ...)."""
     from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration
 
     tok = _llava_tokenizer()
+    settings = dict(image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                    vision_feature_select_strategy="default", tie_word_embeddings=False)
     config = LlavaConfig(vision_config=_clip_vision(56), text_config=dict(model_type="llama", **_text_config(len(tok), layers=layers)),
-                         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
-                         vision_feature_select_strategy="default", tie_word_embeddings=False)
+                         **{**settings, **config})
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
     processor = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
