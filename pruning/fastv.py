@@ -15,14 +15,13 @@ but the last is dropped the same way (for text-only prompts such as the pass-key
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from glimpse.common import UserError
 from glimpse.pruning.base import (ScoreThenCut, check_layer, check_speed, lowest_except, lowest_visual, merge_into_kept, scaled_layer,
-                          visual_in, without)
+                          share_of, visual_in, without)
 
 
 @dataclass
@@ -51,10 +50,10 @@ class FastV(ScoreThenCut):
 
     def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         if self.text:
-            count = math.floor(self.ratio * (active.shape[0] - 1) + 1e-9)
+            count = share_of(self.ratio, active.shape[0] - 1)
             dropped = lowest_except(self.scores[active], count)
         else:
-            count = math.floor(self.ratio * visual_in(active, ctx) + 1e-9)
+            count = share_of(self.ratio, visual_in(active, ctx))
             dropped = lowest_visual(active, ctx, self.scores, count)
         self.telemetry["num_dropped"] = count
         if self.merge:

@@ -42,14 +42,13 @@ of the depth, with percentiles ``(0.4, 0.5, 0.6) x speed``: at speed 1 the three
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from glimpse.common import UserError
 from glimpse.pruning.base import (ScoreThenCut, check_layer, check_speed, lowest_except, lowest_visual, merge_into_kept,
-                          new_token_attention, visual_in, without)
+                          new_token_attention, share_of, visual_in, without)
 
 DEPTH_FRACTIONS = (0.25, 0.5, 0.75)
 PERCENTILES_AT_FULL_SPEED = (0.4, 0.5, 0.6)
@@ -116,10 +115,10 @@ class LazyLLM(ScoreThenCut):
     def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
         k = self.schedule[layer_idx]  # the scores are the previous layer's importance, by original index
         if self.prune_text:
-            pruned = lowest_except(self.scores[active], math.floor(k * active.shape[0]))
+            pruned = lowest_except(self.scores[active], share_of(k, active.shape[0]))
         else:
             visual = visual_in(active, ctx)
-            pruned = lowest_visual(active, ctx, self.scores, math.floor(k * visual))
+            pruned = lowest_visual(active, ctx, self.scores, share_of(k, visual))
         if self.decode_reselect:  # only decode's revival reads the Aux Cache
             ctx.aux_cache.add(layer_idx, active[pruned], ctx.hidden[0, active[pruned]].clone())
         if self.merge:
@@ -141,7 +140,7 @@ class LazyLLM(ScoreThenCut):
             return rows
         seen, attention = self.decode_scores  # A_{l-1} and the new token's attention over it
         new_token = int((seen == rows.index[-1]).nonzero())  # never pruned
-        selected = without(seen, lowest_except(attention.cpu(), math.floor(k * seen.shape[0]), new_token)).sort().values
+        selected = without(seen, lowest_except(attention.cpu(), share_of(k, seen.shape[0]), new_token)).sort().values
         # Rows computed in this step that were not selected leave it; they have no key/value here,
         # so their hidden state goes to this layer's Aux Cache.
         keep = torch.isin(rows.index, selected)

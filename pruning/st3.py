@@ -36,7 +36,7 @@ import torch
 
 from glimpse.common import Modality, UserError
 from glimpse.pruning.base import (ScoreThenCut, check_layer, check_speed, drop_lowest_visual, last_token_attention, scores_by_token,
-                                  visual_in)
+                                  share_of, visual_in)
 
 PAPER_START, PAPER_STRIDE, PAPER_DEPTH = 3, 7, 32
 PAPER_TAU = 50
@@ -174,7 +174,7 @@ class ST3(ScoreThenCut):
                 self.kept[layer_idx] = keep
 
     def cut(self, layer_idx: int, active: torch.Tensor, ctx) -> torch.Tensor:
-        target = self.visual_total - math.floor(self.schedule[layer_idx] * self.visual_total + 1e-9)
+        target = self.visual_total - share_of(self.schedule[layer_idx], self.visual_total)
         excess = visual_in(active, ctx) - target
         return drop_lowest_visual(active, ctx, self.scores, excess) if excess > 0 else active
 

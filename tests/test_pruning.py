@@ -271,6 +271,25 @@ def test_lazyllm_keeps_the_right_percentile_per_pruning_layer_nested(deep, media
     assert L == len(active)
 
 
+
+def test_lazyllm_prunes_floor_k_n_as_decimal_arithmetic_gives_it(deep, media):
+    """"Exactly floor(k n) of the n active tokens are pruned": computed in binary floating point, 0.35 x 180 is
+    62.999..., and 62 were pruned where the rule says 63 (an outside pass). A share k whose product with this
+    prompt's length is a whole number in decimals but falls short of it in floating point prunes that number."""
+    engine = load_engine(str(deep["llava"]), device="cpu", attn="eager")
+    for more in range(100):  # a question long enough that such a share of the prompt exists (0.35 of 180, ...)
+        prompt = engine.prepare(_image_messages(media, "What is in this picture?" + " Say more." * more))
+        T = len(prompt)
+        shares = [k for k in range(1, 100) if math.floor(k / 100 * T) != k * T // 100]
+        if shares:
+            break
+    k = shares[0] / 100
+    policy = LazyLLM(percentiles=(k, k, k))
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+    first = policy.params()["prune_layers"][0]
+    assert len(ctx.active_per_layer[first]) == T - shares[0] * T // 100
+
 def test_lazyllm_stored_hidden_states_are_what_entered_the_pruning_layer(deep, media):
     engine = load_engine(str(deep["llava"]), device="cpu", attn="eager")
     prompt = engine.prepare(_image_messages(media))
