@@ -470,7 +470,9 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
                 ticket, promise = parsed
         except QueueFull as full:
             telemetry.refused("rejected")
-            return _error(429, str(full), "rate_limit_exceeded", headers={"Retry-After": str(max(1, round(full.retry_s)))})
+            # (OpenAI's shape: type "requests", code "rate_limit_exceeded"; the code was sent as the type)
+            return _error(429, str(full), "requests", code="rate_limit_exceeded",
+                          headers={"Retry-After": str(max(1, round(full.retry_s)))})
         except ServerStopping as error:  # SIGTERM came: another instance, or this one restarted, can answer
             telemetry.refused("rejected")
             return _error(503, str(error), "server_error")

@@ -51,13 +51,16 @@ class PromptError(UserError):
 
 class ContextOverflow(PromptError):
     """The prompt does not fit the model's context (a chat can leave out its oldest turns and try again). The API
-    says so with OpenAI's code for it, which clients read to shorten the conversation and try again (LangChain,
-    LiteLLM; it was a 400 like any other), and ``param``, the request's field at fault."""
+    says so with OpenAI's code for it and ``param``, the request's field at fault; the message begins in OpenAI's
+    own words with the code beside them, which is how clients know it to shorten the conversation and try again:
+    LiteLLM reads the words, LangChain the code in the message (openai 3.x puts only the message in an error's
+    text). Neither knew Glimpse's own wording (an outside pass, 2026-12-07)."""
 
     code = "context_length_exceeded"
 
-    def __init__(self, message: str, param: str = "messages"):
-        super().__init__(message)
+    def __init__(self, detail: str, context: int, param: str = "messages", field: str = ""):
+        message = f"This model's maximum context length is {context} tokens ({self.code}): {detail}"
+        super().__init__(f"{field}: {message}" if field else message)
         self.param = param
 
 
@@ -200,9 +203,8 @@ def load_media(adapter: Adapter, messages: list[dict], max_length: int | None = 
                 media.append(video)
             tokens += media[-1].num_tokens
             if max_length and tokens >= max_length:
-                raise ContextOverflow(f"the images and videos alone take {tokens:,} tokens or more, over this model's "
-                                      f"context length of {max_length:,}; send fewer or smaller images, or fewer video "
-                                      "frames")
+                raise ContextOverflow(f"the images and videos alone take {tokens:,} tokens or more; send fewer or "
+                                      "smaller images, or fewer video frames", max_length)
     return media
 
 
@@ -338,8 +340,8 @@ def check_text_length(characters: int, max_length: int | None) -> None:
     """Raise ``ContextOverflow`` if ``characters`` of text cannot fit ``max_length`` tokens, whatever the
     tokenizer (``CHARS_PER_TOKEN_BOUND``)."""
     if max_length and characters > CHARS_PER_TOKEN_BOUND * max_length:
-        raise ContextOverflow(f"the messages hold {characters:,} characters of text, more than this model's context "
-                              f"({max_length:,} tokens) can take")
+        raise ContextOverflow(f"the messages hold {characters:,} characters of text, more than that can take",
+                              max_length)
 
 
 def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
@@ -407,7 +409,7 @@ def build_prompt(adapter: Adapter, messages, chat_template: str | None = None,
         raise PromptError(f"the chat template wrote no placeholder for {leftover} image/video item(s)")
 
     if max_length is not None and len(expanded) >= max_length:
-        raise ContextOverflow(f"the prompt is {len(expanded):,} tokens, over this model's context length of "
-                              f"{max_length:,}; use a shorter text, fewer or smaller images, or fewer video frames")
+        raise ContextOverflow(f"the prompt is {len(expanded):,} tokens; use a shorter text, fewer or smaller images, "
+                              "or fewer video frames", max_length)
     return Prompt(torch.tensor(expanded, dtype=torch.long), torch.tensor(modality, dtype=torch.long), ordered, text,
                   adapter.prompt_signature)

@@ -227,10 +227,9 @@ class Scheduler:
             self.engine.check_prompt(prompt)
             context = self.engine.max_length
             if refuse_past_context and context is not None and len(prompt) + max_new_tokens > context:
-                raise ContextOverflow(f"{refuse_past_context}: this model's context is {context:,} tokens and the "
-                                      f"prompt takes {len(prompt):,}, which leaves {context - len(prompt):,}, not the "
-                                      f"{max_new_tokens:,} asked for; ask for fewer tokens or shorten the conversation",
-                                      param=refuse_past_context)
+                raise ContextOverflow(f"the prompt takes {len(prompt):,}, which leaves {context - len(prompt):,}, not "
+                                      f"the {max_new_tokens:,} asked for; ask for fewer tokens or shorten the "
+                                      "conversation", context, param=refuse_past_context, field=refuse_past_context)
             reserved = self.reservation(prompt, max_new_tokens)
             if reserved > self.kv_budget_bytes:
                 raise self._over_budget(reserved)

@@ -1111,7 +1111,7 @@ def test_a_long_chat_history_is_cut_to_what_fits_in_a_few_prompt_builds_not_one_
         def prepare(conversation):
             built.append(len(conversation))
             if len(conversation) > room:
-                raise ContextOverflow("too long")
+                raise ContextOverflow("too long", 100)
             return conversation
 
         kept, left_out = _fitting_prompt(history, turn, prepare)
@@ -1119,7 +1119,7 @@ def test_a_long_chat_history_is_cut_to_what_fits_in_a_few_prompt_builds_not_one_
         assert (left_out, kept) == (1000 - fitting_turns, history[3 * (1000 - fitting_turns):] + turn)
         assert len(built) <= 12  # 1 + log2(1000), not one build per turn left out
     with pytest.raises(ContextOverflow):  # the new turn alone does not fit: an error in the chat
-        _fitting_prompt(history, turn, lambda conversation: (_ for _ in ()).throw(ContextOverflow("too long")))
+        _fitting_prompt(history, turn, lambda conversation: (_ for _ in ()).throw(ContextOverflow("too long", 100)))
     for room in (1, 4, 2999, 3001):  # the same cut where every prompt builds but leaves no room for the answer
         kept, left_out = _fitting_prompt(history, turn, lambda conversation: conversation,
                                          lambda prompt: len(prompt) <= room)
@@ -2035,7 +2035,7 @@ def test_a_full_queue_answers_429_and_admits_again_once_there_is_room(server, me
             busy = httpx.post(url + "/v1/chat/completions", timeout=30,
                               json={"model": "tiny-llava", "messages": question, "max_tokens": 3})
             assert busy.status_code == 429 and busy.headers["Retry-After"]
-            assert busy.json()["error"]["type"] == "rate_limit_exceeded"
+            assert (busy.json()["error"]["type"], busy.json()["error"]["code"]) == ("requests", "rate_limit_exceeded")
         monkeypatch.undo()
         deadline = time.monotonic() + 60
         while True:  # the dropped stream leaves the queue once its worker has stopped
@@ -2087,7 +2087,9 @@ def test_max_tokens_asked_for_must_fit_beside_the_prompt_and_the_default_runs_to
         reply = httpx.post(url, json={"model": "m", "messages": messages, "max_tokens": 5}, timeout=60)
         assert reply.status_code == 400, reply.text
         message = reply.json()["error"]["message"]
-        assert message.startswith("max_tokens:") and f"leaves {4}, not the {5} asked for" in message, message
+        assert message.startswith(f"max_tokens: This model's maximum context length is {prompt + 4} tokens "
+                                  f"(context_length_exceeded): the prompt takes {prompt:,}, which leaves {4}, not the "
+                                  f"{5} asked for"), message
         # With OpenAI's code, which clients read to shorten the conversation and retry, and the field as sent (it
         # was "max_tokens:" to a client that had sent max_completion_tokens, code and param null: an outside pass)
         assert reply.json()["error"] | {"message": ""} == {"message": "", "type": "invalid_request_error",
@@ -2097,7 +2099,11 @@ def test_max_tokens_asked_for_must_fit_beside_the_prompt_and_the_default_runs_to
         assert error["message"].startswith("max_completion_tokens:") and error["param"] == "max_completion_tokens"
         too_long = [{"role": "user", "content": "Tell me about the sea. " * 40}]
         error = httpx.post(url, json={"model": "m", "messages": too_long}, timeout=60).json()["error"]
-        assert "this model's context" in error["message"], error
+        # OpenAI's words and its code in the message: how LiteLLM and LangChain (on openai 3.x) know the error, to
+        # shorten the conversation and retry (they knew neither Glimpse's own wording nor the code field: an outside
+        # pass)
+        assert error["message"].startswith(f"This model's maximum context length is {engine.max_length} tokens "
+                                           "(context_length_exceeded): the messages hold "), error
         assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
         fits = httpx.post(url, json={"model": "m", "messages": messages, "max_tokens": 4, "policy": "none"},
                           timeout=60)
