@@ -197,7 +197,8 @@ class ChatRequest(BaseModel):
     seed: StrictInt | None = Field(None, ge=-2**63, lt=2**64)  # what torch's generator takes
     n: StrictInt | None = Field(None, ge=1, le=1)  # one choice per request
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
-    user: StrictStr | None = None
+    # (an abuse-report id, as the hints are, and as long: three of 60 MB each were held while they were answered)
+    user: Annotated[StrictStr, Field(max_length=MAX_HINT_CHARS)] | None = None
     # Glimpse's own fields; null is the default, as for OpenAI's (an SDK's extra_body sends None as null).
     speed: Number | None = Field(0.0, ge=0, le=1)
     policy: StrictStr | None = "auto"

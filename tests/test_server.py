@@ -2169,6 +2169,10 @@ def test_fields_glimpse_does_not_implement_are_refused_not_ignored(server, media
     for hint in ("safety_identifier", "prompt_cache_key"):
         reply = httpx.post(url, json={**good, hint: [{}] * 3}, timeout=60)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == hint, reply.text
+    # ... and `user`, an id for abuse reports too, took 60 MB (held while the answer ran): as long as a hint at most
+    assert httpx.post(url, json={**good, "user": "u" * 1024}, timeout=60).status_code == 200
+    reply = httpx.post(url, json={**good, "user": "u" * 1025}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "user", reply.text
     many = b'{"messages": [' + b"{}," * 600_000 + b'{}]}'
     reply = httpx.post(url, content=many, headers={"Content-Type": "application/json"}, timeout=60)
     assert reply.status_code == 400 and "JSON values" in reply.json()["error"]["message"], reply.text
