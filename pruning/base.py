@@ -36,9 +36,8 @@ nothing of files, Gradio or HTTP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-
 import math
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
