@@ -459,6 +459,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                     if position and not answer:
                         yield (f"{WAIT_NOTE}waiting for the model: number {position} in the queue, about "
                                f"{scheduler.wait_estimate(position):.0f} s"), gr.skip(), gr.skip()
+                    else:  # Gradio ends a generator only at a yield: a cancel (an API client's) waited out the
+                        # whole prefill, holding Gradio's lock, and the prefill ran on (an outside pass)
+                        yield _shown(answer) if answer else f"{WAIT_NOTE}reading the question", gr.skip(), gr.skip()
                     continue
                 answer += chunk.text
                 result = chunk.result or result

@@ -1162,6 +1162,36 @@ def test_a_chat_past_the_kv_budget_goes_on_without_its_oldest_turns_and_a_full_c
         scheduler.close()
 
 
+
+def test_a_chat_turn_whose_prefill_is_under_way_can_be_ended_at_once(checkpoints, monkeypatch):
+    """Gradio ends a generator (an API client's cancel of /chat) only at a yield, and a turn yielded nothing while
+    its prefill ran: the cancel waited out the prefill, holding Gradio's app-wide lock, and the prefill ran on (an
+    outside pass). The turn yields at every heartbeat; ending it there cancels its request."""
+    import itertools
+
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import build_ui
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    scheduler = Scheduler(engine, start=False)  # the request never gets further than taken from the queue
+    monkeypatch.setattr(scheduler, "position", lambda ticket: None)  # (no place in the queue: its prefill runs)
+    submitted = []
+    submit = scheduler.submit
+    monkeypatch.setattr(scheduler, "submit", lambda *a, **k: submitted.append(submit(*a, **k)) or submitted[-1])
+    try:
+        turn = build_ui(engine, "tiny-llava", max_new_tokens=4, scheduler=scheduler).chat_interface.fn(
+            {"text": "hi", "files": []}, [], "none", 0.0, 4, "", False)
+        seen = []
+        reader = threading.Thread(target=lambda: seen.extend(itertools.islice(turn, 3)), daemon=True)
+        reader.start()
+        reader.join(timeout=10)
+        assert len(seen) == 3  # heartbeats, each a yield where Gradio can end the turn
+        assert all(shown.endswith("reading the question") for shown, _, _ in seen)  # (the chat's note, not a skip)
+        turn.close()  # what Gradio does with a cancelled generator
+        assert submitted and submitted[0].cancel.is_set()
+    finally:
+        scheduler.close()
+
 def test_the_chats_own_notes_under_an_answer_are_not_sent_back_to_the_model():
     """"(cut at N tokens ...)", "(stopped)" and "(... left out ...)" are shown under answers; the next turn sends
     the answer without them (a string, or Gradio's list of parts), and leaving out the oldest turn drops the
