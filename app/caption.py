@@ -103,9 +103,11 @@ def list_entries(listing: Path) -> list[str]:
         except (UserError, ValueError, OSError):
             return False
 
+    # NULs (find -print0), else newlines, else carriage returns alone (classic Mac OS, old Excel for Mac exports)
+    separator = next((end for end in ("\0", "\n", "\r") if end in text), "\n")
     entries = []
-    for line in text.split("\0") if "\0" in text else text.split("\n"):
-        if "\0" not in text:
+    for line in text.split(separator):
+        if separator != "\0":
             line = line.removesuffix("\r")
             if not names_a_file(line):
                 line = line.strip()

@@ -567,6 +567,9 @@ def test_a_list_line_is_a_name_as_it_is_when_a_file_has_it_and_a_find_print0_lis
     found = tmp_path / "found.lst"
     found.write_bytes(b"".join(os.fsencode(p.relative_to(tmp_path)) + b"\0" for p in [picture, *odd]))
     assert sorted(collect_inputs([str(found)])) == sorted([picture, *odd])
+    # Lines ended by carriage returns alone (classic Mac OS; old Excel for Mac exports) are lines still
+    found.write_bytes(b"in/img000.png\rin/#1 holiday.png\r")
+    assert sorted(collect_inputs([str(found)])) == sorted([picture, folder / "#1 holiday.png"])
 
 
 def test_a_nul_byte_in_a_listed_name_fails_that_input_not_the_run(model, tmp_path, capsys):

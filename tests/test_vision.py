@@ -637,6 +637,38 @@ def test_a_damaged_vp8_webm_says_so_and_a_truncated_flv_counts_the_frames_it_dec
     assert sampling.sample_video_uniform(flv, 4).shortfall is None
 
 
+@pytest.mark.parametrize("container_format", ["flv", "matroska"])
+def test_a_whole_file_whose_audio_runs_on_past_its_video_is_not_called_cut_short(tmp_path, container_format):
+    """FLV and Matroska declare the duration of their longest stream: a screen recording whose audio runs on past
+    its video was warned of as "damaged or truncated" (an outside pass). A file cut short cuts every stream; this
+    one is whole, and sampled without a warning."""
+    if "mp3" not in av.codecs_available or "flv" not in av.codecs_available:
+        pytest.skip("this FFmpeg has no mp3 or flv encoder")
+    path = tmp_path / f"recording.{'flv' if container_format == 'flv' else 'mkv'}"
+    with av.open(str(path), "w", format=container_format) as container:
+        video = container.add_stream("flv" if container_format == "flv" else "mpeg4", rate=10)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("mp3", rate=22050)
+        for index in range(20):  # 2 s of video
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), index * 10, np.uint8), format="rgb24")
+            frame.pts = index
+            for packet in video.encode(frame):
+                container.mux(packet)
+        for packet in video.encode():
+            container.mux(packet)
+        for start in range(0, 22050 * 6, 1152):  # 6 s of audio
+            samples = av.AudioFrame.from_ndarray(np.zeros((1, 1152), np.float32), format="fltp", layout="mono")
+            samples.sample_rate, samples.pts = 22050, start
+            for packet in audio.encode(samples):
+                container.mux(packet)
+        for packet in audio.encode():
+            container.mux(packet)
+    with av.open(str(path)) as container:
+        assert container.duration / av.time_base > 5  # the declared duration: the audio's
+    assert vision.probe_video(path).declared_frames is None
+    assert sampling.sample_video_uniform(path, 8).shortfall is None
+
+
 def test_a_video_whose_codec_is_unknown_is_a_media_error(tmp_path):
     """An MP4 whose sample description names a codec FFmpeg does not know (or a damaged one) opens with no decoder:
     "AttributeError: 'NoneType' object has no attribute 'width'", an internal error, a 500, the end of a caption

@@ -634,44 +634,51 @@ def _stream_fps(stream: av.VideoStream, name: str) -> float:
 
 
 def _count_packets(container: av.container.InputContainer,
-                   stream: av.VideoStream) -> tuple[int, tuple[float, float] | None]:
-    """Frame count for containers that do not store it (Matroska/WebM): demux, without decoding. And when the frames
-    start and end, in seconds (None if the packets carry no times).
+                   stream: av.VideoStream) -> tuple[int, tuple[float, float] | None, float | None]:
+    """Frame count for containers that do not store it (Matroska/WebM, FLV): demux, without decoding. And when the
+    frames start and end, in seconds (None if the packets carry no times), and when the file's last packet of any
+    stream ends (an audio track may run on past the video: a file cut short cuts every stream).
 
     One packet holds one frame for the codecs Glimpse meets; the final flush packet is empty.
     """
-    count, first, end, timed = 0, None, None, False
+    count, first, end, timed, last = 0, None, None, False, None
     try:
-        for packet in container.demux(stream):
+        for packet in container.demux():
             check_reading(container.name)  # a few megabytes of tiny packets are millions of them
             if packet.size <= 0:
                 continue
-            count += 1
-            if packet.pts is not None and packet.time_base is not None:
-                start = float(packet.pts * packet.time_base)
+            video = packet.stream.index == stream.index
+            count += video
+            if packet.pts is None or packet.time_base is None:
+                continue
+            start = float(packet.pts * packet.time_base)
+            ends = start + float((packet.duration or 0) * packet.time_base)
+            last = ends if last is None else max(last, ends)
+            if video:
                 first = start if first is None else min(first, start)
-                ends = start + float((packet.duration or 0) * packet.time_base)
                 end = ends if end is None else max(end, ends)
                 timed = timed or bool(packet.duration)
     except av.FFmpegError:
-        return 0, None
+        return 0, None, None
     if first is not None and not timed and count > 1:  # (FLV's packets give no duration: the last lasts as the rest)
         end += (end - first) / (count - 1)
-    return count, None if first is None else (first, end)
+        last = max(last, end)
+    return count, None if first is None else (first, end), last
 
 
 def _declared_frames(container: av.container.InputContainer, counted: int,
-                     span: tuple[float, float] | None) -> int | None:
-    """The frames a Matroska/WebM file's declared duration holds, when its frames end short of it (under 90%: a file
-    cut short): those counted, and those its missing time holds at the rate they came (by time, not by the declared
-    frame rate: a variable-rate file's is an average). None otherwise, or without a declared duration (a browser's
-    MediaRecorder writes none). Its duration counts from time 0, as its frames' times do (a clip starting at 1000 s
+                     span: tuple[float, float] | None, last: float | None) -> int | None:
+    """The frames a Matroska/WebM or FLV file's declared duration holds, when its frames end short of it, and so
+    does every other stream's packets (under 90%: a file cut short; an audio track running on past the video is
+    no cut, and was warned of as one, an outside pass): those counted, and those its missing time holds at the rate
+    they came (by time, not by the declared frame rate: a variable-rate file's is an average). None otherwise, or
+    without a declared duration (a browser's MediaRecorder writes none; FLV's onMetaData has one only when the file
+    was closed, not streamed). Its duration counts from time 0, as its frames' times do (a clip starting at 1000 s
     declares 1100 s)."""
-    # (FLV too: its onMetaData duration, written when the file was closed; a file streamed as it was written has none.)
     if not container.format.name.startswith(("matroska", "flv")) or not container.duration or span is None:
         return None
     (first, end), declared_s = span, container.duration / av.time_base
-    if end >= 0.9 * declared_s or end <= first:
+    if max(end, last or end) >= 0.9 * declared_s or end <= first:
         return None
     return counted + round(counted / (end - first) * (declared_s - end))
 
@@ -706,8 +713,8 @@ def _probe_pyav(path: Path) -> VideoInfo:
         _check_frame_size(width, height, path.name)
         num_frames, declared = _indexed_frames(container, stream) or stream.frames, None
         if not num_frames:
-            num_frames, span = _count_packets(container, stream)
-            declared = _declared_frames(container, num_frames, span)
+            num_frames, span, last = _count_packets(container, stream)
+            declared = _declared_frames(container, num_frames, span, last)
     if num_frames <= 0:
         raise MediaError(f"{path.name}: the video is corrupt or truncated: it contains no frames")
     return VideoInfo(num_frames, fps, num_frames / fps, width, height, "pyav", declared)
