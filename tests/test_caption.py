@@ -719,7 +719,8 @@ def test_a_prompt_no_input_could_be_asked_with_is_refused_once_not_blamed_on_eve
     too_long = "word " * (2 * load_engine(model, device="cpu").max_length)
     assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--prompt", too_long]) == 1
     err = capsys.readouterr().err
-    assert "--prompt: the messages hold" in err and "failed:" not in err and not _lines(out)
+    assert "--prompt: This model's maximum context length is" in err and "the messages hold" in err
+    assert "failed:" not in err and not _lines(out)
 
 
 def test_a_loop_of_symbolic_links_is_an_input_not_the_end_of_collecting_them(tmp_path):
