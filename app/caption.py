@@ -283,23 +283,19 @@ def _same_file(file, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _rewrite_in_place(target: Path, old: bytes, data: bytes) -> None:
-    """``target``'s lines (``old``) replaced by ``data``, a subsequence of them, in place: ``data`` is written over
-    the start and the file cut to its length. A kill at any step loses no line ``data`` keeps, as each is still at
-    or after its old place until written at its new one (emptying the file first, as until 2026-12-07, lost them
-    all if the kill came before the write). Between the write and the cut, the old lines after ``len(data)`` follow;
-    the rest of the old line that straddles it is blanked (spaces, then its newline), so the file stays whole lines,
-    some perhaps twice, forgotten ones perhaps still there (the next --overwrite removes those again)."""
-    blank = b""
-    if data and old[len(data) - 1:len(data)] != b"\n":
-        blank = b" " * (old.index(b"\n", len(data)) - len(data)) + b"\n"
+def _blank_in_place(target: Path, spans: list[tuple[int, int]]) -> None:
+    """The lines of ``target`` at ``spans`` (offset, length) made blank in place: spaces, then the newline each ended
+    with. Only their own bytes are written: every other line stays where it was, whole, whatever moment a kill comes
+    at (moving the kept lines up over the file, as until 2026-12-07, could splice the line a write was cut in, even
+    lose it: Linux cuts a killed write short at a page; an outside pass). A blank line is no record (JSONL readers
+    such as jq and pandas skip it, and the next --overwrite that can replace the file drops it); a line a kill left
+    half blank is no record either, and its input is captioned again."""
     fd = os.open(target, os.O_WRONLY)  # (not the "a+b" file: O_APPEND writes at the end, whatever the offset)
     try:
-        written, done = data + blank, 0
-        while done < len(written):
-            done += os.pwrite(fd, written[done:], done)
-        os.fsync(fd)
-        os.ftruncate(fd, len(data))
+        for start, length in spans:
+            blank, done = b" " * (length - 1), 0  # (its newline stays)
+            while done < len(blank):
+                done += os.pwrite(fd, blank[done:], start + done)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -332,26 +328,30 @@ class CaptionOutput:
         new one whole, and no second writer ever finds the output unlocked."""
         self.done()  # a record a kill cut short is dropped first
         target = self.path.resolve()  # (through a link: the file it names, as ``open`` locked it)
-        kept, removed = [], 0
-        old = target.read_bytes()
-        for line in old.splitlines(keepends=True):
+        kept, forgotten, removed, at = [], [], 0, 0
+        for line in target.read_bytes().splitlines(keepends=True):
             try:
-                forgotten = record_key(json.loads(line)) in keys
+                record = json.loads(line)
             except ValueError:
-                forgotten = False  # not one of ours: left as it is
-            kept.append(b"" if forgotten else line)
-            removed += forgotten
+                record = None  # not one of ours: left as it is, unless blank or half blank (below)
+            ours = record is not None and record_key(record) in keys
+            # What an in-place --overwrite leaves goes too: blank lines, and a record it was blanking when killed (it
+            # starts with the blanks, and is no JSON).
+            half_blank = record is None and line[:1] == b" " and bool(line.strip())
+            kept.append(b"" if ours or half_blank or not line.strip() else line)
+            forgotten += [(at, len(line))] if ours or half_blank else []
+            removed, at = removed + ours, at + len(line)
         if not removed:
             return 0
-        data = b"".join(kept)
         try:
-            self._swap_in(data, target)
+            self._swap_in(b"".join(kept), target)
         except OSError as error:
             if error.errno not in (errno.EACCES, errno.EPERM, errno.EBUSY, errno.EXDEV, errno.EROFS):
                 raise
             # It cannot be replaced: a file mounted on its own (``docker run -v FILE:...``: EBUSY), or one in a folder
-            # this user may not write (found from outside). Rewritten in place, under the lock this process holds.
-            _rewrite_in_place(target, old, data)
+            # this user may not write (found from outside). Its forgotten records are blanked in place, under the lock
+            # this process holds.
+            _blank_in_place(target, forgotten)
         return removed
 
     def _swap_in(self, data: bytes, target: Path) -> None:
@@ -424,7 +424,12 @@ def _refuse_what_is_not_a_captions_file(out: Path) -> None:
         tail = f.read()
     if not head.strip():
         return  # empty (whitespace at most)
-    first, newline, _ = head.partition(b"\n")
+    # The first line that does not start blank: an in-place --overwrite blanks records, and one a kill stopped it
+    # blanking starts with the blanks.
+    body = head
+    while body[:1].isspace():
+        body = body[body.find(b"\n") + 1:] if b"\n" in body else b""
+    first, newline, _ = body.partition(b"\n")
     last = tail[tail.rfind(b"\n") + 1:]  # the part after the last newline: empty, or a line cut short
     ours = _cut_record(first) if not newline else _is_caption_record(first)
     if not ours or not (not last or _cut_record(last)):

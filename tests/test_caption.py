@@ -34,8 +34,9 @@ def _images(folder: Path, count: int, start: int = 0) -> list[Path]:
     return paths
 
 
-def _lines(out: Path) -> list[dict]:
-    return [json.loads(line) for line in out.read_text().splitlines()]
+def _lines(out: Path, blank_lines: bool = False) -> list[dict]:
+    """The records of a JSONL output; ``blank_lines``: with blank lines (an in-place --overwrite's) among them."""
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip() or not blank_lines]
 
 
 @pytest.fixture(scope="module")
@@ -451,7 +452,9 @@ def test_overwrite_rewrites_in_place_what_cannot_be_replaced_and_clears_a_killed
         with CaptionOutput(out) as output:
             assert output.forget({records[1]["key"]}) == 1
             output.write(records[0])
-        assert _lines(out) == [records[2], records[0]] and not list(tmp_path.glob(".captions.jsonl.[!2]*"))
+        assert out.read_text().splitlines()[0].isspace()  # blanked where it was
+        assert _lines(out, blank_lines=True) == [records[2], records[0]]
+        assert not list(tmp_path.glob(".captions.jsonl.[!2]*"))
 
     lock, replaced = fcntl.flock, []
 
@@ -466,14 +469,16 @@ def test_overwrite_rewrites_in_place_what_cannot_be_replaced_and_clears_a_killed
     with CaptionOutput(out) as output:
         assert replaced and os.fstat(output.file.fileno()).st_ino == out.stat().st_ino
         output.write(records[1])
-    assert _lines(out) == [records[2], records[0], records[1]]
+    assert _lines(out, blank_lines=True) == [records[2], records[0], records[1]]
 
 
-@pytest.mark.parametrize("killed_at", ["pwrite", "fsync", "ftruncate"])
-def test_a_kill_during_an_in_place_overwrite_loses_no_kept_caption(tmp_path, monkeypatch, killed_at):
+@pytest.mark.parametrize("killed_after", [0, 1, 57, None])  # bytes of a write that reach the file; None: at fsync
+def test_a_kill_during_an_in_place_overwrite_loses_no_kept_caption(tmp_path, monkeypatch, killed_after):
     """An output that cannot be replaced is rewritten in place. Until 2026-12-07 it was emptied first, so a kill
-    before the write lost every caption it kept. Now a kill at any step leaves each kept record whole in the
-    file, every line a whole line, and the next run resumes from it and removes the forgotten record again."""
+    before the write lost every caption it kept; then its kept lines were moved up over it, and a write a kill cut
+    short (Linux cuts it at a page) spliced a kept line, or lost it (an outside pass). Now only the forgotten
+    records' bytes are written, blanked: whatever moment the kill comes at, every kept record is in the file as it
+    was, and the next run takes the file, resumes from it and forgets the forgotten records again."""
     import errno
 
     from glimpse import caption
@@ -483,29 +488,40 @@ def test_a_kill_during_an_in_place_overwrite_loses_no_kept_caption(tmp_path, mon
     out = tmp_path / "captions.jsonl"
     records = [{"path": str(p), "key": input_key(p), "caption": "word " * (40 - 9 * i)} for i, p in enumerate(images)]
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
-    forgotten = {records[0]["key"], records[2]["key"]}
+    forgotten = {records[0]["key"], records[2]["key"]}  # the first line among them
+    kept = [json.dumps(r) for r in records if r["key"] not in forgotten]
+    pwrite = os.pwrite
 
     def mounted(*args):
         raise OSError(errno.EBUSY, "Device or resource busy")
+
+    def cut_short(fd, data, offset):
+        pwrite(fd, data[:killed_after], offset)
+        raise SystemExit("killed")
 
     def killed(*args):
         raise SystemExit("killed")
 
     with monkeypatch.context() as patch:
         patch.setattr(caption.os, "replace", mounted)
-        patch.setattr(caption.os, killed_at, killed)
+        if killed_after is None:
+            patch.setattr(caption.os, "fsync", killed)
+        else:
+            patch.setattr(caption.os, "pwrite", cut_short)
         with pytest.raises(SystemExit), CaptionOutput(out) as output:
             output.forget(forgotten)
-    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    assert all(r in lines for r in records if r["key"] not in forgotten)
+    assert all(line in out.read_text().splitlines() for line in kept)
 
     with monkeypatch.context() as patch:
         patch.setattr(caption.os, "replace", mounted)
-        with CaptionOutput(out) as output:
-            assert output.done() == {r["key"] for r in lines}
+        with CaptionOutput(out) as output:  # (taken as a captions file, its first line blank or half blank)
+            assert {r["key"] for r in records if r["key"] not in forgotten} <= output.done()
             output.forget(forgotten)
-    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    assert {r["key"] for r in lines} == {r["key"] for r in records} - forgotten
+    lines = out.read_text().splitlines()
+    assert [line for line in lines if line.strip()] == kept and len(lines) == len(records)  # blanked, not moved
+    with CaptionOutput(out) as output:  # replaceable again: the blank lines go
+        output.forget({records[1]["key"]})
+    assert out.read_text().splitlines() == kept[1:]
 
 
 def test_an_out_that_is_not_a_captions_file_is_refused_and_left_as_it_was(tmp_path, capsys):
