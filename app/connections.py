@@ -16,8 +16,11 @@ arrived within ``BODY_TIMEOUT_S`` (408), and large ones ``MAX_BODIES_BYTES`` of 
 none waits for it, its client's sending held up, within its time). Without it a client could send the chat's JSON
 routes a body of any size, read whole into memory, trickle one in for ever, or send the API so many large bodies at
 once that the server ran out of memory. Uploads have their own size bounds (``--max-upload-mb``, the upload quota
-in ``glimpse.uploads``) and may take long on a slow link: ``BODY_TIMEOUT_S`` plus their length at
-``UPLOAD_MIN_BYTES_PER_S`` (a 200 MB video gets an hour and three quarters; a few bytes dripped in, two minutes).
+in ``glimpse.uploads``) and may take long on a slow link: ``BODY_TIMEOUT_S`` plus what has arrived of them at
+``UPLOAD_MIN_BYTES_PER_S`` (a 200 MB video sent at that rate or faster is taken whole, however long it takes; one
+that falls silent, or announced 10 GB and sends a byte now and then, is refused a little after two minutes).
+Past the body, a response its client does not read (``SEND_TIMEOUT_S``, ``RequestHeadDeadline``) closes its
+connection.
 And what a request makes the server log is bounded too (``CappedWrites``, its standard error under ``glimpse serve``).
 """
 
@@ -65,7 +68,16 @@ BODY_TIMEOUT_S = 120.0  # a body that has not all arrived by then (a client tric
 # in 120 at 20 s. A rate seen from the server is the server's and the client's machine's as much as the network's.
 ROOM_IDLE_S = 20.0
 ROOM_POLL_S = 0.5  # how often a silent body holding room looks again whether others wait for it
-UPLOAD_MIN_BYTES_PER_S = 32 * 2**10  # an upload gets BODY_TIMEOUT_S plus its Content-Length at this rate
+# An upload gets BODY_TIMEOUT_S plus what has arrived of it at this rate: it must keep arriving at 32 KiB/s on average
+# once its first two minutes are over. Its time was its Content-Length at this rate, announced and never sent: a
+# client announcing 10 GB and sending nothing held its connection (and a file descriptor) for 3.5 days (an outside
+# pass, 2026-12-07); ten thousand such, every descriptor the server had.
+UPLOAD_MIN_BYTES_PER_S = 32 * 2**10
+# A response its client does not read: once the connection's send buffer is full (the transport pauses writing),
+# the client has this long to read some of it, else the connection is closed (nginx's send_timeout: 60 s). Without
+# it, a client that asked for a 30 MB upload back over 2,000 connections and never read held 4,000 descriptors (the
+# socket and the open file) and 750 MB of the kernel's socket memory for as long as it liked (an outside pass).
+SEND_TIMEOUT_S = 60.0
 LOW_OPEN_FILE_LIMIT = 4096  # below this many open files, glimpse serve says so as it starts
 MAX_LOG_WRITE = 16 * 2**10  # characters: one write to the server's log longer than this is cut in its middle
 
@@ -163,10 +175,14 @@ class RequestHeadDeadline(H11Protocol):
     was answered before its body was all in (a 401, a 415, a refusal) that has not sent the rest of that body by
     then: uvicorn reads and drops such a body, and any byte of it cancelled its keep-alive timer for good, so a
     chunk now and then (or one chunk, then silence) held the connection for ever, past every other deadline
-    (found from outside: 4,233 connections held silent after 200 s)."""
+    (found from outside: 4,233 connections held silent after 200 s). And, nginx's ``send_timeout``, closing one whose
+    client reads none of its response for ``send_timeout_s`` once the send buffer is full: a response is written
+    only as fast as its client reads it, and uvicorn waits for that without end."""
 
     head_timeout_s = HEAD_TIMEOUT_S
+    send_timeout_s = SEND_TIMEOUT_S
     _head_timer: asyncio.TimerHandle | None = None
+    _send_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -186,7 +202,37 @@ class RequestHeadDeadline(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_send_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        # The transport holds more than its high-water mark (64 KiB) unsent. (A response written at once, uvicorn's
+        # way, stays paused until nearly all of it is sent, however fast its client reads: what is watched is
+        # whether the client reads, not the pause.)
+        super().pause_writing()
+        self._stop_send_timer()
+        self._watch_sending(self.transport.get_write_buffer_size())
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_send_timer()
+
+    def _watch_sending(self, unsent: int) -> None:
+        self._send_timer = self.loop.call_later(self.send_timeout_s, self._check_sending, unsent)
+
+    def _check_sending(self, unsent_before: int) -> None:
+        self._send_timer = None
+        if (unsent := self.transport.get_write_buffer_size()) < unsent_before:  # it read some: a slow client is
+            self._watch_sending(unsent)  # never cut off while it keeps reading
+        elif unsent:
+            # Aborted, not closed: ``close`` would wait to send what is buffered, which the client does not read.
+            # The application's pending ``send`` then sees a client that left.
+            self.transport.abort()
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
 
     def _arm(self) -> None:
         self._disarm()
@@ -228,8 +274,8 @@ class BodyLimits:
     """ASGI middleware: a request body (but an upload's, a POST to a path ending in ``/upload``) larger than
     ``MAX_BODY_BYTES`` (the API's, under /v1/; the chat's routes ``MAX_CHAT_BODY_BYTES``) is refused with 413 —
     from its Content-Length before it is read, or as soon as a body sent without one passes the cap — and one not
-    all arrived ``BODY_TIMEOUT_S`` after the request began gets 408 (an upload: ``BODY_TIMEOUT_S`` plus its
-    Content-Length at ``UPLOAD_MIN_BYTES_PER_S``).
+    all arrived ``BODY_TIMEOUT_S`` after the request began gets 408 (an upload: ``BODY_TIMEOUT_S`` plus what has
+    arrived of it at ``UPLOAD_MIN_BYTES_PER_S``).
     Once ``SMALL_BODY_BYTES`` of a body have arrived it takes room for all of it (its Content-Length, or
     ``MAX_BODY_BYTES`` when it has none) out of ``MAX_BODIES_BYTES``, waiting for the room within its
     ``BODY_TIMEOUT_S`` (the application reads no more of it meanwhile, so neither does the server from its
@@ -278,14 +324,13 @@ class BodyLimits:
             # Framed two ways: a proxy in front that reads the other one sees a second request in this body. RFC
             # 9112 (6.3) has the server close the connection after its answer, so nothing after it is read.
             send = _closing(send)
-        if scope["path"].rstrip("/").endswith("/upload"):  # no cap here (the upload quota's); time by its length
-            cap, allowed_s = None, BODY_TIMEOUT_S + (int(length) if length.isdigit() else 0) / UPLOAD_MIN_BYTES_PER_S
-        else:
-            cap = MAX_BODY_BYTES if scope["path"].startswith("/v1/") else MAX_CHAT_BODY_BYTES
-            allowed_s = BODY_TIMEOUT_S
-            if length.isdigit() and int(length) > cap:
-                return await self._refuse(scope, send, 413, cap=cap)
-        deadline = time.monotonic() + allowed_s  # None once the body is in
+        # An upload has no cap here (the upload quota's), and its time grows with what arrives of it (below).
+        upload = scope["path"].rstrip("/").endswith("/upload")
+        cap = None if upload else MAX_BODY_BYTES if scope["path"].startswith("/v1/") else MAX_CHAT_BODY_BYTES
+        if cap is not None and length.isdigit() and int(length) > cap:
+            return await self._refuse(scope, send, 413, cap=cap)
+        began = time.monotonic()
+        deadline = began + BODY_TIMEOUT_S  # None once the body is in
         refusal: int | None = None
         refusal_message: str | None = None  # why, where not the deadline
         received, room, started = 0, None, False  # room: what this body holds of MAX_BODIES_BYTES (None: none yet)
@@ -322,6 +367,9 @@ class BodyLimits:
                     now = time.monotonic()
                     if now >= deadline:
                         refusal = 408
+                        if upload:
+                            refusal_message = (f"the upload did not keep arriving at {UPLOAD_MIN_BYTES_PER_S:,} bytes "
+                                               f"a second or more once its first {BODY_TIMEOUT_S:.0f} s were over")
                         return {"type": "http.disconnect"}
                     if room and now >= idle_at and self.waiting:  # its 408 now, and the room to those waiting
                         refusal, refusal_message = 408, (
@@ -337,6 +385,8 @@ class BodyLimits:
                     return {"type": "http.disconnect"}
                 if not message.get("more_body", False):
                     deadline = None
+                elif upload:  # (not by its Content-Length: announced, never sent, it held the connection for days)
+                    deadline = began + BODY_TIMEOUT_S + received / UPLOAD_MIN_BYTES_PER_S
             return message
 
         async def watched_send(message):
@@ -357,15 +407,14 @@ class BodyLimits:
         finally:
             body_done()
         if refusal is not None and not started:
-            await self._refuse(scope, send, refusal, allowed_s, refusal_message, cap)
+            await self._refuse(scope, send, refusal, refusal_message, cap)
 
-    async def _refuse(self, scope, send, status: int, allowed_s: float = 0.0, message: str | None = None,
-                      cap: int | None = None) -> None:
+    async def _refuse(self, scope, send, status: int, message: str | None = None, cap: int | None = None) -> None:
         self.on_refused(scope["path"])
         cap = cap or MAX_BODY_BYTES
         size = f"{cap / 2**20:g} MiB" if cap >= 2**20 else f"{cap / 2**10:g} KiB"
         message = message or (f"the request body is larger than {size}" if status == 413
-                              else f"the request body did not arrive within {allowed_s:.0f} s")
+                              else f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
         await refuse(send, status, message, headers=((b"connection", b"close"),))
 
 

@@ -291,6 +291,56 @@ def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_k
             sock.close()
 
 
+def test_a_client_that_stops_reading_a_response_is_cut_off_and_one_that_reads_slowly_is_not(monkeypatch):
+    """A response is written only as fast as its client reads it, and uvicorn waited for that without end: 2,000
+    connections asking for a 30 MB upload back and never reading held 4,000 descriptors and 750 MB of the kernel's
+    socket memory for as long as their client liked (an outside pass). The server of ``glimpse serve`` closes a
+    connection whose client has read nothing for its send timeout once the buffers are full (nginx's send_timeout);
+    a client reading slowly but steadily gets the whole response."""
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    from glimpse.cli import http_server
+    from glimpse.connections import RequestHeadDeadline
+
+    monkeypatch.setattr(RequestHeadDeadline, "send_timeout_s", 1.0)
+    size = 16 * 2**20  # more than the socket buffers of both ends hold
+    app = FastAPI()
+    app.get("/big")(lambda: Response(bytes(size), media_type="application/octet-stream"))
+    request = b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def read_all(sock, pause_s: float = 0.0) -> int:
+        got = 0
+        try:
+            while piece := sock.recv(2**16):
+                got += len(piece)
+                if got > size:  # the head and the whole body
+                    break
+                time.sleep(pause_s)
+        except (ConnectionResetError, TimeoutError):
+            pass
+        return got
+
+    for url in _serve(app, make=http_server):
+        port = int(url.rsplit(":", 1)[1])
+        stalled, steady = (socket.socket() for _ in range(2))
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        for sock in (stalled, steady):
+            sock.settimeout(20)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(request)
+        # 64 KiB at most every 20 ms: some 5 s for the response, sent all the while from one write (uvicorn's), never
+        # a second without reading
+        steady_got = read_all(steady, pause_s=0.02)
+        time.sleep(2.0)  # the stalled client has read nothing for twice the send timeout
+        stalled_got = read_all(stalled)
+        assert steady_got > size
+        assert stalled_got < size / 2, stalled_got  # what the buffers held, then the connection was gone
+        assert httpx.get(url + "/big", timeout=20).status_code == 200  # and the server goes on
+        stalled.close()
+        steady.close()
+
+
 def test_a_client_holding_more_connections_than_the_soft_open_file_limit_does_not_lock_others_out():
     """Each connection holds a file descriptor. Under a soft limit of 256 (a login shell's is often 1,024, and so is
     a container's under Docker 25 and later), 400 connections opened and left silent made the server refuse
@@ -371,22 +421,46 @@ def test_a_request_framed_both_by_length_and_chunks_is_answered_once_and_its_con
     assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
 
 
-def test_an_upload_that_trickles_in_gets_408_once_its_length_at_the_slowest_rate_has_passed(server, monkeypatch):
+def test_an_upload_is_timed_by_what_arrives_of_it_not_by_the_length_it_announces(server, monkeypatch):
     """Uploads have no body cap here (the upload quota's) and may take long on a slow link, but not for ever: a few
-    bytes dripped into an upload held its connection open without end (found from outside)."""
+    bytes dripped into an upload held its connection open without end (found from outside), and then one announcing
+    10 GB and sending nothing held it for 3.5 days, its time being its announced length at the slowest rate (an
+    outside pass). An upload that keeps arriving at that rate is taken whole, however long past the first limit."""
     from glimpse import connections
 
     monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(connections, "UPLOAD_MIN_BYTES_PER_S", 1000)  # 0.5 s plus 1 s for its 1,000 bytes
+    monkeypatch.setattr(connections, "UPLOAD_MIN_BYTES_PER_S", 1000)
     port = int(server["url"].rsplit(":", 1)[1])
+
+    def reply(sock) -> bytes:
+        answer = b""
+        while not answer.endswith((b"}", b"]")) and (piece := sock.recv(4096)):
+            answer += piece
+        return answer
+
+    head = b'--b0undary\r\nContent-Disposition: form-data; name="files"; filename="slow.png"\r\n\r\n'
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:  # 10 MB announced: 10,000 s at 1,000 B/s
+        began = time.monotonic()
+        sock.sendall(b"POST /gradio_api/upload HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+                     b"boundary=b0undary\r\nContent-Length: 10000000\r\n\r\n" + head)  # then nothing
+        refused = reply(sock)
+    assert refused.startswith(b"HTTP/1.1 408") and b"did not keep arriving at 1,000 bytes a second" in refused, refused
+    assert time.monotonic() - began < 5  # its 0.5 s and the 0.1 s its head earned, not 10,000 s
+    # 2,400 bytes over some 1.6 s, past the first 0.5 s, each piece within the time the ones before it earned.
+    pieces = [b"\x89PNG" + bytes(396)] + [bytes(400)] * 5
+    tail = b"\r\n--b0undary--\r\n"
     with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(b"POST /gradio_api/upload HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: multipart/form-data; boundary=b0undary\r\nContent-Length: 1000\r\n\r\n"
-                     b"--b0undary\r\n")  # then nothing
-        reply = b""
-        while not reply.endswith(b"}}") and (piece := sock.recv(4096)):
-            reply += piece
-    assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 2 s" in reply, reply
+        began = time.monotonic()
+        sock.sendall(b"POST /gradio_api/upload HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+                     b"boundary=b0undary\r\nContent-Length: %d\r\n\r\n" % (len(head) + 2400 + len(tail)) + head)
+        for piece in pieces:
+            time.sleep(0.25)
+            sock.sendall(piece)
+        sock.sendall(tail)
+        taken = reply(sock)
+        took = time.monotonic() - began
+    assert taken.startswith(b"HTTP/1.1 200") and b"slow.png" in taken, taken
+    assert took > 1.0  # twice the first limit: it was timed by what arrived
     assert httpx.get(server["url"] + "/health").json()["status"] == "ok"
 
 
