@@ -251,14 +251,14 @@ def resolved_path(path: Path) -> Path:
         return path.absolute()
 
 
-def open_locked(path: Path, mode: str, out: Path):
-    """``path`` (its folder made if need be) opened in ``mode`` and locked for this process alone (``flock``),
-    for writing the captions output ``out``: a second writer, or a path that cannot be written, is a
-    ``UserError`` naming ``out``, raised before any model loads."""
+def open_locked(path: Path, mode: str, out: Path, buffering: int = -1):
+    """``path`` (its folder made if need be) opened in ``mode`` (with ``buffering``, as ``open`` takes it) and locked
+    for this process alone (``flock``), for writing the captions output ``out``: a second writer, or a path that
+    cannot be written, is a ``UserError`` naming ``out``, raised before any model loads."""
     for _attempt in range(3):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            file = open(path, mode)
+            file = open(path, mode, buffering=buffering)
         except OSError as error:
             raise UserError(f"cannot write {out}: {error.strerror or error}") from None
         try:
@@ -273,6 +273,13 @@ def open_locked(path: Path, mode: str, out: Path):
         # is no longer the output, and what was written to it would be lost. The new one is opened instead.
         file.close()
     raise UserError(f"{out} keeps being replaced while it is opened; is another program writing it?")
+
+
+def _write_all(file, data: bytes) -> None:
+    """``data`` written to ``file``, an unbuffered one (whose ``write`` may write less than it was given)."""
+    view = memoryview(data)
+    while view:
+        view = view[file.write(view):]
 
 
 def _same_file(file, path: Path) -> bool:
@@ -318,7 +325,9 @@ class CaptionOutput:
     def __init__(self, out: Path):
         self.path = out
         _refuse_what_is_not_a_captions_file(out)
-        self.file = open_locked(out, "a+b", out)
+        # Unbuffered: a write the disk refuses leaves nothing behind to be written again as the file closes (that
+        # second failure replaced the error saying what to do with a bare "File too large": an outside pass).
+        self.file = open_locked(out, "a+b", out, buffering=0)
 
     def forget(self, keys: set[str]) -> int:
         """``--overwrite``: the records of ``keys`` (this run's inputs) removed, every other input's kept; returns how
@@ -361,11 +370,10 @@ class CaptionOutput:
         for stale in target.parent.glob(f".{glob.escape(target.name)}.*.partial"):  # a killed --overwrite's
             _remove_if_unlocked(stale)
         partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-        new = open(partial, "w+b")
+        new = open(partial, "w+b", buffering=0)
         try:
             fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            new.write(data)
-            new.flush()
+            _write_all(new, data)
             os.fsync(new.fileno())
             os.chmod(partial, target.stat().st_mode & 0o7777)
             os.replace(partial, target)
@@ -381,8 +389,7 @@ class CaptionOutput:
 
     def write(self, record: dict) -> None:
         try:
-            self.file.write((json.dumps(record) + "\n").encode())
-            self.file.flush()
+            _write_all(self.file, (json.dumps(record) + "\n").encode())
         except OSError as error:  # a full disk was "glimpse: error: File too large", naming nothing (an outside pass)
             raise OSError(error.errno, f"{error.strerror or error}: the captions written before it are kept; rerun "
                                        "the same command to caption the rest", str(self.path)) from None
@@ -753,6 +760,12 @@ class ProgressBar:
         if failed:
             self.bar.set_postfix(failed=failed)
         if done >= total:
+            self.bar.close()
+
+    def close(self) -> None:
+        """The bar ended where it is, its line finished: what is said next (an error that ended the run) starts a
+        line of its own, not the bar's (an outside pass)."""
+        if self.bar is not None:
             self.bar.close()
 
     def log(self, message: str) -> None:

@@ -836,10 +836,13 @@ def _caption_with_model(args, inputs, output):
         except UserError as error:
             raise UserError(f"--prompt: {error}") from None
     progress = ProgressBar()
-    return caption_inputs(engine, inputs, out=output, fmt=args.format, overwrite=args.overwrite, policy=args.policy,
-                          speed=args.speed, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
-                          batch_size=args.batch_size, media_timeout_s=args.media_timeout, progress=progress,
-                          log=progress.log)
+    try:
+        return caption_inputs(engine, inputs, out=output, fmt=args.format, overwrite=args.overwrite,
+                              policy=args.policy, speed=args.speed, prompt=args.prompt,
+                              max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                              media_timeout_s=args.media_timeout, progress=progress, log=progress.log)
+    finally:
+        progress.close()
 
 
 def run_caption_on_ray(args) -> int:

@@ -803,43 +803,27 @@ def test_a_failure_said_while_the_progress_bar_is_drawn_is_a_line_of_its_own(mod
     assert not any("|" in line and "failed " + str(folder) in line for line in lines), lines
 
 
-def test_an_output_the_disk_cannot_take_is_named_and_what_to_do_said(model, tmp_path, capsys, monkeypatch):
-    """A full disk ended a run with "glimpse: error: File too large" alone (an outside pass): the error names the
-    output, says the captions written are kept and that the same command goes on."""
-    import errno
-
-    from glimpse.caption import CaptionOutput
-
-    _images(tmp_path / "in", 2)
-    write = CaptionOutput.write
-    written = []
-
-    class Full:  # the file once the disk is full: what fits is written, then the error
-        def __init__(self, file):
-            self.file = file
-
-        def write(self, data):
-            self.file.write(data[:10])
-            raise OSError(errno.EFBIG, "File too large")
-
-        def __getattr__(self, name):
-            return getattr(self.file, name)
-
-    def full_after_one(self, record):
-        if written:
-            self.file = Full(self.file)
-        written.append(record)
-        write(self, record)
-
-    monkeypatch.setattr(CaptionOutput, "write", full_after_one)
-    out = tmp_path / "c.jsonl"
-    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--batch-size", "1",
-                 "--max-new-tokens", "2"]) == 1
-    err = capsys.readouterr().err
-    assert f"{out}: File too large: the captions written before it are kept; rerun the same command" in err, err
-    monkeypatch.setattr(CaptionOutput, "write", write)
-    assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "2"]) == 0
-    assert len(_lines(out)) == 2  # the cut record dropped, the other input captioned
+def test_an_output_the_disk_cannot_take_is_named_and_what_to_do_said(model, tmp_path):
+    """A full disk ended a run with "glimpse: error: File too large" alone, stuck onto the progress bar's line (two
+    outside passes): the error names the output, says the captions written are kept and that the same command goes
+    on, on a line of its own; and the same command then does. The disk fills here as a file-size limit makes it
+    (RLIMIT_FSIZE: writes past it fail with EFBIG, as ENOSPC fails them), in a run of its own."""
+    pytest.importorskip("resource")
+    folder, out = tmp_path / "in", tmp_path / "c.jsonl"
+    _images(folder, 3)
+    args = ["caption", str(folder), "--model", model, "--out", str(out), "--batch-size", "1", "--max-new-tokens", "2"]
+    assert main([*args[:1], str(folder / "img000.png"), *args[2:]]) == 0
+    one_record = out.stat().st_size
+    limit = int(one_record * 2.5)  # room for the next record, not for the one after it
+    script = ("import resource, sys; from glimpse.cli import main; "
+              f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); sys.exit(main({args!r}))")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    said = [line for line in run.stderr.splitlines() if line.startswith("glimpse: error: ")]
+    assert said == [f"glimpse: error: {out}: File too large: the captions written before it are kept; rerun the "
+                    "same command to caption the rest"], run.stderr
+    assert main(args) == 0
+    assert sorted(Path(r["path"]).name for r in _lines(out)) == ["img000.png", "img001.png", "img002.png"]
 
 
 def test_an_input_is_an_image_or_a_video_by_its_content(checkpoints, media, tmp_path):

@@ -370,6 +370,37 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image("https://example.com/cat.png")
 
 
+def test_a_file_replaced_by_a_pipe_after_its_check_is_refused_not_waited_on(tmp_path, monkeypatch):
+    """Between the check that a name is a regular file and its opening, whoever may write the folder can put a pipe
+    in its place, and opening a pipe waits for a writer: a captioning run's reader waited for ever (an outside pass
+    raced renames against it). Here the check passes as if the pipe came just after it: the opening itself refuses
+    what the name holds then."""
+    import threading
+
+    from glimpse.vision import media
+
+    monkeypatch.setattr(media, "_checked_file", lambda path: path)  # the check saw the regular file it replaced
+    os.mkfifo(tmp_path / "swapped.png")
+    for read in (vision.load_image, vision.detect_kind, vision.probe_video):
+        outcome: list = []
+
+        def attempt():
+            try:
+                read(tmp_path / "swapped.png")
+            except Exception as error:  # noqa: BLE001 (the test's verdict below)
+                outcome.append(error)
+
+        reader = threading.Thread(target=attempt, daemon=True)
+        reader.start()
+        reader.join(timeout=10)
+        if reader.is_alive():  # waiting on the pipe: a writer lets it go, so that the test ends
+            os.close(os.open(tmp_path / "swapped.png", os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(timeout=10)
+            pytest.fail(f"{read.__name__} waited on a pipe for a writer")
+        assert len(outcome) == 1 and isinstance(outcome[0], vision.MediaError), outcome
+        assert "swapped.png: not a regular file" in str(outcome[0])
+
+
 def test_an_image_whose_header_cannot_be_read_is_said_to_be_corrupt_not_of_an_unknown_type():
     """A PNG cut short, a bare PNG signature and a PNG whose compressed text chunk unpacks past PIL's limit were
     "not an image Glimpse can read (it reads JPEG, PNG, ...)": they are PNGs, and the message sent the user

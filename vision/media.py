@@ -34,6 +34,7 @@ import math
 import multiprocessing
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -231,6 +232,26 @@ def _checked_file(path: Path) -> Path:
     return path
 
 
+def _open_regular(path: Path) -> io.FileIO:
+    """``path``, checked a regular file (``_check_file``), opened for reading as one. Between that check and this
+    open, whoever may write its folder can put a pipe in its place, and opening a pipe waits for a writer: a thread
+    reading a captioning run's inputs waited for ever, where neither --media-timeout (checked between reads) nor
+    Ctrl-C (which waits for the readers) could end it (an outside pass, 2026-12-07). Opened without waiting
+    (O_NONBLOCK), what the name holds now is looked at on the descriptor itself. (Videos are opened by FFmpeg, by
+    name: that open is not guarded so.)"""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise MediaError(f"{_display_name(path)}: not a regular file (a device, pipe or socket)")
+        os.set_blocking(fd, True)
+        file = io.FileIO(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    file.name = str(path)  # (its descriptor's number otherwise)
+    return file
+
+
 # ----------------------------------------------------------------------------------------------- kinds
 
 
@@ -264,7 +285,7 @@ def detect_kind(path: str | os.PathLike) -> Literal["image", "video"]:
     for containers without a reliable signature (e.g. MPEG-TS).
     """
     path = _check_file(path)
-    with open(path, "rb") as file:
+    with _open_regular(path) as file:
         head = file.read(32)
     kind = _sniff_kind(head)
     suffix = path.suffix.lower()
@@ -338,7 +359,7 @@ class _AsksBeforeEachRead:
 
 class _PictureFile(_AsksBeforeEachRead, io.BufferedReader):
     def __init__(self, path: Path, source: Any):
-        super().__init__(io.FileIO(path))
+        super().__init__(_open_regular(path))
         self.source = source
 
 
@@ -390,9 +411,9 @@ def _has_image_signature(src: str | os.PathLike | bytes) -> bool:
     if isinstance(src, (bytes, bytearray)):
         return _sniff_kind(bytes(src[:32])) == "image"
     try:
-        with open(src, "rb") as file:
+        with _open_regular(Path(src)) as file:
             return _sniff_kind(file.read(32)) == "image"
-    except OSError:
+    except (OSError, MediaError):
         return False
 
 
@@ -1005,7 +1026,7 @@ def probe_video(
     Containers that do not store a frame count (Matroska/WebM) are counted by demuxing.
     """
     path = _check_file(path)
-    with open(path, "rb") as file:
+    with _open_regular(path) as file:
         head = file.read(32)
     kind = _sniff_kind(head)
     if kind == "image":  # PyAV reads a picture as a one-frame clip (in which things "moved")
