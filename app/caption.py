@@ -53,6 +53,11 @@ from glimpse.vision.media import (IMAGE_EXTENSIONS, MEDIA_READERS, VIDEO_EXTENSI
 
 LIST_EXTENSIONS = (".txt", ".lst")
 DEFAULT_PROMPT = "Describe this {kind} in one or two sentences."
+# The embedded model learnt a whole description from "Describe the image." and "Describe the video." (and "What is in
+# the image?": training/train_projector.py), and answered the default above with a word ("CAT." of the README's sample
+# picture: an outside pass): it is asked in its own words. (A real checkpoint asked so tends to run past
+# --max-new-tokens, whose default is 64.)
+EMBEDDED_PROMPT = "Describe the {kind}."
 # Metric keys worth keeping per caption (the keep map and per-step series would dwarf the caption).
 KEPT_METRICS = ("ttft_s", "prefill_s", "decode_tokens_per_s", "new_tokens", "prompt_tokens", "kv_bytes",
                 "peak_memory_bytes", "batch_size")
@@ -458,7 +463,8 @@ def refuse_other_settings(rows: Iterable[dict], out: Path, policy: str, speed: f
     captions of two kinds under one output and say nothing (found from outside). Refused, naming both, from what
     the rows record (``model``: ``profiles.model_key``, ``policy``, ``speed``, ``prompt``: the instruction; older
     rows without a field pass it). ``others_kept``: the rows are those of other inputs, which ``--overwrite`` keeps."""
-    defaults = {instruction(kind, None) for kind in ("image", "video")}
+    # (each model's default, and the embedded model's earlier one: a rerun without --prompt goes on with its own)
+    defaults = {instruction(kind, None, name) for kind in ("image", "video") for name in (None, "embedded")}
     prompts = {prompt} if prompt is not None else defaults
     model = model_key(model) if model is not None else None
     for row in rows:
@@ -649,7 +655,8 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
                 report.failed.append((str(path), reason))
                 log(f"failed {path}: {reason}")
             # What each was asked, by the kind its prompt was built as (its file, read again here, may be gone).
-            asked = {path: instruction("video" if any(m.kind == VIDEO for m in built.media) else "image", prompt)
+            asked = {path: instruction("video" if any(m.kind == VIDEO for m in built.media) else "image", prompt,
+                                       engine.model_id)
                      for path, built in prompts}
             for path, result in _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
                 caption = result.text.strip()
@@ -711,7 +718,7 @@ def _read_ahead(engine, batches: list[list[Path]], prompt: str | None, media_tim
 def _prompt(engine, path: Path, prompt: str | None, media_timeout_s: float | None, stopped: Callable[[], bool]):
     """The input's prompt. Each input is read once, within ``media_timeout_s`` of its own: a batch split after a
     failure in the model reuses the prompts."""
-    return engine.prepare(_messages(path, prompt), reading=reading_limit(media_timeout_s, stopped))
+    return engine.prepare(_messages(path, prompt, engine.model_id), reading=reading_limit(media_timeout_s, stopped))
 
 
 def _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
@@ -734,14 +741,15 @@ def _answer(engine, prompts, policy, speed, max_new_tokens, report, log):
             *_answer(engine, prompts[half:], policy, speed, max_new_tokens, report, log)]
 
 
-def instruction(kind: str, prompt: str | None) -> str:
-    """What each input is asked: ``--prompt``, or the default for its kind ("image" or "video")."""
-    return prompt or DEFAULT_PROMPT.format(kind=kind)
+def instruction(kind: str, prompt: str | None, model: str | None = None) -> str:
+    """What each input is asked: ``--prompt``, or the default for its kind ("image" or "video") and ``model`` (as
+    ``--model`` names it)."""
+    return prompt or (EMBEDDED_PROMPT if model == "embedded" else DEFAULT_PROMPT).format(kind=kind)
 
 
-def _messages(path: Path, prompt: str | None) -> list[dict]:
+def _messages(path: Path, prompt: str | None, model: str | None = None) -> list[dict]:
     kind = kind_of(path)  # (in the reading thread: it opens the file)
-    return user_message(instruction(kind, prompt), [(kind, str(path))])
+    return user_message(instruction(kind, prompt, model), [(kind, str(path))])
 
 
 class ProgressBar:

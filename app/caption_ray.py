@@ -434,7 +434,7 @@ def decode_input(row: dict, model: str, prompt: str | None, media_timeout_s: flo
         # An image or a video by its content, as the local captioner decides (a local file named .png may hold a
         # video; a URL's path need not end in an extension, and its query is not one).
         kind = kind_of(Path(key)) if tmp is None else detect_kind(source)
-        text = instruction(kind, prompt)
+        text = instruction(kind, prompt, model)
         with reading_limit(media_timeout_s):
             built = _preprocessor(model).prepare(user_message(text, [(kind, source)]))
         return {"key": key, "prompt_bytes": pickle.dumps(built), "instruction": text, "error": ""}

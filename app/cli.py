@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     visual_option(evaluate, "--questions", default=None, metavar="FILE.jsonl",
                   help='visual: ask your own questions instead of the generated set: JSON lines of '
                        '{"image": PATH} or {"video": PATH}, "question", "answer" and optionally "category" '
-                       '(paths relative to the file); right when the reply starts with the answer\'s words')
+                       '(else "uncategorised"; paths relative to the file); right when the reply starts with '
+                       'the answer\'s words')
     passkey_or_visual_option(evaluate, "--param", action="append", default=[], metavar="NAME=VALUE",
                              help="passkey, visual: a parameter of every policy in --policies, as for ask "
                                   "(e.g. --policies fastv --param layer=6 --param merge=true)")
@@ -346,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--policy", default="auto", choices=NAMES)
     caption.add_argument("--speed", type=float, default=0.0)
     caption.add_argument("--prompt", default=None,
-                         help="the instruction (default: 'Describe this image/video in one or two sentences.')")
+                         help="the instruction (default: 'Describe this image/video in one or two sentences.'; "
+                              "on the embedded model, the wording it learnt: 'Describe the image/video.')")
     caption.add_argument("--max-new-tokens", type=int, default=64)
     caption.add_argument("--batch-size", type=int, default=8, help="inputs decoded together (default 8)")
     caption.add_argument("--media-timeout", type=float, default=None, metavar="S",

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import random
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -69,6 +70,10 @@ def agreement_prompts(engine, folder: Path, image_tokens: int = 256, video_token
 
 
 WARM_UP_TOKENS = 2
+# How often the visual task says how far through a configuration's questions it is: a 200-question run of the
+# documented command said nothing for 36 minutes on a busy 2-core machine (an outside pass), only a line at the end
+# of each configuration.
+PROGRESS_EVERY_S = 30.0
 
 
 def warm_up(engine, conversations) -> None:
@@ -200,9 +205,13 @@ def visual_reduction(metrics: dict) -> float:
     return 1.0 - sum(depth) / (len(depth) * layers) if depth else 0.0
 
 
+UNCATEGORISED = "uncategorised"  # the category of a question file's line that names none
+
+
 def read_questions(path: str | Path, video: bool = True) -> list[dict]:
     """Cases from a question file of the user's: JSON lines of {"image": PATH} or {"video": PATH}, "question",
-    "answer" and optionally "category" (else "all"); a path relative to the file's folder. Right is judged as on
+    "answer" and optionally "category" (else "uncategorised"; not "all", the overall score's column: a line without
+    one made a second "all" column, an outside pass); a path relative to the file's folder. Right is judged as on
     the generated set (`tasks.is_correct`: the reply's first words are the answer's). Every line and every file it
     names is checked before a model runs — each image decoded whole, each video's container read — and the error
     names every line that cannot be asked, so that one fix of the file serves, and no evaluation stops half way
@@ -251,9 +260,11 @@ def _question_case(line: str, folder: Path, video: bool) -> dict:
     media = entry[kind]
     if not isinstance(media, str) or not media:
         raise UserError(f'"{kind}" is a path')
-    category = entry.get("category", "all")
+    category = entry.get("category", UNCATEGORISED)
     if not isinstance(category, str) or not category:
         raise UserError('"category" is a name')
+    if category == "all":
+        raise UserError('"category" "all" names the score over every question: name the category otherwise')
     media_path = Path(media) if Path(media).is_absolute() else folder / media
     if not media_path.is_file():
         raise UserError(f"{media_path} is not a file")
@@ -287,7 +298,11 @@ def run_visual(engine, samples: int, policies: list[str], speeds: list[float], s
                 params = overrides if name != "none" else None
                 promise = engine.promise(name, speed, params)  # what auto picked at this speed, calibrated or not
                 configuration = promise["configuration"]
-                for case in cases:
+                said_at = time.monotonic()
+                for number, case in enumerate(cases):
+                    if number and time.monotonic() - said_at >= PROGRESS_EVERY_S:
+                        progress(f"{name} @ {speed:g}: {number} of {len(cases)} questions asked")
+                        said_at = time.monotonic()
                     result = engine.generate(case["messages"], policy=policy_for(engine, name, speed, False, overrides),
                                              max_new_tokens=new_tokens)
                     right.append(tasks.is_correct(result.text, case["qa"]))

@@ -96,6 +96,32 @@ def test_ask_embedded_about_the_sample_image(embedded_cache):
         assert out["text"].strip().rstrip(".").lower() in COLOURS
 
 
+def test_caption_asks_the_embedded_model_for_a_description_in_its_own_words(embedded_cache, tmp_path):
+    """The README's batch captioning on the embedded model: asked the default instruction of real checkpoints
+    ("Describe this image in one or two sentences.") it captioned the sample picture "CAT." (an outside pass). It
+    is asked the wording it learnt a description from, and describes the picture's shapes; a rerun over an output
+    captioned with the earlier default goes on with it."""
+    from glimpse.pipeline.embedded import EMBEDDED_GROUNDED
+    from glimpse.tasks import SHAPES
+
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    (folder / "sample.png").write_bytes((Path(__file__).resolve().parents[1] / "assets" / "sample.png").read_bytes())
+    out = tmp_path / "captions.jsonl"
+    proc = glimpse_here("caption", str(folder), "--out", str(out), cache=embedded_cache)
+    assert proc.returncode == 0, proc.stderr
+    record, = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["prompt"] == "Describe the image."
+    if EMBEDDED_GROUNDED:  # (the sample holds a circle, a square and a triangle: README)
+        assert sum(shape in record["caption"].lower() for shape in SHAPES) >= 2, record["caption"]
+    (folder / "second.png").write_bytes((folder / "sample.png").read_bytes())  # another input
+    earlier = {**record, "prompt": "Describe this image in one or two sentences."}
+    out.write_text(json.dumps(earlier) + "\n")
+    proc = glimpse_here("caption", str(folder), "--out", str(out), cache=embedded_cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "captioned 1, already done 1" in proc.stderr
+
+
 @pytest.mark.parametrize("name,content", [("broken.png", b"\x89PNG\r\n\x1a\n" + b"\x00" * 40),
                                           ("empty.jpg", b""), ("notes.xyz", b"hello")])
 def test_ask_bad_image_is_one_clear_line(checkpoints, tmp_path, name, content):

@@ -182,7 +182,8 @@ def test_visual_task_param_configures_the_pruned_policies_not_the_reference(chec
 
 
 def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_before_loading(checkpoints, media,
-                                                                                            tmp_path, capsys):
+                                                                                            tmp_path, capsys,
+                                                                                            monkeypatch):
     """`--questions FILE.jsonl` asks the user's own questions about their own pictures (paths relative to the file),
     judged as the generated set is; `--styled` draws the generated scenes with other looks, asking the same
     questions. A bad line is refused before the model loads, naming the line."""
@@ -202,17 +203,25 @@ def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_bef
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
     base = ["eval", "visual", "--model", str(checkpoints["llava"]), "--policies", "fastv", "--speeds", "1", "--json"]
+    from glimpse import eval as evaluation
+
+    monkeypatch.setattr(evaluation, "PROGRESS_EVERY_S", 0.0)  # how far through each configuration, said as it goes
     assert main(base + ["--questions", str(questions)]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["questions"] == [{"category": line.get("category", "all"), "question": line["question"],
+    said = capsys.readouterr()
+    report = json.loads(said.out)
+    for name in ("none @ 0", "fastv @ 1"):
+        assert f"{name}: 1 of 3 questions asked" in said.err and f"{name}: 2 of 3 questions asked" in said.err
+    # A line naming no category is scored under a name of its own, not "all", the overall score's (a second "all"
+    # column in the table: an outside pass).
+    assert report["questions"] == [{"category": line.get("category", "uncategorised"), "question": line["question"],
                                     "answer": line["answer"]} for line in lines]
-    assert report["asked"] == {"all": 1, "mine": 2} and report["categories"] == ["all", "mine"]
+    assert report["asked"] == {"uncategorised": 1, "mine": 2} and report["categories"] == ["uncategorised", "mine"]
     for row in report["rows"]:
         right = [tasks.is_correct(a, tasks.QA("", "", line["answer"])) for a, line in zip(row["answers"], lines)]
         assert row["accuracy"] == sum(right) / 3 and row["per_category"]["mine"] == sum(right[1:]) / 2
     assert main(base[:-1] + ["--policies", "auto", "--questions", str(questions)]) == 0  # the table, not JSON
     table = capsys.readouterr().out
-    assert "| all | mine |" in table.splitlines()[0] and "| auto (" in table
+    assert table.splitlines()[0].endswith("| all | uncategorised | mine |") and "| auto (" in table
     absent = str(tmp_path / "no-model")  # never loaded: every refusal comes first
     video_line = {"video": str(media["video"]), "question": "Which way?", "answer": "Left."}
     for content, said in (('{"image": "pics/9.png", "question": "Q?", "answer": "A."}', "line 1: "),
@@ -220,6 +229,8 @@ def test_visual_task_asks_a_question_file_of_the_users_and_refuses_a_bad_one_bef
                           ('{"image": "pics/0.png", "question": "", "answer": "A."}', '"question" and "answer"'),
                           ('{"image": "pics/0.png", "video": "pics/0.png", "question": "Q", "answer": "A."}',
                            'one of "image" or "video"'),
+                          ('{"image": "pics/0.png", "question": "Q?", "answer": "A.", "category": "all"}',
+                           '"category" "all" names the score over every question'),
                           ("", "no questions")):
         questions.write_text(content)
         assert main(["eval", "visual", "--model", absent, "--questions", str(questions)]) == 1
