@@ -542,7 +542,7 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     from glimpse.connections import CHAT_SESSIONS
     from glimpse.telemetry import Telemetry
     from glimpse.uploads import UploadQuota, malformed_upload
-    from glimpse.ui import NoFetchingForClients, NoRemoteMedia, build_ui
+    from glimpse.ui import NoFetchingForClients, NoRemoteMedia, SessionMessages, build_ui
     from glimpse.pipeline.scheduler import Scheduler
 
     scheduler = Scheduler(engine, max_batch=max_batch, queue_size=queue_size, kv_budget_bytes=kv_budget_bytes,
@@ -556,6 +556,8 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
                     refused=telemetry.refused).queue(
         default_concurrency_limit=max_batch + queue_size, max_size=queue_size)
     demo.state_session_capacity = CHAT_SESSIONS  # read as it is mounted: what clients can make it hold (connections)
+    # Made-up sessions never drop a session whose answer is under way (glimpse.ui.SessionMessages)
+    demo._queue.pending_messages_per_session = SessionMessages(demo._queue)
     # Compared in constant time, as the API compares its bearer token.
     auth = (lambda _user, password: hmac.compare_digest(password.encode(), api_key.encode())) if api_key else None
     # The chat's app publishes no OpenAPI schema either (it was open under --api-key, at /openapi.json).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import OrderedDict
 import sys
 import threading
 import time
@@ -704,6 +705,35 @@ def _clear_cancels_chat(cleared_sessions: dict, stopped_sessions: dict, lock):
                 yield update
 
     return ClearCancelsChat
+
+
+class SessionMessages(OrderedDict):
+    """What Gradio's queue holds for each browser session to send it (``Queue.pending_messages_per_session``), which
+    ``build_server`` puts in place of Gradio's own map. That one (an LRUCache of 2,000) drops the session set longest
+    ago once full, even one whose answer is under way: a client joining the queue under 2,300 made-up sessions, never
+    reading, ended a real user's answer with "session not found" (an outside pass, 2026-12-07). This one drops, past
+    ``limit``, the least recently used sessions with no event queued or running (their clients never came for what
+    was sent, or have it all), and with each the event ids Gradio keeps until they are delivered (``Queue.
+    pending_event_ids_session``, which a client that never reads grew without end)."""
+
+    def __init__(self, queue, limit: int | None = None):
+        super().__init__()
+        self.queue, self.limit = queue, 2 * CHAT_SESSIONS if limit is None else limit
+
+    def __getitem__(self, session):
+        messages = super().__getitem__(session)  # (sending it a message: in use)
+        self.move_to_end(session)
+        return messages
+
+    def __setitem__(self, session, messages) -> None:
+        super().__setitem__(session, messages)
+        self.move_to_end(session)
+        if len(self) > self.limit:
+            live = {event.session_hash for event in list(self.queue.event_ids_to_events.values())}
+            idle = [other for other in self if other not in live and other != session]
+            for other in idle[:len(self) - self.limit]:
+                del self[other]
+                self.queue.pending_event_ids_session.pop(other, None)
 
 
 def _remember(sessions: dict, session, value) -> None:

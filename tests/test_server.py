@@ -750,6 +750,45 @@ def test_the_chats_routes_have_the_apis_body_limits(server, media, monkeypatch):
     assert answer and "⚠️" not in answer
 
 
+def test_made_up_chat_sessions_never_drop_one_whose_answer_is_under_way(server):
+    """Gradio's queue keeps what it is to send each browser session in a map of 2,000 that dropped the session set
+    longest ago, even one whose answer was under way: a client joining the queue under 2,300 made-up sessions, never
+    reading, ended a real user's answer with "session not found" (an outside pass). The server's map drops, past its
+    limit, the least recently used sessions with no event queued or running, and the event ids Gradio keeps for
+    them until delivered (which a client that never reads grew without end)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from starlette.routing import Mount
+
+    from glimpse.ui import SessionMessages
+
+    mounted = [route.app for route in build_server(server["engine"], "tiny-llava", scheduler_thread=False).routes
+               if isinstance(route, Mount)]
+    queue = mounted[0].get_blocks()._queue
+    assert isinstance(queue.pending_messages_per_session, SessionMessages)  # what glimpse serve runs
+
+    answering = SimpleNamespace(session_hash="user")  # the real user's event, running
+    queue = SimpleNamespace(event_ids_to_events={"e-user": answering}, pending_event_ids_session={})
+    sessions = SessionMessages(queue, limit=10)
+    sessions["user"] = asyncio.Queue()
+    queue.pending_event_ids_session["user"] = {"e-user"}
+    for number in range(50):  # made-up sessions, each with an event that ran and whose messages nobody reads
+        sessions[f"made-up-{number}"] = asyncio.Queue()
+        queue.pending_event_ids_session[f"made-up-{number}"] = {f"e-{number}"}
+        if number == 30:
+            assert sessions["made-up-25"] is not None  # sent a message: used now, kept a while longer
+        if number == 38:
+            assert "made-up-25" in sessions and "made-up-30" not in sessions
+    assert "user" in sessions and queue.pending_event_ids_session["user"] == {"e-user"}
+    assert len(sessions) == 10 and "made-up-25" not in sessions
+    assert [name for name in sessions if name != "user"] == [f"made-up-{n}" for n in range(41, 50)]
+    assert set(queue.pending_event_ids_session) == set(sessions)  # the dropped sessions' ids went with them
+    del queue.event_ids_to_events["e-user"]  # its answer sent: an idle session like any other
+    sessions["one-more"] = asyncio.Queue()
+    assert "user" not in sessions and len(sessions) == 10
+
+
 def test_the_chats_routes_take_a_conversation_not_the_apis_64_mib(server):
     """Gradio keeps each browser session's last request in memory, for up to a thousand sessions: 20 MB questions sent
     under made-up sessions held 20 MiB each for good (an outside pass). The chat's routes take 2 MiB (some 500,000
