@@ -29,7 +29,7 @@ from glimpse.connections import CHAT_SESSIONS, refuse
 from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pruning import PRUNING_NAMES, parse_params
 from glimpse.vision.media import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, check_reading, detect_kind,
-                                  load_image, probe_video, reading_limit)
+                                  load_image, probe_video)
 
 POLICIES = ["auto", *PRUNING_NAMES, "none"]  # the dropdown: the default first, no pruning last
 
@@ -418,19 +418,21 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
         turn = [{"role": "user", "content": [{"type": "file", "file": {"path": p}} for p in files]
                  + ([{"type": "text", "text": message["text"]}] if message.get("text") else [])}]
         try:
-            # Under the server's time limit for media: a turn may bring a thousand pictures, and a Matroska file is
-            # demuxed whole to count its frames.
-            with reading_limit(scheduler.media_timeout_s, lambda: scheduler.closed):
-                misnamed = []
-                for path in files:
-                    check_reading(path)
-                    misnamed.append(_check_upload(path, allowed))
             # Compared, both answers compute everything (no media, encoder or prefix cache): the unpruned run
             # comes second, and the caches would otherwise hand it what the first one computed.
             overridden = parse_overrides(overrides)
             options = dict(policy=engine.make_policy(policy, speed, overridden),
                            max_new_tokens=_token_limit(max_tokens, max_new_tokens), caches=not compare)
-            scheduler.check_room()  # a full queue is refused before the work of building the prompt
+            scheduler.check_room()  # a full queue is refused before any work, its files' decoding included
+            # In one of the server's media-reader places, as a prompt's reading is, and under its time limit for media
+            # (a turn may bring a thousand pictures, and a Matroska file is demuxed whole to count its frames); each
+            # file once. Checked in the chat's own worker, sixteen turns naming one 16 MP upload a hundred times each
+            # kept every core decoding: a text question took 60 s, not 0.7 (an outside pass, 2026-12-07).
+            with scheduler.reading_turn():
+                misnamed = []
+                for path in dict.fromkeys(files):
+                    check_reading(path)
+                    misnamed.append(_check_upload(path, allowed))
             limit = options["max_new_tokens"]
 
             def room(prompt):  # for the answer, in the model's context and in the server's KV budget

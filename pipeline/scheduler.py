@@ -293,6 +293,11 @@ class Scheduler:
                 raise ServerStopping(STOPPING) from None
             raise
 
+    def reading_turn(self):
+        """One of the ``media_readers`` places and the reading's limits, for media read outside ``prepare`` (the chat's
+        check of a turn's files): such reading waits its turn as a prompt's does, and stops as the server closes."""
+        return self._reading_turn(lambda: self.closed)
+
     @contextlib.contextmanager
     def _reading_turn(self, stop: Callable[[], bool]) -> Iterator[None]:
         """One of the ``media_readers`` places (waited for until ``stop()``), and in it the reading's limits: the time

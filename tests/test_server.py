@@ -2217,6 +2217,47 @@ def test_the_chats_refusals_are_counted_in_the_metrics_as_the_apis_are(server, m
                 _value(before, "glimpse_requests_total", outcome=outcome) + 1, outcome
 
 
+def test_a_chat_turns_files_are_checked_in_a_media_reader_place_once_each_and_not_when_the_queue_is_full(
+        server, media, monkeypatch):
+    """The chat checks that a turn's files decode before it queues the turn. Checked in the chat's own worker
+    threads, outside the server's media-reader places and before its queue's refusal, sixteen turns naming one 16 MP
+    upload a hundred times each kept every core decoding, and a text question took 60 s, not 0.7 (an outside pass).
+    The check waits for a reader place as a prompt's reading does, reads each file once, and a full queue refuses
+    the turn before any of it is read."""
+    from gradio_client import Client, handle_file
+
+    from glimpse import ui
+    from glimpse.pipeline.scheduler import QueueFull
+
+    app = build_server(server["engine"], "tiny-llava", max_new_tokens=4)
+    scheduler, checked, check = app.state.scheduler, [], ui._check_upload
+    monkeypatch.setattr(ui, "_check_upload", lambda path, allowed: checked.append(path) or check(path, allowed))
+
+    def full():
+        raise QueueFull(waiting=32, retry_s=5)
+
+    for url in _serve(app):
+        client = Client(url + "/", verbose=False)
+        picture = handle_file(str(media["image"]))
+        places = 0
+        while scheduler.media_readers.acquire(blocking=False):  # every place taken, as by other requests' reading
+            places += 1
+        job = client.submit({"text": "What colour?", "files": [picture, picture]}, "none", 0.0, 4, "", False,
+                            api_name="/chat")
+        time.sleep(2.0)
+        assert not job.done() and checked == []  # waiting for a place
+        for _ in range(places):
+            scheduler.media_readers.release()
+        answer = job.result(timeout=120)[0]
+        assert answer and "⚠️" not in answer, answer
+        assert checked and len(checked) == len(set(checked)), checked
+        checked.clear()
+        monkeypatch.setattr(scheduler, "check_room", full)
+        answer = client.predict({"text": "And now?", "files": [picture]}, "none", 0.0, 4, "", False,
+                                api_name="/chat")[0]
+        assert "the server is busy" in answer and checked == []
+
+
 def test_max_tokens_asked_for_must_fit_beside_the_prompt_and_the_default_runs_to_the_context_end(server, media):
     """OpenAI's rule: an explicit max_tokens that the context cannot hold beside the prompt is a 400 naming the
     numbers (it was answered with fewer tokens, silently); without max_tokens the answer stops at the context's end."""
