@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections import OrderedDict
 import sys
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np

@@ -239,11 +239,13 @@ def _open_regular(path: Path) -> io.FileIO:
     Ctrl-C (which waits for the readers) could end it (an outside pass, 2026-12-07). Opened without waiting
     (O_NONBLOCK), what the name holds now is looked at on the descriptor itself. (Videos are opened by FFmpeg, by
     name: that open is not guarded so.)"""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    nonblocking = getattr(os, "O_NONBLOCK", 0)  # (POSIX's: Windows has no such open, nor pipes in folders)
+    fd = os.open(path, os.O_RDONLY | nonblocking | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise MediaError(f"{_display_name(path)}: not a regular file (a device, pipe or socket)")
-        os.set_blocking(fd, True)
+        if nonblocking:
+            os.set_blocking(fd, True)
         file = io.FileIO(fd, "rb")
     except BaseException:
         os.close(fd)
