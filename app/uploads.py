@@ -4,7 +4,7 @@ Gradio keeps every file uploaded to the chat in its upload folder, for as long a
 upload route takes files from anyone who can reach the chat (``--max-upload-mb`` bounds one file, not their
 sum). Left alone, a client that uploads in a loop fills the disk of the GPU box. ``UploadQuota`` sits in
 front of the upload route: an upload is taken only if the folder stays within ``quota_bytes`` and the disk
-keeps ``RESERVE_BYTES`` free; when it would not, uploads older than ``max_age_s`` are deleted first (an old
+keeps ``RESERVE_BYTES`` (and ``RESERVE_INODES`` files) free; when it would not, uploads older than ``max_age_s`` are deleted first (an old
 chat's earlier pictures: later turns go on without them, ``ui._usable``), and if that is not enough the upload
 is refused with 507 and a message that says so. The check runs before the body is read, in a worker thread (a
 folder of 30,000 files took 0.1 s to walk, on the event loop that answers everyone), one walk at a time and at most
@@ -25,6 +25,12 @@ from glimpse.connections import error_content, refuse
 
 
 RESERVE_BYTES = 2**30  # what uploads must leave free on the disk, whatever the quota
+# And the files the disk can still hold (its inodes, a fixed number on ext4: one per 16 KiB by default): each upload
+# takes two, a file and its folder, and the quota counts them at 8 KiB, so 20 GB of one-byte uploads wanted 5.2
+# million, more than a 64 GB disk has, and the disk was full for everyone before the quota was (an outside pass).
+# A tenth of the disk's inodes is left free, at most this many (a file system that has no fixed number, btrfs's, says
+# it has 0).
+RESERVE_INODES = 100_000
 # What the smallest file or folder takes on the disk: its block and its inode. Counted by their sizes, 30,528
 # one-byte uploads were 20.9 MiB of the quota and 140 MiB of the disk, and empty ones counted for nothing.
 ENTRY_BYTES = 4096
@@ -198,7 +204,9 @@ class UploadQuota:
 
     def _fits(self, length: int) -> bool:
         free = shutil.disk_usage(self.folder).free
-        return self.used + length <= self.quota_bytes and free - length >= RESERVE_BYTES
+        disk = os.statvfs(self.folder)
+        files_left = disk.f_files == 0 or disk.f_favail >= min(RESERVE_INODES, disk.f_files // 10) + 2
+        return self.used + length <= self.quota_bytes and free - length >= RESERVE_BYTES and files_left
 
 
 class _Delimiters:

@@ -2013,6 +2013,38 @@ def test_uploads_past_the_quota_are_refused_old_ones_make_room_and_the_chat_goes
     assert _usable(history)[0]["content"] == [{"type": "text", "text": "hi"}]
 
 
+def test_uploads_are_refused_before_the_disk_runs_out_of_files_for_everyone(server, tmp_path, monkeypatch):
+    """Each upload takes two of the disk's inodes (a file and its folder), a fixed number on ext4: 20 GB of one-byte
+    uploads, 8 KiB each to the quota, wanted 5.2 million, more than a 64 GB disk has (an outside pass). Uploads stop
+    while a tenth of the disk's files (at most 100,000) is left; a file system without a fixed number is no limit."""
+    from types import SimpleNamespace
+
+    from glimpse import uploads
+
+    folder = tmp_path / "uploads"
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(folder))
+    monkeypatch.setattr(uploads, "RESERVE_BYTES", 0)
+    monkeypatch.setattr(uploads, "REMEASURE_S", 0.0)
+    disk = {"f_files": 1_000_000, "f_favail": 99_000}  # (under the 100,000 kept)
+    statvfs = os.statvfs
+    fields = ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_favail")
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(
+        **{**{name: getattr(statvfs(path), name) for name in fields}, **(disk if Path(path) == folder else {})}))
+    app = build_server(server["engine"], "tiny-llava")
+
+    def upload():
+        return httpx.post(url + "/gradio_api/upload", files={"files": ("a.png", b"png", "image/png")}, timeout=30)
+
+    for url in _serve(app):
+        folder.mkdir(parents=True, exist_ok=True)
+        refused = upload()
+        assert refused.status_code == 507 and "uploads is full" in refused.json()["error"]["message"], refused.text
+        disk["f_favail"] = 200_000
+        assert upload().status_code == 200
+        disk.update(f_files=0, f_favail=0)  # btrfs: no fixed number of files
+        assert upload().status_code == 200
+
+
 def test_the_upload_quota_counts_what_files_take_on_the_disk_and_is_checked_off_the_event_loop(
         server, tmp_path, monkeypatch):
     """Counted by their sizes, 30,528 one-byte uploads were 20.9 MiB of the quota and 140 MiB of the disk (empty ones
