@@ -1,15 +1,15 @@
 """A disk quota for the chat's uploads.
 
-Gradio keeps every file uploaded to the chat in its upload folder, for as long as the server runs, and its
-upload route takes files from anyone who can reach the chat (``--max-upload-mb`` bounds one file, not their
-sum). Left alone, a client that uploads in a loop fills the disk of the GPU box. ``UploadQuota`` sits in
-front of the upload route: an upload is taken only if the folder stays within ``quota_bytes`` and the disk
-keeps ``RESERVE_BYTES`` (and ``RESERVE_INODES`` files) free; when it would not, uploads older than ``max_age_s``
-are deleted first (an old chat's earlier pictures: later turns go on without them, ``ui._usable``), and if that
-is not enough the upload is refused with 507 and a message that says so. The check runs before the body is read, in a worker thread (a
-folder of 30,000 files took 0.1 s to walk, on the event loop that answers everyone), one walk at a time and at most
-one a ``REMEASURE_S``: uploads admitted in between are added to the last measure by their length, and once their
-bodies are read by their files (each takes a block and a folder at least).
+Gradio keeps every file uploaded to the chat in its upload folder, for as long as the server runs, and its upload
+route takes files from anyone who can reach the chat (``--max-upload-mb`` bounds one file, not their sum). Left
+alone, a client that uploads in a loop fills the disk of the GPU box. ``UploadQuota`` sits in front of the upload
+route: an upload is taken only if the folder stays within ``quota_bytes`` and the disk keeps ``RESERVE_BYTES`` (and
+``RESERVE_INODES`` files) free; when it would not, uploads older than ``max_age_s`` are deleted first (an old chat's
+earlier pictures: later turns go on without them, ``ui._usable``), and if that is not enough the upload is refused
+with 507 and a message that says so. The check runs before the body is read, in a worker thread (a folder of 30,000
+files took 0.1 s to walk, on the event loop that answers everyone), one walk at a time and at most one a
+``REMEASURE_S``: uploads admitted in between are added to the last measure by their length, and once their bodies
+are read by their files (each takes a block and a folder at least).
 """
 
 from __future__ import annotations
