@@ -463,8 +463,9 @@ def refuse_other_settings(rows: Iterable[dict], out: Path, policy: str, speed: f
     captions of two kinds under one output and say nothing (found from outside). Refused, naming both, from what
     the rows record (``model``: ``profiles.model_key``, ``policy``, ``speed``, ``prompt``: the instruction; older
     rows without a field pass it). ``others_kept``: the rows are those of other inputs, which ``--overwrite`` keeps."""
-    # (each model's default, and the embedded model's earlier one: a rerun without --prompt goes on with its own)
-    defaults = {instruction(kind, None, name) for kind in ("image", "video") for name in (None, "embedded")}
+    # This run's model's default, and the one every model was asked before the embedded model had its own: a rerun
+    # without --prompt goes on with its own (and another model's captions asked "Describe the image." are not its own).
+    defaults = {instruction(kind, None, name) for kind in ("image", "video") for name in (None, model)}
     prompts = {prompt} if prompt is not None else defaults
     model = model_key(model) if model is not None else None
     for row in rows:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
+import struct
 import time
 from typing import Callable
 
@@ -78,6 +80,12 @@ UPLOAD_MIN_BYTES_PER_S = 32 * 2**10
 # it, a client that asked for a 30 MB upload back over 2,000 connections and never read held 4,000 descriptors (the
 # socket and the open file) and 750 MB of the kernel's socket memory for as long as it liked (an outside pass).
 SEND_TIMEOUT_S = 60.0
+# The kernel's send buffer of each connection (Linux doubles it: 1 MiB). Whether a client reads shows only when the
+# kernel takes more of the response from the server, which it does once a third of its buffer is free: with the
+# buffer Linux tunes itself (4 MiB here), that was 1.4 MB at a time, and a client reading 16 kB/s, steadily, was cut
+# off as one that did not read (an outside pass). With 1 MiB a client must read some 350 KB a minute; the buffer still
+# carries 10 MB/s at 100 ms of round trip, and a client that stops reading holds that much of the kernel's memory.
+SEND_BUFFER_BYTES = 512 * 2**10
 LOW_OPEN_FILE_LIMIT = 4096  # below this many open files, glimpse serve says so as it starts
 MAX_LOG_WRITE = 16 * 2**10  # characters: one write to the server's log longer than this is cut in its middle
 
@@ -186,7 +194,16 @@ class RequestHeadDeadline(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._set_socket_option(socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._arm()
+
+    def _set_socket_option(self, option: int, value) -> None:
+        sock = self.transport.get_extra_info("socket")
+        try:
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, option, value)
+        except OSError:  # (not a TCP socket: a Unix one, as a test may use)
+            pass
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -226,7 +243,9 @@ class RequestHeadDeadline(H11Protocol):
             self._watch_sending(unsent)  # never cut off while it keeps reading
         elif unsent:
             # Aborted, not closed: ``close`` would wait to send what is buffered, which the client does not read.
-            # The application's pending ``send`` then sees a client that left.
+            # The application's pending ``send`` then sees a client that left. And reset (SO_LINGER 0): closed
+            # plainly, the socket stayed in the kernel with its megabytes unsent for minutes (an outside pass).
+            self._set_socket_option(socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.transport.abort()
 
     def _stop_send_timer(self) -> None:

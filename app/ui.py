@@ -12,6 +12,7 @@ cannot be decoded leaves the conversation, anything else keeps it; the server ke
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import sys
@@ -428,7 +429,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
             # (a turn may bring a thousand pictures, and a Matroska file is demuxed whole to count its frames); each
             # file once. Checked in the chat's own worker, sixteen turns naming one 16 MP upload a hundred times each
             # kept every core decoding: a text question took 60 s, not 0.7 (an outside pass, 2026-12-07).
-            with scheduler.reading_turn():
+            with scheduler.reading_turn() if files else contextlib.nullcontext():  # (a question in words needs none)
                 misnamed = []
                 for path in dict.fromkeys(files):
                     check_reading(path)

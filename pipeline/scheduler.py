@@ -293,10 +293,18 @@ class Scheduler:
                 raise ServerStopping(STOPPING) from None
             raise
 
-    def reading_turn(self):
+    @contextlib.contextmanager
+    def reading_turn(self) -> Iterator[None]:
         """One of the ``media_readers`` places and the reading's limits, for media read outside ``prepare`` (the chat's
-        check of a turn's files): such reading waits its turn as a prompt's does, and stops as the server closes."""
-        return self._reading_turn(lambda: self.closed)
+        check of a turn's files): such reading waits its turn as a prompt's does, and stops as the server closes
+        (``ServerStopping``, as ``prepare`` says it)."""
+        try:
+            with self._reading_turn(lambda: self.closed):
+                yield
+        except vision.ReadingStopped:
+            if self.closed:
+                raise ServerStopping(STOPPING) from None
+            raise
 
     @contextlib.contextmanager
     def _reading_turn(self, stop: Callable[[], bool]) -> Iterator[None]:

@@ -120,6 +120,17 @@ def test_caption_asks_the_embedded_model_for_a_description_in_its_own_words(embe
     proc = glimpse_here("caption", str(folder), "--out", str(out), cache=embedded_cache)
     assert proc.returncode == 0, proc.stderr
     assert "captioned 1, already done 1" in proc.stderr
+    # Another model's captions asked "Describe the image." by --prompt are not that model's default: a rerun without
+    # --prompt is refused, as before the embedded model had a wording of its own.
+    from glimpse.caption import refuse_other_settings
+    from glimpse.common import UserError
+    from glimpse.pipeline.profiles import model_key
+
+    rows = [{**record, "model": model_key("/models/llava"), "policy": "auto", "speed": 0.0}]
+    with pytest.raises(UserError, match="--prompt 'Describe the image.'"):
+        refuse_other_settings(rows, out, "auto", 0.0, None, "start afresh", model="/models/llava")
+    refuse_other_settings([{**rows[0], "model": model_key("embedded")}], out, "auto", 0.0, None, "start afresh",
+                          model="embedded")
 
 
 @pytest.mark.parametrize("name,content", [("broken.png", b"\x89PNG\r\n\x1a\n" + b"\x00" * 40),

@@ -885,3 +885,18 @@ def test_a_request_the_kv_budget_holds_back_counts_against_the_queue(engine, med
         assert len(second.result(timeout=120).token_ids) == tokens  # the one that waited is answered in its turn
     finally:
         scheduler.close()
+
+
+def test_media_read_outside_a_prompt_wait_for_a_reader_place_and_a_closing_server_ends_the_wait(engine):
+    """The chat checks a turn's files before building its prompt: that reading waits for one of the server's
+    media-reader places as a prompt's does, and a server that closes meanwhile says it is stopping (as ``prepare``
+    does), not that the turn's files could not be read (an outside pass: a refusal counted as the client's mistake)."""
+    scheduler = Scheduler(engine, max_batch=1, media_readers=1, start=False)
+    with scheduler.reading_turn():
+        assert not scheduler.media_readers.acquire(blocking=False)  # the one place is this reading's
+    assert scheduler.media_readers.acquire(blocking=False)  # given back; now held by another reading
+    threading.Timer(0.5, scheduler.close, kwargs={"wait": False}).start()
+    with pytest.raises(ServerStopping):
+        with scheduler.reading_turn():
+            pass
+    scheduler.media_readers.release()
