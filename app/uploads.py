@@ -31,6 +31,11 @@ RESERVE_BYTES = 2**30  # what uploads must leave free on the disk, whatever the 
 # A tenth of the disk's inodes is left free, at most this many (a file system that has no fixed number, btrfs's, says
 # it has 0).
 RESERVE_INODES = 100_000
+# What an upload admitted but not yet on the disk is counted to take of the disk's files, until its body is in: two
+# for each part its length could hold (a file and its folder), at most Gradio's 1,000 files a POST. Counted only as
+# found on the disk, fifty 200 KB POSTs of 1,000 files each admitted at once ran the disk out of files past the
+# reserve (an outside pass).
+MAX_UPLOAD_FILES, MIN_PART_BYTES = 1000, 100
 # What the smallest file or folder takes on the disk: its block and its inode. Counted by their sizes, 30,528
 # one-byte uploads were 20.9 MiB of the quota and 140 MiB of the disk, and empty ones counted for nothing.
 ENTRY_BYTES = 4096
@@ -137,7 +142,8 @@ def _open_files(pid: str) -> set[tuple[int, int]]:
 
 class UploadQuota:
     """ASGI middleware: POSTs to a path ending in ``/upload`` (Gradio's upload route) are refused with 507 when
-    the upload folder would grow past ``quota_bytes`` or the disk would keep less than ``RESERVE_BYTES``; 411
+    the upload folder would grow past ``quota_bytes`` or the disk would keep less than ``RESERVE_BYTES`` (or
+    ``RESERVE_INODES`` files, counting those the uploads admitted may take); 411
     when they do not say their length (a browser always does)."""
 
     def __init__(self, app, folder: str | Path, quota_bytes: int, max_age_s: float = 24 * 3600):
@@ -145,6 +151,7 @@ class UploadQuota:
         self.quota_bytes, self.max_age_s = quota_bytes, max_age_s
         self.walking = anyio.CapacityLimiter(1)  # uploads waiting for the check wait on the event loop, not in threads
         self.used, self.measured_at = 0, -float("inf")  # the folder's bytes as last measured, plus those admitted since
+        self.pending_files = 0  # the disk's files the uploads admitted may take, their bodies not all in yet
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/").endswith("/upload"):
@@ -155,6 +162,7 @@ class UploadQuota:
             problem = await anyio.to_thread.run_sync(self.room_for, int(length), limiter=self.walking)
             if problem is not None:
                 return await refuse(send, 507, problem)
+            files_counted = _files_for(int(length))
             status, delimiters = [], _Delimiters(headers.get(b"content-type", b""))
 
             async def counting_parts():
@@ -175,26 +183,29 @@ class UploadQuota:
                     return
                 raise
             finally:  # each file past the first (charged on admission) takes its block and its folder's
-                if (files := delimiters.count - 1) > 1:
-                    await anyio.to_thread.run_sync(self.charge, (files - 1) * 2 * ENTRY_BYTES, limiter=self.walking)
+                files = delimiters.count - 1
+                await anyio.to_thread.run_sync(self.charge, max(files - 1, 0) * 2 * ENTRY_BYTES, files_counted,
+                                               limiter=self.walking)
         await self.app(scope, receive, send)
 
-    def charge(self, count: int) -> None:
-        """``count`` bytes more in use, until the next walk measures them (called one at a time, as room_for)."""
+    def charge(self, count: int, files_written: int = 0) -> None:
+        """``count`` bytes more in use, until the next walk measures them, and an upload's ``files_written`` (what it
+        was counted to take of the disk's files) now on the disk. Called one at a time, as room_for."""
         self.used += count
+        self.pending_files -= files_written
 
     def room_for(self, length: int) -> str | None:
         """None if ``length`` more bytes of uploads fit (after deleting expired ones if needed), else why not. One
         call at a time (``walking``)."""
         if time.monotonic() - self.measured_at > REMEASURE_S:
             self._measure()
-        if not self._fits(length):
+        if self._lacks(length) is not None:
             delete_older_than(self.folder, self.max_age_s)
             self._measure()
-            if not self._fits(length):
-                return (f"the server's room for uploads is full ({_size(self.quota_bytes)}, or the disk is nearly "
-                        f"full); try again later, or ask its operator to raise --max-uploads-gb")
+            if (lacking := self._lacks(length)) is not None:
+                return lacking
         self.used += length + 2 * ENTRY_BYTES  # until the next walk counts it: Gradio makes a folder for each file
+        self.pending_files += _files_for(length)
         return None
 
     def _measure(self) -> None:
@@ -202,11 +213,27 @@ class UploadQuota:
         delete_left_parts(self.folder)
         self.used, self.measured_at = folder_bytes(self.folder), time.monotonic()
 
-    def _fits(self, length: int) -> bool:
-        free = shutil.disk_usage(self.folder).free
-        disk = os.statvfs(self.folder)
-        files_left = disk.f_files == 0 or disk.f_favail >= min(RESERVE_INODES, disk.f_files // 10) + 2
-        return self.used + length <= self.quota_bytes and free - length >= RESERVE_BYTES and files_left
+    def _lacks(self, length: int) -> str | None:
+        """Why an upload of ``length`` bytes does not fit, saying which limit (the operator's remedy differs); None
+        if it fits."""
+        if self.used + length > self.quota_bytes:
+            return (f"the server's room for uploads is full ({_size(self.quota_bytes)}); try again later, or ask its "
+                    "operator to raise --max-uploads-gb")
+        if shutil.disk_usage(self.folder).free - length < RESERVE_BYTES:
+            return ("the server's disk is nearly full (uploads leave it 1 GiB); try again later, or ask its operator "
+                    "to free some of it (df -h)")
+        disk = os.statvfs(self.folder)  # (a file system without a fixed number of files says it has 0)
+        if disk.f_files and disk.f_favail - self.pending_files - _files_for(length) < min(RESERVE_INODES,
+                                                                                          disk.f_files // 10):
+            return ("the server's disk can hold few more files (uploads leave it a tenth of them); try again later, "
+                    "or ask its operator to free some (df -i)")
+        return None
+
+
+def _files_for(length: int) -> int:
+    """The disk's files (inodes) an upload of ``length`` bytes may take: a file and its folder for each part it
+    could hold."""
+    return 2 * min(MAX_UPLOAD_FILES, length // MIN_PART_BYTES + 1)
 
 
 class _Delimiters:
