@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -152,6 +153,7 @@ class UploadQuota:
         self.walking = anyio.CapacityLimiter(1)  # uploads waiting for the check wait on the event loop, not in threads
         self.used, self.measured_at = 0, -float("inf")  # the folder's bytes as last measured, plus those admitted since
         self.pending_files = 0  # the disk's files the uploads admitted may take, their bodies not all in yet
+        self.pending_lock = threading.Lock()  # (changed by room_for's thread and by the event loop)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/").endswith("/upload"):
@@ -182,17 +184,17 @@ class UploadQuota:
                 if status == [400]:  # answered by malformed_upload: the client's mistake, not a traceback in the log
                     return
                 raise
-            finally:  # each file past the first (charged on admission) takes its block and its folder's
-                files = delimiters.count - 1
-                await anyio.to_thread.run_sync(self.charge, max(files - 1, 0) * 2 * ENTRY_BYTES, files_counted,
-                                               limiter=self.walking)
+            finally:
+                with self.pending_lock:  # its files are on the disk now, or never will be (at once: no await here)
+                    self.pending_files -= files_counted
+                # each file past the first (charged on admission) takes its block and its folder's
+                if (files := delimiters.count - 1) > 1:
+                    await anyio.to_thread.run_sync(self.charge, (files - 1) * 2 * ENTRY_BYTES, limiter=self.walking)
         await self.app(scope, receive, send)
 
-    def charge(self, count: int, files_written: int = 0) -> None:
-        """``count`` bytes more in use, until the next walk measures them, and an upload's ``files_written`` (what it
-        was counted to take of the disk's files) now on the disk. Called one at a time, as room_for."""
+    def charge(self, count: int) -> None:
+        """``count`` bytes more in use, until the next walk measures them (called one at a time, as room_for)."""
         self.used += count
-        self.pending_files -= files_written
 
     def room_for(self, length: int) -> str | None:
         """None if ``length`` more bytes of uploads fit (after deleting expired ones if needed), else why not. One
@@ -205,7 +207,8 @@ class UploadQuota:
             if (lacking := self._lacks(length)) is not None:
                 return lacking
         self.used += length + 2 * ENTRY_BYTES  # until the next walk counts it: Gradio makes a folder for each file
-        self.pending_files += _files_for(length)
+        with self.pending_lock:
+            self.pending_files += _files_for(length)
         return None
 
     def _measure(self) -> None:

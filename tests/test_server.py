@@ -2052,11 +2052,38 @@ def test_uploads_are_refused_before_the_disk_runs_out_of_files_for_everyone(serv
     quota = uploads.UploadQuota(None, folder, quota_bytes=2**40)
     assert quota.room_for(200_000) is None  # may take 2,000 files
     assert "can hold few more files" in quota.room_for(200_000)  # 2,000 more would leave fewer than 100,000
-    quota.charge(0, files_written=2_000)  # the first one's files are on the disk (the disk's count has them)
+    quota.pending_files -= 2_000  # the first one's files are on the disk (as its body ends: the disk's count has them)
     disk["f_favail"] -= 2_000
     assert "can hold few more files" in quota.room_for(200_000)
     disk["f_favail"] += 2_000  # ... or they were fewer, or went
     assert quota.room_for(200_000) is None
+    # An upload through the quota counts its files while its body comes, and no longer once it has been answered,
+    # whether its handler succeeded or failed.
+    import asyncio
+
+    seen = []
+
+    async def handler(scope, receive, send):
+        seen.append(quota.pending_files)
+        await receive()
+        if seen[1:]:
+            raise RuntimeError("the handler failed")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"[]"})
+
+    async def nothing(message):
+        pass
+
+    async def body():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    quota = uploads.UploadQuota(handler, folder, quota_bytes=2**40)
+    scope = {"type": "http", "method": "POST", "path": "/gradio_api/upload",
+             "headers": [(b"content-length", b"200000"), (b"content-type", b"multipart/form-data; boundary=B")]}
+    asyncio.run(quota(scope, body, nothing))
+    with pytest.raises(RuntimeError):
+        asyncio.run(quota(scope, body, nothing))
+    assert seen == [2_000, 2_000] and quota.pending_files == 0
 
 
 def test_the_upload_quota_counts_what_files_take_on_the_disk_and_is_checked_off_the_event_loop(
