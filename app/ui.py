@@ -715,28 +715,40 @@ class SessionMessages(OrderedDict):
     ``build_server`` puts in place of Gradio's own map. That one (an LRUCache of 2,000) drops the session set longest
     ago once full, even one whose answer is under way: a client joining the queue under 2,300 made-up sessions, never
     reading, ended a real user's answer with "session not found" (an outside pass, 2026-12-07). This one drops, past
-    ``limit``, the least recently used sessions with no event queued or running (their clients never came for what
-    was sent, or have it all), and with each the event ids Gradio keeps until they are delivered (``Queue.
-    pending_event_ids_session``, which a client that never reads grew without end)."""
+    ``limit``, the least recently used sessions with no event queued or running and nothing sent them in the last
+    ``read_grace_s`` left unread (their clients never came for what was sent, or have it all; an answer's last
+    messages are sent after its event ends, and its client reads them a moment later), and with each the event ids
+    Gradio keeps until they are delivered (``Queue.pending_event_ids_session``, which a client that never reads grew
+    without end)."""
 
-    def __init__(self, queue, limit: int | None = None):
+    def __init__(self, queue, limit: int | None = None, read_grace_s: float = 60.0):
         super().__init__()
         self.queue, self.limit = queue, 2 * CHAT_SESSIONS if limit is None else limit
+        self.read_grace_s = read_grace_s
+        self.used_at: dict = {}  # session -> when it was last set or sent a message
 
     def __getitem__(self, session):
         messages = super().__getitem__(session)  # (sending it a message: in use)
         self.move_to_end(session)
+        self.used_at[session] = time.monotonic()
         return messages
 
     def __setitem__(self, session, messages) -> None:
         super().__setitem__(session, messages)
         self.move_to_end(session)
+        self.used_at[session] = now = time.monotonic()
         if len(self) > self.limit:
             live = {event.session_hash for event in list(self.queue.event_ids_to_events.values())}
-            idle = [other for other in self if other not in live and other != session]
+            idle = [other for other in self if other not in live and other != session
+                    and (OrderedDict.__getitem__(self, other).empty()  # (not self[other]: that is a use)
+                         or now - self.used_at.get(other, 0.0) > self.read_grace_s)]
             for other in idle[:len(self) - self.limit]:
                 del self[other]
                 self.queue.pending_event_ids_session.pop(other, None)
+
+    def __delitem__(self, session) -> None:
+        super().__delitem__(session)
+        self.used_at.pop(session, None)
 
 
 def _remember(sessions: dict, session, value) -> None:

@@ -786,9 +786,23 @@ def test_made_up_chat_sessions_never_drop_one_whose_answer_is_under_way(server):
     assert len(sessions) == 10 and "made-up-25" not in sessions
     assert [name for name in sessions if name != "user"] == [f"made-up-{n}" for n in range(41, 50)]
     assert set(queue.pending_event_ids_session) == set(sessions)  # the dropped sessions' ids went with them
-    del queue.event_ids_to_events["e-user"]  # its answer sent: an idle session like any other
-    sessions["one-more"] = asyncio.Queue()
-    assert "user" not in sessions and len(sessions) == 10
+    # Its event ended, its last messages sent and not read yet (its client reads them a moment later): kept
+    del queue.event_ids_to_events["e-user"]
+    sessions["user"].put_nowait("the answer's last message")
+    for number in range(10):  # as many sessions set after it as the map holds
+        sessions[f"later-{number}"] = asyncio.Queue()
+    assert "user" in sessions and len(sessions) == 10
+    sessions["user"].get_nowait()  # read: an idle session like any other
+    for number in range(10):
+        sessions[f"even-later-{number}"] = asyncio.Queue()
+    assert "user" not in sessions and len(sessions) == 10 and "user" not in sessions.used_at
+    # A session whose messages nobody read for longer than the grace goes too.
+    sessions = SessionMessages(SimpleNamespace(event_ids_to_events={}, pending_event_ids_session={}), limit=2,
+                               read_grace_s=0.0)
+    sessions["never-reads"] = asyncio.Queue()
+    sessions["never-reads"].put_nowait("unread")
+    sessions["a"], sessions["b"] = asyncio.Queue(), asyncio.Queue()
+    assert list(sessions) == ["a", "b"]
 
 
 def test_the_chats_routes_take_a_conversation_not_the_apis_64_mib(server):
