@@ -285,39 +285,29 @@ class Scheduler:
         def stop() -> bool:
             return self.closed or (left is not None and left())
 
+        with one_torch_thread(self.engine.device):
+            return self.engine.prepare(messages, caches, reading=self.reading_turn(stop))
+
+    @contextlib.contextmanager
+    def reading_turn(self, stop: Callable[[], bool] | None = None) -> Iterator[None]:
+        """One of the ``media_readers`` places (waited for until ``stop()``; by default, until the server closes), and
+        in it the reading's limits: the time limit counts from the place, not from the wait for it. A prompt's reading
+        takes one (``prepare``), and so does media read outside a prompt (the chat's check of a turn's files). Stopped
+        because the server closes, the reading raises ``ServerStopping``."""
+        stop = stop or (lambda: self.closed)
         try:
-            with one_torch_thread(self.engine.device):
-                return self.engine.prepare(messages, caches, reading=self._reading_turn(stop))
+            while not self.media_readers.acquire(timeout=0.25):
+                if stop():
+                    raise vision.ReadingStopped("the request's media: reading them was stopped before it began")
+            try:
+                with vision.reading_limit(self.media_timeout_s, stop):
+                    yield
+            finally:
+                self.media_readers.release()
         except vision.ReadingStopped:
             if self.closed:
                 raise ServerStopping(STOPPING) from None
             raise
-
-    @contextlib.contextmanager
-    def reading_turn(self) -> Iterator[None]:
-        """One of the ``media_readers`` places and the reading's limits, for media read outside ``prepare`` (the chat's
-        check of a turn's files): such reading waits its turn as a prompt's does, and stops as the server closes
-        (``ServerStopping``, as ``prepare`` says it)."""
-        try:
-            with self._reading_turn(lambda: self.closed):
-                yield
-        except vision.ReadingStopped:
-            if self.closed:
-                raise ServerStopping(STOPPING) from None
-            raise
-
-    @contextlib.contextmanager
-    def _reading_turn(self, stop: Callable[[], bool]) -> Iterator[None]:
-        """One of the ``media_readers`` places (waited for until ``stop()``), and in it the reading's limits: the time
-        limit counts from the place, not from the wait for it."""
-        while not self.media_readers.acquire(timeout=0.25):
-            if stop():
-                raise vision.ReadingStopped("the request's media: reading them was stopped before it began")
-        try:
-            with vision.reading_limit(self.media_timeout_s, stop):
-                yield
-        finally:
-            self.media_readers.release()
 
     def check_room(self) -> None:
         """Raise ``QueueFull`` if a request submitted now would be refused."""
