@@ -401,6 +401,53 @@ def test_a_file_replaced_by_a_pipe_after_its_check_is_refused_not_waited_on(tmp_
         assert "swapped.png: not a regular file" in str(outcome[0])
 
 
+def test_a_video_replaced_by_a_pipe_after_its_checks_is_refused_not_waited_on_by_ffmpeg(tmp_path, monkeypatch):
+    """The same race for a video's decoding: FFmpeg opened the video by its name, after Glimpse's checks, and a pipe
+    put there in between made it wait for a writer for ever (neither the media time limit, checked between packets,
+    nor Ctrl-C could end it). Here the name becomes a pipe just as its check passes."""
+    import threading
+
+    from glimpse.vision import media
+
+    video = tmp_path / "clip.mp4"
+
+    def swapped():  # the name becomes a pipe
+        video.unlink()
+        os.mkfifo(video)
+
+    def swapped_at_check(path):
+        swapped()
+        return path
+
+    def swapped_after_sniffing(head):  # probe_video's look at the file's head (through its descriptor) passed
+        swapped()
+        return "video"
+
+    for read, patch in ((lambda path: media.decode_frames(path, [0, 1]), ("_checked_file", swapped_at_check)),
+                        (vision.probe_video, ("_sniff_kind", swapped_after_sniffing))):
+        video.unlink(missing_ok=True)
+        video.write_bytes((ASSETS / "sample.mp4").read_bytes())
+        monkeypatch.setattr(media, *patch)
+        outcome: list = []
+
+        def attempt():
+            try:
+                read(video)
+            except Exception as error:  # noqa: BLE001 (the test's verdict below)
+                outcome.append(error)
+
+        reader = threading.Thread(target=attempt, daemon=True)
+        reader.start()
+        reader.join(timeout=10)
+        if reader.is_alive():  # waiting on the pipe: a writer lets it go, so that the test ends
+            os.close(os.open(video, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(timeout=10)
+            pytest.fail("FFmpeg waited on a pipe for a writer")
+        assert len(outcome) == 1 and isinstance(outcome[0], vision.MediaError), outcome
+        assert "clip.mp4: not a regular file" in str(outcome[0])
+        monkeypatch.undo()
+
+
 def test_an_image_whose_header_cannot_be_read_is_said_to_be_corrupt_not_of_an_unknown_type():
     """A PNG cut short, a bare PNG signature and a PNG whose compressed text chunk unpacks past PIL's limit were
     "not an image Glimpse can read (it reads JPEG, PNG, ...)": they are PNGs, and the message sent the user

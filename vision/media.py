@@ -237,8 +237,8 @@ def _open_regular(path: Path) -> io.FileIO:
     open, whoever may write its folder can put a pipe in its place, and opening a pipe waits for a writer: a thread
     reading a captioning run's inputs waited for ever, where neither --media-timeout (checked between reads) nor
     Ctrl-C (which waits for the readers) could end it (an outside pass, 2026-12-07). Opened without waiting
-    (O_NONBLOCK), what the name holds now is looked at on the descriptor itself. (Videos are opened by FFmpeg, by
-    name: that open is not guarded so.)"""
+    (O_NONBLOCK), what the name holds now is looked at on the descriptor itself. Videos too: FFmpeg reads the
+    descriptor opened here (``_open_container``); decord, optional, still opens them by name."""
     nonblocking = getattr(os, "O_NONBLOCK", 0)  # (POSIX's: Windows has no such open, nor pipes in folders)
     fd = os.open(path, os.O_RDONLY | nonblocking | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0))
     try:
@@ -624,11 +624,18 @@ def check_video_backend() -> None:
     _choose_backend(None)
 
 
-def _open_container(path: Path) -> av.container.InputContainer:
-    try:
-        return av.open(str(path), mode="r")
-    except (av.FFmpegError, OSError, ValueError) as error:
-        raise MediaError(f"{path.name}: the video is corrupt or truncated: the file cannot be opened") from error
+@contextmanager
+def _open_container(path: Path) -> Iterator[av.container.InputContainer]:
+    """The video opened for demuxing, through a descriptor opened as ``_open_regular`` opens one: FFmpeg opening
+    the name itself waited for ever on a pipe put in the file's place after its check (a folder whoever may write).
+    FFmpeg reads it through the file object (and takes the name's extension as its hint, as it would by name)."""
+    with _open_regular(path) as file:
+        try:
+            container = av.open(file, mode="r")
+        except (av.FFmpegError, OSError, ValueError) as error:
+            raise MediaError(f"{path.name}: the video is corrupt or truncated: the file cannot be opened") from error
+        with container:
+            yield container
 
 
 # Video streams that are pictures, not the video: a file's cover art, thumbnails, stills.
