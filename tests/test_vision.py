@@ -370,43 +370,47 @@ def test_empty_missing_and_unreadable_images(tmp_path):
         vision.load_image("https://example.com/cat.png")
 
 
+def _refusal_of(read, path: Path) -> Exception:
+    """What ``read(path)`` raised, ``path`` being a pipe; fails the test if it waited on the pipe for a writer."""
+    import threading
+
+    outcome: list = []
+
+    def attempt():
+        try:
+            read(path)
+        except Exception as error:  # noqa: BLE001 (the test's verdict)
+            outcome.append(error)
+
+    reader = threading.Thread(target=attempt, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # waiting on the pipe: a writer lets it go, so that the test ends
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=10)
+        pytest.fail(f"{getattr(read, '__name__', read)} waited on a pipe for a writer")
+    assert len(outcome) == 1, f"{path} was read, not refused"
+    return outcome[0]
+
+
 def test_a_file_replaced_by_a_pipe_after_its_check_is_refused_not_waited_on(tmp_path, monkeypatch):
     """Between the check that a name is a regular file and its opening, whoever may write the folder can put a pipe
     in its place, and opening a pipe waits for a writer: a captioning run's reader waited for ever (an outside pass
     raced renames against it). Here the check passes as if the pipe came just after it: the opening itself refuses
     what the name holds then."""
-    import threading
-
     from glimpse.vision import media
 
     monkeypatch.setattr(media, "_checked_file", lambda path: path)  # the check saw the regular file it replaced
     os.mkfifo(tmp_path / "swapped.png")
     for read in (vision.load_image, vision.detect_kind, vision.probe_video):
-        outcome: list = []
-
-        def attempt():
-            try:
-                read(tmp_path / "swapped.png")
-            except Exception as error:  # noqa: BLE001 (the test's verdict below)
-                outcome.append(error)
-
-        reader = threading.Thread(target=attempt, daemon=True)
-        reader.start()
-        reader.join(timeout=10)
-        if reader.is_alive():  # waiting on the pipe: a writer lets it go, so that the test ends
-            os.close(os.open(tmp_path / "swapped.png", os.O_WRONLY | os.O_NONBLOCK))
-            reader.join(timeout=10)
-            pytest.fail(f"{read.__name__} waited on a pipe for a writer")
-        assert len(outcome) == 1 and isinstance(outcome[0], vision.MediaError), outcome
-        assert "swapped.png: not a regular file" in str(outcome[0])
+        refusal = _refusal_of(read, tmp_path / "swapped.png")
+        assert isinstance(refusal, vision.MediaError) and "swapped.png: not a regular file" in str(refusal), refusal
 
 
 def test_a_video_replaced_by_a_pipe_after_its_checks_is_refused_not_waited_on_by_ffmpeg(tmp_path, monkeypatch):
     """The same race for a video's decoding: FFmpeg opened the video by its name, after Glimpse's checks, and a pipe
     put there in between made it wait for a writer for ever (neither the media time limit, checked between packets,
     nor Ctrl-C could end it). Here the name becomes a pipe just as its check passes."""
-    import threading
-
     from glimpse.vision import media
 
     video = tmp_path / "clip.mp4"
@@ -428,23 +432,8 @@ def test_a_video_replaced_by_a_pipe_after_its_checks_is_refused_not_waited_on_by
         video.unlink(missing_ok=True)
         video.write_bytes((ASSETS / "sample.mp4").read_bytes())
         monkeypatch.setattr(media, *patch)
-        outcome: list = []
-
-        def attempt():
-            try:
-                read(video)
-            except Exception as error:  # noqa: BLE001 (the test's verdict below)
-                outcome.append(error)
-
-        reader = threading.Thread(target=attempt, daemon=True)
-        reader.start()
-        reader.join(timeout=10)
-        if reader.is_alive():  # waiting on the pipe: a writer lets it go, so that the test ends
-            os.close(os.open(video, os.O_WRONLY | os.O_NONBLOCK))
-            reader.join(timeout=10)
-            pytest.fail("FFmpeg waited on a pipe for a writer")
-        assert len(outcome) == 1 and isinstance(outcome[0], vision.MediaError), outcome
-        assert "clip.mp4: not a regular file" in str(outcome[0])
+        refusal = _refusal_of(read, video)
+        assert isinstance(refusal, vision.MediaError) and "clip.mp4: not a regular file" in str(refusal), refusal
         monkeypatch.undo()
 
 
