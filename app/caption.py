@@ -125,11 +125,14 @@ def list_entries(listing: Path) -> list[str]:
 
 
 def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | None = None,
-                   log: Callable[[str], None] = lambda message: None) -> list[Path]:
+                   log: Callable[[str], None] = lambda message: None,
+                   keys: dict[Path, str] | None = None) -> list[Path]:
     """Media files from files, folders (recursive) and list files, in a stable order, once each (by resolved path:
     names that link to one file are one input, which ``log`` says). URLs are refused with a pointer to ``--ray``,
     which fetches them. A folder that cannot be listed (no permission) is added to ``unreadable`` as (folder,
-    reason) for the caller to report; without that list, it is an error."""
+    reason) for the caller to report; without that list, it is an error. ``keys``, where given, receives each
+    input's ``input_key``, found here anyway: resolving a million names again (once per step of a run that used
+    them) took minutes before a resumed run said a word."""
     seen: dict[Path, Path] = {}
     out, linked = [], []
     cannot_list: list[tuple[str, str]] = []
@@ -139,6 +142,8 @@ def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | Non
         if key not in seen:
             seen[key] = path
             out.append(path)
+            if keys is not None:
+                keys[path] = stored(str(key))
         elif seen[key] != path:
             linked.append((path, seen[key]))
 
@@ -232,6 +237,12 @@ def sidecar(path: Path) -> Path:
 def input_key(path: Path) -> str:
     """What identifies an input across runs: its resolved path (as ``stored``)."""
     return stored(str(resolved_path(path)))
+
+
+def input_keys(inputs: list[Path], known: dict[Path, str] | None = None) -> dict[Path, str]:
+    """Each input's ``input_key``: from ``known`` (``collect_inputs``'s) where it is there, found otherwise."""
+    known = known or {}
+    return {path: known[path] if path in known else input_key(path) for path in inputs}
 
 
 def stored(value):
@@ -573,10 +584,11 @@ def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | No
                    policy: str, speed: float, prompt: str | None, max_new_tokens: int, batch_size: int,
                    media_timeout_s: float | None = None, readers: int = MEDIA_READERS,
                    progress: Callable[[int, int, int], None] | None = None,
-                   log: Callable[[str], None] = lambda message: None) -> CaptionReport:
+                   log: Callable[[str], None] = lambda message: None,
+                   keys: dict[Path, str] | None = None) -> CaptionReport:
     """Caption ``inputs`` into ``out`` (a path, or a ``CaptionOutput`` already opened and locked);
     ``media_timeout_s``: the longest one input may take to read (None: no limit); ``readers``: inputs read at once;
-    ``progress(done, total, failed)`` after every batch."""
+    ``progress(done, total, failed)`` after every batch; ``keys``: the inputs' keys where known (``collect_inputs``)."""
     report = CaptionReport()
     sidecars = {}
     if fmt == "txt":
@@ -588,7 +600,8 @@ def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | No
     if fmt == "jsonl":
         sink = out if isinstance(out, CaptionOutput) else CaptionOutput(out)
     try:
-        return _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size,
+        keys = input_keys(inputs, keys) if sink is not None else {}
+        return _caption(engine, inputs, keys, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size,
                         media_timeout_s, readers, progress, log, report)
     finally:
         if sink is not None and sink is not out:
@@ -604,13 +617,14 @@ def sidecars_skipped(count: int) -> str:
             f"{'them' if many else 'it'} again with this run's")
 
 
-def _sorted_inputs(inputs: list[Path], done: set[str] | None, overwrite: bool) -> tuple[list, list, int]:
+def _sorted_inputs(inputs: list[Path], done: set[str] | None, overwrite: bool,
+                   keys: dict[Path, str]) -> tuple[list, list, int]:
     """(inputs to caption, inputs whose key another input shares, the count of those captioned already): against the
-    keys ``done`` in a JSONL output, or (``done`` None) the sidecars beside the inputs. Shared keys: two files whose
-    names differ only as the output writes them (a byte that is not UTF-8 is written "\\xNN", and a name may hold
-    those four characters) were one key, so that one was skipped as done, or both written under one key no reader
-    could tell apart (an outside pass); neither is captioned."""
-    keys = {path: input_key(path) for path in inputs} if done is not None else {}
+    keys ``done`` in a JSONL output (``keys``: the inputs'), or (``done`` None) the sidecars beside the inputs. Shared
+    keys: two files whose names differ only as the output writes them (a byte that is not UTF-8 is written "\\xNN",
+    and a name may hold those four characters) were one key, so that one was skipped as done, or both written under
+    one key no reader could tell apart (an outside pass); neither is captioned."""
+    keys = keys if done is not None else {}
     named = Counter(keys.values())
     pending, alike, skipped = [], [], 0
     for path in inputs:
@@ -624,21 +638,23 @@ def _sorted_inputs(inputs: list[Path], done: set[str] | None, overwrite: bool) -
     return pending, alike, skipped
 
 
-def all_captioned(inputs: list[Path], output: CaptionOutput | None) -> bool:
+def all_captioned(inputs: list[Path], output: CaptionOutput | None, keys: dict[Path, str] | None = None) -> bool:
     """Whether every input has its caption already (in ``output``'s JSONL, or beside it: ``output`` None), each under
-    a key of its own: a rerun with nothing left to do needs no model (it loaded one, seconds to minutes)."""
-    pending, alike, _ = _sorted_inputs(inputs, output.done() if output is not None else None, overwrite=False)
+    a key of its own: a rerun with nothing left to do needs no model (it loaded one, seconds to minutes). ``keys``:
+    the inputs' keys where known (``collect_inputs``)."""
+    done = output.done() if output is not None else None
+    pending, alike, _ = _sorted_inputs(inputs, done, False, input_keys(inputs, keys) if done is not None else {})
     return not pending and not alike
 
 
-def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size, media_timeout_s,
-             readers, progress, log, report) -> CaptionReport:
+def _caption(engine, inputs, keys, sink, fmt, overwrite, policy, speed, prompt, max_new_tokens, batch_size,
+             media_timeout_s, readers, progress, log, report) -> CaptionReport:
     if sink is not None and overwrite:
-        if replaced := sink.forget({input_key(path) for path in inputs}):
+        if replaced := sink.forget(set(keys.values())):
             log(f"--overwrite: {replaced} caption{'s' if replaced > 1 else ''} of these inputs removed from "
                 f"{sink.path}, to be written again")
     model = model_key(engine.model_id)  # each record's (a path resolved once, not per record)
-    pending, alike, report.skipped = _sorted_inputs(inputs, sink.done() if sink is not None else None, overwrite)
+    pending, alike, report.skipped = _sorted_inputs(inputs, sink.done() if sink is not None else None, overwrite, keys)
     for path in alike:
         report.failed.append((str(path), "its name is written in the output as another input's is (bytes that are "
                                          "not UTF-8 as \\xNN): rename one of them"))
@@ -670,7 +686,7 @@ def _caption(engine, inputs, sink, fmt, overwrite, policy, speed, prompt, max_ne
                         continue
                 else:
                     metrics = {k: result.metrics[k] for k in KEPT_METRICS}
-                    sink.write({"path": stored(str(path)), "key": input_key(path), "caption": caption,
+                    sink.write({"path": stored(str(path)), "key": keys[path], "caption": caption,
                                 "model": model, "policy": result.policy,
                                 "speed": speed, "prompt": stored(asked[path]),
                                 "params": result.params, "metrics": metrics,

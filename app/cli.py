@@ -751,7 +751,7 @@ def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
 
 def run_caption(args) -> int:
     from glimpse.caption import (LIST_EXTENSIONS, CaptionOutput, CaptionReport, all_captioned, check_sidecars,
-                                 collect_inputs, input_key, record_key, records_in_jsonl, refuse_other_settings,
+                                 collect_inputs, record_key, records_in_jsonl, refuse_other_settings,
                                  sidecars_skipped, unlisted_failures)
     from glimpse.pruning import make_policy
 
@@ -789,8 +789,9 @@ def run_caption(args) -> int:
     if args.format == "txt" and args.out:
         raise UserError("--format txt writes sidecars next to the inputs: leave out --out")
     unreadable: list[tuple[str, str]] = []
+    keys: dict[Path, str] = {}  # each input's (resolved once: a million took minutes each time)
     try:
-        inputs = collect_inputs(args.inputs, unreadable, log=_log)
+        inputs = collect_inputs(args.inputs, unreadable, log=_log, keys=keys)
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
     unlisted = unlisted_failures(unreadable, _log)
@@ -804,17 +805,17 @@ def run_caption(args) -> int:
     try:
         if output is not None:
             # --overwrite replaces this run's inputs' captions: the others it keeps must be of these settings too
-            again = {input_key(path) for path in inputs} if args.overwrite else set()
+            again = set(keys.values()) if args.overwrite else set()
             refuse_other_settings((r for r in records_in_jsonl(out) if record_key(r) not in again), out, args.policy,
                                   args.speed, args.prompt, "--overwrite with every input it holds to caption them "
                                   "again (it replaces the captions of the inputs given, and keeps the others)",
                                   model=args.model, others_kept=args.overwrite)
-        if not args.overwrite and all_captioned(inputs, output):  # nothing to do: no model to load
+        if not args.overwrite and all_captioned(inputs, output, keys):  # nothing to do: no model to load
             report = CaptionReport(skipped=len(inputs))
             if output is None:
                 _log(sidecars_skipped(len(inputs)))
         else:
-            report = _caption_with_model(args, inputs, output)
+            report = _caption_with_model(args, inputs, output, keys)
     finally:
         if output is not None:
             output.close()
@@ -826,7 +827,7 @@ def run_caption(args) -> int:
     return 1 if report.failed else 0
 
 
-def _caption_with_model(args, inputs, output):
+def _caption_with_model(args, inputs, output, keys):
     from glimpse.caption import ProgressBar, caption_inputs
     from glimpse.pipeline import load_engine
 
@@ -844,7 +845,7 @@ def _caption_with_model(args, inputs, output):
         return caption_inputs(engine, inputs, out=output, fmt=args.format, overwrite=args.overwrite,
                               policy=args.policy, speed=args.speed, prompt=args.prompt,
                               max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                              media_timeout_s=args.media_timeout, progress=progress, log=progress.log)
+                              media_timeout_s=args.media_timeout, progress=progress, log=progress.log, keys=keys)
     finally:
         progress.close()
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -329,6 +330,29 @@ def test_resuming_matches_inputs_by_resolved_path_however_they_are_named(model, 
     assert main(["caption", "in", "--model", model, "--out", str(out), "--max-new-tokens", "4"]) == 0
     for name in (str(tmp_path / "in"), str(tmp_path / "link")):
         assert main(["caption", name, "--model", model, "--out", str(out), "--max-new-tokens", "4"]) == 0
+    assert len(_lines(out)) == len(images)
+
+
+def test_a_run_resolves_each_input_name_once(model, tmp_path, monkeypatch):
+    """A resumed run over a million inputs resolved every name three or four times (listing them, the "all done?"
+    check, sorting out what is left, each record), minutes before it said a word: once each is all it needs, in a
+    first run, a rerun and an --overwrite run alike."""
+    from glimpse import caption
+
+    images = _images(tmp_path / "in", 3)
+    out = tmp_path / "captions.jsonl"
+    resolved, resolve = Counter(), caption.resolved_path
+
+    def counted(path):
+        resolved[path] += 1
+        return resolve(path)
+
+    monkeypatch.setattr(caption, "resolved_path", counted)
+    for extra in ([], [], ["--overwrite"]):  # captions all three; finds them done; captions them again
+        resolved.clear()
+        assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "2",
+                     *extra]) == 0
+        assert {path: resolved[path] for path in images} == dict.fromkeys(images, 1), extra
     assert len(_lines(out)) == len(images)
 
 
