@@ -50,6 +50,9 @@ def test_annealing_schedules_are_the_papers():
     assert anneal_share("cosine", 50, 50) == 0.0 and anneal_share("cosine", 70, 50) == 0.0
     assert anneal_share("linear", 10, 50) == pytest.approx(0.8)
     assert anneal_share("exponential", 10, 30) == pytest.approx(math.exp(-1))
+    # The paper's exponential decay (its Table 8, sigma = 20, 10, 5) has no cut-off at tau as the other two have:
+    # e^(-g / sigma) at every length (sigma = tau / 3 here, docs/pruning.md).
+    assert anneal_share("exponential", 45, 30) == pytest.approx(math.exp(-4.5))
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
@@ -171,9 +174,12 @@ def test_zipvl_packs_each_layers_prefill_kv_by_its_important_split(llava, media)
     assert restricted > 0  # tau 0.9 made some layer's split a real one
 
 
-def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention():
+@pytest.mark.parametrize("prompt_keys", [0, 6])
+def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention(prompt_keys):
     """Algorithm 1, decode: once ``requantize_every`` new entries sit in float, the new token's
-    attention over them picks the high-bit ones (Eq. 6-8 with tau); all of them get packed."""
+    attention over them picks the high-bit ones (Eq. 6-8 with tau); all of them get packed. Its attention is a
+    distribution over the window: with ``prompt_keys`` earlier tokens taking most of it (as a prompt does), the
+    window's share is renormalised before Eq. 6, or tau is never reached and every entry is "important"."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -192,8 +198,10 @@ def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention():
     cache = KVCache(1)
     cache.layers[0] = layer
     new = torch.tensor([100 + window])
-    ctx = SimpleNamespace(cache=cache, layer=LayerView(0, new, torch.zeros(1, dtype=torch.long), query, keys,
-                                                       head_dim ** -0.5, layer.index.clone()))
+    before = torch.full((1, 1, prompt_keys, head_dim), 4.0)  # attended far more than the window's two
+    seen_keys, seen = torch.cat([before, keys], dim=2), torch.cat([torch.arange(prompt_keys), layer.index])
+    ctx = SimpleNamespace(cache=cache, layer=LayerView(0, new, torch.zeros(1, dtype=torch.long), query, seen_keys,
+                                                       head_dim ** -0.5, seen))
     policy.decode_score(0, ctx)
     assert layer.tail_entries() == 0
     assert [k.bits for k, _ in layer.packed] == [4, 2]
@@ -401,6 +409,46 @@ def test_lazyllm_revives_pruned_tokens_once_per_layer_from_the_aux_cache_at_thei
                 assert set(step[layer_idx]) <= set(step[layer_idx - 1])
             else:
                 assert step[layer_idx] == step[layer_idx - 1] or layer_idx < min(schedule)
+
+
+def test_lazyllm_decode_keeps_what_the_new_token_attended_to_most_in_the_layer_before_each_pruning_layer(
+        deep_llava, media):
+    """Algorithm 1 in decode: at pruning layer l a step keeps the tokens that the new token attended to most in
+    layer l - 1 (mean over heads, over the tokens it saw there) and prunes the rest, floor(k n) of them. Checked
+    against that attention computed here from layer l - 1's own q_proj and RoPE and the keys its cache holds."""
+    engine, messages = deep_llava, _messages(media)
+    adapter = engine.adapter
+    policy = _Watching(percentiles=(0.4, 0.5, 0.6), decode_reselect=True)
+    queries: dict[int, torch.Tensor] = {}  # layer -> its last call's query of the step's last row: the new token
+    hooks = [layer.self_attn.q_proj.register_forward_hook(
+        lambda module, args, out, at=at: queries.__setitem__(at, out[0, -1].detach().clone()))
+        for at, layer in enumerate(adapter.layers)]
+    try:
+        request = _answer(engine, messages, policy, 5)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    step, ctx = policy.seen[-1], request.ctx  # the last step's: the caches are as it left them
+    new_token = step[0][-1]
+    checked = 0
+    for layer_idx, k in policy.schedule.items():
+        seen = step[layer_idx - 1]
+        attn = adapter.layers[layer_idx - 1].self_attn
+        cache = ctx.cache.layers[layer_idx - 1]
+        index = cache.index.tolist()
+        with torch.no_grad():
+            keys = cache.keys_values()[0][0][:, [index.index(t) for t in seen]].float()  # (kv_heads, n, head_dim)
+            query = queries[layer_idx - 1].view(1, 1, -1, attn.head_dim).transpose(1, 2)  # (1, heads, 1, head_dim)
+            cos, sin = adapter.rotary(query, torch.tensor([[new_token]]))  # (LLaVA's position: the token's index)
+            query, _ = sys.modules[type(attn).__module__].apply_rotary_pos_emb(query, query, cos, sin)
+            query = query[0, :, 0].float().view(keys.shape[0], -1, attn.head_dim)  # head h reads kv head h // groups
+            attention = ((query @ keys.transpose(1, 2)) * attn.scaling).softmax(-1).reshape(-1, len(seen)).mean(0)
+        by_token = dict(zip(seen, attention.tolist()))
+        kept, pruned = set(step[layer_idx]), set(seen) - set(step[layer_idx])
+        assert new_token in kept and len(pruned) == math.floor(k * len(seen))
+        assert max(by_token[t] for t in pruned) <= min(by_token[t] for t in kept - {new_token}) + 1e-6, layer_idx
+        checked += 1
+    assert checked == len(policy.schedule) == 3
 
 
 def test_the_sliders_lazyllm_prunes_in_prefill_only_and_decode_attends_to_what_prefill_left(deep_llava, media):
