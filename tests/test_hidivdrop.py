@@ -97,6 +97,42 @@ def test_keep_counts_follow_the_schedule_and_nothing_visual_survives_the_exit(de
         assert torch.isin(b, a).all()
 
 
+def test_each_filtering_layer_keeps_the_vision_tokens_the_last_token_attended_to_most(deep, media):
+    """Concave pyramid pruning: after filtering layer f, the top share of the vision tokens by the last prompt
+    token's attention in f (mean over heads) stays. That attention is taken here from the model's own eager
+    layers run at full length with the pruned run's masks: text alone below the injection, vision from it on."""
+    engine = load_engine(str(deep["llava"]), device="cpu", attn="eager")
+    prompt = engine.prepare(_messages(media))
+    visual = (prompt.modality != TEXT).nonzero().squeeze(1)
+    policy = HiDivDrop(inject_layer=3, exit_layer=10, filter_layers=(4, 6, 8), keep=(0.5, 0.25, 0.125))
+    weights: dict = {}
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+        masked_reference(engine, prompt, ctx.active_per_layer, ctx.attention_per_layer, weights=weights)
+    for f, share in ((4, 0.5), (6, 0.25), (8, 0.125)):
+        before = visual[torch.isin(visual, ctx.active_per_layer[f])]  # the vision tokens filtering layer f ranks
+        attention = weights[f][0, :, -1].mean(dim=0)[before]
+        kept = before[attention.argsort(descending=True)[: round(share * len(visual))]]
+        assert set(visual[torch.isin(visual, ctx.active_per_layer[f + 1])].tolist()) == set(kept.tolist()), f
+
+
+def test_the_papers_filtering_layers_scale_with_depth_and_count_from_the_injection_layer_on():
+    """F = {10, 14, 16, 18} of 32 layers, scaled to the depth: round(f L / 32), at least 1 (the spec). A filtering
+    layer counts where the vision tokens are, from L_inj on, while its cut at f + 1 lies before L_exit."""
+    from types import SimpleNamespace
+
+    modality = torch.tensor([1] * 100 + [0] * 10)
+    for L in (12, 20, 28, 32, 40):
+        policy = HiDivDrop.from_speed(1.0)
+        policy.plan(SimpleNamespace(num_layers=L, modality=modality))
+        inject, exit_ = policy.resolved["inject_layer"], policy.resolved["exit_layer"]
+        scaled = {max(1, round(f * L / 32)) for f in (10, 14, 16, 18)}
+        assert policy.resolved["filter_layers"] == sorted(f for f in scaled if inject <= f and f + 1 < exit_), L
+    policy = HiDivDrop(inject_layer=4, exit_layer=10, filter_layers=(4, 7), keep=(0.5, 0.25))
+    policy.plan(SimpleNamespace(num_layers=12, modality=modality))  # f = L_inj ranks the tokens that joined there
+    assert policy.resolved["filter_layers"] == [4, 7] and policy.resolved["keep_counts"] == [50, 25]
+
+
 def test_vision_encoder_in_parallel_is_bit_identical_to_running_it_first(deep, media):
     engine = load_engine(str(deep["llava"]), device="cpu")
     prompt = engine.prepare(_messages(media))

@@ -190,6 +190,19 @@ def test_zipvl_with_tau_one_drops_nothing(checkpoints, media):
     assert result.metrics["attention_tokens_per_layer"] == result.metrics["active_tokens_per_layer"]
 
 
+def test_zipvl_takes_its_video_tau_for_a_prompt_with_a_video_and_its_image_tau_otherwise(checkpoints, media):
+    """The paper sets tau by modality (0.95 video, 0.975 image): a video prompt under the image's tau was found
+    only through the slider's printed table."""
+    engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
+    video = [{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
+                                          {"type": "text", "text": "What happens?"}]}]
+    for messages, tau in ((_image_messages(media), 0.9), (video, 0.8)):
+        policy = ZipVL(tau_image=0.9, tau_video=0.8)
+        with torch.no_grad():
+            engine.prefill(engine.prepare(messages), policy)
+        assert policy.params()["tau"] == tau
+
+
 # ---------------------------------------------------------------------------------------- ST3
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
 def test_st3_keeps_the_eq9_share_of_visual_tokens_never_prunes_text_or_before_layer_3(deep, media, arch):
@@ -270,6 +283,27 @@ def test_lazyllm_keeps_the_right_percentile_per_pruning_layer_nested(deep, media
     assert set(active[layers[0]].tolist()) == set(range(T)) - set(dropped.tolist())
     assert L == len(active)
 
+
+
+def test_lazyllm_without_text_pruning_drops_the_least_attended_share_of_the_visual_tokens_only(deep, media):
+    """``prune_text=False`` (a calibration candidate for VLMs): at each pruning layer floor(k V) of the V visual
+    tokens still active go, those the last token attended to least in the layer before; text never does."""
+    engine = load_engine(str(deep["llava"]), device="cpu", attn="eager")
+    prompt = engine.prepare(_image_messages(media))
+    visual, text = _visual(prompt), (prompt.modality == TEXT).nonzero().squeeze(1)
+    shares = (30, 40, 50)  # percent
+    policy = LazyLLM(percentiles=tuple(k / 100 for k in shares), prune_text=False, decode_reselect=False)
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, policy)
+    active, layers = ctx.active_per_layer, policy.params()["prune_layers"]
+    for tokens in active:
+        assert torch.isin(text, tokens).all()
+    for layer, k in zip(layers, shares):
+        V = int(torch.isin(active[layer - 1], visual).sum())
+        assert int(torch.isin(active[layer], visual).sum()) == V - V * k // 100
+    attention = _reference_attention(engine, prompt)[layers[0] - 1][0, :, -1].mean(dim=0)
+    dropped = visual[attention[visual].argsort()[: len(visual) * shares[0] // 100]]
+    assert set(active[layers[0]].tolist()) == set(range(len(prompt))) - set(dropped.tolist())
 
 
 def test_lazyllm_prunes_floor_k_n_as_decimal_arithmetic_gives_it(deep, media):

@@ -219,11 +219,13 @@ def reference_inputs(engine, prompt) -> dict:
     return inputs
 
 
-def masked_reference(engine, prompt, active_per_layer, attention_per_layer, encoded=None) -> torch.Tensor:
+def masked_reference(engine, prompt, active_per_layer, attention_per_layer, encoded=None,
+                     weights: dict | None = None) -> torch.Tensor:
     """Every token through every layer with the layers' own forward (eager), but in each layer only
     the active tokens are keys, inactive tokens keep their hidden state, and where attention was
     restricted (ZipVL) the other tokens' attention output is zeroed while their FFN runs. ``encoded``: the
-    visual tokens the encoder computed (``PrefillContext.encoded``), as the pruned run had it."""
+    visual tokens the encoder computed (``PrefillContext.encoded``), as the pruned run had it. ``weights``, where
+    given, receives each layer's attention probabilities (1, heads, T, T) (an engine loaded with eager attention)."""
     adapter = engine.adapter
     hidden = engine.embed_prompt(prompt, encoded)
     # What the architecture adds to the visual tokens after a layer (Qwen3-VL's DeepStack), from
@@ -239,8 +241,12 @@ def masked_reference(engine, prompt, active_per_layer, attention_per_layer, enco
         keys[active if rows is None else rows] = True
         allowed = (causal & keys[None, :]) | torch.eye(T, dtype=torch.bool)
         mask = torch.zeros(T, T).masked_fill(~allowed, minimum)[None, None]
-        hook = layer.self_attn.register_forward_hook(
-            lambda m, args, out, keys=keys: (out[0] * keys[None, :, None], out[1]))
+        def masked(module, args, out, keys=keys, at=layer_idx):
+            if weights is not None:
+                weights[at] = out[1]
+            return out[0] * keys[None, :, None], out[1]
+
+        hook = layer.self_attn.register_forward_hook(masked)
         try:
             new = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin))
         finally:
