@@ -327,8 +327,22 @@ class Scheduler:
         ahead = self.running + self.admitted + still_waiting
         would_wait = (len(ahead) >= self.max_batch
                       or sum(t.reserved_bytes for t in ahead) + reserved > self.kv_budget_bytes)
-        if would_wait and len(still_waiting) >= self.queue_size:
-            raise QueueFull(len(still_waiting), self.wait_estimate(1))
+        queued = self._queued(still_waiting)
+        if would_wait and len(queued) >= self.queue_size:
+            raise QueueFull(len(queued), self.wait_estimate(1))
+
+    def _queued(self, still_waiting: list[Ticket]) -> list[Ticket]:
+        """Those of ``still_waiting`` (in order) that wait for a place: the batch (its size, the KV budget) cannot
+        take them after those ahead of them. The others have a place and wait only for the loop to take them, after
+        the prefill under way: counted against ``queue_size`` too, a burst was refused before the batch was full
+        (``--max-batch 2 --queue-size 2`` took three requests, not four: an outside pass)."""
+        held = self.running + self.admitted
+        places, used = self.max_batch - len(held), sum(t.reserved_bytes for t in held)
+        for at, ticket in enumerate(still_waiting):
+            if places <= 0 or used + ticket.reserved_bytes > self.kv_budget_bytes:
+                return still_waiting[at:]
+            places, used = places - 1, used + ticket.reserved_bytes
+        return []
 
     def _still_waiting(self) -> list[Ticket]:
         """The queued tickets whose submitters still wait (under the condition). One that gave up (a client that

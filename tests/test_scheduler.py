@@ -233,20 +233,37 @@ def test_a_client_that_gave_up_while_queued_holds_no_place_in_the_queue(engine, 
     scheduler = Scheduler(engine, max_batch=1, queue_size=1, start=False)  # the loop not running: nothing leaves
     ended = []
     scheduler.on_finish.append(lambda ticket, result, error: ended.append((ticket, ticket.request)))
-    gone = scheduler.submit(conversations[1], policy="none", max_new_tokens=3)
-    with pytest.raises(QueueFull):  # the queue's one place is taken
+    first = scheduler.submit(conversations[0], policy="none", max_new_tokens=3)  # the batch's place is its
+    gone = scheduler.submit(conversations[1], policy="none", max_new_tokens=3)  # the queue's one place
+    with pytest.raises(QueueFull):
         scheduler.submit(conversations[0], policy="none", max_new_tokens=3)
     gone.cancel.set()  # its client left
     live = scheduler.submit(conversations[0], policy="none", max_new_tokens=3)
-    assert scheduler.state()["waiting"] == 1 and scheduler.position(live) == 1
+    assert scheduler.state()["waiting"] == 2 and scheduler.position(live) == 2
     loop = threading.Thread(target=scheduler.run, daemon=True)
     loop.start()
     try:
-        assert len(live.result(timeout=120).token_ids) == 3
+        assert len(first.result(timeout=120).token_ids) == 3 and len(live.result(timeout=120).token_ids) == 3
     finally:
         scheduler.close()
         loop.join(timeout=60)
-    assert [(ticket, request is None) for ticket, request in ended] == [(gone, True), (live, False)]
+    assert [(ticket, request is None) for ticket, request in ended] == [(first, False), (gone, True), (live, False)]
+
+
+def test_a_burst_takes_max_batch_requests_and_queue_size_more(engine, media):
+    """Requests that will have a place in the batch wait only for the loop to take them (after a prefill under way,
+    or before the loop starts): they are not in the queue. ``--max-batch 2 --queue-size 2`` took three requests of a
+    burst, refusing the fourth (an outside pass); it takes four, and refuses the fifth."""
+    conversations = _conversations(media)
+    scheduler = Scheduler(engine, max_batch=2, queue_size=2, start=False)
+    try:
+        taken = [scheduler.submit(conversations[i % 2], policy="none", max_new_tokens=2) for i in range(4)]
+        with pytest.raises(QueueFull) as full:
+            scheduler.submit(conversations[0], policy="none", max_new_tokens=2)
+        assert full.value.waiting == 2  # "2 requests are waiting": the queue's, not the batch's
+        assert [scheduler.position(ticket) for ticket in taken] == [1, 2, 3, 4]
+    finally:
+        scheduler.close()
 
 
 def test_prefills_under_way_are_in_the_state_and_each_one_counts_as_progress(engine, media, monkeypatch):
