@@ -44,9 +44,17 @@ class Sampling:
 
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p: float,
                 generator: torch.Generator | None) -> int:
-    """Greedy argmax, or temperature + nucleus sampling (transformers' warper order)."""
+    """Greedy argmax, or a draw from ``next_token_distribution``."""
     if not do_sample:
         return int(logits.argmax())
+    probs = next_token_distribution(logits, temperature, top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_token_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """What sampling draws the next token from: the logits divided by ``temperature``, then cut to the nucleus of
+    ``top_p`` (the fewest most likely tokens whose probabilities reach it; the most likely always), in transformers'
+    warper order (``TemperatureLogitsWarper``, then ``TopPLogitsWarper``), as probabilities."""
     if temperature <= 0:
         raise UserError("temperature must be > 0 when sampling")
     scores = logits / temperature
@@ -62,5 +70,4 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_p
         remove = cumulative <= (1 - top_p)
         remove[-1:].fill_(False)  # always keep the most likely token (a scalar fill: no host copy)
         scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    probs = scores.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return scores.softmax(-1)

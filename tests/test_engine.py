@@ -307,6 +307,34 @@ def test_stream_concatenates_to_the_result_and_sampling_is_seeded(checkpoints, m
             assert cold.token_ids == result.token_ids, (temperature, top_p)
 
 
+def test_sampling_draws_from_transformers_temperature_then_top_p_distribution():
+    """``do_sample``'s distribution is transformers' ``TemperatureLogitsWarper`` then ``TopPLogitsWarper``, softmaxed:
+    the nucleus the fewest most likely tokens reaching top_p, the temperature applied before it is cut. (Only
+    seeding and the greedy limit were tested: a nucleus cut on the wrong side, a top_p never applied or a
+    temperature ignored all passed.)"""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    from glimpse.pipeline.sampling import next_token_distribution, sample_next
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randn(50, generator=generator) * (0.5 + trial / 5)
+        for temperature, top_p in ((0.5, 1.0), (2.0, 1.0), (1.0, 0.5), (0.7, 0.9), (1.5, 0.3), (1.0, 0.999)):
+            expected = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+            if top_p < 1.0:
+                expected = TopPLogitsWarper(top_p)(None, expected)
+            expected = expected.softmax(-1)[0]
+            probs = next_token_distribution(logits, temperature, top_p)
+            assert torch.equal(probs > 0, expected > 0), (trial, temperature, top_p)  # the same nucleus
+            torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+    # A draw is one of the nucleus's tokens, as often as its probability says (a seeded generator: no flakiness).
+    logits = torch.randn(50, generator=generator)
+    probs = next_token_distribution(logits, 1.3, 0.6)
+    draws = torch.tensor([sample_next(logits, True, 1.3, 0.6, generator) for _ in range(3000)])
+    frequency = torch.bincount(draws, minlength=50) / len(draws)
+    assert (frequency[probs == 0] == 0).all() and 0.5 * (frequency - probs).abs().sum() < 0.05
+
+
 def test_prompt_over_context_length_is_a_clear_error(checkpoints, media):
     engine = load_engine(str(checkpoints["llava"]), device="cpu")
     engine.max_length = 40
