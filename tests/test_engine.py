@@ -66,6 +66,42 @@ def test_no_pruning_reproduces_transformers_generate(checkpoints, media, arch, k
     torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=0)
 
 
+def test_an_answer_stops_at_eos_without_it_as_transformers_generate_does_unless_eos_is_ignored(checkpoints, media):
+    """The tiny models never say their EOS token, so no test saw an answer end on one: here a token of the greedy
+    answer is made the EOS. The answer is what transformers' generate gives with that EOS, less the EOS itself
+    ("stop"); with ``ignore_eos`` it goes on to max_new_tokens ("length")."""
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    messages = _messages("image", media)
+    whole = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW, ignore_eos=True).token_ids
+    at = next(i for i in range(2, len(whole)) if whole[i] not in whole[:i])  # its first time in the answer
+    engine.eos_token_ids = {whole[at]}
+    stopped = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
+    prompt = engine.prepare(messages)
+    with torch.no_grad():
+        expected = transformers_model(checkpoints["llava"]).generate(
+            **reference_inputs(engine, prompt), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=whole[at])
+    expected = expected[0, prompt.input_ids.shape[0]:].tolist()
+    assert expected[-1] == whole[at] and stopped.token_ids == expected[:-1] == whole[:at]
+    assert stopped.finish_reason == "stop"
+    ignoring = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW, ignore_eos=True)
+    assert ignoring.token_ids == whole and ignoring.finish_reason == "length"
+
+
+def test_an_answer_stops_at_the_context_length_as_transformers_max_length_does(checkpoints, media):
+    """The model's context (max_position_embeddings) bounds prompt and answer together: an answer that reaches it
+    ends there ("length"), with the tokens transformers' generate gives for that max_length."""
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    messages = _messages("image", media)
+    prompt = engine.prepare(messages)
+    engine.max_length = len(prompt) + 3
+    result = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW, ignore_eos=True)
+    with torch.no_grad():
+        expected = transformers_model(checkpoints["llava"]).generate(
+            **reference_inputs(engine, prompt), max_length=len(prompt) + 3, do_sample=False, eos_token_id=None)
+    assert result.token_ids == expected[0, len(prompt):].tolist() and len(result.token_ids) == 3
+    assert result.finish_reason == "length"
+
+
 @pytest.mark.parametrize("kind", ["image", "video"])
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])  # 14- and 16-pixel patches
 def test_qwen_patches_stay_bytes_until_the_encoder_reads_the_processor_s_values(checkpoints, media, arch, kind):
