@@ -451,6 +451,45 @@ def test_lazyllm_decode_keeps_what_the_new_token_attended_to_most_in_the_layer_b
     assert checked == len(policy.schedule) == 3
 
 
+def test_revived_rows_attend_to_every_entry_the_step_picks_and_to_each_other_causally(deep_llava):
+    """LazyLLM's revival (its Section 3.3): revived tokens are appended after the sequence with their original
+    positions, so they "attend to all tokens selected in previous generation steps", later positions included, and
+    the step's rows (revived tokens, then the new token) attend to each other causally."""
+    from types import SimpleNamespace
+
+    from glimpse.pipeline.attention import eager_attention
+    from glimpse.pipeline.engine import DecodeRows
+
+    engine = deep_llava
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, cached, picked = 4, 2, 16, 6, torch.tensor([0, 2, 3, 5])
+    layer = LayerKV()
+    layer.append(torch.randn(1, kv_heads, cached, head_dim, generator=g), torch.randn(1, kv_heads, cached, head_dim,
+                                                                                     generator=g))
+    layer.index, layer.modality = torch.tensor([0, 1, 4, 5, 6, 8]), torch.zeros(cached, dtype=torch.long)
+    cache = KVCache(1)
+    cache.layers[0] = layer
+    old_keys, old_values = layer.keys_values()
+    policy = SimpleNamespace(decode_attend=lambda layer_idx, ctx: picked, implements=lambda callback: False)
+    request = SimpleNamespace(ctx=SimpleNamespace(cache=cache), policy=policy)
+    rows = DecodeRows(torch.tensor([2, 3, 9]), torch.zeros(3, dtype=torch.long), torch.tensor([[2, 3, 9]]),
+                      torch.zeros(1, 3, 8))  # tokens 2 and 3 revived, 9 the new one
+    query = torch.randn(1, heads, 3, head_dim, generator=g)
+    key, value = torch.randn(1, kv_heads, 3, head_dim, generator=g), torch.randn(1, kv_heads, 3, head_dim, generator=g)
+    scaling = head_dim ** -0.5
+
+    def kernel(q, k, v, mask):
+        return eager_attention(None, q, k, v, mask, scaling)[0]
+
+    out = engine.decode_attention(0, None, query, key, value, rows, request, kernel)
+    for row in range(3):  # each row on its own: the picked entries, then the rows up to itself
+        keys = torch.cat([old_keys[:, :, picked], key[:, :, : row + 1]], dim=2)
+        values = torch.cat([old_values[:, :, picked], value[:, :, : row + 1]], dim=2)
+        expected = eager_attention(None, query[:, :, row:row + 1], keys, values, None, scaling)[0]
+        torch.testing.assert_close(out[:, row:row + 1], expected, atol=1e-6, rtol=1e-5)
+    assert layer.index.tolist() == [0, 1, 4, 5, 6, 8, 2, 3, 9]  # their entries joined the cache
+
+
 def test_the_sliders_lazyllm_prunes_in_prefill_only_and_decode_attends_to_what_prefill_left(deep_llava, media):
     """Without the paper's re-selection, decode is plain decoding over the caches prefill left: each layer's KV
     holds that layer's prefill tokens and every generated one, nothing is revived, and no Aux Cache is kept."""
