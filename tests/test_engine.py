@@ -6,6 +6,7 @@ These are the contracts every pruning policy relies on.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,6 +86,28 @@ def test_an_answer_stops_at_eos_without_it_as_transformers_generate_does_unless_
     assert stopped.finish_reason == "stop"
     ignoring = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW, ignore_eos=True)
     assert ignoring.token_ids == whole and ignoring.finish_reason == "length"
+
+
+def test_an_answer_stops_on_any_eos_its_generation_config_lists_as_transformers_generate_does(
+        checkpoints, media, tmp_path):
+    """A checkpoint's generation_config.json may list EOS ids the tokenizer does not name (Qwen2-VL-Instruct lists
+    <|im_end|> and <|endoftext|>): the answer stops on any of them, where transformers' generate stops with that
+    configuration."""
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    messages = _messages("image", media)
+    whole = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW, ignore_eos=True).token_ids
+    at = next(i for i in range(2, len(whole)) if whole[i] not in whole[:i])
+    listed = shutil.copytree(checkpoints["llava"], tmp_path / "listed")
+    generation = json.loads((listed / "generation_config.json").read_text())
+    (listed / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [whole[at], 1]}))
+    engine = load_engine(str(listed), device="cpu")
+    stopped = engine.generate(messages, policy="none", max_new_tokens=MAX_NEW)
+    prompt = engine.prepare(messages)
+    with torch.no_grad():
+        expected = transformers_model(listed).generate(**reference_inputs(engine, prompt), max_new_tokens=MAX_NEW,
+                                                       do_sample=False)
+    assert stopped.token_ids == expected[0, len(prompt):].tolist()[:-1] == whole[:at]
+    assert stopped.finish_reason == "stop"
 
 
 def test_an_answer_stops_at_the_context_length_as_transformers_max_length_does(checkpoints, media):
@@ -449,7 +472,6 @@ def test_control_text_a_chat_template_rewrites_is_refused_not_read_as_control(ch
 
 
 def test_checkpoint_without_chat_template_still_matches_transformers(checkpoints, media, tmp_path):
-    import shutil
 
     folder = shutil.copytree(checkpoints["llava"], tmp_path / "llava-no-template")
     (folder / "chat_template.jinja").unlink()
@@ -475,7 +497,6 @@ def test_a_model_with_a_sliding_window_is_served_within_it_as_transformers_answe
     use_sliding_window) was answered with whole-sequence attention past the window: other tokens than transformers',
     without a word (an outside pass). It is served within one window, where the window cuts nothing: the answer is
     transformers' own, cut where the sequence would outgrow the window; a prompt past it is refused."""
-    import shutil
 
     from glimpse.pipeline.prompt import ContextOverflow
 
@@ -505,7 +526,6 @@ def test_configs_the_engine_cannot_serve_are_refused_at_load_and_several_feature
     Refused before the weights load, saying why. And a LLaVA checkpoint taking video whose features come from
     several vision layers failed on video ("tuple indices must be integers"): they are joined as transformers
     joins an image's, so a frame's features are an image's."""
-    import shutil
 
     from glimpse.pipeline.loading import ModelLoadError
     from tiny_models import build_llava
@@ -542,7 +562,6 @@ def test_a_hub_id_with_the_hub_out_of_reach_loads_from_the_hub_cache_or_says_so_
     """Offline (no name resolution, a firewall), the hub client retried for 23 s before failing: now a probe of a
     few seconds finds the hub out of reach, a model in the hub cache loads from there, and one that is not is
     refused with what to do. The probe itself: a closed port is out of reach, a listening one is not."""
-    import shutil
     import socket
 
     from huggingface_hub import constants
@@ -580,7 +599,6 @@ def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(c
     for ever; other mistakes were TypeErrors, KeyErrors or a string answered letter by letter. Each is now a clear
     error of its kind, and the engine answers exactly as before afterwards."""
     import io
-    import shutil
     import threading
 
     from glimpse.common import UserError
@@ -676,7 +694,6 @@ def test_a_chat_template_that_cannot_write_a_question_is_refused_at_load_and_one
     loaded, then failed every request as "a bug in Glimpse" (or an IndexError); a template's own refusal of a
     conversation (Mistral's "roles must alternate") was a 500. Now the first are refused as the model loads, and the
     last is the request's error (a PromptError: 400 in the API)."""
-    import shutil
 
     from glimpse.pipeline.loading import ModelLoadError
 
@@ -1618,7 +1635,6 @@ def test_a_prompt_built_for_another_model_is_refused_and_one_of_the_same_checkpo
     prefill (a KeyError of the media tensors, for Qwen2-VL's prompt on LLaVA and back). Its token ids and tensors
     mean something else there: refused, by the engine and by the scheduler before it queues. A second engine of the
     same checkpoint (as the Ray captioner's prompt builder is) takes it and answers as the messages do."""
-    import shutil
 
     from glimpse.pipeline.scheduler import Scheduler
 
@@ -1654,7 +1670,6 @@ def test_a_prompt_built_for_another_model_is_refused_and_one_of_the_same_checkpo
 def test_a_checkpoint_folder_named_from_home_with_a_tilde_loads(checkpoints, media, tmp_path, monkeypatch):
     """``--model=~/llava`` (no shell expands a ~ after "=") and ``load_engine("~/llava")`` were taken for a hub id
     ("Repo id must use alphanumeric chars"), while the checks before loading read the folder (an outside pass)."""
-    import shutil
 
     from glimpse.pipeline.loading import checkpoint_depth
 
