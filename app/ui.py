@@ -610,7 +610,9 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
     for fn in (respond, tab_closed, mark_stopped, cleared):
         fn.__annotations__["request"] = gr.Request
 
-    with gr.Blocks(title="Glimpse") as demo:
+    # No telemetry: Gradio's default posts to api.gradio.app as a chat is built and checks its own version there,
+    # from a server whose users' pictures and questions are meant to stay on it (and often has no way out).
+    with gr.Blocks(title="Glimpse", analytics_enabled=False) as demo:
         note = EMBEDDED_NOTE if model_name == "embedded" else (
             "" if engine.grounded else "*This model's vision projector is not trained: its answers about images "
                                       "and videos are not grounded in them.*")
@@ -648,7 +650,7 @@ def build_ui(engine, model_name: str, max_new_tokens: int = 256, allowed_root: s
                                                 label="your question", placeholder="Ask about an image or a video…",
                                                 submit_btn=True, stop_btn=True, elem_id="input")
                 chat = _clear_cancels_chat(cleared_sessions, stopped_sessions, tabs_lock)(
-                    respond, multimodal=True, api_name="chat", fill_height=False,
+                    respond, multimodal=True, api_name="chat", fill_height=False, analytics_enabled=False,
                     chatbot=_text_and_files_only(_uploads_only(gr.Chatbot(label="chat", height=480, elem_id="chat"))),
                     textbox=_uploads_only(question),
                     additional_inputs=[policy, speed, max_tokens, overrides, compare],

@@ -1142,6 +1142,28 @@ def _value(samples, name: str, **labels) -> float:
     return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def test_building_the_chat_sends_nothing_to_gradios_servers(server, monkeypatch):
+    """Gradio's default, kept unless the environment says otherwise: building a chat posts telemetry to
+    api.gradio.app and checks Gradio's version there, each on a thread, from a server whose users' pictures and
+    questions are meant to stay on it. None of Gradio's calls out is made."""
+    from gradio import analytics
+
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import build_ui
+
+    called = []
+    monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "True")  # Gradio's own default
+    for name in ("version_check", "initiated_analytics", "launched_analytics", "error_analytics",
+                 "integration_analytics", "_do_analytics_request"):
+        monkeypatch.setattr(analytics, name, lambda *args, name=name, **kwargs: called.append(name))
+    scheduler = Scheduler(server["engine"], max_batch=1, queue_size=1)
+    try:
+        build_ui(server["engine"], "tiny-llava", max_new_tokens=4, scheduler=scheduler)
+    finally:
+        scheduler.close()
+    assert called == []
+
+
 def test_the_chat_answers_through_gradio_client_and_shows_errors_in_the_chat(server, media, tmp_path):
     from gradio_client import Client, handle_file
 
