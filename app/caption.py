@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,8 @@ from glimpse.vision.media import (IMAGE_EXTENSIONS, MEDIA_READERS, VIDEO_EXTENSI
                                   reading_limit)
 
 LIST_EXTENSIONS = (".txt", ".lst")
+# How often a long listing of the inputs says how far it is: a million names took minutes without a word.
+LISTING_NOTE_EVERY_S = 15.0
 DEFAULT_PROMPT = "Describe this {kind} in one or two sentences."
 # The embedded model learnt a whole description from "Describe the image." and "Describe the video." (and "What is in
 # the image?": training/train_projector.py), and answered the default above with a word ("CAT." of the README's sample
@@ -136,8 +139,15 @@ def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | Non
     seen: dict[Path, Path] = {}
     out, linked = [], []
     cannot_list: list[tuple[str, str]] = []
+    said = [time.monotonic()]
+
+    def progress(count: int, what: str) -> None:
+        if time.monotonic() - said[0] >= LISTING_NOTE_EVERY_S:
+            said[0] = time.monotonic()
+            log(f"listing the inputs: {count:,} {what} so far ...")
 
     def add(path: Path) -> None:
+        progress(len(out), "inputs")
         key = resolved_path(path)
         if key not in seen:
             seen[key] = path
@@ -156,7 +166,7 @@ def collect_inputs(items: Iterable[str], unreadable: list[tuple[str, str]] | Non
     for item in items:
         path = local(item, "")
         if path.is_dir():
-            for child in _folder_files(path, cannot_list):
+            for child in _folder_files(path, cannot_list, progress):
                 # Whatever is named as media is listed, to be captioned or fail saying why: a broken link (an input
                 # that went missing), a FIFO, socket or device (never opened: "not a regular file"; passed over
                 # without a word, they were inputs the summary never mentioned).
@@ -190,8 +200,10 @@ def unlisted_failures(unreadable: list[tuple[str, str]], log: Callable[[str], No
     return [(folder, f"cannot list the folder ({reason})") for folder, reason in unreadable]
 
 
-def _folder_files(folder: Path, cannot_list: list[tuple[str, str]]) -> list[Path]:
-    """Every entry under ``folder`` that is not a folder, sorted. Links to folders are followed (``photos/2023`` a link
+def _folder_files(folder: Path, cannot_list: list[tuple[str, str]],
+                  progress: Callable[[int, str], None] = lambda count, what: None) -> list[Path]:
+    """Every entry under ``folder`` that is not a folder, sorted (``progress(count, what)`` before each folder's
+    listing: how far a long walk is). Links to folders are followed (``photos/2023`` a link
     to another disk was passed over without a word, exit 0: an outside pass), each folder walked once whatever leads
     to it (a link back up, a loop). A folder that cannot be listed goes to ``cannot_list`` (``rglob`` passed over it
     without a word: its pictures were simply never captioned)."""
@@ -202,6 +214,7 @@ def _folder_files(folder: Path, cannot_list: list[tuple[str, str]]) -> list[Path
     # ended the run in a RecursionError (an outside pass).
     found, walked, pending = [], set(), [folder]
     while pending:
+        progress(len(found), f"files in {folder}")
         root = pending.pop()
         try:
             here = os.stat(root)

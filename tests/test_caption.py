@@ -356,6 +356,23 @@ def test_a_run_resolves_each_input_name_once(model, tmp_path, monkeypatch):
     assert len(_lines(out)) == len(images)
 
 
+def test_a_long_listing_of_the_inputs_says_how_far_it_is(tmp_path, monkeypatch):
+    """A million inputs took minutes to list and resolve before the first word: a listing that takes long says
+    every so often how many it has found (here "long" is any time at all)."""
+    from glimpse import caption
+
+    images = _images(tmp_path / "in" / "deeper", 3)
+    monkeypatch.setattr(caption, "LISTING_NOTE_EVERY_S", 0.0)
+    said: list[str] = []
+    assert caption.collect_inputs([str(tmp_path / "in")], log=said.append) == images
+    assert any(line.startswith(f"listing the inputs: 0 files in {tmp_path / 'in'} so far") for line in said), said
+    assert [line for line in said if line.endswith(" inputs so far ...")] == [
+        f"listing the inputs: {count} inputs so far ..." for count in range(3)]
+    monkeypatch.setattr(caption, "LISTING_NOTE_EVERY_S", 3600.0)
+    said.clear()
+    assert caption.collect_inputs([str(tmp_path / "in")], log=said.append) == images and said == []
+
+
 def test_a_second_writer_and_an_unwritable_output_are_refused_before_the_model_loads(model, tmp_path, capsys):
     """While one captioner holds the output, another on the same output stops with a clear message, before
     loading anything (here a model that does not exist would fail later); the lock goes with its holder."""
