@@ -119,7 +119,7 @@ def collect_keys(items: list[str], column: str = "path", unreadable: list[tuple[
         else:
             local.append(item)
     try:
-        for path in collect_inputs(local, unreadable):
+        for path in collect_inputs(local, unreadable, log=log):  # (it says how far a long listing is)
             add(str(_key_of(path)))
     except FileNotFoundError as error:
         raise UserError(str(error)) from None
