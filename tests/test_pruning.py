@@ -336,6 +336,21 @@ def test_lazyllm_stored_hidden_states_are_what_entered_the_pruning_layer(deep, m
 
 
 # ---------------------------------------------------------------------------------------- FastV
+@pytest.mark.parametrize("ratio", [0.3, 0.7])
+def test_fastv_drops_floor_r_of_the_image_tokens_and_in_its_text_adaptation_of_every_token_but_the_last(
+        deep, media, ratio):
+    """FastV drops R of the V image tokens at layer K, floor(R V); its text adaptation (DASH's appendix) R of the
+    T - 1 tokens before the last. (Only R = 0.5 on an even count was checked, where floor((V + 1) / 2) passed.)"""
+    engine = load_engine(str(deep["llava"]), device="cpu")
+    prompt = engine.prepare(_image_messages(media))
+    T, V, percent = len(prompt), len(_visual(prompt)), round(ratio * 100)
+    for policy, dropped in ((FastV(ratio=ratio), V * percent // 100),
+                            (FastV(ratio=ratio, text=True), (T - 1) * percent // 100)):
+        with torch.no_grad():
+            _, ctx = engine.prefill(prompt, policy)
+        assert len(ctx.active_per_layer[policy.params()["layer"]]) == T - dropped, policy
+
+
 def test_fastv_drops_r_of_the_image_tokens_with_least_attention_at_layer_k(deep, media):
     engine = load_engine(str(deep["llava"]), device="cpu", attn="eager")
     prompt = engine.prepare(_image_messages(media))
@@ -579,6 +594,67 @@ def test_divprune_selects_each_video_frame_on_its_own(deep, media):
     assert torch.isin(text, ctx.active_per_layer[-1]).all()
 
 
+def test_a_pruned_text_token_is_set_aside_not_merged():
+    """``merge_into_kept`` folds pruned *visual* tokens into kept ones; "pruned text tokens are not merged" (LazyLLM
+    with merge=True prunes text too): their states and the kept tokens' sizes stay as they were."""
+    from types import SimpleNamespace
+
+    from glimpse.pruning.base import merge_into_kept
+
+    hidden = torch.tensor([[1.0, 0.0], [1.0, 0.1], [0.0, 1.0], [0.5, 0.5]])[None]
+    ctx = SimpleNamespace(hidden=hidden.clone(), modality=torch.tensor([1, 1, 0, 0]))  # two visual, two text
+    sizes = torch.ones(4)
+    merge_into_kept(ctx, torch.arange(4), torch.tensor([2]), sizes)  # a text token pruned
+    torch.testing.assert_close(ctx.hidden, hidden)
+    assert sizes.tolist() == [1.0] * 4
+
+
+def test_a_pipeline_intersects_its_members_attention_rows_and_decode_keys_and_joins_their_encoder_skips():
+    """The composition rules (pruning/compose.py): a token takes part in attention, or is attended to in decode,
+    only where every member lets it; a token's encoding is skipped where any member skips it. (One built-in
+    policy implements each today; a user's policy beside it is composed by these rules.)"""
+    class Choosing(NoPruning):
+        def __init__(self, rows):
+            super().__init__()
+            self.rows = torch.tensor(rows)
+
+        def attention_rows(self, layer_idx, ctx):
+            return self.rows
+
+        def decode_attend(self, layer_idx, ctx):
+            return self.rows
+
+        def skip_encoding(self, ctx):
+            return self.rows
+
+    pipeline = Pipeline(policies=(Choosing([0, 1, 2, 5]), Choosing([1, 2, 3, 5])))
+    assert pipeline.attention_rows(0, None).tolist() == [1, 2, 5]
+    assert pipeline.decode_attend(0, None).tolist() == [1, 2, 5]
+    assert pipeline.skip_encoding(None).tolist() == [0, 1, 2, 3, 5]
+
+
+def test_divprune_behind_another_member_chooses_among_the_real_visual_inputs(deep, media):
+    """DivPrune picks by the visual inputs themselves (the projector's output): behind another member of a pipeline
+    (RLT's candidates, any user's) it must still read them, and choose as it does alone."""
+    engine = load_engine(str(deep["qwen2_vl"]), device="cpu")
+    prompt = engine.prepare(_image_messages(media))
+    with torch.no_grad():
+        _, alone = engine.prefill(prompt, DivPrune(keep=0.4))
+        _, behind = engine.prefill(prompt, Pipeline(policies=(NoPruning(), DivPrune(keep=0.4))))
+    assert behind.active_per_layer[0].tolist() == alone.active_per_layer[0].tolist()
+
+
+def test_dash_never_halts_the_last_prompt_token_even_without_its_guards(deep, media):
+    """The last prompt token always stays (it makes the first answer token), by DASH's own rule, not only by its
+    guards: with both set to 0 and rho near 1 it still runs through every layer (were it halted, the engine would
+    fail the request: "a policy dropped the last prompt token")."""
+    engine = load_engine(str(deep["qwen2_vl"]), device="cpu")
+    prompt = engine.prepare(_image_messages(media))
+    with torch.no_grad():
+        _, ctx = engine.prefill(prompt, DASH(rho=0.99, keep_first=0, keep_last=0))
+    assert all(int(active[-1]) == len(prompt) - 1 for active in ctx.active_per_layer)
+
+
 def test_a_token_merged_twice_is_the_plain_mean_of_everything_it_holds():
     """Two merge stages (LazyLLM prunes at several layers): sizes carry over, so the last kept token
     is the mean of all three originals, not a mean of means."""
@@ -781,6 +857,8 @@ def test_docs_slider_tables_are_what_the_code_maps():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "slider.md").read_text()
     assert table(28) in doc and table(32) in doc and table(36) in doc  # regenerate with `python -m glimpse.pruning.slider --layers N`
+    for depth in (28, 32, 36):  # each table is for the depth asked: DASH's l_s is floor(0.4 L) of it
+        assert f"DASH rho=0.80 at layer {math.floor(0.4 * depth)}" in table(depth)
 
 
 @pytest.mark.parametrize("name", list(MASKING_CASES))

@@ -47,6 +47,57 @@ def test_a_cheaper_point_measured_slower_end_to_end_is_dropped_so_higher_speed_i
     assert pareto_frontier([dear, decode_bound, within_noise, cheap]) == [cheap, within_noise, dear]
 
 
+def test_a_cheaper_point_is_held_to_the_fastest_dearer_one_kept_not_the_slowest():
+    """"A point measured more than 3% slower end to end than a dearer one is dropped": than *any* dearer one kept,
+    so a cheap point slower than a fast middle one goes even when the dearest is slower still."""
+    dear, middle, cheap = _point("dash", 0.97, 0.80, 0.90), _point("st3", 0.90, 0.60, 0.60), \
+        _point("fastv", 0.80, 0.40, 0.85)
+    assert pareto_frontier([dear, middle, cheap]) == [middle, dear]
+
+
+def test_of_two_points_alike_on_one_axis_only_the_better_on_the_other_is_on_the_frontier():
+    """"No other beats it on both cost and agreement": of equal agreement the cheaper stays, of equal FLOPs (LazyLLM
+    with and without decode re-selection prune the prefill alike) the better-agreeing one."""
+    cheap, dear = _point("fastv", 0.90, 0.40, 0.70), _point("st3", 0.90, 0.60, 0.60)
+    assert pareto_frontier([dear, cheap]) == [cheap]
+    worse, better = _point("lazyllm", 0.80, 0.50, 0.70), _point("st3", 0.90, 0.50, 0.70)
+    assert pareto_frontier([worse, better]) == [better]
+
+
+def test_a_point_no_faster_or_no_cheaper_than_the_unpruned_model_is_never_on_the_frontier():
+    """Only points faster end to end than the unpruned model, and cheaper, are admitted: RLT on pictures alone prunes
+    nothing (agreement 1, FLOPs 1) and a noisy timing can still call it faster; at the top of the frontier, auto
+    would run and promise it."""
+    as_slow = _point("lazyllm", 0.99, 0.60, 1.0)
+    no_saving = _point("rlt", 1.0, 1.0, 0.98)
+    good = _point("st3", 0.90, 0.50, 0.80)
+    assert pareto_frontier([as_slow, no_saving, good]) == [good]
+
+
+def test_speed_zero_is_exact_whatever_the_frontier_holds():
+    """Agreement on a finite set is never a proof of exactness, even a point of agreement 1.0 measured on no prompts
+    (a profile's point without its count reads as 0)."""
+    frontier = Frontier([Point((Member.of("lazyllm", 0.25),), 1.0, 0.8, 0.9, prompts=0)], calibrated=True)
+    assert frontier.choose(0.0) is None and frontier.promise(0.0)["configuration"] == "none"
+
+
+def test_calibration_keeps_as_its_frontier_the_pareto_points_of_what_it_measured(monkeypatch, tmp_path):
+    """What auto runs is the frontier of the measured points: one measured slower end to end than the unpruned model
+    or beaten on both axes is measured, kept in ``measured``, and never run."""
+    from glimpse.pipeline import calibrate_slider as module
+
+    points = {"fastv@0.5": _point("fastv", 0.90, 0.50, 1.10), "st3@0.5": _point("st3", 0.80, 0.70, 0.80),
+              "lazyllm@0.5": _point("lazyllm", 0.95, 0.60, 0.70)}
+    monkeypatch.setattr(module, "measure", lambda engine, members, *args: points[members[0].label])
+    monkeypatch.setattr(module, "_references", lambda engine, prompts, *args: (prompts, [None] * len(prompts)))
+    engine = SimpleNamespace(model_id="m", checkpoint="c", device=torch.device("cpu"))
+    frontier = module.calibrate_slider(engine, [[{"role": "user", "content": "q"}]],
+                                       [(Member.of(name.split("@")[0], 0.5),) for name in points],
+                                       state_path=tmp_path / "state.jsonl")
+    assert sorted(p.name for p in frontier.measured) == sorted(points)
+    assert frontier.points == pareto_frontier(frontier.measured) == [points["lazyllm@0.5"]]
+
+
 def test_auto_along_the_slider_is_exact_at_0_then_never_slower_never_pruning_less_and_keeps_its_promise():
     points = [_point("fastv", 0.55, 0.25, 0.45), _point("st3", 0.86, 0.45, 0.60), _point("lazyllm", 0.93, 0.55, 0.72),
               _point("dash", 0.97, 0.80, 0.90)]
