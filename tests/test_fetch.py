@@ -94,7 +94,8 @@ def test_the_body_is_kept_as_sent():
     (None, "redirects without saying where"),
     ("file:///etc/passwd", "redirects to a URL that is not http(s)"),
     ("http://example.invalid/x.png", "redirects to another host (example.invalid)"),
-])
+    ("http://127.0.0.1.nip.invalid/x.png", "redirects to another host (127.0.0.1.nip.invalid)"),  # a name that
+])  # only begins with the first host's
 def test_a_redirect_that_cannot_be_followed_says_why(location, message):
     def redirect(connection, _):
         where = f"Location: {location}\r\n" if location else ""
@@ -104,6 +105,27 @@ def test_a_redirect_that_cannot_be_followed_says_why(location, message):
         url = server.url
         with pytest.raises(FetchError, match=message.replace("(", r"\(").replace(")", r"\)")):
             Fetcher(allow_private=True).fetch(url + "/x.png")
+
+
+def test_a_same_host_redirect_is_followed_and_each_of_its_hops_addresses_is_checked_again(monkeypatch):
+    """A redirect to the same host is followed (no test followed one to its end); and the address each hop connects
+    to is checked again, not only the first: a host whose DNS answer changes between hops (rebinding) is refused at
+    the hop that resolves to a private address. (The rebinding is played by an address check that passes once.)"""
+    from glimpse import fetch
+
+    def redirect(connection, head):
+        if "GET /first" in head:
+            connection.sendall(b"HTTP/1.1 302 Found\r\nLocation: /second.png\r\nContent-Length: 0\r\n\r\n")
+        else:
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    with RawServer(redirect) as server:
+        assert Fetcher(allow_private=True).fetch(server.url + "/first") == b"ok"
+        checked = []
+        monkeypatch.setattr(fetch, "is_public", lambda address: checked.append(address) or len(checked) == 1)
+        with pytest.raises(FetchError, match="private, loopback"):
+            Fetcher().fetch(server.url + "/first")
+        assert len(checked) == 2
 
 
 def test_a_not_modified_answer_is_an_error_status_not_a_redirect_and_a_long_url_is_quoted_short():
@@ -124,6 +146,9 @@ def test_a_not_modified_answer_is_an_error_status_not_a_redirect_and_a_long_url_
     "127.0.0.1", "10.1.2.3", "192.168.0.1", "169.254.169.254", "0.0.0.0", "100.100.100.200",  # shared (RFC 6598)
     "198.18.0.1", "224.0.0.1", "::1", "::", "fe80::1", "fc00::1",
     "::ffff:127.0.0.1", "::127.0.0.1",  # IPv4-mapped and IPv4-compatible
+    # ... mapped forms of IPv4 ranges Python 3.11 calls global in their IPv6 form (the shared range of cloud metadata
+    # services, CGNAT, multicast): only the IPv4 address inside says what they are
+    "::ffff:100.100.100.200", "::ffff:100.64.0.1", "::ffff:224.0.0.1",
     "2002:7f00:1::", "2002:a9fe:a9fe::", "2002:808:808::",  # 6to4 (deprecated: refused whatever it carries)
     "64:ff9b:1:a00:0:100:808:808",  # local-use NAT64 (RFC 8215), its IPv4 address not in the last 32 bits
     "64:ff9b::7f00:1", "64:ff9b::a9fe:a9fe",  # NAT64 of loopback and link-local
