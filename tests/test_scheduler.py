@@ -250,6 +250,19 @@ def test_a_client_that_gave_up_while_queued_holds_no_place_in_the_queue(engine, 
     assert [(ticket, request is None) for ticket, request in ended] == [(first, False), (gone, True), (live, False)]
 
 
+def test_a_full_scheduler_refuses_a_request_before_reading_its_media(engine, media, monkeypatch):
+    """``submit`` checks for room before the prompt is built: a full server does not decode a request's pictures
+    (or the chat's, which has no room check of its own) only to refuse it after."""
+    scheduler = Scheduler(engine, max_batch=1, queue_size=0, start=False)  # nothing leaves: the first holds the place
+    try:
+        scheduler.submit([{"role": "user", "content": "Say hi."}], max_new_tokens=2)
+        monkeypatch.setattr(scheduler, "prepare", lambda *args, **kwargs: pytest.fail("read a refused request's media"))
+        with pytest.raises(QueueFull):
+            scheduler.submit(_conversations(media)[0], max_new_tokens=2)
+    finally:
+        scheduler.close()
+
+
 def test_a_burst_takes_max_batch_requests_and_queue_size_more(engine, media):
     """Requests that will have a place in the batch wait only for the loop to take them (after a prefill under way,
     or before the loop starts): they are not in the queue. ``--max-batch 2 --queue-size 2`` took three requests of a

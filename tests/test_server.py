@@ -256,6 +256,8 @@ def test_connections_that_never_finish_a_request_head_are_closed_and_good_ones_k
         good.sendall(request)  # the next request on the same connection, within the deadline
         assert response(good).startswith(b"HTTP/1.1 200")
         time.sleep(1.0)
+        for sock in (silent, dribbling, good):  # 1.3 s in, the 0.5 s deadline long past: closed already, or within
+            sock.settimeout(2.0)  # these 2 s (a deadline ten times longer would not be: socket.timeout)
         assert silent.recv(1) == b"" and dribbling.recv(1) == b""  # closed by the server
         assert good.recv(1) == b""  # 1 s after its last response, waiting for a next one is over too...
         assert httpx.get(url + "/ping").status_code == 200  # ... and the server goes on serving
@@ -394,7 +396,8 @@ def test_a_request_body_that_trickles_in_gets_408_and_the_server_goes_on(server,
 
     monkeypatch.setattr(connections, "BODY_TIMEOUT_S", 0.5)
     port = int(server["url"].rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+    # 3 s for the 408 of a 0.5 s deadline (one ten times longer would not come in time: socket.timeout)
+    with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"model\": ")  # 11 of 1000 bytes, then nothing
         reply = b""
@@ -521,6 +524,29 @@ def _wait_until(condition, within: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_the_api_gives_back_a_large_bodys_room_once_its_prompt_is_built_not_when_its_answer_ends(
+        server, media, monkeypatch):
+    """A streamed answer may run for minutes: a large body (a picture as a data URL) must not hold its room of the
+    256 MiB all bodies share meanwhile, or four long answers about big pictures make every other large body wait,
+    up to its 408."""
+    from glimpse import connections
+
+    given, give = [], connections.BodyLimits._give_room
+
+    def recorded(self, size):
+        given.append(size)
+        return give(self, size)
+
+    monkeypatch.setattr(connections.BodyLimits, "_give_room", recorded)
+    picture = media["image"].read_bytes() + os.urandom(400 * 2**10)  # past SMALL_BODY_BYTES: it takes room
+    body = {"messages": _question("data:image/png;base64," + base64.b64encode(picture).decode()), "max_tokens": 12,
+            "stream": True}
+    with httpx.stream("POST", server["url"] + "/v1/chat/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        next(reply.iter_lines())  # the answer has begun, and is not read to its end
+        assert given, "the body's room is held while its answer streams"
 
 
 def test_large_bodies_arriving_together_wait_for_room_and_small_ones_never_do(monkeypatch):
@@ -878,6 +904,15 @@ def test_local_files_only_under_the_allowed_root(server, media):
     loop = root / "loop.png"
     if not loop.is_symlink():
         loop.symlink_to(root / "loop.png")  # a link to itself
+    # Out of the root by a sibling folder whose name begins with the root's, and by a link leading out of it.
+    sibling = Path(f"{root}-evil")
+    sibling.mkdir(exist_ok=True)
+    (sibling / "secret.png").write_bytes(media["image"].read_bytes())
+    if not (root / "out.png").is_symlink():
+        (root / "out.png").symlink_to(sibling / "secret.png")
+    for name in (str(sibling / "secret.png"), f"../{sibling.name}/secret.png", "out.png"):
+        reply = httpx.post(url, json={"messages": _question(name), "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 400 and "outside the allowed root" in reply.text, (name, reply.text[:300])
     for name, word in ((f"{root}/image.png\0", "NUL"), ("../image.png", "outside"), ("/x" * 800_000, "longer than"),
                        (str(loop), "loop"),
                        (f"{root}/{'n' * 300}.png", "cannot be read"), (f"FILE://{media['image']}", "outside")):
@@ -1856,6 +1891,73 @@ def test_media_urls_on_the_servers_own_network_are_refused(server):
         assert "private, loopback and link-local addresses are not fetched" in reply.json()["error"]["message"]
 
 
+def test_more_slow_media_urls_than_the_server_has_threads_leave_a_text_question_its_thread(server):
+    """48 admitted requests whose image URLs never finish their response heads, more than the 40 worker threads all
+    requests share: their fetches run a few at a time (FETCHING_THREADS), the rest wait without a thread, and a
+    question in words is answered meanwhile (not after the fetches' 30 s deadline)."""
+    from glimpse.api import create_api
+
+    media_server = RawServer()
+    app = create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True, queue_size=48)
+    slow = {"messages": _question(media_server.url + "/x.png"), "max_tokens": 2}
+    with media_server:
+        for url in _serve(app):
+            askers = [threading.Thread(target=lambda: httpx.post(url + "/v1/chat/completions", json=slow,
+                                                                 timeout=120)) for _ in range(48)]
+            for asker in askers:
+                asker.start()
+            time.sleep(2.0)  # every slow request has arrived
+            text = httpx.post(url + "/v1/chat/completions", timeout=15, json={  # within the fetches' deadline
+                "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
+            assert text.status_code == 200
+            media_server.close()  # the media server gives up: the rest fail at once
+            for asker in askers:
+                asker.join(timeout=120)
+
+
+def test_a_full_server_fetches_nothing_for_a_request_it_refuses(server):
+    """With no room (one place, taken; no queue), a request naming a media URL is refused (429) before anything is
+    fetched: a hostile URL is not fetched for the 30 s of its deadline only to be refused after."""
+    from glimpse.api import create_api
+    from glimpse.pipeline.scheduler import Scheduler
+
+    scheduler = Scheduler(server["engine"], max_batch=1, queue_size=0, start=False)  # nothing leaves the place
+    try:
+        scheduler.submit([{"role": "user", "content": "Say hi."}], max_new_tokens=2)  # the one place is taken
+        with RawServer() as media_server:
+            for url in _serve(create_api(server["engine"], model_name="tiny-llava", scheduler=scheduler,
+                                         allow_private_urls=True)):
+                busy = httpx.post(url + "/v1/chat/completions", timeout=60,
+                                  json={"messages": _question(media_server.url + "/x.png"), "max_tokens": 3})
+                assert busy.status_code == 429, busy.text[:200]
+                assert media_server.heads == []  # nothing was fetched for it
+    finally:
+        scheduler.close(grace_s=0)
+
+
+def test_a_body_of_too_many_json_values_is_refused_before_it_is_parsed(server, monkeypatch):
+    """Parsed, JSON takes some 24 times its bytes: a body of more values than MAX_JSON_VALUES is refused from a count
+    of its brackets and commas, and never given to the parser."""
+    from glimpse import api
+
+    parsed, real = [], json
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def loads(self, raw, *args, **kwargs):
+            parsed.append(len(raw))
+            return real.loads(raw, *args, **kwargs)
+
+    monkeypatch.setattr(api, "json", Recording())
+    many = b'{"messages": [{"role": "user", "content": "hi"}], "stop": [' + b",".join([b"[]"] * 600_000) + b"]}"
+    reply = httpx.post(server["url"] + "/v1/chat/completions", content=many,
+                       headers={"Content-Type": "application/json"}, timeout=60)
+    assert reply.status_code == 400 and "JSON values" in reply.json()["error"]["message"], reply.text[:300]
+    assert not [size for size in parsed if size >= len(many)]
+
+
 def test_the_chat_uses_only_files_uploaded_to_it(tmp_path):
     """The Gradio chat endpoint names files by server path: only paths under the upload folder (or
     --allowed-root) are used, a symlink out of it included, and the refusal is the same whether or not
@@ -1863,7 +1965,9 @@ def test_the_chat_uses_only_files_uploaded_to_it(tmp_path):
     from glimpse.ui import history_to_messages
     from glimpse.vision import MediaError
 
-    uploads, outside = tmp_path / "uploads", tmp_path / "secret"
+    from glimpse.ui import _check_upload
+
+    uploads, outside = tmp_path / "uploads", tmp_path / "uploads-evil"  # a folder beside it, its name the same start
     uploads.mkdir()
     outside.mkdir()
     (uploads / "cat.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # a PNG signature: this test is about paths
@@ -1873,11 +1977,15 @@ def test_the_chat_uses_only_files_uploaded_to_it(tmp_path):
     messages = history_to_messages(turn(uploads / "cat.png"), (uploads.resolve(),))
     assert messages[0]["content"][0]["image"] == str(uploads / "cat.png")
     refusals = []
-    for path in (outside / "key.png", outside / "missing.png", uploads / "link.png", uploads / ".." / "secret" / "key.png"):
+    for path in (outside / "key.png", outside / "missing.png", uploads / "link.png",
+                 uploads / ".." / "uploads-evil" / "key.png"):
         with pytest.raises(MediaError) as error:
             history_to_messages(turn(path), (uploads.resolve(),))
         refusals.append(str(error.value).split(": ", 1)[1])
     assert len(set(refusals)) == 1 and "only files uploaded to this chat" in refusals[0]
+    # The turn's own check of its files (behind Gradio's) refuses one outside the uploads before reading it.
+    with pytest.raises(MediaError, match="key.png: only files uploaded to this chat"):
+        _check_upload(outside / "key.png", (uploads.resolve(),))
 
 
 def test_the_chats_routes_never_copy_a_file_named_by_path_into_the_uploads(server, media, tmp_path):
@@ -2011,6 +2119,21 @@ def test_the_chat_fetches_no_url_named_as_a_file_and_its_file_routes_relay_none(
     import glimpse.ui  # (a component subclass there had Gradio write a type stub, ui.pyi, into the package)
 
     assert not list(Path(glimpse.ui.__file__).parent.glob("*.pyi"))
+
+
+def test_uploads_leave_the_disk_its_reserve_whatever_the_quota(server, tmp_path, monkeypatch):
+    """Below the quota, an upload is still refused (507, saying so) when it would leave the disk less free space
+    than its reserve: a client uploading in a loop cannot fill a nearly full disk."""
+    import shutil
+
+    from glimpse import uploads
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    (tmp_path / "uploads").mkdir()
+    monkeypatch.setattr(uploads, "RESERVE_BYTES", shutil.disk_usage(tmp_path).free + 2**30)  # the disk is "full"
+    for url in _serve(build_server(server["engine"], "tiny-llava", max_uploads_gb=1.0)):
+        reply = httpx.post(url + "/gradio_api/upload", files={"files": ("a.png", b"x" * 1000, "image/png")}, timeout=30)
+        assert reply.status_code == 507 and "nearly full" in reply.json()["error"]["message"], reply.text
 
 
 def test_uploads_past_the_quota_are_refused_old_ones_make_room_and_the_chat_goes_on_without_them(
@@ -2430,6 +2553,16 @@ def test_oversized_bodies_and_text_beyond_the_context_are_refused_before_any_wor
     huge = b'{"messages": "' + b"x" * (connections.MAX_BODY_BYTES + 10) + b'"}'
     reply = httpx.post(url, content=huge, headers=as_json, timeout=120)
     assert reply.status_code == 413 and "MiB" in reply.json()["error"]["message"]
+    # Announced past the cap and not sent: refused at once, from its Content-Length (not after the 120 s a body
+    # has to arrive in: the socket's 10 s would run out first).
+    port = int(server["url"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (connections.MAX_BODY_BYTES + 1))
+        reply = b""
+        while not reply.endswith(b"}}") and (piece := sock.recv(4096)):
+            reply += piece
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:100]
     ok = httpx.post(url, json={"messages": _question(_data_url(media["image"])), "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200
 
