@@ -20,7 +20,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-from PIL import EpsImagePlugin, Image
+from PIL import EpsImagePlugin, Image, ImageFile
 
 from conftest import write_damaged_video
 from glimpse.common import UserError
@@ -1316,3 +1316,104 @@ def test_paths_no_file_can_have_and_pictures_of_no_pixels_are_refused_in_one_cle
     for box, size in (((10, 10, 10, 10), "0x0"), ((10, 10, 10, 300), "0x290"), ((5, 5, 60, 5), "55x0")):
         with pytest.raises(vision.MediaError, match=rf"the image is empty \({size} pixels\)"):
             vision.load_image(picture.crop(box))
+
+
+def _gif_claiming(width: int, height: int) -> bytes:
+    """A real 8x8 GIF whose header and image descriptor are patched to claim width x height."""
+    buffer = io.BytesIO()
+    Image.new("P", (8, 8)).save(buffer, "GIF")
+    data = bytearray(buffer.getvalue())
+    data[6:10] = struct.pack("<HH", width, height)  # logical screen
+    at = data.index(b"\x2c")  # image descriptor: left, top, width, height
+    data[at + 5:at + 9] = struct.pack("<HH", width, height)
+    return bytes(data)
+
+
+def test_the_pixel_limit_holds_for_a_gif_as_for_a_png():
+    """The pixel limit is checked from any format's header before decoding (only PNG headers were tried): a GIF
+    claiming 72 MP, under Pillow's own limits, is refused."""
+    with pytest.raises(vision.MediaError, match=r"image too large \(9000x8000 = 72 MP, limit 64 MP\)"):
+        vision.load_image(_gif_claiming(9000, 8000))
+    with pytest.raises(vision.MediaError, match=r"image too large \(3000x3000 = 9 MP, limit 1 MP\)"):
+        vision.load_image(_gif_claiming(3000, 3000), max_pixels=1_000_000)
+
+
+def test_a_32_bit_integer_tiff_is_scaled_to_8_bits_not_clipped_white():
+    """32-bit integer greyscale (mode "I": a TIFF of scientific data) is scaled to 8 bits as 16-bit is, not clipped
+    at 255 (a mid grey would be white)."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((4, 4), 32896, dtype=np.int32)).save(buffer, "TIFF")
+    assert Image.open(io.BytesIO(buffer.getvalue())).mode == "I"
+    pixel = np.asarray(vision.load_image(buffer.getvalue()))[0, 0].astype(int)
+    assert np.abs(pixel - 128).max() <= 1, pixel
+
+
+def test_a_stop_that_comes_as_a_picture_finishes_decoding_stops_it(tmp_path, monkeypatch):
+    """A stop (a client that left, or the time limit) that comes while a picture decodes, after its file's last
+    read, is seen once it is decoded, before it is converted: a one-picture request checks nothing after."""
+    path = tmp_path / "photo.png"
+    Image.fromarray((np.random.RandomState(0).rand(64, 64, 3) * 255).astype("uint8")).save(path)
+    decoded = []
+    real_load = ImageFile.ImageFile.load
+
+    def load(self):
+        result = real_load(self)
+        decoded.append(True)  # the decoding ends: the client left meanwhile
+        return result
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)
+    with vision.reading_limit(None, stop=lambda: bool(decoded)):
+        with pytest.raises(vision.ReadingStopped, match="photo.png: reading it was stopped"):
+            vision.load_image(path)
+
+
+def test_a_truncated_video_s_sample_rate_is_that_of_the_frames_it_was_sampled_over(tmp_path):
+    """A truncated video's sampling rate (Qwen2.5-VL's seconds per temporal patch come from it) is over the frames
+    that decode and were sampled from, not the count its header declares."""
+    full = _write_video(tmp_path / "full.mp4", frames=60, container_options={"movflags": "faststart"}).read_bytes()
+    path = tmp_path / "cut.mp4"
+    for fraction in (0.95, 0.9, 0.85, 0.8, 0.7, 0.6):
+        path.write_bytes(full[: int(len(full) * fraction)])
+        decodable = _decodable_frame_count(path)
+        if 8 <= decodable < 50:
+            break
+    assert 8 <= decodable < 50
+    qwen = sampling.sample_video_qwen(path)
+    assert qwen.indices[-1] == decodable - 1
+    assert qwen.sample_fps == pytest.approx(len(qwen.indices) / decodable * CLIP_FPS)
+    uniform = sampling.sample_video_uniform(path, 8)
+    assert uniform.sample_fps == pytest.approx(8 / decodable * CLIP_FPS)
+
+
+def test_a_matroska_file_cut_at_three_quarters_says_so(tmp_path):
+    """A Matroska file (no frame count in its header) cut at three quarters says what it lacks (only a cut at half
+    was tried)."""
+    whole = _write_video(tmp_path / "whole.mkv", frames=60, fps=10, gop=10)
+    data = whole.read_bytes()
+    (tmp_path / "cut.mkv").write_bytes(data[: int(len(data) * 0.75)])
+    decoded = _decodable_frame_count(tmp_path / "cut.mkv")
+    assert decoded < 50
+    shortfall = sampling.sample_video_uniform(tmp_path / "cut.mkv", 8).shortfall
+    assert shortfall is not None and shortfall[0] == decoded and 55 <= shortfall[1] <= 65
+
+
+def test_check_media_refuses_an_oversized_picture_before_any_model_loads(tmp_path):
+    """``check_media``, what `glimpse ask`, bench and eval run before a model loads, refuses a picture over the pixel
+    limit or too long and thin from its header."""
+    path = tmp_path / "huge.png"
+    path.write_bytes(_png_header_only(9000, 9000))
+    with pytest.raises(vision.MediaError, match=r"huge\.png: image too large \(9000x9000 = 81 MP"):
+        vision.check_media(path, "image")
+    path.write_bytes(_png_header_only(30_000, 100))
+    with pytest.raises(vision.MediaError, match="too long and thin"):
+        vision.check_media(path, "image")
+
+
+@pytest.mark.parametrize("suffix", [".ts", ".avi"])
+def test_seeking_in_a_container_whose_seek_lands_late_still_gives_the_frames_asked_for(tmp_path, suffix):
+    """A seek that lands past its target (MPEG-TS and AVI as PyAV writes them do) is not taken for the target: the
+    frames asked for are the frames given (taken so, frames 106, 186, 234 stood for 100, 180, 230 of a .ts)."""
+    path = _write_video(tmp_path / f"recording{suffix}", frames=240, gop=10)
+    wanted = [0, 100, 101, 180, 230, 239]
+    frames = media_module._decode_pyav(path, wanted, seek_min_gap=8).frames
+    assert [_frame_index(frame) for frame in frames] == wanted
