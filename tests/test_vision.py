@@ -437,6 +437,48 @@ def test_a_video_replaced_by_a_pipe_after_its_checks_is_refused_not_waited_on_by
         monkeypatch.undo()
 
 
+def test_a_video_whose_disk_fails_part_way_is_answered_from_what_was_read_and_says_why(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """FFmpeg reads a video through the file object Glimpse opened (``_open_container``): a read that fails part
+    way (EIO from a failing disk, NFS or USB drive) comes back as Python's OSError, not FFmpeg's error, and ended
+    the request ("Input/output error", naming no file; a 500 from the API) where a file opened by FFmpeg itself
+    was answered from the frames read before it, saying why (a regression hunt). Both are answered so now."""
+    import errno
+    import logging
+
+    from glimpse.vision import media
+
+    path = tmp_path / "clip.mp4"
+    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:  # its index first, then frames
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(100):  # noise: some 180 KB, read in several parts
+            frame = np.random.RandomState(i).randint(0, 255, (48, 64, 3), dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    half, opened = path.stat().st_size // 2, media._open_regular
+
+    class FailingDisk(io.FileIO):
+        def read(self, size=-1):
+            if self.tell() > half:
+                raise OSError(errno.EIO, "Input/output error")
+            return super().read(size)
+
+    def failing_disk(name):
+        file = opened(name)
+        failing = FailingDisk(os.dup(file.fileno()), "rb")
+        failing.name = file.name
+        file.close()
+        return failing
+
+    monkeypatch.setattr(media, "_open_regular", failing_disk)
+    with caplog.at_level(logging.WARNING, logger="glimpse.vision"):
+        video = sampling.sample_video_uniform(path, 8)
+    decoded, declared = video.shortfall
+    assert 0 < decoded < declared == 100 and len(video.indices) == 8
+    assert "clip.mp4: decoding stopped early (Input/output error)" in caplog.text
+
+
 def test_an_image_whose_header_cannot_be_read_is_said_to_be_corrupt_not_of_an_unknown_type():
     """A PNG cut short, a bare PNG signature and a PNG whose compressed text chunk unpacks past PIL's limit were
     "not an image Glimpse can read (it reads JPEG, PNG, ...)": they are PNGs, and the message sent the user

@@ -624,6 +624,11 @@ def check_video_backend() -> None:
     _choose_backend(None)
 
 
+# What reading a video's file can raise part-way: FFmpeg's errors, and the OSError of a read of the file object FFmpeg
+# reads through (``_open_container``: EIO from a failing disk), which PyAV hands back as it was raised.
+_READ_ERRORS = (av.FFmpegError, OSError)
+
+
 @contextmanager
 def _open_container(path: Path) -> Iterator[av.container.InputContainer]:
     """The video opened for demuxing, through a descriptor opened as ``_open_regular`` opens one: FFmpeg opening
@@ -688,7 +693,7 @@ def _count_packets(container: av.container.InputContainer,
                 first = start if first is None else min(first, start)
                 end = ends if end is None else max(end, ends)
                 timed = timed or bool(packet.duration)
-    except av.FFmpegError:
+    except _READ_ERRORS:
         return 0, None, None
     if first is not None and not timed and count > 1:  # (FLV's packets give no duration: the last lasts as the rest)
         end += (end - first) / (count - 1)
@@ -773,7 +778,7 @@ class _StreamFrames:
                     continue
                 yield from frames
             return
-        except av.FFmpegError as error:
+        except _READ_ERRORS as error:
             # The file's name, not its path (for fetched media that is a temporary folder of the server's), and
             # FFmpeg's reason without the path it appends.
             logger.warning("%s: decoding stopped early (%s)", Path(container.name).name,
@@ -828,7 +833,7 @@ def _iter_wanted_frames(
             target_pts = first.pts + int(target / fps / stream.time_base)
             try:
                 container.seek(target_pts, stream=stream, backward=True, any_frame=False)
-            except av.FFmpegError as error:
+            except _READ_ERRORS as error:
                 raise _SeekFailed from error
             reader = _StreamFrames(container, stream)
             frames, after_seek = iter(reader), True
