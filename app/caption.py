@@ -601,7 +601,9 @@ def caption_inputs(engine, inputs: list[Path], *, out: Path | CaptionOutput | No
                    keys: dict[Path, str] | None = None) -> CaptionReport:
     """Caption ``inputs`` into ``out`` (a path, or a ``CaptionOutput`` already opened and locked);
     ``media_timeout_s``: the longest one input may take to read (None: no limit); ``readers``: inputs read at once;
-    ``progress(done, total, failed)`` after every batch; ``keys``: the inputs' keys where known (``collect_inputs``)."""
+    ``progress(done, total, failed)`` after every batch; ``keys``: the inputs' keys where known (``collect_inputs``),
+    to sort out what is done; a record's own key is found again as it is written, its file having just been read
+    (a link retargeted since the listing, hours earlier in a long run, was written under the old target's key)."""
     report = CaptionReport()
     sidecars = {}
     if fmt == "txt":
@@ -699,7 +701,7 @@ def _caption(engine, inputs, keys, sink, fmt, overwrite, policy, speed, prompt, 
                         continue
                 else:
                     metrics = {k: result.metrics[k] for k in KEPT_METRICS}
-                    sink.write({"path": stored(str(path)), "key": keys[path], "caption": caption,
+                    sink.write({"path": stored(str(path)), "key": input_key(path), "caption": caption,
                                 "model": model, "policy": result.policy,
                                 "speed": speed, "prompt": stored(asked[path]),
                                 "params": result.params, "metrics": metrics,

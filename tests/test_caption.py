@@ -333,10 +333,12 @@ def test_resuming_matches_inputs_by_resolved_path_however_they_are_named(model, 
     assert len(_lines(out)) == len(images)
 
 
-def test_a_run_resolves_each_input_name_once(model, tmp_path, monkeypatch):
+def test_a_run_resolves_each_input_name_once_to_sort_it_out_and_once_more_for_its_record(model, tmp_path,
+                                                                                          monkeypatch):
     """A resumed run over a million inputs resolved every name three or four times (listing them, the "all done?"
-    check, sorting out what is left, each record), minutes before it said a word: once each is all it needs, in a
-    first run, a rerun and an --overwrite run alike."""
+    check, sorting out what is left, each record), minutes before it said a word: once to list and sort them out is
+    all it needs, and once more for an input it captions, as its record is written (its file just read: a link
+    retargeted since the listing is written under the key of what was read)."""
     from glimpse import caption
 
     images = _images(tmp_path / "in", 3)
@@ -348,12 +350,39 @@ def test_a_run_resolves_each_input_name_once(model, tmp_path, monkeypatch):
         return resolve(path)
 
     monkeypatch.setattr(caption, "resolved_path", counted)
-    for extra in ([], [], ["--overwrite"]):  # captions all three; finds them done; captions them again
+    for extra, times in (([], 2), ([], 1), (["--overwrite"], 2)):  # captions all three; all done; all again
         resolved.clear()
         assert main(["caption", str(tmp_path / "in"), "--model", model, "--out", str(out), "--max-new-tokens", "2",
                      *extra]) == 0
-        assert {path: resolved[path] for path in images} == dict.fromkeys(images, 1), extra
+        assert {path: resolved[path] for path in images} == dict.fromkeys(images, times), extra
     assert len(_lines(out)) == len(images)
+
+
+def test_a_link_retargeted_during_the_run_is_written_under_the_key_of_the_file_it_read(model, tmp_path, monkeypatch):
+    """``latest.png``, a link a camera moves, listed while it named red.png and read after it moved to yellow.png:
+    its caption (of yellow.png) is recorded under yellow.png's key, so a rerun over red.png still captions it
+    (recorded under red.png's, it was skipped as done and never captioned: a regression hunt)."""
+    from glimpse import caption
+
+    red, yellow = _images(tmp_path / "photos", 2)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "latest.png").symlink_to(red)
+    listed = caption.collect_inputs
+
+    def moved_after_listing(*args, **kwargs):
+        inputs = listed(*args, **kwargs)
+        (tmp_path / "in" / "latest.png").unlink()
+        (tmp_path / "in" / "latest.png").symlink_to(yellow)
+        return inputs
+
+    monkeypatch.setattr(caption, "collect_inputs", moved_after_listing)
+    out = tmp_path / "captions.jsonl"
+    ask = ["--model", model, "--out", str(out), "--max-new-tokens", "2"]
+    assert main(["caption", str(tmp_path / "in"), *ask]) == 0
+    assert [record["key"] for record in _lines(out)] == [str(yellow.resolve())]
+    monkeypatch.undo()
+    assert main(["caption", str(red), *ask]) == 0
+    assert sorted(record["key"] for record in _lines(out)) == sorted([str(yellow.resolve()), str(red.resolve())])
 
 
 def test_a_long_listing_of_the_inputs_says_how_far_it_is(tmp_path, monkeypatch):
