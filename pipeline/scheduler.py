@@ -329,7 +329,7 @@ class Scheduler:
                       or sum(t.reserved_bytes for t in ahead) + reserved > self.kv_budget_bytes)
         queued = self._queued(still_waiting)
         if would_wait and len(queued) >= self.queue_size:
-            raise QueueFull(len(queued), self.wait_estimate(1))
+            raise QueueFull(len(still_waiting), self.wait_estimate(1))  # (all that wait, as /health counts them)
 
     def _queued(self, still_waiting: list[Ticket]) -> list[Ticket]:
         """Those of ``still_waiting`` (in order) that wait for a place: the batch (its size, the KV budget) cannot

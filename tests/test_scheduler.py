@@ -273,7 +273,8 @@ def test_a_burst_takes_max_batch_requests_and_queue_size_more(engine, media):
         taken = [scheduler.submit(conversations[i % 2], policy="none", max_new_tokens=2) for i in range(4)]
         with pytest.raises(QueueFull) as full:
             scheduler.submit(conversations[0], policy="none", max_new_tokens=2)
-        assert full.value.waiting == 2  # "2 requests are waiting": the queue's, not the batch's
+        # "4 requests are waiting", as /health counts them (the queue's two said "2"; with --queue-size 0, "0")
+        assert full.value.waiting == scheduler.state()["waiting"] == 4
         assert [scheduler.position(ticket) for ticket in taken] == [1, 2, 3, 4]
     finally:
         scheduler.close()
