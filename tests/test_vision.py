@@ -437,19 +437,22 @@ def test_a_video_replaced_by_a_pipe_after_its_checks_is_refused_not_waited_on_by
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("suffix", [".mp4", ".mkv"])
 def test_a_video_whose_disk_fails_part_way_is_answered_from_what_was_read_and_says_why(tmp_path, monkeypatch,
-                                                                                        caplog):
+                                                                                        caplog, capfd, suffix):
     """FFmpeg reads a video through the file object Glimpse opened (``_open_container``): a read that fails part
-    way (EIO from a failing disk, NFS or USB drive) comes back as Python's OSError, not FFmpeg's error, and ended
-    the request ("Input/output error", naming no file; a 500 from the API) where a file opened by FFmpeg itself
-    was answered from the frames read before it, saying why (a regression hunt). Both are answered so now."""
+    way (EIO from a failing disk, NFS or USB drive) came back as Python's OSError, and ended the request
+    ("Input/output error", naming no file; a 500 from the API), or made a Matroska file "contain no frames" with a
+    traceback printed at each read FFmpeg tried again, where a file opened by FFmpeg itself was answered from the
+    frames read before the failure, saying why (a regression hunt). It ends the file there, said once."""
     import errno
     import logging
 
     from glimpse.vision import media
 
-    path = tmp_path / "clip.mp4"
-    with av.open(str(path), "w", options={"movflags": "faststart"}) as container:  # its index first, then frames
+    path = tmp_path / f"clip{suffix}"
+    options = {"movflags": "faststart"} if suffix == ".mp4" else {}  # (its index first, then the frames)
+    with av.open(str(path), "w", options=options) as container:
         stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=10)
         stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
         for i in range(100):  # noise: some 180 KB, read in several parts
@@ -476,7 +479,8 @@ def test_a_video_whose_disk_fails_part_way_is_answered_from_what_was_read_and_sa
         video = sampling.sample_video_uniform(path, 8)
     decoded, declared = video.shortfall
     assert 0 < decoded < declared == 100 and len(video.indices) == 8
-    assert "clip.mp4: decoding stopped early (Input/output error)" in caplog.text
+    assert f"clip{suffix}: reading stopped early (Input/output error)" in caplog.text
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_an_image_whose_header_cannot_be_read_is_said_to_be_corrupt_not_of_an_unknown_type():

@@ -624,9 +624,35 @@ def check_video_backend() -> None:
     _choose_backend(None)
 
 
-# What reading a video's file can raise part-way: FFmpeg's errors, and the OSError of a read of the file object FFmpeg
-# reads through (``_open_container``: EIO from a failing disk), which PyAV hands back as it was raised.
+# What reading a video's file can raise part-way: FFmpeg's errors, and an OSError of the file object FFmpeg reads
+# through (``_VideoFile`` turns its reads' into the file's end; its seeks' are PyAV's to hand back).
 _READ_ERRORS = (av.FFmpegError, OSError)
+
+
+class _VideoFile:
+    """What FFmpeg reads a video through (``_open_container``): the file Glimpse opened and checked. A read that
+    fails part-way (EIO from a failing disk, NFS or USB drive) ends the file there, said once, as it was when FFmpeg
+    opened the file itself: raised through PyAV, the OSError ended the request naming no file, and was printed as a
+    traceback at each read FFmpeg tried again ("PyAV library exception being dropped")."""
+
+    def __init__(self, file: io.FileIO):
+        self.file, self.name, self.failed = file, file.name, False
+
+    def read(self, size: int = -1) -> bytes:
+        if self.failed:
+            return b""
+        try:
+            return self.file.read(size)
+        except OSError as error:
+            self.failed = True
+            logger.warning("%s: reading stopped early (%s)", Path(self.name).name, error.strerror or error)
+            return b""
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self.file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.file.tell()
 
 
 @contextmanager
@@ -636,7 +662,7 @@ def _open_container(path: Path) -> Iterator[av.container.InputContainer]:
     FFmpeg reads it through the file object (and takes the name's extension as its hint, as it would by name)."""
     with _open_regular(path) as file:
         try:
-            container = av.open(file, mode="r")
+            container = av.open(_VideoFile(file), mode="r")
         except (av.FFmpegError, OSError, ValueError) as error:
             raise MediaError(f"{path.name}: the video is corrupt or truncated: the file cannot be opened") from error
         with container:
