@@ -61,7 +61,7 @@ from glimpse import vision
 from glimpse.vision import NamedBytes
 from glimpse.common import UserError
 from glimpse.common.jsonable import finite
-from glimpse.connections import BODY_DONE, AbsoluteFormTargets, BodyLimits, error_content
+from glimpse.connections import BODY_DONE, AbsoluteFormTargets, BodyLimits, StreamsUnbuffered, error_content
 from glimpse.fetch import FETCH_DEADLINE_S, Allowance, Fetcher, FetchError
 from glimpse.telemetry import CONTENT_TYPE, Telemetry
 from glimpse.pipeline.engine import StreamChunk
@@ -332,6 +332,7 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
     # (glimpse.connections).
     app.add_middleware(BodyLimits, on_refused=lambda path: telemetry.refused("bad_request") if path.startswith("/v1/")
                        else None)
+    app.add_middleware(StreamsUnbuffered)  # streamed answers and the chat's events pass a proxy as they come
     app.add_middleware(AbsoluteFormTargets)  # outermost: the limits and the routes see the path alone
 
     def unauthorized(request: Request) -> JSONResponse | None:

@@ -11,7 +11,7 @@
     glimpse serve [--model M] [--host 127.0.0.1] [--port 7860] [--allowed-root DIR] [--max-upload-mb N]
                   [--max-uploads-gb G] [--max-batch N] [--queue-size N] [--kv-budget-mb N] [--encoder-cache-mb N]
                   [--media-cache-mb N] [--prefix-cache-mb N]
-                  [--api-key KEY | --no-api-key] [--shutdown-grace S]
+                  [--api-key KEY | --no-api-key] [--shutdown-grace S] [--root-path /PATH]
     glimpse caption INPUT... [--out FILE.jsonl | --format txt] [--overwrite] [--policy P] [--speed S] [--prompt P]
                     [--batch-size N] [--max-new-tokens N]
 
@@ -319,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM (docker stop, systemd, Kubernetes) answers under way get S seconds to finish "
                             f"before they are cut (default {SHUTDOWN_GRACE_S:g}: docker stop kills after 10); new "
                             "requests are refused at once")
+    serve.add_argument("--root-path", default=None, metavar="/PATH",
+                       help="the path a reverse proxy serves Glimpse under (e.g. /glimpse, for https://host/glimpse/, "
+                            "the proxy stripping it): the chat's page asks for its routes there; docs/serving.md")
     serve.add_argument("--media-timeout", type=float, default=MEDIA_TIMEOUT_S, metavar="S",
                        help="the longest one request's images and videos may take to decode, all together "
                             f"(default {MEDIA_TIMEOUT_S:g}); past it the request is refused (400)")
@@ -530,9 +533,11 @@ def run_eval(args) -> int:
 
 def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=200, max_uploads_gb=20.0, queue_size=32,
                  max_new_tokens=256, allow_private_urls=False, max_batch=8, kv_budget_bytes=None, api_key=None,
-                 media_timeout_s=MEDIA_TIMEOUT_S, scheduler_thread=True):
+                 media_timeout_s=MEDIA_TIMEOUT_S, scheduler_thread=True, root_path=None):
     """The FastAPI app `glimpse serve` runs: one scheduler owning the engine, the API routes on it, and the
-    Gradio chat on it, mounted at /. ``scheduler_thread=False``: the caller runs ``app.state.scheduler.run()``."""
+    Gradio chat on it, mounted at /. ``scheduler_thread=False``: the caller runs ``app.state.scheduler.run()``.
+    ``root_path``: the path a reverse proxy serves it under (``/glimpse``), which the chat's page must put in front
+    of its own routes; the proxy strips it from what it passes on."""
     import hmac
 
     import gradio as gr
@@ -551,10 +556,12 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     app = create_api(engine, model_name=model_name, scheduler=scheduler, telemetry=telemetry, allowed_root=allowed_root,
                      allow_private_urls=allow_private_urls, max_new_tokens=max_new_tokens, api_key=api_key)
     # Every chat turn goes straight to the scheduler, which batches them and shows each its queue position;
-    # Gradio's own queue only bounds how many event handlers run at once.
+    # Gradio's own queue only bounds how many event handlers run at once, and holds as many more waiting to start.
+    # (Its max_size was --queue-size: Gradio is full at max_size waiting, so --queue-size 0 refused every event of
+    # the chat, its page showing "Error" everywhere on an idle server; an outside pass.)
     demo = build_ui(engine, model_name, max_new_tokens, allowed_root=allowed_root, scheduler=scheduler,
                     refused=telemetry.refused).queue(
-        default_concurrency_limit=max_batch + queue_size, max_size=queue_size)
+        default_concurrency_limit=max_batch + queue_size, max_size=max_batch + queue_size)
     demo.state_session_capacity = CHAT_SESSIONS  # read as it is mounted: what clients can make it hold (connections)
     # Made-up sessions never drop a session whose answer is under way (glimpse.ui.SessionMessages)
     demo._queue.pending_messages_per_session = SessionMessages(demo._queue)
@@ -566,6 +573,7 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     # chat's own refusals, gr.Error, keep theirs). Its text named server paths: a file part "x.png" was refused as
     # "Cannot move /app/x.png ...", the server's working folder (an outside pass).
     app = gr.mount_gradio_app(app, demo, path="/", max_file_size=f"{max_upload_mb}mb", auth=auth, show_error=False,
+                              root_path=root_path or None,
                               app_kwargs={"openapi_url": None, "exception_handlers": {Exception: malformed_upload}},
                               auth_message="Log in with any user name and the server's API key as the password.")
     # Gradio checks that a file its routes are given by path was uploaded (and refuses it before opening it)
@@ -577,6 +585,21 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     app.add_middleware(NoRemoteMedia)
     app.add_middleware(NoFetchingForClients)
     return app
+
+
+def _root_path(value: str | None) -> str | None:
+    """``--root-path`` as Gradio takes it: a path (``/glimpse``, no trailing slash) or a whole URL; None for /."""
+    if value is None:
+        return None
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    whole_url = parts.scheme in ("http", "https") and bool(parts.netloc)
+    if (not (value.startswith("/") or whole_url) or parts.query or parts.fragment or "#" in value
+            or any(c.isspace() or not c.isprintable() for c in value)):
+        raise UserError(f"--root-path {value!r}: give the path a reverse proxy serves Glimpse under, starting with / "
+                        "(e.g. /glimpse), or the whole URL (https://example.com/glimpse)")
+    return value.rstrip("/") or None
 
 
 def _loopback(host: str) -> bool:
@@ -649,6 +672,7 @@ def run_serve(args) -> int:
     if args.max_upload_mb < 1 or not 0 < args.max_uploads_gb <= MAX_UPLOADS_GB:  # (NaN fails this too)
         raise UserError(f"--max-upload-mb must be at least 1 and --max-uploads-gb more than 0 and at most "
                         f"{MAX_UPLOADS_GB:,}: they crashed the server as it started, or it refused every upload")
+    root_path = _root_path(args.root_path)
     if args.allowed_root is not None and not Path(args.allowed_root).is_dir():  # every path named would fail later
         raise UserError(f"--allowed-root {args.allowed_root}: no such folder")
     check_video_backend()
@@ -669,7 +693,7 @@ def run_serve(args) -> int:
                        queue_size=args.queue_size, max_new_tokens=args.max_new_tokens,
                        allow_private_urls=args.allow_private_urls, max_batch=args.max_batch,
                        kv_budget_bytes=budget, api_key=args.api_key, media_timeout_s=args.media_timeout,
-                       scheduler_thread=False)
+                       scheduler_thread=False, root_path=root_path)
     # The HTTP server in a thread, the scheduler (all model compute) in the main thread, which loaded the
     # model: on CPU, torch runs about 1.5x slower in any other thread (Scheduler.run).
     server = http_server(app, args.host, args.port, args.shutdown_grace + 2)  # a backstop: see the finally
@@ -679,7 +703,8 @@ def run_serve(args) -> int:
         time.sleep(0.05)
     if not http.is_alive():
         raise UserError(f"could not serve on {args.host}:{args.port} (is the port in use?)")
-    _log(f"serving on http://{args.host}:{args.port} (chat at /, API at /v1/chat/completions)")
+    _log(f"serving on http://{args.host}:{args.port} (chat at /, API at /v1/chat/completions)"
+         + (f"; the chat's page expects to be at {root_path}/ behind a proxy" if root_path else ""))
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, _on_sigterm(terminated))
     threading.Thread(target=_shut_down_when, args=(terminated, server, app.state.scheduler, args.shutdown_grace),

@@ -289,6 +289,34 @@ class AbsoluteFormTargets:
         await self.app(scope, receive, send)
 
 
+class StreamsUnbuffered:
+    """ASGI middleware: an event stream (the API's streamed answers, the chat's queue) is marked for proxies to pass
+    on as it comes: ``X-Accel-Buffering: no`` (nginx, which buffers responses by default) and ``Cache-Control:
+    no-cache``. Behind nginx as tutorials set it up, a streamed answer arrived in two bursts, or over TLS all at once
+    at its end, in the chat too (an outside pass, 2026-12-07); docs/serving.md has the proxy's settings."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_unbuffered(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                names = {name.lower() for name, _ in headers}
+                content_type = next((value for name, value in headers if name.lower() == b"content-type"), b"")
+                if content_type.split(b";")[0].strip().lower() == b"text/event-stream":
+                    headers.append((b"x-accel-buffering", b"no"))
+                    if b"cache-control" not in names:
+                        headers.append((b"cache-control", b"no-cache"))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_unbuffered)
+
+
 class BodyLimits:
     """ASGI middleware: a request body (but an upload's, a POST to a path ending in ``/upload``) larger than
     ``MAX_BODY_BYTES`` (the API's, under /v1/; the chat's routes ``MAX_CHAT_BODY_BYTES``) is refused with 413 —

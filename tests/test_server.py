@@ -877,6 +877,28 @@ def test_streaming_sends_the_same_text_in_server_sent_events(server, media):
     assert first == {"speed": 0.5, "promise": whole.model_extra["glimpse"]["promise"]}
 
 
+def test_event_streams_tell_a_proxy_to_pass_them_on_as_they_come(server, media):
+    """Behind nginx as tutorials set it up (it buffers responses by default), a streamed answer arrived in two bursts,
+    and over TLS all at once at its end, in the chat as well as from the API (an outside pass): every event stream
+    says ``X-Accel-Buffering: no`` (nginx's own switch) and ``Cache-Control: no-cache``; other answers are left as
+    they were."""
+    url = server["url"]
+    body = {"messages": _question(_data_url(media["image"])), "max_tokens": 4}
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as streamed:
+        assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+        assert streamed.headers["x-accel-buffering"] == "no" and streamed.headers["cache-control"] == "no-cache"
+        assert b"[DONE]" in streamed.read()
+    whole = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert whole.status_code == 200 and "x-accel-buffering" not in whole.headers
+    # The chat's answers come through Gradio's event streams
+    event = httpx.post(url + "/gradio_api/call/chat", json={"data": [{"text": "Hi", "files": []}, "none", 0.0, 4, "",
+                                                                     False]}, timeout=30).json()["event_id"]
+    with httpx.stream("GET", f"{url}/gradio_api/call/chat/{event}", timeout=60) as events:
+        assert events.status_code == 200 and events.headers["content-type"].startswith("text/event-stream")
+        assert events.headers["x-accel-buffering"] == "no" and events.headers["cache-control"] == "no-cache"
+        assert b"event: complete" in events.read()
+
+
 def test_local_files_only_under_the_allowed_root(server, media):
     client = _client(server)
     inside = client.chat.completions.create(model="m", messages=_question(str(server["root"] / "image.png")),
@@ -1215,6 +1237,37 @@ def test_the_chat_answers_through_gradio_client_and_shows_errors_in_the_chat(ser
     assert "⚠️" in answer and "broken.png" in answer
     answer, _, _ = client.predict({"text": "Still there?", "files": []}, "none", 0.0, 8, "", False, api_name="/chat")
     assert "⚠️" not in answer  # the broken file left the conversation; the next turn is answered
+
+
+def test_the_chat_answers_with_no_queue_beyond_the_batch(server, media):
+    """``--queue-size 0``, no request waiting beyond the batch: Gradio's own queue was given that size too, and Gradio
+    counts a queue as full at its size, so every event of the chat, on an idle server, was refused ("This application
+    is currently busy") and the page showed "Error" everywhere; the API answered (an outside pass)."""
+    from gradio_client import Client, handle_file
+
+    app = build_server(server["engine"], "tiny-llava", max_new_tokens=4, queue_size=0, max_batch=1)
+    try:
+        for url in _serve(app):
+            question = {"text": "What is in the picture?", "files": [handle_file(str(media["image"]))]}
+            answer, metrics, _ = Client(url + "/", verbose=False).predict(question, "auto", 0.5, 4, "", False,
+                                                                         api_name="/chat")
+            assert answer and "⚠️" not in answer and "time to first token" in metrics
+    finally:
+        app.state.scheduler.close()
+
+
+@pytest.mark.parametrize("root_path", ["/glimpse", "/glimpse/", "https://example.com/tools/glimpse"])
+def test_behind_a_proxy_at_a_sub_path_the_chats_page_asks_for_its_routes_there(server, root_path):
+    """Served by a reverse proxy at https://host/glimpse/ (the proxy strips /glimpse), the chat's page asked for its
+    styles, uploads and events at /gradio_api/... of the host, which the proxy did not pass on: the page came
+    unstyled and every upload failed (an outside pass behind nginx). ``--root-path`` says where it is."""
+    app = build_server(server["engine"], "tiny-llava", max_new_tokens=4, root_path=root_path, scheduler_thread=False)
+    for url in _serve(app):
+        expected = root_path.rstrip("/") if root_path.startswith("http") else url + root_path.rstrip("/")
+        assert httpx.get(url + "/config", timeout=30).json()["root"] == expected
+        assert f'"root":"{expected}"' in httpx.get(url + "/", timeout=30).text.replace(" ", "")
+    plain = httpx.get(server["url"] + "/config", timeout=30).json()["root"]  # served as it is reached
+    assert plain == server["url"]
 
 
 def test_a_chat_upload_that_takes_too_long_to_read_is_refused_and_left_out_of_later_turns(server, media):
@@ -2788,7 +2841,9 @@ def test_a_port_in_use_is_said_before_the_model_loads(capsys, monkeypatch):
                                         (["--max-uploads-gb", "inf"], "--max-uploads-gb more than 0"),
                                         (["--max-uploads-gb", "1e300"], "--max-uploads-gb more than 0"),
                                         (["--port", "70000"], "--port must be between 0 and 65535"),
-                                        (["--allowed-root", "/no/such/folder"], "/no/such/folder: no such folder")])
+                                        (["--allowed-root", "/no/such/folder"], "/no/such/folder: no such folder"),
+                                        (["--root-path", "glimpse"], "--root-path 'glimpse': give the path"),
+                                        (["--root-path", "/glimpse?x=1"], "starting with / (e.g. /glimpse)")])
 def test_a_server_size_or_place_that_cannot_work_is_refused_before_the_model_loads(capsys, monkeypatch, flags, said):
     """An outside pass: ``--max-uploads-gb nan`` or ``--max-upload-mb -1`` crashed the server as it started (after
     minutes of loading), ``--kv-budget-mb -5`` started one that refused every request blaming the client,
