@@ -10,7 +10,7 @@ slot, so policies, eviction (ST3, compacted in place) and metrics see their own 
 
 A request's float entries *move* into its slot once, when it joins (one copy of its own entries, never
 per step), and a slot has room for the rest of the request's answer, up to ``ANSWER_ROOM`` tokens, so no step
-reallocates until then. Members are
+reallocates until then (then the batch forms again). Members are
 the requests whose policy does nothing per decode layer (no revival, no choice of keys: not LazyLLM with the
 paper's re-selection); the others decode request by request beside them. ZipVL's packed entries have packed slots
 (``BatchKV.parts``: per layer and bit width, a packed tensor with a row per slot, zeros where a member holds
@@ -44,8 +44,8 @@ SLACK = 1.125  # a slot's room beyond its largest member's need, so that a reque
 # the free slot has cost as much as forming again would have. Given back at once, a server whose clients come
 # and go formed a batch every 2-3 requests (44 formations in 128 requests of `glimpse bench serve`).
 FREE_STEPS_PER_SLOT = 2
-# A slot has room for at most this many more answer tokens: past them its request's cache leaves the slot (one
-# copy, pipeline/cache.py) and the batch forms again. Room for the whole budget allocated a whole context per
+# A slot has room for at most this many more answer tokens: past them the batch forms again (``BatchKV.keeps``),
+# its slots with room for the rest of the answers. Room for the whole budget allocated a whole context per
 # request up front: 8 two-token answers asked with max_new_tokens 10**9 took 3.2 GB instead of 34 MB.
 ANSWER_ROOM = 1024
 
@@ -254,6 +254,12 @@ class BatchKV:
         (members in them, no slot free for long, the members' slots at most ``limit`` times what they need).
         ``room_formed_again``: the entries that forming again would copy (every group's, ``_room``)."""
         if not self.members:
+            return False
+        # A member whose slot has no room for its next entry (its answer outgrew ANSWER_ROOM): form again, with room
+        # for the rest of it. A step writes into the slots directly, so nothing else would move it: two answers of
+        # 1,400 tokens asked together ended in an IndexError after about 1,180 steps (an outside pass).
+        if any(layer.slot_length() >= keys.shape[2]
+               for layers, keys in zip(self.layers, self.keys) for layer in layers):
             return False
         self.free_steps = [0 if r is not None else steps + 1 for r, steps in zip(self.requests, self.free_steps)]
         # Rent or buy (``FREE_STEPS_PER_SLOT``): a free slot costs its room at every step, forming again copies

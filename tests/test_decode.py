@@ -601,6 +601,24 @@ def test_a_slot_holds_a_bounded_share_of_a_long_budget_and_a_longer_answer_moves
     assert len(seen["formed"]) >= 3
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_answers_that_outgrow_their_slots_room_move_on_and_answer_as_alone(deep_checkpoints, monkeypatch, graphs):
+    """Found from outside: a slot has room for ``ANSWER_ROOM`` more tokens (and SLACK), but nothing moved a member
+    out of a full slot, so two text questions asked with max_new_tokens=1400 stopped with an IndexError after about
+    1180 steps (the next entry written past the slot's room). Shrunk here: an answer longer than its slot's room
+    forms the batch again and every answer is the one it gets alone."""
+    from glimpse.pipeline import batch_kv
+
+    engine = _endless(load_engine(str(deep_checkpoints["llava"]), device="cpu"))
+    monkeypatch.setattr(batch_kv, "ANSWER_ROOM", 2)
+    conversations = [[{"role": "user", "content": "Say hi."}],
+                     [{"role": "user", "content": "Write one line about the sea please now."}]]
+    engine.decode_graphs = graphs
+    together = engine.generate_batch(conversations, policy="none", max_new_tokens=30)
+    alone = [engine.generate(c, policy="none", max_new_tokens=30) for c in conversations]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
 @pytest.mark.parametrize("policy,speed", [("none", 0.0), ("fastv", 0.8), ("st3", 1.0), ("lazyllm", 1.0)])
 def test_requests_in_kv_slots_decode_as_each_on_its_own_cache(deep_checkpoints, media, monkeypatch, policy, speed):
     """Prompts of different lengths (and, pruned, different lengths per layer) share one attention call per layer
@@ -1315,3 +1333,28 @@ def test_annealing_in_a_slot_hides_entries_at_once_with_no_operator_and_removes_
     assert len(in_slot) == 8 and in_slot.visual_entries() == 3
     in_slot.keep_top_visual(0)
     assert in_slot.modality.tolist() == [0] * 5 and in_slot.index.tolist() == [0, 1, 9, 10, 11]
+
+
+def test_each_record_names_its_entry_after_packed_entries_move_into_a_slots_packed_tensors():
+    """A layer's records say, per stored entry, which token it is (policies find entries through them). Joining a
+    decode batch moves packed entries into one packed tensor per bit width, so segments of the same width written
+    apart (4-bit, 2-bit, 4-bit: ZipVL's windows) come together: every record must still name its own entry."""
+    g = torch.Generator().manual_seed(5)
+    key, value = torch.randn(1, 2, 10, 32, generator=g), torch.randn(1, 2, 10, 32, generator=g)
+    layer = LayerKV()
+    layer.append(key, value)
+    layer.add_records(torch.arange(10), torch.zeros(10, dtype=torch.long))
+    layer.pack(torch.tensor([1, 6]), 4, 32)
+    layer.pack(torch.tensor([0, 2]), 2, 32)
+    layer.pack(torch.tensor([0]), 4, 32)
+    before_keys, before_values = layer.keys_values()
+    by_token = {int(t): (before_keys[:, :, i], before_values[:, :, i]) for i, t in enumerate(layer.index)}
+    parts = {}
+    for bits in (4, 2):
+        k, v = next((k, v) for k, v in layer.packed if k.bits == bits)
+        parts[bits] = (k.slots(1, 8), v.slots(1, 8))
+    layer.adopt_packed(parts, owner=object())
+    keys, values = layer.keys_values()
+    assert sorted(layer.index.tolist()) == list(range(10))
+    for i, token in enumerate(layer.index.tolist()):
+        assert torch.equal(keys[:, :, i], by_token[token][0]) and torch.equal(values[:, :, i], by_token[token][1])
