@@ -47,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glimpse.common import UserError
+from glimpse.pipeline.metrics import decoder_prefill_s
 from glimpse.pipeline.prompt import user_message
 from glimpse.pruning.base import check_speed
 
@@ -228,16 +229,12 @@ def _measure(engine, messages, policy: str, speed: float, cuda: bool, new_tokens
     m = result.metrics
     vision = m.get("vision_encoder_s")
     vision_s = float(vision) if vision is not None else 0.0
-    # The decoder's own prefill: what the layer loop did not spend waiting for the encoder. Run beside the encoder (a
-    # GPU's parallel vision, HiDivDrop's early layers), less its whole time would take the overlapped decoder work too
-    # (an outside reading); run after it, as on a CPU, the two are the same.
-    waited = float(m.get("vision_wait_s", vision_s) or 0.0)
     record = {
         "ttft_s": float(m["ttft_s"]),
         "e2e_s": e2e_s,
         "prefill_s": float(m["prefill_s"]),
         "vision_encoder_s": vision_s,
-        "decoder_prefill_s": float(m["prefill_s"]) - waited,
+        "decoder_prefill_s": decoder_prefill_s(m),  # what the layer loop did not spend waiting for the encoder
         "prefill_flops": int(m["prefill_flops"]),
         "prefill_flops_baseline": int(m["prefill_flops_baseline"]),
         "kv_bytes": int(m["kv_bytes"]),

@@ -36,6 +36,7 @@ import torch
 
 from glimpse.assets import ASSETS
 from glimpse.common import UserError
+from glimpse.pipeline.metrics import decoder_prefill_s
 from glimpse.pipeline.prompt import user_message
 from glimpse.pruning.frontier import DEFAULT_FLOOR, Frontier, Member, Point, configuration_name, pareto_frontier
 from glimpse.vision import MediaError
@@ -287,7 +288,8 @@ def _timed_ratios(engine, members, prompts, timing_tokens, typical_answer) -> li
         run = engine.generate(messages, policy=engine.configuration(members), max_new_tokens=timing_tokens,
                               ignore_eos=True).metrics
         ratios.append((_end_to_end(run, typical_answer) / _end_to_end(base, typical_answer),
-                       run["prefill_s"] / base["prefill_s"], run["decode_tokens_per_s"] / base["decode_tokens_per_s"]))
+                       decoder_prefill_s(run) / decoder_prefill_s(base),
+                       run["decode_tokens_per_s"] / base["decode_tokens_per_s"]))
     return ratios
 
 

@@ -46,6 +46,15 @@ class Metrics(TypedDict):
     policy_telemetry: dict  # what the policy observed (DASH's num_halted, ZipVL's important_per_layer, ...)
 
 
+def decoder_prefill_s(metrics: dict) -> float:
+    """The decoder's own prefill time: ``prefill_s`` less the layer loop's wait for the vision encoder. Run beside the
+    encoder (a GPU's parallel vision, HiDivDrop's early layers), less the encoder's whole time would take the
+    overlapped decoder work too (an outside reading); run after it, as on a CPU, the two are the same."""
+    vision = metrics.get("vision_encoder_s")
+    waited = metrics.get("vision_wait_s", vision)
+    return float(metrics["prefill_s"]) - float(waited or 0.0)
+
+
 def keep_map(prompt, active_per_layer: list[torch.Tensor],
              attention_per_layer: list[torch.Tensor | None] | None = None, reused: int = 0) -> dict:
     """How deep every visual token went: ``depth`` counts the layers it was active in — a window

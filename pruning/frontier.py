@@ -77,7 +77,7 @@ class Point:
     e2e_ratio: float | None = None  # prefill + a typical answer, wall time; None: rejected before timing
     token_match: float | None = None  # greedy-token match rate over the answer
     first_token_kl: float | None = None  # KL(p_unpruned || p_policy) of the first token
-    prefill_ratio: float | None = None  # decoder prefill wall time
+    prefill_ratio: float | None = None  # decoder prefill wall time (less the wait for the vision encoder)
     decode_speedup: float | None = None  # decode tokens/s, policy / unpruned
     kv_ratio: float | None = None  # KV-cache bytes at the end of the answer
     prompts: int = 0  # calibration prompts the agreement was measured on

@@ -462,3 +462,63 @@ for name, argv, code, said in {cases!r}:
     outcomes = [ast.literal_eval(line) for line in proc.stdout.splitlines() if line.startswith("(")]
     assert len(outcomes) == len(cases)
     assert [o[:2] for o in outcomes if not o[2]] == [], [o for o in outcomes if not o[2]]
+
+
+class _ScriptedEngine:
+    """An engine whose runs report the numbers a test gives, per policy and in call order (the first call of each
+    policy is its warm-up), so that what ``run_bench`` makes of them can be checked exactly."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, {}
+        self.device, self.dtype, self.attn_implementation = torch.device("cpu"), torch.float32, "sdpa"
+        self.model_id = "m"
+        self.adapter = type("Adapter", (), {"layers": [None] * 4})()
+
+    def prepare(self, messages):
+        return type("Prompt", (), {"token_counts": lambda self: {"text": 10}})()
+
+    def generate(self, messages, policy, speed, max_new_tokens, do_sample, ignore_eos):
+        k = self.calls[policy] = self.calls.get(policy, -1) + 1
+        metrics = {key: values[k] for key, values in self.script[policy].items()}
+        metrics.update(vision_encoder_s=0.1, vision_wait_s=0.1,  # the decoder prefill is prefill_s - 0.1
+                        peak_memory_bytes=1, active_tokens_per_layer=[10] * 4)
+        return type("Result", (), {"metrics": metrics, "params": {}})()
+
+
+def test_a_rows_ratios_are_the_median_of_its_timed_runs_over_the_median_of_the_baseline_runs_paired_with_them():
+    """SPEC, "How results are measured": alternating baseline and policy, the median of several runs after a warm-up.
+    Warm-up runs (first of each) read 100 and must not count; the medians (2, 0.5) are not the means."""
+    script = {"none": {"ttft_s": [100, 1, 2, 10], "prefill_s": [100, 0.9, 1.7, 8.1],
+                       "decode_tokens_per_s": [1, 10, 10, 40],
+                       "prefill_flops": [1000] * 4, "prefill_flops_baseline": [1000] * 4, "kv_bytes": [100] * 4},
+              "dash": {"ttft_s": [100, 0.5, 0.5, 0.6], "prefill_s": [100, 0.3, 0.3, 0.4],
+                       "decode_tokens_per_s": [1, 20, 20, 21],
+                       "prefill_flops": [400] * 4, "prefill_flops_baseline": [1000] * 4, "kv_bytes": [50] * 4}}
+    report = bench.run_bench(_ScriptedEngine(script), {"p": [{"role": "user", "content": "hi"}]}, ["dash"], [0.5],
+                             runs=3, warmup=1, new_tokens=4)
+    (row,) = report["rows"]
+    assert row["baseline_ttft_s"] == 2 and row["ttft_s"] == 0.5 and row["ttft_speedup"] == pytest.approx(4.0)
+    assert row["baseline_decoder_prefill_s"] == pytest.approx(1.6)
+    assert row["decoder_prefill_speedup"] == pytest.approx(8.0)
+    assert row["flops_speedup"] == pytest.approx(2.5)  # baseline FLOPs / the policy's
+    assert row["realised_fraction"] == pytest.approx(8.0 / 2.5)  # measured speedup / FLOPs-proxy speedup
+    assert row["kv_ratio"] == pytest.approx(0.5)  # policy / baseline
+    assert row["decode_speedup"] == pytest.approx(2.0)  # tokens/s, policy / baseline
+    assert row["ttft_range_s"] == [0.5, 0.6] and row["baseline_ttft_range_s"] == [1, 10]  # the spread of the timed runs
+
+
+def test_a_memory_meter_reads_the_peak_since_it_was_made_not_the_processs_lifetime_peak():
+    """MemoryMeter: making one resets the peak (on Linux, /proc/self/clear_refs), so a request's peak is its own."""
+    import numpy as np
+
+    from glimpse.pipeline.metrics import MemoryMeter
+
+    try:
+        open("/proc/self/clear_refs", "w").close()
+    except OSError:
+        pytest.skip("no /proc/self/clear_refs here: the meter reads the lifetime peak, as documented")
+    meter = MemoryMeter(torch.device("cpu"))
+    big = np.ones(400 * 2**20 // 8)  # 400 MiB, touched
+    high = meter.peak()
+    del big
+    assert MemoryMeter(torch.device("cpu")).peak() < high - 200 * 2**20

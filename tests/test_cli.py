@@ -560,3 +560,27 @@ print(codes, heavy)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("glimpse: error:")]
     assert "--tries must be at least 1" in errors[7]
     assert len(errors) == 8 and "file not found" in errors[0] and "speed must be in [0, 1]" in errors[2], errors
+
+
+@pytest.mark.parametrize("policy", ["zipvl", "fastv"])
+def test_ask_json_flops_follow_the_documented_proxy_from_the_reported_token_counts(checkpoints, media, policy):
+    """docs/pruning.md, "FLOPs proxy": per layer 4nd^2 + 2p^2d + 3ndm, n the tokens the layer computed, p those that
+    took part in attention (ZipVL's sparse prefill; n otherwise); the baseline every prompt token in every layer."""
+    proc = glimpse_here("ask", "--model", str(checkpoints["qwen2_vl"]), "--image", str(media["image"]), "--policy",
+                        policy, "--speed", "1", "--max-new-tokens", "1", "--json", "What is in this picture?")
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads(proc.stdout)["metrics"]
+    cfg = json.loads((checkpoints["qwen2_vl"] / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    d, m = cfg["hidden_size"], cfg["intermediate_size"]
+    active, attending = metrics["active_tokens_per_layer"], metrics["attention_tokens_per_layer"]
+    T = sum(metrics["prompt_tokens"].values())
+    assert len(active) == len(attending) == cfg["num_hidden_layers"]
+    assert all(p <= n <= T for n, p in zip(active, attending))
+    if policy == "zipvl":
+        assert any(p < n for n, p in zip(active, attending))  # attention made sparse somewhere
+    else:
+        assert any(n < T for n in active) and attending == active
+    assert metrics["prefill_flops"] == sum(4 * n * d * d + 2 * p * p * d + 3 * n * d * m
+                                           for n, p in zip(active, attending))
+    assert metrics["prefill_flops_baseline"] == len(active) * (4 * T * d * d + 2 * T * T * d + 3 * T * d * m)

@@ -314,3 +314,44 @@ def test_ctrl_c_or_sigterm_keeps_the_rows_measured_by_then(checkpoints, monkeypa
     assert code == status and report["interrupted"] is True
     assert [(r["policy"], r["speed"]) for r in report["rows"]] == [("none", 0.0), ("dash", 0.0)]
     assert "interrupted: the 2 rows above" in captured.err
+
+
+def test_first_token_kl_is_of_the_unpruned_distribution_to_the_pruned_one_and_match_rate_is_per_position(qwen, media):
+    """SPEC, "How results are measured": KL of the first-token distribution vs the unpruned model, KL(p_none ||
+    p_policy) as the module says, computed here from each answer's own first logits; the greedy-token match rate
+    over the unpruned answer's positions."""
+    import torch
+
+    messages = [{"role": "user", "content": [{"type": "image", "image": str(media["image"])},
+                                             {"type": "text", "text": "Describe it."}]}]
+    report = run_agreement(qwen, {"image": messages}, ["fastv"], [1.0], new_tokens=4)
+    (row,) = report["rows"]
+    none = qwen.generate(messages, policy="none", max_new_tokens=4, ignore_eos=True)
+    pruned = qwen.generate(messages, policy="fastv", speed=1.0, max_new_tokens=4, ignore_eos=True)
+    log_p = torch.log_softmax(none.first_logits.float(), -1)
+    log_q = torch.log_softmax(pruned.first_logits.float(), -1)
+    forward = float(torch.nn.functional.kl_div(log_q, log_p, log_target=True, reduction="sum"))  # sum p (log p - log q)
+    backward = float(torch.nn.functional.kl_div(log_p, log_q, log_target=True, reduction="sum"))
+    assert forward > 0 and abs(forward - backward) > 1e-3 * forward  # the direction shows on this prompt
+    assert row["first_token_kl"] == pytest.approx(forward, rel=1e-3)
+    same = sum(a == b for a, b in zip(none.token_ids, pruned.token_ids))
+    assert row["match_rate"] == pytest.approx(same / 4)
+
+
+def test_ttft_speedup_is_the_unpruned_time_over_the_policys(qwen, media, monkeypatch):
+    """Each runner's TTFT speedup is baseline / policy: the policy's runs here report a quarter of the unpruned TTFT."""
+    generate = qwen.generate
+
+    def scripted(messages, **options):
+        result = generate(messages, **options)
+        policy = options["policy"]
+        unpruned = policy == "none" or getattr(policy, "name", None) == "none"
+        result.metrics["ttft_s"] = 1.0 if unpruned else 0.25
+        return result
+
+    monkeypatch.setattr(qwen, "generate", scripted)
+    prompts = {"text1": [{"role": "user", "content": "Tell me about the sea."}]}
+    (row,) = run_agreement(qwen, prompts, ["dash"], [0.5], new_tokens=2)["rows"]
+    assert row["ttft_speedup"] == pytest.approx(4.0)
+    rows = run_passkey(qwen, [128], samples=1, policies=["dash"], speeds=[0.5], new_tokens=2)["rows"]
+    assert [r["ttft_speedup"] for r in rows] == pytest.approx([1.0, 4.0])

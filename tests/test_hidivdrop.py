@@ -221,12 +221,19 @@ def test_ilvas_is_the_mean_cosine_of_head_vectors_over_the_top_k_tokens():
     expected = (1.0 + 0.0) / 2
     assert ilvas(first, later, top_k=2) == pytest.approx(expected)
     assert ilvas(first, later, top_k=1) == pytest.approx(1.0)  # only token 0, unchanged
+    # The K tokens are those layer l attends to most (V_K^l), not layer l + n: here layer l + n ranks token 2
+    # second, whose head vector turned orthogonal; layer l ranks it last.
+    first = torch.tensor([[0.5, 0.3, 0.1], [0.5, 0.3, 0.0]])
+    later = torch.tensor([[0.5, 0.3, 0.0], [0.5, 0.3, 0.9]])
+    assert ilvas(first, later, top_k=2) == pytest.approx(1.0)
 
 
 def test_local_maxima_pick_the_peaks_of_the_curve():
     curve = {3: 0.5, 4: 0.7, 5: 0.6, 6: 0.65, 7: 0.9, 8: 0.8, 9: 0.85}
     assert local_maxima(curve, 4) == [4, 7, 9]
     assert local_maxima(curve, 2) == [7, 9]
+    # a peak is above its neighbours: a flat stretch is none (a curve of ties has no peak to filter at)
+    assert local_maxima({3: 0.5, 4: 0.5, 5: 0.5}, 4) == []
 
 
 def test_calibrate_writes_a_profile_the_engine_then_uses(deep, media, tmp_path, monkeypatch, capsys, caplog):

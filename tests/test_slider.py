@@ -184,6 +184,10 @@ def test_calibration_can_choose_or_reject_the_design_pipeline_by_what_it_measure
     assert 0.0 <= design_point.agreement <= 1.0 and design_point.prompts == len(prompts)
     assert design_point.flops_ratio < measured["lazyllm@0.25"].flops_ratio < 1.0
     assert design_point.e2e_ratio is not None and design_point.e2e_ratio > 0
+    # FLOPs as the policy's over the unpruned model's, summed over the prompts
+    flops = [sum(engine.generate(p, policy=policy, max_new_tokens=6).metrics["prefill_flops"] for p in prompts)
+             for policy in (engine.configuration(mild), "none")]
+    assert measured["lazyllm@0.25"].flops_ratio == pytest.approx(flops[0] / flops[1])
     # The same measurements, read against a floor above what the design pipeline kept: never chosen.
     misses = Frontier(frontier.points, floor=min(1.0, design_point.agreement_bound + 0.01), calibrated=True)
     assert all(misses.choose(s) != design_point for s in SPEEDS)
@@ -480,7 +484,7 @@ class _TimedEngine:
 
 @pytest.mark.parametrize("slowdowns,timed", [((1.05,), 6), ((1.06, 1.05, 1.04, 0.95, 0.96, 0.97), 6),
                                              ((1.4,), 3), ((0.9,), 3), ((0.4,), 3), ((0.05,), 6),
-                                             ((0.05, 0.05, 0.05, 0.8, 0.8, 0.8), 6)])
+                                             ((0.05, 0.05, 0.05, 0.8, 0.8, 0.8), 6), ((0.5, 0.5, 3.0), 3)])
 def test_a_pruning_candidate_timed_slightly_slower_than_unpruned_is_timed_again_before_it_is_judged(slowdowns, timed):
     """The frontier drops a candidate timed slower end to end than the unpruned model; a few percent is the noise of
     a shared machine, so a candidate that prunes and times 0-15% slower is timed on as many prompts again and
@@ -499,6 +503,9 @@ def test_a_pruning_candidate_timed_slightly_slower_than_unpruned_is_timed_again_
     median = statistics.median(engine.timed)
     if 1 / median <= 1.5 * 2:  # a speed-up its 2x fewer FLOPs can explain, once timed again if need be
         assert point.e2e_ratio == pytest.approx(median)
+        # decode tokens/s and prefill time, policy against unpruned, medians of the same runs
+        assert point.decode_speedup == pytest.approx(statistics.median(1 / s for s in engine.timed))
+        assert point.prefill_ratio == pytest.approx(median)
     else:  # still 20x after the second timing: stored as what it saves, 2x, never more (decode likewise)
         assert point.e2e_ratio == pytest.approx(0.5) and point.decode_speedup <= 2
 
@@ -670,3 +677,33 @@ def test_calibrate_slider_leaves_out_the_policies_named_and_says_so_in_every_pro
     frontier = Frontier.from_json(profile)
     assert f"those running {' or '.join(sorted(('rlt', first)))} left out" in frontier.source
     assert "left out (--leave-out)" in json.dumps(frontier.promise(1.0))
+
+
+def test_calibration_measures_token_match_kl_and_kv_against_the_unpruned_answer():
+    """The module's definitions: greedy-token match rate over the unpruned answer's tokens, the first-token KL
+    KL(p_unpruned || p_policy), and KV bytes as policy / unpruned, on an engine whose candidate answers [5, 7] to
+    the unpruned [5, 6], with other first logits and half the KV bytes."""
+    from glimpse.pipeline.calibrate_slider import Reference, measure
+
+    unpruned_logits, pruned_logits = torch.tensor([3.0, 0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0, 0.0])
+
+    class Pruned(_TimedEngine):
+        def generate(self, messages, policy, max_new_tokens, ignore_eos=False):
+            result = super().generate(messages, policy, max_new_tokens, ignore_eos)
+            if policy == "none":
+                return result
+            return SimpleNamespace(**{**vars(result), "token_ids": [5, 7], "first_logits": pruned_logits,
+                                      "metrics": {**result.metrics, "kv_bytes": 1, "ttft_s": 0.25,
+                                                  "decode_tokens_per_s": 20.0}})
+
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(4)]
+    references = [Reference([5, 6], "Red.", torch.log_softmax(unpruned_logits, -1), 100.0, 2) for _ in prompts]
+    point = measure(Pruned((0.9,)), (Member.of("divprune", 0.5),), prompts, references, floor=0.75, answer_tokens=4,
+                    timing_prompts=3, timing_tokens=4, typical_answer=64)
+    log_p, log_q = torch.log_softmax(unpruned_logits, -1), torch.log_softmax(pruned_logits, -1)
+    expected_kl = float(torch.nn.functional.kl_div(log_q, log_p, log_target=True, reduction="sum"))
+    assert point.token_match == pytest.approx(0.5)
+    assert point.first_token_kl == pytest.approx(expected_kl)
+    assert point.kv_ratio == pytest.approx(0.5)
+    # the time to the end of a typical answer: the first token, then typical_answer - 1 decode steps
+    assert point.e2e_ratio == pytest.approx((0.25 + 63 / 20) / (0.5 + 63 / 20))

@@ -94,6 +94,10 @@ def test_clip_answers_are_what_the_frames_show():
                 assert moved[answer_words(qa)] > tasks.CANVAS / 3
             elif kind == "appear":
                 assert colour_mask(first, s.colour).sum() == 0 < colour_mask(last, s.colour).sum()
+                # half-way, as the module says: absent from the first half of the frames, there in the second
+                shown = [bool(colour_mask(frame, s.colour).sum()) for frame in clip.frames]
+                half = tasks.CLIP_FRAMES // 2
+                assert shown == [False] * half + [True] * (tasks.CLIP_FRAMES - half)
                 assert answer_words(qa) == s.shape
             else:
                 centre = (round(s.y), round(s.x))
@@ -134,6 +138,7 @@ def test_heldout_set_is_balanced_over_categories():
     ("Top left.", "Top left.", "position", True),
     ("Left.", "Top left.", "position", False),
     ("A circle.", "Circle.", "shape", True),
+    ("Red, the circle.", "Red.", "colour", True),  # its first words are the answer's; what follows does not count
 ])
 def test_is_correct(reply, answer, category, right):
     assert tasks.is_correct(reply, tasks.QA(category, "?", answer)) is right
