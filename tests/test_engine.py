@@ -822,12 +822,13 @@ def test_the_eager_kernel_is_the_modeling_files_own(checkpoints, arch):
     g = torch.Generator().manual_seed(0)
     text = engine.adapter.text_config
     heads, kv_heads, n, d = text.num_attention_heads, text.num_key_value_heads, 7, module.head_dim
-    q, k, v = (torch.randn(1, h, n, d, generator=g) for h in (heads, kv_heads, kv_heads))
-    mask = torch.full((n, n), torch.finfo(q.dtype).min).triu(1)[None, None]
     module.train(False)
-    expected, expected_weights = own(module, q, k, v, mask, scaling=module.scaling, dropout=0.0)
-    out, weights = eager_attention(module, q, k, v, mask, scaling=module.scaling)
-    assert torch.equal(out, expected) and torch.equal(weights, expected_weights)
+    for dtype in (torch.float32, torch.bfloat16):  # a half-precision model's softmax is float32 all the same
+        q, k, v = (torch.randn(1, h, n, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+        mask = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
+        expected, expected_weights = own(module, q, k, v, mask, scaling=module.scaling, dropout=0.0)
+        out, weights = eager_attention(module, q, k, v, mask, scaling=module.scaling)
+        assert out.dtype == dtype and torch.equal(out, expected) and torch.equal(weights, expected_weights), dtype
 
 
 def test_peak_memory_is_the_requests_own_not_the_process_lifetime_peak(checkpoints):
