@@ -1343,7 +1343,8 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
     engine = load_engine("embedded" if arch == "embedded" else str(checkpoints[arch]), device="cpu")
     fit = engine.adapter.image_fit
     target = fit.size_for(2400, 1800)
-    for size in ((int(target[0] * 2.5), int(target[1] * 2.5)), (2400, 1800), (2401, 1801)):
+    # (the last: large one way only, as a panorama)
+    for size in ((int(target[0] * 2.5), int(target[1] * 2.5)), (2400, 1800), (2401, 1801), (int(target[0] * 2.5), 1800)):
         near = max(size[0] / target[0], size[1] / target[1]) < 2 * vision.FIT_GAP
         for form in PHOTO_FORMS:
             path = _saved_photo(tmp_path, size, form)
@@ -1362,6 +1363,27 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
     fitted = engine.adapter.prepare_image(vision.load_image(path, fit=fit)).frames[0]
     assert fitted.size != vision.load_image(path).size
     assert engine.prepare(_messages("image", {"image": path})).media[0].frames[0].size == fitted.size
+
+
+def test_llava_next_fits_a_picture_large_both_ways_and_leaves_a_panorama_to_its_processor(checkpoints, tmp_path):
+    """LLaVA-NeXT's anyres: a picture at least twice its fitted size both ways is resized as it is decoded (the same
+    tokens, pixels within a quarter of a grey level on average); one large one way only (a panorama, a strip) is
+    not worth a resize of its own and is left to the processor: its very pixels. Resized, its short side would have
+    been scaled up first, then down again by the processor."""
+    engine = load_engine(str(checkpoints["llava_next"]), device="cpu")
+    fit = engine.adapter.image_fit
+    for size, resized in (((2400, 1800), True), ((322, 2724), False), ((2400, 300), False)):
+        path = _saved_photo(tmp_path, size, "png")
+        whole, fitted = vision.load_image(path), vision.load_image(path, fit=fit)
+        assert (fitted.size != size) == resized, size
+        expected, got = engine.adapter.prepare_image(whole), engine.adapter.prepare_image(fitted)
+        assert (got.num_tokens, got.tensors["image_sizes"].tolist()) == (
+            expected.num_tokens, expected.tensors["image_sizes"].tolist()), size
+        expected, got = expected.tensors["pixel_values"].float(), got.tensors["pixel_values"].float()
+        if resized:
+            assert float(((got - expected).abs() / (expected.max() - expected.min())).mean()) < 0.002
+        else:
+            assert torch.equal(got, expected), size
 
 
 def test_a_thin_picture_qwen_fits_to_a_grid_it_keeps_is_left_to_the_processor(checkpoints, tmp_path):
