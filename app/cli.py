@@ -436,8 +436,9 @@ def run_ask(args) -> int:
     policy = engine.make_policy(args.policy, args.speed, overrides)  # with the model's calibration profile
     promise = engine.promise(args.policy, args.speed, overrides)  # what this speed was measured to keep
     _log(f"[{args.policy} speed={args.speed:g}] {promise['text']}")
-    options = dict(policy=policy, max_new_tokens=args.max_new_tokens,
-                   do_sample=args.sample, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    options = dict(policy=policy, max_new_tokens=args.max_new_tokens, do_sample=args.sample)
+    if args.sample:
+        options.update(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.json:
         result = engine.generate(messages, **options)
         out = {"text": result.text, "policy": result.policy, "speed": args.speed, "params": result.params,

@@ -1,6 +1,7 @@
 """Values as JSON can hold them, and text as a line of a message shows it."""
 
 import math
+import numbers
 import re
 
 
@@ -15,6 +16,21 @@ def utf8_text(value: str) -> str:
         return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:
         return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def plain_number(value):
+    """A number of another library (numpy's ``float32``, ``int64``: ``np.linspace``, a DataFrame's ``max()``) as
+    Python's own ``int`` or ``float``; anything else as it is. The Python API's numbers are checked as Python's
+    (``isinstance(x, (int, float))``), which refused ``speed=np.float32(0.5)`` as "not a number" (an outside pass),
+    and a numpy value kept in a result's parameters is not JSON. ``bool`` stays a bool (refused where a number is
+    asked for)."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def finite(value):

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glimpse.common import UserError
+from glimpse.common.jsonable import plain_number
 from glimpse.pipeline import attention
 from glimpse.pipeline.adapters import IMAGE, TEXT, VIDEO, Adapter
 from glimpse.pipeline.batch_kv import BatchKV, decodes_plainly, form_groups, serve_step
@@ -131,9 +133,22 @@ class PrefillContext:
     interrupted: Callable[[], bool] | None = None
 
 
-def _check_max_new_tokens(value) -> None:
+def _warn_if_greedy_with_sampling_settings(do_sample, temperature, top_p, seed) -> None:
+    """As transformers' ``generate`` warns: settings of sampling given to a greedy call are not read, and a notebook
+    that set ``temperature=0.5`` (or a seed) without ``do_sample=True`` got the greedy answer without a word (an
+    outside pass). ``glimpse ask`` refuses them without ``--sample``."""
+    given = [name for name, value, default in (("temperature", temperature, 1.0), ("top_p", top_p, 1.0),
+                                               ("seed", seed, None)) if value != default]
+    if given and not do_sample:
+        warnings.warn(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} read only with do_sample=True: "
+                      "this answer is greedy", UserWarning, stacklevel=3)
+
+
+def _check_max_new_tokens(value) -> int:
+    value = plain_number(value)  # (numpy's int64 too)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"max_new_tokens must be a whole number of at least 1, got {value!r}")
+    return value
 
 
 class EngineBusy(RuntimeError):
@@ -436,6 +451,7 @@ class Engine:
         ``EngineBusy``."""
         if cancel is not None and not callable(getattr(cancel, "is_set", None)):  # True was an AttributeError
             raise UserError(f"cancel takes a threading.Event (set it to stop the answer), got {type(cancel).__name__}")
+        _warn_if_greedy_with_sampling_settings(do_sample, temperature, top_p, seed)
         with self._lock:
             if cancel is not None and cancel.is_set():
                 return  # gave up while waiting: nothing computed
@@ -451,6 +467,7 @@ class Engine:
         them one by one."""
         if not isinstance(conversations, (list, tuple)):  # a string would be answered letter by letter
             raise PromptError(f"conversations must be a list of conversations, got {type(conversations).__name__}")
+        _warn_if_greedy_with_sampling_settings(do_sample, temperature, top_p, seed)
         sampling = Sampling(do_sample, temperature, top_p, seed)
         with self._lock, torch.inference_mode():
             meter = MemoryMeter(self.device)
@@ -553,7 +570,7 @@ class Engine:
         (``Adapter.vision_blocks``) and before each decoder layer; once it says True the prefill stops there and
         raises ``PrefillInterrupted``."""
         t_request = time.perf_counter()
-        _check_max_new_tokens(max_new_tokens)
+        max_new_tokens, speed = _check_max_new_tokens(max_new_tokens), plain_number(speed)
         claim = None
         if isinstance(policy, Policy):
             policy.check(len(self.adapter.layers))  # given as it is: checked before its media are decoded

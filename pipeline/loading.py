@@ -122,7 +122,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 def load_engine(model: str = "embedded", device: str = "auto", attn: str = "auto",
                 dtype: str | torch.dtype = "auto") -> Engine:
-    """Load a Qwen2-VL, LLaVA-1.5, LLaVA-NeXT or LongVA checkpoint (hub id or folder) as an Engine."""
+    """Load a checkpoint as an Engine: ``model`` is ``"embedded"`` (the default: the small model that ships with
+    Glimpse and works offline), a hub id (``Qwen/Qwen2-VL-7B-Instruct``) or a folder, of Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL, LLaVA-1.5, LLaVA-NeXT or LongVA (converted: docs/models.md). ``device``: ``"auto"`` (the GPU when there
+    is one), ``"cpu"``, ``"cuda"``, ``"cuda:N"``. ``attn``: ``"auto"`` (flash_attention_2 when installed on CUDA in
+    half precision, else sdpa), ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``. ``dtype``: ``"auto"`` (bfloat16
+    on a GPU, float32 on the CPU), ``"float32"``, ``"bfloat16"``, ``"float16"`` or a ``torch.dtype``.
+    Mistakes (a model that is not there, a device this machine lacks) raise ``ModelLoadError``, a ``UserError``."""
     # Imported here, with the model: the engine brings transformers' modeling code (seconds of imports), which the
     # checks a command makes before loading (``checkpoint_depth``, ``expected_frontier``) never need.
     from glimpse.pipeline.engine import Engine

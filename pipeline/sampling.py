@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from glimpse.common import UserError
+from glimpse.common.jsonable import plain_number
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Sampling:
     def __post_init__(self):
         # Checked when asked, not at the first sampled token: NaN or an infinite temperature made NaN
         # probabilities, and a top_p outside (0, 1] or a seed torch cannot take failed deep in decode.
+        self.temperature, self.top_p, self.seed = map(plain_number, (self.temperature, self.top_p, self.seed))
         for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise UserError(f"{name} must be a number, got {value!r}")

@@ -10,6 +10,7 @@ import math
 from dataclasses import fields, replace
 
 from glimpse.common import UserError
+from glimpse.common.jsonable import plain_number
 from glimpse.pruning.base import NoPruning, Policy
 from glimpse.pruning.compose import Pipeline
 from glimpse.pruning.dash import DASH
@@ -76,6 +77,7 @@ def make_policy(name: str = "auto", speed: float = 0.0, overrides: dict | None =
     """
     if overrides is not None and not isinstance(overrides, dict):
         raise UserError(f"overrides are a dict of parameter names to values, e.g. {{'rho': 0.5}}; got {overrides!r}")
+    speed = plain_number(speed)
     if name == "auto":
         frontier = frontier or uncalibrated_frontier()
         point = frontier.choose(speed)
@@ -127,6 +129,9 @@ def _override(policy: Policy, overrides: dict) -> Policy:
         raise UserError(f"{policy.name} has no parameter {', '.join(sorted(unknown))}; "
                          f"its parameters: {', '.join(sorted(allowed))}")
     types = {f.name: f.type for f in fields(policy)}
+    # numpy's numbers as Python's: checked as those, and kept in the policy's parameters as JSON can write them
+    overrides = {name: [plain_number(v) for v in value] if isinstance(value, (list, tuple)) else plain_number(value)
+                 for name, value in overrides.items()}
     for name, value in overrides.items():
         # JSON readers take NaN and Infinity, and NaN passes any range check written as `if x < low: raise`.
         items = value if isinstance(value, (list, tuple)) else [value]

@@ -42,8 +42,10 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from glimpse.common import Modality, UserError
+from glimpse.common.jsonable import plain_number
 
 def check_speed(speed: float) -> float:
+    speed = plain_number(speed)
     if isinstance(speed, bool) or not isinstance(speed, (int, float)):
         raise UserError(f"speed must be a number in [0, 1], got {speed!r}")
     if not 0.0 <= speed <= 1.0:

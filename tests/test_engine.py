@@ -642,6 +642,21 @@ def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(c
             engine.generate([{"role": "user", "content": [item, {"type": "text", "text": "hi"}]}], max_new_tokens=2)
     with pytest.raises(UserError, match="overrides are a dict"):
         engine.make_policy("dash", 0.5, ["rho=0.3"])
+    # A notebook's numbers are often numpy's (np.linspace, a DataFrame's max()): speed=np.float32(0.5) was refused as
+    # "not a number" (an outside pass). Taken as Python's: the same answers, parameters that JSON can write.
+    numpy_numbers = engine.generate(messages, policy="fastv", speed=np.float32(0.5), max_new_tokens=np.int64(4))
+    assert numpy_numbers.token_ids == engine.generate(messages, policy="fastv", speed=0.5, max_new_tokens=4).token_ids
+    assert json.loads(json.dumps(numpy_numbers.params))["ratio"] == 0.5
+    sampled = [engine.generate(messages, max_new_tokens=4, do_sample=True, temperature=t, top_p=p, seed=s).token_ids
+               for t, p, s in ((np.float32(0.5), np.float32(0.75), np.int64(3)), (0.5, 0.75, 3))]
+    assert sampled[0] == sampled[1]
+    policy = engine.make_policy("fastv", np.float32(0.5), {"ratio": np.float32(0.25), "layer": np.int64(1)})
+    assert (policy.ratio, type(policy.ratio), policy.layer, type(policy.layer)) == (0.25, float, 1, int)
+    # Sampling's settings on a greedy call are not read: said, as transformers' generate says it (it was silent)
+    with pytest.warns(UserWarning, match="temperature, seed are read only with do_sample=True: this answer is greedy"):
+        assert engine.generate(messages, max_new_tokens=4, temperature=0.5, seed=3).token_ids == expected
+    with pytest.warns(UserWarning, match="top_p is read only with do_sample=True"):
+        engine.generate_batch([messages], max_new_tokens=2, top_p=0.5)
     with pytest.raises(PromptError, match="a list of conversations, got str"):
         engine.generate_batch("hello")
     corrupt = [{"role": "user", "content": [{"type": "image", "image": b"not a picture"}]}]
