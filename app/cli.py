@@ -596,7 +596,8 @@ def _root_path(value: str | None) -> str | None:
 
     parts = urlsplit(value)
     whole_url = parts.scheme in ("http", "https") and bool(parts.netloc)
-    if (not (value.startswith("/") or whole_url) or parts.query or parts.fragment or "#" in value
+    # (//host/path is another server's, to a browser: the chat's page would load its scripts from there)
+    if (not (value.startswith("/") or whole_url) or value.startswith("//") or parts.query or "#" in value
             or any(c.isspace() or not c.isprintable() for c in value)):
         raise UserError(f"--root-path {value!r}: give the path a reverse proxy serves Glimpse under, starting with / "
                         "(e.g. /glimpse), or the whole URL (https://example.com/glimpse)")

@@ -2843,7 +2843,8 @@ def test_a_port_in_use_is_said_before_the_model_loads(capsys, monkeypatch):
                                         (["--port", "70000"], "--port must be between 0 and 65535"),
                                         (["--allowed-root", "/no/such/folder"], "/no/such/folder: no such folder"),
                                         (["--root-path", "glimpse"], "--root-path 'glimpse': give the path"),
-                                        (["--root-path", "/glimpse?x=1"], "starting with / (e.g. /glimpse)")])
+                                        (["--root-path", "/glimpse?x=1"], "starting with / (e.g. /glimpse)"),
+                                        (["--root-path", "//cdn.example/x"], "starting with / (e.g. /glimpse)")])
 def test_a_server_size_or_place_that_cannot_work_is_refused_before_the_model_loads(capsys, monkeypatch, flags, said):
     """An outside pass: ``--max-uploads-gb nan`` or ``--max-upload-mb -1`` crashed the server as it started (after
     minutes of loading), ``--kv-budget-mb -5`` started one that refused every request blaming the client,
