@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import anyio
+from python_multipart.multipart import parse_options_header
 
 from glimpse.connections import error_content, refuse
 
@@ -245,7 +246,10 @@ class _Delimiters:
     1,000 one-byte files (8 MiB on the disk) counted as 150 KB, and four such overshot a 1 MiB quota 16 times."""
 
     def __init__(self, content_type: bytes):
-        boundary = content_type.partition(b"boundary=")[2].split(b";")[0].strip().strip(b'"')
+        # Read as Gradio's upload route reads it (python-multipart: any case, the whole name, the last one given): read
+        # another way, "BOUNDARY=B" or "xboundary=Z; boundary=B" counted no file, and a POST of 200 files was charged
+        # as one (an outside pass).
+        boundary = parse_options_header(content_type)[1].get(b"boundary", b"")
         self.marker, self.count, self.tail = (b"--" + boundary if boundary else b""), 0, b""
 
     def feed(self, data: bytes) -> None:

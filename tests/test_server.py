@@ -3389,3 +3389,179 @@ def test_a_write_to_the_server_log_past_the_cap_is_cut_in_its_middle_saying_how_
     cut = sink.getvalue()[len("short line\n"):]
     assert cut.startswith("BEGIN") and cut.endswith("END\n") and len(cut) < 200
     assert f"{len(long) - 100:,} characters left out" in cut
+
+
+def test_the_panels_telemetry_shows_a_per_layer_list_as_its_range_and_the_overrides_box_skips_comments():
+    """What the metrics panel says a policy observed per layer is the range of the values, whatever their order
+    (a count that rises then falls over the layers is not its first and last); the overrides box skips blank lines
+    and ``#`` comments, as its docstring says, parsing the rest as the CLI's ``--param``."""
+    from glimpse.pruning import parse_params
+    from glimpse.ui import parse_overrides, telemetry_text
+
+    assert telemetry_text({"kept": [40, 7, 90, 12]}) == "kept 7-90 over 4 layers"
+    assert telemetry_text({"dash": {"kept": [3, 1, 2]}}) == "dash kept 1-3 over 3 layers"
+    assert parse_overrides("# what I tried\nrho=0.5\n\n   # and this\n") == parse_params(["rho=0.5"])
+
+
+def test_a_chat_turn_leaves_room_for_its_answer_and_says_which_limit_cut_it(checkpoints):
+    """A conversation that fits the context but leaves less than the answer's max tokens drops its oldest turn
+    (the chat promises room for the answer, and says so), rather than cutting the answer at the context's end; an
+    answer cut at max answer tokens says to raise them, not that the context is full; a question of blanks only is
+    no question."""
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import ERROR_NOTE, build_ui
+
+    engine = load_engine(str(checkpoints["llava"]), device="cpu")
+    engine.eos_token_ids = set()  # every answer runs to its token limit
+    question = "Tell me about " + "the sea and the sky, " * 12
+    earlier = [{"role": "user", "content": question}, {"role": "assistant", "content": "one two three four"}]
+    engine.max_length = len(engine.prepare([*earlier, {"role": "user", "content": question}])) + 2
+    scheduler = Scheduler(engine)
+    try:
+        chat = build_ui(engine, "tiny-llava", max_new_tokens=8, scheduler=scheduler).chat_interface.fn
+        *_, (answer, _, _) = chat({"text": question, "files": []}, earlier, "none", 0.0, 4, "", False)
+        assert "⚠️" not in answer and "1 oldest turn was left out" in answer, answer
+        assert "cut at 4 tokens: raise max answer tokens for more" in answer and "fills" not in answer, answer
+        *_, (answer, metrics, _) = chat({"text": "  \n ", "files": []}, [], "none", 0.0, 4, "", False)
+        assert answer.startswith(ERROR_NOTE) and "type a question" in answer, answer
+    finally:
+        scheduler.close()
+
+
+def test_compare_at_speed_0_with_overrides_runs_the_unpruned_answer(server):
+    """docs/serving.md: "With policy none, or at speed 0 without overrides, there is nothing to compare": at speed 0
+    with an override the turn is pruned, and the compare box runs the unpruned answer beside it."""
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import build_ui
+
+    scheduler = Scheduler(server["engine"])
+    try:
+        chat = build_ui(server["engine"], "tiny-llava", max_new_tokens=4, scheduler=scheduler).chat_interface.fn
+        *_, (answer, metrics, _) = chat({"text": "Say hi.", "files": []}, [], "fastv", 0.0, 2, "ratio=0.5", True)
+        assert "⚠️" not in answer and "unpruned |" in metrics and "| answer |" in metrics, metrics
+        *_, (answer, metrics, _) = chat({"text": "Say hi.", "files": []}, [], "fastv", 0.0, 2, "", True)
+        assert "unpruned |" not in metrics  # speed 0, nothing overridden: one configuration, nothing to compare
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("content_type", ["multipart/form-data; BOUNDARY=B",
+                                          "multipart/form-data; xboundary=Z; boundary=B",
+                                          "multipart/form-data; boundary=X; boundary=B"])
+def test_the_upload_quota_charges_each_file_whatever_the_spelling_of_the_boundary(server, tmp_path, monkeypatch,
+                                                                                 content_type):
+    """The multipart parser behind Gradio's upload route reads the boundary parameter case-insensitively, by its
+    whole name, and the last one given: the quota's count of an upload's files must read the same boundary, or a
+    POST of 200 tiny files is charged as one (its 200 files and folders on the disk past a 1 MiB quota)."""
+    from glimpse import uploads
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "uploads"))
+    monkeypatch.setattr(uploads, "RESERVE_BYTES", 0)
+    monkeypatch.setattr(uploads, "REMEASURE_S", 3600.0)  # the folder is walked once, at the first upload
+    app = build_server(server["engine"], "tiny-llava", max_uploads_gb=2**20 / 2**30)  # 1 MiB
+    body = b"".join(b'--B\r\nContent-Disposition: form-data; name="files"; filename="%d.png"\r\n'
+                    b'Content-Type: image/png\r\n\r\n%d\r\n' % (i, i) for i in range(200)) + b"--B--\r\n"
+    for url in _serve(app):
+        tiny = httpx.post(url + "/gradio_api/upload", content=body, headers={"Content-Type": content_type}, timeout=30)
+        assert tiny.status_code == 200 and len(tiny.json()) == 200, tiny.text
+        refused = httpx.post(url + "/gradio_api/upload", files={"files": ("one.png", b"1", "image/png")}, timeout=30)
+        assert refused.status_code == 507, refused.text
+
+
+def test_stops_mark_is_applied_once_when_the_chat_state_already_holds_it(server):
+    """The next question after Stop re-applies the mark only where the state's copy lost it: where the copy was
+    taken after the mark was shown (the usual case), the stopped answer keeps one "(stopped)", not two."""
+    import asyncio
+
+    import gradio as gr
+
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import build_ui
+
+    scheduler = Scheduler(server["engine"], max_batch=2, queue_size=4)
+    try:
+        demo = build_ui(server["engine"], "tiny-llava", max_new_tokens=4, scheduler=scheduler)
+        handler = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}
+        request = gr.Request(session_hash="tab-stop-once")
+        begun = [{"role": "user", "content": "Tell me a long story."},
+                 {"role": "assistant", "content": "Once upon a time"}]
+        marked, _ = handler["mark_stopped"](begun, request)
+
+        async def run():
+            return [update async for update in demo.chat_interface._stream_fn(
+                {"text": "And then?", "files": []}, marked, "none", 0.0, 3, "", False, request)]
+
+        shown = asyncio.run(run())[-1][1]
+        assert shown[1]["content"] == marked[-1]["content"] and shown[1]["content"].count("stopped") == 1, shown
+    finally:
+        scheduler.close()
+
+
+def test_the_promise_under_the_slider_marks_what_is_uncalibrated_and_explains_an_override_it_cannot_run(
+        server, monkeypatch):
+    """Under the slider: exact (speed 0, or policy none) is never "(uncalibrated)" and carries no note about what
+    calibration measured (there is nothing to calibrate); a configuration's name is a code span (Markdown read
+    "divprune@0.25" as an e-mail link); an override the policy refuses is the error the question would get."""
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import ERROR_NOTE, build_ui
+
+    engine = server["engine"]
+    scheduler = Scheduler(engine, max_batch=1, queue_size=1)
+    try:
+        demo = build_ui(engine, "tiny-llava", max_new_tokens=4, scheduler=scheduler)
+        promise = {getattr(f.fn, "__name__", ""): f.fn for f in demo.fns.values()}["promise_markdown"]
+        for policy, speed in (("auto", 0.0), ("none", 0.7)):
+            assert "uncalibrated" not in promise(policy, speed, "") and "exact" in promise(policy, speed, "")
+        named = promise("divprune", 0.25, "")
+        assert "divprune@0.25" in named and named.count("divprune@0.25") == named.count("`divprune@0.25`")
+        refused = promise("fastv", 0.5, "ratio=2")
+        assert refused.startswith(ERROR_NOTE) and "ratio" in refused
+        real = engine.promise
+        monkeypatch.setattr(engine, "promise", lambda *a, **k: {**real(*a, **k), "calibrated": True})
+        assert "Measured on" not in promise("auto", 0.0, "") and "Measured on" in promise("divprune", 0.25, "")
+    finally:
+        scheduler.close()
+
+
+def test_stop_while_queued_replaces_the_queue_position_with_the_stopped_note():
+    """Stop pressed while a question waited in the queue: the chat's "waiting ... in the queue" line is replaced by
+    the note that the question was stopped before its answer began, not left above it."""
+    from glimpse.ui import STOPPED_BEFORE_ANSWER, WAIT_NOTE, _marked_stopped
+
+    waiting = [{"role": "user", "content": "Hello?"},
+               {"role": "assistant", "content": f"{WAIT_NOTE}waiting for the model: number 2 in the queue, about 3 s"}]
+    assert _marked_stopped(waiting) == [waiting[0], {"role": "assistant", "content": STOPPED_BEFORE_ANSWER}]
+
+
+def test_a_chat_turn_sends_every_file_it_brings_and_an_earlier_video_stays_a_video(server, media, tmp_path):
+    """The chat takes several images and videos per turn (README): each goes to the model, and a video in an
+    earlier turn is sent again as a video, not as a picture."""
+    import re
+
+    from PIL import Image
+
+    from glimpse.pipeline.scheduler import Scheduler
+    from glimpse.ui import build_ui, history_to_messages
+
+    turn = [{"role": "user", "content": [{"type": "file", "file": {"path": str(media["video"])}},
+                                         {"type": "text", "text": "What moves?"}]}]
+    assert history_to_messages(turn, (media["video"].parent.resolve(),))[0]["content"][0] == {
+        "type": "video", "video": str(media["video"])}
+    other = tmp_path / "other.png"
+    Image.new("RGB", (64, 48), "red").save(other)
+    scheduler = Scheduler(server["engine"])
+    try:
+        root = os.path.commonpath([media["image"].parent, tmp_path])
+        chat = build_ui(server["engine"], "tiny-llava", max_new_tokens=4, allowed_root=root,
+                        scheduler=scheduler).chat_interface.fn
+
+        def image_tokens(files):
+            *_, (answer, metrics, _) = chat({"text": "Compare them.", "files": [str(f) for f in files]}, [], "none",
+                                            0.0, 2, "", False)
+            assert "⚠️" not in answer, answer
+            prompt = next(line for line in metrics.splitlines() if line.startswith("| prompt tokens"))
+            return int(re.search(r"image (\d+)", prompt).group(1))
+
+        assert image_tokens([media["image"], other]) == 2 * image_tokens([other])
+    finally:
+        scheduler.close()
