@@ -144,7 +144,7 @@ def _warn_if_greedy_with_sampling_settings(do_sample, temperature, top_p, seed) 
                       "this answer is greedy", UserWarning, stacklevel=3)
 
 
-def _check_max_new_tokens(value) -> int:
+def check_max_new_tokens(value) -> int:
     value = plain_number(value)  # (numpy's int64 too)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"max_new_tokens must be a whole number of at least 1, got {value!r}")
@@ -570,7 +570,7 @@ class Engine:
         (``Adapter.vision_blocks``) and before each decoder layer; once it says True the prefill stops there and
         raises ``PrefillInterrupted``."""
         t_request = time.perf_counter()
-        max_new_tokens, speed = _check_max_new_tokens(max_new_tokens), plain_number(speed)
+        max_new_tokens, speed = check_max_new_tokens(max_new_tokens), plain_number(speed)
         claim = None
         if isinstance(policy, Policy):
             policy.check(len(self.adapter.layers))  # given as it is: checked before its media are decoded

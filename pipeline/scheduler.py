@@ -46,7 +46,8 @@ import torch
 from glimpse import vision
 from glimpse.vision import MEDIA_READERS, MEDIA_TIMEOUT_S
 from glimpse.common import UserError
-from glimpse.pipeline.engine import Engine, GenerationResult, PrefillInterrupted, Request, Sampling, StreamChunk
+from glimpse.pipeline.engine import (Engine, GenerationResult, PrefillInterrupted, Request, Sampling, StreamChunk,
+                                     check_max_new_tokens)
 from glimpse.pipeline.metrics import MemoryMeter
 from glimpse.pipeline.prompt import ContextOverflow, Prompt
 from glimpse.pruning import Policy
@@ -219,6 +220,9 @@ class Scheduler:
         (``time.perf_counter()``; default now), where its time to first token starts: the API's handler and the chat
         read its body and files before they submit it (they were left out of ``ttft_s``, an outside pass)."""
         received = time.perf_counter() if received is None else received
+        # Before its KV is reserved: a negative max_new_tokens reserved negative bytes, and the requests behind it were
+        # admitted past the budget (an outside mutation pass; the engine refused it only at its prefill).
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         with self._building():  # counted while it builds its prompt, for ``wait_for_submitters``
             self.check_room()  # refuse before the work of building the prompt
             # A Policy object given here is a template: the request gets its own copy (policies keep state).

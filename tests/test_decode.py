@@ -1358,3 +1358,41 @@ def test_each_record_names_its_entry_after_packed_entries_move_into_a_slots_pack
     assert sorted(layer.index.tolist()) == list(range(10))
     for i, token in enumerate(layer.index.tolist()):
         assert torch.equal(keys[:, :, i], by_token[token][0]) and torch.equal(values[:, :, i], by_token[token][1])
+
+
+def test_a_slots_mask_shows_exactly_the_entries_its_annealed_layer_still_holds():
+    """ST3's evictions in a slot are hidden by rank (``slot_mask``): after keeping the 3 best ranked visual entries,
+    the step sees exactly the entries the layer says it holds, which are those removing the rest at once leaves:
+    the entry ranked 3 (the first one past what is kept) hidden too."""
+    from glimpse.pipeline.batch_kv import slot_mask
+    from glimpse.pipeline.cache import UNRANKED
+
+    in_slot, _ = _ranked_layer(0, slot=True)
+    alone, _ = _ranked_layer(0, slot=False)
+    row = torch.full((20,), UNRANKED, dtype=torch.int32)
+    in_slot.show_ranks(row)
+    for count in (5, 3, 0):
+        in_slot.keep_top_visual(count)
+        alone.keep_top_visual(count)
+        mask = slot_mask(torch.tensor([11]), 12, torch.float32, row[None],
+                         torch.tensor([in_slot.rank_limit], dtype=torch.int32))
+        visible = (mask[0, 0, 0] == 0).nonzero().squeeze(1).tolist()  # stored at their token's position
+        assert len(visible) == len(in_slot)
+        assert visible == alone.index.tolist()
+
+
+def test_a_newcomer_larger_than_a_free_slot_does_not_take_it_and_the_batch_forms_again(deep_checkpoints):
+    """A free slot is taken only by a request whose entries and answer room fit it: a long prompt arriving where a
+    short question left fits no free slot, so the step's slots form again (``serve_step`` is None), and the slots
+    of the new groups hold every request."""
+    engine = load_engine(str(deep_checkpoints["llava"]), device="cpu")
+    text = lambda repeats: [{"role": "user", "content": "Read. " + "The sea is calm. " * repeats}]  # noqa: E731
+    with torch.inference_mode():
+        short = [engine.start(text(0), "none", 0.0, 8, Sampling()) for _ in range(3)]
+        long = engine.start(text(30), "none", 0.0, 8, Sampling())
+        batch = BatchKV.form(short)
+        assert serve_step([batch], short[:2]) == [batch]  # the third left: its slot is free
+        assert serve_step([batch], short[:2] + [long]) is None  # too large for it
+        assert not any(batch.holds(layer) for layer in long.ctx.cache.layers)
+        groups = form_groups(short[:2] + [long])
+        assert all(any(g.holds(layer) for g in groups) for r in short[:2] + [long] for layer in r.ctx.cache.layers)
