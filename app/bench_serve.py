@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 
 from glimpse.assets import ASSETS
+from glimpse.common import UserError
 
 QUESTIONS = ["What colour is the biggest shape?", "How many shapes are there?", "Describe the picture.",
              "Which shape is on the left?", "Is there a circle?", "What is written in the picture?",
@@ -248,7 +249,12 @@ def start_server(args, progress) -> tuple[subprocess.Popen, str]:
         while time.monotonic() < deadline:
             if server.poll() is not None:
                 said.seek(0)
-                raise RuntimeError(f"glimpse serve exited: {said.read().decode(errors='replace')[-2000:]}")
+                told = said.read().decode(errors="replace")
+                refusal = [line for line in told.splitlines() if line.startswith("glimpse: error: ")]
+                if refusal:  # the server refused what it was given (a model that is not there): the user's to fix
+                    why = refusal[-1][len("glimpse: error: "):]
+                    raise UserError(f"the server started here refused to start: {why}")
+                raise RuntimeError(f"glimpse serve exited: {told[-2000:]}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     return server, url
@@ -282,9 +288,14 @@ def run(args, progress) -> dict:
         server, url = start_server(args, progress)
     try:
         url = url.rstrip("/")
-        health = httpx.get(url + "/health", timeout=30).json()
+        try:
+            health = httpx.get(url + "/health", timeout=30).json()
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as error:  # (ValueError: not JSON, not a Glimpse)
+            raise UserError(f"cannot reach a Glimpse server at {url}: {type(error).__name__}: {error}") from None
         progress("warming up")
-        run_phase(url, bodies[:2], 1, args.api_key, lambda _: None)
+        warm = run_phase(url, bodies[:2], 1, args.api_key, lambda _: None)
+        if not any(o.ok for o in warm.outcomes):  # refused (a key, max_tokens over the server's cap): say why, once
+            raise UserError(f"the server at {url} answered no request: {warm.summary()['failure_examples'][0]}")
         serial = run_phase(url, bodies, 1, args.api_key, progress)
         concurrent = run_phase(url, bodies, args.clients, args.api_key, progress)
         report = {"url": url, "model": health.get("model"), "device": health.get("device"),

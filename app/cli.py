@@ -495,9 +495,9 @@ def run_eval(args) -> int:
         raise UserError("--samples and --new-tokens must be at least 1, --lengths non-empty")
     if not 0.0 <= args.styled <= 1.0:
         raise UserError(f"--styled is a share from 0 to 1, got {args.styled:g}")
-    if args.questions and (args.styled or args.seed is not None or args.categories):
-        raise UserError("--questions asks the file's questions: --seed, --styled and --categories choose among "
-                        "the generated ones")
+    if args.questions and (args.styled or args.seed is not None or args.categories or "samples" in args.given):
+        raise UserError("--questions asks the file's questions: --samples, --seed, --styled and --categories choose "
+                        "among the generated ones")
     if args.questions:
         evaluation.read_questions(args.questions)  # a bad file is refused before the model loads
     if args.task == "visual" and args.seed == evaluation.tasks.TRAIN_SEED:
@@ -592,7 +592,7 @@ def _root_path(value: str | None) -> str | None:
     """``--root-path`` as Gradio takes it: a path (``/glimpse``, no trailing slash) or a whole URL; None for /."""
     if value is None:
         return None
-    from urllib.parse import urlsplit
+    from urllib.parse import urlsplit, urlunsplit
 
     parts = urlsplit(value)
     whole_url = parts.scheme in ("http", "https") and bool(parts.netloc)
@@ -601,6 +601,8 @@ def _root_path(value: str | None) -> str | None:
             or any(c.isspace() or not c.isprintable() for c in value)):
         raise UserError(f"--root-path {value!r}: give the path a reverse proxy serves Glimpse under, starting with / "
                         "(e.g. /glimpse), or the whole URL (https://example.com/glimpse)")
+    if whole_url:  # Gradio takes a URL only in lower case (HTTPS://... was a path, and every page of the chat a 500)
+        value = urlunsplit(parts)  # (urlsplit lowers the scheme)
     return value.rstrip("/") or None
 
 
@@ -705,7 +707,8 @@ def run_serve(args) -> int:
         time.sleep(0.05)
     if not http.is_alive():
         raise UserError(f"could not serve on {args.host}:{args.port} (is the port in use?)")
-    _log(f"serving on http://{args.host}:{args.port} (chat at /, API at /v1/chat/completions)"
+    port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port  # --port 0: the one taken
+    _log(f"serving on http://{args.host}:{port} (chat at /, API at /v1/chat/completions)"
          + (f"; the chat's page expects to be at {root_path}/ behind a proxy" if root_path else ""))
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, _on_sigterm(terminated))
@@ -909,11 +912,26 @@ def run_caption_on_ray(args) -> int:
 
 def run_bench_serve(args) -> int:
     from glimpse import bench_serve
+    from glimpse.pruning import make_policy
 
     if args.clients < 1 or args.requests < args.clients or args.max_tokens < 1 or args.burst < 0:
         raise UserError("--clients and --max-tokens must be at least 1, --requests at least --clients, --burst >= 0")
+    if args.max_batch < 1 or args.queue_size < 0:  # (the server started here refused them: a traceback, exit 2)
+        raise UserError("--max-batch must be at least 1, --queue-size at least 0")
     check_speed(args.speed)
+    make_policy(args.policy, args.speed)  # an unknown policy was every request's 400, then a traceback, exit 2
     _check_server_sizes(args)
+    if args.url is not None:  # measured as it runs: options of the server started here would be ignored unsaid
+        server_options = [flag for flag, given in (
+            ("--model", args.model is not None), ("--device", args.device != "auto"),
+            *((flag, dest in args.given) for dest, (flag, _, _) in args.task_options.items()
+              if dest in ("max_batch", "queue_size", "kv_budget_mb", "prefix_cache_mb", "media_cache_mb",
+                          "encoder_cache_mb"))) if given]
+        if server_options:
+            raise UserError(f"{', '.join(server_options)} set{'s' if len(server_options) == 1 else ''} the server "
+                            "started here: with --url the server at that address is measured as it runs")
+    if len(args.image) > 1 or (args.image and args.workload == "text"):
+        raise UserError("bench serve asks about one --image, with --workload images or mixed")
     if args.image and not Path(args.image[0]).is_file():
         raise UserError(f"{args.image[0]}: no such file")
     report = bench_serve.run(args, _log)

@@ -210,7 +210,7 @@ def test_ask_json_is_strict_json_at_any_speed_and_an_abbreviated_flag_still_gets
     assert out["speed"] == 1e-320 and out["params"]["anneal_tau"] is None  # 50 / speed is no number: no annealing
     assert strict(json.dumps(finite({"a": [1.5, math.inf], "b": {"c": -math.inf, "d": math.nan}}), allow_nan=False)) \
         == {"a": [1.5, None], "b": {"c": None, "d": None}}
-    for flag in ("--js", "--jso"):
+    for flag in ("--j", "--js", "--jso"):  # argparse takes each for --json, the only option of ask starting so
         with pytest.raises(SystemExit) as exit_status:
             main(["ask", "--speed", "abc", flag, "hi"])
         assert exit_status.value.code == 2
@@ -584,3 +584,213 @@ def test_ask_json_flops_follow_the_documented_proxy_from_the_reported_token_coun
     assert metrics["prefill_flops"] == sum(4 * n * d * d + 2 * p * p * d + 3 * n * d * m
                                            for n, p in zip(active, attending))
     assert metrics["prefill_flops_baseline"] == len(active) * (4 * T * d * d + 2 * T * T * d + 3 * T * d * m)
+
+
+# ---- option boundaries and outputs an outside mutation pass found no test holding ----------------------------------
+
+class _Loaded(BaseException):
+    """Raised by a stand-in for the model's loading: the command got past every check made before it."""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        return held.getsockname()[1]
+
+
+def _refused_or_loaded(monkeypatch, capsys, argv):
+    """``glimpse *argv`` with the model's loading replaced: (exit status, stderr, whether it reached the loading)."""
+    import glimpse.pipeline
+    from glimpse.cli import main
+
+    def loading(*args, **kwargs):
+        raise _Loaded
+
+    monkeypatch.setattr(glimpse.pipeline, "load_engine", loading)
+    try:
+        status, loaded = main(list(argv)), False
+    except _Loaded:
+        status, loaded = None, True
+    return status, capsys.readouterr().err, loaded
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["ask", "--max-new-tokens", "0", "hi"], "--max-new-tokens must be at least 1"),
+    (["serve", "--max-batch", "0"], "--max-batch"), (["serve", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["serve", "--queue-size", "-1"], "--queue-size at least 0"),
+    (["serve", "--shutdown-grace", "-1"], "--shutdown-grace"), (["serve", "--media-timeout", "0"], "--media-timeout"),
+    (["serve", "--port", "-1"], "--port"), (["serve", "--max-upload-mb", "0"], "--max-upload-mb"),
+    (["serve", "--prefix-cache-mb", "-1"], "--prefix-cache-mb must be at least 0"),
+    (["caption", "/nonexistent/in", "--batch-size", "0"], "--batch-size"),
+    (["caption", "/nonexistent/in", "--prompt", "   "], "--prompt is empty"),
+    (["caption", "/nonexistent/in", "--format", "txt", "--out", "c.jsonl"], "leave out --out"),
+    (["caption", "/nonexistent/in", "--ray", "--actors", "0"], "--actors"),
+    (["bench", "--runs", "0"], "--runs must be at least 1"),
+    (["bench", "--layers", "0"], "--layers must be at least 1"),
+    (["bench", "--new-tokens", "0"], "--new-tokens at least 1"),
+    (["bench", "--text-tokens", "300000"], "at most 262,144"),
+    (["bench", "serve", "--clients", "4", "--requests", "3"], "--requests at least --clients"),
+    (["eval", "passkey", "--lengths", "127"], "from 128"), (["eval", "visual", "--samples", "0"], "--samples"),
+    (["eval", "agreement", "--image-tokens", "-1"], "--image-tokens"),
+    (["eval", "agreement", "--speeds", ","], "--speeds"),
+    (["calibrate", "slider", "--floor", "0"], "--floor must be in (0, 1]"),
+    (["calibrate", "slider", "--max-images", "0"], "--max-images must be at least 1"),
+    (["calibrate", "hidivdrop", "--images", ".", "--window", "0"], "--window"),
+])
+def test_a_value_past_an_options_documented_range_is_refused_in_one_line_before_the_model_loads(
+        monkeypatch, capsys, tmp_path, argv, said):
+    monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path))
+    status, err, loaded = _refused_or_loaded(monkeypatch, capsys, argv)
+    lines = [line for line in err.splitlines() if line.startswith("glimpse: error:")]
+    assert status == 1 and not loaded and len(lines) == 1 and said in lines[0], err
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--queue-size", "0"], ["serve", "--shutdown-grace", "0"], ["serve", "--encoder-cache-mb", "0",
+     "--media-cache-mb", "0", "--prefix-cache-mb", "0"], ["serve", "--max-upload-mb", "1"],
+    ["serve", "--media-timeout", "86400"], ["serve", "--host", "localhost"],
+    ["serve", "--host", "0.0.0.0", "--no-api-key"], ["serve", "--host", "0.0.0.0", "--api-key", "k"],
+    ["eval", "passkey", "--lengths", "128"], ["eval", "agreement", "--image-tokens", "0", "--video-tokens", "0"],
+    ["calibrate", "slider", "--floor", "1"],
+])
+def test_a_value_at_the_edge_of_an_options_range_goes_on_to_load_the_model(monkeypatch, capsys, tmp_path, argv):
+    """The bounds themselves are in range (0 turns a cache off, a queue of 0 admits only the batch; docs/serving.md)."""
+    monkeypatch.setenv("GLIMPSE_CACHE", str(tmp_path))
+    if argv[0] == "serve":
+        argv = [*argv, "--port", str(_free_port())]
+    status, err, loaded = _refused_or_loaded(monkeypatch, capsys, argv)
+    assert loaded, err
+
+
+def test_serve_sizes_each_cache_by_its_own_option(monkeypatch, capsys):
+    """--encoder-cache-mb, --media-cache-mb and --prefix-cache-mb each size their own cache (docs/serving.md)."""
+    import types
+
+    import glimpse.cli
+    import glimpse.pipeline
+    from glimpse.cli import main
+
+    caches = {name: types.SimpleNamespace(max_bytes=None) for name in ("encoder_cache", "media_cache", "prefix_cache")}
+    monkeypatch.setattr(glimpse.pipeline, "load_engine", lambda *a, **k: types.SimpleNamespace(grounded=True, **caches))
+
+    def built(*args, **kwargs):
+        raise _Loaded
+
+    monkeypatch.setattr(glimpse.cli, "build_server", built)
+    with pytest.raises(_Loaded):
+        main(["serve", "--port", str(_free_port()), "--encoder-cache-mb", "1", "--media-cache-mb", "2",
+              "--prefix-cache-mb", "3"])
+    assert [caches[name].max_bytes for name in ("encoder_cache", "media_cache", "prefix_cache")] == \
+        [1 * 2**20, 2 * 2**20, 3 * 2**20]
+    roots = []
+    monkeypatch.setattr(glimpse.cli, "build_server", lambda *a, root_path=None, **k: roots.append(root_path) or built())
+    for given in ("/glimpse/", "/glimpse", "/"):  # a path without its trailing slash, as Gradio takes it; / is none
+        with pytest.raises(_Loaded):
+            main(["serve", "--port", str(_free_port()), "--root-path", given])
+    assert roots == ["/glimpse", "/glimpse", None]
+
+
+def test_ask_prints_the_answer_alone_on_stdout_and_its_numbers_on_stderr(checkpoints):
+    """``answer=$(glimpse ask ...)``: stdout is the answer, the line of timings and the notes go to stderr; greedy,
+    it is the text --json reports."""
+    asked = ["ask", "--model", str(checkpoints["llava"]), "--max-new-tokens", "6", "Say something."]
+    plain, as_json = glimpse_here_each(asked, [*asked[:-1], "--json", asked[-1]])
+    assert plain.returncode == as_json.returncode == 0, plain.stderr
+    assert plain.stdout == json.loads(as_json.stdout)["text"] + "\n"
+    assert "TTFT" in plain.stderr
+
+
+def test_sampling_with_a_seed_repeats_its_answer_and_defaults_to_the_documented_temperature(checkpoints):
+    """README: --sample samples with --temperature (default 0.7), --top-p (default 0.9) and --seed: one seed, one
+    answer; the defaults are those values."""
+    asked = ["ask", "--model", str(checkpoints["llava"]), "--max-new-tokens", "8", "--sample", "--json"]
+    texts = {}
+    for seed in ("1", "2", "3"):
+        runs = glimpse_here_each([*asked, "--seed", seed, "Tell me a story."],
+                                 [*asked, "--seed", seed, "Tell me a story."],
+                                 [*asked, "--seed", seed, "--temperature", "0.7", "--top-p", "0.9", "Tell me a story."])
+        assert all(run.returncode == 0 for run in runs), runs[0].stderr
+        texts[seed] = {json.loads(run.stdout)["text"] for run in runs}
+        assert len(texts[seed]) == 1, texts  # the same seed, the same answer; the defaults as written out
+
+
+def test_a_bug_in_glimpse_is_exit_status_2_and_ask_json_still_prints_one_error_object(checkpoints, monkeypatch,
+                                                                                        capsys):
+    """README: exit status 1 for an error the user can fix, 2 for a command line argparse refuses and for an internal
+    error, a bug in Glimpse whose traceback is on stderr; --json prints its error object then too."""
+    import glimpse.pipeline
+    from glimpse.cli import main
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(glimpse.pipeline, "load_engine", broken)
+    assert main(["ask", "--model", str(checkpoints["llava"]), "--json", "hi"]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" in err and "internal error" in err
+    assert json.loads(out)["error"].startswith("internal error")
+
+
+def test_what_the_machine_refuses_past_glimpse_s_own_checks_is_one_line_with_exit_status_1(checkpoints, monkeypatch,
+                                                                                           capsys):
+    """An OSError no check of Glimpse's words (a file it may not read, a full disk) is the machine's: one line naming
+    the file, exit status 1, and ask --json's error object; not an internal error."""
+    import glimpse.pipeline
+    from glimpse.cli import main
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/models/weights.safetensors")
+
+    monkeypatch.setattr(glimpse.pipeline, "load_engine", unreadable)
+    assert main(["ask", "--model", str(checkpoints["llava"]), "--json", "hi"]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip() .splitlines()[-1] == "glimpse: error: /models/weights.safetensors: Permission denied", err
+    assert "Traceback" not in err
+    assert json.loads(out) == {"error": "/models/weights.safetensors: Permission denied"}
+
+
+def test_eval_and_bench_are_refused_too_when_stdout_is_closed(tmp_path):
+    """They print their report on stdout (bench without --out): with it closed, the hours of measuring were lost."""
+    exe = Path(sys.executable).with_name("glimpse")
+    for argv in (["eval", "agreement", "--model", str(tmp_path / "absent")],
+                 ["bench", "--model", str(tmp_path / "absent"), "--policies", "none"]):
+        proc = subprocess.run([str(exe), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              timeout=300, preexec_fn=lambda: os.close(1))
+        assert proc.returncode == 1 and "standard output is closed" in proc.stderr, proc.stderr
+        assert "loading" not in proc.stderr
+
+
+# ---- bench serve and eval refuse what cannot work or would be ignored (an outside mutation pass) ------------------
+
+@pytest.mark.parametrize("argv,said", [
+    (["bench", "serve", "--policy", "bogus"], "bogus"),  # every request refused, then StatisticsError, exit 2
+    (["bench", "serve", "--max-batch", "0"], "--max-batch"),  # the server it starts refused it: RuntimeError, exit 2
+    (["bench", "serve", "--queue-size", "-1"], "--queue-size"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--max-batch", "4"], "--max-batch"),  # ignored without a word
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--model", "x"], "--model"),
+    (["eval", "visual", "--questions", "q.jsonl", "--samples", "5"], "--samples"),  # ignored without a word
+])
+def test_bench_serve_and_eval_refuse_what_cannot_work_or_would_be_ignored_before_any_work(
+        monkeypatch, capsys, tmp_path, argv, said):
+    import glimpse.bench_serve
+
+    def started(*args, **kwargs):
+        raise _Loaded
+
+    monkeypatch.setattr(glimpse.bench_serve, "start_server", started)
+    monkeypatch.setattr(glimpse.bench_serve.httpx, "get", started)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "q.jsonl").write_text(json.dumps({"image": "a.png", "question": "Colour?", "answer": "red"}) + "\n")
+    status, err, loaded = _refused_or_loaded(monkeypatch, capsys, argv)
+    lines = [line for line in err.splitlines() if line.startswith("glimpse: error:")]
+    assert status == 1 and not loaded and len(lines) == 1 and said in lines[0], err
+
+
+def test_bench_serve_against_a_server_it_cannot_reach_is_one_line_not_a_bug_report(capsys):
+    from glimpse.cli import main
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    assert main(["bench", "serve", "--url", url, "--clients", "1", "--requests", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err, err

@@ -326,3 +326,23 @@ def test_what_a_request_makes_the_server_log_is_bounded(embedded_cache):
         returncode, stderr = _stopped(process, 30)
     assert returncode == 0
     assert "characters left out" in stderr and len(stderr) < 100_000, len(stderr)
+
+
+def test_serve_on_port_0_says_the_port_it_took(embedded_cache):
+    """``--port 0`` has the system choose a free port: the server said "serving on http://127.0.0.1:0", an address
+    nobody can reach (an outside mutation pass). It names the port it took, where /health answers."""
+    command = [sys.executable, "-m", "glimpse.cli", "serve", "--port", "0", "--max-batch", "1"]
+    env = {**os.environ, "GLIMPSE_CACHE": str(embedded_cache), "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        said = ""
+        while "serving on " not in said:
+            line = process.stderr.readline()
+            assert line, f"the server ended: {said[-2000:]}"
+            said += line
+        url = said.split("serving on ", 1)[1].split()[0]
+        assert not url.endswith(":0"), said
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
