@@ -166,7 +166,9 @@ class UploadQuota:
             if problem is not None:
                 return await refuse(send, 507, problem)
             files_counted = _files_for(int(length))
-            status, delimiters = [], _Delimiters(headers.get(b"content-type", b""))
+            # The first Content-Type, as Gradio's route reads it (a dict of the headers keeps the last one given)
+            content_type = next((value for name, value in scope.get("headers") or [] if name == b"content-type"), b"")
+            status, delimiters = [], _Delimiters(content_type)
 
             async def counting_parts():
                 message = await receive()

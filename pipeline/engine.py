@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import threading
 import time
 import warnings
@@ -133,15 +134,21 @@ class PrefillContext:
     interrupted: Callable[[], bool] | None = None
 
 
-def _warn_if_greedy_with_sampling_settings(do_sample, temperature, top_p, seed) -> None:
+def _warn_if_greedy_with_sampling_settings(sampling: Sampling) -> None:
     """As transformers' ``generate`` warns: settings of sampling given to a greedy call are not read, and a notebook
     that set ``temperature=0.5`` (or a seed) without ``do_sample=True`` got the greedy answer without a word (an
-    outside pass). ``glimpse ask`` refuses them without ``--sample``."""
-    given = [name for name, value, default in (("temperature", temperature, 1.0), ("top_p", top_p, 1.0),
-                                               ("seed", seed, None)) if value != default]
-    if given and not do_sample:
+    outside pass). ``glimpse ask`` refuses them without ``--sample``. ``sampling``: checked already."""
+    given = [name for name, value, default in (("temperature", sampling.temperature, 1.0),
+                                               ("top_p", sampling.top_p, 1.0), ("seed", sampling.seed, None))
+             if value != default]
+    if given and not sampling.do_sample:
+        # Said at the caller's line, whichever of generate, stream or generate_batch it called (Python shows a
+        # warning once per line: at a line of this file, a notebook saw it for its first call only).
+        frame, level = sys._getframe(1), 2  # (1: this function; 2: the frame of its caller)
+        while frame is not None and frame.f_code.co_filename == __file__:
+            frame, level = frame.f_back, level + 1
         warnings.warn(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} read only with do_sample=True: "
-                      "this answer is greedy", UserWarning, stacklevel=3)
+                      "this answer is greedy", UserWarning, stacklevel=level)
 
 
 def check_max_new_tokens(value) -> int:
@@ -451,11 +458,11 @@ class Engine:
         ``EngineBusy``."""
         if cancel is not None and not callable(getattr(cancel, "is_set", None)):  # True was an AttributeError
             raise UserError(f"cancel takes a threading.Event (set it to stop the answer), got {type(cancel).__name__}")
-        _warn_if_greedy_with_sampling_settings(do_sample, temperature, top_p, seed)
+        sampling = Sampling(do_sample, temperature, top_p, seed)
+        _warn_if_greedy_with_sampling_settings(sampling)
         with self._lock:
             if cancel is not None and cancel.is_set():
                 return  # gave up while waiting: nothing computed
-            sampling = Sampling(do_sample, temperature, top_p, seed)
             yield from self._stream(messages, policy, speed, max_new_tokens, sampling, ignore_eos, cancel)
 
     def generate_batch(self, conversations: list, *, policy: str | Policy = "auto", speed: float = 0.0,
@@ -467,8 +474,8 @@ class Engine:
         them one by one."""
         if not isinstance(conversations, (list, tuple)):  # a string would be answered letter by letter
             raise PromptError(f"conversations must be a list of conversations, got {type(conversations).__name__}")
-        _warn_if_greedy_with_sampling_settings(do_sample, temperature, top_p, seed)
         sampling = Sampling(do_sample, temperature, top_p, seed)
+        _warn_if_greedy_with_sampling_settings(sampling)
         with self._lock, torch.inference_mode():
             meter = MemoryMeter(self.device)
             requests = []
@@ -496,6 +503,7 @@ class Engine:
     def make_policy(self, name: str, speed: float = 0.0, overrides: dict | None = None) -> Policy:
         """A registry policy for this model (``auto``: the configuration its frontier selects at
         ``speed``): its calibration profile, then ``overrides``, which win."""
+        speed = plain_number(speed)
         policy = make_policy(name, speed, overrides, frontier=self.frontier)  # a bad name or override fails here
         explicit = dict(overrides or {})
         if name == "auto":  # the chosen configuration's own parameters are as explicit as overrides
@@ -523,6 +531,7 @@ class Engine:
     def promise(self, name: str, speed: float, overrides: dict | None = None) -> dict:
         """What ``name`` at ``speed`` is measured to keep on this model, before anything is asked:
         for ``auto`` the frontier's promise, for a named policy what calibration measured of it."""
+        speed = plain_number(speed)  # (numpy's: the promise is JSON)
         promise = self.frontier.promise(speed) if name == "auto" else self.frontier.promise_for(name, speed)
         if overrides:  # the measured numbers are of the configuration as the slider set it
             promise = {**promise, "overridden": sorted(overrides),

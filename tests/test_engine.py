@@ -653,10 +653,17 @@ def test_the_python_api_refuses_a_developers_mistakes_clearly_and_stays_usable(c
     policy = engine.make_policy("fastv", np.float32(0.5), {"ratio": np.float32(0.25), "layer": np.int64(1)})
     assert (policy.ratio, type(policy.ratio), policy.layer, type(policy.layer)) == (0.25, float, 1, int)
     # Sampling's settings on a greedy call are not read: said, as transformers' generate says it (it was silent)
-    with pytest.warns(UserWarning, match="temperature, seed are read only with do_sample=True: this answer is greedy"):
+    with pytest.warns(UserWarning, match="temperature, seed are read only with do_sample=True: this answer is greedy"
+                      ) as said:
         assert engine.generate(messages, max_new_tokens=4, temperature=0.5, seed=3).token_ids == expected
-    with pytest.warns(UserWarning, match="top_p is read only with do_sample=True"):
+    assert [w.filename for w in said] == [__file__]  # at the caller's line: Python shows it once per line
+    with pytest.warns(UserWarning, match="top_p is read only with do_sample=True") as said:
         engine.generate_batch([messages], max_new_tokens=2, top_p=0.5)
+        list(engine.stream(messages, max_new_tokens=2, top_p=0.5))
+    assert [w.filename for w in said] == [__file__] * 2
+    with pytest.raises(UserError, match="temperature must be a number"):  # checked before anything is said of it
+        engine.generate(messages, max_new_tokens=2, temperature=np.array([0.5, 0.7]))
+    assert json.dumps(engine.promise("auto", np.float32(0.5)))  # numpy's speed in a promise too
     with pytest.raises(PromptError, match="a list of conversations, got str"):
         engine.generate_batch("hello")
     corrupt = [{"role": "user", "content": [{"type": "image", "image": b"not a picture"}]}]
@@ -1359,7 +1366,8 @@ def test_a_large_picture_resized_as_it_is_decoded_gives_the_processors_tokens_an
     fit = engine.adapter.image_fit
     target = fit.size_for(2400, 1800)
     # (the last: large one way only, as a panorama)
-    for size in ((int(target[0] * 2.5), int(target[1] * 2.5)), (2400, 1800), (2401, 1801), (int(target[0] * 2.5), 1800)):
+    wide = int(target[0] * 2.5)
+    for size in ((wide, int(target[1] * 2.5)), (2400, 1800), (2401, 1801), (wide, 1800)):
         near = max(size[0] / target[0], size[1] / target[1]) < 2 * vision.FIT_GAP
         for form in PHOTO_FORMS:
             path = _saved_photo(tmp_path, size, form)

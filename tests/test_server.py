@@ -1256,14 +1256,19 @@ def test_the_chat_answers_with_no_queue_beyond_the_batch(server, media):
         app.state.scheduler.close()
 
 
-@pytest.mark.parametrize("root_path", ["/glimpse", "/glimpse/", "https://example.com/tools/glimpse"])
+@pytest.mark.parametrize("root_path", ["/glimpse", "/glimpse/", "https://example.com/tools/glimpse",
+                                       "HTTPS://example.com/tools/glimpse"])
 def test_behind_a_proxy_at_a_sub_path_the_chats_page_asks_for_its_routes_there(server, root_path):
     """Served by a reverse proxy at https://host/glimpse/ (the proxy strips /glimpse), the chat's page asked for its
     styles, uploads and events at /gradio_api/... of the host, which the proxy did not pass on: the page came
     unstyled and every upload failed (an outside pass behind nginx). ``--root-path`` says where it is."""
-    app = build_server(server["engine"], "tiny-llava", max_new_tokens=4, root_path=root_path, scheduler_thread=False)
+    from glimpse.cli import _root_path
+
+    app = build_server(server["engine"], "tiny-llava", max_new_tokens=4, root_path=_root_path(root_path),
+                       scheduler_thread=False)
     for url in _serve(app):
-        expected = root_path.rstrip("/") if root_path.startswith("http") else url + root_path.rstrip("/")
+        whole = root_path.lower().startswith("http")  # (Gradio takes a URL in lower case only: HTTPS:// was a 500)
+        expected = "https" + root_path[5:].rstrip("/") if whole else url + root_path.rstrip("/")
         assert httpx.get(url + "/config", timeout=30).json()["root"] == expected
         assert f'"root":"{expected}"' in httpx.get(url + "/", timeout=30).text.replace(" ", "")
     plain = httpx.get(server["url"] + "/config", timeout=30).json()["root"]  # served as it is reached
@@ -3447,7 +3452,8 @@ def test_compare_at_speed_0_with_overrides_runs_the_unpruned_answer(server):
 
 @pytest.mark.parametrize("content_type", ["multipart/form-data; BOUNDARY=B",
                                           "multipart/form-data; xboundary=Z; boundary=B",
-                                          "multipart/form-data; boundary=X; boundary=B"])
+                                          "multipart/form-data; boundary=X; boundary=B",
+                                          ("multipart/form-data; boundary=B", "multipart/form-data; boundary=Z")])
 def test_the_upload_quota_charges_each_file_whatever_the_spelling_of_the_boundary(server, tmp_path, monkeypatch,
                                                                                  content_type):
     """The multipart parser behind Gradio's upload route reads the boundary parameter case-insensitively, by its
@@ -3462,7 +3468,9 @@ def test_the_upload_quota_charges_each_file_whatever_the_spelling_of_the_boundar
     body = b"".join(b'--B\r\nContent-Disposition: form-data; name="files"; filename="%d.png"\r\n'
                     b'Content-Type: image/png\r\n\r\n%d\r\n' % (i, i) for i in range(200)) + b"--B--\r\n"
     for url in _serve(app):
-        tiny = httpx.post(url + "/gradio_api/upload", content=body, headers={"Content-Type": content_type}, timeout=30)
+        types = content_type if isinstance(content_type, tuple) else (content_type,)  # (two: Gradio reads the first)
+        tiny = httpx.post(url + "/gradio_api/upload", content=body, headers=[("Content-Type", t) for t in types],
+                          timeout=30)
         assert tiny.status_code == 200 and len(tiny.json()) == 200, tiny.text
         refused = httpx.post(url + "/gradio_api/upload", files={"files": ("one.png", b"1", "image/png")}, timeout=30)
         assert refused.status_code == 507, refused.text
