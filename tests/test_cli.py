@@ -71,6 +71,8 @@ def test_ask_json_reports_the_spec_metrics(checkpoints, media):
     prompt = out["metrics"]["prompt_tokens"]
     assert prompt["image"] > 0 and prompt["video"] == 0
     assert len(out["metrics"]["keep_map"]["depth"]) == prompt["image"]
+    # README: why the answer ended: "length" at --max-new-tokens, "stop" at an end-of-sequence token before it
+    assert out["finish_reason"] == ("length" if out["metrics"]["new_tokens"] == 4 else "stop"), out["finish_reason"]
 
 
 def test_ask_embedded_answers_a_text_question(embedded_cache):
