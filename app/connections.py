@@ -299,22 +299,17 @@ class StreamsUnbuffered:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+        await self.app(scope, receive, with_headers(send, self.unbuffered) if scope["type"] == "http" else send)
 
-        async def send_unbuffered(message):
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                names = {name.lower() for name, _ in headers}
-                content_type = next((value for name, value in headers if name.lower() == b"content-type"), b"")
-                if content_type.split(b";")[0].strip().lower() == b"text/event-stream":
-                    headers.append((b"x-accel-buffering", b"no"))
-                    if b"cache-control" not in names:
-                        headers.append((b"cache-control", b"no-cache"))
-                    message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_unbuffered)
+    @staticmethod
+    def unbuffered(headers: list) -> list:
+        """The headers an event stream's head gets (none for another response)."""
+        names = {name.lower() for name, _ in headers}
+        content_type = next((value for name, value in headers if name.lower() == b"content-type"), b"")
+        if content_type.split(b";")[0].strip().lower() != b"text/event-stream":
+            return []
+        cache = [] if b"cache-control" in names else [(b"cache-control", b"no-cache")]
+        return [(b"x-accel-buffering", b"no"), *cache]
 
 
 class BodyLimits:
@@ -470,13 +465,19 @@ REFUSAL_CODES = {403: "forbidden", 408: "request_timeout", 411: "length_required
                  507: "insufficient_storage"}
 
 
+def with_headers(send, added: Callable[[list], list]):
+    """``send`` with ``added(headers)`` appended to the response head's headers (the middlewares' edits of a head)."""
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            headers = message.get("headers", [])
+            message = {**message, "headers": [*headers, *added(headers)]}
+        await send(message)
+    return sending
+
+
 def _closing(send):
     """``send`` with ``Connection: close`` added to the response head (uvicorn then closes after the response)."""
-    async def send_closing(message):
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
-        await send(message)
-    return send_closing
+    return with_headers(send, lambda _: [(b"connection", b"close")])
 
 
 def error_content(message: str, code: str | None, kind: str = "invalid_request_error",

@@ -26,7 +26,7 @@ from PIL import Image
 
 from glimpse.assets import ASSETS
 from glimpse.common import UserError
-from glimpse.connections import CHAT_SESSIONS, refuse
+from glimpse.connections import CHAT_SESSIONS, refuse, with_headers
 from glimpse.pipeline.prompt import ContextOverflow
 from glimpse.pruning import PRUNING_NAMES, parse_params
 from glimpse.vision.media import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, check_reading, detect_kind,
@@ -264,13 +264,7 @@ class NoRemoteMedia:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
-        async def with_policy(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"content-security-policy", self.POLICY)]}
-            await send(message)
-
-        await self.app(scope, receive, with_policy)
+        await self.app(scope, receive, with_headers(send, lambda _: [(b"content-security-policy", self.POLICY)]))
 
 
 class NoFetchingForClients:
