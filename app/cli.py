@@ -922,11 +922,11 @@ def run_bench_serve(args) -> int:
     make_policy(args.policy, args.speed)  # an unknown policy was every request's 400, then a traceback, exit 2
     _check_server_sizes(args)
     if args.url is not None:  # measured as it runs: options of the server started here would be ignored unsaid
-        server_options = [flag for flag, given in (
-            ("--model", args.model is not None), ("--device", args.device != "auto"),
-            *((flag, dest in args.given) for dest, (flag, _, _) in args.task_options.items()
-              if dest in ("max_batch", "queue_size", "kv_budget_mb", "prefix_cache_mb", "media_cache_mb",
-                          "encoder_cache_mb"))) if given]
+        started_here = ("max_batch", "queue_size", "kv_budget_mb", "prefix_cache_mb", "media_cache_mb",
+                        "encoder_cache_mb")
+        server_options = [flag for flag, given in (("--model", args.model is not None),
+                                                   ("--device", args.device != "auto")) if given]
+        server_options += [args.task_options[dest][0] for dest in started_here if dest in args.given]
         if server_options:
             raise UserError(f"{', '.join(server_options)} set{'s' if len(server_options) == 1 else ''} the server "
                             "started here: with --url the server at that address is measured as it runs")

@@ -503,7 +503,6 @@ class Engine:
     def make_policy(self, name: str, speed: float = 0.0, overrides: dict | None = None) -> Policy:
         """A registry policy for this model (``auto``: the configuration its frontier selects at
         ``speed``): its calibration profile, then ``overrides``, which win."""
-        speed = plain_number(speed)
         policy = make_policy(name, speed, overrides, frontier=self.frontier)  # a bad name or override fails here
         explicit = dict(overrides or {})
         if name == "auto":  # the chosen configuration's own parameters are as explicit as overrides
@@ -579,7 +578,7 @@ class Engine:
         (``Adapter.vision_blocks``) and before each decoder layer; once it says True the prefill stops there and
         raises ``PrefillInterrupted``."""
         t_request = time.perf_counter()
-        max_new_tokens, speed = check_max_new_tokens(max_new_tokens), plain_number(speed)
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
         claim = None
         if isinstance(policy, Policy):
             policy.check(len(self.adapter.layers))  # given as it is: checked before its media are decoded
