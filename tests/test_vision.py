@@ -1463,3 +1463,154 @@ def test_seeking_in_a_container_whose_seek_lands_late_still_gives_the_frames_ask
     wanted = [0, 100, 101, 180, 230, 239]
     frames = media_module._decode_pyav(path, wanted, seek_min_gap=8).frames
     assert [_frame_index(frame) for frame in frames] == wanted
+
+
+# ------------------------------------------------------------------------ mutation pass "vis" (survivors)
+
+
+def test_a_picture_of_exactly_the_pixel_limit_is_read_and_one_pixel_more_is_not():
+    """The limit is the most pixels a picture may have: at it, the picture is read."""
+    assert vision.load_image(Image.new("RGB", (100, 100), (9, 9, 9)), max_pixels=10_000).size == (100, 100)
+    with pytest.raises(vision.MediaError, match=r"image too large \(100x101"):
+        vision.load_image(Image.new("RGB", (100, 101)), max_pixels=10_000)
+
+
+def test_a_32_bit_integer_picture_whose_values_fit_in_8_bits_keeps_them():
+    """``_to_8bit``: integer pictures whose values fit in 0..255 are kept as they are (not divided by 257 into
+    black), as 32-bit integer TIFFs holding 8-bit data are."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((4, 4), 200, dtype=np.int32)).save(buffer, "TIFF")
+    assert Image.open(io.BytesIO(buffer.getvalue())).mode == "I"
+    assert np.asarray(vision.load_image(buffer.getvalue()))[0, 0].tolist() == [200, 200, 200]
+
+
+def test_a_palette_picture_with_an_alpha_band_is_white_where_transparent():
+    """Mode PA (a palette and an alpha band) is a picture with alpha like RGBA and LA: transparent becomes white."""
+    picture = Image.new("P", (2, 1))
+    picture.putpalette([255, 0, 0] + [0] * 765)
+    with_alpha = picture.convert("PA")
+    with_alpha.putalpha(0)
+    assert with_alpha.mode == "PA"
+    assert np.asarray(vision.load_image(with_alpha)).tolist() == [[[255, 255, 255], [255, 255, 255]]]
+
+
+def test_a_file_with_only_audio_given_as_a_video_says_it_has_no_video_stream(tmp_path):
+    """`glimpse ask --video song.m4a`: one clear line, not an internal error."""
+    path = tmp_path / "song.m4a"
+    with av.open(str(path), "w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=44100)
+        for index in range(10):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = 44100, index * 1024
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    for read in (vision.probe_video, vision.sample_video_qwen, vision.sample_video_uniform,
+                 lambda p: vision.check_media(p, "video")):
+        with pytest.raises(vision.MediaError, match=r"^song\.m4a: the file has no video stream$"):
+            read(path)
+
+
+def test_a_video_with_a_stream_but_no_frames_is_said_to_hold_none(tmp_path):
+    path = tmp_path / "empty.avi"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        container.start_encoding()
+    for read in (vision.probe_video, vision.sample_video_qwen, vision.sample_video_uniform):
+        with pytest.raises(vision.MediaError, match=r"^empty\.avi: the video is corrupt or truncated: it contains no "
+                                                    r"frames"):
+            read(path)
+
+
+def test_a_picture_given_as_a_video_is_said_to_be_a_picture(tmp_path):
+    """PyAV reads a picture as a one-frame clip: given as a video, it is refused in words, not sampled as a clip
+    (eight copies of it) nor called too short."""
+    path = tmp_path / "photo.png"
+    Image.new("RGB", (64, 48), (200, 10, 10)).save(path)
+    for read in (vision.probe_video, vision.sample_video_qwen, vision.sample_video_uniform):
+        with pytest.raises(vision.MediaError, match=r"^photo\.png: this is an image, not a video"):
+            read(path)
+
+
+def test_a_variable_frame_rate_mp4_s_rate_is_its_frames_average_not_its_declared_base_rate(tmp_path):
+    """qwen-vl-utils (decord's get_avg_fps, torchvision's video_fps) take a video's average frame rate: 90 frames
+    40 ms apart in a stream declared at 30 fps are 25 fps, 3.6 s, and their times are those."""
+    import fractions
+
+    path = _write_video(tmp_path / "vfr.mp4", frames=90, fps=30, size=(32, 32), pts=[40 * i for i in range(90)],
+                        time_base=fractions.Fraction(1, 1000))
+    info = vision.probe_video(path)
+    # (FFmpeg's average over the stream's packets: within a few percent of 25, far from the declared 30)
+    assert info.fps == pytest.approx(25, rel=0.03) and info.duration_s == pytest.approx(3.6, rel=0.03)
+    assert vision.sample_video_qwen(path).timestamps_s[-1] == pytest.approx(89 * 0.04, rel=0.03)
+
+
+def test_a_matroska_file_cut_short_says_so_to_the_qwen_sampler_too(tmp_path):
+    """The Qwen sampler, as the uniform one, says what a cut Matroska file (no frame count, only a duration) lacks."""
+    whole = _write_video(tmp_path / "whole.mkv", frames=60, fps=10, gop=10)
+    data = whole.read_bytes()
+    (tmp_path / "cut.mkv").write_bytes(data[: len(data) // 2])
+    shortfall = sampling.sample_video_qwen(tmp_path / "cut.mkv").shortfall
+    assert shortfall is not None and shortfall[0] == _decodable_frame_count(tmp_path / "cut.mkv")
+    assert 50 <= shortfall[1] <= 65
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        ({"fps": 0.1, "min_frames": 5}, 6),  # min_frames rounded up to even (qwen-vl-utils' ceil_by_factor)
+        ({"max_frames": 5}, 4),  # max_frames rounded down to even: never above it
+        ({"nframes": 7}, 8),  # an explicit count rounded to the nearest even (round(3.5) = 4 pairs)
+    ],
+)
+def test_smart_nframes_rounds_odd_bounds_as_qwen_vl_utils(kwargs, expected):
+    assert vision.smart_nframes(300, 30, **kwargs) == expected
+
+
+def test_a_densely_sampled_video_shares_its_pixel_budget_among_its_frames(tmp_path):
+    """qwen-vl-utils' total_pixels is the whole video's budget: each frame gets at most total_pixels / frames * 2
+    (two frames make one temporal patch), so a densely sampled video gets smaller frames."""
+    path = _write_video(tmp_path / "vga.mp4", frames=8, size=(640, 480))
+    total = 8 // 2 * 110_000
+    sampled = vision.sample_video_qwen(path, nframes=8, total_pixels=total)
+    height, width = sampled.frames.shape[1:3]
+    assert vision.VIDEO_MIN_PIXELS <= height * width <= total / 8 * 2
+
+
+def test_video_inputs_default_to_the_video_processor_s_per_frame_budget():
+    """Qwen2VLVideoProcessor's size: at most 768 tokens' worth of pixels per frame (not the image processor's 16384)."""
+    frames = np.zeros((2, 1080, 1920, 3), dtype=np.uint8)
+    _, grid_h, grid_w = vision.qwen2vl_video_inputs(frames)["video_grid_thw"][0].tolist()
+    assert grid_h * grid_w * 14 * 14 <= vision.VIDEO_MAX_PIXELS
+
+
+def test_normalizing_patches_that_are_not_bytes_is_refused():
+    """Float patches are normalized already: normalizing them again (in place) would silently give garbage."""
+    patches = vision.qwen2vl_video_inputs(np.zeros((2, 56, 56, 3), dtype=np.uint8), resize=False)["pixel_values_videos"]
+    with pytest.raises(ValueError, match="uint8"):
+        vision.qwen_video.normalize_video_patches(patches)
+
+
+@pytest.mark.parametrize("mode, key", [("RGB", (255, 0, 0)), ("L", 0)])
+def test_a_png_s_transparent_colour_key_becomes_white_as_a_palette_s_does(tmp_path, mode, key):
+    """A PNG's tRNS chunk marks one colour of a greyscale or RGB picture transparent, as it marks palette entries:
+    transparent pixels become white for every mode (load_image's promise), not only for palette pictures."""
+    picture = Image.new(mode, (2, 1), key)
+    picture.putpixel((1, 0), (0, 0, 255) if mode == "RGB" else 100)
+    path = tmp_path / "keyed.png"
+    picture.save(path, transparency=key)
+    expected_other = [0, 0, 255] if mode == "RGB" else [100, 100, 100]
+    assert np.asarray(vision.load_image(path)).tolist() == [[[255, 255, 255], expected_other]]
+
+
+def test_a_16_bit_greyscale_png_s_transparent_colour_key_becomes_white(tmp_path):
+    """The key of a 16-bit picture is a 16-bit value: matched before the values are scaled to 8 bits, where other
+    values would round onto it."""
+    values = np.array([[1000, 1001, 60000]], dtype=np.uint16)
+    path = tmp_path / "keyed16.png"
+    Image.fromarray(values).save(path, transparency=1000)
+    assert Image.open(path).info["transparency"] == 1000  # (the file holds the key)
+    grey = [round(v / 257) for v in (1001, 60000)]
+    assert np.asarray(vision.load_image(path)).tolist() == [[[255] * 3, [grey[0]] * 3, [grey[1]] * 3]]

@@ -442,11 +442,17 @@ def _to_8bit(image: Image.Image) -> Image.Image:
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL mode to RGB. Transparent pixels become white, as qwen-vl-utils does, not black."""
+    """Any PIL mode to RGB. Transparent pixels become white, as qwen-vl-utils does, not black: those of an alpha band,
+    and those of the one colour a PNG's tRNS chunk marks transparent in a palette, greyscale or RGB picture."""
     if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        key = image.info.get("transparency")
+        # (PIL's convert ignores a 16-bit picture's colour key: it is matched here, on the values before scaling)
+        transparent = np.asarray(image) == key if isinstance(key, int) else None
         image = _to_8bit(image)
+        if transparent is not None:
+            image.putalpha(Image.fromarray(np.where(transparent, 0, 255).astype(np.uint8)))  # now "LA"
     has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
-        image.mode == "P" and "transparency" in image.info
+        image.mode in ("P", "L", "RGB") and "transparency" in image.info  # convert("RGBA") applies the key
     )
     if has_alpha:
         rgba = image.convert("RGBA")
