@@ -304,8 +304,10 @@ def _field_name(loc: tuple) -> str:
 
 
 def _is_type_name(loc) -> bool:
-    """Pydantic names the union member tried in an error's location ("str", "list[...]", "function-after[...]")."""
-    return isinstance(loc, str) and ("[" in loc or loc in ("str", "int", "float", "bool", "dict", "list"))
+    """Pydantic names the union member tried in an error's location ("str", "list[...]", "function-after[...]",
+    "constrained-str")."""
+    return isinstance(loc, str) and ("[" in loc or loc.startswith("constrained-")  # (a str with a min_length)
+                                     or loc in ("str", "int", "float", "bool", "dict", "list"))
 
 
 # ---------------------------------------------------------------------------- the app
@@ -428,6 +430,11 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
         submitted = []
 
         def parse_and_submit():
+            # The deadline counts from here, once the request holds a fetching thread: a wait for one is the
+            # server's business (bounded by the queue's room, 429 past it), and with eight slow URLs ahead a good
+            # one was refused, 400 "not fetched within 30 s", after a fraction of a second of fetching (an outside
+            # pass).
+            allowance.deadline = time.monotonic() + fetch_deadline_s
             local_parts: dict[str, str] = {}
             messages, options, promise = _parse(body, engine, root, scratch, fetcher, max_new_tokens, allowance,
                                                 local_parts)
@@ -435,7 +442,8 @@ def create_api(engine, *, model_name: str, scheduler: Scheduler | None = None, a
                 ticket = scheduler.submit(messages, sink=channel.put, left=allowance.cancelled.is_set,
                                           received=received, **options)
             except vision.MediaError as error:
-                raise BadRequest(_naming_its_part(str(error), local_parts)) from None
+                message = _naming_its_part(str(error), local_parts)
+                raise BadRequest(message, _param_of_part(message, body)) from None
             submitted.append(ticket)
             if allowance.cancelled.is_set():  # the client left meanwhile (its handler cancels what it finds too)
                 ticket.cancel.set()
@@ -613,6 +621,20 @@ def _naming_its_part(message: str, local_parts: dict[str, str]) -> str:
         if message.startswith(f"{name}: "):
             return f"{where}: {message}"
     return message
+
+
+def _param_of_part(message: str, body: ChatRequest) -> str | None:
+    """The ``param`` of an error about the media part its message names first ("messages[0].content[1]: ..."): the
+    path of the part's URL, as a refusal of the URL itself has it (a decoding error had none)."""
+    named = re.match(r"messages\[(\d+)\]\.content\[(\d+)\]", message)
+    if named is None:
+        return None
+    number, index = int(named.group(1)), int(named.group(2))
+    content = body.messages[number].content if number < len(body.messages) else None
+    if not isinstance(content, list) or index >= len(content) or isinstance(content[index], TextPart):
+        return None
+    media = "image" if isinstance(content[index], ImagePart) else "video"
+    return f"messages.{number}.content.{index}.{media}_url.url"
 
 
 MAX_PATH_BYTES = 4096  # PATH_MAX: a longer local path cannot name a file (and resolving one costs time)

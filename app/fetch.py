@@ -90,7 +90,11 @@ class Fetcher:
         deadline cancels whatever it waits on (a read timeout alone restarts with every byte that arrives).
         ``allowance``: what is left of the request's own (its URLs share one deadline and one byte budget, and
         a client that left stops them within half a second)."""
-        deadline = min(time.monotonic() + self.deadline_s, allowance.deadline if allowance else float("inf"))
+        own = time.monotonic() + self.deadline_s
+        deadline = min(own, allowance.deadline if allowance else own)
+        late = f"not fetched within {self.deadline_s:g} s"
+        if deadline < own - 0.5:  # e.g. a request's later URL: it has what the earlier ones left of their time
+            late = f"not fetched within the {max(deadline - own + self.deadline_s, 0):.0f} s its request had left"
         loop = asyncio.new_event_loop()
         chunks = self._chunks(url)
         waiting = None
@@ -98,7 +102,7 @@ class Fetcher:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise FetchError(f"{_shown(url)}: not fetched within {self.deadline_s:g} s")
+                    raise FetchError(f"{_shown(url)}: {late}")
                 if allowance is not None and allowance.cancelled.is_set():
                     raise FetchError(f"{_shown(url)}: not fetched: the request was given up")
                 waiting = waiting or asyncio.ensure_future(anext(chunks), loop=loop)

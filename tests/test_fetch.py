@@ -4,6 +4,7 @@ except the address tests, which are about refusing them."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import ipaddress
 import threading
@@ -186,8 +187,8 @@ def test_a_deadline_given_ends_the_fetch_sooner_and_later_urls_of_the_request_ar
     with RawServer() as server:  # a head that does not end
         url, heads = server.url, server.heads
         allowance = Allowance(deadline=time.monotonic() + 1.0, max_bytes=2**20)
-        for name in ("a.png", "b.png", "c.png"):
-            with pytest.raises(FetchError, match="not fetched within"):
+        for name in ("a.png", "b.png", "c.png"):  # (the first had 1 s, the others none)
+            with pytest.raises(FetchError, match="not fetched within the [10] s its request had left"):
                 fetcher.fetch(f"{url}/{name}", allowance)
         time.sleep(0.3)
         assert len(heads) == 1  # the first used the whole deadline; the others never connected
@@ -237,3 +238,68 @@ def test_a_requests_urls_share_one_byte_budget_and_stop_when_its_client_leaves()
         with pytest.raises(FetchError, match="the request was given up"):
             fetcher.fetch(url + "/x.png", allowance)
         assert time.monotonic() - start < 10  # noticed between slices, not at the 30 s deadline
+
+
+def test_same_host_redirects_are_followed_up_to_the_limit_whatever_their_status():
+    """Every redirect status (301, 302, 303, 307, 308) is followed, MAX_REDIRECTS of them and not one more."""
+    from glimpse.fetch import MAX_REDIRECTS
+
+    statuses = (301, 302, 303, 307, 308)  # HTTP's redirects (RFC 9110, 15.4)
+
+    def hops(connection, head):
+        left = int(head.split(" ", 2)[1].strip("/"))  # GET /<redirects left> HTTP/1.1
+        if left == 0:
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            return
+        status = statuses[left % len(statuses)]
+        connection.sendall(f"HTTP/1.1 {status} Moved\r\nLocation: /{left - 1}\r\nContent-Length: 0\r\n\r\n".encode())
+
+    with RawServer(hops) as server:
+        for start in range(len(statuses)):  # each status once as the first hop
+            assert Fetcher(allow_private=True).fetch(f"{server.url}/{start}") == b"ok"
+        assert Fetcher(allow_private=True).fetch(f"{server.url}/{MAX_REDIRECTS}") == b"ok"
+        asked = len(server.heads)
+        with pytest.raises(FetchError, match=f"more than {MAX_REDIRECTS} redirects"):
+            Fetcher(allow_private=True).fetch(f"{server.url}/{MAX_REDIRECTS + 1}")
+        assert len(server.heads) - asked == MAX_REDIRECTS + 1  # the first URL and its MAX_REDIRECTS hops, no more
+
+
+def test_the_size_cap_takes_a_body_of_exactly_its_size_and_refuses_one_byte_more():
+    def sized(connection, head):
+        size = int(head.split(" ", 2)[1].strip("/"))
+        connection.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {size}\r\n\r\n".encode() + b"x" * size)
+
+    with RawServer(sized) as server:
+        assert len(Fetcher(allow_private=True, max_bytes=2**20).fetch(f"{server.url}/{2**20}")) == 2**20
+        with pytest.raises(FetchError, match="larger than 1 MiB"):
+            Fetcher(allow_private=True, max_bytes=2**20).fetch(f"{server.url}/{2**20 + 1}")
+        allowance = Allowance(deadline=time.monotonic() + 30, max_bytes=2**20)
+        fetcher = Fetcher(allow_private=True)
+        assert len(fetcher.fetch(f"{server.url}/{2**19}", allowance)) == 2**19
+        assert len(fetcher.fetch(f"{server.url}/{2**19}", allowance)) == 2**19  # the request's budget, exactly
+        with pytest.raises(FetchError, match="hold more than 1 MiB in all"):
+            fetcher.fetch(f"{server.url}/1", allowance)
+
+
+@pytest.mark.parametrize("address", ["ff0e::1", "ff05::1", "239.255.255.250", "224.0.1.1"])
+def test_multicast_addresses_python_calls_global_are_not_fetched(address):
+    """Global-scope multicast (ff0e::/16, 224.0.1.0/24, ...) is ``is_global`` to Python; the docs promise multicast is
+    refused."""
+    assert not is_public(ipaddress.ip_address(address))
+
+
+def test_the_address_checked_is_every_address_the_name_resolves_to(monkeypatch):
+    """A name that resolves to a public and a private address is refused whichever comes first (the connection may
+    go to either)."""
+    import socket
+
+    for order in (["8.8.8.8", "127.0.0.1"], ["127.0.0.1", "8.8.8.8"]):
+        infos = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 80)) for a in order]
+
+        async def resolved(self, host, port, **kwargs):
+            return infos
+
+        monkeypatch.setattr(asyncio.AbstractEventLoop, "getaddrinfo", resolved, raising=False)
+        monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", resolved)
+        with pytest.raises(FetchError, match="private, loopback"):
+            Fetcher().fetch("http://both.example/x.png")

@@ -947,7 +947,8 @@ def test_local_files_only_under_the_allowed_root(server, media):
     # file URLs as RFC 8089 writes them (found from outside: "file not found" for files that were there), other
     # hosts and schemes refused as what they are.
     (root / "an image ☃.png").write_bytes((root / "image.png").read_bytes())
-    for spelled in (f"file://localhost{root}/image.png", f"file://{root}/an%20image%20%E2%98%83.png"):
+    for spelled in (f"file://localhost{root}/image.png", f"file://{root}/an%20image%20%E2%98%83.png",
+                    f"file:{root}/an%20image%20%E2%98%83.png"):  # (RFC 8089's minimal form, Java's File.toURI)
         reply = httpx.post(url, json={"messages": _question(spelled), "max_tokens": 2}, timeout=30)
         assert reply.status_code == 200, reply.text[:300]
     for spelled, words in ((f"file://elsewhere{root}/image.png", "a file on another host"),
@@ -2687,9 +2688,20 @@ def test_errors_are_in_openais_shape_and_name_the_field_sent(server, media):
     # The field at fault is named for a policy, its parameters and a media URL the server refuses, as for the rest.
     for extra, param in (({"policy": "nope"}, "policy"), ({"policy": "dash", "params": {"nope": 1}}, "params"),
                          ({"messages": _question("gopher://example.com/x.png")}, "messages.0.content.0.image_url.url"),
-                         ({"messages": _question("http://127.0.0.1:9/x.png")}, "messages.0.content.0.image_url.url")):
+                         ({"messages": _question("http://127.0.0.1:9/x.png")}, "messages.0.content.0.image_url.url"),
+                         # an empty URL given as a string: pydantic's "constrained-str" was part of the param
+                         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": ""}]}]},
+                          "messages.0.content.0.image_url"),
+                         # bytes that do not decode: the part's URL, as for a URL refused (it was null)
+                         ({"messages": [{"role": "user", "content": "Hi."}, {"role": "user", "content": [
+                             {"type": "text", "text": "And this?"},
+                             {"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGVsbG8="}}]}]},
+                          "messages.1.content.1.image_url.url"),
+                         ({"messages": _question("data:image/png;base64," + base64.b64encode(
+                             media["image"].read_bytes()[:200]).decode())}, "messages.0.content.0.image_url.url")):
         reply = httpx.post(url, json={**good, "max_tokens": 3, **extra}, timeout=60)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (extra, reply.text)
+        assert "constrained" not in reply.json()["error"]["message"]
         if extra == {"policy": "nope"}:  # said once ("policy: unknown policy 'nope'" repeated it)
             assert reply.json()["error"]["message"].startswith("unknown policy 'nope'"), reply.text
     # ... and by the request-wide checks (their param was null: an outside pass)
@@ -3011,8 +3023,8 @@ def test_the_mixed_workload_puts_image_questions_and_stories_side_by_side(media)
 
 
 def test_a_request_that_fails_at_its_prefill_is_a_400_streamed_or_not(server, media):
-    """A policy parameter only the model's depth rules out (fastv at layer 100 of a 4-layer model) is found
-    when the prefill starts; the client still gets a 400 naming it, not an HTTP 200 stream of one error."""
+    """A policy parameter only the model's depth rules out (fastv at layer 100 of a 4-layer model) is a 400 naming
+    it, streamed or not (it is refused before the request is queued; one found at the prefill is the next test's)."""
     url = server["url"] + "/v1/chat/completions"
     body = {"messages": _question(_data_url(media["image"])), "max_tokens": 3, "policy": "fastv", "params": {"layer": 100}}
     for stream in (False, True):
@@ -3573,3 +3585,102 @@ def test_a_chat_turn_sends_every_file_it_brings_and_an_earlier_video_stays_a_vid
         assert image_tokens([media["image"], other]) == 2 * image_tokens([other])
     finally:
         scheduler.close()
+
+
+def test_sampling_fields_are_bounded_as_openai_bounds_them_and_what_they_ask_for_is_done(server, media):
+    """OpenAI's bounds (temperature in [0, 2], top_p in (0, 1], max_tokens and max_completion_tokens at least 1) are a
+    400 naming the field just past them and pass at them; and what the fields ask for is done, not only validated: a
+    seed repeats a sampled answer, a top_p that keeps only the most likely token gives the greedy answer at any
+    temperature, and usage adds up. A JSON body whose content type names its charset is JSON; a data URL that does not
+    say it is base64 is not decoded as base64 (RFC 2397: its payload is the bytes as written)."""
+    url = server["url"] + "/v1/chat/completions"
+    good = {"model": "m", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 8,
+            "policy": "none"}
+    for change, param in (({"temperature": 2.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
+                          ({"max_tokens": 0}, "max_tokens"),
+                          ({"max_tokens": None, "max_completion_tokens": 0}, "max_completion_tokens"),
+                          ({"speed": 1.5}, "speed"), ({"safety_identifier": "s" * 1025}, "safety_identifier"),
+                          ({"messages": [{"role": "tool", "content": "42"}]}, "messages.0.role")):
+        reply = httpx.post(url, json={**good, **change}, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, (change, reply.text)
+    for change in ({"temperature": 2}, {"top_p": 1, "temperature": 1}, {"max_tokens": 1}, {"speed": 1},
+                   {"safety_identifier": "s" * 1024}, {"stop": ["w", "x", "y", "z"]}):  # (OpenAI's "up to 4")
+        assert httpx.post(url, json={**good, **change}, timeout=60).status_code == 200, change
+
+    def answer(**change) -> dict:
+        reply = httpx.post(url, json={**good, **change}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    greedy = answer()
+    usage = greedy["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["completion_tokens"] >= 1
+    text = greedy["choices"][0]["message"]["content"]
+    for seed in range(3):
+        assert answer(temperature=2, top_p=1e-9, seed=seed)["choices"][0]["message"]["content"] == text, seed
+    sampled = [answer(temperature=2, seed=seed)["choices"][0]["message"]["content"] for seed in range(4)]
+    assert len(set(sampled)) > 1  # a temperature of 2 samples: seeds differ
+    assert [answer(temperature=2, seed=seed)["choices"][0]["message"]["content"] for seed in range(4)] == sampled
+    with_charset = httpx.post(url, content=json.dumps(good), timeout=60,
+                              headers={"Content-Type": "application/json; charset=utf-8"})
+    assert with_charset.status_code == 200, with_charset.text
+    not_base64 = "data:image/png," + base64.b64encode(media["image"].read_bytes()).decode()
+    reply = httpx.post(url, json={"messages": _question(not_base64), "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 400 and "base64" in reply.json()["error"]["message"], reply.text
+    reply = httpx.post(url, json={"messages": _question("gopher://example.com/x.png"), "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert "unsupported URL scheme (gopher://)" in reply.json()["error"]["message"]
+
+
+def test_a_clients_mistake_found_only_at_the_prefill_is_a_400_streamed_or_not(server, monkeypatch):
+    """A UserError raised once the request runs (a policy that finds at its prefill it cannot take this prompt) is the
+    client's mistake: a 400 saying it, streamed or not, neither a 500 nor an HTTP 200 stream of one error."""
+    from glimpse.common import UserError
+
+    class RefusesThisPrompt(NoPruning):
+        def plan(self, ctx):
+            raise UserError("this policy cannot take this prompt")
+
+    engine = server["engine"]
+    monkeypatch.setattr(engine, "make_policy", lambda *args, **kwargs: RefusesThisPrompt())
+    url = server["url"] + "/v1/chat/completions"
+    for stream in (False, True):
+        body = {"messages": [{"role": "user", "content": f"A question of its own ({stream})"}], "max_tokens": 2,
+                "stream": stream}
+        reply = httpx.post(url, json=body, timeout=60)
+        assert reply.status_code == 400 and "cannot take this prompt" in reply.json()["error"]["message"], reply.text
+
+
+def test_a_media_url_that_waited_for_a_fetching_thread_has_its_whole_deadline_once_it_has_one(server, media,
+                                                                                            monkeypatch):
+    """Waiting for a fetching thread is the server being busy, not the client's URL being slow: the fetch deadline
+    counts from when the request holds a thread. With the one thread held by a URL that never answers (for the whole
+    3 s deadline), a picture that takes 1.5 s to arrive, asked right after, is answered; it used to get 400 "not
+    fetched within 3 s" after a fraction of a second of fetching (an outside pass: eight slow URLs ahead of it)."""
+    from glimpse import api
+
+    monkeypatch.setattr(api, "FETCHING_THREADS", 1)
+    picture = media["image"].read_bytes()
+    late = serve_bytes(lambda: time.sleep(1.5) or picture)
+    app = api.create_api(server["engine"], model_name="tiny-llava", allow_private_urls=True, fetch_deadline_s=3.0)
+    outcome = {}
+    try:
+        with RawServer() as stuck:  # a response head that never ends
+            for url in _serve(app):
+                holding = threading.Thread(target=lambda: outcome.update(stuck=httpx.post(
+                    url + "/v1/chat/completions", timeout=60,
+                    json={"messages": _question(stuck.url + "/x.png"), "max_tokens": 2})))
+                holding.start()
+                deadline = time.monotonic() + 30  # a liveness bound
+                while not stuck.heads and time.monotonic() < deadline:  # the thread is taken
+                    time.sleep(0.02)
+                assert stuck.heads
+                reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                    "messages": _question(f"http://127.0.0.1:{late.server_port}/a.png"), "max_tokens": 2})
+                assert reply.status_code == 200, reply.text
+                holding.join(timeout=60)
+                refused = outcome["stuck"]
+                assert refused.status_code == 400 and "not fetched within 3 s" in refused.json()["error"]["message"]
+    finally:
+        late.shutdown()

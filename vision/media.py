@@ -178,8 +178,8 @@ def local_path(value: str | os.PathLike) -> str | os.PathLike:
     """The local path a ``file://`` URL names (RFC 8089: no host or ``localhost``, percent-encoded: ``file:///a%20b``
     is ``/a b``), anything else as it is. ``file://`` was cut off as a prefix: ``file://localhost/x`` became the
     relative path ``localhost/x``, and an encoded name was looked up encoded ("file not found" for a file that is
-    there)."""
-    if not (isinstance(value, str) and value[:7].lower() == "file://"):
+    there). RFC 8089's minimal form ``file:/a`` (Java's ``File.toURI``) is the same file as ``file:///a``."""
+    if not (isinstance(value, str) and value[:5].lower() == "file:" and value[5:6] == "/"):
         return value
     from urllib.parse import unquote, urlsplit
 
