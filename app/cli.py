@@ -588,6 +588,21 @@ def build_server(engine, model_name: str, *, allowed_root=None, max_upload_mb=20
     return app
 
 
+def _api_key(key: str | None) -> str | None:
+    """The server's key as clients can send it: without the whitespace around it (a key file written by `echo` ends
+    in a newline, which no HTTP header carries: every request got 401), and refused if it is then empty or holds
+    what a header cannot carry as typed (a header is read as Latin-1: "clé" sent as UTF-8 never matched)."""
+    if not key:  # (an empty one is none, as GLIMPSE_API_KEY= in compose.yaml)
+        return None
+    stripped = key.strip()
+    if not stripped:
+        raise UserError("--api-key (or GLIMPSE_API_KEY) is only whitespace: nobody could send it")
+    if not (stripped.isascii() and stripped.isprintable()):
+        raise UserError("--api-key (or GLIMPSE_API_KEY) may hold printable ASCII only: clients send it in an HTTP "
+                        "header (Authorization: Bearer KEY)")
+    return stripped
+
+
 def _root_path(value: str | None) -> str | None:
     """``--root-path`` as Gradio takes it: a path (``/glimpse``, no trailing slash) or a whole URL; None for /."""
     if value is None:
@@ -680,6 +695,7 @@ def run_serve(args) -> int:
     if args.allowed_root is not None and not Path(args.allowed_root).is_dir():  # every path named would fail later
         raise UserError(f"--allowed-root {args.allowed_root}: no such folder")
     check_video_backend()
+    args.api_key = _api_key(args.api_key)
     if not _loopback(args.host) and not args.api_key and not args.no_api_key:
         raise UserError(f"--host {args.host} is reachable from other machines: give --api-key KEY (or set "
                         "GLIMPSE_API_KEY), or --no-api-key to serve it open")

@@ -73,6 +73,7 @@ from safetensors.torch import load_file, save_file
 
 from glimpse.assets import ASSETS
 from glimpse.common import UserError
+from glimpse.pipeline.profiles import cache_root
 
 # The conversion's libraries (transformers' model classes, onnx) are imported by the conversion, which runs once
 # per machine: importing them here cost every command that only asks where the converted model is (a check before
@@ -194,8 +195,7 @@ def embedded_checkpoint(cache_dir: str | Path | None = None, *, progress: Callab
 
 def checkpoint_dir(cache_dir: str | Path | None = None, trained: bool = True) -> Path:
     """Where ``embedded_checkpoint`` keeps the converted model (it may not be there yet)."""
-    root = Path(cache_dir or os.environ.get("GLIMPSE_CACHE") or Path.home() / ".cache" / "glimpse").expanduser()
-    return root / checkpoint_name(trained)
+    return (Path(cache_dir).expanduser() if cache_dir else cache_root()) / checkpoint_name(trained)
 
 
 def checkpoint_name(trained: bool = True) -> str:

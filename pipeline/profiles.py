@@ -20,6 +20,8 @@ import re
 import tempfile
 from pathlib import Path
 
+from glimpse.common import UserError
+
 logger = logging.getLogger(__name__)
 # The damaged profiles already warned of, as (path, size, modification time): the slider's profile is read for the
 # policy and again for its promise, and the warning printed twice.
@@ -27,7 +29,12 @@ _WARNED: set[tuple[str, int, int]] = set()
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("GLIMPSE_CACHE") or Path.home() / ".cache" / "glimpse").expanduser()
+    """Where Glimpse keeps what it makes (the embedded model's conversion, slider profiles): $GLIMPSE_CACHE, else
+    ~/.cache/glimpse."""
+    try:
+        return Path(os.environ.get("GLIMPSE_CACHE") or Path.home() / ".cache" / "glimpse").expanduser()
+    except RuntimeError:  # no $HOME and no passwd entry for this user (a pod's arbitrary runAsUser, `env -i`)
+        raise UserError("no home folder to keep Glimpse's cache in: set GLIMPSE_CACHE to a writable folder") from None
 
 
 def model_key(model: str) -> str:

@@ -796,3 +796,53 @@ def test_bench_serve_against_a_server_it_cannot_reach_is_one_line_not_a_bug_repo
     assert main(["bench", "serve", "--url", url, "--clients", "1", "--requests", "2"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "internal error" not in err, err
+
+
+def test_no_home_folder_and_no_glimpse_cache_is_said_in_one_line(monkeypatch, checkpoints, media):
+    """A locked-down pod runs as a user id with no passwd entry and no $HOME (and `env -i` launches have none):
+    Glimpse's cache then has nowhere to go, which is said as such, naming GLIMPSE_CACHE, not as "internal error:
+    this is a bug in Glimpse" (Path.home()'s RuntimeError; an outside pass)."""
+    import pwd
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("GLIMPSE_CACHE", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    for model in ("embedded", str(checkpoints["qwen2_vl"])):  # the embedded model's cache, a profile's
+        proc = glimpse_here("ask", "--model", model, "--image", str(media["image"]), "--max-new-tokens", "2",
+                            "--speed", "0.5", "What is it?")
+        _assert_clean_error(proc, "set GLIMPSE_CACHE")
+
+
+def test_the_api_key_is_taken_as_clients_can_send_it(monkeypatch, capsys):
+    """A key file written by `echo` ends in a newline, which no HTTP header carries: the server started, and every
+    request got 401. The key is taken without the whitespace around it; one that is then empty (which satisfied the
+    non-loopback guard) or holds what a header cannot carry as typed ("clé" sent as UTF-8 never matched) is refused
+    before the model loads (an outside pass)."""
+    import types
+
+    import glimpse.cli
+    import glimpse.pipeline
+    from glimpse.cli import main
+
+    caches = {name: types.SimpleNamespace(max_bytes=None) for name in ("encoder_cache", "media_cache", "prefix_cache")}
+    monkeypatch.setattr(glimpse.pipeline, "load_engine", lambda *a, **k: types.SimpleNamespace(grounded=True, **caches))
+    keys = []
+
+    def built(*args, api_key=None, **kwargs):
+        keys.append(api_key)
+        raise _Loaded
+
+    monkeypatch.setattr(glimpse.cli, "build_server", built)
+    monkeypatch.setenv("GLIMPSE_API_KEY", "s3cret\n")
+    with pytest.raises(_Loaded):
+        main(["serve", "--host", "0.0.0.0", "--port", str(_free_port())])
+    assert keys == ["s3cret"]
+    for key, said in ((" \n", "only whitespace"), ("clé", "printable ASCII"), ("a\tb", "printable ASCII")):
+        status, err, loaded = _refused_or_loaded(monkeypatch, capsys, ["serve", "--host", "0.0.0.0", "--api-key", key,
+                                                                       "--port", str(_free_port())])
+        lines = [line for line in err.splitlines() if line.startswith("glimpse: error:")]
+        assert status == 1 and not loaded and len(lines) == 1 and said in lines[0], err
+        assert not key.strip() or key not in err  # a key is never echoed
