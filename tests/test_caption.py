@@ -785,8 +785,9 @@ def test_txt_sidecars_a_folder_refuses_are_refused_before_loading_and_a_failed_w
 
     monkeypatch.setattr(caption, "write_sidecar", write_sidecar)
     assert main(["caption", str(tmp_path / "in"), "--model", model, *txt]) == 1
-    assert f"failed: {images[1]}: cannot write {images[1].with_suffix('.txt')} (No space left on device)" \
-        in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"failed: {images[1]}: cannot write {images[1].with_suffix('.txt')} (No space left on device)" in err
+    assert "captioned 2, already done 0, failed 1" in err  # the one it could not write is not counted captioned
     assert [p.with_suffix(".txt").exists() for p in images] == [True, False, True]
 
 
@@ -1012,3 +1013,91 @@ def test_an_input_that_never_fits_among_others_in_its_batch_fails_alone(checkpoi
         report = caption_inputs(qwen, inputs, out=tmp_path / "out.jsonl", **options)
     assert [path for path, _ in report.failed] == [str(huge)]
     assert sorted(r["path"] for r in _lines(tmp_path / "out.jsonl")) == sorted(str(p) for p in images)
+
+
+def test_one_file_named_twice_in_one_run_is_one_input_and_said(tmp_path):
+    """README: names that link to one file are one input (said, with an example); the folder and a link to one of its
+    pictures, given together, list that picture once (twice, both would fail as "written alike")."""
+    images = _images(tmp_path / "in", 2)
+    (tmp_path / "alias.png").symlink_to(images[0])
+    said = []
+    found = collect_inputs([str(tmp_path / "in"), str(tmp_path / "alias.png"), str(images[1])], log=said.append)
+    assert found == images
+    assert any("the same file as another input" in line for line in said), said
+
+
+def test_each_folder_is_listed_once_however_many_links_lead_back_to_it(tmp_path, monkeypatch):
+    """README: links to folders are followed, each folder once: a link back up must not list the tree again
+    (and again, down to the system's limit of links in one path)."""
+    from glimpse import caption
+
+    images = _images(tmp_path / "photos", 2)
+    (tmp_path / "photos" / "sub").mkdir()
+    (tmp_path / "photos" / "sub" / "up").symlink_to(tmp_path / "photos")  # a loop
+    listed = []
+    real = os.scandir
+    monkeypatch.setattr(caption.os, "scandir", lambda path: listed.append(Path(path).resolve()) or real(path))
+    assert sorted(p.resolve() for p in collect_inputs([str(tmp_path / "photos")])) == [p.resolve() for p in images]
+    assert Counter(listed) == {(tmp_path / "photos").resolve(): 1, (tmp_path / "photos" / "sub").resolve(): 1}
+
+
+def test_a_folders_inputs_come_in_sorted_order_whatever_order_the_file_system_lists_them_in(tmp_path, monkeypatch):
+    """Inputs come in a stable order (the JSONL's order, a rerun's batches): a folder's files sorted by name, not in
+    the order the file system happens to list them."""
+    from glimpse import caption
+
+    images = _images(tmp_path / "in", 4) + _images(tmp_path / "in" / "sub", 2, start=4)
+    real = os.scandir
+
+    class Backwards:  # a file system that lists a folder's entries in reverse name order
+        def __init__(self, path):
+            with real(path) as entries:
+                self.entries = sorted(entries, key=lambda e: e.name, reverse=True)
+
+        def __enter__(self):
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(caption.os, "scandir", Backwards)
+    assert collect_inputs([str(tmp_path / "in")]) == sorted(images)
+
+
+def test_upper_case_extensions_are_media_too(tmp_path):
+    """A camera's IMG_0001.JPG or a clip's .MP4 is as much an input as a .jpg: a folder of them was captioned
+    with "no image or video files found", or its pictures passed over without a word."""
+    images = _images(tmp_path / "in", 2)
+    upper = images[1].rename(tmp_path / "in" / "IMG_0001.PNG")
+    assert sorted(collect_inputs([str(tmp_path / "in")])) == sorted([images[0], upper])
+
+
+def test_a_kill_that_cut_the_last_record_within_its_first_bytes_is_resumed_not_refused(tmp_path):
+    """A kill may cut the last line after a few bytes ('{"pa'): still a record of ours cut short, dropped as the
+    output is opened again, not a file refused as "not a captions file" (the rerun could never finish)."""
+    from glimpse.caption import CaptionOutput
+
+    out = tmp_path / "captions.jsonl"
+    record = {"path": "a.png", "key": str(tmp_path / "a.png"), "caption": "a cat"}
+    whole = json.dumps(record) + "\n"
+    for cut in (1, 4, 8):
+        out.write_text(whole + json.dumps({**record, "path": "b.png"})[:cut])
+        with CaptionOutput(out) as output:
+            assert output.done() == {record["key"]}
+        assert out.read_text() == whole
+
+
+def test_progress_counts_the_failures_as_they_come(model, tmp_path):
+    """The bar says how many inputs failed so far (``failed=N``): an unreadable input counts in the batch it was in."""
+    from glimpse.caption import caption_inputs
+    from glimpse.pipeline import load_engine
+
+    images = _images(tmp_path / "in", 3)
+    broken = tmp_path / "in" / "img001.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    calls = []
+    report = caption_inputs(load_engine(model, device="cpu"), images, out=tmp_path / "c.jsonl", fmt="jsonl",
+                            overwrite=False, policy="none", speed=0.0, prompt=None, max_new_tokens=2, batch_size=2,
+                            progress=lambda *call: calls.append(call))
+    assert [f for f, _ in report.failed] == [str(broken)]
+    assert calls == [(0, 3, 0), (2, 3, 1), (3, 3, 1)]

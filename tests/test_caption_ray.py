@@ -767,3 +767,33 @@ def test_ctrl_c_or_a_kill_while_ray_starts_takes_effect_once_it_has_started():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.2)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_rerun_whose_only_failures_are_earlier_error_rows_exits_1(tmp_path, monkeypatch, capsys):
+    """Error rows in the output are inputs without a caption, this run's or an earlier one's: a script sees it in the
+    exit status even when the rerun itself captioned nothing new (docs/scale.md)."""
+    import glimpse.caption_ray
+    from glimpse.caption_ray import RayReport
+    from glimpse.cli import main
+
+    _inputs(tmp_path / "in", 1, video=False)
+    monkeypatch.setattr(glimpse.caption_ray, "caption_on_ray",
+                        lambda inputs, **options: RayReport(skipped=1, earlier_errors=1))
+    assert main(["caption", str(tmp_path / "in"), "--ray", "--out", str(tmp_path / "out")]) == 1
+    assert "1 skipped as error rows of earlier runs" in capsys.readouterr().err
+    monkeypatch.setattr(glimpse.caption_ray, "caption_on_ray", lambda inputs, **options: RayReport(skipped=1))
+    assert main(["caption", str(tmp_path / "in"), "--ray", "--out", str(tmp_path / "out")]) == 0
+
+
+def test_keys_are_resolved_paths_so_a_folder_named_through_a_link_is_the_same_inputs(tmp_path):
+    """Resuming matches inputs by key, a local file's resolved path: the folder given through a link (or a relative
+    name) on the rerun must give the keys the first run wrote, or every input is captioned again."""
+    from glimpse.caption_ray import collect_keys
+
+    paths = _inputs(tmp_path / "in", 2, video=False)
+    (tmp_path / "link").symlink_to(tmp_path / "in")
+    listing = tmp_path / "list.txt"
+    listing.write_text("link/" + paths[0].relative_to(tmp_path / "in").as_posix() + "\n")
+    expected = sorted(str(p.resolve()) for p in paths)
+    assert sorted(collect_keys([str(tmp_path / "link")])) == expected
+    assert collect_keys([str(listing)]) == [str(paths[0].resolve())]
