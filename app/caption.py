@@ -558,6 +558,23 @@ def done_in_jsonl(out: Path) -> set[str]:
     return done
 
 
+def without_this_runs_output(inputs: list[str], fmt: str, out: Path, log: Callable[[str], None]) -> list[str]:
+    """The inputs given, less what this run writes: ``glimpse caption photos/*`` run again (the way to resume) is given
+    its own output too — its captions.jsonl, refused as a manifest, or with --format txt each picture's sidecar,
+    refused as a list file the caption would overwrite — and the rerun could never finish (an outside pass).
+    Only a file named as an argument: one inside a folder given is not media, and passed over anyway."""
+    pictures = [Path(i) for i in inputs if not i.lower().endswith(LIST_EXTENSIONS) and Path(i).is_file()]
+    written = ({resolved_path(out): "this run's output"} if fmt == "jsonl" else
+               {resolved_path(sidecar(path)): f"the caption of {path}" for path in pictures})
+    kept = []
+    for given in inputs:
+        if (what := written.get(resolved_path(Path(given)))) is not None and Path(given).is_file():
+            log(f"{given}: {what}, which this run writes: not an input")
+        else:
+            kept.append(given)
+    return kept
+
+
 def check_sidecars(inputs: list[Path], list_files: Iterable[Path] = ()) -> None:
     """Refuse, before the model loads, sidecars that two inputs would share, that cannot be written (a read-only
     folder) or that would replace a list file given as input (``list.txt`` beside ``list.png``: --overwrite would

@@ -798,7 +798,7 @@ def _stop_scheduler_with(http: "threading.Thread", scheduler) -> None:
 def run_caption(args) -> int:
     from glimpse.caption import (LIST_EXTENSIONS, CaptionOutput, CaptionReport, all_captioned, check_sidecars,
                                  collect_inputs, record_key, records_in_jsonl, refuse_other_settings,
-                                 sidecars_skipped, unlisted_failures)
+                                 sidecars_skipped, unlisted_failures, without_this_runs_output)
     from glimpse.pruning import make_policy
 
     check_speed(args.speed)
@@ -827,11 +827,12 @@ def run_caption(args) -> int:
                         f"which this run does not use: add --ray, or leave {'them' if many else 'it'} out")
     from glimpse.caption_ray import is_manifest
 
+    args.format = args.format or "jsonl"
+    args.inputs = without_this_runs_output(args.inputs, args.format, Path(args.out or "captions.jsonl"), _log)
     manifests = [i for i in args.inputs if is_manifest(i)]
     if manifests:  # it loaded the model, then called the manifest "not an image (unsupported type .jsonl)"
         raise UserError(f"{manifests[0]}: a manifest; manifests (a column of paths or URLs) are read by --ray "
                         "(pip install -e \".[ray]\"), the local captioner takes files, folders and .txt lists")
-    args.format = args.format or "jsonl"
     if args.format == "txt" and args.out:
         raise UserError("--format txt writes sidecars next to the inputs: leave out --out")
     unreadable: list[tuple[str, str]] = []

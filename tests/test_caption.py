@@ -1101,3 +1101,28 @@ def test_progress_counts_the_failures_as_they_come(model, tmp_path):
                             progress=lambda *call: calls.append(call))
     assert [f for f, _ in report.failed] == [str(broken)]
     assert calls == [(0, 3, 0), (2, 3, 1), (3, 3, 1)]
+
+
+def test_a_rerun_over_a_glob_that_now_matches_its_own_output_resumes(model, tmp_path, capsys, monkeypatch):
+    """`glimpse caption photos/*` run again (the way to resume) is also given what the first run wrote there: its
+    captions.jsonl (`cd photos && glimpse caption *`), or with --format txt each picture's sidecar. They are this
+    run's output, said and left out, and the rerun finishes; they were refused as a manifest and as list files the
+    captions would overwrite, and the run could never be resumed (an outside pass)."""
+    from glimpse.cli import main
+
+    for fmt in ("jsonl", "txt"):
+        folder = tmp_path / fmt
+        images = _images(folder, 2)
+        monkeypatch.chdir(folder)
+        run = ["caption", "--model", model, "--max-new-tokens", "2", "--format", fmt]
+        assert main([*run, *sorted(p.name for p in folder.iterdir())]) == 0
+        written = [folder / "captions.jsonl"] if fmt == "jsonl" else [p.with_suffix(".txt") for p in images]
+        before = [path.read_bytes() for path in written]
+        capsys.readouterr()
+        glob = sorted(p.name for p in folder.iterdir())  # what the shell gives the rerun
+        assert len(glob) == len(images) + len(written)
+        assert main([*run, *glob]) == 0
+        err = capsys.readouterr().err
+        assert "already done 2" in err or "2 inputs already have a caption beside them" in err, err
+        assert all(f"{path.name}: " in err for path in written) and "which this run writes: not an input" in err, err
+        assert [path.read_bytes() for path in written] == before  # nothing captioned again
