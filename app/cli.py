@@ -642,8 +642,15 @@ def _check_port_free(host: str, port: int) -> None:
         with socket.create_server((host, port), family=family):
             pass
     except OSError as error:
-        raise UserError(f"cannot serve on {host}:{port}: {error.strerror or error} (is another server using the "
-                        "port? choose another with --port)") from None
+        import errno
+
+        # The hint fits the failure: "another server?" followed a host name that does not resolve too.
+        hint = {errno.EADDRINUSE: " (is another server using the port? choose another with --port)",
+                errno.EADDRNOTAVAIL: " (--host must be an address of this machine, or 0.0.0.0 for all of them)",
+                errno.EACCES: " (ports below 1024 need privileges: choose another with --port)"}.get(error.errno, "")
+        if error.errno is not None and error.errno < 0:  # getaddrinfo's EAI_* (create_server re-raises an OSError)
+            hint = " (--host names no address: give an address of this machine, or 0.0.0.0 for all of them)"
+        raise UserError(f"cannot serve on {host}:{port}: {error.strerror or error}{hint}") from None
 
 
 def http_server(app, host: str, port: int, shutdown_s: float | None = None):

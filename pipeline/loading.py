@@ -209,6 +209,8 @@ def _checkpoint(model: str):
     if Path(source).is_file():
         raise ModelLoadError(f"model {model!r} is a file: give the checkpoint's folder (config.json, weights, "
                              "tokenizer) or a hub id")
+    elif not Path(source).exists() and not _is_hub_id(source):  # "/data/llava", "./llava": a folder misnamed
+        raise ModelLoadError(f"model {model!r}: no such folder (and not a hub id, organisation/name)")
     elif not Path(source).exists() and _is_hub_id(source) and not _hub_offline():
         if (unreachable := _hub_unreachable()) is not None:
             source = _cached_snapshot(source, unreachable)

@@ -1726,3 +1726,13 @@ def test_a_checkpoint_folder_named_from_home_with_a_tilde_loads(checkpoints, med
     assert engine.generate(_messages("image", media), max_new_tokens=4).token_ids == \
         load_engine(str(checkpoints["llava"]), device="cpu").generate(_messages("image", media),
                                                                       max_new_tokens=4).token_ids
+
+
+def test_a_model_path_that_names_no_folder_is_said_as_such(tmp_path):
+    """`--model /data/llava` misspelt: "no such folder", not the hub client's "Repo id must use alphanumeric chars"
+    (an outside pass). A name that may be a hub id still goes to the hub."""
+    from glimpse.pipeline.loading import ModelLoadError
+
+    for name in (str(tmp_path / "no-such-model"), "./no-such-model", "~/no-such-model"):
+        with pytest.raises(ModelLoadError, match=r"no such folder \(and not a hub id"):
+            load_engine(name, device="cpu")

@@ -2848,7 +2848,12 @@ def test_a_port_in_use_is_said_before_the_model_loads(capsys, monkeypatch):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         assert main(["serve", "--port", str(port), "--model", "embedded"]) == 1
-    assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}" in err and "is another server using the port?" in err
+    # A host that names no address is said as such ("is another server using the port?" followed it: an outside pass)
+    assert main(["serve", "--host", "no-such-host.invalid", "--no-api-key", "--model", "embedded"]) == 1
+    err = capsys.readouterr().err
+    assert "--host names no address" in err and "another server" not in err
 
 
 @pytest.mark.parametrize("flags,said", [(["--kv-budget-mb", "0"], "--kv-budget-mb must be at least 1"),
