@@ -20,7 +20,8 @@ Visual Token Annealing (decode): at generated length g every layer keeps the ``c
 most important of its ``V_l`` prefill visual KV entries, ``beta(g) = cos(g pi / (2 tau))`` for
 g < tau, else 0 (Eq. 5-6; the paper's linear ``1 - g/tau`` and exponential ``exp(-g/sigma)``
 schedules too, sigma = tau / 3). Importance is what prefill knew: the last prompt token's attention
-to each visual token in that layer (mean over heads), the ranking PVTP also uses. Evicted entries
+to each visual token in that layer (mean over heads); the paper's Algorithm 3 reuses the order of PVTP's cuts,
+which exist at a few layers only (docs/pruning.md says why every layer ranks its own). Evicted entries
 are really freed (``KVCache.keep_top_visual``; in a decode batch's KV slots they are masked out at once and freed
 when the batch forms again, at the latest once it holds twice what its requests need); text entries and generated
 tokens are never touched. We round up (ceil) so a layer keeps at least one visual entry until g reaches tau, where

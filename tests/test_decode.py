@@ -76,6 +76,19 @@ def test_vta_keeps_ceil_beta_of_each_layers_prefill_visual_kv_and_all_text(llava
     assert steps[-1] < baseline.metrics["kv_bytes_per_step"][-1] and len(steps) == new - 1
 
 
+def test_vta_evicts_even_a_single_entry_when_ceil_beta_v_falls_by_one(llava, media):
+    """With tau long beside V, ceil(beta(g) V) falls one entry at a time; every step still keeps exactly
+    ceil(beta(g) V_l) visual entries in each layer (ST3 Eq. 7-8), none left over from the step before."""
+    engine = _endless(load_engine(str(llava), device="cpu"))
+    messages = _messages(media)
+    V = engine.prepare(messages).token_counts()["image"]
+    tau, new = 3 * V, 12
+    series = engine.generate(messages, policy=ST3(anneal_tau=tau), max_new_tokens=new).metrics["visual_kv_per_step"]
+    expected = [LAYERS * math.ceil(anneal_share("cosine", g, tau) * V - 1e-9) for g in range(1, new)]
+    assert any(a - b == LAYERS for a, b in zip(expected, expected[1:]))  # some step evicts one entry per layer
+    assert series == expected
+
+
 def test_vta_ranks_visual_kv_by_the_last_tokens_prefill_attention(llava, media):
     engine = _endless(load_engine(str(llava), device="cpu", attn="eager"))
     prompt = engine.prepare(_messages(media))

@@ -184,6 +184,27 @@ def test_the_encoder_runs_in_one_worker_thread_for_the_engines_life(deep, media,
     assert torch.equal(first, third)
 
 
+def test_only_the_cuts_made_are_reported_shares_go_in_layer_order_and_a_resampled_schedule_keeps_its_ends():
+    """docs/pruning.md: a filtering layer f whose cut at f + 1 would fall at or past L_exit makes no cut and is not
+    reported; the i-th share goes with the i-th filtering layer in layer order (steep first, whatever order they
+    were given in); a profile with more or fewer layers than shares resamples the schedule, same first and last."""
+    from types import SimpleNamespace
+
+    from glimpse.pruning.hidivdrop import KEEP_AT_FULL_SPEED, resample
+
+    modality = torch.tensor([1] * 96 + [0] * 10)
+    policy = HiDivDrop(inject_layer=3, exit_layer=9, filter_layers=(4, 8), keep=(0.5, 0.25))
+    policy.plan(SimpleNamespace(num_layers=12, modality=modality))
+    assert policy.resolved["filter_layers"] == [4] and policy.resolved["keep_counts"] == [48]  # 8 + 1 is L_exit
+    policy = HiDivDrop(inject_layer=3, exit_layer=10, filter_layers=(8, 4, 6), keep=(0.5, 0.25, 0.125))
+    policy.plan(SimpleNamespace(num_layers=12, modality=modality))
+    assert policy.resolved["filter_layers"] == [4, 6, 8] and policy.resolved["keep_counts"] == [48, 24, 12]
+    for n in (2, 3, 5, 7):
+        shares = resample(KEEP_AT_FULL_SPEED, n)
+        assert len(shares) == n and (shares[0], shares[-1]) == (KEEP_AT_FULL_SPEED[0], KEEP_AT_FULL_SPEED[-1]), n
+        assert all(b <= a for a, b in zip(shares, shares[1:])), n
+
+
 def test_speed_moves_injection_later_exit_earlier_and_the_schedule_steeper():
     from types import SimpleNamespace
 

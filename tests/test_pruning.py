@@ -335,6 +335,57 @@ def test_lazyllm_stored_hidden_states_are_what_entered_the_pruning_layer(deep, m
     torch.testing.assert_close(hidden, out.hidden_states[3][0, index], atol=1e-4, rtol=0)
 
 
+def test_lazyllm_aux_cache_holds_what_left_the_layer_before_at_every_pruning_layer(deep, media):
+    """The Aux Cache of pruning layer l holds, for each token pruned there, its hidden state as it entered l: the
+    output of layer l - 1 for that token (LazyLLM Section 3.3, "Aux Cache"), at every pruning layer, not only the
+    first one (where the active set is still the whole prompt, so a position in it is the token's index)."""
+    engine = load_engine(str(deep["llava"]), device="cpu")
+    prompt = engine.prepare(_image_messages(media))
+    policy = LazyLLM(percentiles=(0.3, 0.4, 0.5), decode_reselect=True)
+    outputs: dict[int, torch.Tensor] = {}
+
+    def keep(at):
+        return lambda module, args, out: outputs.__setitem__(at, (out[0] if isinstance(out, tuple) else out)[0].clone())
+
+    hooks = [layer.register_forward_hook(keep(at)) for at, layer in enumerate(engine.adapter.layers)]
+    try:
+        with torch.no_grad():
+            _, ctx = engine.prefill(prompt, policy)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    layers = policy.params()["prune_layers"]
+    assert len(layers) == 3
+    for layer in layers:
+        index, hidden = ctx.aux_cache.get(layer)
+        before = ctx.active_per_layer[layer - 1].tolist()
+        rows = torch.tensor([before.index(t) for t in index.tolist()])
+        torch.testing.assert_close(hidden, outputs[layer - 1][rows], atol=0, rtol=0)
+
+
+def test_lazyllm_default_pruning_layers_are_the_depth_fractions_rounded():
+    """SPEC: layer numbers scale with depth L (round, at least 1). 1/4, 1/2 and 3/4 of 27 layers are 6.75, 13.5 and
+    20.25: layers 7, 14 and 20 (13.5 rounds to 14 half-up and half-even alike). The docs' tables (28, 32, 36 layers)
+    have whole quarters only, so rounding down passed them."""
+    from types import SimpleNamespace
+
+    policy = LazyLLM.from_speed(1.0)
+    policy.plan(SimpleNamespace(num_layers=27, modality=torch.zeros(50, dtype=torch.long)))
+    assert policy.params()["prune_layers"] == [7, 14, 20]
+
+
+def test_st3_starts_at_layer_3_down_to_4_layers_and_at_the_last_layer_below():
+    """ST3 keeps layers 0-2 whole and drops P at layer 3 (the paper's "4-th layer") on any model that has a layer 3;
+    a shallower model starts at its last layer (docs/pruning.md)."""
+    from types import SimpleNamespace
+
+    modality = torch.tensor([1] * 40 + [0] * 10)
+    for L, start in ((4, 3), (5, 3), (12, 3), (3, 2), (2, 1)):
+        policy = ST3(first_drop=0.5, end_keep=0.1)
+        policy.plan(SimpleNamespace(num_layers=L, modality=modality))
+        assert policy.params()["start_layer"] == start and min(policy.params()["prune_layers"]) == start, L
+
+
 # ---------------------------------------------------------------------------------------- FastV
 @pytest.mark.parametrize("ratio", [0.3, 0.7])
 def test_fastv_drops_floor_r_of_the_image_tokens_and_in_its_text_adaptation_of_every_token_but_the_last(
@@ -736,7 +787,9 @@ OUT_OF_RANGE = [("dash", "keep_first", -1), ("zipvl", "group", 0), ("zipvl", "ta
                 # twice and an empty HiDivDrop filter_layers, dropped or replaced without a word; ST3's P + C past 1,
                 # which needs no depth, refused only once the model had loaded
                 ("st3", "start_layer", 0), ("lazyllm", "prune_layers", [8, 8, 9]), ("hidivdrop", "filter_layers", []),
-                ("st3", "end_keep", 0.9)]
+                ("st3", "end_keep", 0.9),
+                # k is a percentile in [0, 1): k = 1 would prune every token, the last one too
+                ("lazyllm", "percentiles", [0.4, 0.5, 1.0])]
 # Layer numbers past the model's last layer, once silently clamped or never reached (the policy did nothing).
 PAST_THE_LAST_LAYER = [("dash", "start_layer", 1000), ("st3", "start_layer", 1000), ("fastv", "layer", 1000),
                        ("lazyllm", "prune_layers", [1, 2, 1000]), ("hidivdrop", "filter_layers", [1, 2, 3, 1000])]
