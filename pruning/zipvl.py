@@ -73,6 +73,9 @@ class ZipVL(Policy):
         if self.important_bits is not None and (self.important_bits not in (2, 4, 8) or self.other_bits not in (2, 4, 8)):
             raise UserError(f"ZipVL important_bits and other_bits must be 2, 4 or 8, got {self.important_bits} "
                             f"and {self.other_bits}")
+        if self.important_bits is not None and self.important_bits < self.other_bits:
+            raise UserError(f"ZipVL important_bits ({self.important_bits}) must be at least other_bits "
+                            f"({self.other_bits}): the important tokens keep the higher precision (Section 4.2)")
         if not 0 <= self.seed < 2**32:  # each layer's generator is seeded with seed * 100003 + layer: torch takes < 2**64
             raise UserError(f"ZipVL seed must be in [0, 2**32), got {self.seed}")
         if self.requantize_every < 1 or self.group < 1:

@@ -187,6 +187,21 @@ def test_zipvl_packs_each_layers_prefill_kv_by_its_important_split(llava, media)
     assert restricted > 0  # tau 0.9 made some layer's split a real one
 
 
+def test_zipvl_packed_kv_without_sparse_prefill_keeps_every_prompt_token_at_the_high_bits(llava, media):
+    """Section 4.2: the KV of important tokens gets the high bit width. A layer where every token took part in
+    attention (p = n; tau = 1 is the slider's ``packed_kv`` candidate, pruning.frontier) has every token important,
+    so its prefill KV is packed at ``important_bits`` only, none at ``other_bits``."""
+    engine = load_engine(str(llava), device="cpu")
+    prompt = engine.prepare(_messages(media))
+    policy = ZipVL(tau_image=1.0, tau_video=1.0, important_bits=4, other_bits=2)
+    with torch.inference_mode():
+        _, ctx = engine.prefill(prompt, policy)
+        policy.decode_step(1, ctx)
+    assert all(rows is None for rows in ctx.attention_per_layer)
+    for layer in ctx.cache.layers:
+        assert layer.tail_entries() == 0 and layer.packed_counts() == {4: len(prompt)}
+
+
 @pytest.mark.parametrize("prompt_keys", [0, 6])
 def test_zipvl_packs_every_window_of_new_tokens_by_the_new_tokens_attention(prompt_keys):
     """Algorithm 1, decode: once ``requantize_every`` new entries sit in float, the new token's

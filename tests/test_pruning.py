@@ -191,7 +191,7 @@ def test_zipvl_with_tau_one_drops_nothing(checkpoints, media):
 
 
 def test_zipvl_takes_its_video_tau_for_a_prompt_with_a_video_and_its_image_tau_otherwise(checkpoints, media):
-    """The paper sets tau by modality (0.95 video, 0.975 image): a video prompt under the image's tau was found
+    """The paper sets tau by modality (0.975 video, 0.96 image): a video prompt under the image's tau was found
     only through the slider's printed table."""
     engine = load_engine(str(checkpoints["qwen2_vl"]), device="cpu")
     video = [{"role": "user", "content": [{"type": "video", "video": str(media["video"])},
@@ -684,6 +684,33 @@ def test_a_pipeline_intersects_its_members_attention_rows_and_decode_keys_and_jo
     assert pipeline.skip_encoding(None).tolist() == [0, 1, 2, 3, 5]
 
 
+def test_a_pipeline_chains_its_members_decode_rows_and_checks_every_member():
+    """compose.py: ``decode_rows`` chains (each member sees the rows the previous ones chose), and a parameter out of
+    range in any member, not only the first, is refused before anything runs (``auto``'s overrides name a member)."""
+    from glimpse.common import UserError
+
+    class Adding(NoPruning):
+        def __init__(self, extra):
+            super().__init__()
+            self.extra = extra
+
+        def decode_rows(self, layer_idx, rows, ctx):
+            return rows + [self.extra]
+
+    assert Pipeline(policies=(Adding(1), Adding(2))).decode_rows(0, [0], None) == [0, 1, 2]
+    # a step scores where any member scores: ZipVL filling a window behind a member that never scores (the slider's
+    # st3 + zipvl packed-KV candidate) still packs it, in a decode batch's slots too (engine: scores_in_decode)
+    packing = ZipVL(important_bits=4, other_bits=2)
+    packing.fills_window = True
+    assert packing.scores_in_decode() and Pipeline(policies=(NoPruning(), packing)).scores_in_decode()
+    frontier = Frontier([Point(design_pipeline_members(0.5), agreement=0.95, flops_ratio=0.5, e2e_ratio=0.6)])
+    for member, param, value in (("dash", "rho", 1.5), ("st3", "stride", 0)):  # the design pipeline's 2nd and 3rd
+        with pytest.raises(UserError, match=param):
+            make_policy("auto", 0.5, {f"{member}.{param}": value}, frontier=frontier)
+    with pytest.raises(UserError, match="rho"):
+        Pipeline(policies=(NoPruning(), DASH(rho=1.5))).check(8)
+
+
 def test_divprune_behind_another_member_chooses_among_the_real_visual_inputs(deep, media):
     """DivPrune picks by the visual inputs themselves (the projector's output): behind another member of a pipeline
     (RLT's candidates, any user's) it must still read them, and choose as it does alone."""
@@ -789,7 +816,12 @@ OUT_OF_RANGE = [("dash", "keep_first", -1), ("zipvl", "group", 0), ("zipvl", "ta
                 ("st3", "start_layer", 0), ("lazyllm", "prune_layers", [8, 8, 9]), ("hidivdrop", "filter_layers", []),
                 ("st3", "end_keep", 0.9),
                 # k is a percentile in [0, 1): k = 1 would prune every token, the last one too
-                ("lazyllm", "percentiles", [0.4, 0.5, 1.0])]
+                ("lazyllm", "percentiles", [0.4, 0.5, 1.0]),
+                # DASH's rho is in [0, 1) (the paper's Section 3: rho = 1 halts every eligible token), its guards are
+                # counts, and ZipVL's tau is in (0, 1] (tau 0 reaches Eq. 6 with no token at all)
+                ("dash", "rho", 1.0), ("dash", "keep_last", -1), ("zipvl", "tau_image", 0.0),
+                # ... and the important tokens' KV at fewer bits than the others' (the paper's Section 4.2 inverted)
+                ("zipvl", "other_bits", 8)]
 # Layer numbers past the model's last layer, once silently clamped or never reached (the policy did nothing).
 PAST_THE_LAST_LAYER = [("dash", "start_layer", 1000), ("st3", "start_layer", 1000), ("fastv", "layer", 1000),
                        ("lazyllm", "prune_layers", [1, 2, 1000]), ("hidivdrop", "filter_layers", [1, 2, 3, 1000])]
