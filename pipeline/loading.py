@@ -394,7 +394,9 @@ def _chat_template(source: str, model: str = "") -> str | None:
 
         return embedded.CHAT_TEMPLATE
 
-    for name in ("chat_template.jinja", "chat_template.json"):
+    # In transformers' order: its processor takes the legacy chat_template.json whenever there is one, so a checkpoint
+    # holding both is prompted as transformers prompts it (the .jinja came first here; an outside pass).
+    for name in ("chat_template.json", "chat_template.jinja"):
         try:
             path = cached_file(source, name, _raise_exceptions_for_missing_entries=False,
                                _raise_exceptions_for_connection_errors=False)
