@@ -279,6 +279,8 @@ def stop_server(server: subprocess.Popen) -> None:
 
 
 def run(args, progress) -> dict:
+    # The key as `glimpse serve` takes it: without the whitespace around it (a key file's newline)
+    args.api_key = (args.api_key or "").strip() or None
     image = Path(args.image[0]) if args.image else ASSETS / "sample.png"
     bodies = workload(image if args.workload in ("images", "mixed") else None, args.requests, args.max_tokens,
                       args.policy, args.speed, mixed=args.workload == "mixed")

@@ -562,17 +562,31 @@ def without_this_runs_output(inputs: list[str], fmt: str, out: Path, log: Callab
     """The inputs given, less what this run writes: ``glimpse caption photos/*`` run again (the way to resume) is given
     its own output too — its captions.jsonl, refused as a manifest, or with --format txt each picture's sidecar,
     refused as a list file the caption would overwrite — and the rerun could never finish (an outside pass).
-    Only a file named as an argument: one inside a folder given is not media, and passed over anyway."""
-    pictures = [Path(i) for i in inputs if not i.lower().endswith(LIST_EXTENSIONS) and Path(i).is_file()]
-    written = ({resolved_path(out): "this run's output"} if fmt == "jsonl" else
-               {resolved_path(sidecar(path)): f"the caption of {path}" for path in pictures})
+    Only a file named as an argument (one inside a folder given is not media, and passed over anyway); an output
+    named like a picture is left for the refusals further on, and so is a ``<name>.txt`` that is a list — one of its
+    lines names a file or a URL — beside ``<name>.png``: ``check_sidecars`` refuses to write a caption over it."""
+    if fmt == "jsonl":
+        media = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
+        written = {} if out.suffix.lower() in media else {resolved_path(out): "this run's output"}
+    else:
+        pictures = [Path(i) for i in inputs if not i.lower().endswith(LIST_EXTENSIONS) and Path(i).is_file()]
+        written = {resolved_path(sidecar(path)): f"the caption of {path}" for path in pictures}
     kept = []
     for given in inputs:
-        if (what := written.get(resolved_path(Path(given)))) is not None and Path(given).is_file():
+        what = written.get(resolved_path(Path(given)))
+        if what is not None and Path(given).is_file() and not (fmt == "txt" and _is_a_list(Path(given))):
             log(f"{given}: {what}, which this run writes: not an input")
         else:
             kept.append(given)
     return kept
+
+
+def _is_a_list(path: Path) -> bool:
+    """Whether a ``.txt`` reads as a list of inputs (a line names a file or is a URL), not as a caption."""
+    try:
+        return any(is_uri(entry) or os.path.lexists(entry) for entry in list_entries(path))
+    except (UserError, OSError):  # not UTF-8, unreadable: not ours to take as a caption
+        return True
 
 
 def check_sidecars(inputs: list[Path], list_files: Iterable[Path] = ()) -> None:

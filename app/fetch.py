@@ -94,7 +94,9 @@ class Fetcher:
         deadline = min(own, allowance.deadline if allowance else own)
         late = f"not fetched within {self.deadline_s:g} s"
         if deadline < own - 0.5:  # e.g. a request's later URL: it has what the earlier ones left of their time
-            late = f"not fetched within the {max(deadline - own + self.deadline_s, 0):.0f} s its request had left"
+            had = deadline - own + self.deadline_s
+            late = (f"not fetched within the {had:.1f} s its request had left" if had > 0.05 else
+                    "not fetched: its request's time for media URLs had run out")
         loop = asyncio.new_event_loop()
         chunks = self._chunks(url)
         waiting = None

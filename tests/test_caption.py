@@ -1126,3 +1126,16 @@ def test_a_rerun_over_a_glob_that_now_matches_its_own_output_resumes(model, tmp_
         assert "already done 2" in err or "2 inputs already have a caption beside them" in err, err
         assert all(f"{path.name}: " in err for path in written) and "which this run writes: not an input" in err, err
         assert [path.read_bytes() for path in written] == before  # nothing captioned again
+    # A list named like a picture's sidecar, given beside it, is still a list: refused, never written over
+    folder = tmp_path / "listed"
+    images = _images(folder, 3)
+    listing = images[0].with_suffix(".txt")
+    listing.write_text("".join(f"{p.name}\n" for p in images[1:]))
+    for again in ([], ["--overwrite"]):
+        assert main(["caption", "--model", model, "--format", "txt", *again, str(images[0]), str(listing)]) == 1
+        assert "would be written over the list file" in capsys.readouterr().err
+        assert listing.read_text() == "".join(f"{p.name}\n" for p in images[1:])
+    # ... and an output named like a picture is not said to be left out (it is refused as before)
+    assert main(["caption", "--model", model, str(images[1]), str(images[2]), "--out", str(images[1])]) == 1
+    err = capsys.readouterr().err
+    assert "not an input" not in err and "is not a captions file" in err, err

@@ -970,7 +970,8 @@ def test_a_picture_told_to_stop_while_it_decodes_stops_within_its_decoding(tmp_p
     photo_like(1200, 900).save(path)
     converted, resized = [], []
     to_rgb = media_module._to_rgb
-    monkeypatch.setattr(media_module, "_to_rgb", lambda image: converted.append(image.size) or to_rgb(image))
+    monkeypatch.setattr(media_module, "_to_rgb",
+                        lambda image, *rest: converted.append(image.size) or to_rgb(image, *rest))
     adapter = SimpleNamespace(prepare_image=lambda image: resized.append(image) or SimpleNamespace(num_tokens=1),
                               supports_video=True, image_fit=None)
     messages = [{"role": "user", "content": [{"type": "image", "image": str(path)}]}]
@@ -1614,3 +1615,40 @@ def test_a_16_bit_greyscale_png_s_transparent_colour_key_becomes_white(tmp_path)
     assert Image.open(path).info["transparency"] == 1000  # (the file holds the key)
     grey = [round(v / 257) for v in (1001, 60000)]
     assert np.asarray(vision.load_image(path)).tolist() == [[[255] * 3, [grey[0]] * 3, [grey[1]] * 3]]
+
+
+def _png(width: int, height: int, colour_type: int, depth: int, rows: list[bytes], trns: bytes | None = None) -> bytes:
+    """A PNG written by hand (PIL writes no 16-bit RGB): IHDR, an optional tRNS, the rows unfiltered."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, depth, colour_type, 0, 0, 0))
+    return (b"\x89PNG\r\n\x1a\n" + header + (chunk(b"tRNS", trns) if trns is not None else b"")
+            + chunk(b"IDAT", zlib.compress(b"".join(b"\0" + row for row in rows))) + chunk(b"IEND", b""))
+
+
+def test_a_16_bit_rgb_png_s_colour_key_whitens_no_opaque_pixel():
+    """PIL keeps 8 bits a sample of a 16-bit RGB picture but its 16-bit key, which it then matches against the 8 bits
+    left: opaque pixels turned white and the transparent one stayed dark (a review of the key's first version). Such a
+    key is not applied; every pixel is its colour."""
+    values = [0x1234, 0x3434, 0xFF34, 0x34FF]
+    data = _png(4, 1, 2, 16, [b"".join(struct.pack(">3H", v, v, v) for v in values)], struct.pack(">3H", *[0x1234] * 3))
+    assert np.asarray(vision.load_image(data))[0, :, 0].tolist() == [v >> 8 for v in values]
+
+
+@pytest.mark.filterwarnings("ignore:Palette images with Transparency expressed in bytes")  # (PIL's, for one key)
+def test_a_picture_handed_in_decoded_keeps_its_colours_whatever_its_transparency_info_says():
+    """The Python API takes PIL images: a palette picture its owner converted to RGB keeps the palette's key in its
+    info, and its pixels of that colour are opaque (the key was taken out of use); so are those of a picture whose key
+    is malformed (a TypeError from inside PIL for RGB ones, after the key's first version)."""
+    picture = Image.new("P", (3, 1))
+    picture.putpalette([0, 0, 0, 255, 0, 0, 0, 0, 0] + [0] * 759)
+    picture.putdata([0, 1, 2])
+    picture.info["transparency"] = 0
+    converted = picture.convert("RGB")
+    assert np.asarray(vision.load_image(converted)).tolist() == [[[0, 0, 0], [255, 0, 0], [0, 0, 0]]]
+    for mode, key in (("RGB", 5), ("RGB", (1, 2)), ("RGB", (1, 2, 3, 4)), ("RGB", 3.5), ("L", b"\x00\x05")):
+        image = Image.new(mode, (2, 1))
+        image.info["transparency"] = key
+        assert np.asarray(vision.load_image(image)).tolist() == [[[0, 0, 0], [0, 0, 0]]], (mode, key)

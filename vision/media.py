@@ -441,24 +441,40 @@ def _to_8bit(image: Image.Image) -> Image.Image:
     return Image.fromarray(np.clip(np.round(values), 0, 255).astype(np.uint8), mode="L")
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
+def _to_rgb(image: Image.Image, colour_key: bool = False) -> Image.Image:
     """Any PIL mode to RGB. Transparent pixels become white, as qwen-vl-utils does, not black: those of an alpha band,
-    and those of the one colour a PNG's tRNS chunk marks transparent in a palette, greyscale or RGB picture."""
+    of a palette's transparent entries, and with ``colour_key`` (``_has_colour_key``) those of the one colour a
+    PNG's tRNS chunk marks transparent in a greyscale or RGB picture."""
     if image.mode in ("I", "F") or image.mode.startswith("I;16"):
-        key = image.info.get("transparency")
+        key = image.info.get("transparency") if colour_key else None
         # (PIL's convert ignores a 16-bit picture's colour key: it is matched here, on the values before scaling)
         transparent = np.asarray(image) == key if isinstance(key, int) else None
         image = _to_8bit(image)
         if transparent is not None:
             image.putalpha(Image.fromarray(np.where(transparent, 0, 255).astype(np.uint8)))  # now "LA"
     has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (
-        image.mode in ("P", "L", "RGB") and "transparency" in image.info  # convert("RGBA") applies the key
-    )
+        image.mode == "P" and "transparency" in image.info
+    ) or (colour_key and image.mode in ("L", "RGB"))  # convert("RGBA") applies the key
     if has_alpha:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")  # also L, 1, P, CMYK, YCbCr; always a new image
+
+
+def _has_colour_key(opened: Image.Image) -> bool:
+    """Whether ``opened``, a file not yet decoded, is a PNG whose tRNS chunk marks one colour transparent in a way the
+    decoded pixels can be matched against: 8-bit greyscale or RGB (PIL applies the key), 16-bit greyscale (matched
+    before scaling). Not 16-bit RGB, of which PIL keeps 8 bits a sample while the key keeps 16 (matched against
+    them, opaque pixels turned white), nor 1-, 2- and 4-bit greyscale, whose pixels PIL scales and whose key it
+    does not; nor a picture handed in already decoded (a palette picture converted to RGB keeps its key, which its
+    owner took out of use)."""
+    if opened.format != "PNG" or not opened.tile:
+        return False
+    key, rawmode = opened.info.get("transparency"), opened.tile[0][3]
+    if rawmode in ("L", "I;16B"):
+        return isinstance(key, int)
+    return rawmode == "RGB" and isinstance(key, tuple) and len(key) == 3 and all(isinstance(v, int) for v in key)
 
 
 # A picture larger than what the model's processor resizes it to is resized to that size here (the processor then
@@ -548,6 +564,7 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
     opened, file = (src, None) if isinstance(src, Image.Image) else _open_image(src, name, max_pixels)
     try:
         _check_pixel_count(opened.size, max_pixels, name)
+        colour_key = opened is not src and _has_colour_key(opened)  # (read before decoding: it reads the tile)
         # A JPEG is decoded after its orientation is read (from its header) and its reduced scale chosen; any other
         # picture first: reading a PNG's EXIF decodes it (its EXIF chunk may come after the pixels), and a corrupt
         # PNG's decoding error was taken for a bad EXIF block there, the picture marked decoded, and the model
@@ -577,7 +594,7 @@ def load_image(src: ImageSource, *, max_pixels: int = MAX_IMAGE_PIXELS, fit: Ima
             logger.warning("%s: ignoring unreadable EXIF orientation (%s)", name, error)
             upright, fitted = opened, None  # (the size fitted was for the picture turned: the processor resizes it)
         try:
-            rgb = _to_rgb(upright)
+            rgb = _to_rgb(upright, colour_key)
         except (ValueError, OSError) as error:  # exotic modes such as LAB or HSV
             raise MediaError(f"{name}: unsupported colour mode {upright.mode}") from error
         if fitted is None or rgb.size == fitted:
