@@ -566,8 +566,9 @@ def without_this_runs_output(inputs: list[str], fmt: str, out: Path, log: Callab
     named like a picture is left for the refusals further on, and so is a ``<name>.txt`` that is a list — one of its
     lines names a file or a URL — beside ``<name>.png``: ``check_sidecars`` refuses to write a caption over it."""
     if fmt == "jsonl":
-        media = IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
-        written = {} if out.suffix.lower() in media else {resolved_path(out): "this run's output"}
+        if out.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS or not out.is_file():
+            return inputs  # (a first run: no output yet, and no argument to resolve against it)
+        written = {resolved_path(out): "this run's output"}
     else:
         pictures = [Path(i) for i in inputs if not i.lower().endswith(LIST_EXTENSIONS) and Path(i).is_file()]
         written = {resolved_path(sidecar(path)): f"the caption of {path}" for path in pictures}
